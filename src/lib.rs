@@ -1,0 +1,8 @@
+//! ossterm: gpt-oss on a CPU, in a terminal.
+//!
+//! The library holds everything; `main.rs` only hands the command line to [`cli`].
+//! Modules follow the data flow: checkpoint files (`model`) and kernels feed the forward pass,
+//! the `engine` thread drives it, `chat` speaks harmony, and `tui`/`cli` face the user.
+
+pub mod cli;
+pub mod model;
