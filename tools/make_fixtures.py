@@ -11,7 +11,7 @@ Each case is a directory holding a checkpoint in the exact Hugging Face `openai/
 Install:  pip install torch "transformers>=4.55" safetensors numpy
           (with transformers 4.x also `pip install accelerate`: its MXFP4 loader imports it)
 Usage:    python3 tools/make_fixtures.py --out tests/fixtures            # every case in CASES
-          python3 tools/make_fixtures.py --case tiny_single --seed 7 --out /tmp/holdout
+          python3 tools/make_fixtures.py --case tiny_single --seed 7 --out ../holdout
 
 How the numbers are made exact: the MXFP4 codes and scale bytes are drawn first and dequantized exactly
 (every FP4 value times a power of two is exact in f32), the BF16 tensors are drawn in f32 and rounded to
