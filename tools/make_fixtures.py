@@ -9,8 +9,9 @@ Each case is a directory holding a checkpoint in the exact Hugging Face `openai/
   golden.json  tokens, num_positions, vocab_size, logits_file, greedy {prompt, generated}, versions, seed, ...
 
 Install:  pip install torch "transformers>=4.55" safetensors numpy
+          (with transformers 4.x also `pip install accelerate`: its MXFP4 loader imports it)
 Usage:    python3 tools/make_fixtures.py --out tests/fixtures            # every case in CASES
-          python3 tools/make_fixtures.py --case tiny_single --seed 7 --out /tmp/holdout
+          python3 tools/make_fixtures.py --case tiny_single --seed 7 --out ../holdout
 
 How the numbers are made exact: the MXFP4 codes and scale bytes are drawn first and dequantized exactly
 (every FP4 value times a power of two is exact in f32), the BF16 tensors are drawn in f32 and rounded to
@@ -27,6 +28,7 @@ and must reproduce the same expert matrices.
 
 Works with transformers 4.55+ (config key `rope_scaling`) and 5.x (also `rope_parameters`); cases that write
 the newer `rope_parameters` key need transformers 5, and the script says so instead of writing wrong goldens.
+Checked: transformers 4.55.4 and 5.23.0 write byte-identical checkpoints and logits for the rope_scaling cases.
 """
 
 from __future__ import annotations
@@ -284,12 +286,16 @@ def hf_config_dict(case: Case) -> dict:
 
 
 def effective_rope(config) -> dict:
-    """The rope settings transformers will actually use, whichever key it keeps them under."""
-    params = getattr(config, "rope_parameters", None)
-    if params:
-        theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    """The rope settings transformers will actually use, whichever key it keeps them under.
+
+    transformers 4.x keeps unknown config.json keys as plain attributes, so a `rope_parameters` dict shows up
+    on a 4.x config while its model silently uses `rope_scaling` (the 20b defaults): ask by version.
+    """
+    if transformers_major() >= 5:
+        params = dict(config.rope_parameters or {})
+        theta = params.get("rope_theta")
     else:
-        params = getattr(config, "rope_scaling", None) or {}
+        params = dict(getattr(config, "rope_scaling", None) or {})
         theta = getattr(config, "rope_theta", None)
     return {
         "rope_type": params.get("rope_type", params.get("type")),
@@ -300,6 +306,21 @@ def effective_rope(config) -> dict:
         "beta_slow": params.get("beta_slow"),
         "truncate": params.get("truncate", True),
     }
+
+
+def check_rotary_tables(case: Case, model: GptOssForCausalLM, config_json: dict) -> str:
+    """The model's own inv_freq and concentration must be the ones spec section 3 derives from config.json."""
+    rotary = model.model.rotary_emb
+    want_inv_freq = yarn_inv_freq(config_json)
+    got_inv_freq = rotary.inv_freq.double().numpy()
+    relative = float(np.max(np.abs(got_inv_freq - want_inv_freq) / want_inv_freq))
+    concentration_error = abs(float(rotary.attention_scaling) - yarn_concentration(config_json))
+    if relative > 1e-6 or concentration_error > 1e-6:
+        raise FixtureError(
+            f"case {case.name}: transformers {transformers.__version__} built rope tables that do not follow "
+            f"config.json (inv_freq relative error {relative:.1e}, concentration error {concentration_error:.1e})"
+        )
+    return f"model rope tables = config.json yarn: inv_freq rel err {relative:.1e}, concentration {yarn_concentration(config_json):.6f}"
 
 
 def check_config_read_back(case: Case, config) -> list[str]:
@@ -347,6 +368,12 @@ def build_model(config) -> GptOssForCausalLM:
     torch.manual_seed(0)  # only initializes values that are all overwritten below
     model = GptOssForCausalLM(config).to(torch.float32)
     model.eval()
+    limit = model.model.layers[0].mlp.experts.limit
+    if limit != config.swiglu_limit:
+        raise FixtureError(
+            f"transformers {transformers.__version__} uses swiglu limit {limit}, config.json says "
+            f"{config.swiglu_limit} (transformers 4.x hard-codes 7.0)"
+        )
     return model
 
 
@@ -717,9 +744,18 @@ def load_back(directory: Path) -> GptOssForCausalLM:
     kwargs = {dtype_key: torch.float32, "attn_implementation": "eager"}
     if transformers_major() >= 5:
         kwargs["experts_implementation"] = "eager"
-    model = GptOssForCausalLM.from_pretrained(
-        directory, quantization_config=Mxfp4Config(dequantize=True), **kwargs
-    )
+    try:
+        model = GptOssForCausalLM.from_pretrained(
+            directory, quantization_config=Mxfp4Config(dequantize=True), **kwargs
+        )
+    except ImportError as error:
+        raise FixtureError(
+            f"transformers {transformers.__version__} cannot load {directory} with MXFP4 dequantization: {error} "
+            "(transformers 4.x needs `pip install accelerate` for this)"
+        ) from error
+    # transformers 4.55 dequantizes MXFP4 to bf16 whatever dtype is asked for; FP4 value x 2^k is exact in
+    # bf16 and f32, so widening loses nothing and lets the f32 forward run.
+    model = model.to(torch.float32)
     model.eval()
     return model
 
@@ -797,9 +833,13 @@ def read_checkpoint(directory: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def yarn_tables(config: dict, positions: int) -> tuple[np.ndarray, np.ndarray]:
+def yarn_rope_settings(config: dict) -> tuple[dict, float]:
     rope = config.get("rope_parameters") or config["rope_scaling"]
-    theta = rope.get("rope_theta", config.get("rope_theta"))
+    return rope, rope.get("rope_theta", config.get("rope_theta"))
+
+
+def yarn_inv_freq(config: dict) -> np.ndarray:
+    rope, theta = yarn_rope_settings(config)
     dim = config["head_dim"]
     factor = rope["factor"]
     original = rope["original_max_position_embeddings"]
@@ -816,9 +856,18 @@ def yarn_tables(config: dict, positions: int) -> tuple[np.ndarray, np.ndarray]:
     index = np.arange(dim // 2, dtype=np.float64)
     base_freq = theta ** (2 * index / dim)
     ramp = np.clip((index - low) / (high - low), 0.0, 1.0)
-    inv_freq = (1 - ramp) / base_freq + ramp / (factor * base_freq)
-    concentration = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-    angles = np.arange(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return (1 - ramp) / base_freq + ramp / (factor * base_freq)
+
+
+def yarn_concentration(config: dict) -> float:
+    factor = yarn_rope_settings(config)[0]["factor"]
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def yarn_tables(config: dict, positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of every position, both multiplied by the concentration (spec section 3)."""
+    angles = np.arange(positions, dtype=np.float64)[:, None] * yarn_inv_freq(config)[None, :]
+    concentration = yarn_concentration(config)
     return np.cos(angles) * concentration, np.sin(angles) * concentration
 
 
@@ -908,6 +957,7 @@ def make_case(case: Case, out_root: Path, seed: int | None) -> dict:
         (staging / "config.json").write_text(json.dumps(hf_config_dict(case), indent=2) + "\n")
         config = GptOssConfig.from_pretrained(staging)
         notes = check_config_read_back(case, config)
+        notes.append(check_rotary_tables(case, build_model(config), hf_config_dict(case)))
         first_seed = case.seed if seed is None else seed
         attempt = None
         for candidate in range(first_seed, first_seed + MAX_SEED_ATTEMPTS):
