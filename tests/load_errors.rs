@@ -212,12 +212,11 @@ fn missing_tensor() {
     );
 }
 
+type ConfigEdit = Box<dyn Fn(&mut serde_json::Map<String, serde_json::Value>)>;
+
 #[test]
 fn unsupported_config_values_name_the_key() {
-    let cases: Vec<(
-        &str,
-        Box<dyn Fn(&mut serde_json::Map<String, serde_json::Value>)>,
-    )> = vec![
+    let cases: Vec<(&str, ConfigEdit)> = vec![
         (
             "rope_scaling.rope_type",
             Box::new(|c| {
