@@ -108,7 +108,7 @@ fn analysis_then_final_streams_both_channels_without_header_tokens() {
 
 #[test]
 fn final_only_with_unicode_split_across_tokens() {
-    let answer = "Grüße 🙂 日本語";
+    let answer = "Grüße 🙂 日本語 🦀 ꙮ";
     let answer_ids = tokenizer().encode_text(answer).unwrap();
     assert!(
         answer_ids
