@@ -6,4 +6,5 @@
 
 pub mod chat;
 pub mod cli;
+pub mod engine;
 pub mod model;

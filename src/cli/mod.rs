@@ -12,7 +12,11 @@ use clap::{Args, Parser, Subcommand};
 use crate::model::{LoadOptions, Model, Precision, Preset};
 
 #[derive(Parser, Debug)]
-#[command(name = "ossterm", version, about = "Chat with gpt-oss-20b on your CPU, in your terminal")]
+#[command(
+    name = "ossterm",
+    version,
+    about = "Chat with gpt-oss-20b on your CPU, in your terminal"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Option<Command>,
@@ -52,7 +56,11 @@ impl ModelArgs {
     pub fn load(&self, exact: bool) -> anyhow::Result<Arc<Model>> {
         init_threads(self.threads)?;
         let opts = LoadOptions {
-            precision: if exact { Precision::Exact } else { Precision::default() },
+            precision: if exact {
+                Precision::Exact
+            } else {
+                Precision::default()
+            },
         };
         let model = match (&self.model, self.synthetic) {
             (Some(dir), _) => Model::load(dir, &opts)
@@ -71,13 +79,17 @@ pub fn init_threads(threads: Option<usize>) -> anyhow::Result<()> {
         anyhow::bail!("--threads must be at least 1");
     }
     // A second initialisation fails harmlessly when the pool already exists.
-    let _ = rayon::ThreadPoolBuilder::new().num_threads(count).build_global();
+    let _ = rayon::ThreadPoolBuilder::new()
+        .num_threads(count)
+        .build_global();
     Ok(())
 }
 
 /// One worker per available core.
 pub fn default_threads() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
 }
 
 pub fn main() -> ExitCode {

@@ -94,9 +94,18 @@ pub fn info(args: InfoArgs) -> anyhow::Result<()> {
     println!("shards:             {}", checkpoint.shard_paths().count());
     println!("tensors:            {tensors}");
     for (dtype, bytes, count) in &by_dtype {
-        println!("  {:<5} {:>5} tensors {:>16} bytes ({})", dtype.name(), count, bytes, human_bytes(*bytes));
+        println!(
+            "  {:<5} {:>5} tensors {:>16} bytes ({})",
+            dtype.name(),
+            count,
+            bytes,
+            human_bytes(*bytes)
+        );
     }
-    println!("tensor bytes:       {total_bytes} ({})", human_bytes(total_bytes));
+    println!(
+        "tensor bytes:       {total_bytes} ({})",
+        human_bytes(total_bytes)
+    );
     println!(
         "parameters:         {} total, {} active per token",
         billions(config.total_parameters()),
@@ -140,7 +149,10 @@ fn print_config(c: &ModelConfig) {
             c.rope_theta, factor, original_max_position_embeddings, attention_factor
         ),
     }
-    println!("context:            {} positions", c.max_position_embeddings);
+    println!(
+        "context:            {} positions",
+        c.max_position_embeddings
+    );
 }
 
 fn billions(n: u64) -> String {
@@ -165,7 +177,8 @@ pub fn logits(args: LogitsArgs) -> anyhow::Result<()> {
     for value in &all {
         bytes.extend_from_slice(&value.to_le_bytes());
     }
-    std::fs::write(&args.out, bytes).with_context(|| format!("cannot write {}", args.out.display()))?;
+    std::fs::write(&args.out, bytes)
+        .with_context(|| format!("cannot write {}", args.out.display()))?;
     eprintln!(
         "wrote {} x {} logits to {}",
         args.tokens.len(),
@@ -177,7 +190,9 @@ pub fn logits(args: LogitsArgs) -> anyhow::Result<()> {
 
 pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     if !args.greedy {
-        anyhow::bail!("`generate` decodes greedily; pass --greedy (use `ossterm run` for sampling)");
+        anyhow::bail!(
+            "`generate` decodes greedily; pass --greedy (use `ossterm run` for sampling)"
+        );
     }
     let model = args.model.load(args.exact)?;
     let mut session = model.new_session(args.tokens.len() + args.max_tokens);
@@ -222,10 +237,16 @@ pub fn argmax(logits: &[f32]) -> u32 {
 pub fn synth(args: SynthArgs) -> anyhow::Result<()> {
     let config = args.preset.config();
     let started = Instant::now();
-    let written = synthetic::write_checkpoint(&config, args.seed, &args.out, args.layers_per_shard, |done, total| {
-        eprint!("\rwriting shard {done}/{total}");
-        let _ = std::io::stderr().flush();
-    })?;
+    let written = synthetic::write_checkpoint(
+        &config,
+        args.seed,
+        &args.out,
+        args.layers_per_shard,
+        |done, total| {
+            eprint!("\rwriting shard {done}/{total}");
+            let _ = std::io::stderr().flush();
+        },
+    )?;
     eprintln!();
     println!(
         "wrote {} tensors in {} shards ({}) to {} in {:.1} s",

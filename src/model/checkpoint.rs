@@ -78,7 +78,10 @@ pub struct TensorBytes {
 
 impl TensorBytes {
     pub fn new(owner: Arc<dyn ByteOwner>, range: Range<usize>) -> Self {
-        assert!(range.end <= owner.bytes().len(), "tensor range past its buffer");
+        assert!(
+            range.end <= owner.bytes().len(),
+            "tensor range past its buffer"
+        );
         TensorBytes { owner, range }
     }
 
@@ -190,7 +193,8 @@ impl Checkpoint {
                 map.len()
             )));
         }
-        let parsed = SafeTensors::deserialize(&map).map_err(|e| bad(describe_safetensors_error(e)))?;
+        let parsed =
+            SafeTensors::deserialize(&map).map_err(|e| bad(describe_safetensors_error(e)))?;
         let base = map.as_ptr() as usize;
         for (name, view) in parsed.tensors() {
             let data = view.data();
@@ -203,7 +207,10 @@ impl Checkpoint {
                 let first = &self.shards.get(previous.shard).map(|s| s.path.clone());
                 return Err(bad(format!(
                     "tensor {name} is also in {}",
-                    first.as_ref().map(|p| p.display().to_string()).unwrap_or_default()
+                    first
+                        .as_ref()
+                        .map(|p| p.display().to_string())
+                        .unwrap_or_default()
                 )));
             }
             self.tensors.insert(
@@ -288,7 +295,11 @@ impl Checkpoint {
 }
 
 fn dtype_list(dtypes: &[Dtype]) -> String {
-    dtypes.iter().map(|d| d.name()).collect::<Vec<_>>().join(" or ")
+    dtypes
+        .iter()
+        .map(|d| d.name())
+        .collect::<Vec<_>>()
+        .join(" or ")
 }
 
 fn read_index(path: &Path) -> Result<Vec<String>, ModelError> {
@@ -311,7 +322,9 @@ fn read_index(path: &Path) -> Result<Vec<String>, ModelError> {
             .as_str()
             .ok_or_else(|| bad(format!("the shard of {tensor} is not a file name")))?;
         if file.contains('/') || file.contains('\\') || file == ".." {
-            return Err(bad(format!("shard name {file:?} of {tensor} is not a plain file name")));
+            return Err(bad(format!(
+                "shard name {file:?} of {tensor} is not a plain file name"
+            )));
         }
         if !files.iter().any(|f| f == file) {
             files.push(file.to_owned());

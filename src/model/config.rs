@@ -100,7 +100,8 @@ impl ModelConfig {
         let num_attention_heads = req_usize(obj, "num_attention_heads")?;
         let num_key_value_heads =
             opt_usize(obj, "num_key_value_heads")?.unwrap_or(num_attention_heads);
-        let head_dim = opt_usize(obj, "head_dim")?.unwrap_or(hidden_size / num_attention_heads.max(1));
+        let head_dim =
+            opt_usize(obj, "head_dim")?.unwrap_or(hidden_size / num_attention_heads.max(1));
         let num_local_experts = match opt_usize(obj, "num_local_experts")? {
             Some(n) => n,
             None => req_usize(obj, "num_experts")?,
@@ -208,7 +209,10 @@ impl ModelConfig {
         if self.head_dim % 2 != 0 || self.head_dim > MAX_HEAD_DIM {
             return Err(config_err(
                 "head_dim",
-                format!("must be even and at most {MAX_HEAD_DIM}, found {}", self.head_dim),
+                format!(
+                    "must be even and at most {MAX_HEAD_DIM}, found {}",
+                    self.head_dim
+                ),
             ));
         }
         if self.num_experts_per_tok > self.num_local_experts {
@@ -248,13 +252,19 @@ impl ModelConfig {
             ));
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
-            return Err(config_err("rms_norm_eps", "must be a positive number".into()));
+            return Err(config_err(
+                "rms_norm_eps",
+                "must be a positive number".into(),
+            ));
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 1.0) {
             return Err(config_err("rope_theta", "must be a number above 1".into()));
         }
         if !(self.swiglu_limit.is_finite() && self.swiglu_limit > 0.0) {
-            return Err(config_err("swiglu_limit", "must be a positive number".into()));
+            return Err(config_err(
+                "swiglu_limit",
+                "must be a positive number".into(),
+            ));
         }
         Ok(())
     }
@@ -271,7 +281,11 @@ impl ModelConfig {
     pub fn total_parameters(&self) -> u64 {
         let (per_layer_dense, per_expert) = self.layer_parameter_counts();
         let embeddings = (self.vocab_size * self.hidden_size) as u64;
-        let lm_head = if self.tie_word_embeddings { 0 } else { embeddings };
+        let lm_head = if self.tie_word_embeddings {
+            0
+        } else {
+            embeddings
+        };
         let per_layer = per_layer_dense + per_expert * self.num_local_experts as u64;
         embeddings + lm_head + self.num_hidden_layers as u64 * per_layer + self.hidden_size as u64
     }
@@ -310,7 +324,12 @@ fn parse_rope(obj: &Map<String, Value>) -> Result<(f64, RopeScaling), ModelError
     let params = match params {
         None => None,
         Some(Value::Object(map)) => Some(map),
-        Some(other) => return Err(config_err(key, format!("expected an object, found {other}"))),
+        Some(other) => {
+            return Err(config_err(
+                key,
+                format!("expected an object, found {other}"),
+            ))
+        }
     };
     let theta_in_params = match params {
         Some(map) => opt_f64(map, "rope_theta").map_err(|e| prefix_key(e, key))?,
@@ -346,7 +365,10 @@ fn parse_rope(obj: &Map<String, Value>) -> Result<(f64, RopeScaling), ModelError
                 None | Some(Value::Null) => true,
                 Some(Value::Bool(b)) => *b,
                 Some(other) => {
-                    return Err(config_err(&sub("truncate"), format!("expected true or false, found {other}")))
+                    return Err(config_err(
+                        &sub("truncate"),
+                        format!("expected true or false, found {other}"),
+                    ))
                 }
             };
             let mscale = get("mscale")?;
@@ -368,7 +390,10 @@ fn parse_rope(obj: &Map<String, Value>) -> Result<(f64, RopeScaling), ModelError
                 },
             };
             if !(factor.is_finite() && factor > 0.0 && original > 0.0) {
-                return Err(config_err(&sub("factor"), format!("must be positive, found {factor}")));
+                return Err(config_err(
+                    &sub("factor"),
+                    format!("must be positive, found {factor}"),
+                ));
             }
             Ok((
                 rope_theta,
@@ -436,7 +461,10 @@ fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>, ModelEr
     match obj.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Bool(b)) => Ok(Some(*b)),
-        Some(v) => Err(config_err(key, format!("expected true or false, found {v}"))),
+        Some(v) => Err(config_err(
+            key,
+            format!("expected true or false, found {v}"),
+        )),
     }
 }
 
@@ -484,7 +512,13 @@ impl ModelConfig {
             rms_norm_eps: 1e-5,
             sliding_window: 128,
             layer_kinds: (0..24)
-                .map(|i| if i % 2 == 0 { LayerKind::Sliding } else { LayerKind::Full })
+                .map(|i| {
+                    if i % 2 == 0 {
+                        LayerKind::Sliding
+                    } else {
+                        LayerKind::Full
+                    }
+                })
                 .collect(),
             rope_theta: 150000.0,
             rope_scaling: RopeScaling::Yarn {
@@ -513,7 +547,13 @@ impl ModelConfig {
             intermediate_size: 128,
             sliding_window: 16,
             layer_kinds: (0..4)
-                .map(|i| if i % 2 == 0 { LayerKind::Sliding } else { LayerKind::Full })
+                .map(|i| {
+                    if i % 2 == 0 {
+                        LayerKind::Sliding
+                    } else {
+                        LayerKind::Full
+                    }
+                })
                 .collect(),
             ..ModelConfig::gpt_oss_20b()
         }

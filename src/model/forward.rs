@@ -75,14 +75,23 @@ impl Session {
         let kv = c.kv_width();
         // Zeroed allocations are lazily backed by the OS: an unused context costs no memory.
         let cache = KvCache {
-            keys: (0..c.num_hidden_layers).map(|_| vec![0.0; context_limit * kv]).collect(),
-            values: (0..c.num_hidden_layers).map(|_| vec![0.0; context_limit * kv]).collect(),
+            keys: (0..c.num_hidden_layers)
+                .map(|_| vec![0.0; context_limit * kv])
+                .collect(),
+            values: (0..c.num_hidden_layers)
+                .map(|_| vec![0.0; context_limit * kv])
+                .collect(),
         };
         let n = PREFILL_CHUNK;
-        let widest = [2 * c.intermediate_size, c.q_width(), c.hidden_size, c.num_local_experts]
-            .into_iter()
-            .max()
-            .unwrap_or(0);
+        let widest = [
+            2 * c.intermediate_size,
+            c.q_width(),
+            c.hidden_size,
+            c.num_local_experts,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0);
         let scratch = Scratch {
             x: vec![0.0; n * c.hidden_size],
             normed: vec![0.0; n * c.hidden_size],
@@ -95,7 +104,9 @@ impl Session {
             cos: vec![0.0; n * c.head_dim / 2],
             sin: vec![0.0; n * c.head_dim / 2],
             router: vec![0.0; n * c.num_local_experts],
-            routes: (0..c.num_local_experts).map(|_| Vec::with_capacity(n)).collect(),
+            routes: (0..c.num_local_experts)
+                .map(|_| Vec::with_capacity(n))
+                .collect(),
             expert_in: vec![0.0; n * c.hidden_size],
             gate_up: vec![0.0; n * 2 * c.intermediate_size],
             activated: vec![0.0; n * c.intermediate_size],
@@ -215,7 +226,12 @@ impl Session {
         }
 
         for (l, layer) in weights.layers.iter().enumerate() {
-            rms_norm_rows(&s.x[..n * h], &layer.input_norm, c.rms_norm_eps, &mut s.normed[..n * h]);
+            rms_norm_rows(
+                &s.x[..n * h],
+                &layer.input_norm,
+                c.rms_norm_eps,
+                &mut s.normed[..n * h],
+            );
             self::attention(c, layer, l, start, n, s, &mut self.cache);
             add_into(&mut s.x[..n * h], &s.proj[..n * h]);
             rms_norm_rows(
@@ -229,7 +245,11 @@ impl Session {
         }
 
         // Only the rows whose logits are wanted go through the final norm and the unembedding.
-        let (first_row, rows) = if all_logits.is_some() { (0, n) } else { (n - 1, 1) };
+        let (first_row, rows) = if all_logits.is_some() {
+            (0, n)
+        } else {
+            (n - 1, 1)
+        };
         rms_norm_rows(
             &s.x[first_row * h..(first_row + rows) * h],
             &weights.final_norm,
@@ -243,7 +263,12 @@ impl Session {
                 let at = out.len();
                 out.resize(at + rows * vocab, 0.0);
                 let mut transposed = vec![0.0; rows * vocab];
-                matmul(&weights.lm_head, &s.normed[..rows * h], rows, &mut transposed);
+                matmul(
+                    &weights.lm_head,
+                    &s.normed[..rows * h],
+                    rows,
+                    &mut transposed,
+                );
                 transpose(&transposed, vocab, rows, &mut out[at..]);
                 self.logits.copy_from_slice(&out[out.len() - vocab..]);
             }
@@ -272,7 +297,10 @@ fn attention(
     linear(&a.v, normed, n, &mut s.v[..n * kvw], &mut s.transposed);
     let half = hd / 2;
     for i in 0..n {
-        let (cos, sin) = (&s.cos[i * half..(i + 1) * half], &s.sin[i * half..(i + 1) * half]);
+        let (cos, sin) = (
+            &s.cos[i * half..(i + 1) * half],
+            &s.sin[i * half..(i + 1) * half],
+        );
         apply_rope(&mut s.q[i * qw..(i + 1) * qw], hd, cos, sin);
         apply_rope(&mut s.k[i * kvw..(i + 1) * kvw], hd, cos, sin);
     }
@@ -311,7 +339,13 @@ fn attention(
                 out,
             );
         });
-    linear(&a.o, &s.attn[..n * qw], n, &mut s.proj[..n * h], &mut s.transposed);
+    linear(
+        &a.o,
+        &s.attn[..n * qw],
+        n,
+        &mut s.proj[..n * h],
+        &mut s.transposed,
+    );
 }
 
 /// Softmax attention of one query over `keys_values` with a sink logit in the denominator, in
@@ -336,7 +370,9 @@ fn attend_one_head<'a>(
         }
         let weight = (logit - max).exp();
         sum += weight;
-        out.iter_mut().zip(value).for_each(|(o, v)| *o += weight * v);
+        out.iter_mut()
+            .zip(value)
+            .for_each(|(o, v)| *o += weight * v);
     }
     let denominator = sum + (sink - max).exp();
     out.iter_mut().for_each(|o| *o /= denominator);
@@ -349,13 +385,23 @@ fn mixture_of_experts(c: &ModelConfig, layer: &Layer, n: usize, s: &mut Scratch)
     let experts = c.num_local_experts;
     let top_k = c.num_experts_per_tok;
     let inter = c.intermediate_size;
-    linear(&layer.router, &s.normed[..n * h], n, &mut s.router[..n * experts], &mut s.transposed);
+    linear(
+        &layer.router,
+        &s.normed[..n * h],
+        n,
+        &mut s.router[..n * experts],
+        &mut s.transposed,
+    );
 
     s.routes.iter_mut().for_each(Vec::clear);
     for i in 0..n {
-        route_token(&s.router[i * experts..(i + 1) * experts], top_k, |expert, weight| {
-            s.routes[expert].push((i, weight));
-        });
+        route_token(
+            &s.router[i * experts..(i + 1) * experts],
+            top_k,
+            |expert, weight| {
+                s.routes[expert].push((i, weight));
+            },
+        );
     }
 
     s.moe_out[..n * h].fill(0.0);
@@ -370,7 +416,12 @@ fn mixture_of_experts(c: &ModelConfig, layer: &Layer, n: usize, s: &mut Scratch)
         }
         let gate_up = ExpertMatrix::new(&layer.gate_up, expert);
         // Outputs stay transposed ([rows x tokens]): the activation reads them in that order.
-        matmul(&gate_up, &s.expert_in[..routed * h], routed, &mut s.gate_up[..routed * 2 * inter]);
+        matmul(
+            &gate_up,
+            &s.expert_in[..routed * h],
+            routed,
+            &mut s.gate_up[..routed * 2 * inter],
+        );
         let bias = layer.gate_up.bias(expert);
         for slot in 0..routed {
             for j in 0..inter {
@@ -383,7 +434,12 @@ fn mixture_of_experts(c: &ModelConfig, layer: &Layer, n: usize, s: &mut Scratch)
             }
         }
         let down = ExpertMatrix::new(&layer.down, expert);
-        matmul(&down, &s.activated[..routed * inter], routed, &mut s.expert_out[..routed * h]);
+        matmul(
+            &down,
+            &s.activated[..routed * inter],
+            routed,
+            &mut s.expert_out[..routed * h],
+        );
         let bias = layer.down.bias(expert);
         for (slot, &(i, weight)) in s.routes[expert].iter().enumerate() {
             let out = &mut s.moe_out[i * h..(i + 1) * h];
@@ -472,7 +528,8 @@ impl DecodeRows for ExpertMatrix<'_> {
     }
 
     fn decode(&self, r: usize, start: usize, out: &mut [f32]) {
-        let bytes = &self.blocks[(r * self.cols + start) / 2..(r * self.cols + start + out.len()) / 2];
+        let bytes =
+            &self.blocks[(r * self.cols + start) / 2..(r * self.cols + start + out.len()) / 2];
         let scales = &self.scales[(r * self.cols + start) / 32..];
         for (block, (values, codes)) in out.chunks_mut(32).zip(bytes.chunks(16)).enumerate() {
             let scale = e8m0_to_f32(scales[block]);
@@ -508,7 +565,10 @@ fn matmul(w: &impl DecodeRows, x: &[f32], n: usize, out_t: &mut [f32]) {
                     let len = DECODE_STEP.min(cols - start);
                     w.decode(r, start, &mut decoded[..len]);
                     for (i, o) in out.iter_mut().enumerate() {
-                        *o += dot(&decoded[..len], &x[i * cols + start..i * cols + start + len]);
+                        *o += dot(
+                            &decoded[..len],
+                            &x[i * cols + start..i * cols + start + len],
+                        );
                     }
                     start += len;
                 }
@@ -593,7 +653,16 @@ mod tests {
         let value = [2.0f32, -4.0];
         let mut out = [0.0f32; 2];
         // One key with logit 1 against a sink of 1: half the probability goes to the sink.
-        attend_one_head(&[1.0, 0.0], std::iter::once((&key[..], &value[..])), 1.0, 1.0, &mut out);
-        assert!((out[0] - 1.0).abs() < 1e-6 && (out[1] + 2.0).abs() < 1e-6, "{out:?}");
+        attend_one_head(
+            &[1.0, 0.0],
+            std::iter::once((&key[..], &value[..])),
+            1.0,
+            1.0,
+            &mut out,
+        );
+        assert!(
+            (out[0] - 1.0).abs() < 1e-6 && (out[1] + 2.0).abs() < 1e-6,
+            "{out:?}"
+        );
     }
 }

@@ -109,7 +109,12 @@ impl Model {
         let config = ModelConfig::from_file(&config_path)?;
         let checkpoint = Checkpoint::open(dir)?;
         let weights = Weights::load(&config, &checkpoint)?;
-        Ok(Model::from_parts(config, weights, opts, dir.display().to_string()))
+        Ok(Model::from_parts(
+            config,
+            weights,
+            opts,
+            dir.display().to_string(),
+        ))
     }
 
     /// A model of `preset`'s shape with random weights, built in memory.
@@ -126,7 +131,12 @@ impl Model {
         )
     }
 
-    fn from_parts(config: ModelConfig, weights: Weights, opts: &LoadOptions, source: String) -> Model {
+    fn from_parts(
+        config: ModelConfig,
+        weights: Weights,
+        opts: &LoadOptions,
+        source: String,
+    ) -> Model {
         let rope = RopeTable::new(&config);
         Model {
             config,

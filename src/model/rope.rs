@@ -31,7 +31,8 @@ impl RopeTable {
                 attention_factor,
             } => {
                 let correction_dim = |rotations: f64| {
-                    dim * (original_max_position_embeddings / (rotations * 2.0 * std::f64::consts::PI))
+                    dim * (original_max_position_embeddings
+                        / (rotations * 2.0 * std::f64::consts::PI))
                         .ln()
                         / (2.0 * base.ln())
                 };
@@ -104,7 +105,10 @@ mod tests {
         ];
         for (i, value) in expected {
             let got = table.inv_freq[i] as f64;
-            assert!((got - value).abs() <= value * 1e-6, "inv_freq[{i}] = {got}, expected {value}");
+            assert!(
+                (got - value).abs() <= value * 1e-6,
+                "inv_freq[{i}] = {got}, expected {value}"
+            );
         }
         assert!((table.attention_factor as f64 - 1.3465735902799727).abs() < 1e-6);
     }

@@ -68,15 +68,30 @@ pub fn tensor_specs(config: &ModelConfig) -> Vec<TensorSpec> {
     )];
     for l in 0..config.num_hidden_layers {
         let p = format!("model.layers.{l}.");
-        specs.push(spec(format!("{p}input_layernorm.weight"), vec![h], Dtype::Bf16, Fill::Norm));
-        for (name, rows, cols) in [("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, q)] {
+        specs.push(spec(
+            format!("{p}input_layernorm.weight"),
+            vec![h],
+            Dtype::Bf16,
+            Fill::Norm,
+        ));
+        for (name, rows, cols) in [
+            ("q_proj", q, h),
+            ("k_proj", kv, h),
+            ("v_proj", kv, h),
+            ("o_proj", h, q),
+        ] {
             specs.push(spec(
                 format!("{p}self_attn.{name}.weight"),
                 vec![rows, cols],
                 Dtype::Bf16,
                 Fill::Dense { cols },
             ));
-            specs.push(spec(format!("{p}self_attn.{name}.bias"), vec![rows], Dtype::Bf16, Fill::Bias));
+            specs.push(spec(
+                format!("{p}self_attn.{name}.bias"),
+                vec![rows],
+                Dtype::Bf16,
+                Fill::Bias,
+            ));
         }
         specs.push(spec(
             format!("{p}self_attn.sinks"),
@@ -90,8 +105,18 @@ pub fn tensor_specs(config: &ModelConfig) -> Vec<TensorSpec> {
             Dtype::Bf16,
             Fill::Norm,
         ));
-        specs.push(spec(format!("{p}mlp.router.weight"), vec![e, h], Dtype::Bf16, Fill::Dense { cols: h }));
-        specs.push(spec(format!("{p}mlp.router.bias"), vec![e], Dtype::Bf16, Fill::Bias));
+        specs.push(spec(
+            format!("{p}mlp.router.weight"),
+            vec![e, h],
+            Dtype::Bf16,
+            Fill::Dense { cols: h },
+        ));
+        specs.push(spec(
+            format!("{p}mlp.router.bias"),
+            vec![e],
+            Dtype::Bf16,
+            Fill::Bias,
+        ));
         for (name, rows, cols) in [("gate_up_proj", 2 * i, h), ("down_proj", h, i)] {
             let nblocks = cols / MXFP4_BLOCK;
             let base = format!("{p}mlp.experts.{name}");
@@ -107,10 +132,20 @@ pub fn tensor_specs(config: &ModelConfig) -> Vec<TensorSpec> {
                 Dtype::U8,
                 Fill::Fp4Scales { cols },
             ));
-            specs.push(spec(format!("{base}_bias"), vec![e, rows], Dtype::Bf16, Fill::Bias));
+            specs.push(spec(
+                format!("{base}_bias"),
+                vec![e, rows],
+                Dtype::Bf16,
+                Fill::Bias,
+            ));
         }
     }
-    specs.push(spec("model.norm.weight".into(), vec![h], Dtype::Bf16, Fill::Norm));
+    specs.push(spec(
+        "model.norm.weight".into(),
+        vec![h],
+        Dtype::Bf16,
+        Fill::Norm,
+    ));
     if !config.tie_word_embeddings {
         specs.push(spec(
             "lm_head.weight".into(),
@@ -145,10 +180,13 @@ impl TensorSource for SyntheticSource {
         shape: &[usize],
         dtypes: &[Dtype],
     ) -> Result<(Dtype, TensorBytes), ModelError> {
-        let spec = self.specs.get(name).ok_or_else(|| ModelError::MissingTensor {
-            tensor: name.into(),
-            dir: "<synthetic>".into(),
-        })?;
+        let spec = self
+            .specs
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                tensor: name.into(),
+                dir: "<synthetic>".into(),
+            })?;
         if spec.shape != shape || !dtypes.contains(&spec.dtype) {
             return Err(ModelError::WrongShape {
                 tensor: name.into(),
@@ -170,7 +208,8 @@ fn generate(spec: &TensorSpec, seed: u64) -> Vec<u8> {
         .par_chunks_mut(PIECE)
         .enumerate()
         .for_each(|(piece, out)| {
-            let mut rng = SplitMix64(name_seed ^ (piece as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
+            let mut rng =
+                SplitMix64(name_seed ^ (piece as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
             fill_piece(spec.fill, out, &mut rng);
         });
     bytes
@@ -288,7 +327,8 @@ pub fn write_checkpoint(
     };
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
     let config_path = dir.join("config.json");
-    let config_text = serde_json::to_string_pretty(&config.to_hf_json()).expect("JSON values serialize");
+    let config_text =
+        serde_json::to_string_pretty(&config.to_hf_json()).expect("JSON values serialize");
     std::fs::write(&config_path, config_text).map_err(io_err(&config_path))?;
 
     let specs = tensor_specs(config);
@@ -296,7 +336,11 @@ pub fn write_checkpoint(
     let shard_of = |spec: &TensorSpec| -> usize {
         match spec.name.strip_prefix("model.layers.") {
             Some(rest) => {
-                let layer: usize = rest.split('.').next().and_then(|n| n.parse().ok()).unwrap_or(0);
+                let layer: usize = rest
+                    .split('.')
+                    .next()
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(0);
                 layer / layers_per_shard
             }
             None if spec.name == "model.embed_tokens.weight" => 0,
@@ -325,8 +369,11 @@ pub fn write_checkpoint(
     }
     let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
     let index_path = dir.join("model.safetensors.index.json");
-    std::fs::write(&index_path, serde_json::to_string_pretty(&index).expect("JSON values serialize"))
-        .map_err(io_err(&index_path))?;
+    std::fs::write(
+        &index_path,
+        serde_json::to_string_pretty(&index).expect("JSON values serialize"),
+    )
+    .map_err(io_err(&index_path))?;
     Ok(WrittenCheckpoint {
         shards: num_shards,
         tensors: specs.len(),

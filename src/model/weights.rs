@@ -197,7 +197,11 @@ fn load_layer(
             k: linear("self_attn.k_proj", kv, h)?,
             v: linear("self_attn.v_proj", kv, h)?,
             o: linear("self_attn.o_proj", h, q)?,
-            sinks: vector(source, &format!("{p}self_attn.sinks"), config.num_attention_heads)?,
+            sinks: vector(
+                source,
+                &format!("{p}self_attn.sinks"),
+                config.num_attention_heads,
+            )?,
         },
         post_attention_norm: vector(source, &format!("{p}post_attention_layernorm.weight"), h)?,
         router: linear("mlp.router", e, h)?,
@@ -253,7 +257,8 @@ fn experts(
         &[num_experts, rows, nblocks],
         &[Dtype::U8],
     )?;
-    let (bias_dtype, bias) = source.tensor(&format!("{prefix}_bias"), &[num_experts, rows], SMALL)?;
+    let (bias_dtype, bias) =
+        source.tensor(&format!("{prefix}_bias"), &[num_experts, rows], SMALL)?;
     Ok(Mxfp4Experts {
         num_experts,
         rows,
