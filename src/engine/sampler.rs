@@ -194,8 +194,10 @@ fn keep_top_p(candidates: &mut Vec<Candidate>, top_p: f32) {
     let mut head_len = 0;
     let mut head_mass = 0.0f64;
     for floor in TOP_P_FLOORS {
-        // Move candidates at or above the floor to the front, after those already there.
-        for index in head_len..candidates.len() {
+        // Move candidates at or above the floor to the front, after those already there. The
+        // scan starts where the head ended before this floor; the head grows behind it.
+        let scan_from = head_len;
+        for index in scan_from..candidates.len() {
             if candidates[index].weight >= floor {
                 head_mass += candidates[index].weight as f64;
                 candidates.swap(head_len, index);
