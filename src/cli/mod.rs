@@ -1,5 +1,6 @@
 //! The command line: parses arguments and hands each command to the library.
 
+mod bench_cmd;
 mod chat_cmds;
 mod model_cmds;
 
@@ -25,6 +26,8 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
+    /// Measure prefill and decode speed, time to first token, memory and roofline efficiency.
+    Bench(bench_cmd::BenchArgs),
     /// Show a checkpoint's configuration, tensors and parameter counts.
     Info(model_cmds::InfoArgs),
     /// Write the logits of every position of a token sequence (little-endian f32, [tokens x vocab]).
@@ -102,6 +105,7 @@ pub fn default_threads() -> usize {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Some(Command::Bench(args)) => bench_cmd::bench(args),
         Some(Command::Info(args)) => model_cmds::info(args),
         Some(Command::Logits(args)) => model_cmds::logits(args),
         Some(Command::Generate(args)) => model_cmds::generate(args),
