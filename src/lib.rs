@@ -5,4 +5,5 @@
 //! the `engine` thread drives it, `chat` speaks harmony, and `tui`/`cli` face the user.
 
 pub mod cli;
+pub mod kernels;
 pub mod model;
