@@ -653,3 +653,36 @@ fn gathered_activation_rows_equal_quantizing_those_tokens() {
     }
     assert!(gathered.gather_rows(&x, &[5]).is_err());
 }
+
+#[test]
+fn kernel_bench_reports_every_kernel_with_positive_rates() {
+    let config = ossterm::kernels::KernelBenchConfig::quick();
+    let report = ossterm::kernels::run_kernel_bench(ossterm::kernels::kernels(), &config).unwrap();
+    // Per thread count and format: one GEMV plus one GEMM per token count.
+    let per_format = 1 + config.gemm_tokens.len();
+    assert_eq!(
+        report.results.len(),
+        config.thread_counts.len() * 3 * per_format
+    );
+    for r in &report.results {
+        assert!(
+            r.best_seconds > 0.0 && r.best_seconds <= r.median_seconds,
+            "{r:?}"
+        );
+        assert!(
+            r.best_gb_per_s.is_finite() && r.best_gb_per_s > 0.0,
+            "{r:?}"
+        );
+        assert!(
+            r.best_gmac_per_s.is_finite() && r.best_gmac_per_s > 0.0,
+            "{r:?}"
+        );
+    }
+    let gemv = &report.results[0];
+    assert_eq!(gemv.kernel, "mxfp4_gemv");
+    assert_eq!(
+        gemv.weight_bytes,
+        config.experts * config.rows * config.cols / 32 * 17
+    );
+    assert!(report.to_string().contains("mxfp4_gemm"));
+}

@@ -230,6 +230,8 @@ trait GroupSource {
     /// # Safety
     /// `row < rows()`, `group < groups()`; the CPU has the module's features.
     unsafe fn load_group(&self, row: usize, group: usize) -> (__m512i, __m512i, __m512);
+    /// The weight bytes and the scale bytes of a range of rows (each contiguous), for prefetching.
+    fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2];
 }
 
 impl GroupSource for Mxfp4Matrix<'_> {
@@ -241,6 +243,19 @@ impl GroupSource for Mxfp4Matrix<'_> {
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     unsafe fn load_group(&self, row: usize, group: usize) -> (__m512i, __m512i, __m512) {
         mxfp4_group(self, row, group)
+    }
+    fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2] {
+        let (row_bytes, row_scales) = (self.cols / 2, self.cols / BLOCK_LEN);
+        [
+            (
+                self.blocks.as_ptr().wrapping_add(rows.start * row_bytes),
+                rows.len() * row_bytes,
+            ),
+            (
+                self.scales.as_ptr().wrapping_add(rows.start * row_scales),
+                rows.len() * row_scales,
+            ),
+        ]
     }
 }
 
@@ -254,6 +269,22 @@ impl GroupSource for Q4Matrix {
     unsafe fn load_group(&self, row: usize, group: usize) -> (__m512i, __m512i, __m512) {
         q4_group(self, row, group)
     }
+    fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2] {
+        let (row_bytes, row_scales) = (self.groups * GROUP_LEN / 2, self.groups * GROUP_BLOCKS * 2);
+        [
+            (
+                self.nibbles.as_ptr().wrapping_add(rows.start * row_bytes),
+                rows.len() * row_bytes,
+            ),
+            (
+                self.scales
+                    .as_ptr()
+                    .cast::<u8>()
+                    .wrapping_add(rows.start * row_scales),
+                rows.len() * row_scales,
+            ),
+        ]
+    }
 }
 
 impl GroupSource for Q8Matrix {
@@ -266,9 +297,47 @@ impl GroupSource for Q8Matrix {
     unsafe fn load_group(&self, row: usize, group: usize) -> (__m512i, __m512i, __m512) {
         q8_group(self, row, group)
     }
+    fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2] {
+        let (row_bytes, row_scales) = (self.groups * GROUP_LEN, self.groups * GROUP_BLOCKS * 2);
+        [
+            (
+                self.quants
+                    .as_ptr()
+                    .cast::<u8>()
+                    .wrapping_add(rows.start * row_bytes),
+                rows.len() * row_bytes,
+            ),
+            (
+                self.scales
+                    .as_ptr()
+                    .cast::<u8>()
+                    .wrapping_add(rows.start * row_scales),
+                rows.len() * row_scales,
+            ),
+        ]
+    }
 }
 
-/// `R` rows against one token, sharing each activation load across the rows.
+/// Prefetch the share of `spans` that belongs to `group` of `groups`: spreading the next rows'
+/// lines over the current rows' loop keeps memory busy across the jump from one set of short rows
+/// (1.5 KB each) to the next, which the hardware prefetcher alone does not.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+fn prefetch_share(spans: &[(*const u8, usize); 2], group: usize, groups: usize) {
+    for &(start, len) in spans {
+        let share = len.div_ceil(groups);
+        let mut offset = group * share;
+        let end = ((group + 1) * share).min(len);
+        while offset < end {
+            // A prefetch never faults, and wrapping_add makes no claim about the allocation.
+            _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(offset).cast());
+            offset += 64;
+        }
+    }
+}
+
+/// `R` rows against one token, sharing each activation load across the rows, while prefetching
+/// the rows `prefetch`.
 ///
 /// # Safety
 /// `first_row + R <= w.rows()`, `x` has one token of `w`'s columns, `out.len() >= R`.
@@ -278,10 +347,14 @@ unsafe fn gemv_rows<W: GroupSource, const R: usize>(
     w: &W,
     x: &Q8Activations,
     first_row: usize,
+    prefetch: Range<usize>,
     out: &mut [f32],
 ) {
     let mut acc = [_mm512_setzero_ps(); R];
-    for group in 0..w.groups() {
+    let groups = w.groups();
+    let spans = w.spans(prefetch);
+    for group in 0..groups {
+        prefetch_share(&spans, group, groups);
         let a = ActGroup::load(x, 0, group, format_offset(W::FORMAT));
         for (i, acc_row) in acc.iter_mut().enumerate() {
             let (evens, odds, scales) = w.load_group(first_row + i, group);
@@ -299,13 +372,17 @@ unsafe fn gemv_rows<W: GroupSource, const R: usize>(
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn gemv<W: GroupSource>(w: &W, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
     const ROWS_AT_ONCE: usize = 4;
+    const PREFETCH_AHEAD: usize = 2 * ROWS_AT_ONCE;
     let mut row = rows.start;
+    let ahead = |row: usize, count: usize| {
+        (row + PREFETCH_AHEAD).min(rows.end)..(row + PREFETCH_AHEAD + count).min(rows.end)
+    };
     for chunk in out.chunks_mut(ROWS_AT_ONCE) {
         if chunk.len() == ROWS_AT_ONCE {
-            gemv_rows::<W, ROWS_AT_ONCE>(w, x, row, chunk);
+            gemv_rows::<W, ROWS_AT_ONCE>(w, x, row, ahead(row, ROWS_AT_ONCE), chunk);
         } else {
             for (i, o) in chunk.iter_mut().enumerate() {
-                gemv_rows::<W, 1>(w, x, row + i, std::slice::from_mut(o));
+                gemv_rows::<W, 1>(w, x, row + i, ahead(row + i, 0), std::slice::from_mut(o));
             }
         }
         row += chunk.len();

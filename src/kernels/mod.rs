@@ -31,6 +31,7 @@
 //! across paths; the f32 sums differ only in rounding order (about 1e-6 relative to the sum of
 //! magnitudes).
 
+pub mod bench;
 mod formats;
 mod scalar;
 
@@ -49,6 +50,8 @@ pub use formats::{
     e8m0_scale, quantize_activation_rows, quantize_activations, Mxfp4Matrix, Q4Matrix,
     Q8Activations, Q8Matrix, BLOCK_LEN, FP4_E2M1, GROUP_BLOCKS, GROUP_LEN,
 };
+
+pub use bench::{run_kernel_bench, KernelBenchConfig, KernelBenchReport, KernelBenchResult};
 
 use formats::{check_len, GROUP_LANES};
 
@@ -104,6 +107,8 @@ pub enum KernelError {
     },
     #[error("{what}: GEMV takes exactly one token, got {tokens}")]
     NotOneToken { what: String, tokens: usize },
+    #[error("kernel benchmark could not start its thread pool: {0}")]
+    ThreadPool(String),
     #[error("GEMM scratch was sized for {have} columns, the matrix has {needed}")]
     ScratchTooSmall { have: usize, needed: usize },
 }
