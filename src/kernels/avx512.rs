@@ -93,14 +93,16 @@ impl ActGroup {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     unsafe fn load(x: &Q8Activations, token: usize, group: usize, offset: i32) -> Self {
-        let quants = x.row_quants(token).as_ptr().add(group * GROUP_LEN);
-        let lanes = group * GROUP_LANES;
-        let sums = _mm512_loadu_si512(x.row_sum_lanes(token).as_ptr().add(lanes).cast());
+        // Tokens are stored back to back, so (token, group) indexes whole groups; raw offsets keep
+        // bounds checks out of the inner loops (the caller guarantees both indices are in range).
+        let at = token * x.groups + group;
+        let quants = x.quants.as_ptr().add(at * GROUP_LEN);
+        let sums = _mm512_loadu_si512(x.sum_lanes.as_ptr().add(at * GROUP_LANES).cast());
         Self {
             evens: _mm512_loadu_si512(quants.cast()),
             odds: _mm512_loadu_si512(quants.add(GROUP_LEN / 2).cast()),
             correction: _mm512_mullo_epi32(sums, _mm512_set1_epi32(-offset)),
-            scales: _mm512_loadu_ps(x.row_scale_lanes(token).as_ptr().add(lanes)),
+            scales: _mm512_loadu_ps(x.scale_lanes.as_ptr().add(at * GROUP_LANES)),
         }
     }
 }

@@ -30,10 +30,13 @@ pub(crate) const FP4_DOUBLED: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3
 
 /// Added to the doubled FP4 values so `vpdpbusd`/`vpmaddubsw` see unsigned weights; each block's
 /// sum is corrected by `-offset x (sum of the block's activations)`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) const MXFP4_OFFSET: i32 = 12;
 /// Q4 nibbles hold `q + 8` for q in -8..=7.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) const Q4_OFFSET: i32 = 8;
 /// The AVX-512 Q8 kernels flip the sign bit (`q ^ 0x80 = q + 128`) to get unsigned weights.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) const Q8_OFFSET: i32 = 128;
 
 /// The exact MXFP4 block scale of an E8M0 byte, as the spec defines it: 2^(s-127), NaN for 255.
@@ -87,7 +90,7 @@ fn groups_for(cols: usize) -> usize {
 pub struct Q8Activations {
     rows: usize,
     cols: usize,
-    groups: usize,
+    pub(crate) groups: usize,
     /// `rows x groups x 128` int8 values, group-interleaved (evens of 4 blocks, then odds).
     pub(crate) quants: Vec<i8>,
     /// `rows x groups x 16`: lanes 4j..4j+3 hold the scale of block j of the group.

@@ -231,6 +231,8 @@ pub fn kernels() -> Kernels {
 
 /// Scratch space for the GEMMs: one decoded tile of [`GEMM_TILE_ROWS`] weight rows.
 #[derive(Clone, Debug)]
+// Only the SIMD paths decode tiles; the scalar reference leaves the scratch untouched.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub struct GemmScratch {
     cols: usize,
     /// Unsigned int8 weights, group-interleaved like the activations, `GEMM_TILE_ROWS x groups x 128`.
