@@ -8,4 +8,5 @@ pub mod bench;
 pub mod chat;
 pub mod cli;
 pub mod engine;
+pub mod kernels;
 pub mod model;

@@ -1,0 +1,704 @@
+//! AVX2 kernels: `vpmaddubsw` + `vpmaddwd` for the integer formats, 8-wide FMA for f32/bf16/f16.
+//!
+//! Works on half groups ("pairs" of two blocks, 32 bytes of unsigned weights per parity). MXFP4 and
+//! Q4 weights are small unsigned bytes (at most 24), so two `vpmaddubsw` results add in int16
+//! without saturating; Q8 weights move their sign onto the activation (`vpsignb`) because
+//! |q| x 127 x 2 would not fit after adding.
+//!
+//! Every `pub(crate) unsafe fn` here requires that the CPU supports all of [`REQUIRED`] (the
+//! dispatcher guarantees it) and that the caller checked the shapes (the safe methods of
+//! `Kernels` do). Given both, every pointer read below stays inside the slices it came from.
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use half::f16;
+
+use super::formats::{
+    Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN, GROUP_BLOCKS, GROUP_LANES,
+    GROUP_LEN, MXFP4_OFFSET, Q4_OFFSET,
+};
+use super::{GemmScratch, GEMM_TILE_ROWS};
+
+const REQUIRED: [&str; 3] = ["avx2", "fma", "f16c"];
+
+pub(crate) fn missing_features() -> Vec<&'static str> {
+    let detected = [
+        is_x86_feature_detected!("avx2"),
+        is_x86_feature_detected!("fma"),
+        is_x86_feature_detected!("f16c"),
+    ];
+    REQUIRED
+        .iter()
+        .zip(detected)
+        .filter(|(_, ok)| !ok)
+        .map(|(name, _)| *name)
+        .collect()
+}
+
+/// Doubled FP4 values plus 12, so they are unsigned bytes for `vpmaddubsw`.
+const MXFP4_UNSIGNED: [i8; 16] = [12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0];
+
+const PAIR_LEN: usize = GROUP_LEN / 2;
+const PAIR_LANES: usize = GROUP_LANES / 2;
+
+/// Eight lanes of 2^(s-127) from two E8M0 bytes (lanes 4j..4j+3 from byte j).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn e8m0_lanes(bytes: u32) -> __m256 {
+    let spread = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1);
+    let exponents = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128(bytes as i32), spread));
+    _mm256_castsi256_ps(_mm256_slli_epi32::<23>(exponents))
+}
+
+/// Eight lanes from two f16 scales (lanes 4j..4j+3 from scale j).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn f16_lanes(bits: u32) -> __m256 {
+    let two = _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32));
+    let spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), spread)
+}
+
+/// Activation operands of one pair of blocks of one token.
+#[derive(Clone, Copy)]
+struct ActPair {
+    evens: __m256i,
+    odds: __m256i,
+    correction: __m256i,
+    scales: __m256,
+}
+
+impl ActPair {
+    /// # Safety
+    /// `group < x.groups()`, `pair < 2`, `token < x.rows()`; the CPU has the module's features.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load(
+        x: &Q8Activations,
+        token: usize,
+        group: usize,
+        pair: usize,
+        offset: i32,
+    ) -> Self {
+        let quants = x
+            .row_quants(token)
+            .as_ptr()
+            .add(group * GROUP_LEN + pair * PAIR_LEN / 2);
+        let lanes = group * GROUP_LANES + pair * PAIR_LANES;
+        let sums = _mm256_loadu_si256(x.row_sum_lanes(token).as_ptr().add(lanes).cast());
+        Self {
+            evens: _mm256_loadu_si256(quants.cast()),
+            odds: _mm256_loadu_si256(quants.add(GROUP_LEN / 2).cast()),
+            correction: _mm256_mullo_epi32(sums, _mm256_set1_epi32(-offset)),
+            scales: _mm256_loadu_ps(x.row_scale_lanes(token).as_ptr().add(lanes)),
+        }
+    }
+}
+
+/// One pair's contribution. `signed`: weights are int8 (Q8); otherwise small unsigned bytes
+/// offset so the activation correction applies.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn pair_fma(
+    signed: bool,
+    acc: __m256,
+    w_evens: __m256i,
+    w_odds: __m256i,
+    w_scales: __m256,
+    a: &ActPair,
+) -> __m256 {
+    let ones = _mm256_set1_epi16(1);
+    let sums = if signed {
+        let evens =
+            _mm256_maddubs_epi16(_mm256_abs_epi8(w_evens), _mm256_sign_epi8(a.evens, w_evens));
+        let odds = _mm256_maddubs_epi16(_mm256_abs_epi8(w_odds), _mm256_sign_epi8(a.odds, w_odds));
+        _mm256_add_epi32(
+            _mm256_madd_epi16(evens, ones),
+            _mm256_madd_epi16(odds, ones),
+        )
+    } else {
+        let both = _mm256_add_epi16(
+            _mm256_maddubs_epi16(w_evens, a.evens),
+            _mm256_maddubs_epi16(w_odds, a.odds),
+        );
+        _mm256_add_epi32(_mm256_madd_epi16(both, ones), a.correction)
+    };
+    _mm256_fmadd_ps(
+        _mm256_cvtepi32_ps(sums),
+        _mm256_mul_ps(w_scales, a.scales),
+        acc,
+    )
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn split_nibbles(bytes: __m256i, mxfp4: bool) -> (__m256i, __m256i) {
+    let low = _mm256_set1_epi8(0x0F);
+    let evens = _mm256_and_si256(bytes, low);
+    let odds = _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), low);
+    if mxfp4 {
+        // SAFETY: the table is 16 bytes; loadu has no alignment requirement.
+        let table =
+            _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(MXFP4_UNSIGNED.as_ptr().cast()) });
+        (
+            _mm256_shuffle_epi8(table, evens),
+            _mm256_shuffle_epi8(table, odds),
+        )
+    } else {
+        (evens, odds)
+    }
+}
+
+/// A matrix whose pairs of blocks decode to weights (evens, odds) and scale lanes.
+trait PairSource {
+    /// Weights are signed int8 (use the sign trick) rather than offset unsigned bytes.
+    const SIGNED: bool;
+    const OFFSET: i32;
+    const FACTOR: f32;
+    fn groups(&self) -> usize;
+    /// `None` when the pair lies past the row's last block (MXFP4 rows end mid-group).
+    ///
+    /// # Safety
+    /// `row` inside the matrix, `group < groups()`, `pair < 2`; the CPU has the module's features.
+    unsafe fn load_pair(
+        &self,
+        row: usize,
+        group: usize,
+        pair: usize,
+    ) -> Option<(__m256i, __m256i, __m256)>;
+}
+
+impl PairSource for Mxfp4Matrix<'_> {
+    const SIGNED: bool = false;
+    const OFFSET: i32 = MXFP4_OFFSET;
+    const FACTOR: f32 = 0.5;
+    fn groups(&self) -> usize {
+        self.cols.div_ceil(GROUP_LEN)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_pair(
+        &self,
+        row: usize,
+        group: usize,
+        pair: usize,
+    ) -> Option<(__m256i, __m256i, __m256)> {
+        let blocks_per_row = self.cols / BLOCK_LEN;
+        let first_block = group * GROUP_BLOCKS + pair * 2;
+        if first_block >= blocks_per_row {
+            return None;
+        }
+        let bytes = self
+            .blocks
+            .as_ptr()
+            .add(row * (self.cols / 2) + first_block * BLOCK_LEN / 2);
+        let scales = self.scales.as_ptr().add(row * blocks_per_row + first_block);
+        let (nibbles, scale_bytes) = if first_block + 1 < blocks_per_row {
+            (
+                _mm256_loadu_si256(bytes.cast()),
+                scales.cast::<u16>().read_unaligned() as u32,
+            )
+        } else {
+            // The row's last block: read only its 16 bytes; the zero upper half meets zero padding.
+            (
+                _mm256_zextsi128_si256(_mm_loadu_si128(bytes.cast())),
+                *scales as u32,
+            )
+        };
+        let (evens, odds) = split_nibbles(nibbles, true);
+        Some((evens, odds, e8m0_lanes(scale_bytes)))
+    }
+}
+
+impl PairSource for Q4Matrix {
+    const SIGNED: bool = false;
+    const OFFSET: i32 = Q4_OFFSET;
+    const FACTOR: f32 = 1.0;
+    fn groups(&self) -> usize {
+        self.groups
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_pair(
+        &self,
+        row: usize,
+        group: usize,
+        pair: usize,
+    ) -> Option<(__m256i, __m256i, __m256)> {
+        let nibbles = _mm256_loadu_si256(
+            self.row_nibbles(row)
+                .as_ptr()
+                .add(group * GROUP_LEN / 2 + pair * 32)
+                .cast(),
+        );
+        let scale_bits = self
+            .row_scales(row)
+            .as_ptr()
+            .add(group * GROUP_BLOCKS + pair * 2)
+            .cast::<u32>()
+            .read_unaligned();
+        let (evens, odds) = split_nibbles(nibbles, false);
+        Some((evens, odds, f16_lanes(scale_bits)))
+    }
+}
+
+impl PairSource for Q8Matrix {
+    const SIGNED: bool = true;
+    const OFFSET: i32 = 0;
+    const FACTOR: f32 = 1.0;
+    fn groups(&self) -> usize {
+        self.groups
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_pair(
+        &self,
+        row: usize,
+        group: usize,
+        pair: usize,
+    ) -> Option<(__m256i, __m256i, __m256)> {
+        let quants = self
+            .row_quants(row)
+            .as_ptr()
+            .add(group * GROUP_LEN + pair * PAIR_LEN / 2);
+        let evens = _mm256_loadu_si256(quants.cast());
+        let odds = _mm256_loadu_si256(quants.add(GROUP_LEN / 2).cast());
+        let scale_bits = self
+            .row_scales(row)
+            .as_ptr()
+            .add(group * GROUP_BLOCKS + pair * 2)
+            .cast::<u32>()
+            .read_unaligned();
+        Some((evens, odds, f16_lanes(scale_bits)))
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn reduce_add(v: __m256) -> f32 {
+    let quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let dual = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+    _mm_cvtss_f32(_mm_add_ss(dual, _mm_movehdup_ps(dual)))
+}
+
+/// `R` rows against one token.
+///
+/// # Safety
+/// `first_row + R` rows exist, `x` has one token of the matrix's columns, `out.len() >= R`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn gemv_rows<W: PairSource, const R: usize>(
+    w: &W,
+    x: &Q8Activations,
+    first_row: usize,
+    out: &mut [f32],
+) {
+    let mut acc = [_mm256_setzero_ps(); R];
+    for group in 0..w.groups() {
+        for pair in 0..2 {
+            let a = ActPair::load(x, 0, group, pair, W::OFFSET);
+            for (i, acc_row) in acc.iter_mut().enumerate() {
+                if let Some((evens, odds, scales)) = w.load_pair(first_row + i, group, pair) {
+                    *acc_row = pair_fma(W::SIGNED, *acc_row, evens, odds, scales, &a);
+                }
+            }
+        }
+    }
+    for (o, acc_row) in out.iter_mut().zip(acc) {
+        *o = W::FACTOR * reduce_add(acc_row);
+    }
+}
+
+/// # Safety
+/// The CPU has the module's features; shapes were checked by `Kernels`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn gemv<W: PairSource>(w: &W, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
+    const ROWS_AT_ONCE: usize = 4;
+    let mut row = rows.start;
+    for chunk in out.chunks_mut(ROWS_AT_ONCE) {
+        if chunk.len() == ROWS_AT_ONCE {
+            gemv_rows::<W, ROWS_AT_ONCE>(w, x, row, chunk);
+        } else {
+            for (i, o) in chunk.iter_mut().enumerate() {
+                gemv_rows::<W, 1>(w, x, row + i, std::slice::from_mut(o));
+            }
+        }
+        row += chunk.len();
+    }
+}
+
+pub(crate) unsafe fn mxfp4_gemv(
+    w: &Mxfp4Matrix,
+    x: &Q8Activations,
+    rows: Range<usize>,
+    out: &mut [f32],
+) {
+    gemv(w, x, rows, out)
+}
+
+pub(crate) unsafe fn q4_gemv(w: &Q4Matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
+    gemv(w, x, rows, out)
+}
+
+pub(crate) unsafe fn q8_gemv(w: &Q8Matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
+    gemv(w, x, rows, out)
+}
+
+/// Decode rows into the scratch tile (weights in activation order, scales as lanes); pairs past a
+/// row's end are written as zero weights with zero scales.
+///
+/// # Safety
+/// Rows inside the matrix, `count <= GEMM_TILE_ROWS`, scratch sized for the matrix's columns.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode_tile<W: PairSource>(
+    w: &W,
+    first_row: usize,
+    count: usize,
+    scratch: &mut GemmScratch,
+) {
+    let groups = w.groups();
+    let tile = scratch.tile.as_mut_ptr();
+    let tile_scales = scratch.tile_scales.as_mut_ptr();
+    for i in 0..count {
+        for group in 0..groups {
+            for pair in 0..2 {
+                let (evens, odds, scales) = w.load_pair(first_row + i, group, pair).unwrap_or((
+                    _mm256_setzero_si256(),
+                    _mm256_setzero_si256(),
+                    _mm256_setzero_ps(),
+                ));
+                let at = tile.add((i * groups + group) * GROUP_LEN + pair * PAIR_LEN / 2);
+                _mm256_storeu_si256(at.cast(), evens);
+                _mm256_storeu_si256(at.add(GROUP_LEN / 2).cast(), odds);
+                _mm256_storeu_ps(
+                    tile_scales.add((i * groups + group) * GROUP_LANES + pair * PAIR_LANES),
+                    scales,
+                );
+            }
+        }
+    }
+}
+
+/// `R` decoded tile rows x `T` tokens.
+///
+/// # Safety
+/// Tile rows `tile_row..+R` decoded for `groups` groups; tokens `first_token..+T` exist in `x`;
+/// `out[t * stride + i]` in bounds for t < T, i < R.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_micro<W: PairSource, const R: usize, const T: usize>(
+    scratch: &GemmScratch,
+    groups: usize,
+    tile_row: usize,
+    x: &Q8Activations,
+    first_token: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let tile = scratch.tile.as_ptr();
+    let tile_scales = scratch.tile_scales.as_ptr();
+    for group in 0..groups {
+        for pair in 0..2 {
+            let mut a = [ActPair {
+                evens: _mm256_setzero_si256(),
+                odds: _mm256_setzero_si256(),
+                correction: _mm256_setzero_si256(),
+                scales: _mm256_setzero_ps(),
+            }; T];
+            for (t, a_t) in a.iter_mut().enumerate() {
+                *a_t = ActPair::load(x, first_token + t, group, pair, W::OFFSET);
+            }
+            for (i, acc_row) in acc.iter_mut().enumerate() {
+                let at = ((tile_row + i) * groups + group) * GROUP_LEN + pair * PAIR_LEN / 2;
+                let evens = _mm256_loadu_si256(tile.add(at).cast());
+                let odds = _mm256_loadu_si256(tile.add(at + GROUP_LEN / 2).cast());
+                let scales = _mm256_loadu_ps(
+                    tile_scales
+                        .add(((tile_row + i) * groups + group) * GROUP_LANES + pair * PAIR_LANES),
+                );
+                for (acc_cell, a_t) in acc_row.iter_mut().zip(&a) {
+                    *acc_cell = pair_fma(W::SIGNED, *acc_cell, evens, odds, scales, a_t);
+                }
+            }
+        }
+    }
+    for (i, acc_row) in acc.iter().enumerate() {
+        for (t, acc_cell) in acc_row.iter().enumerate() {
+            *out.add(t * stride + i) = W::FACTOR * reduce_add(*acc_cell);
+        }
+    }
+}
+
+/// # Safety
+/// The CPU has the module's features; shapes and scratch size were checked by `Kernels`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn gemm<W: PairSource>(
+    w: &W,
+    x: &Q8Activations,
+    rows: Range<usize>,
+    out: &mut [f32],
+    scratch: &mut GemmScratch,
+) {
+    if x.rows() == 1 {
+        return gemv(w, x, rows, out);
+    }
+    let groups = w.groups();
+    let stride = rows.len();
+    let tokens = x.rows();
+    let mut tile_start = rows.start;
+    while tile_start < rows.end {
+        let count = (rows.end - tile_start).min(GEMM_TILE_ROWS);
+        decode_tile(w, tile_start, count, scratch);
+        let out_column = out.as_mut_ptr().add(tile_start - rows.start);
+        let mut token = 0;
+        while token < tokens {
+            let t_count = (tokens - token).min(2);
+            let mut i = 0;
+            while i < count {
+                let r_count = if count - i >= 2 { 2 } else { 1 };
+                let o = out_column.add(token * stride + i);
+                match (r_count, t_count) {
+                    (2, 2) => gemm_micro::<W, 2, 2>(scratch, groups, i, x, token, o, stride),
+                    (2, _) => gemm_micro::<W, 2, 1>(scratch, groups, i, x, token, o, stride),
+                    (_, 2) => gemm_micro::<W, 1, 2>(scratch, groups, i, x, token, o, stride),
+                    _ => gemm_micro::<W, 1, 1>(scratch, groups, i, x, token, o, stride),
+                }
+                i += r_count;
+            }
+            token += t_count;
+        }
+        tile_start += count;
+    }
+}
+
+pub(crate) unsafe fn mxfp4_gemm(
+    w: &Mxfp4Matrix,
+    x: &Q8Activations,
+    rows: Range<usize>,
+    out: &mut [f32],
+    scratch: &mut GemmScratch,
+) {
+    gemm(w, x, rows, out, scratch)
+}
+
+pub(crate) unsafe fn q4_gemm(
+    w: &Q4Matrix,
+    x: &Q8Activations,
+    rows: Range<usize>,
+    out: &mut [f32],
+    scratch: &mut GemmScratch,
+) {
+    gemm(w, x, rows, out, scratch)
+}
+
+pub(crate) unsafe fn q8_gemm(
+    w: &Q8Matrix,
+    x: &Q8Activations,
+    rows: Range<usize>,
+    out: &mut [f32],
+    scratch: &mut GemmScratch,
+) {
+    gemm(w, x, rows, out, scratch)
+}
+
+/// `R` bf16 rows x `T` tokens over the columns that fill whole vectors; the rest in scalar FMA.
+///
+/// # Safety
+/// Rows `row..+R`, tokens `token..+T` exist; `out[t * stride + i]` in bounds.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bf16_micro<const R: usize, const T: usize>(
+    w: &[u16],
+    cols: usize,
+    x: &[f32],
+    row: usize,
+    token: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let whole = cols / 8 * 8;
+    let mut c = 0;
+    while c < whole {
+        let mut xs = [_mm256_setzero_ps(); T];
+        for (t, xv) in xs.iter_mut().enumerate() {
+            *xv = _mm256_loadu_ps(x.as_ptr().add((token + t) * cols + c));
+        }
+        for (i, acc_row) in acc.iter_mut().enumerate() {
+            let bits = _mm_loadu_si128(w.as_ptr().add((row + i) * cols + c).cast());
+            let wv = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(bits)));
+            for (acc_cell, xv) in acc_row.iter_mut().zip(&xs) {
+                *acc_cell = _mm256_fmadd_ps(wv, *xv, *acc_cell);
+            }
+        }
+        c += 8;
+    }
+    for (i, acc_row) in acc.iter().enumerate() {
+        for (t, acc_cell) in acc_row.iter().enumerate() {
+            let mut sum = reduce_add(*acc_cell);
+            for k in whole..cols {
+                let wv = f32::from_bits((*w.get_unchecked((row + i) * cols + k) as u32) << 16);
+                sum = wv.mul_add(*x.get_unchecked((token + t) * cols + k), sum);
+            }
+            *out.add(t * stride + i) = sum;
+        }
+    }
+}
+
+/// # Safety
+/// The CPU has the module's features; shapes were checked by `Kernels`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn bf16_gemm(
+    w: &[u16],
+    cols: usize,
+    x: &[f32],
+    rows: Range<usize>,
+    out: &mut [f32],
+) {
+    let tokens = x.len() / cols;
+    let stride = rows.len();
+    let mut tile_start = rows.start;
+    while tile_start < rows.end {
+        let count = (rows.end - tile_start).min(GEMM_TILE_ROWS);
+        let mut token = 0;
+        while token < tokens {
+            let t_count = (tokens - token).min(3);
+            let mut i = 0;
+            while i < count {
+                let r_count = if count - i >= 2 { 2 } else { 1 };
+                let row = tile_start + i;
+                let o = out.as_mut_ptr().add(token * stride + row - rows.start);
+                match (r_count, t_count) {
+                    (2, 3) => bf16_micro::<2, 3>(w, cols, x, row, token, o, stride),
+                    (2, 2) => bf16_micro::<2, 2>(w, cols, x, row, token, o, stride),
+                    (2, _) => bf16_micro::<2, 1>(w, cols, x, row, token, o, stride),
+                    (_, 3) => bf16_micro::<1, 3>(w, cols, x, row, token, o, stride),
+                    (_, 2) => bf16_micro::<1, 2>(w, cols, x, row, token, o, stride),
+                    _ => bf16_micro::<1, 1>(w, cols, x, row, token, o, stride),
+                }
+                i += r_count;
+            }
+            token += t_count;
+        }
+        tile_start += count;
+    }
+}
+
+/// # Safety
+/// The CPU has the module's features; `a.len() == b.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let whole = a.len() / 8 * 8;
+    let mut i = 0;
+    while i < whole {
+        let lane = (i / 8) % 2;
+        acc[lane] = _mm256_fmadd_ps(
+            _mm256_loadu_ps(a.as_ptr().add(i)),
+            _mm256_loadu_ps(b.as_ptr().add(i)),
+            acc[lane],
+        );
+        i += 8;
+    }
+    let mut sum = reduce_add(_mm256_add_ps(acc[0], acc[1]));
+    for k in whole..a.len() {
+        sum = a[k].mul_add(b[k], sum);
+    }
+    sum
+}
+
+/// # Safety
+/// The CPU has the module's features; `x.len() == y.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
+    let a = _mm256_set1_ps(alpha);
+    let whole = x.len() / 8 * 8;
+    let mut i = 0;
+    while i < whole {
+        let yp = y.as_mut_ptr().add(i);
+        _mm256_storeu_ps(
+            yp,
+            _mm256_fmadd_ps(a, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(yp)),
+        );
+        i += 8;
+    }
+    for k in whole..x.len() {
+        y[k] = alpha.mul_add(x[k], y[k]);
+    }
+}
+
+/// # Safety
+/// The CPU has the module's features; `a.len() == b.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_f16(a: &[f32], b: &[f16]) -> f32 {
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let whole = a.len() / 8 * 8;
+    let mut i = 0;
+    while i < whole {
+        let lane = (i / 8) % 2;
+        let bv = _mm256_cvtph_ps(_mm_loadu_si128(b.as_ptr().add(i).cast()));
+        acc[lane] = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), bv, acc[lane]);
+        i += 8;
+    }
+    let mut sum = reduce_add(_mm256_add_ps(acc[0], acc[1]));
+    for k in whole..a.len() {
+        sum = a[k].mul_add(b[k].to_f32(), sum);
+    }
+    sum
+}
+
+/// # Safety
+/// The CPU has the module's features; `x.len() == y.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn axpy_f16(alpha: f32, x: &[f16], y: &mut [f32]) {
+    let a = _mm256_set1_ps(alpha);
+    let whole = x.len() / 8 * 8;
+    let mut i = 0;
+    while i < whole {
+        let yp = y.as_mut_ptr().add(i);
+        let xv = _mm256_cvtph_ps(_mm_loadu_si128(x.as_ptr().add(i).cast()));
+        _mm256_storeu_ps(yp, _mm256_fmadd_ps(a, xv, _mm256_loadu_ps(yp)));
+        i += 8;
+    }
+    for k in whole..x.len() {
+        y[k] = alpha.mul_add(x[k].to_f32(), y[k]);
+    }
+}
+
+/// # Safety
+/// The CPU has the module's features; `src.len() == dst.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn f32_to_f16(src: &[f32], dst: &mut [f16]) {
+    let whole = src.len() / 8 * 8;
+    let mut i = 0;
+    while i < whole {
+        let halves =
+            _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(src.as_ptr().add(i)));
+        _mm_storeu_si128(dst.as_mut_ptr().add(i).cast(), halves);
+        i += 8;
+    }
+    for k in whole..src.len() {
+        dst[k] = f16::from_f32(src[k]);
+    }
+}
+
+/// # Safety
+/// The CPU has the module's features; `src.len() == dst.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
+    let whole = src.len() / 8 * 8;
+    let mut i = 0;
+    while i < whole {
+        _mm256_storeu_ps(
+            dst.as_mut_ptr().add(i),
+            _mm256_cvtph_ps(_mm_loadu_si128(src.as_ptr().add(i).cast())),
+        );
+        i += 8;
+    }
+    for k in whole..src.len() {
+        dst[k] = src[k].to_f32();
+    }
+}

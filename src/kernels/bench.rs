@@ -1,0 +1,452 @@
+//! The kernel benchmark behind `ossterm bench --kernels`: GEMV read bandwidth over a set of expert
+//! matrices larger than the caches, and GEMM throughput for growing token counts, per weight format
+//! and thread count.
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use half::f16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+use serde::Serialize;
+
+use super::formats::{
+    quantize_activation_rows, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, GROUP_BLOCKS,
+    GROUP_LEN,
+};
+use super::{GemmScratch, KernelError, Kernels};
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct KernelBenchConfig {
+    /// Matrices streamed by the GEMV measurement (gpt-oss-20b has 32 experts per layer).
+    pub experts: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub thread_counts: Vec<usize>,
+    /// Token counts M for the GEMM measurement (on one `rows x cols` matrix).
+    pub gemm_tokens: Vec<usize>,
+    /// Timed runs per measurement; the report gives the best and the median.
+    pub repetitions: usize,
+    /// Each timed run repeats the kernel until it lasts at least this long.
+    pub min_run_time: Duration,
+}
+
+impl KernelBenchConfig {
+    /// The gpt-oss-20b expert shape: 32 matrices of 2880 x 2880 (about 141 MB of MXFP4).
+    pub fn standard() -> Self {
+        Self {
+            experts: 32,
+            rows: 2880,
+            cols: 2880,
+            thread_counts: vec![1, 2],
+            gemm_tokens: vec![1, 4, 16, 64, 256],
+            repetitions: 5,
+            min_run_time: Duration::from_millis(20),
+        }
+    }
+
+    /// A shape small enough for tests.
+    pub fn quick() -> Self {
+        Self {
+            experts: 2,
+            rows: 40,
+            cols: 160,
+            thread_counts: vec![1, 2],
+            gemm_tokens: vec![1, 5],
+            repetitions: 2,
+            min_run_time: Duration::from_micros(200),
+        }
+    }
+}
+
+/// One measured kernel configuration.
+#[derive(Clone, Debug, Serialize)]
+pub struct KernelBenchResult {
+    /// e.g. `mxfp4_gemv`, `q8_gemm`.
+    pub kernel: String,
+    pub threads: usize,
+    /// Tokens multiplied at once.
+    pub tokens: usize,
+    /// Weight bytes read per kernel run.
+    pub weight_bytes: usize,
+    /// Multiply-accumulates per kernel run.
+    pub macs: usize,
+    pub best_seconds: f64,
+    pub median_seconds: f64,
+    /// Weight bytes per second at the best run, in 1e9.
+    pub best_gb_per_s: f64,
+    /// Multiply-accumulates per second at the best run, in 1e9.
+    pub best_gmac_per_s: f64,
+}
+
+/// All measurements of one run.
+#[derive(Clone, Debug, Serialize)]
+pub struct KernelBenchReport {
+    pub path: String,
+    pub experts: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub results: Vec<KernelBenchResult>,
+}
+
+impl fmt::Display for KernelBenchReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "kernel path {}; GEMV over {} matrices of {}x{}, GEMM on one",
+            self.path, self.experts, self.rows, self.cols
+        )?;
+        writeln!(
+            f,
+            "{:<12} {:>7} {:>6} {:>11} {:>11} {:>9} {:>9}",
+            "kernel", "threads", "M", "best ms", "median ms", "GB/s", "GMAC/s"
+        )?;
+        for r in &self.results {
+            writeln!(
+                f,
+                "{:<12} {:>7} {:>6} {:>11.3} {:>11.3} {:>9.1} {:>9.1}",
+                r.kernel,
+                r.threads,
+                r.tokens,
+                r.best_seconds * 1e3,
+                r.median_seconds * 1e3,
+                r.best_gb_per_s,
+                r.best_gmac_per_s
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Random weights in the three integer formats, built directly (no bf16 round trip) to keep
+/// setup fast for hundreds of megabytes.
+struct BenchWeights {
+    rows: usize,
+    cols: usize,
+    mxfp4_blocks: Vec<u8>,
+    mxfp4_scales: Vec<u8>,
+    q8: Vec<Q8Matrix>,
+    q4: Vec<Q4Matrix>,
+}
+
+impl BenchWeights {
+    fn random(rng: &mut ChaCha8Rng, experts: usize, rows: usize, cols: usize) -> Self {
+        let groups = cols.div_ceil(GROUP_LEN);
+        let blocks = cols / 32;
+        let mut bytes = |n: usize| -> Vec<u8> {
+            let mut v = vec![0u8; n];
+            rng.fill(&mut v[..]);
+            v
+        };
+        let mxfp4_blocks = bytes(experts * rows * cols / 2);
+        let mxfp4_scales = bytes(experts * rows * blocks)
+            .iter()
+            .map(|b| 118 + b % 12)
+            .collect();
+        let scales = |rng: &mut ChaCha8Rng| -> Vec<f16> {
+            (0..rows * groups * GROUP_BLOCKS)
+                .map(|_| f16::from_f32(rng.gen_range(1e-3..1e-2)))
+                .collect()
+        };
+        let mut q8 = Vec::with_capacity(experts);
+        let mut q4 = Vec::with_capacity(experts);
+        for _ in 0..experts {
+            let mut quants = vec![0u8; rows * groups * GROUP_LEN];
+            rng.fill(&mut quants[..]);
+            q8.push(Q8Matrix {
+                rows,
+                cols,
+                groups,
+                quants: quants.into_iter().map(|b| (b as i8).max(-127)).collect(),
+                scales: scales(rng),
+            });
+            let mut nibbles = vec![0u8; rows * groups * GROUP_LEN / 2];
+            rng.fill(&mut nibbles[..]);
+            q4.push(Q4Matrix {
+                rows,
+                cols,
+                groups,
+                nibbles,
+                scales: scales(rng),
+            });
+        }
+        Self {
+            rows,
+            cols,
+            mxfp4_blocks,
+            mxfp4_scales,
+            q8,
+            q4,
+        }
+    }
+
+    fn mxfp4(&self, expert: usize) -> Mxfp4Matrix<'_> {
+        let (block_bytes, scale_bytes) = (self.rows * self.cols / 2, self.rows * self.cols / 32);
+        Mxfp4Matrix {
+            rows: self.rows,
+            cols: self.cols,
+            blocks: &self.mxfp4_blocks[expert * block_bytes..(expert + 1) * block_bytes],
+            scales: &self.mxfp4_scales[expert * scale_bytes..(expert + 1) * scale_bytes],
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Format {
+    Mxfp4,
+    Q8,
+    Q4,
+}
+
+impl Format {
+    fn name(self) -> &'static str {
+        match self {
+            Format::Mxfp4 => "mxfp4",
+            Format::Q8 => "q8",
+            Format::Q4 => "q4",
+        }
+    }
+
+    fn matrix_bytes(self, w: &BenchWeights) -> usize {
+        match self {
+            Format::Mxfp4 => w.rows * w.cols / 32 * 17,
+            Format::Q8 => w.q8[0].size_bytes(),
+            Format::Q4 => w.q4[0].size_bytes(),
+        }
+    }
+}
+
+/// Per-thread buffers, allocated before timing.
+struct ThreadState {
+    rows: std::ops::Range<usize>,
+    out: Vec<f32>,
+    scratch: GemmScratch,
+}
+
+fn split_rows(rows: usize, threads: usize) -> Vec<std::ops::Range<usize>> {
+    // Split on multiples of 16 rows so every thread keeps whole GEMM tiles.
+    let tiles = rows.div_ceil(16);
+    (0..threads)
+        .map(|t| {
+            ((tiles * t / threads) * 16).min(rows)..((tiles * (t + 1) / threads) * 16).min(rows)
+        })
+        .collect()
+}
+
+/// Time `run` (best and median of `repetitions`, each repeated to `min_run_time`), per call.
+fn time_runs(
+    repetitions: usize,
+    min_run_time: Duration,
+    mut run: impl FnMut() -> Result<(), KernelError>,
+) -> Result<(f64, f64), KernelError> {
+    let start = Instant::now();
+    run()?;
+    let once = start.elapsed().max(Duration::from_nanos(100));
+    let calls = (min_run_time.as_secs_f64() / once.as_secs_f64())
+        .ceil()
+        .max(1.0) as usize;
+    let mut samples = Vec::with_capacity(repetitions);
+    for _ in 0..repetitions.max(1) {
+        let start = Instant::now();
+        for _ in 0..calls {
+            run()?;
+        }
+        samples.push(start.elapsed().as_secs_f64() / calls as f64);
+    }
+    samples.sort_by(f64::total_cmp);
+    Ok((samples[0], samples[samples.len() / 2]))
+}
+
+/// Measure the integer kernels of `kernels` as `config` says. Uses its own rayon pools of each
+/// requested size; allocates the weights up front (about 560 MB for the standard config).
+pub fn run_kernel_bench(
+    kernels: Kernels,
+    config: &KernelBenchConfig,
+) -> Result<KernelBenchReport, KernelError> {
+    if config.experts == 0
+        || config.rows == 0
+        || config.cols == 0
+        || !config.cols.is_multiple_of(32)
+    {
+        return Err(KernelError::BadColumns {
+            what: format!(
+                "kernel benchmark shape {} experts x {}x{}",
+                config.experts, config.rows, config.cols
+            ),
+            cols: config.cols,
+        });
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
+    let weights = BenchWeights::random(&mut rng, config.experts, config.rows, config.cols);
+    let max_tokens = config.gemm_tokens.iter().copied().max().unwrap_or(1).max(1);
+    let activations: Vec<f32> = (0..max_tokens * config.cols)
+        .map(|_| rng.gen_range(-2.0..2.0))
+        .collect();
+    let mut results = Vec::new();
+    for &threads in &config.thread_counts {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads.max(1))
+            .build()
+            .map_err(|e| KernelError::ThreadPool(e.to_string()))?;
+        let ranges = split_rows(config.rows, threads.max(1));
+        for format in [Format::Mxfp4, Format::Q8, Format::Q4] {
+            // GEMV: one token against every expert matrix, each thread on its rows of each.
+            let mut x = Q8Activations::with_capacity(1, config.cols);
+            quantize_activation_rows(&activations[..config.cols], config.cols, &mut x)?;
+            let mut states = thread_states(&ranges, 1, config.cols);
+            let (best, median) = time_runs(config.repetitions, config.min_run_time, || {
+                pool.install(|| {
+                    states.par_iter_mut().try_for_each(|s| {
+                        for e in 0..config.experts {
+                            match format {
+                                Format::Mxfp4 => kernels.mxfp4_gemv(
+                                    &weights.mxfp4(e),
+                                    &x,
+                                    s.rows.clone(),
+                                    &mut s.out,
+                                )?,
+                                Format::Q8 => kernels.q8_gemv(
+                                    &weights.q8[e],
+                                    &x,
+                                    s.rows.clone(),
+                                    &mut s.out,
+                                )?,
+                                Format::Q4 => kernels.q4_gemv(
+                                    &weights.q4[e],
+                                    &x,
+                                    s.rows.clone(),
+                                    &mut s.out,
+                                )?,
+                            }
+                        }
+                        Ok(())
+                    })
+                })
+            })?;
+            let bytes = format.matrix_bytes(&weights) * config.experts;
+            results.push(result(
+                format!("{}_gemv", format.name()),
+                threads,
+                1,
+                bytes,
+                config,
+                best,
+                median,
+            ));
+
+            // GEMM: M tokens against one matrix.
+            for &tokens in &config.gemm_tokens {
+                let tokens = tokens.max(1);
+                let mut x = Q8Activations::with_capacity(tokens, config.cols);
+                quantize_activation_rows(
+                    &activations[..tokens * config.cols],
+                    config.cols,
+                    &mut x,
+                )?;
+                let mut states = thread_states(&ranges, tokens, config.cols);
+                let (best, median) = time_runs(config.repetitions, config.min_run_time, || {
+                    pool.install(|| {
+                        states.par_iter_mut().try_for_each(|s| {
+                            let (rows, out, scratch) = (s.rows.clone(), &mut s.out, &mut s.scratch);
+                            match format {
+                                Format::Mxfp4 => {
+                                    kernels.mxfp4_gemm(&weights.mxfp4(0), &x, rows, out, scratch)
+                                }
+                                Format::Q8 => {
+                                    kernels.q8_gemm(&weights.q8[0], &x, rows, out, scratch)
+                                }
+                                Format::Q4 => {
+                                    kernels.q4_gemm(&weights.q4[0], &x, rows, out, scratch)
+                                }
+                            }
+                        })
+                    })
+                })?;
+                let mut r = result(
+                    format!("{}_gemm", format.name()),
+                    threads,
+                    tokens,
+                    format.matrix_bytes(&weights),
+                    config,
+                    best,
+                    median,
+                );
+                r.macs *= tokens;
+                r.best_gmac_per_s *= tokens as f64;
+                results.push(r);
+            }
+        }
+    }
+    Ok(KernelBenchReport {
+        path: kernels.path().name().to_string(),
+        experts: config.experts,
+        rows: config.rows,
+        cols: config.cols,
+        results,
+    })
+}
+
+fn thread_states(
+    ranges: &[std::ops::Range<usize>],
+    tokens: usize,
+    cols: usize,
+) -> Vec<ThreadState> {
+    ranges
+        .iter()
+        .map(|r| ThreadState {
+            rows: r.clone(),
+            out: vec![0.0; tokens * r.len()],
+            scratch: GemmScratch::new(cols),
+        })
+        .collect()
+}
+
+/// A result for one token; GEMM callers scale the MAC figures by their token count.
+fn result(
+    kernel: String,
+    threads: usize,
+    tokens: usize,
+    bytes: usize,
+    config: &KernelBenchConfig,
+    best: f64,
+    median: f64,
+) -> KernelBenchResult {
+    let matrices = if tokens == 1 && kernel.ends_with("gemv") {
+        config.experts
+    } else {
+        1
+    };
+    let macs = matrices * config.rows * config.cols;
+    KernelBenchResult {
+        kernel,
+        threads,
+        tokens,
+        weight_bytes: bytes,
+        macs,
+        best_seconds: best,
+        median_seconds: median,
+        best_gb_per_s: bytes as f64 / best / 1e9,
+        best_gmac_per_s: macs as f64 / best / 1e9,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_splits_cover_every_row_once_on_tile_boundaries() {
+        for (rows, threads) in [(2880, 2), (40, 2), (17, 3), (5, 1)] {
+            let ranges = split_rows(rows, threads);
+            assert_eq!(ranges.len(), threads);
+            assert_eq!(ranges[0].start, 0);
+            assert_eq!(ranges[threads - 1].end, rows);
+            for pair in ranges.windows(2) {
+                assert_eq!(pair[0].end, pair[1].start);
+                assert_eq!(pair[0].end % 16, 0);
+            }
+        }
+    }
+}

@@ -1,0 +1,641 @@
+//! Block formats: quantized activations, MXFP4 checkpoint views, and the Q8/Q4 formats we make at load.
+//!
+//! Every integer format groups its blocks of 32 in fours ("groups" of 128 elements) and stores each
+//! group as the even elements of its four blocks, then the odd elements of its four blocks. That is
+//! the order in which the checkpoint's MXFP4 nibbles come out of one 64-byte load (low nibbles are
+//! the even elements), so no kernel needs an interleaving shuffle.
+
+use half::f16;
+use rayon::prelude::*;
+
+use super::KernelError;
+
+/// Elements per quantization block (one scale each).
+pub const BLOCK_LEN: usize = 32;
+/// Blocks per group: one 512-bit load of MXFP4 or Q4 nibbles.
+pub const GROUP_BLOCKS: usize = 4;
+/// Elements per group.
+pub const GROUP_LEN: usize = BLOCK_LEN * GROUP_BLOCKS;
+/// Per-block lanes in the lane-expanded arrays: a group's four blocks fill sixteen 32-bit lanes,
+/// four per block, which is how `vpdpbusd` lays out its sums.
+pub(crate) const GROUP_LANES: usize = 16;
+
+/// FP4 E2M1 value of each nibble (bit 3 is the sign).
+pub const FP4_E2M1: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// FP4 values doubled so they are integers; the kernels multiply these and halve the result.
+pub(crate) const FP4_DOUBLED: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// Added to the doubled FP4 values so `vpdpbusd`/`vpmaddubsw` see unsigned weights; each block's
+/// sum is corrected by `-offset x (sum of the block's activations)`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) const MXFP4_OFFSET: i32 = 12;
+/// Q4 nibbles hold `q + 8` for q in -8..=7.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) const Q4_OFFSET: i32 = 8;
+/// The AVX-512 Q8 kernels flip the sign bit (`q ^ 0x80 = q + 128`) to get unsigned weights.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) const Q8_OFFSET: i32 = 128;
+
+/// The exact MXFP4 block scale of an E8M0 byte, as the spec defines it: 2^(s-127), NaN for 255.
+pub fn e8m0_scale(s: u8) -> f32 {
+    match s {
+        255 => f32::NAN,
+        0 => f32::from_bits(0x0040_0000), // 2^-127 is subnormal in f32
+        _ => f32::from_bits((s as u32) << 23),
+    }
+}
+
+/// The scale the kernels apply: `s << 23` as f32 bits, which is 2^(s-127) for s in 1..=254.
+/// s = 0 flushes to 0 (its weights are below 4e-38); s = 255 (NaN in the OCP spec) gives infinity,
+/// so a corrupt block shows up as a non-finite output instead of a plausible number.
+#[inline]
+pub(crate) fn e8m0_kernel_scale(s: u8) -> f32 {
+    f32::from_bits((s as u32) << 23)
+}
+
+/// Position of element `k` of a row in the group-interleaved order.
+#[inline]
+pub(crate) fn interleaved_position(k: usize) -> usize {
+    let group = k / GROUP_LEN;
+    let block_in_group = (k % GROUP_LEN) / BLOCK_LEN;
+    let element = k % BLOCK_LEN;
+    group * GROUP_LEN
+        + (element % 2) * (GROUP_LEN / 2)
+        + block_in_group * (BLOCK_LEN / 2)
+        + element / 2
+}
+
+fn check_block_cols(what: &str, cols: usize) -> Result<(), KernelError> {
+    if cols == 0 || !cols.is_multiple_of(BLOCK_LEN) {
+        return Err(KernelError::BadColumns {
+            what: what.to_string(),
+            cols,
+        });
+    }
+    Ok(())
+}
+
+fn groups_for(cols: usize) -> usize {
+    cols.div_ceil(GROUP_LEN)
+}
+
+/// Activations quantized to int8 blocks of 32 with one f32 scale per block, `rows` tokens of `cols`.
+///
+/// Layout per token: `groups = ceil(cols / 128)` groups, padded with zero blocks (scale 0) so every
+/// kernel reads whole groups. Quantize once per token; every weight row and every expert reuses it.
+#[derive(Clone, Debug, Default)]
+pub struct Q8Activations {
+    rows: usize,
+    cols: usize,
+    pub(crate) groups: usize,
+    /// `rows x groups x 128` int8 values, group-interleaved (evens of 4 blocks, then odds).
+    pub(crate) quants: Vec<i8>,
+    /// `rows x groups x 16`: lanes 4j..4j+3 hold the scale of block j of the group.
+    pub(crate) scale_lanes: Vec<f32>,
+    /// `rows x groups x 16`: lane 4j holds the sum of block j's int8 values, the other lanes 0.
+    /// The offset trick subtracts `offset x sum` from each block's unsigned-by-signed dot product.
+    pub(crate) sum_lanes: Vec<i32>,
+}
+
+impl Q8Activations {
+    /// An empty buffer; the first quantization sizes it.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A buffer that holds `rows` tokens of `cols` without reallocating.
+    pub fn with_capacity(rows: usize, cols: usize) -> Self {
+        let groups = groups_for(cols);
+        Self {
+            rows: 0,
+            cols: 0,
+            groups: 0,
+            quants: Vec::with_capacity(rows * groups * GROUP_LEN),
+            scale_lanes: Vec::with_capacity(rows * groups * GROUP_LANES),
+            sum_lanes: Vec::with_capacity(rows * groups * GROUP_LANES),
+        }
+    }
+
+    /// Tokens held.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Elements per token.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    pub(crate) fn row_quants(&self, row: usize) -> &[i8] {
+        let stride = self.groups * GROUP_LEN;
+        &self.quants[row * stride..(row + 1) * stride]
+    }
+
+    pub(crate) fn row_scale_lanes(&self, row: usize) -> &[f32] {
+        let stride = self.groups * GROUP_LANES;
+        &self.scale_lanes[row * stride..(row + 1) * stride]
+    }
+
+    pub(crate) fn row_sum_lanes(&self, row: usize) -> &[i32] {
+        let stride = self.groups * GROUP_LANES;
+        &self.sum_lanes[row * stride..(row + 1) * stride]
+    }
+
+    /// Scale of block `block` of token `row`.
+    pub(crate) fn block_scale(&self, row: usize, block: usize) -> f32 {
+        let group = block / GROUP_BLOCKS;
+        let j = block % GROUP_BLOCKS;
+        self.row_scale_lanes(row)[group * GROUP_LANES + j * 4]
+    }
+
+    fn resize(&mut self, rows: usize, cols: usize) {
+        self.rows = rows;
+        self.cols = cols;
+        self.groups = groups_for(cols);
+        // resize never allocates while the capacity suffices.
+        self.quants.resize(rows * self.groups * GROUP_LEN, 0);
+        self.scale_lanes
+            .resize(rows * self.groups * GROUP_LANES, 0.0);
+        self.sum_lanes.resize(rows * self.groups * GROUP_LANES, 0);
+    }
+
+    /// Copy whole quantized tokens from `source` (e.g. the tokens routed to one expert), without
+    /// quantizing again.
+    pub fn gather_rows(
+        &mut self,
+        source: &Q8Activations,
+        rows: &[usize],
+    ) -> Result<(), KernelError> {
+        if let Some(&bad) = rows.iter().find(|&&r| r >= source.rows) {
+            return Err(KernelError::RowOutOfRange {
+                what: "gathered activation row".to_string(),
+                row: bad,
+                rows: source.rows,
+            });
+        }
+        self.resize(rows.len(), source.cols);
+        let (qs, ls) = (self.groups * GROUP_LEN, self.groups * GROUP_LANES);
+        for (dst, &src) in rows.iter().enumerate() {
+            self.quants[dst * qs..(dst + 1) * qs].copy_from_slice(source.row_quants(src));
+            self.scale_lanes[dst * ls..(dst + 1) * ls].copy_from_slice(source.row_scale_lanes(src));
+            self.sum_lanes[dst * ls..(dst + 1) * ls].copy_from_slice(source.row_sum_lanes(src));
+        }
+        Ok(())
+    }
+
+    /// The values the quantized token stands for (scale x int8), in natural element order.
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) -> Result<(), KernelError> {
+        if row >= self.rows {
+            return Err(KernelError::RowOutOfRange {
+                what: "activation row".to_string(),
+                row,
+                rows: self.rows,
+            });
+        }
+        check_len("dequantized activation row", out.len(), self.cols)?;
+        let quants = self.row_quants(row);
+        for (k, value) in out.iter_mut().enumerate() {
+            *value = quants[interleaved_position(k)] as f32 * self.block_scale(row, k / BLOCK_LEN);
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn check_len(what: &str, got: usize, expected: usize) -> Result<(), KernelError> {
+    if got != expected {
+        return Err(KernelError::Length {
+            what: what.to_string(),
+            expected,
+            got,
+        });
+    }
+    Ok(())
+}
+
+/// Quantize one token (`x.len()` elements, a multiple of 32) into `out`, reusing its buffers.
+pub fn quantize_activations(x: &[f32], out: &mut Q8Activations) -> Result<(), KernelError> {
+    quantize_activation_rows(x, x.len(), out)
+}
+
+/// Quantize `x.len() / cols` tokens of `cols` elements each into `out`, reusing its buffers.
+///
+/// One implementation serves every kernel path, so all paths see identical int8 values: scale
+/// `d = max|x| / 127`, `q = round_half_even(x * (127 / max|x|))`.
+pub fn quantize_activation_rows(
+    x: &[f32],
+    cols: usize,
+    out: &mut Q8Activations,
+) -> Result<(), KernelError> {
+    check_block_cols("activation row", cols)?;
+    if !x.len().is_multiple_of(cols) {
+        return Err(KernelError::Length {
+            what: format!("activations (a whole number of rows of {cols})"),
+            expected: x.len().div_ceil(cols) * cols,
+            got: x.len(),
+        });
+    }
+    let rows = x.len() / cols;
+    out.resize(rows, cols);
+    let groups = out.groups;
+    let (quant_stride, lane_stride) = (groups * GROUP_LEN, groups * GROUP_LANES);
+    for row in 0..rows {
+        let source = &x[row * cols..(row + 1) * cols];
+        let quants = &mut out.quants[row * quant_stride..(row + 1) * quant_stride];
+        let scales = &mut out.scale_lanes[row * lane_stride..(row + 1) * lane_stride];
+        let sums = &mut out.sum_lanes[row * lane_stride..(row + 1) * lane_stride];
+        quants.fill(0);
+        scales.fill(0.0);
+        sums.fill(0);
+        for (block, values) in source.chunks_exact(BLOCK_LEN).enumerate() {
+            let amax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let (scale, inverse) = if amax > 0.0 {
+                (amax / 127.0, 127.0 / amax)
+            } else {
+                (0.0, 0.0)
+            };
+            let group = block / GROUP_BLOCKS;
+            let j = block % GROUP_BLOCKS;
+            let base = group * GROUP_LEN + j * (BLOCK_LEN / 2);
+            let mut sum = 0i32;
+            for (pair, two) in values.chunks_exact(2).enumerate() {
+                let even = (two[0] * inverse).round_ties_even().clamp(-127.0, 127.0) as i8;
+                let odd = (two[1] * inverse).round_ties_even().clamp(-127.0, 127.0) as i8;
+                quants[base + pair] = even;
+                quants[base + GROUP_LEN / 2 + pair] = odd;
+                sum += even as i32 + odd as i32;
+            }
+            let lanes = group * GROUP_LANES + j * 4;
+            scales[lanes..lanes + 4].fill(scale);
+            sums[lanes] = sum;
+        }
+    }
+    Ok(())
+}
+
+/// An MXFP4 matrix `[rows, cols]` borrowed zero-copy from the checkpoint.
+///
+/// `blocks`: `rows x cols/32 x 16` bytes; element k of row r is in byte `r*(cols/2) + k/2`, low nibble
+/// for even k. `scales`: `rows x cols/32` E8M0 bytes.
+#[derive(Clone, Copy, Debug)]
+pub struct Mxfp4Matrix<'a> {
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) blocks: &'a [u8],
+    pub(crate) scales: &'a [u8],
+}
+
+impl<'a> Mxfp4Matrix<'a> {
+    /// Check the byte counts against the shape.
+    pub fn new(
+        rows: usize,
+        cols: usize,
+        blocks: &'a [u8],
+        scales: &'a [u8],
+    ) -> Result<Self, KernelError> {
+        check_block_cols("MXFP4 matrix", cols)?;
+        check_len(
+            "MXFP4 blocks (rows x cols/2 bytes)",
+            blocks.len(),
+            rows * cols / 2,
+        )?;
+        check_len(
+            "MXFP4 scales (rows x cols/32 bytes)",
+            scales.len(),
+            rows * cols / BLOCK_LEN,
+        )?;
+        Ok(Self {
+            rows,
+            cols,
+            blocks,
+            scales,
+        })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Nibble of element `k` of row `r`.
+    #[inline]
+    pub(crate) fn nibble(&self, row: usize, k: usize) -> u8 {
+        let byte = self.blocks[row * (self.cols / 2) + k / 2];
+        if k.is_multiple_of(2) {
+            byte & 0x0F
+        } else {
+            byte >> 4
+        }
+    }
+
+    #[inline]
+    pub(crate) fn scale_byte(&self, row: usize, block: usize) -> u8 {
+        self.scales[row * (self.cols / BLOCK_LEN) + block]
+    }
+
+    /// Row `row` as f32, exactly as the spec defines it (`FP4_E2M1[nibble] x e8m0_scale(s)`).
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) -> Result<(), KernelError> {
+        if row >= self.rows {
+            return Err(KernelError::RowOutOfRange {
+                what: "MXFP4 row".to_string(),
+                row,
+                rows: self.rows,
+            });
+        }
+        check_len("dequantized MXFP4 row", out.len(), self.cols)?;
+        for (k, value) in out.iter_mut().enumerate() {
+            *value = FP4_E2M1[self.nibble(row, k) as usize]
+                * e8m0_scale(self.scale_byte(row, k / BLOCK_LEN));
+        }
+        Ok(())
+    }
+}
+
+fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// Weights quantized to int8 blocks of 32 with an f16 scale per block (8.5 bits per weight).
+///
+/// Symmetric: `w ~ d x q`, `d = max|w| / 127`, q in -127..=127. Rows are stored group-interleaved like
+/// [`Q8Activations`] and padded to whole groups (2880 columns: 2.2% more bytes) so no kernel has a
+/// ragged tail.
+#[derive(Clone, Debug)]
+pub struct Q8Matrix {
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) groups: usize,
+    /// `rows x groups x 128`.
+    pub(crate) quants: Vec<i8>,
+    /// `rows x groups x 4`; padding blocks have scale 0.
+    pub(crate) scales: Vec<f16>,
+}
+
+/// Weights quantized to 4-bit blocks of 32 with an f16 scale per block (4.5 bits per weight).
+///
+/// Symmetric, like GGML's Q4_0: with m the block's value of largest magnitude, `d = m / -8` and
+/// `q = round(w / d)` clamped to -8..=7, stored as the nibble `q + 8`. Nibbles follow the MXFP4 order
+/// (16 bytes per block, low nibble = even element); rows are padded to whole groups.
+#[derive(Clone, Debug)]
+pub struct Q4Matrix {
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) groups: usize,
+    /// `rows x groups x 64`.
+    pub(crate) nibbles: Vec<u8>,
+    /// `rows x groups x 4`; padding blocks have scale 0.
+    pub(crate) scales: Vec<f16>,
+}
+
+fn check_bf16_input(what: &str, rows: usize, cols: usize, len: usize) -> Result<(), KernelError> {
+    check_block_cols(what, cols)?;
+    check_len(&format!("{what} bf16 data (rows x cols)"), len, rows * cols)
+}
+
+impl Q8Matrix {
+    /// Quantize a row-major bf16 matrix (raw bits); rows are quantized in parallel on the rayon pool.
+    pub fn from_bf16(rows: usize, cols: usize, data: &[u16]) -> Result<Self, KernelError> {
+        check_bf16_input("Q8 matrix", rows, cols, data.len())?;
+        let groups = groups_for(cols);
+        let mut quants = vec![0i8; rows * groups * GROUP_LEN];
+        let mut scales = vec![f16::ZERO; rows * groups * GROUP_BLOCKS];
+        quants
+            .par_chunks_mut(groups * GROUP_LEN)
+            .zip(scales.par_chunks_mut(groups * GROUP_BLOCKS))
+            .zip(data.par_chunks(cols))
+            .for_each(|((row_quants, row_scales), source)| {
+                for (block, values) in source.chunks_exact(BLOCK_LEN).enumerate() {
+                    let amax = values
+                        .iter()
+                        .fold(0.0f32, |m, &v| m.max(bf16_to_f32(v).abs()));
+                    let scale = f16::from_f32(amax / 127.0);
+                    let stored = scale.to_f32();
+                    let inverse = if stored > 0.0 { 1.0 / stored } else { 0.0 };
+                    row_scales[block] = scale;
+                    for (e, &v) in values.iter().enumerate() {
+                        let q = (bf16_to_f32(v) * inverse)
+                            .round_ties_even()
+                            .clamp(-127.0, 127.0);
+                        row_quants[interleaved_position(block * BLOCK_LEN + e)] = q as i8;
+                    }
+                }
+            });
+        Ok(Self {
+            rows,
+            cols,
+            groups,
+            quants,
+            scales,
+        })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes of weight data (quants and scales).
+    pub fn size_bytes(&self) -> usize {
+        self.quants.len() + 2 * self.scales.len()
+    }
+
+    pub(crate) fn row_quants(&self, row: usize) -> &[i8] {
+        let stride = self.groups * GROUP_LEN;
+        &self.quants[row * stride..(row + 1) * stride]
+    }
+
+    pub(crate) fn row_scales(&self, row: usize) -> &[f16] {
+        let stride = self.groups * GROUP_BLOCKS;
+        &self.scales[row * stride..(row + 1) * stride]
+    }
+
+    /// Row `row` as f32 (scale x int8), natural element order.
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) -> Result<(), KernelError> {
+        if row >= self.rows {
+            return Err(KernelError::RowOutOfRange {
+                what: "Q8 row".to_string(),
+                row,
+                rows: self.rows,
+            });
+        }
+        check_len("dequantized Q8 row", out.len(), self.cols)?;
+        let (quants, scales) = (self.row_quants(row), self.row_scales(row));
+        for (k, value) in out.iter_mut().enumerate() {
+            *value = quants[interleaved_position(k)] as f32 * scales[k / BLOCK_LEN].to_f32();
+        }
+        Ok(())
+    }
+}
+
+impl Q4Matrix {
+    /// Quantize a row-major bf16 matrix (raw bits); rows are quantized in parallel on the rayon pool.
+    pub fn from_bf16(rows: usize, cols: usize, data: &[u16]) -> Result<Self, KernelError> {
+        check_bf16_input("Q4 matrix", rows, cols, data.len())?;
+        let groups = groups_for(cols);
+        let mut nibbles = vec![0u8; rows * groups * GROUP_LEN / 2];
+        let mut scales = vec![f16::ZERO; rows * groups * GROUP_BLOCKS];
+        nibbles
+            .par_chunks_mut(groups * GROUP_LEN / 2)
+            .zip(scales.par_chunks_mut(groups * GROUP_BLOCKS))
+            .zip(data.par_chunks(cols))
+            .for_each(|((row_nibbles, row_scales), source)| {
+                // Padding blocks stay at nibble 8 (q = 0) so every stored nibble decodes to a real value.
+                row_nibbles.fill(0x88);
+                for (block, values) in source.chunks_exact(BLOCK_LEN).enumerate() {
+                    let extreme = values.iter().map(|&v| bf16_to_f32(v)).fold(0.0f32, |m, v| {
+                        if v.abs() > m.abs() {
+                            v
+                        } else {
+                            m
+                        }
+                    });
+                    let scale = f16::from_f32(extreme / -8.0);
+                    let stored = scale.to_f32();
+                    let inverse = if stored != 0.0 { 1.0 / stored } else { 0.0 };
+                    row_scales[block] = scale;
+                    let base = block * BLOCK_LEN / 2;
+                    for (pair, two) in values.chunks_exact(2).enumerate() {
+                        let quantize = |v: u16| {
+                            ((bf16_to_f32(v) * inverse)
+                                .round_ties_even()
+                                .clamp(-8.0, 7.0) as i32
+                                + Q4_OFFSET) as u8
+                        };
+                        row_nibbles[base + pair] = quantize(two[0]) | (quantize(two[1]) << 4);
+                    }
+                }
+            });
+        Ok(Self {
+            rows,
+            cols,
+            groups,
+            nibbles,
+            scales,
+        })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes of weight data (nibbles and scales).
+    pub fn size_bytes(&self) -> usize {
+        self.nibbles.len() + 2 * self.scales.len()
+    }
+
+    pub(crate) fn row_nibbles(&self, row: usize) -> &[u8] {
+        let stride = self.groups * GROUP_LEN / 2;
+        &self.nibbles[row * stride..(row + 1) * stride]
+    }
+
+    pub(crate) fn row_scales(&self, row: usize) -> &[f16] {
+        let stride = self.groups * GROUP_BLOCKS;
+        &self.scales[row * stride..(row + 1) * stride]
+    }
+
+    /// Signed value (-8..=7) of element `k` of row `row`.
+    pub(crate) fn value(&self, row: usize, k: usize) -> i32 {
+        let byte = self.row_nibbles(row)[k / 2];
+        let nibble = if k.is_multiple_of(2) {
+            byte & 0x0F
+        } else {
+            byte >> 4
+        };
+        nibble as i32 - Q4_OFFSET
+    }
+
+    /// Row `row` as f32 (scale x q), natural element order.
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) -> Result<(), KernelError> {
+        if row >= self.rows {
+            return Err(KernelError::RowOutOfRange {
+                what: "Q4 row".to_string(),
+                row,
+                rows: self.rows,
+            });
+        }
+        check_len("dequantized Q4 row", out.len(), self.cols)?;
+        let scales = self.row_scales(row);
+        for (k, value) in out.iter_mut().enumerate() {
+            *value = self.value(row, k) as f32 * scales[k / BLOCK_LEN].to_f32();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interleaved_position_is_a_permutation_of_each_group() {
+        let mut seen = vec![false; 3 * GROUP_LEN];
+        for k in 0..3 * GROUP_LEN {
+            let p = interleaved_position(k);
+            assert!(!seen[p], "position {p} hit twice");
+            seen[p] = true;
+            assert_eq!(p / GROUP_LEN, k / GROUP_LEN);
+        }
+        // Element 1 of block 2 (k = 65) is the first odd element of block 2: after 64 evens, 2 x 16 odds.
+        assert_eq!(interleaved_position(65), 64 + 32);
+    }
+
+    #[test]
+    fn e8m0_scales_follow_the_spec() {
+        assert_eq!(e8m0_scale(127), 1.0);
+        assert_eq!(e8m0_scale(128), 2.0);
+        assert_eq!(e8m0_scale(120), 2f32.powi(-7));
+        assert_eq!(e8m0_scale(0), 2f32.powi(-127));
+        assert!(e8m0_scale(255).is_nan());
+        assert_eq!(e8m0_kernel_scale(126), 0.5);
+    }
+
+    #[test]
+    fn quantizing_into_a_large_enough_buffer_does_not_reallocate() {
+        let mut x = Q8Activations::with_capacity(4, 2880);
+        let pointers = (
+            x.quants.as_ptr(),
+            x.scale_lanes.as_ptr(),
+            x.sum_lanes.as_ptr(),
+        );
+        let values: Vec<f32> = (0..4 * 2880).map(|i| (i % 97) as f32 - 48.0).collect();
+        quantize_activation_rows(&values, 2880, &mut x).unwrap();
+        quantize_activations(&values[..2880], &mut x).unwrap();
+        assert_eq!(
+            pointers,
+            (
+                x.quants.as_ptr(),
+                x.scale_lanes.as_ptr(),
+                x.sum_lanes.as_ptr()
+            )
+        );
+        assert_eq!((x.rows(), x.cols()), (1, 2880));
+    }
+
+    #[test]
+    fn block_sums_and_scales_land_in_their_lanes() {
+        let mut x = Q8Activations::new();
+        // Block j of the single group holds the constant j + 1: every value quantizes to 127.
+        let values: Vec<f32> = (0..96).map(|k| (k / 32 + 1) as f32).collect();
+        quantize_activations(&values, &mut x).unwrap();
+        for j in 0..3 {
+            assert_eq!(x.sum_lanes[4 * j], 127 * 32);
+            assert_eq!(&x.sum_lanes[4 * j + 1..4 * j + 4], &[0, 0, 0]);
+            assert_eq!(x.scale_lanes[4 * j], (j + 1) as f32 / 127.0);
+        }
+        // The fourth block is padding.
+        assert_eq!(x.sum_lanes[12], 0);
+        assert_eq!(x.scale_lanes[12], 0.0);
+    }
+}

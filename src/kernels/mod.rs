@@ -1,0 +1,538 @@
+//! Numeric kernels: quantized matrix-vector and matrix-matrix products, and the small f32/f16 helpers
+//! attention needs, each with a scalar reference and AVX2 and AVX-512 paths.
+//!
+//! # Choosing a path
+//! The path is chosen once per process: call [`init_kernel_path`] at start-up (it reads
+//! `OSSTERM_KERNELS=scalar|avx2|avx512|auto` and refuses a path this CPU lacks), then [`kernels`]
+//! hands out a [`Kernels`] value whose methods run on that path. Tests and benchmarks build a
+//! [`Kernels`] for any supported path with [`Kernels::new`] and compare them side by side.
+//!
+//! * `Avx512`: AVX-512 F/BW with VNNI (`vpdpbusd`), F16C and FMA.
+//! * `Avx2`: AVX2 (`vpmaddubsw` + `vpmaddwd`), F16C and FMA.
+//! * `Scalar`: always available; the reference the others are tested against.
+//!
+//! # Integer formats and the forward pass
+//! ```text
+//! quantize_activation_rows(x, cols, &mut acts)      once per token (batch), reused by every matrix
+//! k.mxfp4_gemv(&expert, &acts, rows, &mut out)       one token; `rows` splits the work across threads
+//! k.mxfp4_gemm(&expert, &acts, rows, &mut out, &mut scratch)   M tokens: out is [M x rows.len()]
+//! k.q8_gemv / q8_gemm / q4_gemv / q4_gemm            same shape, for Q8Matrix / Q4Matrix
+//! k.bf16_gemv / bf16_gemm                            exact f32 math on bf16 weights
+//! k.dot / axpy / dot_f16 / axpy_f16 / f32_to_f16 / f16_to_f32   attention helpers
+//! ```
+//! Every function is single-threaded and allocation-free; the caller splits row ranges across its
+//! thread pool. GEMM decodes a tile of weight rows once into [`GemmScratch`] and multiplies it
+//! against all tokens, so its cost per token falls as M grows.
+//!
+//! # Numerics
+//! Activations are int8 blocks of 32 with an f32 scale per block ([`Q8Activations`]). MXFP4 values
+//! are doubled into integers (-12..=12) so block dot products are exact in int32; the E8M0 scale,
+//! the activation scale and the final halving are applied in f32. The integer parts agree bit for bit
+//! across paths; the f32 sums differ only in rounding order (about 1e-6 relative to the sum of
+//! magnitudes).
+
+pub mod bench;
+mod formats;
+mod scalar;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
+use std::fmt;
+use std::ops::Range;
+use std::sync::OnceLock;
+
+use half::f16;
+
+pub use formats::{
+    e8m0_scale, quantize_activation_rows, quantize_activations, Mxfp4Matrix, Q4Matrix,
+    Q8Activations, Q8Matrix, BLOCK_LEN, FP4_E2M1, GROUP_BLOCKS, GROUP_LEN,
+};
+
+pub use bench::{run_kernel_bench, KernelBenchConfig, KernelBenchReport, KernelBenchResult};
+
+use formats::{check_len, GROUP_LANES};
+
+/// Name of the environment variable that forces a kernel path.
+pub const KERNELS_ENV: &str = "OSSTERM_KERNELS";
+
+/// Rows of weights a GEMM decodes at once; their int8 form (16 x 2944 bytes for 2880 columns) stays
+/// in L1/L2 while every token is multiplied against it.
+pub const GEMM_TILE_ROWS: usize = 16;
+
+/// Errors of the kernel layer: bad shapes handed to a kernel, or a kernel path this CPU cannot run.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error(
+        "unknown kernel path {value:?} in {KERNELS_ENV}: expected scalar, avx2, avx512 or auto"
+    )]
+    UnknownPath { value: String },
+    #[error("{KERNELS_ENV} is not valid UTF-8")]
+    NotUnicode,
+    #[error("kernel path {path} needs CPU features this machine lacks: {missing}")]
+    UnsupportedPath { path: KernelPath, missing: String },
+    #[error("kernel path already selected as {selected}; cannot switch to {requested}")]
+    AlreadySelected {
+        selected: KernelPath,
+        requested: KernelPath,
+    },
+    #[error("{what}: {cols} columns, expected a positive multiple of 32")]
+    BadColumns { what: String, cols: usize },
+    #[error("{what}: length {got}, expected {expected}")]
+    Length {
+        what: String,
+        expected: usize,
+        got: usize,
+    },
+    #[error("{what}: row {row} out of range, there are {rows} rows")]
+    RowOutOfRange {
+        what: String,
+        row: usize,
+        rows: usize,
+    },
+    #[error("{what}: row range {start}..{end} is not inside 0..{rows}")]
+    RowRange {
+        what: String,
+        start: usize,
+        end: usize,
+        rows: usize,
+    },
+    #[error("{what}: activations have {got} columns, the weights have {expected}")]
+    ColumnMismatch {
+        what: String,
+        expected: usize,
+        got: usize,
+    },
+    #[error("{what}: GEMV takes exactly one token, got {tokens}")]
+    NotOneToken { what: String, tokens: usize },
+    #[error("kernel benchmark could not start its thread pool: {0}")]
+    ThreadPool(String),
+    #[error("GEMM scratch was sized for {have} columns, the matrix has {needed}")]
+    ScratchTooSmall { have: usize, needed: usize },
+}
+
+/// Which implementation the kernels run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum KernelPath {
+    Scalar,
+    Avx2,
+    Avx512,
+}
+
+impl KernelPath {
+    pub const ALL: [KernelPath; 3] = [KernelPath::Scalar, KernelPath::Avx2, KernelPath::Avx512];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelPath::Scalar => "scalar",
+            KernelPath::Avx2 => "avx2",
+            KernelPath::Avx512 => "avx512",
+        }
+    }
+
+    /// CPU features this path needs that the running CPU lacks (empty: the path can run).
+    pub fn missing_features(self) -> Vec<&'static str> {
+        match self {
+            KernelPath::Scalar => Vec::new(),
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx2 => avx2::missing_features(),
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx512 => avx512::missing_features(),
+            #[cfg(not(target_arch = "x86_64"))]
+            KernelPath::Avx2 | KernelPath::Avx512 => vec!["x86-64"],
+        }
+    }
+
+    pub fn is_supported(self) -> bool {
+        self.missing_features().is_empty()
+    }
+}
+
+impl fmt::Display for KernelPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Parse an `OSSTERM_KERNELS` value: `Some(path)` to force a path, `None` for `auto` or empty.
+pub fn parse_kernel_path(value: &str) -> Result<Option<KernelPath>, KernelError> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "" | "auto" => Ok(None),
+        "scalar" => Ok(Some(KernelPath::Scalar)),
+        "avx2" => Ok(Some(KernelPath::Avx2)),
+        "avx512" | "avx-512" => Ok(Some(KernelPath::Avx512)),
+        _ => Err(KernelError::UnknownPath {
+            value: value.to_string(),
+        }),
+    }
+}
+
+/// The fastest path this CPU supports.
+pub fn best_supported_path() -> KernelPath {
+    KernelPath::ALL
+        .into_iter()
+        .rev()
+        .find(|p| p.is_supported())
+        .unwrap_or(KernelPath::Scalar)
+}
+
+/// The path for a requested `OSSTERM_KERNELS` value (`None`: variable unset), refusing paths the CPU
+/// lacks. Pure apart from CPU detection, so tests can call it without touching the environment.
+pub fn select_kernel_path(requested: Option<&str>) -> Result<KernelPath, KernelError> {
+    match requested.map(parse_kernel_path).transpose()?.flatten() {
+        None => Ok(best_supported_path()),
+        Some(path) => Kernels::new(path).map(|k| k.path),
+    }
+}
+
+fn requested_from_env() -> Result<Option<String>, KernelError> {
+    match std::env::var(KERNELS_ENV) {
+        Ok(value) => Ok(Some(value)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => Err(KernelError::NotUnicode),
+    }
+}
+
+static SELECTED: OnceLock<KernelPath> = OnceLock::new();
+
+/// Select the process-wide path from `OSSTERM_KERNELS` (or detection). Call once at start-up so a
+/// bad value is reported; later calls return the same path.
+pub fn init_kernel_path() -> Result<KernelPath, KernelError> {
+    let requested = requested_from_env()?;
+    let chosen = select_kernel_path(requested.as_deref())?;
+    let selected = *SELECTED.get_or_init(|| chosen);
+    if selected != chosen {
+        return Err(KernelError::AlreadySelected {
+            selected,
+            requested: chosen,
+        });
+    }
+    Ok(selected)
+}
+
+/// The process-wide path. If [`init_kernel_path`] was not called, the environment is read now and a
+/// value the CPU cannot honour falls back to detection (it can never select an unsupported path).
+pub fn kernel_path() -> KernelPath {
+    *SELECTED.get_or_init(|| {
+        requested_from_env()
+            .and_then(|r| select_kernel_path(r.as_deref()))
+            .unwrap_or_else(|_| best_supported_path())
+    })
+}
+
+/// Kernels on the process-wide path.
+pub fn kernels() -> Kernels {
+    Kernels {
+        path: kernel_path(),
+    }
+}
+
+/// Scratch space for the GEMMs: one decoded tile of [`GEMM_TILE_ROWS`] weight rows.
+#[derive(Clone, Debug)]
+// Only the SIMD paths decode tiles; the scalar reference leaves the scratch untouched.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub struct GemmScratch {
+    cols: usize,
+    /// Unsigned int8 weights, group-interleaved like the activations, `GEMM_TILE_ROWS x groups x 128`.
+    pub(crate) tile: Vec<u8>,
+    /// Weight block scales expanded to lanes, `GEMM_TILE_ROWS x groups x 16`.
+    pub(crate) tile_scales: Vec<f32>,
+}
+
+impl GemmScratch {
+    /// Scratch for matrices of up to `max_cols` columns.
+    pub fn new(max_cols: usize) -> Self {
+        let groups = max_cols.div_ceil(GROUP_LEN);
+        Self {
+            cols: max_cols,
+            tile: vec![0; GEMM_TILE_ROWS * groups * GROUP_LEN],
+            tile_scales: vec![0.0; GEMM_TILE_ROWS * groups * GROUP_LANES],
+        }
+    }
+
+    fn check(&self, cols: usize) -> Result<(), KernelError> {
+        if cols > self.cols {
+            return Err(KernelError::ScratchTooSmall {
+                have: self.cols,
+                needed: cols,
+            });
+        }
+        Ok(())
+    }
+}
+
+fn check_rows(what: &str, rows: &Range<usize>, total: usize) -> Result<(), KernelError> {
+    if rows.start > rows.end || rows.end > total {
+        return Err(KernelError::RowRange {
+            what: what.to_string(),
+            start: rows.start,
+            end: rows.end,
+            rows: total,
+        });
+    }
+    Ok(())
+}
+
+fn check_quantized(
+    what: &str,
+    weight_rows: usize,
+    weight_cols: usize,
+    x: &Q8Activations,
+    rows: &Range<usize>,
+    out: &[f32],
+    one_token: bool,
+) -> Result<(), KernelError> {
+    check_rows(what, rows, weight_rows)?;
+    if x.cols() != weight_cols {
+        return Err(KernelError::ColumnMismatch {
+            what: what.to_string(),
+            expected: weight_cols,
+            got: x.cols(),
+        });
+    }
+    if one_token && x.rows() != 1 {
+        return Err(KernelError::NotOneToken {
+            what: what.to_string(),
+            tokens: x.rows(),
+        });
+    }
+    check_len(
+        &format!("{what} output (tokens x rows)"),
+        out.len(),
+        x.rows() * rows.len(),
+    )
+}
+
+fn check_bf16(
+    what: &str,
+    w: &[u16],
+    cols: usize,
+    x: &[f32],
+    rows: &Range<usize>,
+    out: &[f32],
+) -> Result<usize, KernelError> {
+    if cols == 0 || !w.len().is_multiple_of(cols) {
+        return Err(KernelError::Length {
+            what: format!("{what} weights (a whole number of rows of {cols})"),
+            expected: w.len().div_ceil(cols.max(1)) * cols,
+            got: w.len(),
+        });
+    }
+    check_rows(what, rows, w.len() / cols)?;
+    if !x.len().is_multiple_of(cols) {
+        return Err(KernelError::Length {
+            what: format!("{what} activations (a whole number of rows of {cols})"),
+            expected: x.len().div_ceil(cols) * cols,
+            got: x.len(),
+        });
+    }
+    let tokens = x.len() / cols;
+    check_len(
+        &format!("{what} output (tokens x rows)"),
+        out.len(),
+        tokens * rows.len(),
+    )?;
+    Ok(tokens)
+}
+
+/// Runs a kernel on the path held by `$kernels`. Each SIMD arm is sound because a [`Kernels`] value
+/// holding that path is only built (in [`Kernels::new`]) after every CPU feature the path's
+/// `#[target_feature]` functions enable was detected at run time.
+macro_rules! dispatch {
+    ($kernels:expr, $name:ident ( $($arg:expr),* )) => {
+        match $kernels.path {
+            // SAFETY: see the macro's doc: Avx512 is only held after detecting its features.
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx512 => unsafe { avx512::$name($($arg),*) },
+            // SAFETY: see the macro's doc: Avx2 is only held after detecting its features.
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx2 => unsafe { avx2::$name($($arg),*) },
+            _ => scalar::$name($($arg),*),
+        }
+    };
+}
+
+/// The kernels of one path. Cheap to copy; hold one in the forward pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Kernels {
+    path: KernelPath,
+}
+
+impl Kernels {
+    /// Kernels on `path`, refused with a clear error if this CPU lacks a feature it needs.
+    pub fn new(path: KernelPath) -> Result<Self, KernelError> {
+        let missing = path.missing_features();
+        if !missing.is_empty() {
+            return Err(KernelError::UnsupportedPath {
+                path,
+                missing: missing.join(", "),
+            });
+        }
+        Ok(Self { path })
+    }
+
+    /// Kernels for every path this CPU supports, slowest (scalar) first.
+    pub fn all_supported() -> Vec<Kernels> {
+        KernelPath::ALL
+            .into_iter()
+            .filter_map(|p| Kernels::new(p).ok())
+            .collect()
+    }
+
+    pub fn path(&self) -> KernelPath {
+        self.path
+    }
+
+    /// `out[i] = W[rows.start + i] . x` for the single token in `x`.
+    pub fn mxfp4_gemv(
+        &self,
+        w: &Mxfp4Matrix,
+        x: &Q8Activations,
+        rows: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        check_quantized("MXFP4 GEMV", w.rows, w.cols, x, &rows, out, true)?;
+        dispatch!(self, mxfp4_gemv(w, x, rows, out));
+        Ok(())
+    }
+
+    /// `out[t * rows.len() + i] = W[rows.start + i] . x[t]` for every token t of `x`.
+    pub fn mxfp4_gemm(
+        &self,
+        w: &Mxfp4Matrix,
+        x: &Q8Activations,
+        rows: Range<usize>,
+        out: &mut [f32],
+        scratch: &mut GemmScratch,
+    ) -> Result<(), KernelError> {
+        check_quantized("MXFP4 GEMM", w.rows, w.cols, x, &rows, out, false)?;
+        scratch.check(w.cols)?;
+        dispatch!(self, mxfp4_gemm(w, x, rows, out, scratch));
+        Ok(())
+    }
+
+    /// Like [`Kernels::mxfp4_gemv`] for a [`Q8Matrix`].
+    pub fn q8_gemv(
+        &self,
+        w: &Q8Matrix,
+        x: &Q8Activations,
+        rows: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        check_quantized("Q8 GEMV", w.rows, w.cols, x, &rows, out, true)?;
+        dispatch!(self, q8_gemv(w, x, rows, out));
+        Ok(())
+    }
+
+    /// Like [`Kernels::mxfp4_gemm`] for a [`Q8Matrix`].
+    pub fn q8_gemm(
+        &self,
+        w: &Q8Matrix,
+        x: &Q8Activations,
+        rows: Range<usize>,
+        out: &mut [f32],
+        scratch: &mut GemmScratch,
+    ) -> Result<(), KernelError> {
+        check_quantized("Q8 GEMM", w.rows, w.cols, x, &rows, out, false)?;
+        scratch.check(w.cols)?;
+        dispatch!(self, q8_gemm(w, x, rows, out, scratch));
+        Ok(())
+    }
+
+    /// Like [`Kernels::mxfp4_gemv`] for a [`Q4Matrix`].
+    pub fn q4_gemv(
+        &self,
+        w: &Q4Matrix,
+        x: &Q8Activations,
+        rows: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        check_quantized("Q4 GEMV", w.rows, w.cols, x, &rows, out, true)?;
+        dispatch!(self, q4_gemv(w, x, rows, out));
+        Ok(())
+    }
+
+    /// Like [`Kernels::mxfp4_gemm`] for a [`Q4Matrix`].
+    pub fn q4_gemm(
+        &self,
+        w: &Q4Matrix,
+        x: &Q8Activations,
+        rows: Range<usize>,
+        out: &mut [f32],
+        scratch: &mut GemmScratch,
+    ) -> Result<(), KernelError> {
+        check_quantized("Q4 GEMM", w.rows, w.cols, x, &rows, out, false)?;
+        scratch.check(w.cols)?;
+        dispatch!(self, q4_gemm(w, x, rows, out, scratch));
+        Ok(())
+    }
+
+    /// `out[i] = W[rows.start + i] . x` with `w` row-major bf16 bits of `cols` columns, in f32 with FMA.
+    pub fn bf16_gemv(
+        &self,
+        w: &[u16],
+        cols: usize,
+        x: &[f32],
+        rows: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        check_len("BF16 GEMV activations", x.len(), cols)?;
+        self.bf16_gemm(w, cols, x, rows, out)
+    }
+
+    /// `out[t * rows.len() + i] = W[rows.start + i] . x[t]` for the `x.len() / cols` tokens of `x`.
+    pub fn bf16_gemm(
+        &self,
+        w: &[u16],
+        cols: usize,
+        x: &[f32],
+        rows: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        check_bf16("BF16 GEMM", w, cols, x, &rows, out)?;
+        dispatch!(self, bf16_gemm(w, cols, x, rows, out));
+        Ok(())
+    }
+
+    /// `a . b` in f32.
+    pub fn dot(&self, a: &[f32], b: &[f32]) -> Result<f32, KernelError> {
+        check_len("dot operand b", b.len(), a.len())?;
+        Ok(dispatch!(self, dot(a, b)))
+    }
+
+    /// `y += alpha * x`.
+    pub fn axpy(&self, alpha: f32, x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
+        check_len("axpy output y", y.len(), x.len())?;
+        dispatch!(self, axpy(alpha, x, y));
+        Ok(())
+    }
+
+    /// `a . b` with `b` an f16 row (a key of an f16 KV cache), in f32.
+    pub fn dot_f16(&self, a: &[f32], b: &[f16]) -> Result<f32, KernelError> {
+        check_len("f16 dot operand b", b.len(), a.len())?;
+        Ok(dispatch!(self, dot_f16(a, b)))
+    }
+
+    /// `y += alpha * x` with `x` an f16 row (a value of an f16 KV cache).
+    pub fn axpy_f16(&self, alpha: f32, x: &[f16], y: &mut [f32]) -> Result<(), KernelError> {
+        check_len("f16 axpy output y", y.len(), x.len())?;
+        dispatch!(self, axpy_f16(alpha, x, y));
+        Ok(())
+    }
+
+    /// Round an f32 row to f16 (nearest, ties to even).
+    pub fn f32_to_f16(&self, src: &[f32], dst: &mut [f16]) -> Result<(), KernelError> {
+        check_len("f16 destination row", dst.len(), src.len())?;
+        dispatch!(self, f32_to_f16(src, dst));
+        Ok(())
+    }
+
+    /// Widen an f16 row to f32 (exact).
+    pub fn f16_to_f32(&self, src: &[f16], dst: &mut [f32]) -> Result<(), KernelError> {
+        check_len("f32 destination row", dst.len(), src.len())?;
+        dispatch!(self, f16_to_f32(src, dst));
+        Ok(())
+    }
+}

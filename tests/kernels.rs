@@ -1,0 +1,688 @@
+//! Every SIMD kernel path against the scalar reference, on random data and ragged shapes, plus the
+//! numeric contracts of the block formats.
+
+use half::f16;
+use ossterm::kernels::{
+    e8m0_scale, parse_kernel_path, quantize_activation_rows, quantize_activations,
+    select_kernel_path, GemmScratch, KernelError, KernelPath, Kernels, Mxfp4Matrix, Q4Matrix,
+    Q8Activations, Q8Matrix, FP4_E2M1,
+};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Relative tolerance for float sums computed in a different order, against the sum of magnitudes.
+const SUM_ORDER_TOLERANCE: f32 = 1e-5;
+
+fn rng(seed: u64) -> ChaCha8Rng {
+    ChaCha8Rng::seed_from_u64(seed)
+}
+
+fn scalar() -> Kernels {
+    Kernels::new(KernelPath::Scalar).expect("scalar always runs")
+}
+
+fn simd_paths() -> Vec<Kernels> {
+    Kernels::all_supported()
+        .into_iter()
+        .filter(|k| k.path() != KernelPath::Scalar)
+        .collect()
+}
+
+fn random_f32(rng: &mut ChaCha8Rng, n: usize, spread: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.gen_range(-spread..spread)).collect()
+}
+
+fn to_bf16(values: &[f32]) -> Vec<u16> {
+    values
+        .iter()
+        .map(|v| half::bf16::from_f32(*v).to_bits())
+        .collect()
+}
+
+struct Mxfp4Data {
+    rows: usize,
+    cols: usize,
+    blocks: Vec<u8>,
+    scales: Vec<u8>,
+}
+
+impl Mxfp4Data {
+    fn random(
+        rng: &mut ChaCha8Rng,
+        rows: usize,
+        cols: usize,
+        scale_range: std::ops::RangeInclusive<u8>,
+    ) -> Self {
+        let blocks = (0..rows * cols / 2).map(|_| rng.gen()).collect();
+        let scales = (0..rows * cols / 32)
+            .map(|_| rng.gen_range(scale_range.clone()))
+            .collect();
+        Self {
+            rows,
+            cols,
+            blocks,
+            scales,
+        }
+    }
+
+    fn matrix(&self) -> Mxfp4Matrix<'_> {
+        Mxfp4Matrix::new(self.rows, self.cols, &self.blocks, &self.scales)
+            .expect("consistent test matrix")
+    }
+}
+
+/// Sum over k of |w_k| |x_k| for each (token, row) pair of a row range: the scale of rounding error.
+fn magnitude_bounds(
+    rows: std::ops::Range<usize>,
+    cols: usize,
+    weight_row: impl Fn(usize, &mut [f32]),
+    x: &Q8Activations,
+) -> Vec<f32> {
+    let mut bounds = Vec::new();
+    let (mut w, mut a) = (vec![0.0; cols], vec![0.0; cols]);
+    for t in 0..x.rows() {
+        x.dequantize_row(t, &mut a).unwrap();
+        for r in rows.clone() {
+            weight_row(r, &mut w);
+            bounds.push(w.iter().zip(&a).map(|(p, q)| (p * q).abs()).sum());
+        }
+    }
+    bounds
+}
+
+fn assert_close(what: &str, got: &[f32], expected: &[f32], bounds: &[f32]) {
+    assert_eq!(got.len(), expected.len(), "{what}: output length");
+    for (i, ((g, e), b)) in got.iter().zip(expected).zip(bounds).enumerate() {
+        let tolerance = SUM_ORDER_TOLERANCE * b + 1e-30;
+        assert!(
+            (g - e).abs() <= tolerance,
+            "{what}: output {i}: got {g}, reference {e}, tolerance {tolerance}"
+        );
+    }
+}
+
+/// Shapes: columns hit every MXFP4 tail (1, 2, 3 blocks past the last full group of 4) and the
+/// model's 2880; row counts are not multiples of the 4-row or 16-row tiles.
+const QUANT_SHAPES: [(usize, usize); 6] =
+    [(1, 32), (5, 64), (7, 96), (19, 160), (37, 512), (21, 2880)];
+
+#[test]
+fn mxfp4_gemv_and_gemm_match_scalar_on_every_path() {
+    let mut rng = rng(1);
+    for (rows, cols) in QUANT_SHAPES {
+        let data = Mxfp4Data::random(&mut rng, rows, cols, 118..=130);
+        let w = data.matrix();
+        for tokens in [1usize, 2, 3, 4, 5, 7, 17] {
+            let x_values = random_f32(&mut rng, tokens * cols, 3.0);
+            let mut x = Q8Activations::new();
+            quantize_activation_rows(&x_values, cols, &mut x).unwrap();
+            let range = if rows > 4 { 1..rows - 1 } else { 0..rows };
+            let n = range.len();
+            let mut scratch = GemmScratch::new(cols);
+            let mut expected = vec![0.0; tokens * n];
+            scalar()
+                .mxfp4_gemm(&w, &x, range.clone(), &mut expected, &mut scratch)
+                .unwrap();
+            let bounds = magnitude_bounds(
+                range.clone(),
+                cols,
+                |r, out| w.dequantize_row(r, out).unwrap(),
+                &x,
+            );
+            for k in simd_paths() {
+                let mut got = vec![f32::NAN; tokens * n];
+                k.mxfp4_gemm(&w, &x, range.clone(), &mut got, &mut scratch)
+                    .unwrap();
+                assert_close(
+                    &format!("MXFP4 GEMM {} {rows}x{cols} M={tokens}", k.path()),
+                    &got,
+                    &expected,
+                    &bounds,
+                );
+                if tokens == 1 {
+                    let mut got = vec![f32::NAN; n];
+                    k.mxfp4_gemv(&w, &x, range.clone(), &mut got).unwrap();
+                    assert_close(
+                        &format!("MXFP4 GEMV {} {rows}x{cols}", k.path()),
+                        &got,
+                        &expected,
+                        &bounds,
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Activations whose blocks each hold +-127 (so the scale is exactly 1/8) and small integers
+/// elsewhere: every product and partial sum is exact in f32, so all paths must agree bit for bit.
+fn exact_activations(rng: &mut ChaCha8Rng, tokens: usize, cols: usize) -> Vec<f32> {
+    let mut values: Vec<f32> = (0..tokens * cols)
+        .map(|_| rng.gen_range(-20i32..=20) as f32 / 8.0)
+        .collect();
+    for block in values.chunks_mut(32) {
+        let at = rng.gen_range(0..32);
+        block[at] = if rng.gen() { 127.0 / 8.0 } else { -127.0 / 8.0 };
+    }
+    values
+}
+
+#[test]
+fn integer_exact_inputs_give_identical_results_on_every_path() {
+    let mut rng = rng(2);
+    for (rows, cols) in [(9, 96), (13, 2880)] {
+        let data = Mxfp4Data::random(&mut rng, rows, cols, 126..=128);
+        let mut x = Q8Activations::new();
+        for tokens in [1, 5] {
+            quantize_activation_rows(&exact_activations(&mut rng, tokens, cols), cols, &mut x)
+                .unwrap();
+            // Q8 weights: +-127 in each block and small integers, so the f16 scale is exactly 1.
+            let mut q8_values: Vec<f32> = (0..rows * cols)
+                .map(|_| rng.gen_range(-20i32..=20) as f32)
+                .collect();
+            for block in q8_values.chunks_mut(32) {
+                block[rng.gen_range(0..32)] = 127.0;
+            }
+            let q8 = Q8Matrix::from_bf16(rows, cols, &to_bf16(&q8_values)).unwrap();
+            // Q4 weights: -8 in each block, so the scale is exactly 1.
+            let mut q4_values: Vec<f32> = (0..rows * cols)
+                .map(|_| rng.gen_range(-7i32..=7) as f32)
+                .collect();
+            for block in q4_values.chunks_mut(32) {
+                block[rng.gen_range(0..32)] = -8.0;
+            }
+            let q4 = Q4Matrix::from_bf16(rows, cols, &to_bf16(&q4_values)).unwrap();
+            let mut scratch = GemmScratch::new(cols);
+            let run = |k: Kernels, scratch: &mut GemmScratch| {
+                let mut outs = vec![vec![0.0f32; tokens * rows]; 3];
+                k.mxfp4_gemm(&data.matrix(), &x, 0..rows, &mut outs[0], scratch)
+                    .unwrap();
+                k.q8_gemm(&q8, &x, 0..rows, &mut outs[1], scratch).unwrap();
+                k.q4_gemm(&q4, &x, 0..rows, &mut outs[2], scratch).unwrap();
+                outs
+            };
+            let expected = run(scalar(), &mut scratch);
+            for k in simd_paths() {
+                assert_eq!(
+                    run(k, &mut scratch),
+                    expected,
+                    "{} {rows}x{cols} M={tokens}",
+                    k.path()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn q8_and_q4_gemv_and_gemm_match_scalar_on_every_path() {
+    let mut rng = rng(3);
+    for (rows, cols) in QUANT_SHAPES {
+        let weights = to_bf16(&random_f32(&mut rng, rows * cols, 0.2));
+        let q8 = Q8Matrix::from_bf16(rows, cols, &weights).unwrap();
+        let q4 = Q4Matrix::from_bf16(rows, cols, &weights).unwrap();
+        for tokens in [1usize, 2, 3, 6, 17] {
+            let mut x = Q8Activations::new();
+            quantize_activation_rows(&random_f32(&mut rng, tokens * cols, 2.0), cols, &mut x)
+                .unwrap();
+            let range = if rows > 2 { 2..rows } else { 0..rows };
+            let n = range.len();
+            let mut scratch = GemmScratch::new(cols);
+            let (mut expected8, mut expected4) = (vec![0.0; tokens * n], vec![0.0; tokens * n]);
+            scalar()
+                .q8_gemm(&q8, &x, range.clone(), &mut expected8, &mut scratch)
+                .unwrap();
+            scalar()
+                .q4_gemm(&q4, &x, range.clone(), &mut expected4, &mut scratch)
+                .unwrap();
+            let bounds8 = magnitude_bounds(
+                range.clone(),
+                cols,
+                |r, o| q8.dequantize_row(r, o).unwrap(),
+                &x,
+            );
+            let bounds4 = magnitude_bounds(
+                range.clone(),
+                cols,
+                |r, o| q4.dequantize_row(r, o).unwrap(),
+                &x,
+            );
+            for k in simd_paths() {
+                let what = format!("{} {rows}x{cols} M={tokens}", k.path());
+                let mut got = vec![f32::NAN; tokens * n];
+                k.q8_gemm(&q8, &x, range.clone(), &mut got, &mut scratch)
+                    .unwrap();
+                assert_close(&format!("Q8 GEMM {what}"), &got, &expected8, &bounds8);
+                k.q4_gemm(&q4, &x, range.clone(), &mut got, &mut scratch)
+                    .unwrap();
+                assert_close(&format!("Q4 GEMM {what}"), &got, &expected4, &bounds4);
+                if tokens == 1 {
+                    k.q8_gemv(&q8, &x, range.clone(), &mut got).unwrap();
+                    assert_close(&format!("Q8 GEMV {what}"), &got, &expected8, &bounds8);
+                    k.q4_gemv(&q4, &x, range.clone(), &mut got).unwrap();
+                    assert_close(&format!("Q4 GEMV {what}"), &got, &expected4, &bounds4);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_gemv_and_gemm_match_scalar_on_every_path() {
+    let mut rng = rng(4);
+    // bf16 takes any column count, including ones that leave a partial vector.
+    for (rows, cols) in [(1, 7), (5, 64), (9, 100), (17, 2880), (6, 4096)] {
+        let w_values = random_f32(&mut rng, rows * cols, 1.0);
+        let w = to_bf16(&w_values);
+        for tokens in [1usize, 2, 3, 4, 17] {
+            let x = random_f32(&mut rng, tokens * cols, 1.0);
+            let range = if rows > 3 { 1..rows - 1 } else { 0..rows };
+            let n = range.len();
+            let mut expected = vec![0.0; tokens * n];
+            scalar()
+                .bf16_gemm(&w, cols, &x, range.clone(), &mut expected)
+                .unwrap();
+            let mut bounds = Vec::new();
+            for t in 0..tokens {
+                for r in range.clone() {
+                    let row = &w_values[r * cols..(r + 1) * cols];
+                    bounds.push(
+                        row.iter()
+                            .zip(&x[t * cols..])
+                            .map(|(a, b)| (a * b).abs())
+                            .sum::<f32>(),
+                    );
+                }
+            }
+            for k in simd_paths() {
+                let mut got = vec![f32::NAN; tokens * n];
+                k.bf16_gemm(&w, cols, &x, range.clone(), &mut got).unwrap();
+                assert_close(
+                    &format!("BF16 GEMM {} {rows}x{cols} M={tokens}", k.path()),
+                    &got,
+                    &expected,
+                    &bounds,
+                );
+                if tokens == 1 {
+                    k.bf16_gemv(&w, cols, &x, range.clone(), &mut got).unwrap();
+                    assert_close(
+                        &format!("BF16 GEMV {} {rows}x{cols}", k.path()),
+                        &got,
+                        &expected,
+                        &bounds,
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_on_small_integers_is_exact_on_every_path() {
+    let mut rng = rng(5);
+    let (rows, cols, tokens) = (11, 2880, 4);
+    let w: Vec<f32> = (0..rows * cols)
+        .map(|_| rng.gen_range(-8i32..=8) as f32)
+        .collect();
+    let x: Vec<f32> = (0..tokens * cols)
+        .map(|_| rng.gen_range(-8i32..=8) as f32 * 0.25)
+        .collect();
+    let w = to_bf16(&w);
+    let mut expected = vec![0.0; tokens * rows];
+    scalar()
+        .bf16_gemm(&w, cols, &x, 0..rows, &mut expected)
+        .unwrap();
+    for (t, row) in [(0usize, 0usize), (3, 10)] {
+        let exact: f64 = (0..cols)
+            .map(|c| {
+                f32::from_bits((w[row * cols + c] as u32) << 16) as f64 * x[t * cols + c] as f64
+            })
+            .sum();
+        assert_eq!(expected[t * rows + row] as f64, exact);
+    }
+    for k in simd_paths() {
+        let mut got = vec![0.0; tokens * rows];
+        k.bf16_gemm(&w, cols, &x, 0..rows, &mut got).unwrap();
+        assert_eq!(got, expected, "{}", k.path());
+    }
+}
+
+#[test]
+fn attention_helpers_match_scalar_on_every_path() {
+    let mut rng = rng(6);
+    for len in [1usize, 7, 16, 33, 64, 100, 2880] {
+        let a = random_f32(&mut rng, len, 2.0);
+        let b = random_f32(&mut rng, len, 2.0);
+        let b16: Vec<f16> = b.iter().map(|v| f16::from_f32(*v)).collect();
+        let bound: f32 = a.iter().zip(&b).map(|(p, q)| (p * q).abs()).sum::<f32>() * 1.01;
+        let s = scalar();
+        let dot = s.dot(&a, &b).unwrap();
+        let dot16 = s.dot_f16(&a, &b16).unwrap();
+        let mut y = random_f32(&mut rng, len, 1.0);
+        let y_start = y.clone();
+        s.axpy(0.7, &a, &mut y).unwrap();
+        let mut y16 = y_start.clone();
+        s.axpy_f16(-1.3, &b16, &mut y16).unwrap();
+        let mut halves = vec![f16::ZERO; len];
+        s.f32_to_f16(&a, &mut halves).unwrap();
+        let mut widened = vec![0.0; len];
+        s.f16_to_f32(&b16, &mut widened).unwrap();
+        for k in simd_paths() {
+            let what = format!("{} len {len}", k.path());
+            assert!(
+                (k.dot(&a, &b).unwrap() - dot).abs() <= SUM_ORDER_TOLERANCE * bound,
+                "dot {what}"
+            );
+            assert!(
+                (k.dot_f16(&a, &b16).unwrap() - dot16).abs() <= SUM_ORDER_TOLERANCE * bound,
+                "dot_f16 {what}"
+            );
+            // axpy does one FMA per element on every path: identical results.
+            let mut got = y_start.clone();
+            k.axpy(0.7, &a, &mut got).unwrap();
+            assert_eq!(got, y, "axpy {what}");
+            let mut got = y_start.clone();
+            k.axpy_f16(-1.3, &b16, &mut got).unwrap();
+            assert_eq!(got, y16, "axpy_f16 {what}");
+            let mut got = vec![f16::ZERO; len];
+            k.f32_to_f16(&a, &mut got).unwrap();
+            assert_eq!(got, halves, "f32_to_f16 {what}");
+            let mut got = vec![0.0; len];
+            k.f16_to_f32(&b16, &mut got).unwrap();
+            assert_eq!(got, widened, "f16_to_f32 {what}");
+        }
+    }
+}
+
+#[test]
+fn f16_conversion_rounds_to_nearest_even_including_subnormals() {
+    // 1 + 2^-11 is halfway between two f16 values: ties go to the even one (1.0).
+    let src = [
+        1.0 + 2f32.powi(-11),
+        1.0 + 3.0 * 2f32.powi(-11),
+        3.0e-6,
+        -65504.0,
+        70000.0,
+        0.0,
+    ];
+    for k in Kernels::all_supported() {
+        let mut dst = vec![f16::ZERO; src.len()];
+        k.f32_to_f16(&src, &mut dst).unwrap();
+        let expected: Vec<f16> = src.iter().map(|v| f16::from_f32(*v)).collect();
+        assert_eq!(dst, expected, "{}", k.path());
+        assert_eq!(dst[0], f16::ONE);
+        assert!(dst[4].is_infinite());
+    }
+}
+
+#[test]
+fn mxfp4_dequantization_follows_the_table() {
+    // Row 0: block of bytes n | (n+1) << 4 for n = 0..16 (wrapping), scale 128 (x2).
+    // Row 1: all bytes 0xF7 (even element 6.0, odd -6.0), scale 120 (x 2^-7).
+    let mut blocks = Vec::new();
+    for n in 0..16u8 {
+        blocks.push(n | (((n + 1) % 16) << 4));
+    }
+    blocks.extend([0xF7u8; 16]);
+    let scales = [128u8, 120];
+    let w = Mxfp4Matrix::new(2, 32, &blocks, &scales).unwrap();
+    let mut row = vec![0.0; 32];
+    w.dequantize_row(0, &mut row).unwrap();
+    for n in 0..16 {
+        assert_eq!(row[2 * n], FP4_E2M1[n] * 2.0);
+        assert_eq!(row[2 * n + 1], FP4_E2M1[(n + 1) % 16] * 2.0);
+    }
+    assert_eq!(&row[..6], &[0.0, 1.0, 1.0, 2.0, 2.0, 3.0]);
+    w.dequantize_row(1, &mut row).unwrap();
+    assert!(row.chunks(2).all(|p| p == [6.0 / 128.0, -6.0 / 128.0]));
+    assert_eq!(e8m0_scale(127), 1.0);
+
+    // The kernels see the same values: a one-hot activation picks single weights out.
+    for k in Kernels::all_supported() {
+        for pick in [0usize, 1, 13, 30, 31] {
+            let mut x = vec![0.0f32; 32];
+            x[pick] = 1.0;
+            let mut q = Q8Activations::new();
+            quantize_activations(&x, &mut q).unwrap();
+            let mut out = [0.0f32; 2];
+            k.mxfp4_gemv(&w, &q, 0..2, &mut out).unwrap();
+            let (mut r0, mut r1) = (vec![0.0; 32], vec![0.0; 32]);
+            w.dequantize_row(0, &mut r0).unwrap();
+            w.dequantize_row(1, &mut r1).unwrap();
+            assert_eq!(out, [r0[pick], r1[pick]], "{} element {pick}", k.path());
+        }
+    }
+}
+
+#[test]
+fn quantized_dot_approximates_the_exact_dot_within_quantization_error() {
+    let mut rng = rng(7);
+    let (rows, cols) = (16, 2880);
+    let data = Mxfp4Data::random(&mut rng, rows, cols, 120..=124);
+    let w = data.matrix();
+    let x_values = random_f32(&mut rng, cols, 1.5);
+    let mut x = Q8Activations::new();
+    quantize_activations(&x_values, &mut x).unwrap();
+    let mut weight_row = vec![0.0; cols];
+    for k in Kernels::all_supported() {
+        let mut out = vec![0.0; rows];
+        k.mxfp4_gemv(&w, &x, 0..rows, &mut out).unwrap();
+        for (r, &got) in out.iter().enumerate() {
+            w.dequantize_row(r, &mut weight_row).unwrap();
+            let exact: f64 = weight_row
+                .iter()
+                .zip(&x_values)
+                .map(|(a, b)| *a as f64 * *b as f64)
+                .sum();
+            // Rounding each activation to its block's int8 grid moves it by at most half a step.
+            let bound: f64 = weight_row
+                .chunks(32)
+                .zip(x_values.chunks(32))
+                .map(|(wb, xb)| {
+                    let step = xb.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64 / 127.0;
+                    wb.iter().map(|v| v.abs() as f64).sum::<f64>() * step / 2.0
+                })
+                .sum();
+            assert!(
+                (got as f64 - exact).abs() <= bound * 1.001 + 1e-6,
+                "{} row {r}: got {got}, exact {exact}, bound {bound}",
+                k.path()
+            );
+        }
+    }
+}
+
+#[test]
+fn q8_and_q4_quantizers_stay_within_half_a_step() {
+    let mut rng = rng(8);
+    let (rows, cols) = (3, 160);
+    let values = random_f32(&mut rng, rows * cols, 0.5);
+    let bits = to_bf16(&values);
+    let exact: Vec<f32> = bits
+        .iter()
+        .map(|b| f32::from_bits((*b as u32) << 16))
+        .collect();
+    let q8 = Q8Matrix::from_bf16(rows, cols, &bits).unwrap();
+    let q4 = Q4Matrix::from_bf16(rows, cols, &bits).unwrap();
+    let (mut row8, mut row4) = (vec![0.0; cols], vec![0.0; cols]);
+    for r in 0..rows {
+        q8.dequantize_row(r, &mut row8).unwrap();
+        q4.dequantize_row(r, &mut row4).unwrap();
+        for block in 0..cols / 32 {
+            let span = r * cols + block * 32..r * cols + block * 32 + 32;
+            let amax = exact[span.clone()]
+                .iter()
+                .fold(0.0f32, |m, v| m.max(v.abs()));
+            for (i, k) in span.enumerate() {
+                let c = block * 32 + i;
+                // Half a step, plus the f16 rounding of the scale (relative 2^-11, times |q| <= 127 or 8).
+                assert!(
+                    (row8[c] - exact[k]).abs() <= amax / 254.0 + amax * 2f32.powi(-11) * 1.01,
+                    "Q8 {r},{c}"
+                );
+                // Q4 reaches -8 steps on the extreme's side but only +7 on the other: values beyond
+                // 7 steps there are clamped.
+                let clamped = (exact[k].abs() - 7.0 * amax / 8.0).max(0.0);
+                let bound4 = amax / 16.0 + clamped + amax * 2f32.powi(-11) * 1.01;
+                assert!((row4[c] - exact[k]).abs() <= bound4, "Q4 {r},{c}");
+            }
+        }
+    }
+    // 160 columns pad to 2 groups of 128: int8 or nibbles plus four f16 scales per group.
+    assert_eq!(q8.size_bytes(), rows * 2 * (128 + 8));
+    assert_eq!(q4.size_bytes(), rows * 2 * (64 + 8));
+}
+
+#[test]
+fn kernel_path_names_parse_and_unsupported_paths_are_refused() {
+    assert_eq!(
+        parse_kernel_path("scalar").unwrap(),
+        Some(KernelPath::Scalar)
+    );
+    assert_eq!(parse_kernel_path(" AVX2 ").unwrap(), Some(KernelPath::Avx2));
+    assert_eq!(
+        parse_kernel_path("avx512").unwrap(),
+        Some(KernelPath::Avx512)
+    );
+    assert_eq!(parse_kernel_path("auto").unwrap(), None);
+    assert_eq!(parse_kernel_path("").unwrap(), None);
+    let err = parse_kernel_path("neon").unwrap_err();
+    assert!(matches!(err, KernelError::UnknownPath { .. }));
+    assert!(err.to_string().contains("OSSTERM_KERNELS"), "{err}");
+    assert!(select_kernel_path(Some("sse9")).is_err());
+
+    assert_eq!(
+        select_kernel_path(None).unwrap(),
+        ossterm::kernels::best_supported_path()
+    );
+    assert_eq!(
+        select_kernel_path(Some("scalar")).unwrap(),
+        KernelPath::Scalar
+    );
+    for path in KernelPath::ALL {
+        match select_kernel_path(Some(path.name())) {
+            Ok(selected) => {
+                assert!(path.is_supported());
+                assert_eq!(selected, path);
+            }
+            Err(KernelError::UnsupportedPath {
+                path: refused,
+                missing,
+            }) => {
+                assert!(!path.is_supported());
+                assert_eq!(refused, path);
+                assert_eq!(missing, path.missing_features().join(", "));
+            }
+            Err(other) => panic!("unexpected error for {path}: {other}"),
+        }
+    }
+    assert!(ossterm::kernels::kernel_path().is_supported());
+}
+
+#[test]
+fn bad_shapes_are_errors_not_panics() {
+    let data = Mxfp4Data {
+        rows: 4,
+        cols: 64,
+        blocks: vec![0; 4 * 32],
+        scales: vec![127; 8],
+    };
+    assert!(Mxfp4Matrix::new(4, 64, &data.blocks[1..], &data.scales).is_err());
+    assert!(Mxfp4Matrix::new(4, 48, &data.blocks, &data.scales).is_err());
+    assert!(Q8Matrix::from_bf16(2, 64, &[0u16; 100]).is_err());
+    assert!(Q4Matrix::from_bf16(2, 30, &[0u16; 60]).is_err());
+    let mut x = Q8Activations::new();
+    assert!(quantize_activations(&[0.0; 33], &mut x).is_err());
+    quantize_activation_rows(&[0.5; 128], 64, &mut x).unwrap();
+    let w = data.matrix();
+    let mut scratch = GemmScratch::new(32);
+    for k in Kernels::all_supported() {
+        let mut out = vec![0.0; 8];
+        // Two tokens into a GEMV, rows past the end, short output, too small scratch.
+        assert!(matches!(
+            k.mxfp4_gemv(&w, &x, 0..4, &mut out[..4]),
+            Err(KernelError::NotOneToken { .. })
+        ));
+        assert!(matches!(
+            k.mxfp4_gemm(&w, &x, 2..5, &mut out[..6], &mut scratch),
+            Err(KernelError::RowRange { .. })
+        ));
+        let mut big_scratch = GemmScratch::new(64);
+        assert!(k
+            .mxfp4_gemm(&w, &x, 0..4, &mut out[..7], &mut big_scratch)
+            .is_err());
+        assert!(matches!(
+            k.mxfp4_gemm(&w, &x, 0..4, &mut out, &mut scratch),
+            Err(KernelError::ScratchTooSmall { .. })
+        ));
+        assert!(k
+            .mxfp4_gemm(&w, &x, 0..4, &mut out, &mut big_scratch)
+            .is_ok());
+        assert!(k
+            .bf16_gemv(&[0u16; 10], 3, &[0.0; 3], 0..1, &mut out[..1])
+            .is_err());
+        assert!(k
+            .bf16_gemv(&[0u16; 9], 3, &[0.0; 3], 0..4, &mut out[..4])
+            .is_err());
+        assert!(k.dot(&[1.0; 3], &[1.0; 4]).is_err());
+        assert!(k.axpy_f16(1.0, &[f16::ONE; 3], &mut [0.0; 2]).is_err());
+    }
+}
+
+#[test]
+fn gathered_activation_rows_equal_quantizing_those_tokens() {
+    let mut rng = rng(9);
+    let cols = 96;
+    let all = random_f32(&mut rng, 5 * cols, 1.0);
+    let mut x = Q8Activations::new();
+    quantize_activation_rows(&all, cols, &mut x).unwrap();
+    let mut gathered = Q8Activations::new();
+    gathered.gather_rows(&x, &[4, 1]).unwrap();
+    let mut direct = Q8Activations::new();
+    let picked: Vec<f32> = all[4 * cols..5 * cols]
+        .iter()
+        .chain(&all[cols..2 * cols])
+        .copied()
+        .collect();
+    quantize_activation_rows(&picked, cols, &mut direct).unwrap();
+    let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
+    for t in 0..2 {
+        gathered.dequantize_row(t, &mut a).unwrap();
+        direct.dequantize_row(t, &mut b).unwrap();
+        assert_eq!(a, b);
+    }
+    assert!(gathered.gather_rows(&x, &[5]).is_err());
+}
+
+#[test]
+fn kernel_bench_reports_every_kernel_with_positive_rates() {
+    let config = ossterm::kernels::KernelBenchConfig::quick();
+    let report = ossterm::kernels::run_kernel_bench(ossterm::kernels::kernels(), &config).unwrap();
+    // Per thread count and format: one GEMV plus one GEMM per token count.
+    let per_format = 1 + config.gemm_tokens.len();
+    assert_eq!(
+        report.results.len(),
+        config.thread_counts.len() * 3 * per_format
+    );
+    for r in &report.results {
+        assert!(
+            r.best_seconds > 0.0 && r.best_seconds <= r.median_seconds,
+            "{r:?}"
+        );
+        assert!(
+            r.best_gb_per_s.is_finite() && r.best_gb_per_s > 0.0,
+            "{r:?}"
+        );
+        assert!(
+            r.best_gmac_per_s.is_finite() && r.best_gmac_per_s > 0.0,
+            "{r:?}"
+        );
+    }
+    let gemv = &report.results[0];
+    assert_eq!(gemv.kernel, "mxfp4_gemv");
+    assert_eq!(
+        gemv.weight_bytes,
+        config.experts * config.rows * config.cols / 32 * 17
+    );
+    assert!(report.to_string().contains("mxfp4_gemm"));
+}
