@@ -11,7 +11,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
-use crate::model::{LoadOptions, Model, Precision, Preset};
+use crate::model::{KvFormat, LoadOptions, Model, Precision, Preset, WeightFormat};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -59,6 +59,12 @@ pub struct ModelArgs {
     /// Worker threads for the forward pass (default: one per core).
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
+    /// Format of attention and unembedding weights (experts stay MXFP4).
+    #[arg(long, value_name = "FORMAT", default_value = "q8")]
+    pub weights: WeightFormat,
+    /// Element type of the KV cache.
+    #[arg(long, value_name = "TYPE", default_value = "f16")]
+    pub kv_cache: KvFormat,
 }
 
 impl ModelArgs {
@@ -66,16 +72,14 @@ impl ModelArgs {
     pub fn load(&self, exact: bool) -> anyhow::Result<Arc<Model>> {
         init_threads(self.threads)?;
         let opts = LoadOptions {
-            precision: if exact {
-                Precision::Exact
-            } else {
-                Precision::default()
-            },
+            precision: if exact { Precision::Exact } else { Precision::Fast },
+            weights: self.weights,
+            kv: self.kv_cache,
         };
         let model = match (&self.model, self.synthetic) {
             (Some(dir), _) => Model::load(dir, &opts)
                 .with_context(|| format!("cannot load the model in {}", dir.display()))?,
-            (None, Some(preset)) => Model::synthetic(preset, self.synthetic_seed, &opts),
+            (None, Some(preset)) => Model::synthetic(preset, self.synthetic_seed, &opts)?,
             (None, None) => anyhow::bail!("name a model: --model DIR or --synthetic 20b|tiny"),
         };
         Ok(Arc::new(model))

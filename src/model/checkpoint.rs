@@ -55,11 +55,30 @@ impl Dtype {
 /// Something that owns bytes and can lend them out for as long as it lives.
 pub trait ByteOwner: Send + Sync {
     fn bytes(&self) -> &[u8];
+
+    /// Lets the OS drop the resident pages of `range` if it can bring them back by itself
+    /// (file-backed mappings); a no-op for heap memory.
+    fn release(&self, _range: Range<usize>) {}
 }
 
 impl ByteOwner for Mmap {
     fn bytes(&self) -> &[u8] {
         self
+    }
+
+    fn release(&self, range: Range<usize>) {
+        // madvise wants page-aligned ranges: release only whole pages inside the range.
+        const PAGE: usize = 4096;
+        let start = range.start.div_ceil(PAGE) * PAGE;
+        let end = range.end / PAGE * PAGE;
+        if end > start {
+            // SAFETY: the mapping is a read-only private file mapping, so MADV_DONTNEED only drops
+            // clean pages that the kernel re-reads from the file on the next access; no data the
+            // process wrote can be lost, and outstanding slices stay valid.
+            let _ = unsafe {
+                self.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+            };
+        }
     }
 }
 
@@ -92,6 +111,11 @@ impl TensorBytes {
 
     pub fn as_slice(&self) -> &[u8] {
         &self.owner.bytes()[self.range.clone()]
+    }
+
+    /// Drops these bytes from the process's resident memory where the OS can reload them.
+    pub fn release_pages(&self) {
+        self.owner.release(self.range.clone());
     }
 
     pub fn len(&self) -> usize {

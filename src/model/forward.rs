@@ -13,14 +13,12 @@ use rayon::prelude::*;
 use super::config::{LayerKind, ModelConfig};
 use super::rope::apply_rope;
 use super::weights::{bf16_to_f32, e8m0_to_f32, Bf16Matrix, Layer, Linear, FP4_VALUES};
+use super::fast::{FastPass, FastScratch, KvStore, FAST_PREFILL_CHUNK};
 use super::Model;
 
 /// Tokens per prefill chunk: large enough that a weight block is reused many times, small enough
 /// that the chunk's activations stay in cache.
 pub const PREFILL_CHUNK: usize = 64;
-
-/// Bytes of one cached key or value element.
-pub const KV_BYTES_PER_VALUE: usize = std::mem::size_of::<f32>();
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ForwardError {
@@ -66,9 +64,14 @@ pub struct Session {
     model: Arc<Model>,
     context_limit: usize,
     tokens: Vec<u32>,
-    cache: KvCache,
-    scratch: Scratch,
+    state: State,
     logits: Vec<f32>,
+}
+
+/// The cache and buffers of the path the model computes with.
+enum State {
+    Exact { cache: KvCache, scratch: Box<Scratch> },
+    Fast { cache: KvStore, scratch: Box<FastScratch> },
 }
 
 impl Session {
@@ -76,6 +79,19 @@ impl Session {
         let c = &model.config;
         let context_limit = context_limit.max(1);
         let kv = c.kv_width();
+        if model.fast.is_some() {
+            let state = State::Fast {
+                cache: KvStore::new(model.kv_format, c.num_hidden_layers, context_limit * kv),
+                scratch: Box::new(FastScratch::new(c)),
+            };
+            return Session {
+                logits: vec![0.0; c.vocab_size],
+                model,
+                context_limit,
+                tokens: Vec::with_capacity(context_limit),
+                state,
+            };
+        }
         // Zeroed allocations are lazily backed by the OS: an unused context costs no memory.
         let cache = KvCache {
             keys: (0..c.num_hidden_layers)
@@ -121,8 +137,10 @@ impl Session {
             model,
             context_limit,
             tokens: Vec::with_capacity(context_limit),
-            cache,
-            scratch,
+            state: State::Exact {
+                cache,
+                scratch: Box::new(scratch),
+            },
         }
     }
 
@@ -162,7 +180,7 @@ impl Session {
     /// Appends `tokens` to the context and returns the logits of the last one.
     pub fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], ForwardError> {
         self.check(tokens)?;
-        for chunk in tokens.chunks(PREFILL_CHUNK) {
+        for chunk in tokens.chunks(self.chunk_len()) {
             self.forward_chunk(chunk, None);
         }
         Ok(&self.logits)
@@ -176,10 +194,19 @@ impl Session {
         all_logits: &mut Vec<f32>,
     ) -> Result<(), ForwardError> {
         self.check(tokens)?;
-        for chunk in tokens.chunks(PREFILL_CHUNK) {
+        for chunk in tokens.chunks(self.chunk_len()) {
             self.forward_chunk(chunk, Some(all_logits));
         }
         Ok(())
+    }
+
+    /// Tokens the forward pass processes at once; callers that report prefill progress or check
+    /// for cancellation step by this much.
+    pub fn chunk_len(&self) -> usize {
+        match self.state {
+            State::Exact { .. } => PREFILL_CHUNK,
+            State::Fast { .. } => FAST_PREFILL_CHUNK,
+        }
     }
 
     /// Appends one token and returns its logits.
@@ -206,13 +233,42 @@ impl Session {
     }
 
     fn forward_chunk(&mut self, tokens: &[u32], all_logits: Option<&mut Vec<f32>>) {
+        let start = self.tokens.len();
         let model = self.model.clone();
+        match &mut self.state {
+            State::Exact { cache, scratch } => {
+                exact_chunk(&model, tokens, start, scratch, cache, &mut self.logits, all_logits)
+            }
+            State::Fast { cache, scratch } => {
+                let pass = FastPass {
+                    config: &model.config,
+                    weights: &model.weights,
+                    fast: model.fast.as_ref().expect("a fast session has fast weights"),
+                    rope: &model.rope,
+                    kernels: model.kernels,
+                };
+                pass.forward_chunk(tokens, start, scratch, cache, &mut self.logits, all_logits)
+            }
+        }
+        self.tokens.extend_from_slice(tokens);
+    }
+}
+
+/// The exact path over one chunk (see the module doc).
+fn exact_chunk(
+    model: &Model,
+    tokens: &[u32],
+    start: usize,
+    s: &mut Scratch,
+    cache: &mut KvCache,
+    logits: &mut [f32],
+    all_logits: Option<&mut Vec<f32>>,
+) {
+    {
         let c = &model.config;
         let weights = &model.weights;
         let n = tokens.len();
         let h = c.hidden_size;
-        let start = self.tokens.len();
-        let s = &mut self.scratch;
 
         for (row, &token) in s.x.chunks_exact_mut(h).zip(tokens) {
             for (out, &bits) in row.iter_mut().zip(weights.embed.row(token as usize)) {
@@ -235,7 +291,7 @@ impl Session {
                 c.rms_norm_eps,
                 &mut s.normed[..n * h],
             );
-            self::attention(c, layer, l, start, n, s, &mut self.cache);
+            self::attention(c, layer, l, start, n, s, cache);
             add_into(&mut s.x[..n * h], &s.proj[..n * h]);
             rms_norm_rows(
                 &s.x[..n * h],
@@ -261,7 +317,7 @@ impl Session {
         );
         let vocab = c.vocab_size;
         match all_logits {
-            None => matmul(&weights.lm_head, &s.normed[..h], 1, &mut self.logits),
+            None => matmul(&weights.lm_head, &s.normed[..h], 1, logits),
             Some(out) => {
                 let at = out.len();
                 out.resize(at + rows * vocab, 0.0);
@@ -273,10 +329,9 @@ impl Session {
                     &mut transposed,
                 );
                 transpose(&transposed, vocab, rows, &mut out[at..]);
-                self.logits.copy_from_slice(&out[out.len() - vocab..]);
+                logits.copy_from_slice(&out[out.len() - vocab..]);
             }
         }
-        self.tokens.extend_from_slice(tokens);
     }
 }
 
@@ -602,7 +657,7 @@ fn transpose(t: &[f32], rows: usize, n: usize, out: &mut [f32]) {
     }
 }
 
-fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+pub(crate) fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let width = weight.len();
     for (row, out) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
         let mean_square = row.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / width as f64;

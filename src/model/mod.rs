@@ -2,6 +2,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod fast;
 pub mod forward;
 pub mod rope;
 pub mod synthetic;
@@ -11,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub use config::{LayerKind, ModelConfig, Preset, RopeScaling};
+pub use fast::{FastWeights, KvFormat, WeightFormat};
 pub use forward::{ForwardError, Session};
 pub use weights::Weights;
 
@@ -66,21 +68,31 @@ pub enum ModelError {
     },
     #[error("cannot write {path}: {message}")]
     Serialize { path: PathBuf, message: String },
+    #[error("cannot convert the weights: {0}")]
+    Quantize(String),
+    #[error("{0}")]
+    Kernels(#[from] crate::kernels::KernelError),
 }
 
 /// How the forward pass computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Precision {
-    /// f32 activations against exactly dequantized weights: the reference every faster path is
-    /// checked against.
-    #[default]
+    /// f32 activations against exactly dequantized weights, portable code, f32 KV cache: the
+    /// reference every faster path is checked against.
     Exact,
+    /// SIMD kernels on int8-quantized activations, weights in the chosen [`WeightFormat`].
+    #[default]
+    Fast,
 }
 
 /// Options that shape a loaded model.
 #[derive(Debug, Clone, Default)]
 pub struct LoadOptions {
     pub precision: Precision,
+    /// Format of attention and unembedding weights in the fast path.
+    pub weights: WeightFormat,
+    /// KV cache element type in the fast path.
+    pub kv: KvFormat,
 }
 
 /// A loaded model: configuration, weights and the tables every session shares.
@@ -89,6 +101,10 @@ pub struct Model {
     pub weights: Weights,
     pub rope: RopeTable,
     pub precision: Precision,
+    /// The fast path's converted weights (`None` in exact mode).
+    pub fast: Option<FastWeights>,
+    pub kv_format: KvFormat,
+    pub kernels: crate::kernels::Kernels,
     /// Where the weights came from, for display ("synthetic 20b (random weights)" or a path).
     pub source: String,
 }
@@ -109,25 +125,20 @@ impl Model {
         let config = ModelConfig::from_file(&config_path)?;
         let checkpoint = Checkpoint::open(dir)?;
         let weights = Weights::load(&config, &checkpoint)?;
-        Ok(Model::from_parts(
-            config,
-            weights,
-            opts,
-            dir.display().to_string(),
-        ))
+        Model::from_parts(config, weights, opts, dir.display().to_string(), &mut |_, _| {})
     }
 
     /// A model of `preset`'s shape with random weights, built in memory.
-    pub fn synthetic(preset: Preset, seed: u64, opts: &LoadOptions) -> Model {
+    pub fn synthetic(preset: Preset, seed: u64, opts: &LoadOptions) -> Result<Model, ModelError> {
         let config = preset.config();
         let source = synthetic::SyntheticSource::new(config.clone(), seed);
-        let weights = Weights::load(&config, &source)
-            .expect("synthetic tensors are generated with the shapes the loader asks for");
+        let weights = Weights::load(&config, &source)?;
         Model::from_parts(
             config,
             weights,
             opts,
             format!("synthetic {} (random weights)", preset.name()),
+            &mut |_, _| {},
         )
     }
 
@@ -136,14 +147,54 @@ impl Model {
         weights: Weights,
         opts: &LoadOptions,
         source: String,
-    ) -> Model {
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Model, ModelError> {
         let rope = RopeTable::new(&config);
-        Model {
+        let kernels = crate::kernels::Kernels::new(crate::kernels::kernel_path())?;
+        let fast = match opts.precision {
+            Precision::Exact => None,
+            Precision::Fast => Some(FastWeights::build(&weights, opts.weights, progress)?),
+        };
+        Ok(Model {
             config,
             weights,
             rope,
             precision: opts.precision,
+            fast,
+            kv_format: match opts.precision {
+                Precision::Exact => KvFormat::F32,
+                Precision::Fast => opts.kv,
+            },
+            kernels,
             source,
+        })
+    }
+
+    /// The same checkpoint with other options: the mapping is shared, only converted weights are
+    /// built anew (`progress` hears matrices done / in all). The old model keeps serving meanwhile.
+    pub fn reconfigured(
+        &self,
+        opts: &LoadOptions,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Model, ModelError> {
+        let (config, weights) = (self.config.clone(), self.weights.clone());
+        Model::from_parts(config, weights, opts, self.source.clone(), progress)
+    }
+
+    /// The options this model was built with.
+    pub fn options(&self) -> LoadOptions {
+        LoadOptions {
+            precision: self.precision,
+            weights: self.fast.as_ref().map(|f| f.format).unwrap_or(WeightFormat::Native),
+            kv: self.kv_format,
+        }
+    }
+
+    /// A short description of the weight formats, for the UI and the benchmark.
+    pub fn weights_description(&self) -> String {
+        match &self.fast {
+            None => "bf16 (exact)".into(),
+            Some(fast) => format!("experts mxfp4, rest {}", fast.format.name()),
         }
     }
 
@@ -157,14 +208,26 @@ impl Model {
     pub fn decode_bytes_per_token(&self, context: usize) -> u64 {
         let c = &self.config;
         let w = &self.weights;
-        let kv_bytes_per_position = 2 * c.kv_width() * forward::KV_BYTES_PER_VALUE;
-        let mut total = (w.lm_head.byte_len() + w.embed.byte_len() / c.vocab_size) as u64;
-        for layer in &w.layers {
+        let kv_bytes_per_position = 2 * c.kv_width() * self.kv_format.bytes_per_value();
+        let lm_head = match &self.fast {
+            Some(fast) => fast.lm_head.byte_len(),
+            None => w.lm_head.byte_len(),
+        };
+        let mut total = (lm_head + w.embed.byte_len() / c.vocab_size) as u64;
+        for (l, layer) in w.layers.iter().enumerate() {
             let a = &layer.attention;
-            let dense = [&a.q, &a.k, &a.v, &a.o, &layer.router]
+            let biases = [&a.q, &a.k, &a.v, &a.o, &layer.router]
                 .iter()
-                .map(|l| l.weight.byte_len() + 4 * l.bias.len())
+                .map(|l| 4 * l.bias.len())
                 .sum::<usize>();
+            let projections = match &self.fast {
+                Some(fast) => {
+                    let f = &fast.layers[l];
+                    [&f.q, &f.k, &f.v, &f.o].iter().map(|m| m.byte_len()).sum::<usize>()
+                }
+                None => [&a.q, &a.k, &a.v, &a.o].iter().map(|l| l.weight.byte_len()).sum(),
+            };
+            let dense = biases + projections + layer.router.weight.byte_len();
             let per_expert =
                 (layer.gate_up.byte_len() + layer.down.byte_len()) / c.num_local_experts;
             let visible = match layer.kind {

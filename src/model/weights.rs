@@ -67,6 +67,11 @@ impl Bf16Matrix {
     pub fn byte_len(&self) -> usize {
         self.data.len()
     }
+
+    /// Releases the matrix's pages of the mapping (after it was converted to another format).
+    pub fn release_pages(&self) {
+        self.data.release_pages();
+    }
 }
 
 struct AlignedWords(Vec<u16>);
@@ -123,6 +128,7 @@ impl Mxfp4Experts {
     }
 }
 
+#[derive(Clone)]
 pub struct Attention {
     pub q: Linear,
     pub k: Linear,
@@ -132,6 +138,7 @@ pub struct Attention {
     pub sinks: Vec<f32>,
 }
 
+#[derive(Clone)]
 pub struct Layer {
     pub kind: LayerKind,
     pub input_norm: Vec<f32>,
@@ -143,6 +150,7 @@ pub struct Layer {
     pub down: Mxfp4Experts,
 }
 
+#[derive(Clone)]
 pub struct Weights {
     pub embed: Bf16Matrix,
     pub layers: Vec<Layer>,
