@@ -209,7 +209,7 @@ fn a_following_turn_reuses_the_cached_prefix() {
 
 #[test]
 fn synthetic_tiny_model_generates_and_reuses_its_cache_exactly() {
-    let model = Arc::new(Model::synthetic(Preset::Tiny, 0, &LoadOptions::default()));
+    let model = Arc::new(Model::synthetic(Preset::Tiny, 0, &LoadOptions::default()).unwrap());
     let prompt = prompt();
     let cold = |max_tokens| {
         let mut session = Session::new(model.clone(), 512);

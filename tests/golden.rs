@@ -65,6 +65,7 @@ fn read_golden(dir: &Path) -> Golden {
 fn load(dir: &Path) -> Arc<Model> {
     let opts = LoadOptions {
         precision: Precision::Exact,
+        ..LoadOptions::default()
     };
     Arc::new(Model::load(dir, &opts).unwrap_or_else(|e| panic!("{}: {e}", dir.display())))
 }

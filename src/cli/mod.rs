@@ -72,7 +72,11 @@ impl ModelArgs {
     pub fn load(&self, exact: bool) -> anyhow::Result<Arc<Model>> {
         init_threads(self.threads)?;
         let opts = LoadOptions {
-            precision: if exact { Precision::Exact } else { Precision::Fast },
+            precision: if exact {
+                Precision::Exact
+            } else {
+                Precision::Fast
+            },
             weights: self.weights,
             kv: self.kv_cache,
         };

@@ -25,7 +25,17 @@ use crate::kernels::{
 };
 
 /// How attention, embedding-free dense weights and the unembedding are held in the fast path.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum WeightFormat {
     /// bfloat16 as in the checkpoint, zero-copy (exact weights, f32 math).
@@ -48,7 +58,17 @@ impl WeightFormat {
 }
 
 /// Element type of the KV cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum KvFormat {
     #[default]
@@ -85,10 +105,13 @@ impl DenseMatrix {
         if format == WeightFormat::Native || matrix.cols % MXFP4_BLOCK != 0 {
             return Ok(DenseMatrix::Bf16(matrix.clone()));
         }
-        let quantized = match format {
-            WeightFormat::Q8 => Q8Matrix::from_bf16(matrix.rows, matrix.cols, matrix.values()).map(DenseMatrix::Q8),
-            _ => Q4Matrix::from_bf16(matrix.rows, matrix.cols, matrix.values()).map(DenseMatrix::Q4),
-        };
+        let quantized =
+            match format {
+                WeightFormat::Q8 => Q8Matrix::from_bf16(matrix.rows, matrix.cols, matrix.values())
+                    .map(DenseMatrix::Q8),
+                _ => Q4Matrix::from_bf16(matrix.rows, matrix.cols, matrix.values())
+                    .map(DenseMatrix::Q4),
+            };
         quantized.map_err(|e| ModelError::Quantize(e.to_string()))
     }
 
@@ -205,8 +228,14 @@ impl KvStore {
     pub fn new(format: KvFormat, layers: usize, capacity_values: usize) -> KvStore {
         let tensors = 2 * layers;
         match format {
-            KvFormat::F16 => KvStore::F16((0..tensors).map(|_| vec![f16::ZERO; capacity_values]).collect()),
-            KvFormat::F32 => KvStore::F32((0..tensors).map(|_| vec![0.0; capacity_values]).collect()),
+            KvFormat::F16 => KvStore::F16(
+                (0..tensors)
+                    .map(|_| vec![f16::ZERO; capacity_values])
+                    .collect(),
+            ),
+            KvFormat::F32 => {
+                KvStore::F32((0..tensors).map(|_| vec![0.0; capacity_values]).collect())
+            }
         }
     }
 
@@ -279,7 +308,13 @@ pub struct FastScratch {
 impl FastScratch {
     pub fn new(c: &ModelConfig) -> FastScratch {
         let n = FAST_PREFILL_CHUNK;
-        let (h, qw, kv, e, i) = (c.hidden_size, c.q_width(), c.kv_width(), c.num_local_experts, c.intermediate_size);
+        let (h, qw, kv, e, i) = (
+            c.hidden_size,
+            c.q_width(),
+            c.kv_width(),
+            c.num_local_experts,
+            c.intermediate_size,
+        );
         let top_k = c.num_experts_per_tok;
         let widest = [2 * i * top_k, qw + 2 * kv, h * top_k, e, c.vocab_size]
             .into_iter()
@@ -303,7 +338,9 @@ impl FastScratch {
             gathered: Q8Activations::with_capacity(n, h),
             gate_up: vec![0.0; n * 2 * i.max(h) * top_k.max(1)],
             activated: vec![0.0; n * i * top_k.max(1)],
-            activated_q: (0..top_k.max(1)).map(|_| Q8Activations::with_capacity(n, i)).collect(),
+            activated_q: (0..top_k.max(1))
+                .map(|_| Q8Activations::with_capacity(n, i))
+                .collect(),
             expert_out: vec![0.0; n * h * top_k.max(1)],
             moe_out: vec![0.0; n * h],
             blocked: vec![0.0; n * widest.max(c.vocab_size)],
@@ -372,7 +409,13 @@ fn task_rows(total_rows: usize) -> usize {
 
 /// Runs `jobs` in one parallel region and leaves each job's token-major output in `out` at its
 /// `out_offset`.
-fn run_jobs(k: Kernels, jobs: &[Job<'_>], tasks: &mut Vec<RowTask>, blocked: &mut [f32], out: &mut [f32]) {
+fn run_jobs(
+    k: Kernels,
+    jobs: &[Job<'_>],
+    tasks: &mut Vec<RowTask>,
+    blocked: &mut [f32],
+    out: &mut [f32],
+) {
     tasks.clear();
     let total_rows: usize = jobs.iter().map(|j| j.weights.rows()).sum();
     let per_task = task_rows(total_rows);
@@ -391,7 +434,10 @@ fn run_jobs(k: Kernels, jobs: &[Job<'_>], tasks: &mut Vec<RowTask>, blocked: &mu
             start = end;
         }
     }
-    assert!(block_offset <= blocked.len(), "scratch sized for the widest job set");
+    assert!(
+        block_offset <= blocked.len(),
+        "scratch sized for the widest job set"
+    );
     let shared = SharedOut(blocked.as_mut_ptr());
     tasks.par_iter().for_each(|task| {
         let job = &jobs[task.job];
@@ -418,7 +464,9 @@ fn run_task(k: Kernels, job: &Job<'_>, rows: Range<usize>, out: &mut [f32]) {
     let one = job.tokens == 1;
     let result = match (job.weights, job.quantized) {
         (JobWeights::Bf16(m), _) => k.bf16_gemm(m.values(), m.cols, job.plain, rows, out),
-        (JobWeights::Dense(DenseMatrix::Bf16(m)), _) => k.bf16_gemm(m.values(), m.cols, job.plain, rows, out),
+        (JobWeights::Dense(DenseMatrix::Bf16(m)), _) => {
+            k.bf16_gemm(m.values(), m.cols, job.plain, rows, out)
+        }
         (JobWeights::Dense(DenseMatrix::Q8(m)), Some(x)) if one => k.q8_gemv(m, x, rows, out),
         (JobWeights::Expert(m), Some(x)) if one => k.mxfp4_gemv(&m, x, rows, out),
         (JobWeights::Dense(DenseMatrix::Q4(m)), Some(x)) if one => k.q4_gemv(m, x, rows, out),
@@ -444,8 +492,13 @@ fn run_task(k: Kernels, job: &Job<'_>, rows: Range<usize>, out: &mut [f32]) {
 }
 
 fn expert_matrix(experts: &Mxfp4Experts, expert: usize) -> Mxfp4Matrix<'_> {
-    Mxfp4Matrix::new(experts.rows, experts.cols, experts.blocks(expert), experts.scales(expert))
-        .expect("expert tensor shapes are checked at load")
+    Mxfp4Matrix::new(
+        experts.rows,
+        experts.cols,
+        experts.blocks(expert),
+        experts.scales(expert),
+    )
+    .expect("expert tensor shapes are checked at load")
 }
 
 /// State the fast forward pass threads through one chunk.
@@ -479,17 +532,41 @@ impl FastPass<'_> {
         }
         let half = c.head_dim / 2;
         for i in 0..n {
-            self.rope.cos_sin(start + i, &mut s.cos[i * half..(i + 1) * half], &mut s.sin[i * half..(i + 1) * half]);
+            self.rope.cos_sin(
+                start + i,
+                &mut s.cos[i * half..(i + 1) * half],
+                &mut s.sin[i * half..(i + 1) * half],
+            );
         }
-        for (l, (layer, fast)) in self.weights.layers.iter().zip(&self.fast.layers).enumerate() {
-            rms_norm_rows(&s.x[..n * h], &layer.input_norm, c.rms_norm_eps, &mut s.normed[..n * h]);
+        for (l, (layer, fast)) in self
+            .weights
+            .layers
+            .iter()
+            .zip(&self.fast.layers)
+            .enumerate()
+        {
+            rms_norm_rows(
+                &s.x[..n * h],
+                &layer.input_norm,
+                c.rms_norm_eps,
+                &mut s.normed[..n * h],
+            );
             self.attention(layer, fast, l, start, n, s, cache);
             add_into(&mut s.x[..n * h], &s.proj[..n * h]);
-            rms_norm_rows(&s.x[..n * h], &layer.post_attention_norm, c.rms_norm_eps, &mut s.normed[..n * h]);
+            rms_norm_rows(
+                &s.x[..n * h],
+                &layer.post_attention_norm,
+                c.rms_norm_eps,
+                &mut s.normed[..n * h],
+            );
             self.mixture_of_experts(layer, n, s);
             add_into(&mut s.x[..n * h], &s.moe_out[..n * h]);
         }
-        let (first_row, rows) = if all_logits.is_some() { (0, n) } else { (n - 1, 1) };
+        let (first_row, rows) = if all_logits.is_some() {
+            (0, n)
+        } else {
+            (n - 1, 1)
+        };
         rms_norm_rows(
             &s.x[first_row * h..(first_row + rows) * h],
             &self.weights.final_norm,
@@ -515,7 +592,8 @@ impl FastPass<'_> {
     fn dense(&self, w: &DenseMatrix, n: usize, s: &mut FastScratch, out: &mut [f32]) {
         let h = self.config.hidden_size;
         let quantized = if w.needs_quantized_input() {
-            quantize_activation_rows(&s.normed[..n * h], h, &mut s.normed_q).expect("hidden size is a multiple of 32");
+            quantize_activation_rows(&s.normed[..n * h], h, &mut s.normed_q)
+                .expect("hidden size is a multiple of 32");
             Some(&s.normed_q)
         } else {
             None
@@ -544,9 +622,12 @@ impl FastPass<'_> {
         let c = self.config;
         let (h, qw, kvw, hd) = (c.hidden_size, c.q_width(), c.kv_width(), c.head_dim);
         let a = &layer.attention;
-        let needs_q8 = [&fast.q, &fast.k, &fast.v].iter().any(|m| m.needs_quantized_input());
+        let needs_q8 = [&fast.q, &fast.k, &fast.v]
+            .iter()
+            .any(|m| m.needs_quantized_input());
         if needs_q8 {
-            quantize_activation_rows(&s.normed[..n * h], h, &mut s.normed_q).expect("hidden size is a multiple of 32");
+            quantize_activation_rows(&s.normed[..n * h], h, &mut s.normed_q)
+                .expect("hidden size is a multiple of 32");
         }
         // q, k and v read the same activations: one parallel region, outputs side by side in `proj`
         // scratch ([n x qw] then [n x kvw] twice), then split.
@@ -571,7 +652,10 @@ impl FastPass<'_> {
         }
         let half = hd / 2;
         for i in 0..n {
-            let (cos, sin) = (&s.cos[i * half..(i + 1) * half], &s.sin[i * half..(i + 1) * half]);
+            let (cos, sin) = (
+                &s.cos[i * half..(i + 1) * half],
+                &s.sin[i * half..(i + 1) * half],
+            );
             apply_rope(&mut s.q[i * qw..(i + 1) * qw], hd, cos, sin);
             apply_rope(&mut s.k[i * kvw..(i + 1) * kvw], hd, cos, sin);
         }
@@ -581,7 +665,8 @@ impl FastPass<'_> {
         }
         let o_out = &mut s.proj[..n * h];
         if fast.o.needs_quantized_input() {
-            quantize_activation_rows(&s.attn[..n * qw], qw, &mut s.attn_q).expect("query width is a multiple of 32");
+            quantize_activation_rows(&s.attn[..n * qw], qw, &mut s.attn_q)
+                .expect("query width is a multiple of 32");
         }
         let job = Job {
             weights: JobWeights::Dense(&fast.o),
@@ -598,14 +683,29 @@ impl FastPass<'_> {
 
     /// Stores the chunk's keys and values, then attends: one task per (token, KV head) walks the
     /// visible keys once for all query heads of its group, so each cached row is read once.
-    fn attend<T: KvElement>(&self, layer: &Layer, start: usize, n: usize, s: &mut FastScratch, kv: &mut [Vec<T>]) {
+    fn attend<T: KvElement>(
+        &self,
+        layer: &Layer,
+        start: usize,
+        n: usize,
+        s: &mut FastScratch,
+        kv: &mut [Vec<T>],
+    ) {
         let c = self.config;
         let (qw, kvw, hd) = (c.q_width(), c.kv_width(), c.head_dim);
         let k = self.kernels;
         let (keys, values) = kv.split_at_mut(1);
         let (keys, values) = (&mut keys[0], &mut values[0]);
-        T::store(k, &s.k[..n * kvw], &mut keys[start * kvw..(start + n) * kvw]);
-        T::store(k, &s.v[..n * kvw], &mut values[start * kvw..(start + n) * kvw]);
+        T::store(
+            k,
+            &s.k[..n * kvw],
+            &mut keys[start * kvw..(start + n) * kvw],
+        );
+        T::store(
+            k,
+            &s.v[..n * kvw],
+            &mut values[start * kvw..(start + n) * kvw],
+        );
         let (keys, values) = (&*keys, &*values);
         let kv_heads = c.num_key_value_heads;
         let group = c.num_attention_heads / kv_heads;
@@ -623,7 +723,8 @@ impl FastPass<'_> {
                 let (i, kv_head) = (index / kv_heads, index % kv_heads);
                 let position = start + i;
                 let first_key = (position + 1).saturating_sub(window);
-                let queries = &q[i * qw + kv_head * group * hd..i * qw + (kv_head + 1) * group * hd];
+                let queries =
+                    &q[i * qw + kv_head * group * hd..i * qw + (kv_head + 1) * group * hd];
                 let mut max = [0.0f32; MAX_GROUP];
                 let mut sum = [0.0f32; MAX_GROUP];
                 let mut logits = [0.0f32; MAX_GROUP];
@@ -653,7 +754,9 @@ impl FastPass<'_> {
                 }
                 for g in 0..group {
                     let denominator = sum[g] + (sinks[kv_head * group + g] - max[g]).exp();
-                    out[g * hd..(g + 1) * hd].iter_mut().for_each(|o| *o /= denominator);
+                    out[g * hd..(g + 1) * hd]
+                        .iter_mut()
+                        .for_each(|o| *o /= denominator);
                 }
             });
     }
@@ -669,15 +772,24 @@ impl FastPass<'_> {
             tokens: n,
             out_offset: 0,
         };
-        run_jobs(self.kernels, &[job], &mut s.tasks, &mut s.blocked, &mut s.router[..n * e]);
+        run_jobs(
+            self.kernels,
+            &[job],
+            &mut s.tasks,
+            &mut s.blocked,
+            &mut s.router[..n * e],
+        );
         for i in 0..n {
             add_into(&mut s.router[i * e..(i + 1) * e], &layer.router.bias);
         }
         s.routes.iter_mut().for_each(Vec::clear);
         for i in 0..n {
-            route_token(&s.router[i * e..(i + 1) * e], top_k, |expert, weight| s.routes[expert].push((i, weight)));
+            route_token(&s.router[i * e..(i + 1) * e], top_k, |expert, weight| {
+                s.routes[expert].push((i, weight))
+            });
         }
-        quantize_activation_rows(&s.normed[..n * h], h, &mut s.normed_q).expect("hidden size is a multiple of 32");
+        quantize_activation_rows(&s.normed[..n * h], h, &mut s.normed_q)
+            .expect("hidden size is a multiple of 32");
         s.moe_out[..n * h].fill(0.0);
         if n == 1 {
             self.decode_experts(layer, s);
@@ -715,12 +827,19 @@ impl FastPass<'_> {
                 out_offset: slot * 2 * inter,
             }
         });
-        run_jobs(self.kernels, &jobs[..count], &mut s.tasks, &mut s.blocked, &mut s.gate_up[..count * 2 * inter]);
+        run_jobs(
+            self.kernels,
+            &jobs[..count],
+            &mut s.tasks,
+            &mut s.blocked,
+            &mut s.gate_up[..count * 2 * inter],
+        );
         for (slot, &(expert, _)) in chosen.iter().enumerate() {
             let gate_up = &s.gate_up[slot * 2 * inter..(slot + 1) * 2 * inter];
             let activated = &mut s.activated[slot * inter..(slot + 1) * inter];
             swiglu(c, gate_up, layer.gate_up.bias(expert), activated);
-            quantize_activation_rows(activated, inter, &mut s.activated_q[slot]).expect("intermediate size is a multiple of 32");
+            quantize_activation_rows(activated, inter, &mut s.activated_q[slot])
+                .expect("intermediate size is a multiple of 32");
         }
         let activated_q = &s.activated_q;
         let jobs: [Job<'_>; MAX_TOP_K] = std::array::from_fn(|slot| {
@@ -733,7 +852,13 @@ impl FastPass<'_> {
                 out_offset: slot * h,
             }
         });
-        run_jobs(self.kernels, &jobs[..count], &mut s.tasks, &mut s.blocked, &mut s.expert_out[..count * h]);
+        run_jobs(
+            self.kernels,
+            &jobs[..count],
+            &mut s.tasks,
+            &mut s.blocked,
+            &mut s.expert_out[..count * h],
+        );
         for (slot, &(expert, weight)) in chosen.iter().enumerate() {
             let bias = layer.down.bias(expert);
             let out = &s.expert_out[slot * h..(slot + 1) * h];
@@ -749,9 +874,12 @@ impl FastPass<'_> {
         let c = self.config;
         let (h, inter) = (c.hidden_size, c.intermediate_size);
         s.route_rows.clear();
-        s.route_rows.extend(s.routes[expert].iter().map(|&(i, _)| i));
+        s.route_rows
+            .extend(s.routes[expert].iter().map(|&(i, _)| i));
         let m = s.route_rows.len();
-        s.gathered.gather_rows(&s.normed_q, &s.route_rows).expect("routed rows are chunk rows");
+        s.gathered
+            .gather_rows(&s.normed_q, &s.route_rows)
+            .expect("routed rows are chunk rows");
         let job = Job {
             weights: JobWeights::Expert(expert_matrix(&layer.gate_up, expert)),
             quantized: Some(&s.gathered),
@@ -759,7 +887,13 @@ impl FastPass<'_> {
             tokens: m,
             out_offset: 0,
         };
-        run_jobs(self.kernels, &[job], &mut s.tasks, &mut s.blocked, &mut s.gate_up[..m * 2 * inter]);
+        run_jobs(
+            self.kernels,
+            &[job],
+            &mut s.tasks,
+            &mut s.blocked,
+            &mut s.gate_up[..m * 2 * inter],
+        );
         let bias = layer.gate_up.bias(expert);
         for t in 0..m {
             swiglu(
@@ -769,7 +903,8 @@ impl FastPass<'_> {
                 &mut s.activated[t * inter..(t + 1) * inter],
             );
         }
-        quantize_activation_rows(&s.activated[..m * inter], inter, &mut s.activated_q[0]).expect("intermediate size is a multiple of 32");
+        quantize_activation_rows(&s.activated[..m * inter], inter, &mut s.activated_q[0])
+            .expect("intermediate size is a multiple of 32");
         let job = Job {
             weights: JobWeights::Expert(expert_matrix(&layer.down, expert)),
             quantized: Some(&s.activated_q[0]),
@@ -777,7 +912,13 @@ impl FastPass<'_> {
             tokens: m,
             out_offset: 0,
         };
-        run_jobs(self.kernels, &[job], &mut s.tasks, &mut s.blocked, &mut s.expert_out[..m * h]);
+        run_jobs(
+            self.kernels,
+            &[job],
+            &mut s.tasks,
+            &mut s.blocked,
+            &mut s.expert_out[..m * h],
+        );
         let bias = layer.down.bias(expert);
         for (t, &(i, weight)) in s.routes[expert].iter().enumerate() {
             let out = &s.expert_out[t * h..(t + 1) * h];
@@ -798,7 +939,11 @@ fn dense_job<'j>(
 ) -> Job<'j> {
     Job {
         weights: JobWeights::Dense(w),
-        quantized: if w.needs_quantized_input() { quantized } else { None },
+        quantized: if w.needs_quantized_input() {
+            quantized
+        } else {
+            None
+        },
         plain,
         tokens,
         out_offset,

@@ -11,9 +11,9 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use super::config::{LayerKind, ModelConfig};
+use super::fast::{FastPass, FastScratch, KvStore, FAST_PREFILL_CHUNK};
 use super::rope::apply_rope;
 use super::weights::{bf16_to_f32, e8m0_to_f32, Bf16Matrix, Layer, Linear, FP4_VALUES};
-use super::fast::{FastPass, FastScratch, KvStore, FAST_PREFILL_CHUNK};
 use super::Model;
 
 /// Tokens per prefill chunk: large enough that a weight block is reused many times, small enough
@@ -70,8 +70,14 @@ pub struct Session {
 
 /// The cache and buffers of the path the model computes with.
 enum State {
-    Exact { cache: KvCache, scratch: Box<Scratch> },
-    Fast { cache: KvStore, scratch: Box<FastScratch> },
+    Exact {
+        cache: KvCache,
+        scratch: Box<Scratch>,
+    },
+    Fast {
+        cache: KvStore,
+        scratch: Box<FastScratch>,
+    },
 }
 
 impl Session {
@@ -236,14 +242,23 @@ impl Session {
         let start = self.tokens.len();
         let model = self.model.clone();
         match &mut self.state {
-            State::Exact { cache, scratch } => {
-                exact_chunk(&model, tokens, start, scratch, cache, &mut self.logits, all_logits)
-            }
+            State::Exact { cache, scratch } => exact_chunk(
+                &model,
+                tokens,
+                start,
+                scratch,
+                cache,
+                &mut self.logits,
+                all_logits,
+            ),
             State::Fast { cache, scratch } => {
                 let pass = FastPass {
                     config: &model.config,
                     weights: &model.weights,
-                    fast: model.fast.as_ref().expect("a fast session has fast weights"),
+                    fast: model
+                        .fast
+                        .as_ref()
+                        .expect("a fast session has fast weights"),
                     rope: &model.rope,
                     kernels: model.kernels,
                 };

@@ -125,7 +125,13 @@ impl Model {
         let config = ModelConfig::from_file(&config_path)?;
         let checkpoint = Checkpoint::open(dir)?;
         let weights = Weights::load(&config, &checkpoint)?;
-        Model::from_parts(config, weights, opts, dir.display().to_string(), &mut |_, _| {})
+        Model::from_parts(
+            config,
+            weights,
+            opts,
+            dir.display().to_string(),
+            &mut |_, _| {},
+        )
     }
 
     /// A model of `preset`'s shape with random weights, built in memory.
@@ -185,7 +191,11 @@ impl Model {
     pub fn options(&self) -> LoadOptions {
         LoadOptions {
             precision: self.precision,
-            weights: self.fast.as_ref().map(|f| f.format).unwrap_or(WeightFormat::Native),
+            weights: self
+                .fast
+                .as_ref()
+                .map(|f| f.format)
+                .unwrap_or(WeightFormat::Native),
             kv: self.kv_format,
         }
     }
@@ -223,9 +233,15 @@ impl Model {
             let projections = match &self.fast {
                 Some(fast) => {
                     let f = &fast.layers[l];
-                    [&f.q, &f.k, &f.v, &f.o].iter().map(|m| m.byte_len()).sum::<usize>()
+                    [&f.q, &f.k, &f.v, &f.o]
+                        .iter()
+                        .map(|m| m.byte_len())
+                        .sum::<usize>()
                 }
-                None => [&a.q, &a.k, &a.v, &a.o].iter().map(|l| l.weight.byte_len()).sum(),
+                None => [&a.q, &a.k, &a.v, &a.o]
+                    .iter()
+                    .map(|l| l.weight.byte_len())
+                    .sum(),
             };
             let dense = biases + projections + layer.router.weight.byte_len();
             let per_expert =
