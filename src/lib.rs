@@ -5,4 +5,7 @@
 //! the `engine` thread drives it, `chat` speaks harmony, and `tui`/`cli` face the user.
 
 pub mod cli;
+pub mod config;
+pub mod engine;
 pub mod model;
+pub mod tui;

@@ -1,0 +1,4 @@
+//! The engine thread and its protocol.
+
+pub mod protocol;
+pub mod worker;
