@@ -1,1 +1,114 @@
-pub fn main() -> std::process::ExitCode { std::process::ExitCode::SUCCESS }
+//! The command line: parses arguments and hands each command to the library.
+
+mod model_cmds;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+
+use crate::model::{LoadOptions, Model, Precision, Preset};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "ossterm",
+    version,
+    about = "Chat with gpt-oss-20b on your CPU, in your terminal"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Show a checkpoint's configuration, tensors and parameter counts.
+    Info(model_cmds::InfoArgs),
+    /// Write the logits of every position of a token sequence (little-endian f32, [tokens x vocab]).
+    Logits(model_cmds::LogitsArgs),
+    /// Continue a token sequence; prints the generated ids on the last line.
+    Generate(model_cmds::GenerateArgs),
+    /// Write a checkpoint with random weights in the real layout (for speed tests without the download).
+    Synth(model_cmds::SynthArgs),
+}
+
+/// Where the weights come from: a checkpoint directory or a synthetic preset.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// Hugging Face gpt-oss checkpoint directory (config.json + *.safetensors).
+    #[arg(long, value_name = "DIR", conflicts_with = "synthetic")]
+    pub model: Option<PathBuf>,
+    /// Use random weights of this shape instead of a checkpoint.
+    #[arg(long, value_name = "PRESET")]
+    pub synthetic: Option<Preset>,
+    /// Seed of the synthetic weights.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub synthetic_seed: u64,
+    /// Worker threads for the forward pass (default: one per core).
+    #[arg(long, value_name = "N")]
+    pub threads: Option<usize>,
+}
+
+impl ModelArgs {
+    /// Loads the model the arguments name. `exact` selects the f32 reference path.
+    pub fn load(&self, exact: bool) -> anyhow::Result<Arc<Model>> {
+        init_threads(self.threads)?;
+        let opts = LoadOptions {
+            precision: if exact {
+                Precision::Exact
+            } else {
+                Precision::default()
+            },
+        };
+        let model = match (&self.model, self.synthetic) {
+            (Some(dir), _) => Model::load(dir, &opts)
+                .with_context(|| format!("cannot load the model in {}", dir.display()))?,
+            (None, Some(preset)) => Model::synthetic(preset, self.synthetic_seed, &opts),
+            (None, None) => anyhow::bail!("name a model: --model DIR or --synthetic 20b|tiny"),
+        };
+        Ok(Arc::new(model))
+    }
+}
+
+/// Sizes the global rayon pool once; later calls with the same count are fine.
+pub fn init_threads(threads: Option<usize>) -> anyhow::Result<()> {
+    let count = threads.unwrap_or_else(default_threads);
+    if count == 0 {
+        anyhow::bail!("--threads must be at least 1");
+    }
+    // A second initialisation fails harmlessly when the pool already exists.
+    let _ = rayon::ThreadPoolBuilder::new()
+        .num_threads(count)
+        .build_global();
+    Ok(())
+}
+
+/// One worker per available core.
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+}
+
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Some(Command::Info(args)) => model_cmds::info(args),
+        Some(Command::Logits(args)) => model_cmds::logits(args),
+        Some(Command::Generate(args)) => model_cmds::generate(args),
+        Some(Command::Synth(args)) => model_cmds::synth(args),
+        None => {
+            eprintln!("ossterm: choose a command; see `ossterm --help`");
+            return ExitCode::from(2);
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,357 @@
+//! Memory-mapped safetensors shards and tensor lookup with dtype and shape checks.
+//!
+//! Tensor bytes are never copied here: a [`TensorBytes`] is a view into a shared mapping (or, for
+//! synthetic models, a shared heap buffer), so the 13 GB of a real checkpoint stay in the page cache.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use memmap2::Mmap;
+use safetensors::SafeTensors;
+
+use super::ModelError;
+
+/// Element types the loader understands (others are reported by name).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dtype {
+    Bf16,
+    F16,
+    F32,
+    U8,
+}
+
+impl Dtype {
+    pub fn size(self) -> usize {
+        match self {
+            Dtype::Bf16 | Dtype::F16 => 2,
+            Dtype::F32 => 4,
+            Dtype::U8 => 1,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Bf16 => "BF16",
+            Dtype::F16 => "F16",
+            Dtype::F32 => "F32",
+            Dtype::U8 => "U8",
+        }
+    }
+
+    fn from_safetensors(dtype: safetensors::Dtype) -> Option<Self> {
+        match dtype {
+            safetensors::Dtype::BF16 => Some(Dtype::Bf16),
+            safetensors::Dtype::F16 => Some(Dtype::F16),
+            safetensors::Dtype::F32 => Some(Dtype::F32),
+            safetensors::Dtype::U8 => Some(Dtype::U8),
+            _ => None,
+        }
+    }
+}
+
+/// Something that owns bytes and can lend them out for as long as it lives.
+pub trait ByteOwner: Send + Sync {
+    fn bytes(&self) -> &[u8];
+}
+
+impl ByteOwner for Mmap {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+}
+
+impl ByteOwner for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+}
+
+/// A cheap, cloneable view of part of a mapping or buffer.
+#[derive(Clone)]
+pub struct TensorBytes {
+    owner: Arc<dyn ByteOwner>,
+    range: Range<usize>,
+}
+
+impl TensorBytes {
+    pub fn new(owner: Arc<dyn ByteOwner>, range: Range<usize>) -> Self {
+        assert!(
+            range.end <= owner.bytes().len(),
+            "tensor range past its buffer"
+        );
+        TensorBytes { owner, range }
+    }
+
+    pub fn from_vec(bytes: Vec<u8>) -> Self {
+        let len = bytes.len();
+        TensorBytes::new(Arc::new(bytes), 0..len)
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        &self.owner.bytes()[self.range.clone()]
+    }
+
+    pub fn len(&self) -> usize {
+        self.range.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.range.is_empty()
+    }
+
+    /// The bytes reinterpreted as little-endian u16, if the start is 2-byte aligned.
+    pub fn as_u16(&self) -> Option<&[u16]> {
+        let bytes = self.as_slice();
+        // SAFETY: u16 has no invalid bit patterns; align_to only yields a middle part that is
+        // correctly aligned and in bounds. x86-64 is little-endian, matching safetensors.
+        let (head, middle, tail) = unsafe { bytes.align_to::<u16>() };
+        (head.is_empty() && tail.is_empty()).then_some(middle)
+    }
+}
+
+/// One tensor's place in the checkpoint.
+#[derive(Debug, Clone)]
+pub struct TensorInfo {
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    shard: usize,
+    range: Range<usize>,
+}
+
+struct Shard {
+    path: PathBuf,
+    map: Arc<Mmap>,
+}
+
+/// All shards of a checkpoint, mapped, with an index of their tensors.
+pub struct Checkpoint {
+    dir: PathBuf,
+    shards: Vec<Shard>,
+    tensors: HashMap<String, TensorInfo>,
+    /// Tensors whose dtype this loader does not read (name, dtype as written).
+    unsupported: HashMap<String, String>,
+}
+
+impl Checkpoint {
+    /// Maps the shards named by `model.safetensors.index.json`, or the single `model.safetensors`.
+    pub fn open(dir: &Path) -> Result<Self, ModelError> {
+        if !dir.is_dir() {
+            return Err(ModelError::MissingDir(dir.to_owned()));
+        }
+        let index_path = dir.join("model.safetensors.index.json");
+        let single_path = dir.join("model.safetensors");
+        let shard_files: Vec<String> = if index_path.is_file() {
+            read_index(&index_path)?
+        } else if single_path.is_file() {
+            vec!["model.safetensors".into()]
+        } else {
+            return Err(ModelError::NoWeights(dir.to_owned()));
+        };
+
+        let mut checkpoint = Checkpoint {
+            dir: dir.to_owned(),
+            shards: Vec::new(),
+            tensors: HashMap::new(),
+            unsupported: HashMap::new(),
+        };
+        for file in shard_files {
+            checkpoint.map_shard(&file, &index_path)?;
+        }
+        Ok(checkpoint)
+    }
+
+    fn map_shard(&mut self, file: &str, index_path: &Path) -> Result<(), ModelError> {
+        let path = self.dir.join(file);
+        if !path.is_file() {
+            return Err(ModelError::MissingShard {
+                index: index_path.to_owned(),
+                shard: path,
+            });
+        }
+        let handle = File::open(&path).map_err(|source| ModelError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        // SAFETY: the mapping is read-only and private to this process. If another process
+        // truncates the file while we run, reads past the new end fault; that is the documented
+        // contract of every mmap-based loader (llama.cpp, candle) and is accepted for model files.
+        let map = unsafe { Mmap::map(&handle) }.map_err(|source| ModelError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let shard_index = self.shards.len();
+        let bad = |message: String| ModelError::BadShard {
+            path: path.clone(),
+            message,
+        };
+        if map.len() < 8 {
+            return Err(bad(format!(
+                "the file is {} bytes; a safetensors file starts with an 8-byte header length",
+                map.len()
+            )));
+        }
+        let parsed =
+            SafeTensors::deserialize(&map).map_err(|e| bad(describe_safetensors_error(e)))?;
+        let base = map.as_ptr() as usize;
+        for (name, view) in parsed.tensors() {
+            let data = view.data();
+            let start = data.as_ptr() as usize - base;
+            let Some(dtype) = Dtype::from_safetensors(view.dtype()) else {
+                self.unsupported.insert(name, format!("{:?}", view.dtype()));
+                continue;
+            };
+            if let Some(previous) = self.tensors.get(&name) {
+                let first = &self.shards.get(previous.shard).map(|s| s.path.clone());
+                return Err(bad(format!(
+                    "tensor {name} is also in {}",
+                    first
+                        .as_ref()
+                        .map(|p| p.display().to_string())
+                        .unwrap_or_default()
+                )));
+            }
+            self.tensors.insert(
+                name,
+                TensorInfo {
+                    dtype,
+                    shape: view.shape().to_vec(),
+                    shard: shard_index,
+                    range: start..start + data.len(),
+                },
+            );
+        }
+        drop(parsed);
+        self.shards.push(Shard {
+            path,
+            map: Arc::new(map),
+        });
+        Ok(())
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn shard_paths(&self) -> impl Iterator<Item = &Path> {
+        self.shards.iter().map(|s| s.path.as_path())
+    }
+
+    pub fn tensor_names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    pub fn info(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensors.get(name)
+    }
+
+    /// Every tensor's (dtype, byte length), for `ossterm info`.
+    pub fn tensor_sizes(&self) -> impl Iterator<Item = (Dtype, usize)> + '_ {
+        self.tensors.values().map(|t| (t.dtype, t.range.len()))
+    }
+
+    /// The tensor `name`, which must have `shape` and one of `dtypes`.
+    pub fn get(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtypes: &[Dtype],
+    ) -> Result<(Dtype, TensorBytes), ModelError> {
+        let Some(info) = self.tensors.get(name) else {
+            if let Some(dtype) = self.unsupported.get(name) {
+                return Err(ModelError::WrongDtype {
+                    tensor: name.into(),
+                    expected: dtype_list(dtypes),
+                    found: dtype.clone(),
+                });
+            }
+            return Err(ModelError::MissingTensor {
+                tensor: name.into(),
+                dir: self.dir.clone(),
+            });
+        };
+        if !dtypes.contains(&info.dtype) {
+            return Err(ModelError::WrongDtype {
+                tensor: name.into(),
+                expected: dtype_list(dtypes),
+                found: info.dtype.name().into(),
+            });
+        }
+        if info.shape != shape {
+            return Err(ModelError::WrongShape {
+                tensor: name.into(),
+                expected: shape.to_vec(),
+                found: info.shape.clone(),
+            });
+        }
+        let shard = &self.shards[info.shard];
+        Ok((
+            info.dtype,
+            TensorBytes::new(shard.map.clone(), info.range.clone()),
+        ))
+    }
+}
+
+fn dtype_list(dtypes: &[Dtype]) -> String {
+    dtypes
+        .iter()
+        .map(|d| d.name())
+        .collect::<Vec<_>>()
+        .join(" or ")
+}
+
+fn read_index(path: &Path) -> Result<Vec<String>, ModelError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+        path: path.to_owned(),
+        source,
+    })?;
+    let bad = |message: String| ModelError::BadIndex {
+        path: path.to_owned(),
+        message,
+    };
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let map = value
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| bad("no \"weight_map\" object".into()))?;
+    let mut files: Vec<String> = Vec::new();
+    for (tensor, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| bad(format!("the shard of {tensor} is not a file name")))?;
+        if file.contains('/') || file.contains('\\') || file == ".." {
+            return Err(bad(format!(
+                "shard name {file:?} of {tensor} is not a plain file name"
+            )));
+        }
+        if !files.iter().any(|f| f == file) {
+            files.push(file.to_owned());
+        }
+    }
+    if files.is_empty() {
+        return Err(bad("\"weight_map\" is empty".into()));
+    }
+    files.sort();
+    Ok(files)
+}
+
+fn describe_safetensors_error(err: safetensors::SafeTensorError) -> String {
+    use safetensors::SafeTensorError as E;
+    match err {
+        E::HeaderTooLarge => "the header length is larger than the format allows".into(),
+        E::HeaderTooSmall => "the file is too small to hold its header".into(),
+        E::InvalidHeaderLength => {
+            "the header length points past the end of the file (truncated file?)".into()
+        }
+        E::MetadataIncompleteBuffer => {
+            "the tensor data is shorter than the header says (truncated file?)".into()
+        }
+        E::InvalidOffset(name) => format!(
+            "the data offsets of tensor {name} are out of order or past the end of the file"
+        ),
+        E::TensorInvalidInfo => "a tensor's shape and dtype do not match its byte length".into(),
+        other => format!("not a valid safetensors file: {other}"),
+    }
+}

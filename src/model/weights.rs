@@ -1,0 +1,299 @@
+//! Typed per-layer views of the weights, checked against the configuration at load.
+
+use std::sync::Arc;
+
+use super::checkpoint::{ByteOwner, Checkpoint, Dtype, TensorBytes};
+use super::config::{LayerKind, ModelConfig, MXFP4_BLOCK};
+use super::ModelError;
+
+/// Anything that hands out tensors by name with shape and dtype checks: a mapped checkpoint or
+/// the synthetic generator.
+pub trait TensorSource {
+    fn tensor(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtypes: &[Dtype],
+    ) -> Result<(Dtype, TensorBytes), ModelError>;
+}
+
+impl TensorSource for Checkpoint {
+    fn tensor(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtypes: &[Dtype],
+    ) -> Result<(Dtype, TensorBytes), ModelError> {
+        self.get(name, shape, dtypes)
+    }
+}
+
+/// A row-major [rows, cols] matrix of bfloat16 values, usually straight out of the mapping.
+#[derive(Clone)]
+pub struct Bf16Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    data: TensorBytes,
+}
+
+impl Bf16Matrix {
+    fn new(rows: usize, cols: usize, data: TensorBytes) -> Self {
+        // A shard may place a tensor at an odd offset; then (only then) copy it to aligned memory.
+        let data = if data.as_u16().is_some() {
+            data
+        } else {
+            let words: Vec<u16> = data
+                .as_slice()
+                .chunks_exact(2)
+                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                .collect();
+            let len = words.len() * 2;
+            TensorBytes::new(Arc::new(AlignedWords(words)), 0..len)
+        };
+        Bf16Matrix { rows, cols, data }
+    }
+
+    /// All values as bf16 bit patterns.
+    pub fn values(&self) -> &[u16] {
+        self.data
+            .as_u16()
+            .expect("Bf16Matrix::new guarantees 2-byte alignment")
+    }
+
+    pub fn row(&self, r: usize) -> &[u16] {
+        &self.values()[r * self.cols..(r + 1) * self.cols]
+    }
+
+    pub fn byte_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+struct AlignedWords(Vec<u16>);
+
+impl ByteOwner for AlignedWords {
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: any u16 slice is a valid byte slice of twice the length, same lifetime.
+        unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast::<u8>(), self.0.len() * 2) }
+    }
+}
+
+#[inline]
+pub fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// y = W x + b with W in bfloat16.
+#[derive(Clone)]
+pub struct Linear {
+    pub weight: Bf16Matrix,
+    pub bias: Vec<f32>,
+}
+
+/// The experts of one projection in native MXFP4: for expert e, a [rows, cols] matrix whose
+/// 32-element input blocks are 16 bytes of FP4 codes plus one E8M0 scale byte.
+#[derive(Clone)]
+pub struct Mxfp4Experts {
+    pub num_experts: usize,
+    pub rows: usize,
+    pub cols: usize,
+    blocks: TensorBytes,
+    scales: TensorBytes,
+    /// [num_experts, rows]
+    pub bias: Vec<f32>,
+}
+
+impl Mxfp4Experts {
+    pub fn blocks(&self, expert: usize) -> &[u8] {
+        let per_expert = self.rows * self.cols / 2;
+        &self.blocks.as_slice()[expert * per_expert..(expert + 1) * per_expert]
+    }
+
+    pub fn scales(&self, expert: usize) -> &[u8] {
+        let per_expert = self.rows * self.cols / MXFP4_BLOCK;
+        &self.scales.as_slice()[expert * per_expert..(expert + 1) * per_expert]
+    }
+
+    pub fn bias(&self, expert: usize) -> &[f32] {
+        &self.bias[expert * self.rows..(expert + 1) * self.rows]
+    }
+
+    pub fn byte_len(&self) -> usize {
+        self.blocks.len() + self.scales.len()
+    }
+}
+
+pub struct Attention {
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    /// One extra softmax logit per query head, with no value vector.
+    pub sinks: Vec<f32>,
+}
+
+pub struct Layer {
+    pub kind: LayerKind,
+    pub input_norm: Vec<f32>,
+    pub attention: Attention,
+    pub post_attention_norm: Vec<f32>,
+    pub router: Linear,
+    /// Rows alternate gate (even) and up (odd) units.
+    pub gate_up: Mxfp4Experts,
+    pub down: Mxfp4Experts,
+}
+
+pub struct Weights {
+    pub embed: Bf16Matrix,
+    pub layers: Vec<Layer>,
+    pub final_norm: Vec<f32>,
+    pub lm_head: Bf16Matrix,
+}
+
+const SMALL: &[Dtype] = &[Dtype::Bf16, Dtype::F32];
+
+impl Weights {
+    pub fn load(config: &ModelConfig, source: &impl TensorSource) -> Result<Self, ModelError> {
+        let h = config.hidden_size;
+        let embed = matrix(source, "model.embed_tokens.weight", config.vocab_size, h)?;
+        let lm_head = if config.tie_word_embeddings {
+            embed.clone()
+        } else {
+            matrix(source, "lm_head.weight", config.vocab_size, h)?
+        };
+        let layers = (0..config.num_hidden_layers)
+            .map(|l| load_layer(config, source, l))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Weights {
+            embed,
+            layers,
+            final_norm: vector(source, "model.norm.weight", h)?,
+            lm_head,
+        })
+    }
+}
+
+fn load_layer(
+    config: &ModelConfig,
+    source: &impl TensorSource,
+    l: usize,
+) -> Result<Layer, ModelError> {
+    let h = config.hidden_size;
+    let p = format!("model.layers.{l}.");
+    let linear = |name: &str, rows: usize, cols: usize| -> Result<Linear, ModelError> {
+        Ok(Linear {
+            weight: matrix(source, &format!("{p}{name}.weight"), rows, cols)?,
+            bias: vector(source, &format!("{p}{name}.bias"), rows)?,
+        })
+    };
+    let (q, kv) = (config.q_width(), config.kv_width());
+    let e = config.num_local_experts;
+    let i = config.intermediate_size;
+    Ok(Layer {
+        kind: config.layer_kinds[l],
+        input_norm: vector(source, &format!("{p}input_layernorm.weight"), h)?,
+        attention: Attention {
+            q: linear("self_attn.q_proj", q, h)?,
+            k: linear("self_attn.k_proj", kv, h)?,
+            v: linear("self_attn.v_proj", kv, h)?,
+            o: linear("self_attn.o_proj", h, q)?,
+            sinks: vector(
+                source,
+                &format!("{p}self_attn.sinks"),
+                config.num_attention_heads,
+            )?,
+        },
+        post_attention_norm: vector(source, &format!("{p}post_attention_layernorm.weight"), h)?,
+        router: linear("mlp.router", e, h)?,
+        gate_up: experts(source, &format!("{p}mlp.experts.gate_up_proj"), e, 2 * i, h)?,
+        down: experts(source, &format!("{p}mlp.experts.down_proj"), e, h, i)?,
+    })
+}
+
+fn matrix(
+    source: &impl TensorSource,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<Bf16Matrix, ModelError> {
+    let (_, bytes) = source.tensor(name, &[rows, cols], &[Dtype::Bf16])?;
+    Ok(Bf16Matrix::new(rows, cols, bytes))
+}
+
+/// A small tensor (norm, bias, sinks) widened to f32.
+fn vector(source: &impl TensorSource, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
+    let (dtype, bytes) = source.tensor(name, &[len], SMALL)?;
+    Ok(widen(dtype, bytes.as_slice()))
+}
+
+fn widen(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
+    match dtype {
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        _ => bytes
+            .chunks_exact(2)
+            .map(|b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]])))
+            .collect(),
+    }
+}
+
+fn experts(
+    source: &impl TensorSource,
+    prefix: &str,
+    num_experts: usize,
+    rows: usize,
+    cols: usize,
+) -> Result<Mxfp4Experts, ModelError> {
+    let nblocks = cols / MXFP4_BLOCK;
+    let (_, blocks) = source.tensor(
+        &format!("{prefix}_blocks"),
+        &[num_experts, rows, nblocks, 16],
+        &[Dtype::U8],
+    )?;
+    let (_, scales) = source.tensor(
+        &format!("{prefix}_scales"),
+        &[num_experts, rows, nblocks],
+        &[Dtype::U8],
+    )?;
+    let (bias_dtype, bias) =
+        source.tensor(&format!("{prefix}_bias"), &[num_experts, rows], SMALL)?;
+    Ok(Mxfp4Experts {
+        num_experts,
+        rows,
+        cols,
+        blocks,
+        scales,
+        bias: widen(bias_dtype, bias.as_slice()),
+    })
+}
+
+/// FP4 E2M1 values by nibble (bit 3 is the sign).
+pub const FP4_VALUES: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// 2^(s - 127) for an E8M0 scale byte, exactly.
+#[inline]
+pub fn e8m0_to_f32(scale: u8) -> f32 {
+    if scale == 0 {
+        // 2^-127 is subnormal in f32: build it from its bits.
+        f32::from_bits(0x0040_0000)
+    } else {
+        f32::from_bits((scale as u32) << 23)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e8m0_scales_are_powers_of_two() {
+        assert_eq!(e8m0_to_f32(127), 1.0);
+        assert_eq!(e8m0_to_f32(128), 2.0);
+        assert_eq!(e8m0_to_f32(120), 2f32.powi(-7));
+        assert_eq!(e8m0_to_f32(0), 2f32.powi(-127));
+    }
+}
