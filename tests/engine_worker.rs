@@ -122,6 +122,10 @@ impl ModelBackend for ToyModel {
         self.format
     }
 
+    fn kv_cache_type(&self) -> KvCacheType {
+        KvCacheType::F16
+    }
+
     fn kernel_path(&self) -> String {
         "scalar".to_string()
     }
@@ -474,4 +478,28 @@ fn reasoning_kept_in_context_changes_the_prompt() {
     let (_, _, prompt) = turn_done(&events);
     // system marker + "low" + (user a) + (assistant think) + (assistant b) + (user c) + assistant marker
     assert_eq!(prompt, 1 + 3 + 2 + 6 + 2 + 2 + 1);
+}
+
+#[test]
+fn real_model_reuse_gives_the_same_logits_as_a_cold_prefill() {
+    use ossterm::model::{LoadOptions, Model, Preset};
+    let model = Arc::new(Model::synthetic(Preset::Tiny, 7, &LoadOptions::default()));
+    let vocab = model.config.vocab_size as u32;
+    let first: Vec<u32> = (0..50).map(|index| (index * 7919 + 13) % vocab).collect();
+    let mut second = first[..35].to_vec();
+    second.extend((0..9).map(|index| (index * 104_729 + 5) % vocab));
+
+    let mut warm = <Model as ModelBackend>::new_session(&model, 256, KvCacheType::F32).unwrap();
+    InferenceSession::prefill(&mut warm, &first).unwrap();
+    InferenceSession::decode(&mut warm, 3).unwrap();
+    let reused = rewind_for_prompt(&mut warm, &second);
+    assert_eq!(reused, 35);
+    let warm_logits = InferenceSession::prefill(&mut warm, &second[reused..]).unwrap().to_vec();
+
+    let mut cold = <Model as ModelBackend>::new_session(&model, 256, KvCacheType::F32).unwrap();
+    let cold_logits = InferenceSession::prefill(&mut cold, &second).unwrap().to_vec();
+    let worst = warm_logits.iter().zip(&cold_logits).map(|(warm, cold)| (warm - cold).abs()).fold(0.0f32, f32::max);
+    // Chunking differs (the warm run prefills 9 tokens, the cold one 44), so summation order may
+    // differ in the last bits; anything beyond rounding noise means stale cache entries.
+    assert!(worst < 1e-4, "largest logit difference {worst}");
 }

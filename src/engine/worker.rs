@@ -65,6 +65,10 @@ pub trait ModelBackend: Send + Sync + 'static {
 
     fn weight_format(&self) -> WeightFormat;
 
+    /// The KV cache element type its sessions really use (a request for another type is recorded
+    /// in the settings but the gauges show this one).
+    fn kv_cache_type(&self) -> KvCacheType;
+
     /// The SIMD path the kernels picked ("avx512", "avx2" or "scalar").
     fn kernel_path(&self) -> String;
 }
@@ -264,6 +268,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
         sampler.configure(&settings.sampling);
         let mut effective = settings;
         effective.weight_format = model.weight_format();
+        effective.kv_cache = model.kv_cache_type();
         let _ = events.send(Event::Ready(EngineInfo {
             model_label,
             random_weights,
@@ -453,6 +458,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
             applied.context_limit = self.session.context_limit();
             applied.kv_cache = previous.kv_cache;
         }
+        applied.kv_cache = self.model.kv_cache_type();
         // The weight format shown stays the serving one until the new weights are installed.
         applied.weight_format = self.model.weight_format();
         self.settings = applied;
@@ -581,4 +587,60 @@ pub fn kib_field_bytes(text: &str, name: &str) -> Option<u64> {
 /// Total memory of this machine, if known.
 pub fn machine_memory_bytes() -> Option<u64> {
     read_memory_usage().machine_bytes
+}
+
+impl From<crate::model::ForwardError> for EngineError {
+    fn from(error: crate::model::ForwardError) -> Self {
+        EngineError::Model(Box::new(error))
+    }
+}
+
+impl InferenceSession for crate::model::Session {
+    fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError> {
+        Ok(crate::model::Session::prefill(self, tokens)?)
+    }
+
+    fn decode(&mut self, token: u32) -> Result<&[f32], EngineError> {
+        Ok(crate::model::Session::decode(self, token)?)
+    }
+
+    fn tokens(&self) -> &[u32] {
+        crate::model::Session::tokens(self)
+    }
+
+    fn truncate(&mut self, len: usize) {
+        crate::model::Session::truncate(self, len);
+    }
+
+    fn context_limit(&self) -> usize {
+        crate::model::Session::context_limit(self)
+    }
+}
+
+impl ModelBackend for crate::model::Model {
+    type Session = crate::model::Session;
+
+    fn new_session(model: &Arc<Self>, context_limit: usize, _kv_cache: KvCacheType) -> Result<Self::Session, EngineError> {
+        // The forward pass keeps its cache in f32 (see `kv_cache_type`).
+        Ok(model.new_session(context_limit))
+    }
+
+    fn requantized(&self, format: WeightFormat, _progress: &mut dyn FnMut(u64, u64)) -> Result<Self, EngineError> {
+        Err(EngineError::Model(
+            format!("weight format {format} is not available: this build runs the exact forward pass on the checkpoint's bf16 weights").into(),
+        ))
+    }
+
+    fn weight_format(&self) -> WeightFormat {
+        // The exact path multiplies against the checkpoint's bf16 attention/unembedding weights.
+        WeightFormat::Bf16
+    }
+
+    fn kv_cache_type(&self) -> KvCacheType {
+        KvCacheType::F32
+    }
+
+    fn kernel_path(&self) -> String {
+        "scalar".to_string()
+    }
 }
