@@ -1,5 +1,6 @@
 //! The command line: parses arguments and hands each command to the library.
 
+pub mod app;
 mod model_cmds;
 
 use std::path::PathBuf;
