@@ -4,6 +4,7 @@
 //! Modules follow the data flow: checkpoint files (`model`) and kernels feed the forward pass,
 //! the `engine` thread drives it, `chat` speaks harmony, and `tui`/`cli` face the user.
 
+pub mod chat;
 pub mod cli;
 pub mod config;
 pub mod engine;

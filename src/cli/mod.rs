@@ -1,6 +1,7 @@
 //! The command line: parses arguments and hands each command to the library.
 
 pub mod app;
+mod chat_cmds;
 mod model_cmds;
 
 use std::path::PathBuf;
@@ -33,6 +34,12 @@ pub enum Command {
     Generate(model_cmds::GenerateArgs),
     /// Write a checkpoint with random weights in the real layout (for speed tests without the download).
     Synth(model_cmds::SynthArgs),
+    /// Answer one prompt (or continue a saved conversation), streaming the reply.
+    Run(chat_cmds::RunArgs),
+    /// Print the harmony generation prompt of a conversation file as ids (last line of stdout).
+    Render(chat_cmds::RenderArgs),
+    /// Encode text to o200k_harmony ids, or decode ids with --decode.
+    Tokenize(chat_cmds::TokenizeArgs),
 }
 
 /// Where the weights come from: a checkpoint directory or a synthetic preset.
@@ -100,6 +107,9 @@ pub fn main() -> ExitCode {
         Some(Command::Logits(args)) => model_cmds::logits(args),
         Some(Command::Generate(args)) => model_cmds::generate(args),
         Some(Command::Synth(args)) => model_cmds::synth(args),
+        Some(Command::Run(args)) => chat_cmds::run(args),
+        Some(Command::Render(args)) => chat_cmds::render(args),
+        Some(Command::Tokenize(args)) => chat_cmds::tokenize(args),
         None => {
             eprintln!("ossterm: choose a command; see `ossterm --help`");
             return ExitCode::from(2);

@@ -19,6 +19,9 @@ use super::Model;
 /// that the chunk's activations stay in cache.
 pub const PREFILL_CHUNK: usize = 64;
 
+/// Bytes of one cached key or value element.
+pub const KV_BYTES_PER_VALUE: usize = std::mem::size_of::<f32>();
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ForwardError {
     #[error("the context holds {limit} tokens; {needed} were asked for")]

@@ -150,4 +150,28 @@ impl Model {
     pub fn new_session(self: &Arc<Self>, context_limit: usize) -> Session {
         Session::new(self.clone(), context_limit)
     }
+
+    /// Bytes one decoded token reads from memory with `context` tokens in the cache: every dense
+    /// weight, the routed experts, the lm_head, one embedding row and the visible KV cache.
+    /// Decode is bound by this traffic, so bandwidth / this is the speed ceiling.
+    pub fn decode_bytes_per_token(&self, context: usize) -> u64 {
+        let c = &self.config;
+        let w = &self.weights;
+        let kv_bytes_per_position = 2 * c.kv_width() * forward::KV_BYTES_PER_VALUE;
+        let mut total = (w.lm_head.byte_len() + w.embed.byte_len() / c.vocab_size) as u64;
+        for layer in &w.layers {
+            let a = &layer.attention;
+            let dense = [&a.q, &a.k, &a.v, &a.o, &layer.router]
+                .iter()
+                .map(|l| l.weight.byte_len() + 4 * l.bias.len())
+                .sum::<usize>();
+            let per_expert = (layer.gate_up.byte_len() + layer.down.byte_len()) / c.num_local_experts;
+            let visible = match layer.kind {
+                LayerKind::Sliding => context.min(c.sliding_window),
+                LayerKind::Full => context,
+            };
+            total += (dense + per_expert * c.num_experts_per_tok + visible * kv_bytes_per_position) as u64;
+        }
+        total
+    }
 }

@@ -1,0 +1,308 @@
+//! `ossterm bench`: prefill and decode speed, time to first token on the standard prompts, peak
+//! memory, and how close decode comes to this machine's memory-bandwidth roofline.
+
+pub mod probe;
+pub mod stats;
+
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::chat::harmony::{render_for_completion, RenderOptions};
+use crate::chat::{ChatMessage, Conversation, Tokenizer};
+use crate::model::{Model, Session};
+use stats::Summary;
+
+/// The ten standard prompts, short to long.
+pub const STANDARD_PROMPTS: &str = include_str!("../../assets/bench_prompts.txt");
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct BenchPlan {
+    pub prompt_tokens: usize,
+    pub gen_tokens: usize,
+    pub depth: usize,
+    pub repeat: usize,
+    pub ttft: bool,
+}
+
+/// One repeat's figures.
+#[derive(Debug, Clone, Copy, Default)]
+struct Sample {
+    prefill_tps: f64,
+    decode_tps: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PromptTtft {
+    pub prompt: usize,
+    pub tokens: usize,
+    pub ttft_ms: Summary,
+}
+
+/// The whole report; medians at the top level, as the JSON keys ask.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    pub decode_tps: f64,
+    pub prefill_tps: f64,
+    pub ttft_ms: f64,
+    pub peak_rss_bytes: u64,
+    pub bandwidth_gbps: f64,
+    pub bytes_per_token: u64,
+    pub roofline_tps: f64,
+    pub roofline_efficiency: f64,
+    pub decode: Summary,
+    pub prefill: Summary,
+    pub ttft: Vec<PromptTtft>,
+    pub settings: BenchSettings,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchSettings {
+    pub model: String,
+    pub threads: usize,
+    pub kernels: String,
+    pub weights: String,
+    pub kv_cache: String,
+    pub prompt_tokens: usize,
+    pub gen_tokens: usize,
+    pub depth: usize,
+    pub repeat: usize,
+    pub cpu: String,
+}
+
+/// Receives progress: (what is running, steps done, steps in all).
+pub type Progress<'a> = dyn FnMut(&str, usize, usize) + 'a;
+
+/// Parses `assets/bench_prompts.txt`: leading `#` comment lines, prompts separated by `---`.
+pub fn standard_prompts() -> Vec<String> {
+    let body: String = STANDARD_PROMPTS
+        .lines()
+        .skip_while(|line| line.starts_with('#'))
+        .collect::<Vec<_>>()
+        .join("\n");
+    body.split("\n---\n")
+        .map(|p| p.trim().to_owned())
+        .filter(|p| !p.is_empty())
+        .collect()
+}
+
+/// Deterministic ordinary-text token ids (no special tokens), as llama-bench uses random tokens.
+fn filler_tokens(count: usize, vocab: usize, salt: u64) -> Vec<u32> {
+    let ordinary = vocab.min(199_998) as u64;
+    let mut state = 0x2545_F491_4F6C_DD1D ^ salt;
+    (0..count)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % ordinary) as u32
+        })
+        .collect()
+}
+
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Runs the plan on `model` and returns the report. `settings` describes the run for the record.
+pub fn run(
+    model: &std::sync::Arc<Model>,
+    plan: &BenchPlan,
+    mut settings: BenchSettings,
+    progress: &mut Progress<'_>,
+) -> anyhow::Result<BenchReport> {
+    let vocab = model.config.vocab_size;
+    let context = plan.depth + plan.prompt_tokens + plan.gen_tokens + 1;
+    let mut session = model.new_session(context);
+    let mut samples = Vec::with_capacity(plan.repeat);
+    for repeat in 0..plan.repeat {
+        let label = format!("repeat {}/{}", repeat + 1, plan.repeat);
+        samples.push(measure_once(&mut session, plan, vocab, repeat as u64, &label, progress)?);
+    }
+
+    let mut ttft = Vec::new();
+    if plan.ttft {
+        let tokenizer = Tokenizer::shared()?;
+        let prompts = standard_prompts();
+        for (index, text) in prompts.iter().enumerate() {
+            let conversation = Conversation {
+                messages: vec![ChatMessage::user(text.clone())],
+                ..Conversation::default()
+            };
+            let ids = render_for_completion(tokenizer, &conversation, &RenderOptions::default())?;
+            let mut session = model.new_session(ids.len() + 1);
+            let mut times = Vec::with_capacity(plan.repeat);
+            for repeat in 0..plan.repeat {
+                progress(
+                    &format!("time to first token, prompt {}/{} ({} tokens)", index + 1, prompts.len(), ids.len()),
+                    repeat,
+                    plan.repeat,
+                );
+                session.truncate(0);
+                let started = Instant::now();
+                let first = argmax(session.prefill(&ids)?);
+                times.push(started.elapsed().as_secs_f64() * 1e3);
+                std::hint::black_box(first);
+            }
+            ttft.push(PromptTtft {
+                prompt: index + 1,
+                tokens: ids.len(),
+                ttft_ms: Summary::of(&times),
+            });
+        }
+    }
+
+    let decode = Summary::of(&samples.iter().map(|s| s.decode_tps).collect::<Vec<_>>());
+    let prefill = Summary::of(&samples.iter().map(|s| s.prefill_tps).collect::<Vec<_>>());
+    progress("measuring memory bandwidth", 0, 1);
+    let bandwidth_gbps = probe::read_bandwidth_gbps(settings.threads);
+    // Decode runs at depth `plan.depth`; count the cache it reads at the middle of the run.
+    let bytes_per_token = model.decode_bytes_per_token(plan.depth + plan.gen_tokens / 2);
+    let roofline_tps = bandwidth_gbps * 1e9 / bytes_per_token as f64;
+    let all_ttft: Vec<f64> = ttft.iter().map(|t| t.ttft_ms.median).collect();
+    settings.cpu = probe::cpu_name();
+    Ok(BenchReport {
+        decode_tps: decode.median,
+        prefill_tps: prefill.median,
+        ttft_ms: if all_ttft.is_empty() { 0.0 } else { Summary::of(&all_ttft).median },
+        peak_rss_bytes: probe::peak_rss_bytes(),
+        bandwidth_gbps,
+        bytes_per_token,
+        roofline_tps,
+        roofline_efficiency: decode.median / roofline_tps,
+        decode,
+        prefill,
+        ttft,
+        settings,
+    })
+}
+
+fn measure_once(
+    session: &mut Session,
+    plan: &BenchPlan,
+    vocab: usize,
+    salt: u64,
+    label: &str,
+    progress: &mut Progress<'_>,
+) -> anyhow::Result<Sample> {
+    session.truncate(0);
+    let chunk = crate::model::forward::PREFILL_CHUNK;
+    if plan.depth > 0 {
+        let context = filler_tokens(plan.depth, vocab, salt);
+        for (i, piece) in context.chunks(chunk).enumerate() {
+            progress(&format!("{label}: filling context to depth {}", plan.depth), i * chunk, plan.depth);
+            session.prefill(piece)?;
+        }
+    }
+    let prompt = filler_tokens(plan.prompt_tokens, vocab, salt ^ 0xABCD);
+    let mut prefill_time = Duration::ZERO;
+    for (i, piece) in prompt.chunks(chunk).enumerate() {
+        progress(&format!("{label}: prefill {} tokens", plan.prompt_tokens), i * chunk, plan.prompt_tokens);
+        let started = Instant::now();
+        session.prefill(piece)?;
+        prefill_time += started.elapsed();
+    }
+    // Decode is measured at the requested depth, as llama-bench's tg does: drop the prompt again.
+    session.truncate(plan.depth);
+    let mut next = *prompt.first().unwrap_or(&0);
+    let started = Instant::now();
+    for i in 0..plan.gen_tokens {
+        if i % 8 == 0 {
+            progress(&format!("{label}: decode {} tokens", plan.gen_tokens), i, plan.gen_tokens);
+        }
+        next = argmax(session.decode(next)?);
+    }
+    let decode_time = started.elapsed();
+    Ok(Sample {
+        prefill_tps: per_second(plan.prompt_tokens, prefill_time),
+        decode_tps: per_second(plan.gen_tokens, decode_time),
+    })
+}
+
+fn per_second(count: usize, time: Duration) -> f64 {
+    if count == 0 || time.is_zero() {
+        0.0
+    } else {
+        count as f64 / time.as_secs_f64()
+    }
+}
+
+/// The report as a table for people.
+pub fn render_table(report: &BenchReport) -> String {
+    let s = &report.settings;
+    let mut out = String::new();
+    let line = |out: &mut String, text: String| {
+        out.push_str(&text);
+        out.push('\n');
+    };
+    line(&mut out, format!("model      {}", s.model));
+    line(
+        &mut out,
+        format!(
+            "settings   threads {}, kernels {}, weights {}, kv cache {}, cpu {}",
+            s.threads, s.kernels, s.weights, s.kv_cache, s.cpu
+        ),
+    );
+    line(&mut out, String::new());
+    line(&mut out, format!("{:<28} {:>10} {:>10} {:>10}", "", "min", "median", "max"));
+    let row = |out: &mut String, name: String, v: &Summary| {
+        line(out, format!("{:<28} {:>10.2} {:>10.2} {:>10.2}", name, v.min, v.median, v.max));
+    };
+    row(&mut out, format!("prefill pp{} tokens/s", s.prompt_tokens), &report.prefill);
+    row(&mut out, format!("decode tg{} tokens/s", s.gen_tokens), &report.decode);
+    if s.depth > 0 {
+        line(&mut out, format!("(both at context depth {})", s.depth));
+    }
+    for t in &report.ttft {
+        row(&mut out, format!("ttft ms, prompt {} ({} tok)", t.prompt, t.tokens), &t.ttft_ms);
+    }
+    line(&mut out, String::new());
+    line(
+        &mut out,
+        format!(
+            "peak RSS {:.2} GiB",
+            report.peak_rss_bytes as f64 / (1u64 << 30) as f64
+        ),
+    );
+    line(
+        &mut out,
+        format!(
+            "roofline {:.2} GB read per decoded token, {:.1} GB/s measured read bandwidth -> {:.1} tokens/s ceiling; decode at {:.0}% of it",
+            report.bytes_per_token as f64 / 1e9,
+            report.bandwidth_gbps,
+            report.roofline_tps,
+            report.roofline_efficiency * 100.0
+        ),
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ten_standard_prompts_from_short_to_long() {
+        let prompts = standard_prompts();
+        assert_eq!(prompts.len(), 10);
+        for pair in prompts.windows(2) {
+            assert!(pair[0].len() < pair[1].len(), "{:?} is not shorter than the next", pair[0]);
+        }
+        assert!(prompts.iter().all(|p| !p.contains("\n---")));
+    }
+
+    #[test]
+    fn filler_tokens_are_ordinary_and_repeatable() {
+        let a = filler_tokens(1000, 201_088, 7);
+        assert_eq!(a, filler_tokens(1000, 201_088, 7));
+        assert!(a.iter().all(|&t| t < 199_998));
+        assert!(filler_tokens(100, 500, 1).iter().all(|&t| t < 500));
+    }
+}

@@ -1,0 +1,14 @@
+//! Speaking harmony: the o200k_harmony tokenizer, rendering conversations into prompts, parsing
+//! generated tokens back into channels, and the conversation file format.
+
+pub mod conversation;
+pub mod harmony;
+pub mod parser;
+pub mod tokenizer;
+
+pub use conversation::{
+    Channel, ChatMessage, Conversation, ConversationError, ReasoningEffort, Role, SystemSettings,
+};
+pub use harmony::{render_for_completion, render_history, RenderOptions};
+pub use parser::{HarmonyParser, Malformation, ParseEvent, StopToken};
+pub use tokenizer::{Tokenizer, TokenizerError, Utf8Stream};

@@ -1,0 +1,115 @@
+//! `ossterm bench`: the project's own benchmark.
+
+use std::io::{IsTerminal, Write};
+
+use clap::Args;
+
+use super::ModelArgs;
+use crate::bench::{self, BenchPlan, BenchSettings};
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt tokens per prefill measurement (pp).
+    #[arg(long, default_value_t = 512, value_name = "N")]
+    pub prompt_tokens: usize,
+    /// Tokens per decode measurement (tg).
+    #[arg(long, default_value_t = 128, value_name = "N")]
+    pub gen_tokens: usize,
+    /// Context already in the cache when prefill and decode are measured.
+    #[arg(long, default_value_t = 0, value_name = "D")]
+    pub depth: usize,
+    /// Repeats of every measurement (min/median/max are reported).
+    #[arg(long, default_value_t = 3, value_name = "R")]
+    pub repeat: usize,
+    /// Skip the time-to-first-token runs over the ten standard prompts.
+    #[arg(long)]
+    pub no_ttft: bool,
+    /// Use the exact f32 reference path.
+    #[arg(long)]
+    pub exact: bool,
+    /// Print one JSON object on stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    if args.repeat == 0 {
+        anyhow::bail!("--repeat must be at least 1");
+    }
+    if args.model.model.is_none() && args.model.synthetic.is_none() {
+        anyhow::bail!("name a model: --model DIR or --synthetic 20b|tiny");
+    }
+    let mut progress = ProgressLine::new();
+    progress.show("loading the model", 0, 1);
+    let model = args.model.load(args.exact)?;
+    let plan = BenchPlan {
+        prompt_tokens: args.prompt_tokens,
+        gen_tokens: args.gen_tokens,
+        depth: args.depth,
+        repeat: args.repeat,
+        ttft: !args.no_ttft,
+    };
+    let settings = BenchSettings {
+        model: model.source.clone(),
+        threads: rayon::current_num_threads(),
+        kernels: "portable".into(),
+        weights: "bf16 (exact)".into(),
+        kv_cache: "f32".into(),
+        prompt_tokens: args.prompt_tokens,
+        gen_tokens: args.gen_tokens,
+        depth: args.depth,
+        repeat: args.repeat,
+        cpu: String::new(),
+    };
+    let report = bench::run(&model, &plan, settings, &mut |what, done, total| progress.show(what, done, total))?;
+    progress.clear();
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print!("{}", bench::render_table(&report));
+    }
+    Ok(())
+}
+
+/// A one-line progress bar on stderr, redrawn in place; silent when stderr is not a terminal
+/// except for a line per new phase.
+struct ProgressLine {
+    tty: bool,
+    last_phase: String,
+}
+
+impl ProgressLine {
+    fn new() -> Self {
+        ProgressLine {
+            tty: std::io::stderr().is_terminal(),
+            last_phase: String::new(),
+        }
+    }
+
+    fn show(&mut self, what: &str, done: usize, total: usize) {
+        let mut err = std::io::stderr().lock();
+        if self.tty {
+            let width = 24;
+            let filled = if total == 0 { 0 } else { (done * width / total).min(width) };
+            let _ = write!(
+                err,
+                "\r\x1b[2K[{}{}] {what}",
+                "#".repeat(filled),
+                "-".repeat(width - filled)
+            );
+        } else if what != self.last_phase {
+            let _ = writeln!(err, "{what}");
+        }
+        let _ = err.flush();
+        self.last_phase.clear();
+        self.last_phase.push_str(what);
+    }
+
+    fn clear(&mut self) {
+        if self.tty {
+            let _ = write!(std::io::stderr(), "\r\x1b[2K");
+        }
+    }
+}

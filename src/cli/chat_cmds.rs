@@ -1,0 +1,331 @@
+//! Commands that speak harmony: `render`, `tokenize` and `run`.
+
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Args;
+
+use super::ModelArgs;
+use crate::chat::{
+    render_for_completion, Channel, ChatMessage, Conversation, ParseEvent, ReasoningEffort,
+    RenderOptions, Tokenizer,
+};
+use crate::engine::{
+    generate, GenerateEvent, GenerateLimits, GenerateResult, Sampler, SamplerSettings, StopReason,
+};
+
+#[derive(Args, Debug)]
+pub struct RenderArgs {
+    /// Conversation file (JSON; see `chat::conversation`).
+    #[arg(long, value_name = "FILE")]
+    pub conversation: PathBuf,
+    /// Keep the analysis of completed turns in the prompt.
+    #[arg(long)]
+    pub keep_reasoning: bool,
+    /// Also print the prompt as text (special tokens spelled out) before the ids.
+    #[arg(long)]
+    pub show_text: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct TokenizeArgs {
+    /// Text to encode, or comma-separated ids with --decode.
+    pub text: String,
+    /// Decode comma-separated ids back to text.
+    #[arg(long)]
+    pub decode: bool,
+    /// Encode literal `<|...|>` strings as special tokens (message text never does).
+    #[arg(long, conflicts_with = "decode")]
+    pub special: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The user's message; `-` reads it from stdin.
+    #[arg(long, value_name = "TEXT", required_unless_present = "conversation")]
+    pub prompt: Option<String>,
+    /// Continue this saved conversation (the prompt, if any, is appended as a user message).
+    #[arg(long, value_name = "FILE")]
+    pub conversation: Option<PathBuf>,
+    /// Model identity line of the system message (default: harmony's).
+    #[arg(long, value_name = "TEXT")]
+    pub system: Option<String>,
+    /// Developer instructions.
+    #[arg(long, value_name = "TEXT")]
+    pub developer: Option<String>,
+    /// Reasoning effort.
+    #[arg(long, value_name = "low|medium|high")]
+    pub reasoning: Option<ReasoningEffort>,
+    /// Current date line of the system message (YYYY-MM-DD).
+    #[arg(long, value_name = "DATE")]
+    pub date: Option<String>,
+    /// Keep the analysis of completed turns in the prompt.
+    #[arg(long)]
+    pub keep_reasoning: bool,
+    /// Print the reasoning (analysis channel) to stderr as it is generated.
+    #[arg(long)]
+    pub show_reasoning: bool,
+    /// Print one JSON object with answer, reasoning, token counts and timings instead of streaming.
+    #[arg(long)]
+    pub json: bool,
+    /// Most tokens to generate (default: until the model stops or the context is full).
+    #[arg(long, value_name = "N")]
+    pub max_tokens: Option<usize>,
+    /// Context size in tokens (prompt + reply).
+    #[arg(long, value_name = "N", default_value_t = 8192)]
+    pub context: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, value_name = "T", default_value_t = 1.0)]
+    pub temperature: f32,
+    /// Keep only the K most likely tokens (0: all).
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    pub top_k: usize,
+    /// Nucleus sampling: keep the most likely tokens up to this probability mass.
+    #[arg(long, value_name = "P", default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Drop tokens less likely than this fraction of the most likely one.
+    #[arg(long, value_name = "P", default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Seed for reproducible sampling.
+    #[arg(long, value_name = "N")]
+    pub seed: Option<u64>,
+}
+
+fn join_ids(ids: &[u32]) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
+
+pub fn render(args: RenderArgs) -> anyhow::Result<()> {
+    let conversation = Conversation::load(&args.conversation)?;
+    let tokenizer = Tokenizer::shared()?;
+    let options = RenderOptions {
+        keep_reasoning: args.keep_reasoning,
+    };
+    let ids = render_for_completion(tokenizer, &conversation, &options)?;
+    if args.show_text {
+        println!("{}", tokenizer.decode(&ids)?);
+    }
+    println!("{}", join_ids(&ids));
+    Ok(())
+}
+
+pub fn tokenize(args: TokenizeArgs) -> anyhow::Result<()> {
+    let tokenizer = Tokenizer::shared()?;
+    if args.decode {
+        let ids = args
+            .text
+            .split(',')
+            .map(|id| {
+                id.trim().parse::<u32>().with_context(|| {
+                    format!("{id:?} is not a token id (expected e.g. 200006,1428)")
+                })
+            })
+            .collect::<anyhow::Result<Vec<u32>>>()?;
+        println!("{}", tokenizer.decode(&ids)?);
+    } else {
+        let ids = if args.special {
+            tokenizer.encode_with_special_tokens(&args.text)?
+        } else {
+            tokenizer.encode_text(&args.text)?
+        };
+        println!("{}", join_ids(&ids));
+    }
+    Ok(())
+}
+
+/// The conversation `run` continues: a saved one, or a fresh one from the flags.
+fn conversation_for_run(args: &RunArgs) -> anyhow::Result<Conversation> {
+    let mut conversation = match &args.conversation {
+        Some(path) => Conversation::load(path)?,
+        None => Conversation::default(),
+    };
+    if let Some(identity) = &args.system {
+        conversation.system.identity = Some(identity.clone());
+    }
+    if let Some(reasoning) = args.reasoning {
+        conversation.system.reasoning = Some(reasoning);
+    }
+    if let Some(date) = &args.date {
+        conversation.system.date = Some(date.clone());
+    }
+    if let Some(developer) = &args.developer {
+        conversation.developer = Some(developer.clone());
+    }
+    match args.prompt.as_deref() {
+        Some("-") => {
+            let mut text = String::new();
+            std::io::stdin()
+                .read_to_string(&mut text)
+                .context("cannot read the prompt from stdin")?;
+            conversation.messages.push(ChatMessage::user(text));
+        }
+        Some(text) => conversation.messages.push(ChatMessage::user(text)),
+        None => {}
+    }
+    if conversation.messages.is_empty() {
+        anyhow::bail!("nothing to answer: give --prompt TEXT (or - for stdin)");
+    }
+    Ok(conversation)
+}
+
+/// What `run` collects while streaming.
+#[derive(Default)]
+struct RunOutput {
+    answer: String,
+    reasoning: String,
+    malformed: Vec<String>,
+}
+
+pub fn run(args: RunArgs) -> anyhow::Result<()> {
+    // Ctrl-C sets the flag and generation ends cleanly, printing what it has; a second Ctrl-C
+    // exits at once. Installed first, so an early Ctrl-C during loading is not lost either.
+    let cancel = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register_conditional_shutdown(signal, 130, cancel.clone())
+            .context("cannot install the Ctrl-C handler")?;
+        signal_hook::flag::register(signal, cancel.clone())
+            .context("cannot install the Ctrl-C handler")?;
+    }
+    let conversation = conversation_for_run(&args)?;
+    let tokenizer = Tokenizer::shared()?;
+    let prompt = render_for_completion(
+        tokenizer,
+        &conversation,
+        &RenderOptions {
+            keep_reasoning: args.keep_reasoning,
+        },
+    )?;
+    let mut sampler = Sampler::new(SamplerSettings {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        seed: args.seed,
+    })?;
+    if prompt.len() > args.context {
+        anyhow::bail!(
+            "the prompt is {} tokens but the context holds only {}; raise --context or shorten the conversation",
+            prompt.len(),
+            args.context
+        );
+    }
+    let model = args.model.load(false)?;
+    let context = args.context.min(model.config.max_position_embeddings);
+    let mut session = model.new_session(context);
+
+    let stream = !args.json;
+    let mut output = RunOutput::default();
+    let mut stdout = std::io::stdout().lock();
+    let mut stderr = std::io::stderr();
+    let mut write_error = None;
+    let result = generate(
+        &mut session,
+        tokenizer,
+        &prompt,
+        &mut sampler,
+        GenerateLimits {
+            max_tokens: args.max_tokens,
+        },
+        &cancel,
+        |event| {
+            let GenerateEvent::Parsed(event) = event else {
+                return;
+            };
+            let written = match event {
+                ParseEvent::Text { channel, text } => match channel {
+                    Some(Channel::Analysis | Channel::Commentary) => {
+                        output.reasoning.push_str(text);
+                        if stream && args.show_reasoning {
+                            stderr.write_all(text.as_bytes())
+                        } else {
+                            Ok(())
+                        }
+                    }
+                    // Text without a known channel is shown: the user asked for an answer.
+                    Some(Channel::Final) | None => {
+                        output.answer.push_str(text);
+                        if stream {
+                            stdout
+                                .write_all(text.as_bytes())
+                                .and_then(|()| stdout.flush())
+                        } else {
+                            Ok(())
+                        }
+                    }
+                },
+                ParseEvent::MessageEnd {
+                    channel: Some(Channel::Analysis | Channel::Commentary),
+                    ..
+                } if stream && args.show_reasoning => stderr.write_all(b"\n"),
+                ParseEvent::Malformed(malformation) => {
+                    output.malformed.push(malformation.to_string());
+                    Ok(())
+                }
+                _ => Ok(()),
+            };
+            if let Err(error) = written {
+                write_error.get_or_insert(error);
+            }
+        },
+    )?;
+    if let Some(error) = write_error {
+        return Err(error).context("cannot write the reply");
+    }
+    if args.json {
+        let json = run_json(&output, &result);
+        writeln!(stdout, "{json}")?;
+    } else {
+        if !output.answer.ends_with('\n') {
+            writeln!(stdout)?;
+        }
+        report_run(&output, &result);
+    }
+    Ok(())
+}
+
+fn run_json(output: &RunOutput, result: &GenerateResult) -> serde_json::Value {
+    serde_json::json!({
+        "answer": output.answer,
+        "reasoning": output.reasoning,
+        "prompt_tokens": result.prompt_tokens,
+        "generated_tokens": result.generated_tokens,
+        "stop_reason": result.stop_reason,
+        "ttft_ms": result.time_to_first_token.as_secs_f64() * 1e3,
+        "prefill_tps": result.prefill_tokens_per_second(),
+        "decode_tps": result.decode_tokens_per_second(),
+        "reused_tokens": result.reused_tokens,
+        "malformed": output.malformed,
+    })
+}
+
+/// One stderr line on how the run ended, so stdout holds only the answer.
+fn report_run(output: &RunOutput, result: &GenerateResult) {
+    let why = match result.stop_reason {
+        StopReason::Return => "answer complete",
+        StopReason::ToolCall => "the model called a tool (tools are not supported)",
+        StopReason::EndOfText => "end of text",
+        StopReason::MaxTokens => "--max-tokens reached",
+        StopReason::ContextFull => "the context is full (raise --context)",
+        StopReason::Cancelled => "cancelled",
+    };
+    eprintln!(
+        "[{why}: {} prompt tokens, {} generated; first token after {:.0} ms, prefill {:.1} tokens/s, decode {:.1} tokens/s]",
+        result.prompt_tokens,
+        result.generated_tokens,
+        result.time_to_first_token.as_secs_f64() * 1e3,
+        result.prefill_tokens_per_second(),
+        result.decode_tokens_per_second(),
+    );
+    if !output.malformed.is_empty() {
+        eprintln!(
+            "[the output did not follow harmony {} times; first: {}]",
+            output.malformed.len(),
+            output.malformed[0]
+        );
+    }
+}
