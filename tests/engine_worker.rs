@@ -194,8 +194,8 @@ impl TokenSampler for GreedySampler {
         self.configured.lock().unwrap().push(sampling.clone());
     }
 
-    fn sample(&mut self, logits: &[f32]) -> u32 {
-        logits.iter().enumerate().max_by(|left, right| left.1.total_cmp(right.1)).map_or(0, |(index, _)| index as u32)
+    fn sample(&mut self, logits: &[f32]) -> Result<u32, EngineError> {
+        Ok(logits.iter().enumerate().max_by(|left, right| left.1.total_cmp(right.1)).map_or(0, |(index, _)| index as u32))
     }
 }
 

@@ -298,3 +298,44 @@ fn event_loop(
         }
     }
 }
+
+/// `ossterm` with no command: resolve the configuration and run the app over the real model.
+pub fn run(args: AppArgs) -> anyhow::Result<()> {
+    let config = args.resolve()?;
+    run_app(config, |config, events| Ok(start_model_engine(config, events)))
+}
+
+/// Starts the engine thread over the configured checkpoint or synthetic model, the harmony codec
+/// and the sampler; loading happens on that thread while the UI shows progress.
+pub fn start_model_engine(config: &AppConfig, events: Sender<Event>) -> EngineHandle {
+    use crate::engine::worker::{EngineParts, EngineSampler, HarmonyCodec};
+    use crate::model::{LoadOptions, Model, Preset};
+    let source = config.model.clone();
+    EngineHandle::spawn(config.settings.clone(), events, move |settings, progress| {
+        let options = LoadOptions::default();
+        let (model, model_label, random_weights) = match source {
+            ModelSource::Checkpoint(dir) => {
+                progress("reading the checkpoint", 0, 1);
+                let model = Model::load(&dir, &options).map_err(|error| EngineError::Model(Box::new(error)))?;
+                progress("reading the checkpoint", 1, 1);
+                (model, format!("gpt-oss ({})", dir.display()), false)
+            }
+            ModelSource::Synthetic(choice) => {
+                let machine = crate::engine::worker::machine_memory_bytes();
+                let preset = match choice.resolve(machine) {
+                    SyntheticChoice::Gpt20b => Preset::Gpt20b,
+                    SyntheticChoice::Tiny | SyntheticChoice::Auto => Preset::Tiny,
+                };
+                progress(&format!("generating random {} weights", preset.name()), 0, 1);
+                let model = Model::synthetic(preset, 0, &options);
+                progress(&format!("generating random {} weights", preset.name()), 1, 1);
+                let label = model.source.clone();
+                (model, label, true)
+            }
+        };
+        progress("loading the tokenizer", 0, 1);
+        let codec = HarmonyCodec::new()?;
+        let sampler = EngineSampler::new(&settings.sampling)?;
+        Ok(EngineParts { model: std::sync::Arc::new(model), codec, sampler, model_label, random_weights })
+    })
+}

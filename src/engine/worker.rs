@@ -103,7 +103,7 @@ pub trait ChatCodec: Send + 'static {
 /// Picks the next token from logits (implemented over `engine::sampler`).
 pub trait TokenSampler: Send {
     fn configure(&mut self, sampling: &SamplingSettings);
-    fn sample(&mut self, logits: &[f32]) -> u32;
+    fn sample(&mut self, logits: &[f32]) -> Result<u32, EngineError>;
 }
 
 /// What the load closure hands to the engine thread.
@@ -384,7 +384,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
             let logits = self.session.prefill(chunk)?;
             done += chunk.len();
             if done == tail.len() {
-                first_token = Some(self.sampler.sample(logits));
+                first_token = Some(self.sampler.sample(logits)?);
             }
             self.timings.prefill_tokens += chunk.len();
             self.timings.prefill_time += chunk_started.elapsed();
@@ -420,7 +420,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
             }
             let step_started = Instant::now();
             let logits = self.session.decode(token)?;
-            token = self.sampler.sample(logits);
+            token = self.sampler.sample(logits)?;
             self.timings.decoded_tokens += 1;
             self.timings.decode_time += step_started.elapsed();
             self.timings.context_used = self.session.tokens().len();
@@ -642,5 +642,146 @@ impl ModelBackend for crate::model::Model {
 
     fn kernel_path(&self) -> String {
         "scalar".to_string()
+    }
+}
+
+/// Maps the protocol's conversation to the chat module's, field by field.
+pub fn to_chat_conversation(conversation: &Conversation) -> crate::chat::Conversation {
+    use crate::chat::conversation as chat;
+    use crate::engine::protocol::{ReasoningEffort, Role};
+    let reasoning = match conversation.system.reasoning {
+        ReasoningEffort::Low => chat::ReasoningEffort::Low,
+        ReasoningEffort::Medium => chat::ReasoningEffort::Medium,
+        ReasoningEffort::High => chat::ReasoningEffort::High,
+    };
+    let channel = |channel: Option<Channel>| {
+        channel.map(|channel| match channel {
+            Channel::Analysis => chat::Channel::Analysis,
+            Channel::Commentary => chat::Channel::Commentary,
+            Channel::Final => chat::Channel::Final,
+        })
+    };
+    crate::chat::Conversation {
+        system: chat::SystemSettings {
+            identity: Some(conversation.system.identity.clone()),
+            reasoning: Some(reasoning),
+            date: conversation.system.date.clone(),
+            knowledge_cutoff: Some(conversation.system.knowledge_cutoff.clone()),
+            extra: Default::default(),
+        },
+        developer: conversation.developer.clone(),
+        messages: conversation
+            .messages
+            .iter()
+            .map(|message| chat::ChatMessage {
+                role: match message.role {
+                    Role::User => chat::Role::User,
+                    Role::Assistant => chat::Role::Assistant,
+                },
+                channel: channel(message.channel),
+                content: message.content.clone(),
+                extra: Default::default(),
+            })
+            .collect(),
+        extra: Default::default(),
+    }
+}
+
+/// Harmony over the o200k_harmony tokenizer (`chat` module).
+pub struct HarmonyCodec {
+    tokenizer: &'static crate::chat::Tokenizer,
+}
+
+impl HarmonyCodec {
+    pub fn new() -> Result<HarmonyCodec, EngineError> {
+        let tokenizer = crate::chat::Tokenizer::shared().map_err(|error| EngineError::Chat(Box::new(error)))?;
+        Ok(HarmonyCodec { tokenizer })
+    }
+}
+
+impl ChatCodec for HarmonyCodec {
+    type Parser = HarmonyStream;
+
+    fn render_prompt(&self, conversation: &Conversation, keep_reasoning: bool) -> Result<Vec<u32>, EngineError> {
+        let options = crate::chat::RenderOptions { keep_reasoning };
+        crate::chat::render_for_completion(self.tokenizer, &to_chat_conversation(conversation), &options)
+            .map_err(|error| EngineError::Chat(Box::new(error)))
+    }
+
+    fn parser(&self) -> HarmonyStream {
+        HarmonyStream { parser: crate::chat::HarmonyParser::after_prompt(self.tokenizer, "assistant"), text: String::new() }
+    }
+}
+
+/// The chat module's streaming parser, reduced to what the UI shows.
+pub struct HarmonyStream {
+    parser: crate::chat::HarmonyParser<'static>,
+    text: String,
+}
+
+impl StreamParser for HarmonyStream {
+    fn push(&mut self, token: u32) -> Result<ParsedToken, EngineError> {
+        use crate::chat::conversation::Channel as ChatChannel;
+        use crate::chat::ParseEvent;
+        self.text.clear();
+        let mut channel = Channel::Final;
+        let mut stopped = false;
+        let text = &mut self.text;
+        self.parser.push(token, &mut |event| match event {
+            ParseEvent::Text { channel: text_channel, text: piece } => {
+                // Text outside a known channel is shown as answer text; the header never is.
+                channel = match text_channel {
+                    Some(ChatChannel::Analysis) => Channel::Analysis,
+                    Some(ChatChannel::Commentary) => Channel::Commentary,
+                    _ => Channel::Final,
+                };
+                text.push_str(piece);
+            }
+            ParseEvent::Stop(_) => stopped = true,
+            ParseEvent::MessageStart { .. } | ParseEvent::MessageEnd { .. } | ParseEvent::Malformed(_) => {}
+        });
+        if stopped {
+            return Ok(ParsedToken::Stop);
+        }
+        if self.text.is_empty() {
+            return Ok(ParsedToken::Silent);
+        }
+        Ok(ParsedToken::Text { channel, text: self.text.clone() })
+    }
+}
+
+/// The chat module's sampler behind [`TokenSampler`].
+pub struct EngineSampler {
+    sampler: crate::engine::sampler::Sampler,
+}
+
+fn sampler_settings(sampling: &SamplingSettings) -> crate::engine::sampler::SamplerSettings {
+    crate::engine::sampler::SamplerSettings {
+        temperature: sampling.temperature,
+        top_k: sampling.top_k,
+        top_p: sampling.top_p,
+        min_p: sampling.min_p,
+        seed: sampling.seed,
+    }
+}
+
+impl EngineSampler {
+    pub fn new(sampling: &SamplingSettings) -> Result<EngineSampler, EngineError> {
+        let sampler = crate::engine::sampler::Sampler::new(sampler_settings(sampling))
+            .map_err(|error| EngineError::Chat(Box::new(error)))?;
+        Ok(EngineSampler { sampler })
+    }
+}
+
+impl TokenSampler for EngineSampler {
+    fn configure(&mut self, sampling: &SamplingSettings) {
+        // Values were validated with the config; an invalid set keeps the previous sampler.
+        if let Ok(sampler) = crate::engine::sampler::Sampler::new(sampler_settings(sampling)) {
+            self.sampler = sampler;
+        }
+    }
+
+    fn sample(&mut self, logits: &[f32]) -> Result<u32, EngineError> {
+        self.sampler.sample(logits).map_err(|error| EngineError::Chat(Box::new(error)))
     }
 }

@@ -776,6 +776,9 @@ impl App {
             Event::LoadProgress { stage, done, total } => self.engine = EngineStatus::Loading { stage, done, total },
             Event::Ready(info) => {
                 self.engine = EngineStatus::Ready;
+                // Show what really runs: the model may not offer the configured formats.
+                self.settings.weight_format = info.settings.weight_format;
+                self.settings.kv_cache = info.settings.kv_cache;
                 self.engine_settings = Some(info.settings.clone());
                 self.engine_info = Some(info);
             }
