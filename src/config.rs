@@ -5,7 +5,9 @@
 //! optional; a key the app does not know is an error that names it and its line, so a typo never
 //! silently falls back to a default.
 
-use crate::engine::protocol::{KvCacheType, ReasoningEffort, SamplingSettings, Settings, WeightFormat};
+use crate::engine::protocol::{
+    KvCacheType, ReasoningEffort, SamplingSettings, Settings, WeightFormat,
+};
 use serde::Deserialize;
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -21,11 +23,23 @@ pub const SYNTHETIC_20B_MIN_MEMORY_BYTES: u64 = 18 * 1024 * 1024 * 1024;
 #[derive(Debug, Error)]
 pub enum ConfigError {
     #[error("cannot read config file {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("config file {path}, line {line}: key `{key}`: {message}")]
-    InvalidKey { path: PathBuf, line: usize, key: String, message: String },
+    InvalidKey {
+        path: PathBuf,
+        line: usize,
+        key: String,
+        message: String,
+    },
     #[error("config file {path}, line {line}: {message}")]
-    Syntax { path: PathBuf, line: usize, message: String },
+    Syntax {
+        path: PathBuf,
+        line: usize,
+        message: String,
+    },
     #[error("invalid value for {flag}: {message}")]
     InvalidFlag { flag: String, message: String },
 }
@@ -196,7 +210,10 @@ pub fn default_chats_dir() -> Option<PathBuf> {
 
 /// Loads the configuration: `explicit_path` (from `--config`) must exist; without it the platform
 /// file is read if present. Then `overrides` apply, and the result is validated.
-pub fn load(explicit_path: Option<&Path>, overrides: &ConfigOverrides) -> Result<AppConfig, ConfigError> {
+pub fn load(
+    explicit_path: Option<&Path>,
+    overrides: &ConfigOverrides,
+) -> Result<AppConfig, ConfigError> {
     let mut config = match explicit_path {
         Some(path) => load_file(path)?,
         None => match default_config_path() {
@@ -210,7 +227,10 @@ pub fn load(explicit_path: Option<&Path>, overrides: &ConfigOverrides) -> Result
 
 /// Reads and validates one config file on top of the defaults.
 pub fn load_file(path: &Path) -> Result<AppConfig, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
     let mut config = parse(&text, path)?;
     config.loaded_from = Some(path.to_path_buf());
     Ok(config)
@@ -218,7 +238,8 @@ pub fn load_file(path: &Path) -> Result<AppConfig, ConfigError> {
 
 /// Parses config text; `path` only labels errors.
 pub fn parse(text: &str, path: &Path) -> Result<AppConfig, ConfigError> {
-    let file: FileConfig = toml::from_str(text).map_err(|error| describe_toml_error(&error, text, path))?;
+    let file: FileConfig =
+        toml::from_str(text).map_err(|error| describe_toml_error(&error, text, path))?;
     let mut config = AppConfig::default();
     let invalid = |section: &str, key: &str, message: String| ConfigError::InvalidKey {
         path: path.to_path_buf(),
@@ -253,10 +274,19 @@ pub fn parse(text: &str, path: &Path) -> Result<AppConfig, ConfigError> {
         sampling.seed = file.sampling.seed;
     }
     set(&mut settings.reasoning_effort, file.chat.reasoning_effort);
-    set(&mut settings.keep_reasoning_in_context, file.chat.keep_reasoning_in_context);
+    set(
+        &mut settings.keep_reasoning_in_context,
+        file.chat.keep_reasoning_in_context,
+    );
     set(&mut settings.system_prompt, file.chat.system_prompt);
-    set(&mut settings.developer_instructions, file.chat.developer_instructions);
-    config.chats_dir = file.paths.chats_dir.filter(|dir| !dir.as_os_str().is_empty());
+    set(
+        &mut settings.developer_instructions,
+        file.chat.developer_instructions,
+    );
+    config.chats_dir = file
+        .paths
+        .chats_dir
+        .filter(|dir| !dir.as_os_str().is_empty());
 
     if let Err((key, message)) = validate_settings(&config.settings) {
         let (section, key) = key.split_once('.').unwrap_or(("", key));
@@ -275,19 +305,43 @@ fn set<T>(target: &mut T, value: Option<T>) {
 pub fn validate_settings(settings: &Settings) -> Result<(), (&'static str, String)> {
     let sampling: &SamplingSettings = &settings.sampling;
     if settings.threads == 0 || settings.threads > 1024 {
-        return Err(("engine.threads", format!("expected 1..=1024 (0 = all cores), got {}", settings.threads)));
+        return Err((
+            "engine.threads",
+            format!(
+                "expected 1..=1024 (0 = all cores), got {}",
+                settings.threads
+            ),
+        ));
     }
     if settings.context_limit < 256 || settings.context_limit > 131_072 {
-        return Err(("engine.context_limit", format!("expected 256..=131072 tokens, got {}", settings.context_limit)));
+        return Err((
+            "engine.context_limit",
+            format!(
+                "expected 256..=131072 tokens, got {}",
+                settings.context_limit
+            ),
+        ));
     }
     if !(sampling.temperature.is_finite() && (0.0..=10.0).contains(&sampling.temperature)) {
-        return Err(("sampling.temperature", format!("expected 0.0..=10.0 (0 = greedy), got {}", sampling.temperature)));
+        return Err((
+            "sampling.temperature",
+            format!(
+                "expected 0.0..=10.0 (0 = greedy), got {}",
+                sampling.temperature
+            ),
+        ));
     }
     if !(sampling.top_p > 0.0 && sampling.top_p <= 1.0) {
-        return Err(("sampling.top_p", format!("expected a value in (0, 1], got {}", sampling.top_p)));
+        return Err((
+            "sampling.top_p",
+            format!("expected a value in (0, 1], got {}", sampling.top_p),
+        ));
     }
     if !(0.0..1.0).contains(&sampling.min_p) {
-        return Err(("sampling.min_p", format!("expected a value in [0, 1), got {}", sampling.min_p)));
+        return Err((
+            "sampling.min_p",
+            format!("expected a value in [0, 1), got {}", sampling.min_p),
+        ));
     }
     if sampling.max_tokens == 0 {
         return Err(("sampling.max_tokens", "expected at least 1".to_string()));
@@ -321,7 +375,10 @@ fn apply_overrides(config: &mut AppConfig, overrides: &ConfigOverrides) -> Resul
         config.chats_dir.clone_from(&overrides.chats_dir);
     }
     validate_settings(settings).map_err(|(key, message)| ConfigError::InvalidFlag {
-        flag: format!("--{}", key.rsplit('.').next().unwrap_or(key).replace('_', "-")),
+        flag: format!(
+            "--{}",
+            key.rsplit('.').next().unwrap_or(key).replace('_', "-")
+        ),
         message,
     })
 }
@@ -335,7 +392,7 @@ fn line_of_offset(text: &str, offset: usize) -> usize {
 fn section_at_line(text: &str, line: usize) -> String {
     text.lines()
         .take(line)
-        .filter_map(|candidate| table_header(candidate))
+        .filter_map(table_header)
         .last()
         .unwrap_or_default()
 }
@@ -354,7 +411,9 @@ fn locate_key(text: &str, section: &str, key: &str) -> Option<usize> {
             current = header;
             continue;
         }
-        let Some((name, _)) = line.split_once('=') else { continue };
+        let Some((name, _)) = line.split_once('=') else {
+            continue;
+        };
         if current == section && name.trim().trim_matches('"') == key {
             return Some(index + 1);
         }
@@ -367,7 +426,11 @@ fn locate_key(text: &str, section: &str, key: &str) -> Option<usize> {
 fn describe_toml_error(error: &toml::de::Error, text: &str, path: &Path) -> ConfigError {
     let message = error.message().trim().to_string();
     let Some(span) = error.span() else {
-        return ConfigError::Syntax { path: path.to_path_buf(), line: 1, message };
+        return ConfigError::Syntax {
+            path: path.to_path_buf(),
+            line: 1,
+            message,
+        };
     };
     let line = line_of_offset(text, span.start);
     let source_line = text.lines().nth(line - 1).unwrap_or("");
@@ -385,8 +448,17 @@ fn describe_toml_error(error: &toml::de::Error, text: &str, path: &Path) -> Conf
         })
     };
     match key {
-        Some(key) if !key.is_empty() => ConfigError::InvalidKey { path: path.to_path_buf(), line, key, message },
-        _ => ConfigError::Syntax { path: path.to_path_buf(), line, message },
+        Some(key) if !key.is_empty() => ConfigError::InvalidKey {
+            path: path.to_path_buf(),
+            line,
+            key,
+            message,
+        },
+        _ => ConfigError::Syntax {
+            path: path.to_path_buf(),
+            line,
+            message,
+        },
     }
 }
 
@@ -409,7 +481,9 @@ mod tests {
     fn unknown_key_is_named_with_its_line() {
         let error = parse_str("[sampling]\ntemperature = 0.7\ntop_q = 0.5\n").unwrap_err();
         match error {
-            ConfigError::InvalidKey { line, key, message, .. } => {
+            ConfigError::InvalidKey {
+                line, key, message, ..
+            } => {
                 assert_eq!(line, 3);
                 assert_eq!(key, "sampling.top_q");
                 assert!(message.contains("unknown field"), "{message}");
@@ -429,7 +503,9 @@ mod tests {
     fn wrong_type_names_key_and_line() {
         let error = parse_str("[engine]\n\nweight_format = \"q5\"\n").unwrap_err();
         match error {
-            ConfigError::InvalidKey { line, key, message, .. } => {
+            ConfigError::InvalidKey {
+                line, key, message, ..
+            } => {
                 assert_eq!((line, key.as_str()), (3, "engine.weight_format"));
                 assert!(message.contains("q5"), "{message}");
             }
@@ -441,7 +517,9 @@ mod tests {
     fn out_of_range_value_names_key_and_line() {
         let error = parse_str("[sampling]\nseed = 3\ntop_p = 1.5\n").unwrap_err();
         match error {
-            ConfigError::InvalidKey { line, key, .. } => assert_eq!((line, key.as_str()), (3, "sampling.top_p")),
+            ConfigError::InvalidKey { line, key, .. } => {
+                assert_eq!((line, key.as_str()), (3, "sampling.top_p"))
+            }
             other => panic!("expected InvalidKey, got {other:?}"),
         }
     }
@@ -449,7 +527,10 @@ mod tests {
     #[test]
     fn overrides_beat_the_file() {
         let mut config = parse_str("[sampling]\ntemperature = 0.5\ntop_k = 40\n").unwrap();
-        let overrides = ConfigOverrides { temperature: Some(0.0), ..Default::default() };
+        let overrides = ConfigOverrides {
+            temperature: Some(0.0),
+            ..Default::default()
+        };
         apply_overrides(&mut config, &overrides).unwrap();
         assert_eq!(config.settings.sampling.temperature, 0.0);
         assert_eq!(config.settings.sampling.top_k, 40);
@@ -458,16 +539,37 @@ mod tests {
     #[test]
     fn bad_override_names_the_flag() {
         let mut config = AppConfig::default();
-        let overrides = ConfigOverrides { top_p: Some(0.0), ..Default::default() };
+        let overrides = ConfigOverrides {
+            top_p: Some(0.0),
+            ..Default::default()
+        };
         let error = apply_overrides(&mut config, &overrides).unwrap_err();
         assert!(error.to_string().contains("--top-p"), "{error}");
     }
 
     #[test]
+    fn example_file_documents_the_defaults() {
+        let config =
+            parse_str(include_str!("../config.example.toml")).expect("config.example.toml parses");
+        assert_eq!(config.settings, Settings::default());
+        assert_eq!(config.model, ModelSource::Synthetic(SyntheticChoice::Auto));
+        assert_eq!(config.chats_dir, None);
+    }
+
+    #[test]
     fn synthetic_auto_follows_memory() {
-        assert_eq!(SyntheticChoice::Auto.resolve(Some(24 << 30)), SyntheticChoice::Gpt20b);
-        assert_eq!(SyntheticChoice::Auto.resolve(Some(8 << 30)), SyntheticChoice::Tiny);
+        assert_eq!(
+            SyntheticChoice::Auto.resolve(Some(24 << 30)),
+            SyntheticChoice::Gpt20b
+        );
+        assert_eq!(
+            SyntheticChoice::Auto.resolve(Some(8 << 30)),
+            SyntheticChoice::Tiny
+        );
         assert_eq!(SyntheticChoice::Auto.resolve(None), SyntheticChoice::Tiny);
-        assert_eq!(SyntheticChoice::Tiny.resolve(Some(64 << 30)), SyntheticChoice::Tiny);
+        assert_eq!(
+            SyntheticChoice::Tiny.resolve(Some(64 << 30)),
+            SyntheticChoice::Tiny
+        );
     }
 }

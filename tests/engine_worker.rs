@@ -2,12 +2,12 @@
 //! mistake in prefix reuse (a stale token left behind, a token missing) changes the output.
 
 use ossterm::engine::protocol::{
-    Channel, Command, Conversation, Event, GenerateRequest, KvCacheType, Message, ReasoningEffort, RequestKind, Role,
-    SamplingSettings, Settings, StopReason, SystemContent, WeightFormat,
+    Channel, Command, Conversation, Event, GenerateRequest, KvCacheType, Message, ReasoningEffort,
+    RequestKind, Role, SamplingSettings, Settings, StopReason, SystemContent, WeightFormat,
 };
 use ossterm::engine::worker::{
-    common_prefix_len, rewind_for_prompt, ChatCodec, EngineError, EngineHandle, EngineParts, InferenceSession,
-    ModelBackend, ParsedToken, StreamParser, TokenSampler,
+    common_prefix_len, rewind_for_prompt, ChatCodec, EngineError, EngineHandle, EngineParts,
+    InferenceSession, ModelBackend, ParsedToken, StreamParser, TokenSampler,
 };
 use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Mutex};
@@ -46,7 +46,9 @@ struct ToySession {
 }
 
 fn mix(state: u64, token: u32) -> u64 {
-    (state ^ u64::from(token).wrapping_add(0x9e37_79b9_7f4a_7c15)).wrapping_mul(0xff51_afd7_ed55_8ccd).rotate_left(29)
+    (state ^ u64::from(token).wrapping_add(0x9e37_79b9_7f4a_7c15))
+        .wrapping_mul(0xff51_afd7_ed55_8ccd)
+        .rotate_left(29)
 }
 
 impl ToySession {
@@ -68,7 +70,11 @@ impl ToySession {
 impl InferenceSession for ToySession {
     fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError> {
         std::thread::sleep(self.step_delay);
-        self.journal.lock().unwrap().prefill_chunks.push(tokens.len());
+        self.journal
+            .lock()
+            .unwrap()
+            .prefill_chunks
+            .push(tokens.len());
         for &token in tokens {
             self.append(token);
         }
@@ -99,7 +105,11 @@ impl InferenceSession for ToySession {
 impl ModelBackend for ToyModel {
     type Session = ToySession;
 
-    fn new_session(model: &Arc<Self>, context_limit: usize, _kv_cache: KvCacheType) -> Result<ToySession, EngineError> {
+    fn new_session(
+        model: &Arc<Self>,
+        context_limit: usize,
+        _kv_cache: KvCacheType,
+    ) -> Result<ToySession, EngineError> {
         Ok(ToySession {
             tokens: Vec::new(),
             states: Vec::new(),
@@ -110,12 +120,20 @@ impl ModelBackend for ToyModel {
         })
     }
 
-    fn requantized(&self, format: WeightFormat, progress: &mut dyn FnMut(u64, u64)) -> Result<ToyModel, EngineError> {
+    fn requantized(
+        &self,
+        format: WeightFormat,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<ToyModel, EngineError> {
         for done in 0..=4 {
             std::thread::sleep(Duration::from_millis(5));
             progress(done, 4);
         }
-        Ok(ToyModel { format, step_delay: self.step_delay, journal: Arc::clone(&self.journal) })
+        Ok(ToyModel {
+            format,
+            step_delay: self.step_delay,
+            journal: Arc::clone(&self.journal),
+        })
     }
 
     fn weight_format(&self) -> WeightFormat {
@@ -146,14 +164,22 @@ fn encode_text(text: &str, out: &mut Vec<u32>) {
 impl ChatCodec for ToyCodec {
     type Parser = ToyParser;
 
-    fn render_prompt(&self, conversation: &Conversation, keep_reasoning: bool) -> Result<Vec<u32>, EngineError> {
+    fn render_prompt(
+        &self,
+        conversation: &Conversation,
+        keep_reasoning: bool,
+    ) -> Result<Vec<u32>, EngineError> {
         let mut ids = vec![ROLE_SYSTEM];
         encode_text(conversation.system.reasoning.name(), &mut ids);
         for message in &conversation.messages {
             if message.channel == Some(Channel::Analysis) && !keep_reasoning {
                 continue;
             }
-            ids.push(if message.role == Role::User { ROLE_USER } else { ROLE_ASSISTANT });
+            ids.push(if message.role == Role::User {
+                ROLE_USER
+            } else {
+                ROLE_ASSISTANT
+            });
             encode_text(&message.content, &mut ids);
         }
         ids.push(ROLE_ASSISTANT);
@@ -161,7 +187,9 @@ impl ChatCodec for ToyCodec {
     }
 
     fn parser(&self) -> ToyParser {
-        ToyParser { channel: Channel::Analysis }
+        ToyParser {
+            channel: Channel::Analysis,
+        }
     }
 }
 
@@ -172,8 +200,14 @@ struct ToyParser {
 impl StreamParser for ToyParser {
     fn push(&mut self, token: u32) -> Result<ParsedToken, EngineError> {
         Ok(match token {
-            0..=25 => ParsedToken::Text { channel: self.channel, text: char::from(b'a' + token as u8).to_string() },
-            SPACE => ParsedToken::Text { channel: self.channel, text: " ".to_string() },
+            0..=25 => ParsedToken::Text {
+                channel: self.channel,
+                text: char::from(b'a' + token as u8).to_string(),
+            },
+            SPACE => ParsedToken::Text {
+                channel: self.channel,
+                text: " ".to_string(),
+            },
             TO_FINAL => {
                 self.channel = Channel::Final;
                 ParsedToken::Silent
@@ -195,7 +229,11 @@ impl TokenSampler for GreedySampler {
     }
 
     fn sample(&mut self, logits: &[f32]) -> Result<u32, EngineError> {
-        Ok(logits.iter().enumerate().max_by(|left, right| left.1.total_cmp(right.1)).map_or(0, |(index, _)| index as u32))
+        Ok(logits
+            .iter()
+            .enumerate()
+            .max_by(|left, right| left.1.total_cmp(right.1))
+            .map_or(0, |(index, _)| index as u32))
     }
 }
 
@@ -210,7 +248,11 @@ fn test_settings(max_tokens: usize) -> Settings {
     Settings {
         threads: 1,
         context_limit: 4096,
-        sampling: SamplingSettings { max_tokens, temperature: 0.0, ..SamplingSettings::default() },
+        sampling: SamplingSettings {
+            max_tokens,
+            temperature: 0.0,
+            ..SamplingSettings::default()
+        },
         ..Settings::default()
     }
 }
@@ -224,14 +266,25 @@ fn start(settings: Settings, step_delay: Duration) -> Harness {
     let engine = EngineHandle::spawn(settings, event_sender, move |_settings, progress| {
         progress("toy weights", 1, 1);
         Ok(EngineParts {
-            model: Arc::new(ToyModel { format: WeightFormat::Q8, step_delay, journal: model_journal }),
+            model: Arc::new(ToyModel {
+                format: WeightFormat::Q8,
+                step_delay,
+                journal: model_journal,
+            }),
             codec: ToyCodec,
-            sampler: GreedySampler { configured: configs },
+            sampler: GreedySampler {
+                configured: configs,
+            },
             model_label: "toy".to_string(),
             random_weights: true,
         })
     });
-    let harness = Harness { engine, events, journal, sampler_configs };
+    let harness = Harness {
+        engine,
+        events,
+        journal,
+        sampler_configs,
+    };
     harness.wait_for(|event| matches!(event, Event::Ready(_)));
     harness
 }
@@ -243,7 +296,10 @@ impl Harness {
         let mut seen = Vec::new();
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            let event = self.events.recv_timeout(left).unwrap_or_else(|_| panic!("timed out; saw {seen:?}"));
+            let event = self
+                .events
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("timed out; saw {seen:?}"));
             let done = stop(&event);
             seen.push(event);
             if done {
@@ -253,7 +309,11 @@ impl Harness {
     }
 
     fn generate(&self, id: u64, conversation: Conversation) -> Vec<Event> {
-        let request = GenerateRequest { id, kind: RequestKind::NewTurn, conversation };
+        let request = GenerateRequest {
+            id,
+            kind: RequestKind::NewTurn,
+            conversation,
+        };
         self.engine.send(Command::Generate(request)).unwrap();
         self.wait_for(|event| matches!(event, Event::TurnDone { id: done, .. } | Event::Error { id: Some(done), .. } if *done == id))
     }
@@ -270,7 +330,11 @@ fn conversation(messages: &[(Role, Option<Channel>, &str)]) -> Conversation {
         developer: None,
         messages: messages
             .iter()
-            .map(|(role, channel, content)| Message { role: *role, channel: *channel, content: content.to_string() })
+            .map(|(role, channel, content)| Message {
+                role: *role,
+                channel: *channel,
+                content: content.to_string(),
+            })
             .collect(),
     }
 }
@@ -299,7 +363,11 @@ fn turn_done(events: &[Event]) -> (StopReason, u64, u64) {
 fn common_prefix_and_rewind_keep_one_token_to_prefill() {
     assert_eq!(common_prefix_len(&[1, 2, 3], &[1, 2, 4, 5]), 2);
     assert_eq!(common_prefix_len(&[], &[1]), 0);
-    let model = Arc::new(ToyModel { format: WeightFormat::Q8, step_delay: Duration::ZERO, journal: Default::default() });
+    let model = Arc::new(ToyModel {
+        format: WeightFormat::Q8,
+        step_delay: Duration::ZERO,
+        journal: Default::default(),
+    });
     let mut session = ToyModel::new_session(&model, 100, KvCacheType::F16).unwrap();
     session.prefill(&[5, 6, 7, 8]).unwrap();
     assert_eq!(rewind_for_prompt(&mut session, &[5, 6, 9]), 2);
@@ -311,7 +379,11 @@ fn common_prefix_and_rewind_keep_one_token_to_prefill() {
 
 #[test]
 fn reused_prefix_gives_the_same_logits_as_a_cold_prefill() {
-    let model = Arc::new(ToyModel { format: WeightFormat::Q8, step_delay: Duration::ZERO, journal: Default::default() });
+    let model = Arc::new(ToyModel {
+        format: WeightFormat::Q8,
+        step_delay: Duration::ZERO,
+        journal: Default::default(),
+    });
     let first: Vec<u32> = (0..40).map(|index| index % 26).collect();
     let mut second = first[..30].to_vec();
     second.extend([3, 1, 4, 1, 5, 9, 2, 6]);
@@ -347,7 +419,10 @@ fn second_turn_prefills_only_the_new_tail_and_matches_a_cold_engine() {
     let second = harness.generate(2, turn_two.clone());
     let (_, reused_two, prompt_two) = turn_done(&second);
     // Everything through the first `assistant` marker is shared with turn one's prompt.
-    assert!(reused_two >= prompt, "reused {reused_two} of {prompt_two}, turn one prompt {prompt}");
+    assert!(
+        reused_two >= prompt,
+        "reused {reused_two} of {prompt_two}, turn one prompt {prompt}"
+    );
     let prefilled: usize = harness.journal.lock().unwrap().prefill_chunks.iter().sum();
     assert_eq!(prefilled as u64, prompt_two - reused_two);
 
@@ -373,14 +448,21 @@ fn regenerate_rewinds_to_the_edit_point() {
     let events = harness.generate(3, edited.clone());
     let (_, reused, _) = turn_done(&events);
     let cold = start(test_settings(10), Duration::ZERO);
-    assert_eq!(streamed_text(&events), streamed_text(&cold.generate(1, edited)));
+    assert_eq!(
+        streamed_text(&events),
+        streamed_text(&cold.generate(1, edited))
+    );
     assert!(reused > 0);
 }
 
 #[test]
 fn cancel_stops_within_one_token() {
     let harness = start(test_settings(100_000), Duration::from_millis(3));
-    let request = GenerateRequest { id: 1, kind: RequestKind::NewTurn, conversation: conversation(&[(Role::User, None, "go")]) };
+    let request = GenerateRequest {
+        id: 1,
+        kind: RequestKind::NewTurn,
+        conversation: conversation(&[(Role::User, None, "go")]),
+    };
     harness.engine.send(Command::Generate(request)).unwrap();
     harness.wait_for(|event| matches!(event, Event::Token { .. }));
     let decodes_at_cancel = harness.journal.lock().unwrap().decodes;
@@ -389,10 +471,19 @@ fn cancel_stops_within_one_token() {
     let (reason, _, _) = turn_done(&events);
     assert_eq!(reason, StopReason::Cancelled);
     let decodes_after = harness.journal.lock().unwrap().decodes;
-    assert!(decodes_after - decodes_at_cancel <= 2, "decoded {} tokens after cancel", decodes_after - decodes_at_cancel);
+    assert!(
+        decodes_after - decodes_at_cancel <= 2,
+        "decoded {} tokens after cancel",
+        decodes_after - decodes_at_cancel
+    );
     // The engine serves the next request normally.
     let next = harness.generate(2, conversation(&[(Role::User, None, "go")]));
-    assert!(matches!(turn_done(&next).0, StopReason::MaxTokens | StopReason::Finished) || !streamed_text(&next).is_empty());
+    assert!(
+        matches!(
+            turn_done(&next).0,
+            StopReason::MaxTokens | StopReason::Finished
+        ) || !streamed_text(&next).is_empty()
+    );
 }
 
 #[test]
@@ -408,14 +499,21 @@ fn cancel_before_start_skips_the_request() {
 fn cancel_between_prefill_chunks() {
     let harness = start(test_settings(50), Duration::from_millis(20));
     let long = "abcdefghij ".repeat(100);
-    let request = GenerateRequest { id: 1, kind: RequestKind::NewTurn, conversation: conversation(&[(Role::User, None, &long)]) };
+    let request = GenerateRequest {
+        id: 1,
+        kind: RequestKind::NewTurn,
+        conversation: conversation(&[(Role::User, None, &long)]),
+    };
     harness.engine.send(Command::Generate(request)).unwrap();
     harness.wait_for(|event| matches!(event, Event::PrefillProgress { .. }));
     harness.engine.cancel(1);
     let events = harness.wait_for(|event| matches!(event, Event::TurnDone { .. }));
     assert_eq!(turn_done(&events).0, StopReason::Cancelled);
     let chunks = harness.journal.lock().unwrap().prefill_chunks.len();
-    assert!(chunks < 1100usize.div_ceil(128), "prefilled {chunks} chunks");
+    assert!(
+        chunks < 1100usize.div_ceil(128),
+        "prefilled {chunks} chunks"
+    );
 }
 
 #[test]
@@ -424,7 +522,10 @@ fn settings_apply_between_turns() {
     let mut settings = test_settings(8);
     settings.threads = 2;
     settings.sampling.top_k = 7;
-    harness.engine.send(Command::ApplySettings(Box::new(settings.clone()))).unwrap();
+    harness
+        .engine
+        .send(Command::ApplySettings(Box::new(settings.clone())))
+        .unwrap();
     let events = harness.wait_for(|event| matches!(event, Event::SettingsApplied(_)));
     match events.last() {
         Some(Event::SettingsApplied(applied)) => assert_eq!(applied.threads, 2),
@@ -435,13 +536,32 @@ fn settings_apply_between_turns() {
         Some(Event::Stats(stats)) => assert_eq!(stats.threads, 2),
         other => panic!("expected stats, got {other:?}"),
     }
-    assert_eq!(harness.sampler_configs.lock().unwrap().last().unwrap().top_k, 7);
+    assert_eq!(
+        harness
+            .sampler_configs
+            .lock()
+            .unwrap()
+            .last()
+            .unwrap()
+            .top_k,
+        7
+    );
 
     // A new weight format re-quantizes in the background with progress, then swaps in.
     settings.weight_format = WeightFormat::Q4;
-    harness.engine.send(Command::ApplySettings(Box::new(settings))).unwrap();
+    harness
+        .engine
+        .send(Command::ApplySettings(Box::new(settings)))
+        .unwrap();
     let events = harness.wait_for(|event| matches!(event, Event::SettingsApplied(applied) if applied.weight_format == WeightFormat::Q4));
-    assert!(events.iter().any(|event| matches!(event, Event::SettingsProgress { done: 4, total: 4, .. })));
+    assert!(events.iter().any(|event| matches!(
+        event,
+        Event::SettingsProgress {
+            done: 4,
+            total: 4,
+            ..
+        }
+    )));
     let after = harness.generate(1, conversation(&[(Role::User, None, "hi")]));
     let stats = after.iter().rev().find_map(|event| match event {
         Event::Stats(stats) => Some(stats.clone()),
@@ -460,7 +580,9 @@ fn prompt_longer_than_the_context_is_an_error_not_a_panic() {
         Event::Error { message, .. } => Some(message.clone()),
         _ => None,
     });
-    assert!(message.expect("error event").contains("context limit is 256"));
+    assert!(message
+        .expect("error event")
+        .contains("context limit is 256"));
 }
 
 #[test]
@@ -494,11 +616,19 @@ fn real_model_reuse_gives_the_same_logits_as_a_cold_prefill() {
     InferenceSession::decode(&mut warm, 3).unwrap();
     let reused = rewind_for_prompt(&mut warm, &second);
     assert_eq!(reused, 35);
-    let warm_logits = InferenceSession::prefill(&mut warm, &second[reused..]).unwrap().to_vec();
+    let warm_logits = InferenceSession::prefill(&mut warm, &second[reused..])
+        .unwrap()
+        .to_vec();
 
     let mut cold = <Model as ModelBackend>::new_session(&model, 256, KvCacheType::F32).unwrap();
-    let cold_logits = InferenceSession::prefill(&mut cold, &second).unwrap().to_vec();
-    let worst = warm_logits.iter().zip(&cold_logits).map(|(warm, cold)| (warm - cold).abs()).fold(0.0f32, f32::max);
+    let cold_logits = InferenceSession::prefill(&mut cold, &second)
+        .unwrap()
+        .to_vec();
+    let worst = warm_logits
+        .iter()
+        .zip(&cold_logits)
+        .map(|(warm, cold)| (warm - cold).abs())
+        .fold(0.0f32, f32::max);
     // Chunking differs (the warm run prefills 9 tokens, the cold one 44), so summation order may
     // differ in the last bits; anything beyond rounding noise means stale cache entries.
     assert!(worst < 1e-4, "largest logit difference {worst}");

@@ -3,7 +3,8 @@
 
 use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
 use ossterm::engine::protocol::{
-    CacheHits, Channel, Command, EngineInfo, Event, RequestKind, Settings, StatsSample, StopReason, WeightFormat,
+    CacheHits, Channel, Command, EngineInfo, Event, RequestKind, Settings, StatsSample, StopReason,
+    WeightFormat,
 };
 use ossterm::tui::store::ChatStore;
 use ossterm::tui::view::draw;
@@ -32,7 +33,10 @@ fn key(code: KeyCode) -> Msg {
 }
 
 fn ctrl(character: char) -> Msg {
-    Msg::Key(KeyEvent::new(KeyCode::Char(character), KeyModifiers::CONTROL))
+    Msg::Key(KeyEvent::new(
+        KeyCode::Char(character),
+        KeyModifiers::CONTROL,
+    ))
 }
 
 fn type_text(app: &mut App, text: &str, now: Instant) {
@@ -42,11 +46,18 @@ fn type_text(app: &mut App, text: &str, now: Instant) {
 }
 
 fn ready_app(dir: &std::path::Path) -> App {
-    let mut app = App::new(Settings { threads: 2, ..Settings::default() }, ChatStore::new(dir.to_path_buf()), EngineStatus::Loading {
-        stage: "weights".to_string(),
-        done: 0,
-        total: 1,
-    });
+    let mut app = App::new(
+        Settings {
+            threads: 2,
+            ..Settings::default()
+        },
+        ChatStore::new(dir.to_path_buf()),
+        EngineStatus::Loading {
+            stage: "weights".to_string(),
+            done: 0,
+            total: 1,
+        },
+    );
     let info = EngineInfo {
         model_label: "synthetic tiny".to_string(),
         random_weights: true,
@@ -61,14 +72,22 @@ fn sent_request(effects: &[Effect]) -> (u64, RequestKind, usize) {
     effects
         .iter()
         .find_map(|effect| match effect {
-            Effect::Engine(Command::Generate(request)) => Some((request.id, request.kind, request.conversation.messages.len())),
+            Effect::Engine(Command::Generate(request)) => Some((
+                request.id,
+                request.kind,
+                request.conversation.messages.len(),
+            )),
             _ => None,
         })
         .expect("a generate command")
 }
 
 fn token(id: u64, channel: Channel, text: &str) -> Msg {
-    Msg::Engine(Event::Token { id, channel, text: text.to_string() })
+    Msg::Engine(Event::Token {
+        id,
+        channel,
+        text: text.to_string(),
+    })
 }
 
 fn stats(decode: f64) -> StatsSample {
@@ -82,8 +101,14 @@ fn stats(decode: f64) -> StatsSample {
         kv_tokens_capacity: 8192,
         context_used: 300,
         context_limit: 8192,
-        turn_hits: CacheHits { reused: 90, prompt: 100 },
-        session_hits: CacheHits { reused: 90, prompt: 180 },
+        turn_hits: CacheHits {
+            reused: 90,
+            prompt: 100,
+        },
+        session_hits: CacheHits {
+            reused: 90,
+            prompt: 180,
+        },
         threads: 2,
         kernel_path: "avx512".to_string(),
         weight_format: WeightFormat::Q8,
@@ -93,18 +118,30 @@ fn stats(decode: f64) -> StatsSample {
 #[test]
 fn loading_and_missing_model_screens() {
     let dir = tempfile::tempdir().unwrap();
-    let mut app = App::new(Settings::default(), ChatStore::new(dir.path().to_path_buf()), EngineStatus::Loading {
-        stage: "reading weights".to_string(),
-        done: 1,
-        total: 4,
-    });
+    let mut app = App::new(
+        Settings::default(),
+        ChatStore::new(dir.path().to_path_buf()),
+        EngineStatus::Loading {
+            stage: "reading weights".to_string(),
+            done: 1,
+            total: 4,
+        },
+    );
     let text = screen(&mut app, 100, 30);
-    assert!(text.contains("Loading the model: reading weights"), "{text}");
+    assert!(
+        text.contains("Loading the model: reading weights"),
+        "{text}"
+    );
     assert!(text.contains("25%"), "{text}");
 
-    app.engine = EngineStatus::ModelMissing { path: PathBuf::from("models/gpt-oss-20b") };
+    app.engine = EngineStatus::ModelMissing {
+        path: PathBuf::from("models/gpt-oss-20b"),
+    };
     let text = screen(&mut app, 100, 30);
-    assert!(text.contains("No model found at models/gpt-oss-20b"), "{text}");
+    assert!(
+        text.contains("No model found at models/gpt-oss-20b"),
+        "{text}"
+    );
     assert!(text.contains("ossterm --synthetic tiny"), "{text}");
     assert!(text.contains("download openai/gpt-oss-20b"), "{text}");
 }
@@ -119,12 +156,23 @@ fn streaming_then_collapsed_reasoning_then_expanded() {
     let (id, kind, messages) = sent_request(&effects);
     assert_eq!((kind, messages), (RequestKind::NewTurn, 1));
 
-    app.update(Msg::Engine(Event::PrefillProgress { id, done: 40, total: 80, reused: 0 }), start);
+    app.update(
+        Msg::Engine(Event::PrefillProgress {
+            id,
+            done: 40,
+            total: 80,
+            reused: 0,
+        }),
+        start,
+    );
     let text = screen(&mut app, 100, 30);
     assert!(text.contains("Reading the prompt… 40/80 tokens"), "{text}");
 
     app.update(token(id, Channel::Analysis, "Simple "), start);
-    app.update(token(id, Channel::Analysis, "arithmetic."), start + Duration::from_millis(100));
+    app.update(
+        token(id, Channel::Analysis, "arithmetic."),
+        start + Duration::from_millis(100),
+    );
     app.update(Msg::Engine(Event::Stats(stats(11.5))), start);
     let text = screen(&mut app, 100, 30);
     assert!(text.contains("Thinking… (2 tokens)"), "{text}");
@@ -135,11 +183,25 @@ fn streaming_then_collapsed_reasoning_then_expanded() {
     assert!(text.contains("RANDOM WEIGHTS"), "{text}");
 
     let answer_at = start + Duration::from_millis(1500);
-    app.update(token(id, Channel::Final, "**4**, as `2+2` shows.\n- a list item"), answer_at);
-    app.update(Msg::Engine(Event::TurnDone { id, reason: StopReason::Finished, hits: CacheHits::default(), generated_tokens: 9 }), answer_at);
+    app.update(
+        token(id, Channel::Final, "**4**, as `2+2` shows.\n- a list item"),
+        answer_at,
+    );
+    app.update(
+        Msg::Engine(Event::TurnDone {
+            id,
+            reason: StopReason::Finished,
+            hits: CacheHits::default(),
+            generated_tokens: 9,
+        }),
+        answer_at,
+    );
     let text = screen(&mut app, 100, 30);
     assert!(text.contains("▸ Thought (2 tokens, 1.5 s)"), "{text}");
-    assert!(!text.contains("Simple arithmetic."), "reasoning should be collapsed:\n{text}");
+    assert!(
+        !text.contains("Simple arithmetic."),
+        "reasoning should be collapsed:\n{text}"
+    );
     assert!(text.contains("4, as 2+2 shows."), "{text}");
     assert!(text.contains("• a list item"), "{text}");
     assert!(!text.contains("<|"), "no harmony markup on screen:\n{text}");
@@ -158,7 +220,21 @@ fn settings_panel_and_help_overlay() {
     app.update(key(KeyCode::Tab), now);
     app.update(key(KeyCode::Tab), now);
     let text = screen(&mut app, 110, 40);
-    for label in ["threads", "weight format", "KV cache", "reasoning effort", "temperature", "top-p", "top-k", "min-p", "max tokens", "seed", "keep reasoning", "system prompt", "developer instr."] {
+    for label in [
+        "threads",
+        "weight format",
+        "KV cache",
+        "reasoning effort",
+        "temperature",
+        "top-p",
+        "top-k",
+        "min-p",
+        "max tokens",
+        "seed",
+        "keep reasoning",
+        "system prompt",
+        "developer instr.",
+    ] {
         assert!(text.contains(label), "missing {label}:\n{text}");
     }
     // Down to weight format, step it: the engine is told, and the panel shows the new value.
@@ -175,7 +251,16 @@ fn settings_panel_and_help_overlay() {
     app.update(key(KeyCode::F(1)), now);
     let text = screen(&mut app, 110, 40);
     assert!(text.contains("Keys (any key closes)"), "{text}");
-    for keys in ["Ctrl-R", "Ctrl-E", "Ctrl-N", "Ctrl-S", "Ctrl-O", "Ctrl-Y", "Esc", "Ctrl-C / Ctrl-Q"] {
+    for keys in [
+        "Ctrl-R",
+        "Ctrl-E",
+        "Ctrl-N",
+        "Ctrl-S",
+        "Ctrl-O",
+        "Ctrl-Y",
+        "Esc",
+        "Ctrl-C / Ctrl-Q",
+    ] {
         assert!(text.contains(keys), "help lacks {keys}:\n{text}");
     }
     app.update(key(KeyCode::Char('x')), now);
@@ -194,14 +279,23 @@ fn error_cancel_regenerate_edit_and_saved_chats() {
     // Esc cancels: the engine is told, and the partial answer stays with a marker.
     let effects = app.update(key(KeyCode::Esc), now);
     assert!(effects.contains(&Effect::Engine(Command::Cancel(id))));
-    app.update(Msg::Engine(Event::TurnDone { id, reason: StopReason::Cancelled, hits: CacheHits::default(), generated_tokens: 2 }), now);
+    app.update(
+        Msg::Engine(Event::TurnDone {
+            id,
+            reason: StopReason::Cancelled,
+            hits: CacheHits::default(),
+            generated_tokens: 2,
+        }),
+        now,
+    );
     let text = screen(&mut app, 100, 30);
     assert!(text.contains("partial answer"), "{text}");
     assert!(text.contains("[stopped]"), "{text}");
 
     // The chat file was written as turns went by, atomically, in the conversation JSON shape.
     let saved = app.chat_path.clone().expect("autosaved");
-    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&saved).unwrap()).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&saved).unwrap()).unwrap();
     assert_eq!(json["messages"][0]["content"], "hello");
     assert_eq!(json["messages"][1]["channel"], "final");
     assert!(json["system"]["identity"].is_string());
@@ -209,7 +303,13 @@ fn error_cancel_regenerate_edit_and_saved_chats() {
     // Ctrl-R regenerates: a request for the same user message, the old reply gone.
     let (regen_id, kind, messages) = sent_request(&app.update(ctrl('r'), now));
     assert_eq!((kind, messages), (RequestKind::Regenerate, 1));
-    app.update(Msg::Engine(Event::Error { id: Some(regen_id), message: "forward pass failed".to_string() }), now);
+    app.update(
+        Msg::Engine(Event::Error {
+            id: Some(regen_id),
+            message: "forward pass failed".to_string(),
+        }),
+        now,
+    );
     let text = screen(&mut app, 100, 30);
     assert!(text.contains("[error: forward pass failed]"), "{text}");
     assert!(!text.contains("partial answer"), "{text}");
@@ -221,8 +321,19 @@ fn error_cancel_regenerate_edit_and_saved_chats() {
     let (edit_id, kind, _) = sent_request(&app.update(key(KeyCode::Enter), now));
     assert_eq!(kind, RequestKind::EditAndResend);
     app.update(token(edit_id, Channel::Final, "fine"), now);
-    app.update(Msg::Engine(Event::TurnDone { id: edit_id, reason: StopReason::Finished, hits: CacheHits::default(), generated_tokens: 1 }), now);
-    assert_eq!(app.update(ctrl('y'), now), vec![Effect::Copy("fine".to_string())]);
+    app.update(
+        Msg::Engine(Event::TurnDone {
+            id: edit_id,
+            reason: StopReason::Finished,
+            hits: CacheHits::default(),
+            generated_tokens: 1,
+        }),
+        now,
+    );
+    assert_eq!(
+        app.update(ctrl('y'), now),
+        vec![Effect::Copy("fine".to_string())]
+    );
 
     // New chat, then open the saved one from the list.
     app.update(ctrl('n'), now);
@@ -255,11 +366,17 @@ fn scrolling_up_stops_following_and_end_resumes() {
     assert!(text.contains("scrolled"), "{text}");
     app.update(token(id, Channel::Final, "line 60\n"), now);
     let text = screen(&mut app, 100, 30);
-    assert!(!text.contains("line 60"), "stays where the user scrolled:\n{text}");
+    assert!(
+        !text.contains("line 60"),
+        "stays where the user scrolled:\n{text}"
+    );
     app.update(key(KeyCode::PageDown), now);
     app.update(key(KeyCode::PageDown), now);
     let text = screen(&mut app, 100, 30);
-    assert!(text.contains("line 60"), "back at the bottom follows again:\n{text}");
+    assert!(
+        text.contains("line 60"),
+        "back at the bottom follows again:\n{text}"
+    );
 }
 
 #[test]
@@ -269,14 +386,25 @@ fn history_recalls_sent_messages() {
     let now = Instant::now();
     type_text(&mut app, "first", now);
     let (id, _, _) = sent_request(&app.update(key(KeyCode::Enter), now));
-    app.update(Msg::Engine(Event::TurnDone { id, reason: StopReason::Finished, hits: CacheHits::default(), generated_tokens: 0 }), now);
+    app.update(
+        Msg::Engine(Event::TurnDone {
+            id,
+            reason: StopReason::Finished,
+            hits: CacheHits::default(),
+            generated_tokens: 0,
+        }),
+        now,
+    );
     app.update(key(KeyCode::Up), now);
     assert_eq!(app.input.lines(), ["first"]);
     app.update(key(KeyCode::Down), now);
     assert_eq!(app.input.lines(), [""]);
     // Alt-Enter adds a line instead of sending.
     type_text(&mut app, "a", now);
-    let effects = app.update(Msg::Key(KeyEvent::new(KeyCode::Enter, KeyModifiers::ALT)), now);
+    let effects = app.update(
+        Msg::Key(KeyEvent::new(KeyCode::Enter, KeyModifiers::ALT)),
+        now,
+    );
     assert!(effects.is_empty());
     assert_eq!(app.input.lines().len(), 2);
 }

@@ -3,7 +3,7 @@
 
 use crate::config::{self, AppConfig, ConfigOverrides, ModelSource, SyntheticChoice};
 use crate::engine::protocol::{Event, KvCacheType, ReasoningEffort, WeightFormat};
-use crate::engine::worker::{EngineHandle, EngineError};
+use crate::engine::worker::{EngineError, EngineHandle};
 use crate::tui::clipboard::osc52_sequence;
 use crate::tui::store::ChatStore;
 use crate::tui::view::draw;
@@ -11,10 +11,12 @@ use crate::tui::{App, Effect, EngineStatus, Msg};
 use anyhow::Context;
 use clap::Args;
 use crossterm::event::{
-    DisableBracketedPaste, DisableMouseCapture, EnableBracketedPaste, EnableMouseCapture, KeyboardEnhancementFlags,
-    PopKeyboardEnhancementFlags, PushKeyboardEnhancementFlags,
+    DisableBracketedPaste, DisableMouseCapture, EnableBracketedPaste, EnableMouseCapture,
+    KeyboardEnhancementFlags, PopKeyboardEnhancementFlags, PushKeyboardEnhancementFlags,
 };
-use crossterm::terminal::{disable_raw_mode, enable_raw_mode, EnterAlternateScreen, LeaveAlternateScreen};
+use crossterm::terminal::{
+    disable_raw_mode, enable_raw_mode, EnterAlternateScreen, LeaveAlternateScreen,
+};
 use ratatui::backend::CrosstermBackend;
 use ratatui::Terminal;
 use std::io::Write;
@@ -70,7 +72,8 @@ pub struct AppArgs {
 }
 
 fn parse_synthetic(text: &str) -> Result<SyntheticChoice, String> {
-    SyntheticChoice::from_name(text).ok_or_else(|| format!("expected auto, tiny or 20b, got {text:?}"))
+    SyntheticChoice::from_name(text)
+        .ok_or_else(|| format!("expected auto, tiny or 20b, got {text:?}"))
 }
 
 trait NamedChoice: Sized + Copy + 'static {
@@ -91,10 +94,14 @@ macro_rules! named_choice {
 named_choice!(WeightFormat, KvCacheType, ReasoningEffort);
 
 fn parse_choice<T: NamedChoice>(text: &str) -> Result<T, String> {
-    T::ALL.iter().copied().find(|value| value.name() == text).ok_or_else(|| {
-        let names: Vec<&str> = T::ALL.iter().map(|value| value.name()).collect();
-        format!("expected one of {}, got {text:?}", names.join(", "))
-    })
+    T::ALL
+        .iter()
+        .copied()
+        .find(|value| value.name() == text)
+        .ok_or_else(|| {
+            let names: Vec<&str> = T::ALL.iter().map(|value| value.name()).collect();
+            format!("expected one of {}, got {text:?}", names.join(", "))
+        })
 }
 
 impl AppArgs {
@@ -124,8 +131,14 @@ impl AppArgs {
 /// screen (download command, demo) instead of failing with an error dump.
 pub fn initial_engine_status(config: &AppConfig) -> EngineStatus {
     match &config.model {
-        ModelSource::Checkpoint(dir) if !dir.join("config.json").is_file() => EngineStatus::ModelMissing { path: dir.clone() },
-        _ => EngineStatus::Loading { stage: "starting".to_string(), done: 0, total: 1 },
+        ModelSource::Checkpoint(dir) if !dir.join("config.json").is_file() => {
+            EngineStatus::ModelMissing { path: dir.clone() }
+        }
+        _ => EngineStatus::Loading {
+            stage: "starting".to_string(),
+            done: 0,
+            total: 1,
+        },
     }
 }
 
@@ -153,7 +166,8 @@ impl Drop for TerminalGuard {
     }
 }
 
-fn setup_terminal() -> anyhow::Result<(Terminal<CrosstermBackend<std::io::Stdout>>, TerminalGuard)> {
+fn setup_terminal() -> anyhow::Result<(Terminal<CrosstermBackend<std::io::Stdout>>, TerminalGuard)>
+{
     // The hook runs before unwinding prints anything, so the panic message lands on the normal
     // screen in cooked mode rather than being lost in the alternate screen.
     let previous_hook = std::panic::take_hook();
@@ -164,13 +178,22 @@ fn setup_terminal() -> anyhow::Result<(Terminal<CrosstermBackend<std::io::Stdout
     enable_raw_mode().context("cannot switch the terminal to raw mode")?;
     let guard = TerminalGuard;
     let mut stdout = std::io::stdout();
-    crossterm::execute!(stdout, EnterAlternateScreen, EnableMouseCapture, EnableBracketedPaste)
-        .context("cannot set up the terminal")?;
+    crossterm::execute!(
+        stdout,
+        EnterAlternateScreen,
+        EnableMouseCapture,
+        EnableBracketedPaste
+    )
+    .context("cannot set up the terminal")?;
     // Lets terminals that support it report Shift-Enter apart from Enter.
     if crossterm::terminal::supports_keyboard_enhancement().unwrap_or(false) {
-        let _ = crossterm::execute!(stdout, PushKeyboardEnhancementFlags(KeyboardEnhancementFlags::DISAMBIGUATE_ESCAPE_CODES));
+        let _ = crossterm::execute!(
+            stdout,
+            PushKeyboardEnhancementFlags(KeyboardEnhancementFlags::DISAMBIGUATE_ESCAPE_CODES)
+        );
     }
-    let terminal = Terminal::new(CrosstermBackend::new(std::io::stdout())).context("cannot start the terminal UI")?;
+    let terminal = Terminal::new(CrosstermBackend::new(std::io::stdout()))
+        .context("cannot start the terminal UI")?;
     Ok((terminal, guard))
 }
 
@@ -192,7 +215,11 @@ pub fn run_app(
         .or_else(config::default_chats_dir)
         .context("no platform data directory for saved chats; set paths.chats_dir")?;
     let status = initial_engine_status(&config);
-    let mut app = App::new(config.settings.clone(), ChatStore::new(chats_dir), status.clone());
+    let mut app = App::new(
+        config.settings.clone(),
+        ChatStore::new(chats_dir),
+        status.clone(),
+    );
 
     let (input_sender, inputs) = mpsc::channel();
     let (event_sender, engine_events) = mpsc::channel();
@@ -201,20 +228,27 @@ pub fn run_app(
         _ => Some(start_engine(&config, event_sender)?),
     };
     let forward = input_sender.clone();
-    std::thread::Builder::new().name("ossterm-engine-events".to_string()).spawn(move || {
-        for event in engine_events {
-            if forward.send(Input::Engine(event)).is_err() {
-                return;
+    std::thread::Builder::new()
+        .name("ossterm-engine-events".to_string())
+        .spawn(move || {
+            for event in engine_events {
+                if forward.send(Input::Engine(event)).is_err() {
+                    return;
+                }
             }
-        }
-    })?;
-    std::thread::Builder::new().name("ossterm-terminal-input".to_string()).spawn(move || {
-        while let Ok(event) = crossterm::event::read() {
-            if input_sender.send(Input::Terminal(event, Instant::now())).is_err() {
-                return;
+        })?;
+    std::thread::Builder::new()
+        .name("ossterm-terminal-input".to_string())
+        .spawn(move || {
+            while let Ok(event) = crossterm::event::read() {
+                if input_sender
+                    .send(Input::Terminal(event, Instant::now()))
+                    .is_err()
+                {
+                    return;
+                }
             }
-        }
-    })?;
+        })?;
 
     let (mut terminal, _guard) = setup_terminal()?;
     let result = event_loop(&mut terminal, &mut app, &inputs, engine.as_ref());
@@ -237,7 +271,12 @@ fn event_loop(
     loop {
         if dirty && (last_draw.elapsed() >= FRAME_INTERVAL || !pending_keys.is_empty()) {
             let size = terminal.size()?;
-            app.update(Msg::Resize { conversation_height: size.height.saturating_sub(6) }, Instant::now());
+            app.update(
+                Msg::Resize {
+                    conversation_height: size.height.saturating_sub(6),
+                },
+                Instant::now(),
+            );
             terminal.draw(|frame| draw(frame, app))?;
             let drawn = Instant::now();
             for read_at in pending_keys.drain(..) {
@@ -249,7 +288,11 @@ fn event_loop(
             last_draw = drawn;
             dirty = false;
         }
-        let wait = if dirty { FRAME_INTERVAL.saturating_sub(last_draw.elapsed()) } else { Duration::from_secs(1) };
+        let wait = if dirty {
+            FRAME_INTERVAL.saturating_sub(last_draw.elapsed())
+        } else {
+            Duration::from_secs(1)
+        };
         let first = match inputs.recv_timeout(wait) {
             Ok(input) => input,
             Err(RecvTimeoutError::Timeout) => continue,
@@ -260,22 +303,19 @@ fn event_loop(
             let now = Instant::now();
             let message = match input {
                 Input::Engine(event) => Msg::Engine(event),
-                Input::Terminal(event, read_at) => {
-                    let message = match event {
-                        crossterm::event::Event::Key(key) => {
-                            pending_keys.push(read_at);
-                            Msg::Key(key)
-                        }
-                        crossterm::event::Event::Mouse(mouse) => Msg::Mouse(mouse),
-                        crossterm::event::Event::Paste(text) => Msg::Paste(text),
-                        crossterm::event::Event::Resize(..) => {
-                            dirty = true;
-                            continue;
-                        }
-                        _ => continue,
-                    };
-                    message
-                }
+                Input::Terminal(event, read_at) => match event {
+                    crossterm::event::Event::Key(key) => {
+                        pending_keys.push(read_at);
+                        Msg::Key(key)
+                    }
+                    crossterm::event::Event::Mouse(mouse) => Msg::Mouse(mouse),
+                    crossterm::event::Event::Paste(text) => Msg::Paste(text),
+                    crossterm::event::Event::Resize(..) => {
+                        dirty = true;
+                        continue;
+                    }
+                    _ => continue,
+                },
             };
             dirty = true;
             for effect in app.update(message, now) {
@@ -302,7 +342,9 @@ fn event_loop(
 /// `ossterm` with no command: resolve the configuration and run the app over the real model.
 pub fn run(args: AppArgs) -> anyhow::Result<()> {
     let config = args.resolve()?;
-    run_app(config, |config, events| Ok(start_model_engine(config, events)))
+    run_app(config, |config, events| {
+        Ok(start_model_engine(config, events))
+    })
 }
 
 /// Starts the engine thread over the configured checkpoint or synthetic model, the harmony codec
@@ -311,31 +353,50 @@ pub fn start_model_engine(config: &AppConfig, events: Sender<Event>) -> EngineHa
     use crate::engine::worker::{EngineParts, EngineSampler, HarmonyCodec};
     use crate::model::{LoadOptions, Model, Preset};
     let source = config.model.clone();
-    EngineHandle::spawn(config.settings.clone(), events, move |settings, progress| {
-        let options = LoadOptions::default();
-        let (model, model_label, random_weights) = match source {
-            ModelSource::Checkpoint(dir) => {
-                progress("reading the checkpoint", 0, 1);
-                let model = Model::load(&dir, &options).map_err(|error| EngineError::Model(Box::new(error)))?;
-                progress("reading the checkpoint", 1, 1);
-                (model, format!("gpt-oss ({})", dir.display()), false)
-            }
-            ModelSource::Synthetic(choice) => {
-                let machine = crate::engine::worker::machine_memory_bytes();
-                let preset = match choice.resolve(machine) {
-                    SyntheticChoice::Gpt20b => Preset::Gpt20b,
-                    SyntheticChoice::Tiny | SyntheticChoice::Auto => Preset::Tiny,
-                };
-                progress(&format!("generating random {} weights", preset.name()), 0, 1);
-                let model = Model::synthetic(preset, 0, &options);
-                progress(&format!("generating random {} weights", preset.name()), 1, 1);
-                let label = model.source.clone();
-                (model, label, true)
-            }
-        };
-        progress("loading the tokenizer", 0, 1);
-        let codec = HarmonyCodec::new()?;
-        let sampler = EngineSampler::new(&settings.sampling)?;
-        Ok(EngineParts { model: std::sync::Arc::new(model), codec, sampler, model_label, random_weights })
-    })
+    EngineHandle::spawn(
+        config.settings.clone(),
+        events,
+        move |settings, progress| {
+            let options = LoadOptions::default();
+            let (model, model_label, random_weights) = match source {
+                ModelSource::Checkpoint(dir) => {
+                    progress("reading the checkpoint", 0, 1);
+                    let model = Model::load(&dir, &options)
+                        .map_err(|error| EngineError::Model(Box::new(error)))?;
+                    progress("reading the checkpoint", 1, 1);
+                    (model, format!("gpt-oss ({})", dir.display()), false)
+                }
+                ModelSource::Synthetic(choice) => {
+                    let machine = crate::engine::worker::machine_memory_bytes();
+                    let preset = match choice.resolve(machine) {
+                        SyntheticChoice::Gpt20b => Preset::Gpt20b,
+                        SyntheticChoice::Tiny | SyntheticChoice::Auto => Preset::Tiny,
+                    };
+                    progress(
+                        &format!("generating random {} weights", preset.name()),
+                        0,
+                        1,
+                    );
+                    let model = Model::synthetic(preset, 0, &options);
+                    progress(
+                        &format!("generating random {} weights", preset.name()),
+                        1,
+                        1,
+                    );
+                    let label = model.source.clone();
+                    (model, label, true)
+                }
+            };
+            progress("loading the tokenizer", 0, 1);
+            let codec = HarmonyCodec::new()?;
+            let sampler = EngineSampler::new(&settings.sampling)?;
+            Ok(EngineParts {
+                model: std::sync::Arc::new(model),
+                codec,
+                sampler,
+                model_label,
+                random_weights,
+            })
+        },
+    )
 }

@@ -118,7 +118,8 @@ pub struct Settings {
 }
 
 /// Harmony's default identity line.
-pub const DEFAULT_SYSTEM_PROMPT: &str = "You are ChatGPT, a large language model trained by OpenAI.";
+pub const DEFAULT_SYSTEM_PROMPT: &str =
+    "You are ChatGPT, a large language model trained by OpenAI.";
 
 impl Default for Settings {
     fn default() -> Self {
@@ -294,14 +295,39 @@ pub struct EngineInfo {
 /// Engine -> UI.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
-    LoadProgress { stage: String, done: u64, total: u64 },
+    LoadProgress {
+        stage: String,
+        done: u64,
+        total: u64,
+    },
     Ready(EngineInfo),
-    PrefillProgress { id: RequestId, done: usize, total: usize, reused: usize },
-    Token { id: RequestId, channel: Channel, text: String },
+    PrefillProgress {
+        id: RequestId,
+        done: usize,
+        total: usize,
+        reused: usize,
+    },
+    Token {
+        id: RequestId,
+        channel: Channel,
+        text: String,
+    },
     Stats(StatsSample),
-    TurnDone { id: RequestId, reason: StopReason, hits: CacheHits, generated_tokens: usize },
+    TurnDone {
+        id: RequestId,
+        reason: StopReason,
+        hits: CacheHits,
+        generated_tokens: usize,
+    },
     /// Background work for a settings change (re-quantization), `done` of `total` units.
-    SettingsProgress { what: String, done: u64, total: u64 },
+    SettingsProgress {
+        what: String,
+        done: u64,
+        total: u64,
+    },
     SettingsApplied(Box<Settings>),
-    Error { id: Option<RequestId>, message: String },
+    Error {
+        id: Option<RequestId>,
+        message: String,
+    },
 }

@@ -9,8 +9,8 @@
 //! be tested with a toy model and so that the forward pass knows nothing about threads or UIs.
 
 use crate::engine::protocol::{
-    CacheHits, Channel, Command, Conversation, EngineInfo, Event, GenerateRequest, KvCacheType, RequestId,
-    SamplingSettings, Settings, StatsSample, StopReason, WeightFormat,
+    CacheHits, Channel, Command, Conversation, EngineInfo, Event, GenerateRequest, KvCacheType,
+    RequestId, SamplingSettings, Settings, StatsSample, StopReason, WeightFormat,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -33,7 +33,10 @@ pub enum EngineError {
     #[error("the rendered prompt is empty")]
     EmptyPrompt,
     #[error("cannot build a thread pool of {threads} threads: {source}")]
-    ThreadPool { threads: usize, source: rayon::ThreadPoolBuildError },
+    ThreadPool {
+        threads: usize,
+        source: rayon::ThreadPoolBuildError,
+    },
     #[error("the engine thread has stopped")]
     Stopped,
 }
@@ -55,11 +58,19 @@ pub trait InferenceSession: Send {
 pub trait ModelBackend: Send + Sync + 'static {
     type Session: InferenceSession;
 
-    fn new_session(model: &Arc<Self>, context_limit: usize, kv_cache: KvCacheType) -> Result<Self::Session, EngineError>;
+    fn new_session(
+        model: &Arc<Self>,
+        context_limit: usize,
+        kv_cache: KvCacheType,
+    ) -> Result<Self::Session, EngineError>;
 
     /// Builds the same model with attention/unembedding weights in `format`. Runs on a background
     /// thread while this one keeps serving; `progress(done, total)` reports how far it got.
-    fn requantized(&self, format: WeightFormat, progress: &mut dyn FnMut(u64, u64)) -> Result<Self, EngineError>
+    fn requantized(
+        &self,
+        format: WeightFormat,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Self, EngineError>
     where
         Self: Sized;
 
@@ -95,7 +106,11 @@ pub trait ChatCodec: Send + 'static {
 
     /// Renders `conversation` followed by `<|start|>assistant`. Reasoning (analysis messages) of
     /// completed turns is dropped unless `keep_reasoning`.
-    fn render_prompt(&self, conversation: &Conversation, keep_reasoning: bool) -> Result<Vec<u32>, EngineError>;
+    fn render_prompt(
+        &self,
+        conversation: &Conversation,
+        keep_reasoning: bool,
+    ) -> Result<Vec<u32>, EngineError>;
 
     fn parser(&self) -> Self::Parser;
 }
@@ -127,7 +142,11 @@ const IDLE_POLL: Duration = Duration::from_millis(50);
 
 /// Length of the longest common prefix of two id sequences.
 pub fn common_prefix_len(cached: &[u32], prompt: &[u32]) -> usize {
-    cached.iter().zip(prompt).take_while(|(left, right)| left == right).count()
+    cached
+        .iter()
+        .zip(prompt)
+        .take_while(|(left, right)| left == right)
+        .count()
 }
 
 /// Rewinds `session` to the longest prefix it shares with `prompt` and returns how many tokens
@@ -157,7 +176,12 @@ impl EngineHandle {
         M: ModelBackend,
         C: ChatCodec,
         S: TokenSampler + 'static,
-        L: FnOnce(&Settings, &mut dyn FnMut(&str, u64, u64)) -> Result<EngineParts<M, C, S>, EngineError> + Send + 'static,
+        L: FnOnce(
+                &Settings,
+                &mut dyn FnMut(&str, u64, u64),
+            ) -> Result<EngineParts<M, C, S>, EngineError>
+            + Send
+            + 'static,
     {
         let (commands, command_receiver) = mpsc::channel();
         let cancel_mark = Arc::new(AtomicU64::new(0));
@@ -166,31 +190,47 @@ impl EngineHandle {
             .name("ossterm-engine".to_string())
             .spawn(move || {
                 let mut report = |stage: &str, done: u64, total: u64| {
-                    let _ = events.send(Event::LoadProgress { stage: stage.to_string(), done, total });
+                    let _ = events.send(Event::LoadProgress {
+                        stage: stage.to_string(),
+                        done,
+                        total,
+                    });
                 };
                 let parts = match load(&settings, &mut report) {
                     Ok(parts) => parts,
                     Err(error) => {
-                        let _ = events.send(Event::Error { id: None, message: error.to_string() });
+                        let _ = events.send(Event::Error {
+                            id: None,
+                            message: error.to_string(),
+                        });
                         return;
                     }
                 };
                 match Worker::new(parts, settings, events.clone(), worker_mark) {
                     Ok(worker) => worker.run(command_receiver),
                     Err(error) => {
-                        let _ = events.send(Event::Error { id: None, message: error.to_string() });
+                        let _ = events.send(Event::Error {
+                            id: None,
+                            message: error.to_string(),
+                        });
                     }
                 }
             })
             .ok();
-        EngineHandle { commands, cancel_mark, thread }
+        EngineHandle {
+            commands,
+            cancel_mark,
+            thread,
+        }
     }
 
     pub fn send(&self, command: Command) -> Result<(), EngineError> {
         if let Command::Cancel(id) = command {
             self.cancel_mark.fetch_max(id, Ordering::SeqCst);
         }
-        self.commands.send(command).map_err(|_| EngineError::Stopped)
+        self.commands
+            .send(command)
+            .map_err(|_| EngineError::Stopped)
     }
 
     /// Stops request `id` within one token or one prefill chunk.
@@ -262,7 +302,13 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
         events: Sender<Event>,
         cancel_mark: Arc<AtomicU64>,
     ) -> Result<Self, EngineError> {
-        let EngineParts { model, codec, mut sampler, model_label, random_weights } = parts;
+        let EngineParts {
+            model,
+            codec,
+            mut sampler,
+            model_label,
+            random_weights,
+        } = parts;
         let session = M::new_session(&model, settings.context_limit, settings.kv_cache)?;
         let pool = Arc::new(build_pool(settings.threads)?);
         sampler.configure(&settings.sampling);
@@ -346,7 +392,10 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
                 // A failed forward pass may leave the cache half-written: forget it.
                 self.session.truncate(0);
                 self.send_stats();
-                let _ = self.events.send(Event::Error { id: Some(id), message: error.to_string() });
+                let _ = self.events.send(Event::Error {
+                    id: Some(id),
+                    message: error.to_string(),
+                });
             }
         }
     }
@@ -354,21 +403,34 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
     fn generate(&mut self, request: &GenerateRequest) -> Result<TurnOutcome, EngineError> {
         let id = request.id;
         let started = Instant::now();
-        let cancelled = |hits, generated_tokens| TurnOutcome { reason: StopReason::Cancelled, hits, generated_tokens };
+        let cancelled = |hits, generated_tokens| TurnOutcome {
+            reason: StopReason::Cancelled,
+            hits,
+            generated_tokens,
+        };
         if self.is_cancelled(id) {
             return Ok(cancelled(CacheHits::default(), 0));
         }
-        let prompt = self.codec.render_prompt(&request.conversation, self.settings.keep_reasoning_in_context)?;
+        let prompt = self.codec.render_prompt(
+            &request.conversation,
+            self.settings.keep_reasoning_in_context,
+        )?;
         if prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
         let limit = self.session.context_limit();
         if prompt.len() >= limit {
-            return Err(EngineError::PromptTooLong { prompt: prompt.len(), limit });
+            return Err(EngineError::PromptTooLong {
+                prompt: prompt.len(),
+                limit,
+            });
         }
 
         let reused = rewind_for_prompt(&mut self.session, &prompt);
-        let hits = CacheHits { reused: reused as u64, prompt: prompt.len() as u64 };
+        let hits = CacheHits {
+            reused: reused as u64,
+            prompt: prompt.len() as u64,
+        };
         self.session_hits.add(hits);
         self.timings.hits = hits;
         self.timings.context_used = reused;
@@ -389,7 +451,12 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
             self.timings.prefill_tokens += chunk.len();
             self.timings.prefill_time += chunk_started.elapsed();
             self.timings.context_used = reused + done;
-            let _ = self.events.send(Event::PrefillProgress { id, done, total: tail.len(), reused });
+            let _ = self.events.send(Event::PrefillProgress {
+                id,
+                done,
+                total: tail.len(),
+                reused,
+            });
             self.maybe_send_stats();
         }
         let mut token = first_token.ok_or(EngineError::EmptyPrompt)?;
@@ -405,15 +472,27 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
                 }
                 ParsedToken::Silent => {}
                 ParsedToken::Stop => {
-                    return Ok(TurnOutcome { reason: StopReason::Finished, hits, generated_tokens: generated });
+                    return Ok(TurnOutcome {
+                        reason: StopReason::Finished,
+                        hits,
+                        generated_tokens: generated,
+                    });
                 }
             }
             if generated >= self.settings.sampling.max_tokens {
-                return Ok(TurnOutcome { reason: StopReason::MaxTokens, hits, generated_tokens: generated });
+                return Ok(TurnOutcome {
+                    reason: StopReason::MaxTokens,
+                    hits,
+                    generated_tokens: generated,
+                });
             }
             // The token about to be decoded needs a cache slot of its own.
             if self.session.tokens().len() + 1 >= limit {
-                return Ok(TurnOutcome { reason: StopReason::ContextFull, hits, generated_tokens: generated });
+                return Ok(TurnOutcome {
+                    reason: StopReason::ContextFull,
+                    hits,
+                    generated_tokens: generated,
+                });
             }
             if self.is_cancelled(id) {
                 return Ok(cancelled(hits, generated));
@@ -453,7 +532,10 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
         }
         let mut applied = next;
         if let Some(error) = failure {
-            let _ = self.events.send(Event::Error { id: None, message: error.to_string() });
+            let _ = self.events.send(Event::Error {
+                id: None,
+                message: error.to_string(),
+            });
             applied.threads = previous.threads;
             applied.context_limit = self.session.context_limit();
             applied.kv_cache = previous.kv_cache;
@@ -462,7 +544,9 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
         // The weight format shown stays the serving one until the new weights are installed.
         applied.weight_format = self.model.weight_format();
         self.settings = applied;
-        let _ = self.events.send(Event::SettingsApplied(Box::new(self.settings.clone())));
+        let _ = self
+            .events
+            .send(Event::SettingsApplied(Box::new(self.settings.clone())));
         self.send_stats();
     }
 
@@ -470,13 +554,19 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
         let (sender, receiver) = mpsc::channel();
         let model = Arc::clone(&self.model);
         let events = self.events.clone();
-        let spawned = std::thread::Builder::new().name("ossterm-requantize".to_string()).spawn(move || {
-            let what = format!("re-quantizing weights to {format}");
-            let mut progress = |done: u64, total: u64| {
-                let _ = events.send(Event::SettingsProgress { what: what.clone(), done, total });
-            };
-            let _ = sender.send(model.requantized(format, &mut progress));
-        });
+        let spawned = std::thread::Builder::new()
+            .name("ossterm-requantize".to_string())
+            .spawn(move || {
+                let what = format!("re-quantizing weights to {format}");
+                let mut progress = |done: u64, total: u64| {
+                    let _ = events.send(Event::SettingsProgress {
+                        what: what.clone(),
+                        done,
+                        total,
+                    });
+                };
+                let _ = sender.send(model.requantized(format, &mut progress));
+            });
         match spawned {
             Ok(_) => self.pending_model = Some((format, receiver)),
             Err(error) => {
@@ -488,7 +578,9 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
 
     /// Swaps in a finished re-quantized model (between turns only: the caller never runs mid-turn).
     fn install_requantized_model(&mut self) {
-        let Some((format, receiver)) = &self.pending_model else { return };
+        let Some((format, receiver)) = &self.pending_model else {
+            return;
+        };
         let format = *format;
         let result = match receiver.try_recv() {
             Ok(result) => result,
@@ -500,7 +592,8 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
         self.pending_model = None;
         let installed = result.and_then(|model| {
             let model = Arc::new(model);
-            let session = M::new_session(&model, self.settings.context_limit, self.settings.kv_cache)?;
+            let session =
+                M::new_session(&model, self.settings.context_limit, self.settings.kv_cache)?;
             Ok((model, session))
         });
         match installed {
@@ -508,11 +601,16 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
                 self.model = model;
                 self.session = session;
                 self.settings.weight_format = self.model.weight_format();
-                let _ = self.events.send(Event::SettingsApplied(Box::new(self.settings.clone())));
+                let _ = self
+                    .events
+                    .send(Event::SettingsApplied(Box::new(self.settings.clone())));
                 self.send_stats();
             }
             Err(error) => {
-                let _ = self.events.send(Event::Error { id: None, message: error.to_string() });
+                let _ = self.events.send(Event::Error {
+                    id: None,
+                    message: error.to_string(),
+                });
             }
         }
     }
@@ -573,14 +671,23 @@ pub struct MemoryUsage {
 pub fn read_memory_usage() -> MemoryUsage {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    MemoryUsage { process_bytes: kib_field_bytes(&status, "VmRSS:"), machine_bytes: kib_field_bytes(&meminfo, "MemTotal:") }
+    MemoryUsage {
+        process_bytes: kib_field_bytes(&status, "VmRSS:"),
+        machine_bytes: kib_field_bytes(&meminfo, "MemTotal:"),
+    }
 }
 
 /// A `Name:   1234 kB` field of a `/proc` text, in bytes.
 pub fn kib_field_bytes(text: &str, name: &str) -> Option<u64> {
     text.lines()
         .find_map(|line| line.strip_prefix(name))
-        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .and_then(|rest| {
+            rest.trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
         .map(|kib| kib * 1024)
 }
 
@@ -620,12 +727,20 @@ impl InferenceSession for crate::model::Session {
 impl ModelBackend for crate::model::Model {
     type Session = crate::model::Session;
 
-    fn new_session(model: &Arc<Self>, context_limit: usize, _kv_cache: KvCacheType) -> Result<Self::Session, EngineError> {
+    fn new_session(
+        model: &Arc<Self>,
+        context_limit: usize,
+        _kv_cache: KvCacheType,
+    ) -> Result<Self::Session, EngineError> {
         // The forward pass keeps its cache in f32 (see `kv_cache_type`).
         Ok(model.new_session(context_limit))
     }
 
-    fn requantized(&self, format: WeightFormat, _progress: &mut dyn FnMut(u64, u64)) -> Result<Self, EngineError> {
+    fn requantized(
+        &self,
+        format: WeightFormat,
+        _progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Self, EngineError> {
         Err(EngineError::Model(
             format!("weight format {format} is not available: this build runs the exact forward pass on the checkpoint's bf16 weights").into(),
         ))
@@ -694,7 +809,8 @@ pub struct HarmonyCodec {
 
 impl HarmonyCodec {
     pub fn new() -> Result<HarmonyCodec, EngineError> {
-        let tokenizer = crate::chat::Tokenizer::shared().map_err(|error| EngineError::Chat(Box::new(error)))?;
+        let tokenizer =
+            crate::chat::Tokenizer::shared().map_err(|error| EngineError::Chat(Box::new(error)))?;
         Ok(HarmonyCodec { tokenizer })
     }
 }
@@ -702,14 +818,25 @@ impl HarmonyCodec {
 impl ChatCodec for HarmonyCodec {
     type Parser = HarmonyStream;
 
-    fn render_prompt(&self, conversation: &Conversation, keep_reasoning: bool) -> Result<Vec<u32>, EngineError> {
+    fn render_prompt(
+        &self,
+        conversation: &Conversation,
+        keep_reasoning: bool,
+    ) -> Result<Vec<u32>, EngineError> {
         let options = crate::chat::RenderOptions { keep_reasoning };
-        crate::chat::render_for_completion(self.tokenizer, &to_chat_conversation(conversation), &options)
-            .map_err(|error| EngineError::Chat(Box::new(error)))
+        crate::chat::render_for_completion(
+            self.tokenizer,
+            &to_chat_conversation(conversation),
+            &options,
+        )
+        .map_err(|error| EngineError::Chat(Box::new(error)))
     }
 
     fn parser(&self) -> HarmonyStream {
-        HarmonyStream { parser: crate::chat::HarmonyParser::after_prompt(self.tokenizer, "assistant"), text: String::new() }
+        HarmonyStream {
+            parser: crate::chat::HarmonyParser::after_prompt(self.tokenizer, "assistant"),
+            text: String::new(),
+        }
     }
 }
 
@@ -728,7 +855,10 @@ impl StreamParser for HarmonyStream {
         let mut stopped = false;
         let text = &mut self.text;
         self.parser.push(token, &mut |event| match event {
-            ParseEvent::Text { channel: text_channel, text: piece } => {
+            ParseEvent::Text {
+                channel: text_channel,
+                text: piece,
+            } => {
                 // Text outside a known channel is shown as answer text; the header never is.
                 channel = match text_channel {
                     Some(ChatChannel::Analysis) => Channel::Analysis,
@@ -738,7 +868,9 @@ impl StreamParser for HarmonyStream {
                 text.push_str(piece);
             }
             ParseEvent::Stop(_) => stopped = true,
-            ParseEvent::MessageStart { .. } | ParseEvent::MessageEnd { .. } | ParseEvent::Malformed(_) => {}
+            ParseEvent::MessageStart { .. }
+            | ParseEvent::MessageEnd { .. }
+            | ParseEvent::Malformed(_) => {}
         });
         if stopped {
             return Ok(ParsedToken::Stop);
@@ -746,7 +878,10 @@ impl StreamParser for HarmonyStream {
         if self.text.is_empty() {
             return Ok(ParsedToken::Silent);
         }
-        Ok(ParsedToken::Text { channel, text: self.text.clone() })
+        Ok(ParsedToken::Text {
+            channel,
+            text: self.text.clone(),
+        })
     }
 }
 
@@ -782,6 +917,8 @@ impl TokenSampler for EngineSampler {
     }
 
     fn sample(&mut self, logits: &[f32]) -> Result<u32, EngineError> {
-        self.sampler.sample(logits).map_err(|error| EngineError::Chat(Box::new(error)))
+        self.sampler
+            .sample(logits)
+            .map_err(|error| EngineError::Chat(Box::new(error)))
     }
 }

@@ -165,12 +165,14 @@ impl Model {
                 .iter()
                 .map(|l| l.weight.byte_len() + 4 * l.bias.len())
                 .sum::<usize>();
-            let per_expert = (layer.gate_up.byte_len() + layer.down.byte_len()) / c.num_local_experts;
+            let per_expert =
+                (layer.gate_up.byte_len() + layer.down.byte_len()) / c.num_local_experts;
             let visible = match layer.kind {
                 LayerKind::Sliding => context.min(c.sliding_window),
                 LayerKind::Full => context,
             };
-            total += (dense + per_expert * c.num_experts_per_tok + visible * kv_bytes_per_position) as u64;
+            total += (dense + per_expert * c.num_experts_per_tok + visible * kv_bytes_per_position)
+                as u64;
         }
         total
     }

@@ -16,10 +16,20 @@ pub fn render_markdown(text: &str, base: Style) -> Vec<Line<'static>> {
         let trimmed = raw.trim_start();
         if let Some(fence_info) = trimmed.strip_prefix("```") {
             if in_code_block {
-                lines.push(Line::from(Span::styled("  └────", CODE_STYLE.add_modifier(Modifier::DIM))));
+                lines.push(Line::from(Span::styled(
+                    "  └────",
+                    CODE_STYLE.add_modifier(Modifier::DIM),
+                )));
             } else {
-                let label = if fence_info.trim().is_empty() { "code".to_string() } else { fence_info.trim().to_string() };
-                lines.push(Line::from(Span::styled(format!("  ┌─ {label}"), CODE_STYLE.add_modifier(Modifier::DIM))));
+                let label = if fence_info.trim().is_empty() {
+                    "code".to_string()
+                } else {
+                    fence_info.trim().to_string()
+                };
+                lines.push(Line::from(Span::styled(
+                    format!("  ┌─ {label}"),
+                    CODE_STYLE.add_modifier(Modifier::DIM),
+                )));
             }
             in_code_block = !in_code_block;
             continue;
@@ -41,7 +51,10 @@ fn render_block_line(raw: &str, base: Style) -> Line<'static> {
     let indent = " ".repeat(indent_width);
     let trimmed = raw.trim_start();
 
-    let heading_level = trimmed.chars().take_while(|character| *character == '#').count();
+    let heading_level = trimmed
+        .chars()
+        .take_while(|character| *character == '#')
+        .count();
     if (1..=6).contains(&heading_level) && trimmed[heading_level..].starts_with(' ') {
         let title = trimmed[heading_level..].trim();
         let style = match heading_level {
@@ -51,8 +64,13 @@ fn render_block_line(raw: &str, base: Style) -> Line<'static> {
         };
         return Line::from(render_inline(title, style));
     }
-    if trimmed.len() >= 3 && (trimmed.chars().all(|c| c == '-') || trimmed.chars().all(|c| c == '*')) {
-        return Line::from(Span::styled("─".repeat(24), base.add_modifier(Modifier::DIM)));
+    if trimmed.len() >= 3
+        && (trimmed.chars().all(|c| c == '-') || trimmed.chars().all(|c| c == '*'))
+    {
+        return Line::from(Span::styled(
+            "─".repeat(24),
+            base.add_modifier(Modifier::DIM),
+        ));
     }
     for bullet in ["- ", "* ", "+ "] {
         if let Some(item) = trimmed.strip_prefix(bullet) {
@@ -63,7 +81,10 @@ fn render_block_line(raw: &str, base: Style) -> Line<'static> {
     }
     let digits = trimmed.chars().take_while(char::is_ascii_digit).count();
     if digits > 0 && (trimmed[digits..].starts_with(". ") || trimmed[digits..].starts_with(") ")) {
-        let mut spans = vec![Span::styled(format!("{indent}  {} ", &trimmed[..digits + 1]), base)];
+        let mut spans = vec![Span::styled(
+            format!("{indent}  {} ", &trimmed[..digits + 1]),
+            base,
+        )];
         spans.extend(render_inline(&trimmed[digits + 2..], base));
         return Line::from(spans);
     }
@@ -111,7 +132,10 @@ pub fn render_inline(text: &str, base: Style) -> Vec<Span<'static>> {
         }
         if character == '*' && next == Some('*') {
             let closes = bold;
-            let opens = !bold && characters[index + 2..].windows(2).any(|pair| pair == ['*', '*']);
+            let opens = !bold
+                && characters[index + 2..]
+                    .windows(2)
+                    .any(|pair| pair == ['*', '*']);
             if closes || opens {
                 flush(&mut spans, &mut current, style_of(bold, italic));
                 bold = !bold;
@@ -119,9 +143,12 @@ pub fn render_inline(text: &str, base: Style) -> Vec<Span<'static>> {
                 continue;
             }
         }
-        if character == '*' || character == '_' {
+        // A doubled marker that did not pair up as bold stays literal rather than as two italics.
+        let doubled = next == Some(character) || previous == Some(character);
+        if (character == '*' || character == '_') && !doubled {
             let word_inside = |c: Option<char>| c.is_some_and(|c| !c.is_whitespace());
-            let boundary_before = previous.is_none_or(|c| c.is_whitespace() || c.is_ascii_punctuation());
+            let boundary_before =
+                previous.is_none_or(|c| c.is_whitespace() || c.is_ascii_punctuation());
             let boundary_after = next.is_none_or(|c| c.is_whitespace() || c.is_ascii_punctuation());
             let opens = !italic
                 && word_inside(next)
@@ -150,7 +177,9 @@ fn flush(spans: &mut Vec<Span<'static>>, current: &mut String, style: Style) {
 
 /// Display width of a string in terminal cells.
 pub fn text_width(text: &str) -> usize {
-    text.chars().map(|character| character.width().unwrap_or(0)).sum()
+    text.chars()
+        .map(|character| character.width().unwrap_or(0))
+        .sum()
 }
 
 /// Wraps styled lines to `width` cells, breaking at spaces where it can and inside words where a
@@ -216,7 +245,8 @@ fn wrap_line(line: &Line<'static>, width: usize, output: &mut Vec<Line<'static>>
 }
 
 fn trailing_spaces(word: &[(Style, String)]) -> usize {
-    word.last().map_or(0, |(_, text)| text.len() - text.trim_end_matches(' ').len())
+    word.last()
+        .map_or(0, |(_, text)| text.len() - text.trim_end_matches(' ').len())
 }
 
 fn push_char(spans: &mut Vec<Span<'static>>, style: Style, character: char) {
@@ -228,7 +258,10 @@ fn push_char(spans: &mut Vec<Span<'static>>, style: Style, character: char) {
 
 /// The plain text of a line (for tests and copy).
 pub fn line_text(line: &Line<'_>) -> String {
-    line.spans.iter().map(|span| span.content.as_ref()).collect()
+    line.spans
+        .iter()
+        .map(|span| span.content.as_ref())
+        .collect()
 }
 
 #[cfg(test)]
@@ -241,21 +274,43 @@ mod tests {
 
     #[test]
     fn headings_lists_and_code_blocks() {
-        let lines = render_markdown("# Title\n- one\n2. two\n```rust\nlet x = 1;\n```\nplain", Style::default());
+        let lines = render_markdown(
+            "# Title\n- one\n2. two\n```rust\nlet x = 1;\n```\nplain",
+            Style::default(),
+        );
         assert_eq!(
             texts(&lines),
-            vec!["Title", "  • one", "  2. two", "  ┌─ rust", "  │ let x = 1;", "  └────", "plain"]
+            vec![
+                "Title",
+                "  • one",
+                "  2. two",
+                "  ┌─ rust",
+                "  │ let x = 1;",
+                "  └────",
+                "plain"
+            ]
         );
-        assert!(lines[0].spans[0].style.add_modifier.contains(Modifier::BOLD));
+        assert!(lines[0].spans[0]
+            .style
+            .add_modifier
+            .contains(Modifier::BOLD));
         assert_eq!(lines[4].spans[1].style, CODE_STYLE);
     }
 
     #[test]
     fn inline_bold_italic_code() {
         let spans = render_inline("a **b** *c* `d` snake_case_name", Style::default());
-        let by_text = |needle: &str| spans.iter().find(|span| span.content == needle).map(|span| span.style);
+        let by_text = |needle: &str| {
+            spans
+                .iter()
+                .find(|span| span.content == needle)
+                .map(|span| span.style)
+        };
         assert!(by_text("b").unwrap().add_modifier.contains(Modifier::BOLD));
-        assert!(by_text("c").unwrap().add_modifier.contains(Modifier::ITALIC));
+        assert!(by_text("c")
+            .unwrap()
+            .add_modifier
+            .contains(Modifier::ITALIC));
         assert_eq!(by_text("d").unwrap(), CODE_STYLE);
         let all: String = spans.iter().map(|span| span.content.as_ref()).collect();
         assert!(all.ends_with("snake_case_name"), "{all}");

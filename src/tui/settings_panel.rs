@@ -60,7 +60,10 @@ impl SettingField {
 
     /// Text settings are edited in an overlay rather than stepped.
     pub fn is_text(self) -> bool {
-        matches!(self, SettingField::SystemPrompt | SettingField::DeveloperInstructions)
+        matches!(
+            self,
+            SettingField::SystemPrompt | SettingField::DeveloperInstructions
+        )
     }
 
     pub fn value(self, settings: &Settings) -> String {
@@ -78,8 +81,15 @@ impl SettingField {
             SettingField::MinP if sampling.min_p == 0.0 => "off".to_string(),
             SettingField::MinP => format!("{:.2}", sampling.min_p),
             SettingField::MaxTokens => sampling.max_tokens.to_string(),
-            SettingField::Seed => sampling.seed.map_or("random".to_string(), |seed| seed.to_string()),
-            SettingField::KeepReasoning => if settings.keep_reasoning_in_context { "yes" } else { "no" }.to_string(),
+            SettingField::Seed => sampling
+                .seed
+                .map_or("random".to_string(), |seed| seed.to_string()),
+            SettingField::KeepReasoning => if settings.keep_reasoning_in_context {
+                "yes"
+            } else {
+                "no"
+            }
+            .to_string(),
             SettingField::SystemPrompt => one_line(&settings.system_prompt),
             SettingField::DeveloperInstructions => one_line(&settings.developer_instructions),
         }
@@ -107,18 +117,31 @@ impl SettingField {
         let up = direction > 0;
         let sampling = &mut settings.sampling;
         match self {
-            SettingField::Threads => settings.threads = step_int(settings.threads, up, 1, 1, max_threads.max(1)),
-            SettingField::WeightFormat => settings.weight_format = WeightFormat::cycle(settings.weight_format, sign(up)),
-            SettingField::KvCache => settings.kv_cache = KvCacheType::cycle(settings.kv_cache, sign(up)),
-            SettingField::ContextLimit => settings.context_limit = step_doubling(settings.context_limit, up, 256, 131_072),
-            SettingField::ReasoningEffort => {
-                settings.reasoning_effort = ReasoningEffort::cycle(settings.reasoning_effort, sign(up))
+            SettingField::Threads => {
+                settings.threads = step_int(settings.threads, up, 1, 1, max_threads.max(1))
             }
-            SettingField::Temperature => sampling.temperature = step_float(sampling.temperature, up, 0.05, 0.0, 2.0),
+            SettingField::WeightFormat => {
+                settings.weight_format = WeightFormat::cycle(settings.weight_format, sign(up))
+            }
+            SettingField::KvCache => {
+                settings.kv_cache = KvCacheType::cycle(settings.kv_cache, sign(up))
+            }
+            SettingField::ContextLimit => {
+                settings.context_limit = step_doubling(settings.context_limit, up, 256, 131_072)
+            }
+            SettingField::ReasoningEffort => {
+                settings.reasoning_effort =
+                    ReasoningEffort::cycle(settings.reasoning_effort, sign(up))
+            }
+            SettingField::Temperature => {
+                sampling.temperature = step_float(sampling.temperature, up, 0.05, 0.0, 2.0)
+            }
             SettingField::TopP => sampling.top_p = step_float(sampling.top_p, up, 0.05, 0.05, 1.0),
             SettingField::TopK => sampling.top_k = step_int(sampling.top_k, up, 5, 0, 200),
             SettingField::MinP => sampling.min_p = step_float(sampling.min_p, up, 0.01, 0.0, 0.5),
-            SettingField::MaxTokens => sampling.max_tokens = step_doubling(sampling.max_tokens, up, 16, 131_072),
+            SettingField::MaxTokens => {
+                sampling.max_tokens = step_doubling(sampling.max_tokens, up, 16, 131_072)
+            }
             SettingField::Seed => {
                 sampling.seed = match (sampling.seed, up) {
                     (None, true) => Some(0),
@@ -128,7 +151,9 @@ impl SettingField {
                     (Some(seed), false) => Some(seed - 1),
                 }
             }
-            SettingField::KeepReasoning => settings.keep_reasoning_in_context = !settings.keep_reasoning_in_context,
+            SettingField::KeepReasoning => {
+                settings.keep_reasoning_in_context = !settings.keep_reasoning_in_context
+            }
             SettingField::SystemPrompt | SettingField::DeveloperInstructions => {}
         }
     }

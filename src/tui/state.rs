@@ -3,8 +3,8 @@
 //! the engine, clipboard text, quit). Rendering is a pure function of this state (`view`).
 
 use crate::engine::protocol::{
-    CacheHits, Channel, Command, Conversation, EngineInfo, Event, GenerateRequest, Message, RequestId, RequestKind,
-    Role, Settings, StatsSample, StopReason, SystemContent,
+    CacheHits, Channel, Command, Conversation, EngineInfo, Event, GenerateRequest, Message,
+    RequestId, RequestKind, Role, Settings, StatsSample, StopReason, SystemContent,
 };
 use crate::tui::settings_panel::SettingField;
 use crate::tui::store::{date_utc, ChatStore, SavedChat};
@@ -34,7 +34,9 @@ pub enum Msg {
     Paste(String),
     Engine(Event),
     /// The conversation pane's height changed (page size for PageUp/PageDown).
-    Resize { conversation_height: u16 },
+    Resize {
+        conversation_height: u16,
+    },
 }
 
 /// Work for the loop, outside the state.
@@ -56,16 +58,26 @@ pub enum Focus {
 /// What the engine thread is doing, as far as the UI knows.
 #[derive(Clone, Debug, PartialEq)]
 pub enum EngineStatus {
-    Loading { stage: String, done: u64, total: u64 },
+    Loading {
+        stage: String,
+        done: u64,
+        total: u64,
+    },
     Ready,
     /// No checkpoint at `path`: the screen explains how to get one or run the demo.
-    ModelMissing { path: PathBuf },
+    ModelMissing {
+        path: PathBuf,
+    },
     Failed(String),
 }
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum ReplyStatus {
-    Prefill { done: usize, total: usize, reused: usize },
+    Prefill {
+        done: usize,
+        total: usize,
+        reused: usize,
+    },
     Streaming,
     Done(StopReason),
     Failed(String),
@@ -97,7 +109,11 @@ impl Reply {
             reasoning_time: None,
             answer: String::new(),
             answer_tokens: 0,
-            status: ReplyStatus::Prefill { done: 0, total: 0, reused: 0 },
+            status: ReplyStatus::Prefill {
+                done: 0,
+                total: 0,
+                reused: 0,
+            },
             expanded: false,
             hits: None,
             started: Some(now),
@@ -123,7 +139,10 @@ impl Reply {
     }
 
     pub fn is_active(&self) -> bool {
-        matches!(self.status, ReplyStatus::Prefill { .. } | ReplyStatus::Streaming)
+        matches!(
+            self.status,
+            ReplyStatus::Prefill { .. } | ReplyStatus::Streaming
+        )
     }
 
     /// Reasoning streams live until the answer begins; afterwards it collapses unless expanded.
@@ -143,8 +162,14 @@ pub struct Turn {
 #[derive(Debug)]
 pub enum Overlay {
     Help,
-    OpenChat { chats: Vec<SavedChat>, selected: usize },
-    EditSetting { field: SettingField, editor: Box<TextArea<'static>> },
+    OpenChat {
+        chats: Vec<SavedChat>,
+        selected: usize,
+    },
+    EditSetting {
+        field: SettingField,
+        editor: Box<TextArea<'static>>,
+    },
 }
 
 /// Key-to-screen latency, measured by the loop (time from reading a key to finishing the draw).
@@ -248,15 +273,27 @@ impl App {
     pub fn conversation(&self) -> Conversation {
         let mut messages = Vec::new();
         for turn in &self.turns {
-            messages.push(Message { role: Role::User, channel: None, content: turn.user.clone() });
+            messages.push(Message {
+                role: Role::User,
+                channel: None,
+                content: turn.user.clone(),
+            });
             if let Some(reply) = &turn.reply {
                 if !reply.reasoning.is_empty() {
                     let content = reply.reasoning.clone();
-                    messages.push(Message { role: Role::Assistant, channel: Some(Channel::Analysis), content });
+                    messages.push(Message {
+                        role: Role::Assistant,
+                        channel: Some(Channel::Analysis),
+                        content,
+                    });
                 }
                 if !reply.answer.is_empty() {
                     let content = reply.answer.clone();
-                    messages.push(Message { role: Role::Assistant, channel: Some(Channel::Final), content });
+                    messages.push(Message {
+                        role: Role::Assistant,
+                        channel: Some(Channel::Final),
+                        content,
+                    });
                 }
             }
         }
@@ -279,8 +316,11 @@ impl App {
         let mut conversation = self.conversation();
         if let Some(last) = self.turns.last() {
             if let Some(reply) = &last.reply {
-                let reply_messages = usize::from(!reply.reasoning.is_empty()) + usize::from(!reply.answer.is_empty());
-                conversation.messages.truncate(conversation.messages.len() - reply_messages);
+                let reply_messages = usize::from(!reply.reasoning.is_empty())
+                    + usize::from(!reply.answer.is_empty());
+                conversation
+                    .messages
+                    .truncate(conversation.messages.len() - reply_messages);
             }
         }
         conversation
@@ -292,10 +332,17 @@ impl App {
         self.turns.clear();
         for message in conversation.messages {
             match message.role {
-                Role::User => self.turns.push(Turn { user: message.content, reply: None }),
+                Role::User => self.turns.push(Turn {
+                    user: message.content,
+                    reply: None,
+                }),
                 Role::Assistant => {
-                    let Some(turn) = self.turns.last_mut() else { continue };
-                    let reply = turn.reply.get_or_insert_with(|| Reply::finished(String::new(), String::new()));
+                    let Some(turn) = self.turns.last_mut() else {
+                        continue;
+                    };
+                    let reply = turn
+                        .reply
+                        .get_or_insert_with(|| Reply::finished(String::new(), String::new()));
                     match message.channel {
                         Some(Channel::Analysis) => reply.reasoning.push_str(&message.content),
                         _ => reply.answer.push_str(&message.content),
@@ -342,7 +389,9 @@ impl App {
                 Vec::new()
             }
             Msg::Engine(event) => self.on_engine_event(event, now),
-            Msg::Resize { conversation_height } => {
+            Msg::Resize {
+                conversation_height,
+            } => {
                 self.conversation_height = conversation_height.max(1);
                 Vec::new()
             }
@@ -360,7 +409,8 @@ impl App {
             return self.on_overlay_key(key);
         }
         let input_empty = self.input.lines().iter().all(|line| line.is_empty());
-        let question_opens_help = key.code == KeyCode::Char('?') && (self.focus != Focus::Input || input_empty);
+        let question_opens_help =
+            key.code == KeyCode::Char('?') && (self.focus != Focus::Input || input_empty);
         if key.code == KeyCode::F(1) || question_opens_help {
             self.overlay = Some(Overlay::Help);
             return Vec::new();
@@ -436,11 +486,15 @@ impl App {
     }
 
     fn page(&self) -> usize {
-        usize::from(self.conversation_height).saturating_sub(2).max(1)
+        usize::from(self.conversation_height)
+            .saturating_sub(2)
+            .max(1)
     }
 
     fn on_input_key(&mut self, key: KeyEvent, now: Instant) -> Vec<Effect> {
-        let newline_modifier = key.modifiers.intersects(KeyModifiers::ALT | KeyModifiers::SHIFT);
+        let newline_modifier = key
+            .modifiers
+            .intersects(KeyModifiers::ALT | KeyModifiers::SHIFT);
         match key.code {
             KeyCode::Enter if newline_modifier => {
                 self.input.insert_newline();
@@ -451,7 +505,10 @@ impl App {
                 self.recall_history(-1);
                 Vec::new()
             }
-            KeyCode::Down if self.input.cursor().0 + 1 >= self.input.lines().len() && self.history_cursor.is_some() => {
+            KeyCode::Down
+                if self.input.cursor().0 + 1 >= self.input.lines().len()
+                    && self.history_cursor.is_some() =>
+            {
                 self.recall_history(1);
                 Vec::new()
             }
@@ -489,10 +546,16 @@ impl App {
         let count = self.turns.len();
         match key.code {
             KeyCode::Up if count > 0 => {
-                self.selected_turn = Some(self.selected_turn.map_or(count - 1, |index| index.saturating_sub(1)));
+                self.selected_turn = Some(
+                    self.selected_turn
+                        .map_or(count - 1, |index| index.saturating_sub(1)),
+                );
             }
             KeyCode::Down if count > 0 => {
-                self.selected_turn = Some(self.selected_turn.map_or(count - 1, |index| (index + 1).min(count - 1)));
+                self.selected_turn = Some(
+                    self.selected_turn
+                        .map_or(count - 1, |index| (index + 1).min(count - 1)),
+                );
             }
             KeyCode::Enter | KeyCode::Char(' ') => self.toggle_reasoning(self.selected_turn),
             KeyCode::Home => self.scroll_top = Some(0),
@@ -502,7 +565,9 @@ impl App {
     }
 
     fn toggle_reasoning(&mut self, turn: Option<usize>) {
-        let reply = turn.and_then(|index| self.turns.get_mut(index)).and_then(|turn| turn.reply.as_mut());
+        let reply = turn
+            .and_then(|index| self.turns.get_mut(index))
+            .and_then(|turn| turn.reply.as_mut());
         match reply {
             Some(reply) if !reply.reasoning.is_empty() => reply.expanded = !reply.expanded,
             _ => self.notice = Some("No reasoning to expand in that turn".to_string()),
@@ -520,8 +585,14 @@ impl App {
                 self.settings_cursor = (self.settings_cursor + 1).min(SettingField::ALL.len() - 1);
                 Vec::new()
             }
-            KeyCode::Left | KeyCode::Right | KeyCode::Char('-') | KeyCode::Char('+') if !field.is_text() => {
-                let direction = if matches!(key.code, KeyCode::Right | KeyCode::Char('+')) { 1 } else { -1 };
+            KeyCode::Left | KeyCode::Right | KeyCode::Char('-') | KeyCode::Char('+')
+                if !field.is_text() =>
+            {
+                let direction = if matches!(key.code, KeyCode::Right | KeyCode::Char('+')) {
+                    1
+                } else {
+                    -1
+                };
                 let mut next = self.settings.clone();
                 field.step(&mut next, direction, self.max_threads);
                 self.change_settings(next)
@@ -530,7 +601,10 @@ impl App {
                 let text = field.text(&self.settings).unwrap_or_default();
                 let mut editor = TextArea::new(text.split('\n').map(str::to_string).collect());
                 editor.set_cursor_line_style(ratatui::style::Style::default());
-                self.overlay = Some(Overlay::EditSetting { field, editor: Box::new(editor) });
+                self.overlay = Some(Overlay::EditSetting {
+                    field,
+                    editor: Box::new(editor),
+                });
                 Vec::new()
             }
             _ => Vec::new(),
@@ -545,22 +619,32 @@ impl App {
         if self.settings.invalidates_prompt_prefix(&next) && !self.turns.is_empty() {
             self.notice = Some("Changed the system/developer message: the next turn re-prefills the whole conversation".to_string());
         } else if next.weight_format != self.settings.weight_format {
-            self.notice = Some(format!("Re-quantizing to {} in the background; the old weights keep serving", next.weight_format));
+            self.notice = Some(format!(
+                "Re-quantizing to {} in the background; the old weights keep serving",
+                next.weight_format
+            ));
         } else if self.is_generating() {
             self.notice = Some("Settings apply after this turn".to_string());
         }
         self.settings = next;
-        vec![Effect::Engine(Command::ApplySettings(Box::new(self.settings.clone())))]
+        vec![Effect::Engine(Command::ApplySettings(Box::new(
+            self.settings.clone(),
+        )))]
     }
 
     fn on_overlay_key(&mut self, key: KeyEvent) -> Vec<Effect> {
-        let Some(overlay) = self.overlay.take() else { return Vec::new() };
+        let Some(overlay) = self.overlay.take() else {
+            return Vec::new();
+        };
         match overlay {
             Overlay::Help => {
                 // Any key closes help; F1 and ? toggle.
                 Vec::new()
             }
-            Overlay::OpenChat { chats, mut selected } => match key.code {
+            Overlay::OpenChat {
+                chats,
+                mut selected,
+            } => match key.code {
                 KeyCode::Esc => Vec::new(),
                 KeyCode::Up => {
                     selected = selected.saturating_sub(1);
@@ -592,7 +676,9 @@ impl App {
                 }
             },
             Overlay::EditSetting { field, mut editor } => {
-                let newline = key.modifiers.intersects(KeyModifiers::ALT | KeyModifiers::SHIFT);
+                let newline = key
+                    .modifiers
+                    .intersects(KeyModifiers::ALT | KeyModifiers::SHIFT);
                 match key.code {
                     KeyCode::Esc => Vec::new(),
                     KeyCode::Enter if !newline => {
@@ -635,7 +721,10 @@ impl App {
         self.history.push(text.clone());
         self.history_cursor = None;
         self.input = new_input();
-        self.turns.push(Turn { user: text, reply: None });
+        self.turns.push(Turn {
+            user: text,
+            reply: None,
+        });
         let kind = std::mem::replace(&mut self.pending_kind, RequestKind::NewTurn);
         self.start_request(kind, now)
     }
@@ -652,7 +741,11 @@ impl App {
         self.selected_turn = None;
         self.notice = None;
         self.autosave();
-        vec![Effect::Engine(Command::Generate(GenerateRequest { id, kind, conversation }))]
+        vec![Effect::Engine(Command::Generate(GenerateRequest {
+            id,
+            kind,
+            conversation,
+        }))]
     }
 
     fn regenerate(&mut self, now: Instant) -> Vec<Effect> {
@@ -700,11 +793,19 @@ impl App {
     }
 
     fn copy_last_answer(&mut self) -> Vec<Effect> {
-        let answer = self.turns.iter().rev().filter_map(|turn| turn.reply.as_ref()).find(|reply| !reply.answer.is_empty());
+        let answer = self
+            .turns
+            .iter()
+            .rev()
+            .filter_map(|turn| turn.reply.as_ref())
+            .find(|reply| !reply.answer.is_empty());
         match answer {
             Some(reply) => {
                 let text = reply.answer.clone();
-                self.notice = Some(format!("Copied the last answer ({} characters)", text.chars().count()));
+                self.notice = Some(format!(
+                    "Copied the last answer ({} characters)",
+                    text.chars().count()
+                ));
                 vec![Effect::Copy(text)]
             }
             None => {
@@ -750,7 +851,10 @@ impl App {
     }
 
     fn write_chat_file(&mut self) -> Result<PathBuf, crate::tui::store::StoreError> {
-        let path = self.chat_path.get_or_insert_with(|| self.store.new_chat_path(SystemTime::now())).clone();
+        let path = self
+            .chat_path
+            .get_or_insert_with(|| self.store.new_chat_path(SystemTime::now()))
+            .clone();
         self.store.save(&path, &self.conversation())?;
         Ok(path)
     }
@@ -768,12 +872,18 @@ impl App {
         if self.active != Some(id) {
             return None;
         }
-        self.turns.last_mut()?.reply.as_mut().filter(|reply| reply.request_id == Some(id))
+        self.turns
+            .last_mut()?
+            .reply
+            .as_mut()
+            .filter(|reply| reply.request_id == Some(id))
     }
 
     fn on_engine_event(&mut self, event: Event, now: Instant) -> Vec<Effect> {
         match event {
-            Event::LoadProgress { stage, done, total } => self.engine = EngineStatus::Loading { stage, done, total },
+            Event::LoadProgress { stage, done, total } => {
+                self.engine = EngineStatus::Loading { stage, done, total }
+            }
             Event::Ready(info) => {
                 self.engine = EngineStatus::Ready;
                 // Show what really runs: the model may not offer the configured formats.
@@ -782,13 +892,24 @@ impl App {
                 self.engine_settings = Some(info.settings.clone());
                 self.engine_info = Some(info);
             }
-            Event::PrefillProgress { id, done, total, reused } => {
+            Event::PrefillProgress {
+                id,
+                done,
+                total,
+                reused,
+            } => {
                 if let Some(reply) = self.active_reply(id) {
-                    reply.status = ReplyStatus::Prefill { done, total, reused };
+                    reply.status = ReplyStatus::Prefill {
+                        done,
+                        total,
+                        reused,
+                    };
                 }
             }
             Event::Token { id, channel, text } => {
-                let Some(reply) = self.active_reply(id) else { return Vec::new() };
+                let Some(reply) = self.active_reply(id) else {
+                    return Vec::new();
+                };
                 reply.status = ReplyStatus::Streaming;
                 match channel {
                     Channel::Analysis => {
@@ -806,7 +927,9 @@ impl App {
                         reply.answer_tokens += 1;
                     }
                 }
-                let due = self.last_stream_save.is_none_or(|at| now.saturating_duration_since(at) >= STREAM_SAVE_INTERVAL);
+                let due = self
+                    .last_stream_save
+                    .is_none_or(|at| now.saturating_duration_since(at) >= STREAM_SAVE_INTERVAL);
                 if due {
                     self.last_stream_save = Some(now);
                     self.autosave();
@@ -823,7 +946,12 @@ impl App {
                 }
                 self.stats = Some(sample);
             }
-            Event::TurnDone { id, reason, hits, generated_tokens } => {
+            Event::TurnDone {
+                id,
+                reason,
+                hits,
+                generated_tokens,
+            } => {
                 let was_active = self.active == Some(id);
                 if let Some(reply) = self.active_reply(id) {
                     if reply.reasoning_time.is_none() {
@@ -833,8 +961,12 @@ impl App {
                     }
                     reply.status = ReplyStatus::Done(reason);
                     reply.hits = Some(hits);
-                    let took = reply.started.map(|start| now.saturating_duration_since(start));
-                    let rate = hits.rate().map_or(String::new(), |rate| format!(", prefix cache {:.0}%", rate * 100.0));
+                    let took = reply
+                        .started
+                        .map(|start| now.saturating_duration_since(start));
+                    let rate = hits.rate().map_or(String::new(), |rate| {
+                        format!(", prefix cache {:.0}%", rate * 100.0)
+                    });
                     self.notice = Some(format!(
                         "{}: {generated_tokens} tokens in {:.1} s{rate}",
                         capitalize(reason.describe()),
@@ -846,14 +978,19 @@ impl App {
                     self.active = None;
                 }
             }
-            Event::SettingsProgress { what, done, total } => self.settings_progress = Some((what, done, total)),
+            Event::SettingsProgress { what, done, total } => {
+                self.settings_progress = Some((what, done, total))
+            }
             Event::SettingsApplied(applied) => {
                 if applied.weight_format == self.settings.weight_format {
                     self.settings_progress = None;
                 }
                 self.engine_settings = Some(*applied);
             }
-            Event::Error { id: Some(id), message } => {
+            Event::Error {
+                id: Some(id),
+                message,
+            } => {
                 if let Some(reply) = self.active_reply(id) {
                     reply.status = ReplyStatus::Failed(message.clone());
                     self.autosave();
@@ -879,7 +1016,11 @@ impl App {
     /// The view clamps `scroll_top`; here only the intent is recorded.
     pub fn scroll_by(&mut self, lines: isize) {
         let current = self.scroll_top.unwrap_or(self.last_bottom);
-        let next = if lines < 0 { current.saturating_sub(lines.unsigned_abs()) } else { current.saturating_add(lines as usize) };
+        let next = if lines < 0 {
+            current.saturating_sub(lines.unsigned_abs())
+        } else {
+            current.saturating_add(lines as usize)
+        };
         self.scroll_top = Some(next);
     }
 

@@ -17,22 +17,29 @@ const SIDE_PANEL_WIDTH: u16 = 38;
 /// Below this terminal width the side panel is hidden (the status line still says what happens).
 const SIDE_PANEL_MIN_TERMINAL_WIDTH: u16 = 90;
 /// The command the README gives for getting the real checkpoint.
-pub const DOWNLOAD_COMMAND: &str = "hf download openai/gpt-oss-20b --local-dir ~/models/gpt-oss-20b";
+pub const DOWNLOAD_COMMAND: &str = "huggingface-cli download openai/gpt-oss-20b --include \"config.json\" \"*.safetensors\" \"model.safetensors.index.json\" --local-dir ~/models/gpt-oss-20b";
 
 const USER_STYLE: Style = Style::new().fg(Color::Cyan).add_modifier(Modifier::BOLD);
 const ASSISTANT_STYLE: Style = Style::new().fg(Color::Green).add_modifier(Modifier::BOLD);
-const REASONING_STYLE: Style = Style::new().fg(Color::DarkGray).add_modifier(Modifier::ITALIC);
+const REASONING_STYLE: Style = Style::new()
+    .fg(Color::DarkGray)
+    .add_modifier(Modifier::ITALIC);
 const ERROR_STYLE: Style = Style::new().fg(Color::Red);
 
 /// Draws the whole screen.
 pub fn draw(frame: &mut Frame, app: &mut App) {
-    let [title_area, main_area, status_area] =
-        Layout::vertical([Constraint::Length(1), Constraint::Min(3), Constraint::Length(1)]).areas(frame.area());
+    let [title_area, main_area, status_area] = Layout::vertical([
+        Constraint::Length(1),
+        Constraint::Min(3),
+        Constraint::Length(1),
+    ])
+    .areas(frame.area());
     frame.render_widget(Paragraph::new(title_line(app)), title_area);
 
     let show_side = frame.area().width >= SIDE_PANEL_MIN_TERMINAL_WIDTH;
     let [left_area, side_area] = if show_side {
-        Layout::horizontal([Constraint::Min(20), Constraint::Length(SIDE_PANEL_WIDTH)]).areas(main_area)
+        Layout::horizontal([Constraint::Min(20), Constraint::Length(SIDE_PANEL_WIDTH)])
+            .areas(main_area)
     } else {
         [main_area, Rect::default()]
     };
@@ -59,9 +66,17 @@ pub fn draw(frame: &mut Frame, app: &mut App) {
                 .iter()
                 .enumerate()
                 .map(|(index, chat)| {
-                    let file = chat.path.file_name().map(|name| name.to_string_lossy().to_string()).unwrap_or_default();
+                    let file = chat
+                        .path
+                        .file_name()
+                        .map(|name| name.to_string_lossy().to_string())
+                        .unwrap_or_default();
                     let text = format!("{} ({} messages, {file})", chat.title, chat.messages);
-                    let style = if index == *selected { Style::new().add_modifier(Modifier::REVERSED) } else { Style::new() };
+                    let style = if index == *selected {
+                        Style::new().add_modifier(Modifier::REVERSED)
+                    } else {
+                        Style::new()
+                    };
                     Line::styled(text, style)
                 })
                 .collect();
@@ -73,7 +88,10 @@ pub fn draw(frame: &mut Frame, app: &mut App) {
             let area = centered(frame.area(), 70, 12);
             frame.render_widget(Clear, area);
             let mut editor = editor.as_ref().clone();
-            editor.set_block(Block::bordered().title(format!(" {} (Enter applies, Alt-Enter new line, Esc cancels) ", field.label())));
+            editor.set_block(Block::bordered().title(format!(
+                " {} (Enter applies, Alt-Enter new line, Esc cancels) ",
+                field.label()
+            )));
             frame.render_widget(&editor, area);
         }
         None => {}
@@ -81,7 +99,10 @@ pub fn draw(frame: &mut Frame, app: &mut App) {
 }
 
 fn title_line(app: &App) -> Line<'static> {
-    let mut spans = vec![Span::styled(" ossterm ", Style::new().add_modifier(Modifier::BOLD | Modifier::REVERSED))];
+    let mut spans = vec![Span::styled(
+        " ossterm ",
+        Style::new().add_modifier(Modifier::BOLD | Modifier::REVERSED),
+    )];
     if let Some(info) = &app.engine_info {
         spans.push(Span::raw(format!(" {} ", info.model_label)));
         if info.random_weights {
@@ -93,20 +114,34 @@ fn title_line(app: &App) -> Line<'static> {
     }
     if let Some(path) = &app.chat_path {
         if let Some(name) = path.file_name() {
-            spans.push(Span::styled(format!("  {}", name.to_string_lossy()), Style::new().fg(Color::DarkGray)));
+            spans.push(Span::styled(
+                format!("  {}", name.to_string_lossy()),
+                Style::new().fg(Color::DarkGray),
+            ));
         }
     }
     Line::from(spans)
 }
 
 fn focused_block(title: &str, focused: bool) -> Block<'static> {
-    let style = if focused { Style::new().fg(Color::Cyan) } else { Style::new().fg(Color::DarkGray) };
-    Block::new().borders(Borders::ALL).border_style(style).title(format!(" {title} "))
+    let style = if focused {
+        Style::new().fg(Color::Cyan)
+    } else {
+        Style::new().fg(Color::DarkGray)
+    };
+    Block::new()
+        .borders(Borders::ALL)
+        .border_style(style)
+        .title(format!(" {title} "))
 }
 
 fn draw_conversation(frame: &mut Frame, app: &mut App, area: Rect) {
     let following = app.scroll_top.is_none();
-    let title = if following { "Conversation" } else { "Conversation (scrolled: End follows)" };
+    let title = if following {
+        "Conversation"
+    } else {
+        "Conversation (scrolled: End follows)"
+    };
     let block = focused_block(title, app.focus == Focus::Conversation);
     let inner = block.inner(area);
     frame.render_widget(block, area);
@@ -119,17 +154,32 @@ fn draw_conversation(frame: &mut Frame, app: &mut App, area: Rect) {
     }
     let lines = conversation_lines(app, inner.width as usize);
     let top = app.settle_scroll(lines.len(), inner.height as usize);
-    let visible: Vec<Line> = lines.into_iter().skip(top).take(inner.height as usize).collect();
+    let visible: Vec<Line> = lines
+        .into_iter()
+        .skip(top)
+        .take(inner.height as usize)
+        .collect();
     frame.render_widget(Paragraph::new(visible), inner);
 }
 
 fn draw_engine_status(frame: &mut Frame, app: &App, area: Rect) {
     match &app.engine {
         EngineStatus::Loading { stage, done, total } => {
-            let [text_area, bar_area, _] =
-                Layout::vertical([Constraint::Length(2), Constraint::Length(1), Constraint::Min(0)]).areas(area);
-            frame.render_widget(Paragraph::new(format!("Loading the model: {stage}")), text_area);
-            let ratio = if *total > 0 { (*done as f64 / *total as f64).clamp(0.0, 1.0) } else { 0.0 };
+            let [text_area, bar_area, _] = Layout::vertical([
+                Constraint::Length(2),
+                Constraint::Length(1),
+                Constraint::Min(0),
+            ])
+            .areas(area);
+            frame.render_widget(
+                Paragraph::new(format!("Loading the model: {stage}")),
+                text_area,
+            );
+            let ratio = if *total > 0 {
+                (*done as f64 / *total as f64).clamp(0.0, 1.0)
+            } else {
+                0.0
+            };
             let gauge = Gauge::default()
                 .gauge_style(Style::new().fg(Color::Cyan))
                 .ratio(ratio)
@@ -138,15 +188,26 @@ fn draw_engine_status(frame: &mut Frame, app: &App, area: Rect) {
         }
         EngineStatus::ModelMissing { path } => {
             let lines = vec![
-                Line::styled(format!("No model found at {}", path.display()), Style::new().add_modifier(Modifier::BOLD)),
+                Line::styled(
+                    format!("No model found at {}", path.display()),
+                    Style::new().add_modifier(Modifier::BOLD),
+                ),
                 Line::raw(""),
                 Line::raw("Download gpt-oss-20b (about 13 GB) as the README shows:"),
-                Line::styled(format!("    {DOWNLOAD_COMMAND}"), Style::new().fg(Color::LightYellow)),
-                Line::raw("and start ossterm with --model pointing at that directory (or set model.path"),
+                Line::styled(
+                    format!("    {DOWNLOAD_COMMAND}"),
+                    Style::new().fg(Color::LightYellow),
+                ),
+                Line::raw(
+                    "and start ossterm with --model pointing at that directory (or set model.path",
+                ),
                 Line::raw("in the config file)."),
                 Line::raw(""),
                 Line::raw("Or try the app with random weights (output is noise):"),
-                Line::styled("    ossterm --synthetic tiny", Style::new().fg(Color::LightYellow)),
+                Line::styled(
+                    "    ossterm --synthetic tiny",
+                    Style::new().fg(Color::LightYellow),
+                ),
                 Line::raw(""),
                 Line::raw("Ctrl-Q quits."),
             ];
@@ -154,11 +215,16 @@ fn draw_engine_status(frame: &mut Frame, app: &App, area: Rect) {
         }
         EngineStatus::Failed(message) => {
             let lines = vec![
-                Line::styled("The engine could not start:", ERROR_STYLE.add_modifier(Modifier::BOLD)),
+                Line::styled(
+                    "The engine could not start:",
+                    ERROR_STYLE.add_modifier(Modifier::BOLD),
+                ),
                 Line::raw(""),
                 Line::styled(message.clone(), ERROR_STYLE),
                 Line::raw(""),
-                Line::raw("Check --model / model.path, or run `ossterm --synthetic tiny`. Ctrl-Q quits."),
+                Line::raw(
+                    "Check --model / model.path, or run `ossterm --synthetic tiny`. Ctrl-Q quits.",
+                ),
             ];
             frame.render_widget(Paragraph::new(lines).wrap(Wrap { trim: false }), area);
         }
@@ -170,17 +236,31 @@ fn draw_engine_status(frame: &mut Frame, app: &App, area: Rect) {
 pub fn conversation_lines(app: &App, width: usize) -> Vec<Line<'static>> {
     let mut lines: Vec<Line<'static>> = Vec::new();
     if app.turns.is_empty() {
-        lines.push(Line::styled("Type a message below and press Enter. F1 lists every key.", REASONING_STYLE));
+        lines.push(Line::styled(
+            "Type a message below and press Enter. F1 lists every key.",
+            REASONING_STYLE,
+        ));
     }
     for (index, turn) in app.turns.iter().enumerate() {
         let selected = app.focus == Focus::Conversation && app.selected_turn == Some(index);
-        let marker = if selected { Modifier::REVERSED } else { Modifier::empty() };
+        let marker = if selected {
+            Modifier::REVERSED
+        } else {
+            Modifier::empty()
+        };
         lines.push(Line::styled("▌ You", USER_STYLE.add_modifier(marker)));
-        let user: Vec<Line<'static>> = turn.user.split('\n').map(|line| Line::raw(line.to_string())).collect();
+        let user: Vec<Line<'static>> = turn
+            .user
+            .split('\n')
+            .map(|line| Line::raw(line.to_string()))
+            .collect();
         lines.extend(wrap_lines(&user, width));
         if let Some(reply) = &turn.reply {
             lines.push(Line::raw(""));
-            lines.push(Line::styled("▌ Assistant", ASSISTANT_STYLE.add_modifier(marker)));
+            lines.push(Line::styled(
+                "▌ Assistant",
+                ASSISTANT_STYLE.add_modifier(marker),
+            ));
             lines.extend(reply_lines(reply, width));
         }
         lines.push(Line::raw(""));
@@ -190,7 +270,12 @@ pub fn conversation_lines(app: &App, width: usize) -> Vec<Line<'static>> {
 
 fn reply_lines(reply: &Reply, width: usize) -> Vec<Line<'static>> {
     let mut lines = Vec::new();
-    if let ReplyStatus::Prefill { done, total, reused } = reply.status {
+    if let ReplyStatus::Prefill {
+        done,
+        total,
+        reused,
+    } = reply.status
+    {
         let text = if total == 0 {
             "Reading the prompt…".to_string()
         } else {
@@ -204,12 +289,21 @@ fn reply_lines(reply: &Reply, width: usize) -> Vec<Line<'static>> {
         let header = if streaming_reasoning {
             format!("Thinking… ({tokens} tokens)")
         } else {
-            let seconds = reply.reasoning_time.map_or(String::new(), |time| format!(", {:.1} s", time.as_secs_f64()));
-            let count = if tokens > 0 { format!("{tokens} tokens") } else { format!("{} characters", reply.reasoning.chars().count()) };
+            let seconds = reply.reasoning_time.map_or(String::new(), |time| {
+                format!(", {:.1} s", time.as_secs_f64())
+            });
+            let count = if tokens > 0 {
+                format!("{tokens} tokens")
+            } else {
+                format!("{} characters", reply.reasoning.chars().count())
+            };
             let arrow = if reply.expanded { "▾" } else { "▸" };
             format!("{arrow} Thought ({count}{seconds})")
         };
-        lines.push(Line::styled(header, REASONING_STYLE.remove_modifier(Modifier::ITALIC)));
+        lines.push(Line::styled(
+            header,
+            REASONING_STYLE.remove_modifier(Modifier::ITALIC),
+        ));
         if reply.reasoning_visible() {
             let reasoning: Vec<Line<'static>> = reply
                 .reasoning
@@ -220,19 +314,34 @@ fn reply_lines(reply: &Reply, width: usize) -> Vec<Line<'static>> {
         }
     }
     if !reply.answer.is_empty() {
-        lines.extend(wrap_lines(&render_markdown(&reply.answer, Style::new()), width));
+        lines.extend(wrap_lines(
+            &render_markdown(&reply.answer, Style::new()),
+            width,
+        ));
     }
     match &reply.status {
-        ReplyStatus::Done(StopReason::Finished) | ReplyStatus::Prefill { .. } | ReplyStatus::Streaming => {}
-        ReplyStatus::Done(reason) => lines.push(Line::styled(format!("[{}]", reason.describe()), Style::new().fg(Color::Yellow))),
-        ReplyStatus::Failed(message) => lines.extend(wrap_lines(&[Line::styled(format!("[error: {message}]"), ERROR_STYLE)], width)),
+        ReplyStatus::Done(StopReason::Finished)
+        | ReplyStatus::Prefill { .. }
+        | ReplyStatus::Streaming => {}
+        ReplyStatus::Done(reason) => lines.push(Line::styled(
+            format!("[{}]", reason.describe()),
+            Style::new().fg(Color::Yellow),
+        )),
+        ReplyStatus::Failed(message) => lines.extend(wrap_lines(
+            &[Line::styled(format!("[error: {message}]"), ERROR_STYLE)],
+            width,
+        )),
     }
     lines
 }
 
 fn draw_input(frame: &mut Frame, app: &App, area: Rect) {
     let mut input = app.input.clone();
-    let title = if app.is_generating() { "Message (generating: Esc stops)" } else { "Message" };
+    let title = if app.is_generating() {
+        "Message (generating: Esc stops)"
+    } else {
+        "Message"
+    };
     input.set_block(focused_block(title, app.focus == Focus::Input));
     if app.focus != Focus::Input {
         input.set_cursor_style(Style::new());
@@ -258,52 +367,116 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
     let block = focused_block("Gauges", false);
     let inner = block.inner(area);
     frame.render_widget(block, area);
-    let [first, spark, rest] =
-        Layout::vertical([Constraint::Length(1), Constraint::Length(2), Constraint::Min(0)]).areas(inner);
+    let [first, spark, rest] = Layout::vertical([
+        Constraint::Length(1),
+        Constraint::Length(2),
+        Constraint::Min(0),
+    ])
+    .areas(inner);
     let stats = app.stats.as_ref();
     let decode = stats.and_then(|stats| stats.decode_tokens_per_second);
-    frame.render_widget(Paragraph::new(gauge_row("decode", decode.map_or("-".to_string(), |rate| format!("{rate:.1} tok/s")))), first);
+    frame.render_widget(
+        Paragraph::new(gauge_row(
+            "decode",
+            decode.map_or("-".to_string(), |rate| format!("{rate:.1} tok/s")),
+        )),
+        first,
+    );
     let samples: Vec<u64> = app.decode_rates.iter().copied().collect();
     let visible = samples.len().saturating_sub(spark.width as usize);
-    frame.render_widget(Sparkline::default().data(&samples[visible..]).style(Style::new().fg(Color::Green)), spark);
+    frame.render_widget(
+        Sparkline::default()
+            .data(&samples[visible..])
+            .style(Style::new().fg(Color::Green)),
+        spark,
+    );
 
     let bar_cells = (inner.width as usize).saturating_sub(26).clamp(4, 12);
     let mut rows = Vec::new();
     let prefill = stats.and_then(|stats| stats.prefill_tokens_per_second);
-    rows.push(gauge_row("prefill", prefill.map_or("-".to_string(), |rate| format!("{rate:.1} tok/s"))));
+    rows.push(gauge_row(
+        "prefill",
+        prefill.map_or("-".to_string(), |rate| format!("{rate:.1} tok/s")),
+    ));
     let ttft = stats.and_then(|stats| stats.time_to_first_token);
-    rows.push(gauge_row("first token", ttft.map_or("-".to_string(), |time| format!("{:.2} s", time.as_secs_f64()))));
-    let memory = match stats.and_then(|stats| stats.process_memory_bytes.zip(stats.machine_memory_bytes)) {
-        Some((process, machine)) => format!("{} {}/{} GiB", text_bar(process as f64 / machine.max(1) as f64, bar_cells), gib(process), gib(machine)),
-        None => "-".to_string(),
-    };
+    rows.push(gauge_row(
+        "first token",
+        ttft.map_or("-".to_string(), |time| {
+            format!("{:.2} s", time.as_secs_f64())
+        }),
+    ));
+    let memory =
+        match stats.and_then(|stats| stats.process_memory_bytes.zip(stats.machine_memory_bytes)) {
+            Some((process, machine)) => format!(
+                "{} {}/{} GiB",
+                text_bar(process as f64 / machine.max(1) as f64, bar_cells),
+                gib(process),
+                gib(machine)
+            ),
+            None => "-".to_string(),
+        };
     rows.push(gauge_row("memory", memory));
     let kv = stats.map_or("-".to_string(), |stats| {
         let ratio = stats.kv_tokens_used as f64 / stats.kv_tokens_capacity.max(1) as f64;
-        format!("{} {}/{}", text_bar(ratio, bar_cells), stats.kv_tokens_used, stats.kv_tokens_capacity)
+        format!(
+            "{} {}/{}",
+            text_bar(ratio, bar_cells),
+            stats.kv_tokens_used,
+            stats.kv_tokens_capacity
+        )
     });
     rows.push(gauge_row("KV cache", kv));
     let context = stats.map_or("-".to_string(), |stats| {
         let ratio = stats.context_used as f64 / stats.context_limit.max(1) as f64;
-        format!("{} {}/{}", text_bar(ratio, bar_cells), stats.context_used, stats.context_limit)
+        format!(
+            "{} {}/{}",
+            text_bar(ratio, bar_cells),
+            stats.context_used,
+            stats.context_limit
+        )
     });
     rows.push(gauge_row("context", context));
-    rows.push(gauge_row("cache hit", stats.map_or("-".to_string(), |stats| {
-        format!("turn {} · chat {}", percent(stats.turn_hits.rate()), percent(stats.session_hits.rate()))
-    })));
-    rows.push(gauge_row("threads", stats.map_or("-".to_string(), |stats| stats.threads.to_string())));
-    let kernel = stats.map(|stats| stats.kernel_path.clone()).or_else(|| app.engine_info.as_ref().map(|info| info.kernel_path.clone()));
-    rows.push(gauge_row("kernels", kernel.unwrap_or_else(|| "-".to_string())));
+    rows.push(gauge_row(
+        "cache hit",
+        stats.map_or("-".to_string(), |stats| {
+            format!(
+                "turn {} · chat {}",
+                percent(stats.turn_hits.rate()),
+                percent(stats.session_hits.rate())
+            )
+        }),
+    ));
+    rows.push(gauge_row(
+        "threads",
+        stats.map_or("-".to_string(), |stats| stats.threads.to_string()),
+    ));
+    let kernel = stats.map(|stats| stats.kernel_path.clone()).or_else(|| {
+        app.engine_info
+            .as_ref()
+            .map(|info| info.kernel_path.clone())
+    });
+    rows.push(gauge_row(
+        "kernels",
+        kernel.unwrap_or_else(|| "-".to_string()),
+    ));
     let serving = stats.map(|stats| stats.weight_format);
     let weights = match (serving, &app.settings_progress) {
-        (Some(format), Some((_, done, total))) => format!("{format} → {} {}%", app.settings.weight_format, done * 100 / (*total).max(1)),
+        (Some(format), Some((_, done, total))) => format!(
+            "{format} → {} {}%",
+            app.settings.weight_format,
+            done * 100 / (*total).max(1)
+        ),
         (Some(format), None) => format.to_string(),
         (None, _) => "-".to_string(),
     };
     rows.push(gauge_row("weights", weights));
     let latency = &app.latency;
     let ui = if latency.samples > 0 {
-        format!("{} ms (max {} ms)", latency.last.as_millis(), latency.max.as_millis())
+        format!(
+            "{} ms (max {} ms)",
+            latency.last.as_millis(),
+            latency.max.as_millis()
+        )
     } else {
         "-".to_string()
     };
@@ -312,7 +485,10 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
 }
 
 fn gauge_row(label: &str, value: String) -> Line<'static> {
-    Line::from(vec![Span::styled(format!("{label:<12}"), Style::new().fg(Color::DarkGray)), Span::raw(value)])
+    Line::from(vec![
+        Span::styled(format!("{label:<12}"), Style::new().fg(Color::DarkGray)),
+        Span::raw(value),
+    ])
 }
 
 fn draw_settings(frame: &mut Frame, app: &App, area: Rect) {
@@ -327,37 +503,73 @@ fn draw_settings(frame: &mut Frame, app: &App, area: Rect) {
         .map(|(index, field)| {
             let mut value = field.value(&app.settings);
             if text_width(&value) > value_width {
-                value = value.chars().take(value_width.saturating_sub(1)).collect::<String>() + "…";
+                value = value
+                    .chars()
+                    .take(value_width.saturating_sub(1))
+                    .collect::<String>()
+                    + "…";
             }
             let selected = focused && index == app.settings_cursor;
-            let style = if selected { Style::new().add_modifier(Modifier::REVERSED) } else { Style::new() };
+            let style = if selected {
+                Style::new().add_modifier(Modifier::REVERSED)
+            } else {
+                Style::new()
+            };
             let cursor = if selected { "›" } else { " " };
             Line::styled(format!("{cursor}{:<17} {value}", field.label()), style)
         })
         .collect();
     if focused {
         let field = SettingField::ALL[app.settings_cursor];
-        let hint = if field.is_text() { "Enter edits" } else { "←/→ change" };
-        lines.push(Line::styled(format!(" {hint}"), Style::new().fg(Color::DarkGray)));
+        let hint = if field.is_text() {
+            "Enter edits"
+        } else {
+            "←/→ change"
+        };
+        lines.push(Line::styled(
+            format!(" {hint}"),
+            Style::new().fg(Color::DarkGray),
+        ));
         if field == SettingField::ReasoningEffort {
-            lines.push(Line::styled(" changing it re-prefills the chat", Style::new().fg(Color::Yellow)));
+            lines.push(Line::styled(
+                " changing it re-prefills the chat",
+                Style::new().fg(Color::Yellow),
+            ));
         }
     }
     let scroll = (app.settings_cursor + 2).saturating_sub(inner.height as usize) as u16;
-    frame.render_widget(Paragraph::new(lines).scroll((if focused { scroll } else { 0 }, 0)), inner);
+    frame.render_widget(
+        Paragraph::new(lines).scroll((if focused { scroll } else { 0 }, 0)),
+        inner,
+    );
 }
 
 /// What is happening now, for the status line.
 pub fn status_text(app: &App) -> String {
-    if let Some(reply) = app.turns.last().and_then(|turn| turn.reply.as_ref()).filter(|reply| reply.is_active()) {
+    if let Some(reply) = app
+        .turns
+        .last()
+        .and_then(|turn| turn.reply.as_ref())
+        .filter(|reply| reply.is_active())
+    {
         return match reply.status {
-            ReplyStatus::Prefill { done, total, .. } if total > 0 => format!("Reading the prompt {done}/{total} · Esc stops"),
+            ReplyStatus::Prefill { done, total, .. } if total > 0 => {
+                format!("Reading the prompt {done}/{total} · Esc stops")
+            }
             ReplyStatus::Prefill { .. } => "Sending… · Esc stops".to_string(),
-            _ if reply.answer.is_empty() => format!("Thinking… {} tokens · Esc stops", reply.reasoning_tokens),
+            _ if reply.answer.is_empty() => {
+                format!("Thinking… {} tokens · Esc stops", reply.reasoning_tokens)
+            }
             _ => {
-                let rate = app.stats.as_ref().and_then(|stats| stats.decode_tokens_per_second);
+                let rate = app
+                    .stats
+                    .as_ref()
+                    .and_then(|stats| stats.decode_tokens_per_second);
                 let rate = rate.map_or(String::new(), |rate| format!(" · {rate:.1} tok/s"));
-                format!("Answering… {} tokens{rate} · Esc stops", reply.answer_tokens)
+                format!(
+                    "Answering… {} tokens{rate} · Esc stops",
+                    reply.answer_tokens
+                )
             }
         };
     }
@@ -368,7 +580,9 @@ pub fn status_text(app: &App) -> String {
         return format!("{what}: {}%", done * 100 / (*total).max(1));
     }
     match &app.engine {
-        EngineStatus::Loading { stage, done, total } => format!("Loading: {stage} {}%", done * 100 / (*total).max(1)),
+        EngineStatus::Loading { stage, done, total } => {
+            format!("Loading: {stage} {}%", done * 100 / (*total).max(1))
+        }
         EngineStatus::ModelMissing { .. } => "No model: see the instructions above".to_string(),
         EngineStatus::Failed(_) => "The engine failed to start".to_string(),
         EngineStatus::Ready => "Ready".to_string(),
@@ -377,7 +591,10 @@ pub fn status_text(app: &App) -> String {
 
 fn status_line(app: &App) -> Line<'static> {
     Line::from(vec![
-        Span::styled(format!(" {} ", status_text(app)), Style::new().add_modifier(Modifier::BOLD)),
+        Span::styled(
+            format!(" {} ", status_text(app)),
+            Style::new().add_modifier(Modifier::BOLD),
+        ),
         Span::styled(" F1 help · Ctrl-Q quit", Style::new().fg(Color::DarkGray)),
     ])
 }
@@ -389,17 +606,31 @@ fn draw_help(frame: &mut Frame, app: &App) {
     let mut lines: Vec<Line> = KEY_BINDINGS
         .iter()
         .map(|(keys, action)| {
-            Line::from(vec![Span::styled(format!(" {keys:<28}"), Style::new().fg(Color::Cyan)), Span::raw(*action)])
+            Line::from(vec![
+                Span::styled(format!(" {keys:<28}"), Style::new().fg(Color::Cyan)),
+                Span::raw(*action),
+            ])
         })
         .collect();
     lines.push(Line::raw(""));
     let location = app.store.dir().display();
-    lines.push(Line::styled(format!(" Chats are saved in {location}"), Style::new().fg(Color::DarkGray)));
-    frame.render_widget(Paragraph::new(lines).block(Block::bordered().title(" Keys (any key closes) ")), area);
+    lines.push(Line::styled(
+        format!(" Chats are saved in {location}"),
+        Style::new().fg(Color::DarkGray),
+    ));
+    frame.render_widget(
+        Paragraph::new(lines).block(Block::bordered().title(" Keys (any key closes) ")),
+        area,
+    );
 }
 
 fn centered(area: Rect, width: u16, height: u16) -> Rect {
     let width = width.min(area.width);
     let height = height.min(area.height);
-    Rect { x: area.x + (area.width - width) / 2, y: area.y + (area.height - height) / 2, width, height }
+    Rect {
+        x: area.x + (area.width - width) / 2,
+        y: area.y + (area.height - height) / 2,
+        width,
+        height,
+    }
 }
