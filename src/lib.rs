@@ -6,7 +6,10 @@
 
 pub mod bench;
 pub mod chat;
+mod choice;
 pub mod cli;
+pub mod config;
 pub mod engine;
 pub mod kernels;
 pub mod model;
+pub mod tui;

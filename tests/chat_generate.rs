@@ -212,7 +212,7 @@ fn synthetic_tiny_model_generates_and_reuses_its_cache_exactly() {
     let model = Arc::new(Model::synthetic(Preset::Tiny, 0, &LoadOptions::default()).unwrap());
     let prompt = prompt();
     let cold = |max_tokens| {
-        let mut session = Session::new(model.clone(), 512);
+        let mut session = model.new_session(512);
         let mut sampler = Sampler::new(SamplerSettings {
             seed: Some(3),
             ..SamplerSettings::default()

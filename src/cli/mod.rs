@@ -1,5 +1,6 @@
 //! The command line: parses arguments and hands each command to the library.
 
+pub mod app;
 mod bench_cmd;
 mod chat_cmds;
 mod model_cmds;
@@ -19,9 +20,13 @@ use crate::model::{KvFormat, LoadOptions, Model, Precision, Preset, WeightFormat
     version,
     about = "Chat with gpt-oss-20b on your CPU, in your terminal"
 )]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Option<Command>,
+    /// Flags of the interactive app (no command).
+    #[command(flatten)]
+    pub app: app::AppArgs,
 }
 
 #[derive(Subcommand, Debug)]
@@ -121,10 +126,7 @@ pub fn main() -> ExitCode {
         Some(Command::Run(args)) => chat_cmds::run(args),
         Some(Command::Render(args)) => chat_cmds::render(args),
         Some(Command::Tokenize(args)) => chat_cmds::tokenize(args),
-        None => {
-            eprintln!("ossterm: choose a command; see `ossterm --help`");
-            return ExitCode::from(2);
-        }
+        None => app::run(cli.app),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

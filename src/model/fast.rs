@@ -47,15 +47,7 @@ pub enum WeightFormat {
     Q4,
 }
 
-impl WeightFormat {
-    pub fn name(self) -> &'static str {
-        match self {
-            WeightFormat::Native => "native",
-            WeightFormat::Q8 => "q8",
-            WeightFormat::Q4 => "q4",
-        }
-    }
-}
+crate::choice::impl_choice!(WeightFormat { Native => "native", Q8 => "q8", Q4 => "q4" });
 
 /// Element type of the KV cache.
 #[derive(
@@ -76,14 +68,9 @@ pub enum KvFormat {
     F32,
 }
 
-impl KvFormat {
-    pub fn name(self) -> &'static str {
-        match self {
-            KvFormat::F16 => "f16",
-            KvFormat::F32 => "f32",
-        }
-    }
+crate::choice::impl_choice!(KvFormat { F16 => "f16", F32 => "f32" });
 
+impl KvFormat {
     pub fn bytes_per_value(self) -> usize {
         match self {
             KvFormat::F16 => 2,

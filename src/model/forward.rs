@@ -20,6 +20,9 @@ use super::Model;
 /// that the chunk's activations stay in cache.
 pub const PREFILL_CHUNK: usize = 64;
 
+/// Bytes of one cached key or value element.
+pub const KV_BYTES_PER_VALUE: usize = std::mem::size_of::<f32>();
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ForwardError {
     #[error("the context holds {limit} tokens; {needed} were asked for")]
@@ -81,13 +84,14 @@ enum State {
 }
 
 impl Session {
-    pub fn new(model: Arc<Model>, context_limit: usize) -> Session {
+    pub fn new(model: Arc<Model>, context_limit: usize, kv: super::KvFormat) -> Session {
         let c = &model.config;
         let context_limit = context_limit.max(1);
+        let kv_format = kv;
         let kv = c.kv_width();
         if model.fast.is_some() {
             let state = State::Fast {
-                cache: KvStore::new(model.kv_format, c.num_hidden_layers, context_limit * kv),
+                cache: KvStore::new(kv_format, c.num_hidden_layers, context_limit * kv),
                 scratch: Box::new(FastScratch::new(c)),
             };
             return Session {

@@ -209,7 +209,12 @@ impl Model {
     }
 
     pub fn new_session(self: &Arc<Self>, context_limit: usize) -> Session {
-        Session::new(self.clone(), context_limit)
+        Session::new(self.clone(), context_limit, self.kv_format)
+    }
+
+    /// A session whose KV cache holds `kv` elements (the exact path always keeps f32).
+    pub fn new_session_with_kv(self: &Arc<Self>, context_limit: usize, kv: KvFormat) -> Session {
+        Session::new(self.clone(), context_limit, kv)
     }
 
     /// Bytes one decoded token reads from memory with `context` tokens in the cache: every dense

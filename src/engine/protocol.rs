@@ -1,0 +1,282 @@
+//! The typed messages between the UI thread and the engine thread.
+//!
+//! The UI never touches model internals: it sends [`Command`]s and receives [`Event`]s. Everything
+//! here is plain data so that a test can drive the UI with a scripted event stream and the engine
+//! with a scripted command stream.
+
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+/// Identifies one generation request; events carry it so late events of a cancelled request can be
+/// told apart from the current one. Ids only grow.
+pub type RequestId = u64;
+
+pub use crate::model::fast::{KvFormat as KvCacheType, WeightFormat};
+
+/// Harmony's `Reasoning: low|medium|high` line in the system message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReasoningEffort {
+    Low,
+    Medium,
+    High,
+}
+
+crate::choice::impl_choice!(ReasoningEffort { Low => "low", Medium => "medium", High => "high" });
+
+/// Sampling parameters; `top_k` 0 and `min_p` 0 switch those filters off, `seed` `None` draws one.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SamplingSettings {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: usize,
+    pub min_p: f32,
+    pub max_tokens: usize,
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingSettings {
+    /// The model card recommends temperature 1.0 and top-p 1.0.
+    fn default() -> Self {
+        SamplingSettings {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            max_tokens: 4096,
+            seed: None,
+        }
+    }
+}
+
+/// Everything the user can change while the app runs. The engine applies a change between turns.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Settings {
+    pub threads: usize,
+    pub weight_format: WeightFormat,
+    pub kv_cache: KvCacheType,
+    pub context_limit: usize,
+    pub sampling: SamplingSettings,
+    pub reasoning_effort: ReasoningEffort,
+    /// Keep earlier turns' analysis in the prompt: costs context, gains prefix-cache hits.
+    pub keep_reasoning_in_context: bool,
+    /// The model identity line of the harmony system message.
+    pub system_prompt: String,
+    /// The `# Instructions` of the developer message; empty means no developer message.
+    pub developer_instructions: String,
+}
+
+/// Harmony's default identity line.
+pub const DEFAULT_SYSTEM_PROMPT: &str =
+    "You are ChatGPT, a large language model trained by OpenAI.";
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            threads: std::thread::available_parallelism().map_or(1, |count| count.get()),
+            weight_format: WeightFormat::Q8,
+            kv_cache: KvCacheType::F16,
+            context_limit: 8192,
+            sampling: SamplingSettings::default(),
+            reasoning_effort: ReasoningEffort::Medium,
+            keep_reasoning_in_context: false,
+            system_prompt: DEFAULT_SYSTEM_PROMPT.to_string(),
+            developer_instructions: String::new(),
+        }
+    }
+}
+
+impl Settings {
+    /// Whether going from `self` to `next` changes the rendered prompt from its first message on,
+    /// so the next turn has to prefill the whole conversation again.
+    pub fn invalidates_prompt_prefix(&self, next: &Settings) -> bool {
+        self.reasoning_effort != next.reasoning_effort
+            || self.system_prompt != next.system_prompt
+            || self.developer_instructions != next.developer_instructions
+    }
+}
+
+/// Who wrote a message (harmony roles; tools are not used by the app).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    User,
+    Assistant,
+}
+
+/// Harmony output channels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Channel {
+    Analysis,
+    Commentary,
+    Final,
+}
+
+/// One message of a conversation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Message {
+    pub role: Role,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub channel: Option<Channel>,
+    pub content: String,
+}
+
+/// The harmony system message's fields.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SystemContent {
+    pub identity: String,
+    pub reasoning: ReasoningEffort,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub date: Option<String>,
+    pub knowledge_cutoff: String,
+}
+
+/// A whole chat as the engine renders it and as it is saved to disk (the chat module's JSON shape:
+/// `{system {identity, reasoning, date, knowledge_cutoff}, developer, messages [{role, channel, content}]}`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Conversation {
+    pub system: SystemContent,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub developer: Option<String>,
+    pub messages: Vec<Message>,
+}
+
+/// Why a generation request exists; the engine treats all alike (prefix reuse finds the rewind
+/// point), the kind only labels statistics and status text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestKind {
+    NewTurn,
+    Regenerate,
+    EditAndResend,
+}
+
+/// Generate the next assistant reply to `conversation`, whose last message is the user's.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenerateRequest {
+    pub id: RequestId,
+    pub kind: RequestKind,
+    pub conversation: Conversation,
+}
+
+/// UI -> engine.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Command {
+    Generate(GenerateRequest),
+    /// Stop request `id` (and anything older). The handle also raises the shared cancel mark so a
+    /// running turn sees it within one token or one prefill chunk.
+    Cancel(RequestId),
+    ApplySettings(Box<Settings>),
+    Shutdown,
+}
+
+/// Why a turn ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// The model ended its reply (`<|return|>` or `<|call|>`).
+    Finished,
+    MaxTokens,
+    ContextFull,
+    Cancelled,
+}
+
+impl StopReason {
+    pub fn describe(self) -> &'static str {
+        match self {
+            StopReason::Finished => "finished",
+            StopReason::MaxTokens => "stopped at max tokens",
+            StopReason::ContextFull => "context full",
+            StopReason::Cancelled => "stopped",
+        }
+    }
+}
+
+/// Tokens taken from the KV cache versus tokens in the prompt.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheHits {
+    pub reused: u64,
+    pub prompt: u64,
+}
+
+impl CacheHits {
+    /// Reused / prompt tokens, or `None` before any prompt.
+    pub fn rate(self) -> Option<f64> {
+        (self.prompt > 0).then(|| self.reused as f64 / self.prompt as f64)
+    }
+
+    pub fn add(&mut self, other: CacheHits) {
+        self.reused += other.reused;
+        self.prompt += other.prompt;
+    }
+}
+
+/// A snapshot of the engine's numbers, sent a few times a second while it works and after each turn.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StatsSample {
+    pub decode_tokens_per_second: Option<f64>,
+    pub prefill_tokens_per_second: Option<f64>,
+    pub time_to_first_token: Option<Duration>,
+    pub process_memory_bytes: Option<u64>,
+    pub machine_memory_bytes: Option<u64>,
+    pub kv_tokens_used: usize,
+    pub kv_tokens_capacity: usize,
+    /// Tokens of the current conversation (prompt plus reply so far).
+    pub context_used: usize,
+    pub context_limit: usize,
+    pub turn_hits: CacheHits,
+    pub session_hits: CacheHits,
+    pub threads: usize,
+    pub kernel_path: String,
+    pub weight_format: WeightFormat,
+}
+
+/// What the engine runs, sent once the model is ready.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineInfo {
+    /// e.g. "gpt-oss-20b (/models/gpt-oss-20b)" or "synthetic tiny".
+    pub model_label: String,
+    /// Synthetic checkpoints have random weights: their output is noise, and the UI says so.
+    pub random_weights: bool,
+    pub kernel_path: String,
+    pub settings: Settings,
+}
+
+/// Engine -> UI.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    LoadProgress {
+        stage: String,
+        done: u64,
+        total: u64,
+    },
+    Ready(EngineInfo),
+    PrefillProgress {
+        id: RequestId,
+        done: usize,
+        total: usize,
+        reused: usize,
+    },
+    Token {
+        id: RequestId,
+        channel: Channel,
+        text: String,
+    },
+    Stats(StatsSample),
+    TurnDone {
+        id: RequestId,
+        reason: StopReason,
+        hits: CacheHits,
+        generated_tokens: usize,
+    },
+    /// Background work for a settings change (re-quantization), `done` of `total` units.
+    SettingsProgress {
+        what: String,
+        done: u64,
+        total: u64,
+    },
+    SettingsApplied(Box<Settings>),
+    Error {
+        id: Option<RequestId>,
+        message: String,
+    },
+}

@@ -1,0 +1,930 @@
+//! The engine thread: owns the model, the KV cache (inside a session), the tokenizer side of the
+//! chat format, the sampler and the thread pool, and turns [`Command`]s into [`Event`]s.
+//!
+//! Prefix reuse: the session remembers the ids its KV cache holds. A request keeps the longest
+//! common prefix of those ids and the new prompt, drops the rest and prefills only the new tail,
+//! so regenerate and edit-and-resend rewind to the edit point for free.
+//!
+//! The worker talks to the model and the chat format through three small traits so that it can
+//! be tested with a toy model and so that the forward pass knows nothing about threads or UIs.
+
+use crate::engine::protocol::{
+    CacheHits, Channel, Command, Conversation, EngineInfo, Event, GenerateRequest, KvCacheType,
+    RequestId, SamplingSettings, Settings, StatsSample, StopReason, WeightFormat,
+};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use thiserror::Error;
+
+/// Boxed error of a model or chat component the worker drives.
+pub type ComponentError = Box<dyn std::error::Error + Send + Sync>;
+
+#[derive(Debug, Error)]
+pub enum EngineError {
+    #[error("model: {0}")]
+    Model(ComponentError),
+    #[error("chat format: {0}")]
+    Chat(ComponentError),
+    #[error("the prompt has {prompt} tokens but the context limit is {limit}; start a new chat or raise engine.context_limit")]
+    PromptTooLong { prompt: usize, limit: usize },
+    #[error("the rendered prompt is empty")]
+    EmptyPrompt,
+    #[error("cannot build a thread pool of {threads} threads: {source}")]
+    ThreadPool {
+        threads: usize,
+        source: rayon::ThreadPoolBuildError,
+    },
+    #[error("the engine thread has stopped")]
+    Stopped,
+}
+
+/// One conversation's KV cache and forward pass (implemented by `model::Session`).
+pub trait InferenceSession: Send {
+    /// Appends `tokens` to the cache and returns the logits after the last one.
+    fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError>;
+    /// Appends one token and returns its logits.
+    fn decode(&mut self, token: u32) -> Result<&[f32], EngineError>;
+    /// The ids the KV cache holds, in order.
+    fn tokens(&self) -> &[u32];
+    /// Drops every cached token from position `len` on.
+    fn truncate(&mut self, len: usize);
+    fn context_limit(&self) -> usize;
+}
+
+/// The loaded weights: makes sessions and, for a weight-format change, a re-quantized copy.
+pub trait ModelBackend: Send + Sync + 'static {
+    type Session: InferenceSession;
+
+    fn new_session(
+        model: &Arc<Self>,
+        context_limit: usize,
+        kv_cache: KvCacheType,
+    ) -> Result<Self::Session, EngineError>;
+
+    /// Builds the same model with attention/unembedding weights in `format`. Runs on a background
+    /// thread while this one keeps serving; `progress(done, total)` reports how far it got.
+    fn requantized(
+        &self,
+        format: WeightFormat,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Self, EngineError>
+    where
+        Self: Sized;
+
+    fn weight_format(&self) -> WeightFormat;
+
+    /// The KV cache element type its sessions really use (a request for another type is recorded
+    /// in the settings but the gauges show this one).
+    fn kv_cache_type(&self) -> KvCacheType;
+
+    /// The SIMD path the kernels picked ("avx512", "avx2" or "scalar").
+    fn kernel_path(&self) -> String;
+}
+
+/// What one generated token means for the UI.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ParsedToken {
+    /// Visible text on a channel.
+    Text { channel: Channel, text: String },
+    /// Part of a harmony header, or bytes of a character not yet complete.
+    Silent,
+    /// The reply ended (`<|return|>` or `<|call|>`).
+    Stop,
+}
+
+/// The streaming harmony parser of one reply.
+pub trait StreamParser {
+    fn push(&mut self, token: u32) -> Result<ParsedToken, EngineError>;
+}
+
+/// Harmony rendering and parsing (implemented over `chat`).
+pub trait ChatCodec: Send + 'static {
+    type Parser: StreamParser;
+
+    /// Renders `conversation` followed by `<|start|>assistant`. Reasoning (analysis messages) of
+    /// completed turns is dropped unless `keep_reasoning`.
+    fn render_prompt(
+        &self,
+        conversation: &Conversation,
+        keep_reasoning: bool,
+    ) -> Result<Vec<u32>, EngineError>;
+
+    fn parser(&self) -> Self::Parser;
+}
+
+/// Picks the next token from logits (implemented over `engine::sampler`).
+pub trait TokenSampler: Send {
+    fn configure(&mut self, sampling: &SamplingSettings);
+    fn sample(&mut self, logits: &[f32]) -> Result<u32, EngineError>;
+}
+
+/// What the load closure hands to the engine thread.
+pub struct EngineParts<M, C, S> {
+    pub model: Arc<M>,
+    pub codec: C,
+    pub sampler: S,
+    pub model_label: String,
+    pub random_weights: bool,
+}
+
+/// Tokens prefilled between two looks at the cancel mark: big enough for batched matmuls to pay
+/// off, small enough that Esc answers within a fraction of a second.
+pub const DEFAULT_PREFILL_CHUNK: usize = 128;
+
+/// How often a stats sample goes out while the engine works.
+const STATS_INTERVAL: Duration = Duration::from_millis(250);
+
+/// How long the idle loop waits for a command before it looks for a finished re-quantization.
+const IDLE_POLL: Duration = Duration::from_millis(50);
+
+/// Length of the longest common prefix of two id sequences.
+pub fn common_prefix_len(cached: &[u32], prompt: &[u32]) -> usize {
+    cached
+        .iter()
+        .zip(prompt)
+        .take_while(|(left, right)| left == right)
+        .count()
+}
+
+/// Rewinds `session` to the longest prefix it shares with `prompt` and returns how many tokens
+/// that keeps. At least one prompt token is always left to prefill, because the logits of the
+/// last prompt token are needed and the cache keeps no logits.
+pub fn rewind_for_prompt(session: &mut dyn InferenceSession, prompt: &[u32]) -> usize {
+    let shared = common_prefix_len(session.tokens(), prompt);
+    let reused = shared.min(prompt.len().saturating_sub(1));
+    session.truncate(reused);
+    reused
+}
+
+/// The UI's side of the engine thread.
+pub struct EngineHandle {
+    commands: Sender<Command>,
+    /// Every request with an id at or below this mark is cancelled. A mark rather than a flag so a
+    /// cancel that races with the start of a request can never be lost or hit a later one.
+    cancel_mark: Arc<AtomicU64>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl EngineHandle {
+    /// Starts the engine thread. `load` runs on it (so the UI shows progress while weights load)
+    /// and reports `(stage, done, total)`.
+    pub fn spawn<M, C, S, L>(settings: Settings, events: Sender<Event>, load: L) -> EngineHandle
+    where
+        M: ModelBackend,
+        C: ChatCodec,
+        S: TokenSampler + 'static,
+        L: FnOnce(
+                &Settings,
+                &mut dyn FnMut(&str, u64, u64),
+            ) -> Result<EngineParts<M, C, S>, EngineError>
+            + Send
+            + 'static,
+    {
+        let (commands, command_receiver) = mpsc::channel();
+        let cancel_mark = Arc::new(AtomicU64::new(0));
+        let worker_mark = Arc::clone(&cancel_mark);
+        let thread = std::thread::Builder::new()
+            .name("ossterm-engine".to_string())
+            .spawn(move || {
+                let mut report = |stage: &str, done: u64, total: u64| {
+                    let _ = events.send(Event::LoadProgress {
+                        stage: stage.to_string(),
+                        done,
+                        total,
+                    });
+                };
+                let parts = match load(&settings, &mut report) {
+                    Ok(parts) => parts,
+                    Err(error) => {
+                        let _ = events.send(Event::Error {
+                            id: None,
+                            message: error.to_string(),
+                        });
+                        return;
+                    }
+                };
+                match Worker::new(parts, settings, events.clone(), worker_mark) {
+                    Ok(worker) => worker.run(command_receiver),
+                    Err(error) => {
+                        let _ = events.send(Event::Error {
+                            id: None,
+                            message: error.to_string(),
+                        });
+                    }
+                }
+            })
+            .ok();
+        EngineHandle {
+            commands,
+            cancel_mark,
+            thread,
+        }
+    }
+
+    pub fn send(&self, command: Command) -> Result<(), EngineError> {
+        if let Command::Cancel(id) = command {
+            self.cancel_mark.fetch_max(id, Ordering::SeqCst);
+        }
+        self.commands
+            .send(command)
+            .map_err(|_| EngineError::Stopped)
+    }
+
+    /// Stops request `id` within one token or one prefill chunk.
+    pub fn cancel(&self, id: RequestId) {
+        let _ = self.send(Command::Cancel(id));
+    }
+
+    /// Asks the engine to stop and waits for it (a running turn is cancelled first).
+    pub fn shutdown(mut self) {
+        self.stop_thread();
+    }
+
+    fn stop_thread(&mut self) {
+        self.cancel_mark.store(u64::MAX, Ordering::SeqCst);
+        let _ = self.commands.send(Command::Shutdown);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for EngineHandle {
+    fn drop(&mut self) {
+        self.stop_thread();
+    }
+}
+
+/// How a turn ended, with its numbers.
+struct TurnOutcome {
+    reason: StopReason,
+    hits: CacheHits,
+    generated_tokens: usize,
+}
+
+/// Timings of the turn in progress, for stats samples.
+#[derive(Default)]
+struct TurnTimings {
+    prefill_tokens: usize,
+    prefill_time: Duration,
+    decoded_tokens: usize,
+    decode_time: Duration,
+    time_to_first_token: Option<Duration>,
+    hits: CacheHits,
+    context_used: usize,
+}
+
+/// The engine thread's state. Generic over the model and chat pieces; see [`EngineHandle::spawn`].
+pub struct Worker<M: ModelBackend, C, S> {
+    model: Arc<M>,
+    session: M::Session,
+    codec: C,
+    sampler: S,
+    settings: Settings,
+    pool: Arc<rayon::ThreadPool>,
+    events: Sender<Event>,
+    cancel_mark: Arc<AtomicU64>,
+    session_hits: CacheHits,
+    timings: TurnTimings,
+    last_stats: Instant,
+    prefill_chunk: usize,
+    /// A re-quantized model being built in the background, with the format it will have.
+    pending_model: Option<(WeightFormat, Receiver<Result<M, EngineError>>)>,
+}
+
+impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
+    pub fn new(
+        parts: EngineParts<M, C, S>,
+        settings: Settings,
+        events: Sender<Event>,
+        cancel_mark: Arc<AtomicU64>,
+    ) -> Result<Self, EngineError> {
+        let EngineParts {
+            model,
+            codec,
+            mut sampler,
+            model_label,
+            random_weights,
+        } = parts;
+        let session = M::new_session(&model, settings.context_limit, settings.kv_cache)?;
+        let pool = Arc::new(build_pool(settings.threads)?);
+        sampler.configure(&settings.sampling);
+        let mut effective = settings;
+        effective.weight_format = model.weight_format();
+        effective.kv_cache = model.kv_cache_type();
+        let _ = events.send(Event::Ready(EngineInfo {
+            model_label,
+            random_weights,
+            kernel_path: model.kernel_path(),
+            settings: effective.clone(),
+        }));
+        let mut worker = Worker {
+            model,
+            session,
+            codec,
+            sampler,
+            settings: effective,
+            pool,
+            events,
+            cancel_mark,
+            session_hits: CacheHits::default(),
+            timings: TurnTimings::default(),
+            last_stats: Instant::now(),
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            pending_model: None,
+        };
+        worker.send_stats();
+        Ok(worker)
+    }
+
+    /// Sets the prefill chunk (tests use small chunks to see cancellation between them).
+    pub fn set_prefill_chunk(&mut self, tokens: usize) {
+        self.prefill_chunk = tokens.max(1);
+    }
+
+    /// Serves commands until `Shutdown` or until the UI hangs up.
+    pub fn run(mut self, commands: Receiver<Command>) {
+        loop {
+            let command = match commands.recv_timeout(IDLE_POLL) {
+                Ok(command) => command,
+                Err(RecvTimeoutError::Timeout) => {
+                    self.install_requantized_model();
+                    continue;
+                }
+                Err(RecvTimeoutError::Disconnected) => return,
+            };
+            match command {
+                Command::Generate(request) => {
+                    self.install_requantized_model();
+                    self.run_turn(request);
+                }
+                // A cancel with nothing running has already raised the mark; queued requests check it.
+                Command::Cancel(_) => {}
+                Command::ApplySettings(settings) => self.apply_settings(*settings),
+                Command::Shutdown => return,
+            }
+        }
+    }
+
+    fn is_cancelled(&self, id: RequestId) -> bool {
+        self.cancel_mark.load(Ordering::SeqCst) >= id
+    }
+
+    fn run_turn(&mut self, request: GenerateRequest) {
+        let id = request.id;
+        self.timings = TurnTimings::default();
+        let pool = Arc::clone(&self.pool);
+        let outcome = pool.install(|| self.generate(&request));
+        match outcome {
+            Ok(outcome) => {
+                self.send_stats();
+                let _ = self.events.send(Event::TurnDone {
+                    id,
+                    reason: outcome.reason,
+                    hits: outcome.hits,
+                    generated_tokens: outcome.generated_tokens,
+                });
+            }
+            Err(error) => {
+                // A failed forward pass may leave the cache half-written: forget it.
+                self.session.truncate(0);
+                self.send_stats();
+                let _ = self.events.send(Event::Error {
+                    id: Some(id),
+                    message: error.to_string(),
+                });
+            }
+        }
+    }
+
+    fn generate(&mut self, request: &GenerateRequest) -> Result<TurnOutcome, EngineError> {
+        let id = request.id;
+        let started = Instant::now();
+        let cancelled = |hits, generated_tokens| TurnOutcome {
+            reason: StopReason::Cancelled,
+            hits,
+            generated_tokens,
+        };
+        if self.is_cancelled(id) {
+            return Ok(cancelled(CacheHits::default(), 0));
+        }
+        let prompt = self.codec.render_prompt(
+            &request.conversation,
+            self.settings.keep_reasoning_in_context,
+        )?;
+        if prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let limit = self.session.context_limit();
+        if prompt.len() >= limit {
+            return Err(EngineError::PromptTooLong {
+                prompt: prompt.len(),
+                limit,
+            });
+        }
+
+        let reused = rewind_for_prompt(&mut self.session, &prompt);
+        let hits = CacheHits {
+            reused: reused as u64,
+            prompt: prompt.len() as u64,
+        };
+        self.session_hits.add(hits);
+        self.timings.hits = hits;
+        self.timings.context_used = reused;
+
+        let tail = &prompt[reused..];
+        let mut first_token = None;
+        let mut done = 0;
+        for chunk in tail.chunks(self.prefill_chunk) {
+            if self.is_cancelled(id) {
+                return Ok(cancelled(hits, 0));
+            }
+            let chunk_started = Instant::now();
+            let logits = self.session.prefill(chunk)?;
+            done += chunk.len();
+            if done == tail.len() {
+                first_token = Some(self.sampler.sample(logits)?);
+            }
+            self.timings.prefill_tokens += chunk.len();
+            self.timings.prefill_time += chunk_started.elapsed();
+            self.timings.context_used = reused + done;
+            let _ = self.events.send(Event::PrefillProgress {
+                id,
+                done,
+                total: tail.len(),
+                reused,
+            });
+            self.maybe_send_stats();
+        }
+        let mut token = first_token.ok_or(EngineError::EmptyPrompt)?;
+        self.timings.time_to_first_token = Some(started.elapsed());
+
+        let mut parser = self.codec.parser();
+        let mut generated = 0;
+        loop {
+            generated += 1;
+            match parser.push(token)? {
+                ParsedToken::Text { channel, text } => {
+                    let _ = self.events.send(Event::Token { id, channel, text });
+                }
+                ParsedToken::Silent => {}
+                ParsedToken::Stop => {
+                    return Ok(TurnOutcome {
+                        reason: StopReason::Finished,
+                        hits,
+                        generated_tokens: generated,
+                    });
+                }
+            }
+            if generated >= self.settings.sampling.max_tokens {
+                return Ok(TurnOutcome {
+                    reason: StopReason::MaxTokens,
+                    hits,
+                    generated_tokens: generated,
+                });
+            }
+            // The token about to be decoded needs a cache slot of its own.
+            if self.session.tokens().len() + 1 >= limit {
+                return Ok(TurnOutcome {
+                    reason: StopReason::ContextFull,
+                    hits,
+                    generated_tokens: generated,
+                });
+            }
+            if self.is_cancelled(id) {
+                return Ok(cancelled(hits, generated));
+            }
+            let step_started = Instant::now();
+            let logits = self.session.decode(token)?;
+            token = self.sampler.sample(logits)?;
+            self.timings.decoded_tokens += 1;
+            self.timings.decode_time += step_started.elapsed();
+            self.timings.context_used = self.session.tokens().len();
+            self.maybe_send_stats();
+        }
+    }
+
+    fn apply_settings(&mut self, next: Settings) {
+        let previous = self.settings.clone();
+        let mut failure = None;
+        if next.threads != previous.threads {
+            match build_pool(next.threads) {
+                Ok(pool) => self.pool = Arc::new(pool),
+                Err(error) => failure = Some(error),
+            }
+        }
+        if next.context_limit != previous.context_limit || next.kv_cache != previous.kv_cache {
+            match M::new_session(&self.model, next.context_limit, next.kv_cache) {
+                Ok(session) => self.session = session,
+                Err(error) => failure = Some(error),
+            }
+        }
+        if next.sampling != previous.sampling {
+            self.sampler.configure(&next.sampling);
+        }
+        let wants_format = next.weight_format;
+        let pending_format = self.pending_model.as_ref().map(|(format, _)| *format);
+        if wants_format != self.model.weight_format() && pending_format != Some(wants_format) {
+            self.start_requantization(wants_format);
+        }
+        let mut applied = next;
+        if let Some(error) = failure {
+            let _ = self.events.send(Event::Error {
+                id: None,
+                message: error.to_string(),
+            });
+            applied.threads = previous.threads;
+            applied.context_limit = self.session.context_limit();
+            applied.kv_cache = previous.kv_cache;
+        }
+        applied.kv_cache = self.model.kv_cache_type();
+        // The weight format shown stays the serving one until the new weights are installed.
+        applied.weight_format = self.model.weight_format();
+        self.settings = applied;
+        let _ = self
+            .events
+            .send(Event::SettingsApplied(Box::new(self.settings.clone())));
+        self.send_stats();
+    }
+
+    fn start_requantization(&mut self, format: WeightFormat) {
+        let (sender, receiver) = mpsc::channel();
+        let model = Arc::clone(&self.model);
+        let events = self.events.clone();
+        let spawned = std::thread::Builder::new()
+            .name("ossterm-requantize".to_string())
+            .spawn(move || {
+                let what = format!("re-quantizing weights to {format}");
+                let mut progress = |done: u64, total: u64| {
+                    let _ = events.send(Event::SettingsProgress {
+                        what: what.clone(),
+                        done,
+                        total,
+                    });
+                };
+                let _ = sender.send(model.requantized(format, &mut progress));
+            });
+        match spawned {
+            Ok(_) => self.pending_model = Some((format, receiver)),
+            Err(error) => {
+                let message = format!("cannot start re-quantization to {format}: {error}");
+                let _ = self.events.send(Event::Error { id: None, message });
+            }
+        }
+    }
+
+    /// Swaps in a finished re-quantized model (between turns only: the caller never runs mid-turn).
+    fn install_requantized_model(&mut self) {
+        let Some((format, receiver)) = &self.pending_model else {
+            return;
+        };
+        let format = *format;
+        let result = match receiver.try_recv() {
+            Ok(result) => result,
+            Err(mpsc::TryRecvError::Empty) => return,
+            Err(mpsc::TryRecvError::Disconnected) => Err(EngineError::Model(
+                format!("the re-quantization thread for {format} ended without a result").into(),
+            )),
+        };
+        self.pending_model = None;
+        let installed = result.and_then(|model| {
+            let model = Arc::new(model);
+            let session =
+                M::new_session(&model, self.settings.context_limit, self.settings.kv_cache)?;
+            Ok((model, session))
+        });
+        match installed {
+            Ok((model, session)) => {
+                self.model = model;
+                self.session = session;
+                self.settings.weight_format = self.model.weight_format();
+                let _ = self
+                    .events
+                    .send(Event::SettingsApplied(Box::new(self.settings.clone())));
+                self.send_stats();
+            }
+            Err(error) => {
+                let _ = self.events.send(Event::Error {
+                    id: None,
+                    message: error.to_string(),
+                });
+            }
+        }
+    }
+
+    fn maybe_send_stats(&mut self) {
+        if self.last_stats.elapsed() >= STATS_INTERVAL {
+            self.send_stats();
+        }
+    }
+
+    fn send_stats(&mut self) {
+        self.last_stats = Instant::now();
+        let _ = self.events.send(Event::Stats(self.stats_sample()));
+    }
+
+    /// The current numbers (also what a stats event carries).
+    pub fn stats_sample(&self) -> StatsSample {
+        let rate = |tokens: usize, time: Duration| {
+            (tokens > 0 && time > Duration::ZERO).then(|| tokens as f64 / time.as_secs_f64())
+        };
+        let timings = &self.timings;
+        let memory = read_memory_usage();
+        StatsSample {
+            decode_tokens_per_second: rate(timings.decoded_tokens, timings.decode_time),
+            prefill_tokens_per_second: rate(timings.prefill_tokens, timings.prefill_time),
+            time_to_first_token: timings.time_to_first_token,
+            process_memory_bytes: memory.process_bytes,
+            machine_memory_bytes: memory.machine_bytes,
+            kv_tokens_used: self.session.tokens().len(),
+            kv_tokens_capacity: self.session.context_limit(),
+            context_used: timings.context_used.max(self.session.tokens().len()),
+            context_limit: self.settings.context_limit,
+            turn_hits: timings.hits,
+            session_hits: self.session_hits,
+            threads: self.pool.current_num_threads(),
+            kernel_path: self.model.kernel_path(),
+            weight_format: self.model.weight_format(),
+        }
+    }
+}
+
+fn build_pool(threads: usize) -> Result<rayon::ThreadPool, EngineError> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|index| format!("ossterm-compute-{index}"))
+        .build()
+        .map_err(|source| EngineError::ThreadPool { threads, source })
+}
+
+/// Resident memory of this process and total memory of the machine, where the OS tells.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryUsage {
+    pub process_bytes: Option<u64>,
+    pub machine_bytes: Option<u64>,
+}
+
+/// Reads `/proc` on Linux; other systems report nothing rather than a guess.
+pub fn read_memory_usage() -> MemoryUsage {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    MemoryUsage {
+        process_bytes: kib_field_bytes(&status, "VmRSS:"),
+        machine_bytes: kib_field_bytes(&meminfo, "MemTotal:"),
+    }
+}
+
+/// A `Name:   1234 kB` field of a `/proc` text, in bytes.
+pub fn kib_field_bytes(text: &str, name: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|line| line.strip_prefix(name))
+        .and_then(|rest| {
+            rest.trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .map(|kib| kib * 1024)
+}
+
+/// Total memory of this machine, if known.
+pub fn machine_memory_bytes() -> Option<u64> {
+    read_memory_usage().machine_bytes
+}
+
+impl From<crate::model::ForwardError> for EngineError {
+    fn from(error: crate::model::ForwardError) -> Self {
+        EngineError::Model(Box::new(error))
+    }
+}
+
+impl InferenceSession for crate::model::Session {
+    fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError> {
+        Ok(crate::model::Session::prefill(self, tokens)?)
+    }
+
+    fn decode(&mut self, token: u32) -> Result<&[f32], EngineError> {
+        Ok(crate::model::Session::decode(self, token)?)
+    }
+
+    fn tokens(&self) -> &[u32] {
+        crate::model::Session::tokens(self)
+    }
+
+    fn truncate(&mut self, len: usize) {
+        crate::model::Session::truncate(self, len);
+    }
+
+    fn context_limit(&self) -> usize {
+        crate::model::Session::context_limit(self)
+    }
+}
+
+impl ModelBackend for crate::model::Model {
+    type Session = crate::model::Session;
+
+    fn new_session(
+        model: &Arc<Self>,
+        context_limit: usize,
+        kv_cache: KvCacheType,
+    ) -> Result<Self::Session, EngineError> {
+        Ok(model.new_session_with_kv(context_limit, kv_cache))
+    }
+
+    fn requantized(
+        &self,
+        format: WeightFormat,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Self, EngineError> {
+        let options = crate::model::LoadOptions {
+            weights: format,
+            ..self.options()
+        };
+        self.reconfigured(&options, &mut |done, total| {
+            progress(done as u64, total as u64)
+        })
+        .map_err(|error| EngineError::Model(Box::new(error)))
+    }
+
+    fn weight_format(&self) -> WeightFormat {
+        self.options().weights
+    }
+
+    fn kv_cache_type(&self) -> KvCacheType {
+        self.kv_format
+    }
+
+    fn kernel_path(&self) -> String {
+        match self.precision {
+            crate::model::Precision::Exact => "portable".to_string(),
+            crate::model::Precision::Fast => self.kernels.path().name().to_string(),
+        }
+    }
+}
+
+/// Maps the protocol's conversation to the chat module's, field by field.
+pub fn to_chat_conversation(conversation: &Conversation) -> crate::chat::Conversation {
+    use crate::chat::conversation as chat;
+    use crate::engine::protocol::{ReasoningEffort, Role};
+    let reasoning = match conversation.system.reasoning {
+        ReasoningEffort::Low => chat::ReasoningEffort::Low,
+        ReasoningEffort::Medium => chat::ReasoningEffort::Medium,
+        ReasoningEffort::High => chat::ReasoningEffort::High,
+    };
+    let channel = |channel: Option<Channel>| {
+        channel.map(|channel| match channel {
+            Channel::Analysis => chat::Channel::Analysis,
+            Channel::Commentary => chat::Channel::Commentary,
+            Channel::Final => chat::Channel::Final,
+        })
+    };
+    crate::chat::Conversation {
+        system: chat::SystemSettings {
+            identity: Some(conversation.system.identity.clone()),
+            reasoning: Some(reasoning),
+            date: conversation.system.date.clone(),
+            knowledge_cutoff: Some(conversation.system.knowledge_cutoff.clone()),
+            extra: Default::default(),
+        },
+        developer: conversation.developer.clone(),
+        messages: conversation
+            .messages
+            .iter()
+            .map(|message| chat::ChatMessage {
+                role: match message.role {
+                    Role::User => chat::Role::User,
+                    Role::Assistant => chat::Role::Assistant,
+                },
+                channel: channel(message.channel),
+                content: message.content.clone(),
+                extra: Default::default(),
+            })
+            .collect(),
+        extra: Default::default(),
+    }
+}
+
+/// Harmony over the o200k_harmony tokenizer (`chat` module).
+pub struct HarmonyCodec {
+    tokenizer: &'static crate::chat::Tokenizer,
+}
+
+impl HarmonyCodec {
+    pub fn new() -> Result<HarmonyCodec, EngineError> {
+        let tokenizer =
+            crate::chat::Tokenizer::shared().map_err(|error| EngineError::Chat(Box::new(error)))?;
+        Ok(HarmonyCodec { tokenizer })
+    }
+}
+
+impl ChatCodec for HarmonyCodec {
+    type Parser = HarmonyStream;
+
+    fn render_prompt(
+        &self,
+        conversation: &Conversation,
+        keep_reasoning: bool,
+    ) -> Result<Vec<u32>, EngineError> {
+        let options = crate::chat::RenderOptions { keep_reasoning };
+        crate::chat::render_for_completion(
+            self.tokenizer,
+            &to_chat_conversation(conversation),
+            &options,
+        )
+        .map_err(|error| EngineError::Chat(Box::new(error)))
+    }
+
+    fn parser(&self) -> HarmonyStream {
+        HarmonyStream {
+            parser: crate::chat::HarmonyParser::after_prompt(self.tokenizer, "assistant"),
+            text: String::new(),
+        }
+    }
+}
+
+/// The chat module's streaming parser, reduced to what the UI shows.
+pub struct HarmonyStream {
+    parser: crate::chat::HarmonyParser<'static>,
+    text: String,
+}
+
+impl StreamParser for HarmonyStream {
+    fn push(&mut self, token: u32) -> Result<ParsedToken, EngineError> {
+        use crate::chat::conversation::Channel as ChatChannel;
+        use crate::chat::ParseEvent;
+        self.text.clear();
+        let mut channel = Channel::Final;
+        let mut stopped = false;
+        let text = &mut self.text;
+        self.parser.push(token, &mut |event| match event {
+            ParseEvent::Text {
+                channel: text_channel,
+                text: piece,
+            } => {
+                // Text outside a known channel is shown as answer text; the header never is.
+                channel = match text_channel {
+                    Some(ChatChannel::Analysis) => Channel::Analysis,
+                    Some(ChatChannel::Commentary) => Channel::Commentary,
+                    _ => Channel::Final,
+                };
+                text.push_str(piece);
+            }
+            ParseEvent::Stop(_) => stopped = true,
+            ParseEvent::MessageStart { .. }
+            | ParseEvent::MessageEnd { .. }
+            | ParseEvent::Malformed(_) => {}
+        });
+        if stopped {
+            return Ok(ParsedToken::Stop);
+        }
+        if self.text.is_empty() {
+            return Ok(ParsedToken::Silent);
+        }
+        Ok(ParsedToken::Text {
+            channel,
+            text: self.text.clone(),
+        })
+    }
+}
+
+/// The chat module's sampler behind [`TokenSampler`].
+pub struct EngineSampler {
+    sampler: crate::engine::sampler::Sampler,
+}
+
+fn sampler_settings(sampling: &SamplingSettings) -> crate::engine::sampler::SamplerSettings {
+    crate::engine::sampler::SamplerSettings {
+        temperature: sampling.temperature,
+        top_k: sampling.top_k,
+        top_p: sampling.top_p,
+        min_p: sampling.min_p,
+        seed: sampling.seed,
+    }
+}
+
+impl EngineSampler {
+    pub fn new(sampling: &SamplingSettings) -> Result<EngineSampler, EngineError> {
+        let sampler = crate::engine::sampler::Sampler::new(sampler_settings(sampling))
+            .map_err(|error| EngineError::Chat(Box::new(error)))?;
+        Ok(EngineSampler { sampler })
+    }
+}
+
+impl TokenSampler for EngineSampler {
+    fn configure(&mut self, sampling: &SamplingSettings) {
+        // Values were validated with the config; an invalid set keeps the previous sampler.
+        if let Ok(sampler) = crate::engine::sampler::Sampler::new(sampler_settings(sampling)) {
+            self.sampler = sampler;
+        }
+    }
+
+    fn sample(&mut self, logits: &[f32]) -> Result<u32, EngineError> {
+        self.sampler
+            .sample(logits)
+            .map_err(|error| EngineError::Chat(Box::new(error)))
+    }
+}

@@ -1,0 +1,13 @@
+//! The terminal UI: state and update ([`state`]), drawing ([`view`]), and the pieces they use.
+//! The terminal itself (raw mode, the event loop) lives in `cli::app`, so everything here can be
+//! driven by tests through ratatui's `TestBackend`.
+
+pub mod clipboard;
+pub mod keys;
+pub mod markdown;
+pub mod settings_panel;
+pub mod state;
+pub mod store;
+pub mod view;
+
+pub use state::{App, Effect, EngineStatus, Focus, Msg};

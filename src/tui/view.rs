@@ -1,0 +1,636 @@
+//! Drawing: the whole screen from the app state. The only state it touches is the scroll clamp
+//! (which needs the laid-out line count).
+
+use crate::engine::protocol::StopReason;
+use crate::tui::keys::KEY_BINDINGS;
+use crate::tui::markdown::{render_markdown, text_width, wrap_lines};
+use crate::tui::settings_panel::SettingField;
+use crate::tui::state::{App, EngineStatus, Focus, Overlay, Reply, ReplyStatus};
+use ratatui::layout::{Constraint, Layout, Rect};
+use ratatui::style::{Color, Modifier, Style};
+use ratatui::text::{Line, Span};
+use ratatui::widgets::{Block, Borders, Clear, Gauge, Paragraph, Sparkline, Wrap};
+use ratatui::Frame;
+
+/// Width of the gauges and settings column.
+const SIDE_PANEL_WIDTH: u16 = 38;
+/// Below this terminal width the side panel is hidden (the status line still says what happens).
+const SIDE_PANEL_MIN_TERMINAL_WIDTH: u16 = 90;
+/// The command the README gives for getting the real checkpoint.
+pub const DOWNLOAD_COMMAND: &str = "huggingface-cli download openai/gpt-oss-20b --include \"config.json\" \"*.safetensors\" \"model.safetensors.index.json\" --local-dir ~/models/gpt-oss-20b";
+
+const USER_STYLE: Style = Style::new().fg(Color::Cyan).add_modifier(Modifier::BOLD);
+const ASSISTANT_STYLE: Style = Style::new().fg(Color::Green).add_modifier(Modifier::BOLD);
+const REASONING_STYLE: Style = Style::new()
+    .fg(Color::DarkGray)
+    .add_modifier(Modifier::ITALIC);
+const ERROR_STYLE: Style = Style::new().fg(Color::Red);
+
+/// Draws the whole screen.
+pub fn draw(frame: &mut Frame, app: &mut App) {
+    let [title_area, main_area, status_area] = Layout::vertical([
+        Constraint::Length(1),
+        Constraint::Min(3),
+        Constraint::Length(1),
+    ])
+    .areas(frame.area());
+    frame.render_widget(Paragraph::new(title_line(app)), title_area);
+
+    let show_side = frame.area().width >= SIDE_PANEL_MIN_TERMINAL_WIDTH;
+    let [left_area, side_area] = if show_side {
+        Layout::horizontal([Constraint::Min(20), Constraint::Length(SIDE_PANEL_WIDTH)])
+            .areas(main_area)
+    } else {
+        [main_area, Rect::default()]
+    };
+    let input_rows = (app.input.lines().len() as u16).clamp(1, 8) + 2;
+    let [conversation_area, input_area] =
+        Layout::vertical([Constraint::Min(3), Constraint::Length(input_rows)]).areas(left_area);
+
+    draw_conversation(frame, app, conversation_area);
+    draw_input(frame, app, input_area);
+    if show_side {
+        let [gauges_area, settings_area] =
+            Layout::vertical([Constraint::Length(17), Constraint::Min(3)]).areas(side_area);
+        draw_gauges(frame, app, gauges_area);
+        draw_settings(frame, app, settings_area);
+    }
+    frame.render_widget(Paragraph::new(status_line(app)), status_area);
+
+    match &app.overlay {
+        Some(Overlay::Help) => draw_help(frame, app),
+        Some(Overlay::OpenChat { chats, selected }) => {
+            let area = centered(frame.area(), 70, (chats.len() as u16 + 4).min(20));
+            frame.render_widget(Clear, area);
+            let lines: Vec<Line> = chats
+                .iter()
+                .enumerate()
+                .map(|(index, chat)| {
+                    let file = chat
+                        .path
+                        .file_name()
+                        .map(|name| name.to_string_lossy().to_string())
+                        .unwrap_or_default();
+                    let text = format!("{} ({} messages, {file})", chat.title, chat.messages);
+                    let style = if index == *selected {
+                        Style::new().add_modifier(Modifier::REVERSED)
+                    } else {
+                        Style::new()
+                    };
+                    Line::styled(text, style)
+                })
+                .collect();
+            let block = Block::bordered().title(" Open a saved chat (Enter opens, Esc closes) ");
+            let scroll = selected.saturating_sub(area.height.saturating_sub(3) as usize) as u16;
+            frame.render_widget(Paragraph::new(lines).block(block).scroll((scroll, 0)), area);
+        }
+        Some(Overlay::EditSetting { field, editor }) => {
+            let area = centered(frame.area(), 70, 12);
+            frame.render_widget(Clear, area);
+            let mut editor = editor.as_ref().clone();
+            editor.set_block(Block::bordered().title(format!(
+                " {} (Enter applies, Alt-Enter new line, Esc cancels) ",
+                field.label()
+            )));
+            frame.render_widget(&editor, area);
+        }
+        None => {}
+    }
+}
+
+fn title_line(app: &App) -> Line<'static> {
+    let mut spans = vec![Span::styled(
+        " ossterm ",
+        Style::new().add_modifier(Modifier::BOLD | Modifier::REVERSED),
+    )];
+    if let Some(info) = &app.engine_info {
+        spans.push(Span::raw(format!(" {} ", info.model_label)));
+        if info.random_weights {
+            spans.push(Span::styled(
+                " RANDOM WEIGHTS: output is noise (synthetic demo) ",
+                Style::new().fg(Color::Black).bg(Color::Yellow),
+            ));
+        }
+    }
+    if let Some(path) = &app.chat_path {
+        if let Some(name) = path.file_name() {
+            spans.push(Span::styled(
+                format!("  {}", name.to_string_lossy()),
+                Style::new().fg(Color::DarkGray),
+            ));
+        }
+    }
+    Line::from(spans)
+}
+
+fn focused_block(title: &str, focused: bool) -> Block<'static> {
+    let style = if focused {
+        Style::new().fg(Color::Cyan)
+    } else {
+        Style::new().fg(Color::DarkGray)
+    };
+    Block::new()
+        .borders(Borders::ALL)
+        .border_style(style)
+        .title(format!(" {title} "))
+}
+
+fn draw_conversation(frame: &mut Frame, app: &mut App, area: Rect) {
+    let following = app.scroll_top.is_none();
+    let title = if following {
+        "Conversation"
+    } else {
+        "Conversation (scrolled: End follows)"
+    };
+    let block = focused_block(title, app.focus == Focus::Conversation);
+    let inner = block.inner(area);
+    frame.render_widget(block, area);
+    if inner.height == 0 || inner.width == 0 {
+        return;
+    }
+    if app.turns.is_empty() && app.engine != EngineStatus::Ready {
+        draw_engine_status(frame, app, inner);
+        return;
+    }
+    let lines = conversation_lines(app, inner.width as usize);
+    let top = app.settle_scroll(lines.len(), inner.height as usize);
+    let visible: Vec<Line> = lines
+        .into_iter()
+        .skip(top)
+        .take(inner.height as usize)
+        .collect();
+    frame.render_widget(Paragraph::new(visible), inner);
+}
+
+fn draw_engine_status(frame: &mut Frame, app: &App, area: Rect) {
+    match &app.engine {
+        EngineStatus::Loading { stage, done, total } => {
+            let [text_area, bar_area, _] = Layout::vertical([
+                Constraint::Length(2),
+                Constraint::Length(1),
+                Constraint::Min(0),
+            ])
+            .areas(area);
+            frame.render_widget(
+                Paragraph::new(format!("Loading the model: {stage}")),
+                text_area,
+            );
+            let ratio = if *total > 0 {
+                (*done as f64 / *total as f64).clamp(0.0, 1.0)
+            } else {
+                0.0
+            };
+            let gauge = Gauge::default()
+                .gauge_style(Style::new().fg(Color::Cyan))
+                .ratio(ratio)
+                .label(format!("{:.0}%", ratio * 100.0));
+            frame.render_widget(gauge, bar_area);
+        }
+        EngineStatus::ModelMissing { path } => {
+            let lines = vec![
+                Line::styled(
+                    format!("No model found at {}", path.display()),
+                    Style::new().add_modifier(Modifier::BOLD),
+                ),
+                Line::raw(""),
+                Line::raw("Download gpt-oss-20b (about 13 GB) as the README shows:"),
+                Line::styled(
+                    format!("    {DOWNLOAD_COMMAND}"),
+                    Style::new().fg(Color::LightYellow),
+                ),
+                Line::raw(
+                    "and start ossterm with --model pointing at that directory (or set model.path",
+                ),
+                Line::raw("in the config file)."),
+                Line::raw(""),
+                Line::raw("Or try the app with random weights (output is noise):"),
+                Line::styled(
+                    "    ossterm --synthetic tiny",
+                    Style::new().fg(Color::LightYellow),
+                ),
+                Line::raw(""),
+                Line::raw("Ctrl-Q quits."),
+            ];
+            frame.render_widget(Paragraph::new(lines).wrap(Wrap { trim: false }), area);
+        }
+        EngineStatus::Failed(message) => {
+            let lines = vec![
+                Line::styled(
+                    "The engine could not start:",
+                    ERROR_STYLE.add_modifier(Modifier::BOLD),
+                ),
+                Line::raw(""),
+                Line::styled(message.clone(), ERROR_STYLE),
+                Line::raw(""),
+                Line::raw(
+                    "Check --model / model.path, or run `ossterm --synthetic tiny`. Ctrl-Q quits.",
+                ),
+            ];
+            frame.render_widget(Paragraph::new(lines).wrap(Wrap { trim: false }), area);
+        }
+        EngineStatus::Ready => {}
+    }
+}
+
+/// The conversation as wrapped lines for a pane `width` cells wide.
+pub fn conversation_lines(app: &App, width: usize) -> Vec<Line<'static>> {
+    let mut lines: Vec<Line<'static>> = Vec::new();
+    if app.turns.is_empty() {
+        lines.push(Line::styled(
+            "Type a message below and press Enter. F1 lists every key.",
+            REASONING_STYLE,
+        ));
+    }
+    for (index, turn) in app.turns.iter().enumerate() {
+        let selected = app.focus == Focus::Conversation && app.selected_turn == Some(index);
+        let marker = if selected {
+            Modifier::REVERSED
+        } else {
+            Modifier::empty()
+        };
+        lines.push(Line::styled("▌ You", USER_STYLE.add_modifier(marker)));
+        let user: Vec<Line<'static>> = turn
+            .user
+            .split('\n')
+            .map(|line| Line::raw(line.to_string()))
+            .collect();
+        lines.extend(wrap_lines(&user, width));
+        if let Some(reply) = &turn.reply {
+            lines.push(Line::raw(""));
+            lines.push(Line::styled(
+                "▌ Assistant",
+                ASSISTANT_STYLE.add_modifier(marker),
+            ));
+            lines.extend(reply_lines(reply, width));
+        }
+        lines.push(Line::raw(""));
+    }
+    lines
+}
+
+fn reply_lines(reply: &Reply, width: usize) -> Vec<Line<'static>> {
+    let mut lines = Vec::new();
+    if let ReplyStatus::Prefill {
+        done,
+        total,
+        reused,
+    } = reply.status
+    {
+        let text = if total == 0 {
+            "Reading the prompt…".to_string()
+        } else {
+            format!("Reading the prompt… {done}/{total} tokens ({reused} reused from the cache)")
+        };
+        lines.push(Line::styled(text, REASONING_STYLE));
+    }
+    if !reply.reasoning.is_empty() {
+        let tokens = reply.reasoning_tokens;
+        let streaming_reasoning = reply.is_active() && reply.answer.is_empty();
+        let header = if streaming_reasoning {
+            format!("Thinking… ({tokens} tokens)")
+        } else {
+            let seconds = reply.reasoning_time.map_or(String::new(), |time| {
+                format!(", {:.1} s", time.as_secs_f64())
+            });
+            let count = if tokens > 0 {
+                format!("{tokens} tokens")
+            } else {
+                format!("{} characters", reply.reasoning.chars().count())
+            };
+            let arrow = if reply.expanded { "▾" } else { "▸" };
+            format!("{arrow} Thought ({count}{seconds})")
+        };
+        lines.push(Line::styled(
+            header,
+            REASONING_STYLE.remove_modifier(Modifier::ITALIC),
+        ));
+        if reply.reasoning_visible() {
+            let reasoning: Vec<Line<'static>> = reply
+                .reasoning
+                .split('\n')
+                .map(|line| Line::styled(format!("  {line}"), REASONING_STYLE))
+                .collect();
+            lines.extend(wrap_lines(&reasoning, width));
+        }
+    }
+    if !reply.answer.is_empty() {
+        lines.extend(wrap_lines(
+            &render_markdown(&reply.answer, Style::new()),
+            width,
+        ));
+    }
+    match &reply.status {
+        ReplyStatus::Done(StopReason::Finished)
+        | ReplyStatus::Prefill { .. }
+        | ReplyStatus::Streaming => {}
+        ReplyStatus::Done(reason) => lines.push(Line::styled(
+            format!("[{}]", reason.describe()),
+            Style::new().fg(Color::Yellow),
+        )),
+        ReplyStatus::Failed(message) => lines.extend(wrap_lines(
+            &[Line::styled(format!("[error: {message}]"), ERROR_STYLE)],
+            width,
+        )),
+    }
+    lines
+}
+
+fn draw_input(frame: &mut Frame, app: &App, area: Rect) {
+    let mut input = app.input.clone();
+    let title = if app.is_generating() {
+        "Message (generating: Esc stops)"
+    } else {
+        "Message"
+    };
+    input.set_block(focused_block(title, app.focus == Focus::Input));
+    if app.focus != Focus::Input {
+        input.set_cursor_style(Style::new());
+    }
+    frame.render_widget(&input, area);
+}
+
+/// A bar like `[████░░░░]` of `cells` cells for `ratio`.
+pub fn text_bar(ratio: f64, cells: usize) -> String {
+    let filled = ((ratio.clamp(0.0, 1.0) * cells as f64).round() as usize).min(cells);
+    format!("[{}{}]", "█".repeat(filled), "░".repeat(cells - filled))
+}
+
+fn gib(bytes: u64) -> String {
+    format!("{:.1}", bytes as f64 / (1u64 << 30) as f64)
+}
+
+fn percent(rate: Option<f64>) -> String {
+    rate.map_or("-".to_string(), |rate| format!("{:.0}%", rate * 100.0))
+}
+
+fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
+    let block = focused_block("Gauges", false);
+    let inner = block.inner(area);
+    frame.render_widget(block, area);
+    let [first, spark, rest] = Layout::vertical([
+        Constraint::Length(1),
+        Constraint::Length(2),
+        Constraint::Min(0),
+    ])
+    .areas(inner);
+    let stats = app.stats.as_ref();
+    let decode = stats.and_then(|stats| stats.decode_tokens_per_second);
+    frame.render_widget(
+        Paragraph::new(gauge_row(
+            "decode",
+            decode.map_or("-".to_string(), |rate| format!("{rate:.1} tok/s")),
+        )),
+        first,
+    );
+    let samples: Vec<u64> = app.decode_rates.iter().copied().collect();
+    let visible = samples.len().saturating_sub(spark.width as usize);
+    frame.render_widget(
+        Sparkline::default()
+            .data(&samples[visible..])
+            .style(Style::new().fg(Color::Green)),
+        spark,
+    );
+
+    let bar_cells = (inner.width as usize).saturating_sub(26).clamp(4, 12);
+    let mut rows = Vec::new();
+    let prefill = stats.and_then(|stats| stats.prefill_tokens_per_second);
+    rows.push(gauge_row(
+        "prefill",
+        prefill.map_or("-".to_string(), |rate| format!("{rate:.1} tok/s")),
+    ));
+    let ttft = stats.and_then(|stats| stats.time_to_first_token);
+    rows.push(gauge_row(
+        "first token",
+        ttft.map_or("-".to_string(), |time| {
+            format!("{:.2} s", time.as_secs_f64())
+        }),
+    ));
+    let memory =
+        match stats.and_then(|stats| stats.process_memory_bytes.zip(stats.machine_memory_bytes)) {
+            Some((process, machine)) => format!(
+                "{} {}/{} GiB",
+                text_bar(process as f64 / machine.max(1) as f64, bar_cells),
+                gib(process),
+                gib(machine)
+            ),
+            None => "-".to_string(),
+        };
+    rows.push(gauge_row("memory", memory));
+    let kv = stats.map_or("-".to_string(), |stats| {
+        let ratio = stats.kv_tokens_used as f64 / stats.kv_tokens_capacity.max(1) as f64;
+        format!(
+            "{} {}/{}",
+            text_bar(ratio, bar_cells),
+            stats.kv_tokens_used,
+            stats.kv_tokens_capacity
+        )
+    });
+    rows.push(gauge_row("KV cache", kv));
+    let context = stats.map_or("-".to_string(), |stats| {
+        let ratio = stats.context_used as f64 / stats.context_limit.max(1) as f64;
+        format!(
+            "{} {}/{}",
+            text_bar(ratio, bar_cells),
+            stats.context_used,
+            stats.context_limit
+        )
+    });
+    rows.push(gauge_row("context", context));
+    rows.push(gauge_row(
+        "cache hit",
+        stats.map_or("-".to_string(), |stats| {
+            format!(
+                "turn {} · chat {}",
+                percent(stats.turn_hits.rate()),
+                percent(stats.session_hits.rate())
+            )
+        }),
+    ));
+    rows.push(gauge_row(
+        "threads",
+        stats.map_or("-".to_string(), |stats| stats.threads.to_string()),
+    ));
+    let kernel = stats.map(|stats| stats.kernel_path.clone()).or_else(|| {
+        app.engine_info
+            .as_ref()
+            .map(|info| info.kernel_path.clone())
+    });
+    rows.push(gauge_row(
+        "kernels",
+        kernel.unwrap_or_else(|| "-".to_string()),
+    ));
+    let serving = stats.map(|stats| stats.weight_format);
+    let weights = match (serving, &app.settings_progress) {
+        (Some(format), Some((_, done, total))) => format!(
+            "{format} → {} {}%",
+            app.settings.weight_format,
+            done * 100 / (*total).max(1)
+        ),
+        (Some(format), None) => format.to_string(),
+        (None, _) => "-".to_string(),
+    };
+    rows.push(gauge_row("weights", weights));
+    let latency = &app.latency;
+    let ui = if latency.samples > 0 {
+        format!(
+            "{} ms (max {} ms)",
+            latency.last.as_millis(),
+            latency.max.as_millis()
+        )
+    } else {
+        "-".to_string()
+    };
+    rows.push(gauge_row("key→screen", ui));
+    frame.render_widget(Paragraph::new(rows), rest);
+}
+
+fn gauge_row(label: &str, value: String) -> Line<'static> {
+    Line::from(vec![
+        Span::styled(format!("{label:<12}"), Style::new().fg(Color::DarkGray)),
+        Span::raw(value),
+    ])
+}
+
+fn draw_settings(frame: &mut Frame, app: &App, area: Rect) {
+    let focused = app.focus == Focus::Settings;
+    let block = focused_block("Settings", focused);
+    let inner = block.inner(area);
+    frame.render_widget(block, area);
+    let value_width = (inner.width as usize).saturating_sub(19);
+    let mut lines: Vec<Line> = SettingField::ALL
+        .iter()
+        .enumerate()
+        .map(|(index, field)| {
+            let mut value = field.value(&app.settings);
+            if text_width(&value) > value_width {
+                value = value
+                    .chars()
+                    .take(value_width.saturating_sub(1))
+                    .collect::<String>()
+                    + "…";
+            }
+            let selected = focused && index == app.settings_cursor;
+            let style = if selected {
+                Style::new().add_modifier(Modifier::REVERSED)
+            } else {
+                Style::new()
+            };
+            let cursor = if selected { "›" } else { " " };
+            Line::styled(format!("{cursor}{:<17} {value}", field.label()), style)
+        })
+        .collect();
+    if focused {
+        let field = SettingField::ALL[app.settings_cursor];
+        let hint = if field.is_text() {
+            "Enter edits"
+        } else {
+            "←/→ change"
+        };
+        lines.push(Line::styled(
+            format!(" {hint}"),
+            Style::new().fg(Color::DarkGray),
+        ));
+        if field == SettingField::ReasoningEffort {
+            lines.push(Line::styled(
+                " changing it re-prefills the chat",
+                Style::new().fg(Color::Yellow),
+            ));
+        }
+    }
+    let scroll = (app.settings_cursor + 2).saturating_sub(inner.height as usize) as u16;
+    frame.render_widget(
+        Paragraph::new(lines).scroll((if focused { scroll } else { 0 }, 0)),
+        inner,
+    );
+}
+
+/// What is happening now, for the status line.
+pub fn status_text(app: &App) -> String {
+    if let Some(reply) = app
+        .turns
+        .last()
+        .and_then(|turn| turn.reply.as_ref())
+        .filter(|reply| reply.is_active())
+    {
+        return match reply.status {
+            ReplyStatus::Prefill { done, total, .. } if total > 0 => {
+                format!("Reading the prompt {done}/{total} · Esc stops")
+            }
+            ReplyStatus::Prefill { .. } => "Sending… · Esc stops".to_string(),
+            _ if reply.answer.is_empty() => {
+                format!("Thinking… {} tokens · Esc stops", reply.reasoning_tokens)
+            }
+            _ => {
+                let rate = app
+                    .stats
+                    .as_ref()
+                    .and_then(|stats| stats.decode_tokens_per_second);
+                let rate = rate.map_or(String::new(), |rate| format!(" · {rate:.1} tok/s"));
+                format!(
+                    "Answering… {} tokens{rate} · Esc stops",
+                    reply.answer_tokens
+                )
+            }
+        };
+    }
+    if let Some(notice) = &app.notice {
+        return notice.clone();
+    }
+    if let Some((what, done, total)) = &app.settings_progress {
+        return format!("{what}: {}%", done * 100 / (*total).max(1));
+    }
+    match &app.engine {
+        EngineStatus::Loading { stage, done, total } => {
+            format!("Loading: {stage} {}%", done * 100 / (*total).max(1))
+        }
+        EngineStatus::ModelMissing { .. } => "No model: see the instructions above".to_string(),
+        EngineStatus::Failed(_) => "The engine failed to start".to_string(),
+        EngineStatus::Ready => "Ready".to_string(),
+    }
+}
+
+fn status_line(app: &App) -> Line<'static> {
+    Line::from(vec![
+        Span::styled(
+            format!(" {} ", status_text(app)),
+            Style::new().add_modifier(Modifier::BOLD),
+        ),
+        Span::styled(" F1 help · Ctrl-Q quit", Style::new().fg(Color::DarkGray)),
+    ])
+}
+
+fn draw_help(frame: &mut Frame, app: &App) {
+    let height = (KEY_BINDINGS.len() as u16 + 5).min(frame.area().height);
+    let area = centered(frame.area(), 78, height);
+    frame.render_widget(Clear, area);
+    let mut lines: Vec<Line> = KEY_BINDINGS
+        .iter()
+        .map(|(keys, action)| {
+            Line::from(vec![
+                Span::styled(format!(" {keys:<28}"), Style::new().fg(Color::Cyan)),
+                Span::raw(*action),
+            ])
+        })
+        .collect();
+    lines.push(Line::raw(""));
+    let location = app.store.dir().display();
+    lines.push(Line::styled(
+        format!(" Chats are saved in {location}"),
+        Style::new().fg(Color::DarkGray),
+    ));
+    frame.render_widget(
+        Paragraph::new(lines).block(Block::bordered().title(" Keys (any key closes) ")),
+        area,
+    );
+}
+
+fn centered(area: Rect, width: u16, height: u16) -> Rect {
+    let width = width.min(area.width);
+    let height = height.min(area.height);
+    Rect {
+        x: area.x + (area.width - width) / 2,
+        y: area.y + (area.height - height) / 2,
+        width,
+        height,
+    }
+}

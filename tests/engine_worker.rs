@@ -1,0 +1,635 @@
+//! Engine thread tests over a toy model whose logits depend on every token in its cache, so any
+//! mistake in prefix reuse (a stale token left behind, a token missing) changes the output.
+
+use ossterm::engine::protocol::{
+    Channel, Command, Conversation, Event, GenerateRequest, KvCacheType, Message, ReasoningEffort,
+    RequestKind, Role, SamplingSettings, Settings, StopReason, SystemContent, WeightFormat,
+};
+use ossterm::engine::worker::{
+    common_prefix_len, rewind_for_prompt, ChatCodec, EngineError, EngineHandle, EngineParts,
+    InferenceSession, ModelBackend, ParsedToken, StreamParser, TokenSampler,
+};
+use std::sync::mpsc::{self, Receiver};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const VOCAB: usize = 64;
+/// Ids 0..=25 are the letters a..z; 26 is a space; 27 switches to the final channel; 28 stops.
+const SPACE: u32 = 26;
+const TO_FINAL: u32 = 27;
+const STOP: u32 = 28;
+const ROLE_USER: u32 = 40;
+const ROLE_ASSISTANT: u32 = 41;
+const ROLE_SYSTEM: u32 = 42;
+
+/// Shared record of what the toy sessions were asked to do.
+#[derive(Default)]
+struct Journal {
+    prefill_chunks: Vec<usize>,
+    decodes: usize,
+}
+
+struct ToyModel {
+    format: WeightFormat,
+    step_delay: Duration,
+    journal: Arc<Mutex<Journal>>,
+}
+
+struct ToySession {
+    tokens: Vec<u32>,
+    /// Rolling hash of the history after each token.
+    states: Vec<u64>,
+    logits: Vec<f32>,
+    limit: usize,
+    step_delay: Duration,
+    journal: Arc<Mutex<Journal>>,
+}
+
+fn mix(state: u64, token: u32) -> u64 {
+    (state ^ u64::from(token).wrapping_add(0x9e37_79b9_7f4a_7c15))
+        .wrapping_mul(0xff51_afd7_ed55_8ccd)
+        .rotate_left(29)
+}
+
+impl ToySession {
+    fn append(&mut self, token: u32) {
+        let previous = self.states.last().copied().unwrap_or(0x1234_5678);
+        self.states.push(mix(previous, token));
+        self.tokens.push(token);
+    }
+
+    fn compute_logits(&mut self) -> &[f32] {
+        let state = *self.states.last().expect("logits need at least one token");
+        for (index, logit) in self.logits.iter_mut().enumerate() {
+            *logit = (mix(state, index as u32) >> 40) as f32 / (1u64 << 24) as f32;
+        }
+        &self.logits
+    }
+}
+
+impl InferenceSession for ToySession {
+    fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError> {
+        std::thread::sleep(self.step_delay);
+        self.journal
+            .lock()
+            .unwrap()
+            .prefill_chunks
+            .push(tokens.len());
+        for &token in tokens {
+            self.append(token);
+        }
+        Ok(self.compute_logits())
+    }
+
+    fn decode(&mut self, token: u32) -> Result<&[f32], EngineError> {
+        std::thread::sleep(self.step_delay);
+        self.journal.lock().unwrap().decodes += 1;
+        self.append(token);
+        Ok(self.compute_logits())
+    }
+
+    fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    fn truncate(&mut self, len: usize) {
+        self.tokens.truncate(len);
+        self.states.truncate(len);
+    }
+
+    fn context_limit(&self) -> usize {
+        self.limit
+    }
+}
+
+impl ModelBackend for ToyModel {
+    type Session = ToySession;
+
+    fn new_session(
+        model: &Arc<Self>,
+        context_limit: usize,
+        _kv_cache: KvCacheType,
+    ) -> Result<ToySession, EngineError> {
+        Ok(ToySession {
+            tokens: Vec::new(),
+            states: Vec::new(),
+            logits: vec![0.0; VOCAB],
+            limit: context_limit,
+            step_delay: model.step_delay,
+            journal: Arc::clone(&model.journal),
+        })
+    }
+
+    fn requantized(
+        &self,
+        format: WeightFormat,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<ToyModel, EngineError> {
+        for done in 0..=4 {
+            std::thread::sleep(Duration::from_millis(5));
+            progress(done, 4);
+        }
+        Ok(ToyModel {
+            format,
+            step_delay: self.step_delay,
+            journal: Arc::clone(&self.journal),
+        })
+    }
+
+    fn weight_format(&self) -> WeightFormat {
+        self.format
+    }
+
+    fn kv_cache_type(&self) -> KvCacheType {
+        KvCacheType::F16
+    }
+
+    fn kernel_path(&self) -> String {
+        "scalar".to_string()
+    }
+}
+
+/// Renders a conversation as role markers and letters; analysis is dropped unless kept, like harmony.
+struct ToyCodec;
+
+fn encode_text(text: &str, out: &mut Vec<u32>) {
+    for character in text.chars() {
+        match character {
+            'a'..='z' => out.push(character as u32 - 'a' as u32),
+            _ => out.push(SPACE),
+        }
+    }
+}
+
+impl ChatCodec for ToyCodec {
+    type Parser = ToyParser;
+
+    fn render_prompt(
+        &self,
+        conversation: &Conversation,
+        keep_reasoning: bool,
+    ) -> Result<Vec<u32>, EngineError> {
+        let mut ids = vec![ROLE_SYSTEM];
+        encode_text(conversation.system.reasoning.name(), &mut ids);
+        for message in &conversation.messages {
+            if message.channel == Some(Channel::Analysis) && !keep_reasoning {
+                continue;
+            }
+            ids.push(if message.role == Role::User {
+                ROLE_USER
+            } else {
+                ROLE_ASSISTANT
+            });
+            encode_text(&message.content, &mut ids);
+        }
+        ids.push(ROLE_ASSISTANT);
+        Ok(ids)
+    }
+
+    fn parser(&self) -> ToyParser {
+        ToyParser {
+            channel: Channel::Analysis,
+        }
+    }
+}
+
+struct ToyParser {
+    channel: Channel,
+}
+
+impl StreamParser for ToyParser {
+    fn push(&mut self, token: u32) -> Result<ParsedToken, EngineError> {
+        Ok(match token {
+            0..=25 => ParsedToken::Text {
+                channel: self.channel,
+                text: char::from(b'a' + token as u8).to_string(),
+            },
+            SPACE => ParsedToken::Text {
+                channel: self.channel,
+                text: " ".to_string(),
+            },
+            TO_FINAL => {
+                self.channel = Channel::Final;
+                ParsedToken::Silent
+            }
+            STOP => ParsedToken::Stop,
+            _ => ParsedToken::Silent,
+        })
+    }
+}
+
+/// Greedy, so runs are reproducible; records configurations.
+struct GreedySampler {
+    configured: Arc<Mutex<Vec<SamplingSettings>>>,
+}
+
+impl TokenSampler for GreedySampler {
+    fn configure(&mut self, sampling: &SamplingSettings) {
+        self.configured.lock().unwrap().push(sampling.clone());
+    }
+
+    fn sample(&mut self, logits: &[f32]) -> Result<u32, EngineError> {
+        Ok(logits
+            .iter()
+            .enumerate()
+            .max_by(|left, right| left.1.total_cmp(right.1))
+            .map_or(0, |(index, _)| index as u32))
+    }
+}
+
+struct Harness {
+    engine: EngineHandle,
+    events: Receiver<Event>,
+    journal: Arc<Mutex<Journal>>,
+    sampler_configs: Arc<Mutex<Vec<SamplingSettings>>>,
+}
+
+fn test_settings(max_tokens: usize) -> Settings {
+    Settings {
+        threads: 1,
+        context_limit: 4096,
+        sampling: SamplingSettings {
+            max_tokens,
+            temperature: 0.0,
+            ..SamplingSettings::default()
+        },
+        ..Settings::default()
+    }
+}
+
+fn start(settings: Settings, step_delay: Duration) -> Harness {
+    let journal = Arc::new(Mutex::new(Journal::default()));
+    let sampler_configs = Arc::new(Mutex::new(Vec::new()));
+    let (event_sender, events) = mpsc::channel();
+    let model_journal = Arc::clone(&journal);
+    let configs = Arc::clone(&sampler_configs);
+    let engine = EngineHandle::spawn(settings, event_sender, move |_settings, progress| {
+        progress("toy weights", 1, 1);
+        Ok(EngineParts {
+            model: Arc::new(ToyModel {
+                format: WeightFormat::Q8,
+                step_delay,
+                journal: model_journal,
+            }),
+            codec: ToyCodec,
+            sampler: GreedySampler {
+                configured: configs,
+            },
+            model_label: "toy".to_string(),
+            random_weights: true,
+        })
+    });
+    let harness = Harness {
+        engine,
+        events,
+        journal,
+        sampler_configs,
+    };
+    harness.wait_for(|event| matches!(event, Event::Ready(_)));
+    harness
+}
+
+impl Harness {
+    /// Collects events until `stop` matches one (included); fails after 10 s.
+    fn wait_for(&self, stop: impl Fn(&Event) -> bool) -> Vec<Event> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut seen = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let event = self
+                .events
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("timed out; saw {seen:?}"));
+            let done = stop(&event);
+            seen.push(event);
+            if done {
+                return seen;
+            }
+        }
+    }
+
+    fn generate(&self, id: u64, conversation: Conversation) -> Vec<Event> {
+        let request = GenerateRequest {
+            id,
+            kind: RequestKind::NewTurn,
+            conversation,
+        };
+        self.engine.send(Command::Generate(request)).unwrap();
+        self.wait_for(|event| matches!(event, Event::TurnDone { id: done, .. } | Event::Error { id: Some(done), .. } if *done == id))
+    }
+}
+
+fn conversation(messages: &[(Role, Option<Channel>, &str)]) -> Conversation {
+    Conversation {
+        system: SystemContent {
+            identity: "toy".to_string(),
+            reasoning: ReasoningEffort::Low,
+            date: None,
+            knowledge_cutoff: "2024-06".to_string(),
+        },
+        developer: None,
+        messages: messages
+            .iter()
+            .map(|(role, channel, content)| Message {
+                role: *role,
+                channel: *channel,
+                content: content.to_string(),
+            })
+            .collect(),
+    }
+}
+
+fn streamed_text(events: &[Event]) -> String {
+    events
+        .iter()
+        .filter_map(|event| match event {
+            Event::Token { text, .. } => Some(text.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn turn_done(events: &[Event]) -> (StopReason, u64, u64) {
+    events
+        .iter()
+        .find_map(|event| match event {
+            Event::TurnDone { reason, hits, .. } => Some((*reason, hits.reused, hits.prompt)),
+            _ => None,
+        })
+        .expect("turn done")
+}
+
+#[test]
+fn common_prefix_and_rewind_keep_one_token_to_prefill() {
+    assert_eq!(common_prefix_len(&[1, 2, 3], &[1, 2, 4, 5]), 2);
+    assert_eq!(common_prefix_len(&[], &[1]), 0);
+    let model = Arc::new(ToyModel {
+        format: WeightFormat::Q8,
+        step_delay: Duration::ZERO,
+        journal: Default::default(),
+    });
+    let mut session = ToyModel::new_session(&model, 100, KvCacheType::F16).unwrap();
+    session.prefill(&[5, 6, 7, 8]).unwrap();
+    assert_eq!(rewind_for_prompt(&mut session, &[5, 6, 9]), 2);
+    assert_eq!(session.tokens(), &[5, 6]);
+    session.prefill(&[9]).unwrap();
+    // Identical prompt: one token is re-run to get its logits.
+    assert_eq!(rewind_for_prompt(&mut session, &[5, 6, 9]), 2);
+}
+
+#[test]
+fn reused_prefix_gives_the_same_logits_as_a_cold_prefill() {
+    let model = Arc::new(ToyModel {
+        format: WeightFormat::Q8,
+        step_delay: Duration::ZERO,
+        journal: Default::default(),
+    });
+    let first: Vec<u32> = (0..40).map(|index| index % 26).collect();
+    let mut second = first[..30].to_vec();
+    second.extend([3, 1, 4, 1, 5, 9, 2, 6]);
+
+    let mut warm = ToyModel::new_session(&model, 100, KvCacheType::F16).unwrap();
+    warm.prefill(&first).unwrap();
+    warm.decode(7).unwrap();
+    let reused = rewind_for_prompt(&mut warm, &second);
+    assert_eq!(reused, 30);
+    let warm_logits = warm.prefill(&second[reused..]).unwrap().to_vec();
+
+    let mut cold = ToyModel::new_session(&model, 100, KvCacheType::F16).unwrap();
+    let cold_logits = cold.prefill(&second).unwrap().to_vec();
+    assert_eq!(warm_logits, cold_logits);
+}
+
+#[test]
+fn second_turn_prefills_only_the_new_tail_and_matches_a_cold_engine() {
+    let harness = start(test_settings(12), Duration::ZERO);
+    let turn_one = conversation(&[(Role::User, None, "hello there")]);
+    let first = harness.generate(1, turn_one);
+    let first_answer = streamed_text(&first);
+    assert!(!first_answer.is_empty());
+    let (_, reused, prompt) = turn_done(&first);
+    assert_eq!(reused, 0);
+
+    let turn_two = conversation(&[
+        (Role::User, None, "hello there"),
+        (Role::Assistant, Some(Channel::Final), &first_answer),
+        (Role::User, None, "and again"),
+    ]);
+    harness.journal.lock().unwrap().prefill_chunks.clear();
+    let second = harness.generate(2, turn_two.clone());
+    let (_, reused_two, prompt_two) = turn_done(&second);
+    // Everything through the first `assistant` marker is shared with turn one's prompt.
+    assert!(
+        reused_two >= prompt,
+        "reused {reused_two} of {prompt_two}, turn one prompt {prompt}"
+    );
+    let prefilled: usize = harness.journal.lock().unwrap().prefill_chunks.iter().sum();
+    assert_eq!(prefilled as u64, prompt_two - reused_two);
+
+    let cold = start(test_settings(12), Duration::ZERO);
+    let cold_events = cold.generate(1, turn_two);
+    assert_eq!(streamed_text(&second), streamed_text(&cold_events));
+    assert_eq!(turn_done(&cold_events).1, 0);
+}
+
+#[test]
+fn regenerate_rewinds_to_the_edit_point() {
+    let harness = start(test_settings(10), Duration::ZERO);
+    let turn = conversation(&[(Role::User, None, "abc")]);
+    let original = streamed_text(&harness.generate(1, turn.clone()));
+    let regenerated = harness.generate(2, turn.clone());
+    // Same prompt, greedy sampling: same answer, and all but the last prompt token came from the cache.
+    assert_eq!(streamed_text(&regenerated), original);
+    let (_, reused, prompt) = turn_done(&regenerated);
+    assert_eq!(reused, prompt - 1);
+
+    // Edit-and-resend: a different last user message rewinds to where it differs.
+    let edited = conversation(&[(Role::User, None, "abd")]);
+    let events = harness.generate(3, edited.clone());
+    let (_, reused, _) = turn_done(&events);
+    let cold = start(test_settings(10), Duration::ZERO);
+    assert_eq!(
+        streamed_text(&events),
+        streamed_text(&cold.generate(1, edited))
+    );
+    assert!(reused > 0);
+}
+
+#[test]
+fn cancel_stops_within_one_token() {
+    let harness = start(test_settings(100_000), Duration::from_millis(3));
+    let request = GenerateRequest {
+        id: 1,
+        kind: RequestKind::NewTurn,
+        conversation: conversation(&[(Role::User, None, "go")]),
+    };
+    harness.engine.send(Command::Generate(request)).unwrap();
+    harness.wait_for(|event| matches!(event, Event::Token { .. }));
+    let decodes_at_cancel = harness.journal.lock().unwrap().decodes;
+    harness.engine.cancel(1);
+    let events = harness.wait_for(|event| matches!(event, Event::TurnDone { .. }));
+    let (reason, _, _) = turn_done(&events);
+    assert_eq!(reason, StopReason::Cancelled);
+    let decodes_after = harness.journal.lock().unwrap().decodes;
+    assert!(
+        decodes_after - decodes_at_cancel <= 2,
+        "decoded {} tokens after cancel",
+        decodes_after - decodes_at_cancel
+    );
+    // The engine serves the next request normally.
+    let next = harness.generate(2, conversation(&[(Role::User, None, "go")]));
+    assert!(
+        matches!(
+            turn_done(&next).0,
+            StopReason::MaxTokens | StopReason::Finished
+        ) || !streamed_text(&next).is_empty()
+    );
+}
+
+#[test]
+fn cancel_before_start_skips_the_request() {
+    let harness = start(test_settings(50), Duration::from_millis(2));
+    harness.engine.cancel(1);
+    let events = harness.generate(1, conversation(&[(Role::User, None, "go")]));
+    assert_eq!(turn_done(&events).0, StopReason::Cancelled);
+    assert!(streamed_text(&events).is_empty());
+}
+
+#[test]
+fn cancel_between_prefill_chunks() {
+    let harness = start(test_settings(50), Duration::from_millis(20));
+    let long = "abcdefghij ".repeat(100);
+    let request = GenerateRequest {
+        id: 1,
+        kind: RequestKind::NewTurn,
+        conversation: conversation(&[(Role::User, None, &long)]),
+    };
+    harness.engine.send(Command::Generate(request)).unwrap();
+    harness.wait_for(|event| matches!(event, Event::PrefillProgress { .. }));
+    harness.engine.cancel(1);
+    let events = harness.wait_for(|event| matches!(event, Event::TurnDone { .. }));
+    assert_eq!(turn_done(&events).0, StopReason::Cancelled);
+    let chunks = harness.journal.lock().unwrap().prefill_chunks.len();
+    assert!(
+        chunks < 1100usize.div_ceil(128),
+        "prefilled {chunks} chunks"
+    );
+}
+
+#[test]
+fn settings_apply_between_turns() {
+    let harness = start(test_settings(8), Duration::ZERO);
+    let mut settings = test_settings(8);
+    settings.threads = 2;
+    settings.sampling.top_k = 7;
+    harness
+        .engine
+        .send(Command::ApplySettings(Box::new(settings.clone())))
+        .unwrap();
+    let events = harness.wait_for(|event| matches!(event, Event::SettingsApplied(_)));
+    match events.last() {
+        Some(Event::SettingsApplied(applied)) => assert_eq!(applied.threads, 2),
+        other => panic!("expected settings applied, got {other:?}"),
+    }
+    let events = harness.wait_for(|event| matches!(event, Event::Stats(_)));
+    match events.last() {
+        Some(Event::Stats(stats)) => assert_eq!(stats.threads, 2),
+        other => panic!("expected stats, got {other:?}"),
+    }
+    assert_eq!(
+        harness
+            .sampler_configs
+            .lock()
+            .unwrap()
+            .last()
+            .unwrap()
+            .top_k,
+        7
+    );
+
+    // A new weight format re-quantizes in the background with progress, then swaps in.
+    settings.weight_format = WeightFormat::Q4;
+    harness
+        .engine
+        .send(Command::ApplySettings(Box::new(settings)))
+        .unwrap();
+    let events = harness.wait_for(|event| matches!(event, Event::SettingsApplied(applied) if applied.weight_format == WeightFormat::Q4));
+    assert!(events.iter().any(|event| matches!(
+        event,
+        Event::SettingsProgress {
+            done: 4,
+            total: 4,
+            ..
+        }
+    )));
+    let after = harness.generate(1, conversation(&[(Role::User, None, "hi")]));
+    let stats = after.iter().rev().find_map(|event| match event {
+        Event::Stats(stats) => Some(stats.clone()),
+        _ => None,
+    });
+    assert_eq!(stats.expect("stats").weight_format, WeightFormat::Q4);
+}
+
+#[test]
+fn prompt_longer_than_the_context_is_an_error_not_a_panic() {
+    let mut settings = test_settings(8);
+    settings.context_limit = 256;
+    let harness = start(settings, Duration::ZERO);
+    let events = harness.generate(1, conversation(&[(Role::User, None, &"word ".repeat(100))]));
+    let message = events.iter().find_map(|event| match event {
+        Event::Error { message, .. } => Some(message.clone()),
+        _ => None,
+    });
+    assert!(message
+        .expect("error event")
+        .contains("context limit is 256"));
+}
+
+#[test]
+fn reasoning_kept_in_context_changes_the_prompt() {
+    let mut settings = test_settings(6);
+    settings.keep_reasoning_in_context = true;
+    let harness = start(settings, Duration::ZERO);
+    let with_reasoning = conversation(&[
+        (Role::User, None, "a"),
+        (Role::Assistant, Some(Channel::Analysis), "think"),
+        (Role::Assistant, Some(Channel::Final), "b"),
+        (Role::User, None, "c"),
+    ]);
+    let events = harness.generate(1, with_reasoning);
+    let (_, _, prompt) = turn_done(&events);
+    // system marker + "low" + (user a) + (assistant think) + (assistant b) + (user c) + assistant marker
+    assert_eq!(prompt, 1 + 3 + 2 + 6 + 2 + 2 + 1);
+}
+
+#[test]
+fn real_model_reuse_gives_the_same_logits_as_a_cold_prefill() {
+    use ossterm::model::{LoadOptions, Model, Preset};
+    let model = Arc::new(Model::synthetic(Preset::Tiny, 7, &LoadOptions::default()).unwrap());
+    let vocab = model.config.vocab_size as u32;
+    let first: Vec<u32> = (0..50).map(|index| (index * 7919 + 13) % vocab).collect();
+    let mut second = first[..35].to_vec();
+    second.extend((0..9).map(|index| (index * 104_729 + 5) % vocab));
+
+    let mut warm = <Model as ModelBackend>::new_session(&model, 256, KvCacheType::F32).unwrap();
+    InferenceSession::prefill(&mut warm, &first).unwrap();
+    InferenceSession::decode(&mut warm, 3).unwrap();
+    let reused = rewind_for_prompt(&mut warm, &second);
+    assert_eq!(reused, 35);
+    let warm_logits = InferenceSession::prefill(&mut warm, &second[reused..])
+        .unwrap()
+        .to_vec();
+
+    let mut cold = <Model as ModelBackend>::new_session(&model, 256, KvCacheType::F32).unwrap();
+    let cold_logits = InferenceSession::prefill(&mut cold, &second)
+        .unwrap()
+        .to_vec();
+    let worst = warm_logits
+        .iter()
+        .zip(&cold_logits)
+        .map(|(warm, cold)| (warm - cold).abs())
+        .fold(0.0f32, f32::max);
+    // Chunking differs (the warm run prefills 9 tokens, the cold one 44), so summation order may
+    // differ in the last bits; anything beyond rounding noise means stale cache entries.
+    assert!(worst < 1e-4, "largest logit difference {worst}");
+}

@@ -1,0 +1,410 @@
+//! The screen in known states, rendered with ratatui's TestBackend and checked as text; the state
+//! is driven the way the app drives it: keys and engine events through `App::update`.
+
+use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+use ossterm::engine::protocol::{
+    CacheHits, Channel, Command, EngineInfo, Event, RequestKind, Settings, StatsSample, StopReason,
+    WeightFormat,
+};
+use ossterm::tui::store::ChatStore;
+use ossterm::tui::view::draw;
+use ossterm::tui::{App, Effect, EngineStatus, Msg};
+use ratatui::backend::TestBackend;
+use ratatui::Terminal;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+fn screen(app: &mut App, width: u16, height: u16) -> String {
+    let mut terminal = Terminal::new(TestBackend::new(width, height)).unwrap();
+    terminal.draw(|frame| draw(frame, app)).unwrap();
+    let buffer = terminal.backend().buffer().clone();
+    let mut text = String::new();
+    for y in 0..buffer.area.height {
+        for x in 0..buffer.area.width {
+            text.push_str(buffer[(x, y)].symbol());
+        }
+        text.push('\n');
+    }
+    text
+}
+
+fn key(code: KeyCode) -> Msg {
+    Msg::Key(KeyEvent::new(code, KeyModifiers::NONE))
+}
+
+fn ctrl(character: char) -> Msg {
+    Msg::Key(KeyEvent::new(
+        KeyCode::Char(character),
+        KeyModifiers::CONTROL,
+    ))
+}
+
+fn type_text(app: &mut App, text: &str, now: Instant) {
+    for character in text.chars() {
+        app.update(key(KeyCode::Char(character)), now);
+    }
+}
+
+fn ready_app(dir: &std::path::Path) -> App {
+    let mut app = App::new(
+        Settings {
+            threads: 2,
+            ..Settings::default()
+        },
+        ChatStore::new(dir.to_path_buf()),
+        EngineStatus::Loading {
+            stage: "weights".to_string(),
+            done: 0,
+            total: 1,
+        },
+    );
+    let info = EngineInfo {
+        model_label: "synthetic tiny".to_string(),
+        random_weights: true,
+        kernel_path: "avx512".to_string(),
+        settings: Settings::default(),
+    };
+    app.update(Msg::Engine(Event::Ready(info)), Instant::now());
+    app
+}
+
+fn sent_request(effects: &[Effect]) -> (u64, RequestKind, usize) {
+    effects
+        .iter()
+        .find_map(|effect| match effect {
+            Effect::Engine(Command::Generate(request)) => Some((
+                request.id,
+                request.kind,
+                request.conversation.messages.len(),
+            )),
+            _ => None,
+        })
+        .expect("a generate command")
+}
+
+fn token(id: u64, channel: Channel, text: &str) -> Msg {
+    Msg::Engine(Event::Token {
+        id,
+        channel,
+        text: text.to_string(),
+    })
+}
+
+fn stats(decode: f64) -> StatsSample {
+    StatsSample {
+        decode_tokens_per_second: Some(decode),
+        prefill_tokens_per_second: Some(123.4),
+        time_to_first_token: Some(Duration::from_millis(850)),
+        process_memory_bytes: Some(3 << 30),
+        machine_memory_bytes: Some(24 << 30),
+        kv_tokens_used: 300,
+        kv_tokens_capacity: 8192,
+        context_used: 300,
+        context_limit: 8192,
+        turn_hits: CacheHits {
+            reused: 90,
+            prompt: 100,
+        },
+        session_hits: CacheHits {
+            reused: 90,
+            prompt: 180,
+        },
+        threads: 2,
+        kernel_path: "avx512".to_string(),
+        weight_format: WeightFormat::Q8,
+    }
+}
+
+#[test]
+fn loading_and_missing_model_screens() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut app = App::new(
+        Settings::default(),
+        ChatStore::new(dir.path().to_path_buf()),
+        EngineStatus::Loading {
+            stage: "reading weights".to_string(),
+            done: 1,
+            total: 4,
+        },
+    );
+    let text = screen(&mut app, 100, 30);
+    assert!(
+        text.contains("Loading the model: reading weights"),
+        "{text}"
+    );
+    assert!(text.contains("25%"), "{text}");
+
+    app.engine = EngineStatus::ModelMissing {
+        path: PathBuf::from("models/gpt-oss-20b"),
+    };
+    let text = screen(&mut app, 100, 30);
+    assert!(
+        text.contains("No model found at models/gpt-oss-20b"),
+        "{text}"
+    );
+    assert!(text.contains("ossterm --synthetic tiny"), "{text}");
+    assert!(text.contains("download openai/gpt-oss-20b"), "{text}");
+}
+
+#[test]
+fn streaming_then_collapsed_reasoning_then_expanded() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut app = ready_app(dir.path());
+    let start = Instant::now();
+    type_text(&mut app, "What is 2 + 2?", start);
+    let effects = app.update(key(KeyCode::Enter), start);
+    let (id, kind, messages) = sent_request(&effects);
+    assert_eq!((kind, messages), (RequestKind::NewTurn, 1));
+
+    app.update(
+        Msg::Engine(Event::PrefillProgress {
+            id,
+            done: 40,
+            total: 80,
+            reused: 0,
+        }),
+        start,
+    );
+    let text = screen(&mut app, 100, 30);
+    assert!(text.contains("Reading the prompt… 40/80 tokens"), "{text}");
+
+    app.update(token(id, Channel::Analysis, "Simple "), start);
+    app.update(
+        token(id, Channel::Analysis, "arithmetic."),
+        start + Duration::from_millis(100),
+    );
+    app.update(Msg::Engine(Event::Stats(stats(11.5))), start);
+    let text = screen(&mut app, 100, 30);
+    assert!(text.contains("Thinking… (2 tokens)"), "{text}");
+    assert!(text.contains("Simple arithmetic."), "{text}");
+    assert!(text.contains("11.5 tok/s"), "{text}");
+    assert!(text.contains("turn 90% · chat 50%"), "{text}");
+    assert!(text.contains("avx512"), "{text}");
+    assert!(text.contains("RANDOM WEIGHTS"), "{text}");
+
+    let answer_at = start + Duration::from_millis(1500);
+    app.update(
+        token(id, Channel::Final, "**4**, as `2+2` shows.\n- a list item"),
+        answer_at,
+    );
+    app.update(
+        Msg::Engine(Event::TurnDone {
+            id,
+            reason: StopReason::Finished,
+            hits: CacheHits::default(),
+            generated_tokens: 9,
+        }),
+        answer_at,
+    );
+    let text = screen(&mut app, 100, 30);
+    assert!(text.contains("▸ Thought (2 tokens, 1.5 s)"), "{text}");
+    assert!(
+        !text.contains("Simple arithmetic."),
+        "reasoning should be collapsed:\n{text}"
+    );
+    assert!(text.contains("4, as 2+2 shows."), "{text}");
+    assert!(text.contains("• a list item"), "{text}");
+    assert!(!text.contains("<|"), "no harmony markup on screen:\n{text}");
+
+    app.update(ctrl('t'), answer_at);
+    let text = screen(&mut app, 100, 30);
+    assert!(text.contains("▾ Thought (2 tokens, 1.5 s)"), "{text}");
+    assert!(text.contains("Simple arithmetic."), "{text}");
+}
+
+#[test]
+fn settings_panel_and_help_overlay() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut app = ready_app(dir.path());
+    let now = Instant::now();
+    app.update(key(KeyCode::Tab), now);
+    app.update(key(KeyCode::Tab), now);
+    let text = screen(&mut app, 110, 40);
+    for label in [
+        "threads",
+        "weight format",
+        "KV cache",
+        "reasoning effort",
+        "temperature",
+        "top-p",
+        "top-k",
+        "min-p",
+        "max tokens",
+        "seed",
+        "keep reasoning",
+        "system prompt",
+        "developer instr.",
+    ] {
+        assert!(text.contains(label), "missing {label}:\n{text}");
+    }
+    // Down to weight format, step it: the engine is told, and the panel shows the new value.
+    app.update(key(KeyCode::Down), now);
+    let effects = app.update(key(KeyCode::Right), now);
+    let applied = effects.iter().find_map(|effect| match effect {
+        Effect::Engine(Command::ApplySettings(settings)) => Some(settings.weight_format),
+        _ => None,
+    });
+    assert_eq!(applied, Some(WeightFormat::Q4));
+    let text = screen(&mut app, 110, 40);
+    assert!(text.contains("›weight format     q4"), "{text}");
+
+    app.update(key(KeyCode::F(1)), now);
+    let text = screen(&mut app, 110, 40);
+    assert!(text.contains("Keys (any key closes)"), "{text}");
+    for keys in [
+        "Ctrl-R",
+        "Ctrl-E",
+        "Ctrl-N",
+        "Ctrl-S",
+        "Ctrl-O",
+        "Ctrl-Y",
+        "Esc",
+        "Ctrl-C / Ctrl-Q",
+    ] {
+        assert!(text.contains(keys), "help lacks {keys}:\n{text}");
+    }
+    app.update(key(KeyCode::Char('x')), now);
+    assert!(app.overlay.is_none());
+}
+
+#[test]
+fn error_cancel_regenerate_edit_and_saved_chats() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut app = ready_app(dir.path());
+    let now = Instant::now();
+    type_text(&mut app, "hello", now);
+    let (id, _, _) = sent_request(&app.update(key(KeyCode::Enter), now));
+    app.update(token(id, Channel::Final, "partial answer"), now);
+
+    // Esc cancels: the engine is told, and the partial answer stays with a marker.
+    let effects = app.update(key(KeyCode::Esc), now);
+    assert!(effects.contains(&Effect::Engine(Command::Cancel(id))));
+    app.update(
+        Msg::Engine(Event::TurnDone {
+            id,
+            reason: StopReason::Cancelled,
+            hits: CacheHits::default(),
+            generated_tokens: 2,
+        }),
+        now,
+    );
+    let text = screen(&mut app, 100, 30);
+    assert!(text.contains("partial answer"), "{text}");
+    assert!(text.contains("[stopped]"), "{text}");
+
+    // The chat file was written as turns went by, atomically, in the conversation JSON shape.
+    let saved = app.chat_path.clone().expect("autosaved");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&saved).unwrap()).unwrap();
+    assert_eq!(json["messages"][0]["content"], "hello");
+    assert_eq!(json["messages"][1]["channel"], "final");
+    assert!(json["system"]["identity"].is_string());
+
+    // Ctrl-R regenerates: a request for the same user message, the old reply gone.
+    let (regen_id, kind, messages) = sent_request(&app.update(ctrl('r'), now));
+    assert_eq!((kind, messages), (RequestKind::Regenerate, 1));
+    app.update(
+        Msg::Engine(Event::Error {
+            id: Some(regen_id),
+            message: "forward pass failed".to_string(),
+        }),
+        now,
+    );
+    let text = screen(&mut app, 100, 30);
+    assert!(text.contains("[error: forward pass failed]"), "{text}");
+    assert!(!text.contains("partial answer"), "{text}");
+
+    // Ctrl-E puts the last user message back in the input; Enter resends it as an edit.
+    app.update(ctrl('e'), now);
+    assert_eq!(app.input.lines(), ["hello"]);
+    type_text(&mut app, " again", now);
+    let (edit_id, kind, _) = sent_request(&app.update(key(KeyCode::Enter), now));
+    assert_eq!(kind, RequestKind::EditAndResend);
+    app.update(token(edit_id, Channel::Final, "fine"), now);
+    app.update(
+        Msg::Engine(Event::TurnDone {
+            id: edit_id,
+            reason: StopReason::Finished,
+            hits: CacheHits::default(),
+            generated_tokens: 1,
+        }),
+        now,
+    );
+    assert_eq!(
+        app.update(ctrl('y'), now),
+        vec![Effect::Copy("fine".to_string())]
+    );
+
+    // New chat, then open the saved one from the list.
+    app.update(ctrl('n'), now);
+    assert!(app.turns.is_empty());
+    app.update(ctrl('o'), now);
+    let text = screen(&mut app, 100, 30);
+    assert!(text.contains("Open a saved chat"), "{text}");
+    assert!(text.contains("hello again"), "{text}");
+    app.update(key(KeyCode::Enter), now);
+    assert_eq!(app.turns.len(), 1);
+    assert_eq!(app.turns[0].user, "hello again");
+    assert_eq!(app.turns[0].reply.as_ref().unwrap().answer, "fine");
+}
+
+#[test]
+fn scrolling_up_stops_following_and_end_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut app = ready_app(dir.path());
+    let now = Instant::now();
+    type_text(&mut app, "count", now);
+    let (id, _, _) = sent_request(&app.update(key(KeyCode::Enter), now));
+    for number in 0..60 {
+        app.update(token(id, Channel::Final, &format!("line {number}\n")), now);
+    }
+    let text = screen(&mut app, 100, 30);
+    assert!(text.contains("line 59"), "follows the stream:\n{text}");
+    app.update(key(KeyCode::PageUp), now);
+    let text = screen(&mut app, 100, 30);
+    assert!(!text.contains("line 59"), "{text}");
+    assert!(text.contains("scrolled"), "{text}");
+    app.update(token(id, Channel::Final, "line 60\n"), now);
+    let text = screen(&mut app, 100, 30);
+    assert!(
+        !text.contains("line 60"),
+        "stays where the user scrolled:\n{text}"
+    );
+    app.update(key(KeyCode::PageDown), now);
+    app.update(key(KeyCode::PageDown), now);
+    let text = screen(&mut app, 100, 30);
+    assert!(
+        text.contains("line 60"),
+        "back at the bottom follows again:\n{text}"
+    );
+}
+
+#[test]
+fn history_recalls_sent_messages() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut app = ready_app(dir.path());
+    let now = Instant::now();
+    type_text(&mut app, "first", now);
+    let (id, _, _) = sent_request(&app.update(key(KeyCode::Enter), now));
+    app.update(
+        Msg::Engine(Event::TurnDone {
+            id,
+            reason: StopReason::Finished,
+            hits: CacheHits::default(),
+            generated_tokens: 0,
+        }),
+        now,
+    );
+    app.update(key(KeyCode::Up), now);
+    assert_eq!(app.input.lines(), ["first"]);
+    app.update(key(KeyCode::Down), now);
+    assert_eq!(app.input.lines(), [""]);
+    // Alt-Enter adds a line instead of sending.
+    type_text(&mut app, "a", now);
+    let effects = app.update(
+        Msg::Key(KeyEvent::new(KeyCode::Enter, KeyModifiers::ALT)),
+        now,
+    );
+    assert!(effects.is_empty());
+    assert_eq!(app.input.lines().len(), 2);
+}
