@@ -1,3 +1,1 @@
-pub fn main() -> std::process::ExitCode {
-    std::process::ExitCode::SUCCESS
-}
+pub fn main() -> std::process::ExitCode { std::process::ExitCode::SUCCESS }
