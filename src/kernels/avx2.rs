@@ -15,8 +15,8 @@ use std::ops::Range;
 use half::f16;
 
 use super::formats::{
-    Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN, GROUP_BLOCKS, GROUP_LANES,
-    GROUP_LEN, MXFP4_OFFSET, Q4_OFFSET,
+    ByteSpans, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN, GROUP_BLOCKS,
+    GROUP_LANES, GROUP_LEN, MXFP4_OFFSET, Q4_OFFSET,
 };
 use super::{GemmScratch, GEMM_TILE_ROWS};
 
@@ -151,7 +151,7 @@ fn split_nibbles(bytes: __m256i, mxfp4: bool) -> (__m256i, __m256i) {
 }
 
 /// A matrix whose pairs of blocks decode to weights (evens, odds) and scale lanes.
-trait PairSource {
+trait PairSource: ByteSpans {
     /// Weights are signed int8 (use the sign trick) rather than offset unsigned bytes.
     const SIGNED: bool;
     const OFFSET: i32;
@@ -282,7 +282,26 @@ fn reduce_add(v: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(dual, _mm_movehdup_ps(dual)))
 }
 
-/// `R` rows against one token.
+/// Prefetch the share of `spans` that belongs to `group` of `groups`. Spreading the next rows'
+/// lines over the current rows' loop keeps memory busy across the jump from one set of short rows
+/// (1.5 KB each) to the next, which the hardware prefetcher alone does not (on the AVX-512 path
+/// MXFP4 GEMV went from 11 to 35 GB/s with it).
+#[inline]
+pub(super) fn prefetch_share(spans: &[(*const u8, usize); 2], group: usize, groups: usize) {
+    for &(start, len) in spans {
+        let share = len.div_ceil(groups);
+        let mut offset = group * share;
+        let end = ((group + 1) * share).min(len);
+        while offset < end {
+            // SAFETY: a prefetch is a hint that never faults, SSE is part of the x86-64 baseline,
+            // and wrapping_add makes no claim that the address is inside an allocation.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(offset).cast()) };
+            offset += 64;
+        }
+    }
+}
+
+/// `R` rows against one token, prefetching the rows `prefetch`.
 ///
 /// # Safety
 /// `first_row + R` rows exist, `x` has one token of the matrix's columns, `out.len() >= R`.
@@ -292,10 +311,14 @@ unsafe fn gemv_rows<W: PairSource, const R: usize>(
     w: &W,
     x: &Q8Activations,
     first_row: usize,
+    prefetch: Range<usize>,
     out: &mut [f32],
 ) {
     let mut acc = [_mm256_setzero_ps(); R];
-    for group in 0..w.groups() {
+    let groups = w.groups();
+    let spans = w.byte_spans(prefetch);
+    for group in 0..groups {
+        prefetch_share(&spans, group, groups);
         for pair in 0..2 {
             let a = ActPair::load(x, 0, group, pair, W::OFFSET);
             for (i, acc_row) in acc.iter_mut().enumerate() {
@@ -315,13 +338,17 @@ unsafe fn gemv_rows<W: PairSource, const R: usize>(
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn gemv<W: PairSource>(w: &W, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
     const ROWS_AT_ONCE: usize = 4;
+    const PREFETCH_AHEAD: usize = 2 * ROWS_AT_ONCE;
     let mut row = rows.start;
+    let ahead = |row: usize, count: usize| {
+        (row + PREFETCH_AHEAD).min(rows.end)..(row + PREFETCH_AHEAD + count).min(rows.end)
+    };
     for chunk in out.chunks_mut(ROWS_AT_ONCE) {
         if chunk.len() == ROWS_AT_ONCE {
-            gemv_rows::<W, ROWS_AT_ONCE>(w, x, row, chunk);
+            gemv_rows::<W, ROWS_AT_ONCE>(w, x, row, ahead(row, ROWS_AT_ONCE), chunk);
         } else {
             for (i, o) in chunk.iter_mut().enumerate() {
-                gemv_rows::<W, 1>(w, x, row + i, std::slice::from_mut(o));
+                gemv_rows::<W, 1>(w, x, row + i, ahead(row + i, 0), std::slice::from_mut(o));
             }
         }
         row += chunk.len();

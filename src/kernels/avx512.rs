@@ -9,9 +9,10 @@ use std::ops::Range;
 
 use half::f16;
 
+use super::avx2::prefetch_share;
 use super::formats::{
-    Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN, GROUP_BLOCKS, GROUP_LANES,
-    GROUP_LEN, MXFP4_OFFSET, Q4_OFFSET, Q8_OFFSET,
+    ByteSpans, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN, GROUP_BLOCKS,
+    GROUP_LANES, GROUP_LEN, MXFP4_OFFSET, Q4_OFFSET, Q8_OFFSET,
 };
 use super::{GemmScratch, GEMM_TILE_ROWS};
 
@@ -226,14 +227,12 @@ unsafe fn q8_group(w: &Q8Matrix, row: usize, group: usize) -> (__m512i, __m512i,
 }
 
 /// A matrix whose groups decode to unsigned weights (evens, odds) and scale lanes.
-trait GroupSource {
+trait GroupSource: ByteSpans {
     const FORMAT: u8;
     fn groups(&self) -> usize;
     /// # Safety
     /// `row < rows()`, `group < groups()`; the CPU has the module's features.
     unsafe fn load_group(&self, row: usize, group: usize) -> (__m512i, __m512i, __m512);
-    /// The weight bytes and the scale bytes of a range of rows (each contiguous), for prefetching.
-    fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2];
 }
 
 impl GroupSource for Mxfp4Matrix<'_> {
@@ -245,19 +244,6 @@ impl GroupSource for Mxfp4Matrix<'_> {
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     unsafe fn load_group(&self, row: usize, group: usize) -> (__m512i, __m512i, __m512) {
         mxfp4_group(self, row, group)
-    }
-    fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2] {
-        let (row_bytes, row_scales) = (self.cols / 2, self.cols / BLOCK_LEN);
-        [
-            (
-                self.blocks.as_ptr().wrapping_add(rows.start * row_bytes),
-                rows.len() * row_bytes,
-            ),
-            (
-                self.scales.as_ptr().wrapping_add(rows.start * row_scales),
-                rows.len() * row_scales,
-            ),
-        ]
     }
 }
 
@@ -271,22 +257,6 @@ impl GroupSource for Q4Matrix {
     unsafe fn load_group(&self, row: usize, group: usize) -> (__m512i, __m512i, __m512) {
         q4_group(self, row, group)
     }
-    fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2] {
-        let (row_bytes, row_scales) = (self.groups * GROUP_LEN / 2, self.groups * GROUP_BLOCKS * 2);
-        [
-            (
-                self.nibbles.as_ptr().wrapping_add(rows.start * row_bytes),
-                rows.len() * row_bytes,
-            ),
-            (
-                self.scales
-                    .as_ptr()
-                    .cast::<u8>()
-                    .wrapping_add(rows.start * row_scales),
-                rows.len() * row_scales,
-            ),
-        ]
-    }
 }
 
 impl GroupSource for Q8Matrix {
@@ -298,43 +268,6 @@ impl GroupSource for Q8Matrix {
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     unsafe fn load_group(&self, row: usize, group: usize) -> (__m512i, __m512i, __m512) {
         q8_group(self, row, group)
-    }
-    fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2] {
-        let (row_bytes, row_scales) = (self.groups * GROUP_LEN, self.groups * GROUP_BLOCKS * 2);
-        [
-            (
-                self.quants
-                    .as_ptr()
-                    .cast::<u8>()
-                    .wrapping_add(rows.start * row_bytes),
-                rows.len() * row_bytes,
-            ),
-            (
-                self.scales
-                    .as_ptr()
-                    .cast::<u8>()
-                    .wrapping_add(rows.start * row_scales),
-                rows.len() * row_scales,
-            ),
-        ]
-    }
-}
-
-/// Prefetch the share of `spans` that belongs to `group` of `groups`: spreading the next rows'
-/// lines over the current rows' loop keeps memory busy across the jump from one set of short rows
-/// (1.5 KB each) to the next, which the hardware prefetcher alone does not.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-fn prefetch_share(spans: &[(*const u8, usize); 2], group: usize, groups: usize) {
-    for &(start, len) in spans {
-        let share = len.div_ceil(groups);
-        let mut offset = group * share;
-        let end = ((group + 1) * share).min(len);
-        while offset < end {
-            // A prefetch never faults, and wrapping_add makes no claim about the allocation.
-            _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(offset).cast());
-            offset += 64;
-        }
     }
 }
 
@@ -354,7 +287,7 @@ unsafe fn gemv_rows<W: GroupSource, const R: usize>(
 ) {
     let mut acc = [_mm512_setzero_ps(); R];
     let groups = w.groups();
-    let spans = w.spans(prefetch);
+    let spans = w.byte_spans(prefetch);
     for group in 0..groups {
         prefetch_share(&spans, group, groups);
         let a = ActGroup::load(x, 0, group, format_offset(W::FORMAT));

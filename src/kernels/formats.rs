@@ -68,6 +68,69 @@ pub(crate) fn interleaved_position(k: usize) -> usize {
         + element / 2
 }
 
+/// Where a range of rows lives in memory: the weight bytes and the scale bytes, each contiguous.
+/// The SIMD GEMVs prefetch the next rows from these.
+pub(crate) trait ByteSpans {
+    fn byte_spans(&self, rows: std::ops::Range<usize>) -> [(*const u8, usize); 2];
+}
+
+impl ByteSpans for Mxfp4Matrix<'_> {
+    fn byte_spans(&self, rows: std::ops::Range<usize>) -> [(*const u8, usize); 2] {
+        let (row_bytes, row_scales) = (self.cols / 2, self.cols / BLOCK_LEN);
+        [
+            (
+                self.blocks.as_ptr().wrapping_add(rows.start * row_bytes),
+                rows.len() * row_bytes,
+            ),
+            (
+                self.scales.as_ptr().wrapping_add(rows.start * row_scales),
+                rows.len() * row_scales,
+            ),
+        ]
+    }
+}
+
+impl ByteSpans for Q4Matrix {
+    fn byte_spans(&self, rows: std::ops::Range<usize>) -> [(*const u8, usize); 2] {
+        let (row_bytes, row_scales) = (self.groups * GROUP_LEN / 2, self.groups * GROUP_BLOCKS * 2);
+        [
+            (
+                self.nibbles.as_ptr().wrapping_add(rows.start * row_bytes),
+                rows.len() * row_bytes,
+            ),
+            (
+                self.scales
+                    .as_ptr()
+                    .cast::<u8>()
+                    .wrapping_add(rows.start * row_scales),
+                rows.len() * row_scales,
+            ),
+        ]
+    }
+}
+
+impl ByteSpans for Q8Matrix {
+    fn byte_spans(&self, rows: std::ops::Range<usize>) -> [(*const u8, usize); 2] {
+        let (row_bytes, row_scales) = (self.groups * GROUP_LEN, self.groups * GROUP_BLOCKS * 2);
+        [
+            (
+                self.quants
+                    .as_ptr()
+                    .cast::<u8>()
+                    .wrapping_add(rows.start * row_bytes),
+                rows.len() * row_bytes,
+            ),
+            (
+                self.scales
+                    .as_ptr()
+                    .cast::<u8>()
+                    .wrapping_add(rows.start * row_scales),
+                rows.len() * row_scales,
+            ),
+        ]
+    }
+}
+
 fn check_block_cols(what: &str, cols: usize) -> Result<(), KernelError> {
     if cols == 0 || !cols.is_multiple_of(BLOCK_LEN) {
         return Err(KernelError::BadColumns {

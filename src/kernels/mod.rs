@@ -11,6 +11,10 @@
 //! * `Avx2`: AVX2 (`vpmaddubsw` + `vpmaddwd`), F16C and FMA.
 //! * `Scalar`: always available; the reference the others are tested against.
 //!
+//! Neither AVX-512 BF16 (`vdpbf16ps`) nor AVX-VNNI is used: the first rounds the f32 activations
+//! to bf16, which the exact bf16 path must not do; the second would only speed up the AVX2
+//! fallback on CPUs that lack AVX-512.
+//!
 //! # Integer formats and the forward pass
 //! ```text
 //! quantize_activation_rows(x, cols, &mut acts)      once per token (batch), reused by every matrix
@@ -23,6 +27,13 @@
 //! Every function is single-threaded and allocation-free; the caller splits row ranges across its
 //! thread pool. GEMM decodes a tile of weight rows once into [`GemmScratch`] and multiplies it
 //! against all tokens, so its cost per token falls as M grows.
+//!
+//! # Weight formats
+//! * MXFP4: the checkpoint's bytes, borrowed ([`Mxfp4Matrix`]).
+//! * Q8: int8 blocks of 32, f16 scale, symmetric ([`Q8Matrix`], 8.5 bits per weight).
+//! * Q4: 4-bit blocks of 32, f16 scale, symmetric like GGML Q4_0 ([`Q4Matrix`], 4.5 bits).
+//!
+//! Q8 and Q4 rows are padded to whole groups of 128 columns (2.2% for 2880 columns).
 //!
 //! # Numerics
 //! Activations are int8 blocks of 32 with an f32 scale per block ([`Q8Activations`]). MXFP4 values
