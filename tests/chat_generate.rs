@@ -12,7 +12,7 @@ use ossterm::engine::{
     generate, GenerateError, GenerateEvent, GenerateLimits, GenerateResult, InferenceSession,
     Sampler, SamplerSettings, StopReason,
 };
-use ossterm::model::{LoadOptions, Model, Preset, Session};
+use ossterm::model::{LoadOptions, Model, Preset};
 
 /// A session whose logits make greedy sampling emit `script` after the prompt.
 struct ScriptedSession {

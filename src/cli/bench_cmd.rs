@@ -32,11 +32,17 @@ pub struct BenchArgs {
     /// Print one JSON object on stdout instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Measure the kernels alone (GEMV GB/s, GEMM GMAC/s on the 20b expert shape) instead of a model.
+    #[arg(long)]
+    pub kernels: bool,
 }
 
 pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     if args.repeat == 0 {
         anyhow::bail!("--repeat must be at least 1");
+    }
+    if args.kernels {
+        return kernel_bench(&args);
     }
     if args.model.model.is_none() && args.model.synthetic.is_none() {
         anyhow::bail!("name a model: --model DIR or --synthetic 20b|tiny");
@@ -54,9 +60,12 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let settings = BenchSettings {
         model: model.source.clone(),
         threads: rayon::current_num_threads(),
-        kernels: "portable".into(),
-        weights: "bf16 (exact)".into(),
-        kv_cache: "f32".into(),
+        kernels: match model.precision {
+            crate::model::Precision::Exact => "portable (exact)".into(),
+            crate::model::Precision::Fast => model.kernels.path().name().into(),
+        },
+        weights: model.weights_description(),
+        kv_cache: model.kv_format.name().into(),
         prompt_tokens: args.prompt_tokens,
         gen_tokens: args.gen_tokens,
         depth: args.depth,
@@ -71,6 +80,22 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         print!("{}", bench::render_table(&report));
+    }
+    Ok(())
+}
+
+fn kernel_bench(args: &BenchArgs) -> anyhow::Result<()> {
+    let kernels = crate::kernels::Kernels::new(crate::kernels::init_kernel_path()?)?;
+    let config = crate::kernels::bench::KernelBenchConfig {
+        repetitions: args.repeat.max(3),
+        ..crate::kernels::bench::KernelBenchConfig::standard()
+    };
+    eprintln!("measuring the {} kernels ...", kernels.path());
+    let report = crate::kernels::bench::run_kernel_bench(kernels, &config)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print!("{report}");
     }
     Ok(())
 }

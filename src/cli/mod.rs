@@ -76,6 +76,7 @@ impl ModelArgs {
     /// Loads the model the arguments name. `exact` selects the f32 reference path.
     pub fn load(&self, exact: bool) -> anyhow::Result<Arc<Model>> {
         init_threads(self.threads)?;
+        crate::kernels::init_kernel_path()?;
         let opts = LoadOptions {
             precision: if exact {
                 Precision::Exact

@@ -197,7 +197,10 @@ impl ModelConfig {
                 return Err(config_err(key, "must be greater than 0".into()));
             }
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return Err(config_err(
                 "num_key_value_heads",
                 format!(
@@ -206,7 +209,7 @@ impl ModelConfig {
                 ),
             ));
         }
-        if self.head_dim % 2 != 0 || self.head_dim > MAX_HEAD_DIM {
+        if !self.head_dim.is_multiple_of(2) || self.head_dim > MAX_HEAD_DIM {
             return Err(config_err(
                 "head_dim",
                 format!(
@@ -228,7 +231,7 @@ impl ModelConfig {
             ("hidden_size", self.hidden_size),
             ("intermediate_size", self.intermediate_size),
         ] {
-            if value % MXFP4_BLOCK != 0 {
+            if !value.is_multiple_of(MXFP4_BLOCK) {
                 return Err(config_err(
                     key,
                     format!("MXFP4 experts need a multiple of {MXFP4_BLOCK}, found {value}"),

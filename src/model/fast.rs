@@ -89,7 +89,7 @@ pub enum DenseMatrix {
 impl DenseMatrix {
     fn convert(matrix: &Bf16Matrix, format: WeightFormat) -> Result<Self, ModelError> {
         // Quantized blocks need whole blocks of 32 inputs; other widths stay exact.
-        if format == WeightFormat::Native || matrix.cols % MXFP4_BLOCK != 0 {
+        if format == WeightFormat::Native || !matrix.cols.is_multiple_of(MXFP4_BLOCK) {
             return Ok(DenseMatrix::Bf16(matrix.clone()));
         }
         let quantized =
@@ -387,6 +387,18 @@ struct SharedOut(*mut f32);
 unsafe impl Send for SharedOut {}
 unsafe impl Sync for SharedOut {}
 
+impl SharedOut {
+    /// The `len` floats at `offset`.
+    ///
+    /// # Safety
+    /// The range is inside the buffer and no other live slice overlaps it.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self, offset: usize, len: usize) -> &mut [f32] {
+        // SAFETY: guaranteed by the caller, see above.
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(offset), len) }
+    }
+}
+
 /// Rows per task: a multiple of the GEMM tile, about four tasks per thread for balance.
 fn task_rows(total_rows: usize) -> usize {
     let threads = rayon::current_num_threads().max(1);
@@ -429,9 +441,8 @@ fn run_jobs(
     tasks.par_iter().for_each(|task| {
         let job = &jobs[task.job];
         let len = (task.rows.1 - task.rows.0) * job.tokens;
-        let shared = shared;
         // SAFETY: see `SharedOut`: this task's block [block_offset, block_offset + len) is its own.
-        let block = unsafe { std::slice::from_raw_parts_mut(shared.0.add(task.block_offset), len) };
+        let block = unsafe { shared.slice(task.block_offset, len) };
         run_task(k, job, task.rows.0..task.rows.1, block);
     });
     // Reorder the [tokens x task rows] blocks into each job's [tokens x rows] output.
