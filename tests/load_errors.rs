@@ -42,7 +42,7 @@ fn edit_header(file: &Path, edit: impl FnOnce(&mut serde_json::Map<String, serde
     let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
     edit(header.as_object_mut().unwrap());
     let mut text = header.to_string().into_bytes();
-    while text.len() % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(b' ');
     }
     let mut out = (text.len() as u64).to_le_bytes().to_vec();
