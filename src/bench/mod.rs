@@ -71,7 +71,7 @@ pub struct BenchSettings {
 }
 
 /// Receives progress: (what is running, steps done, steps in all).
-pub type Progress<'a> = dyn FnMut(&str, usize, usize) + 'a;
+pub type Progress<'a> = dyn FnMut(&str, usize, usize) + Send + 'a;
 
 /// Parses `assets/bench_prompts.txt`: leading `#` comment lines, prompts separated by `---`.
 pub fn standard_prompts() -> Vec<String> {
@@ -158,7 +158,7 @@ pub fn run(
                 );
                 session.truncate(0);
                 let started = Instant::now();
-                let first = argmax(session.prefill(&ids)?);
+                let first = crate::engine::on_pool(|| session.prefill(&ids).map(argmax))?;
                 times.push(started.elapsed().as_secs_f64() * 1e3);
                 std::hint::black_box(first);
             }

@@ -10,6 +10,9 @@ use super::tokenizer::{special, Tokenizer, Utf8Stream};
 
 /// Headers longer than this are not headers: the model lost the format.
 const MAX_HEADER_TOKENS: usize = 64;
+/// Room for the longest header text: 64 tokens of at most 128 bytes (o200k's longest token) each
+/// plus spelled-out special tokens. Buffers get it up front so parsing never reallocates.
+const HEADER_CAPACITY: usize = MAX_HEADER_TOKENS * 160;
 
 /// Why the model stopped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -123,13 +126,13 @@ impl<'t> HarmonyParser<'t> {
         let mut parser = HarmonyParser {
             tokenizer,
             state: State::Header,
-            header: String::with_capacity(256),
+            header: String::with_capacity(HEADER_CAPACITY),
             header_tokens: 0,
             header_has_start: false,
-            role: String::with_capacity(32),
+            role: String::with_capacity(HEADER_CAPACITY),
             channel: None,
-            channel_name: String::with_capacity(32),
-            recipient: String::with_capacity(64),
+            channel_name: String::with_capacity(HEADER_CAPACITY),
+            recipient: String::with_capacity(HEADER_CAPACITY),
             text: Utf8Stream::default(),
             reported_outside_message: false,
         };
@@ -233,7 +236,15 @@ impl<'t> HarmonyParser<'t> {
                     return;
                 }
                 match self.tokenizer.token_bytes(id) {
-                    Ok(bytes) => self.header.push_str(&String::from_utf8_lossy(bytes)),
+                    Ok(bytes) => {
+                        // Lossy, like String::from_utf8_lossy, but without a temporary String.
+                        for chunk in bytes.utf8_chunks() {
+                            self.header.push_str(chunk.valid());
+                            if !chunk.invalid().is_empty() {
+                                self.header.push(char::REPLACEMENT_CHARACTER);
+                            }
+                        }
+                    }
                     Err(_) => {
                         on_event(ParseEvent::Malformed(Malformation::UnexpectedToken { id }));
                         return;

@@ -154,10 +154,24 @@ impl Tokenizer {
 
 /// Turns a stream of token bytes into text without ever splitting a UTF-8 character across two
 /// updates: an incomplete character waits for the next token's bytes.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Utf8Stream {
     pending: Vec<u8>,
     text: String,
+}
+
+/// The longest o200k token is 128 bytes; with up to 3 bytes of a held-back character that bounds
+/// `pending`, and U+FFFD (3 bytes) for every byte bounds `text`. Sized once, never regrown.
+const STREAM_PENDING: usize = 256;
+const STREAM_TEXT: usize = 3 * STREAM_PENDING;
+
+impl Default for Utf8Stream {
+    fn default() -> Self {
+        Utf8Stream {
+            pending: Vec::with_capacity(STREAM_PENDING),
+            text: String::with_capacity(STREAM_TEXT),
+        }
+    }
 }
 
 impl Utf8Stream {

@@ -220,59 +220,63 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
 
     let stream = !args.json;
     let mut output = RunOutput::default();
-    let mut stdout = std::io::stdout().lock();
-    let mut stderr = std::io::stderr();
     let mut write_error = None;
-    let result = generate(
-        &mut session,
-        tokenizer,
-        &prompt,
-        &mut sampler,
-        GenerateLimits {
-            max_tokens: args.max_tokens,
-        },
-        &cancel,
-        |event| {
-            let GenerateEvent::Parsed(event) = event else {
-                return;
-            };
-            let written = match event {
-                ParseEvent::Text { channel, text } => match channel {
-                    Some(Channel::Analysis | Channel::Commentary) => {
-                        output.reasoning.push_str(text);
-                        if stream && args.show_reasoning {
-                            stderr.write_all(text.as_bytes())
-                        } else {
-                            Ok(())
+    // The loop runs on a pool thread (see engine::on_pool), so it takes stdout there.
+    let result = crate::engine::on_pool(|| {
+        let mut stdout = std::io::stdout().lock();
+        let mut stderr = std::io::stderr();
+        generate(
+            &mut session,
+            tokenizer,
+            &prompt,
+            &mut sampler,
+            GenerateLimits {
+                max_tokens: args.max_tokens,
+            },
+            &cancel,
+            |event| {
+                let GenerateEvent::Parsed(event) = event else {
+                    return;
+                };
+                let written = match event {
+                    ParseEvent::Text { channel, text } => match channel {
+                        Some(Channel::Analysis | Channel::Commentary) => {
+                            output.reasoning.push_str(text);
+                            if stream && args.show_reasoning {
+                                stderr.write_all(text.as_bytes())
+                            } else {
+                                Ok(())
+                            }
                         }
-                    }
-                    // Text without a known channel is shown: the user asked for an answer.
-                    Some(Channel::Final) | None => {
-                        output.answer.push_str(text);
-                        if stream {
-                            stdout
-                                .write_all(text.as_bytes())
-                                .and_then(|()| stdout.flush())
-                        } else {
-                            Ok(())
+                        // Text without a known channel is shown: the user asked for an answer.
+                        Some(Channel::Final) | None => {
+                            output.answer.push_str(text);
+                            if stream {
+                                stdout
+                                    .write_all(text.as_bytes())
+                                    .and_then(|()| stdout.flush())
+                            } else {
+                                Ok(())
+                            }
                         }
+                    },
+                    ParseEvent::MessageEnd {
+                        channel: Some(Channel::Analysis | Channel::Commentary),
+                        ..
+                    } if stream && args.show_reasoning => stderr.write_all(b"\n"),
+                    ParseEvent::Malformed(malformation) => {
+                        output.malformed.push(malformation.to_string());
+                        Ok(())
                     }
-                },
-                ParseEvent::MessageEnd {
-                    channel: Some(Channel::Analysis | Channel::Commentary),
-                    ..
-                } if stream && args.show_reasoning => stderr.write_all(b"\n"),
-                ParseEvent::Malformed(malformation) => {
-                    output.malformed.push(malformation.to_string());
-                    Ok(())
+                    _ => Ok(()),
+                };
+                if let Err(error) = written {
+                    write_error.get_or_insert(error);
                 }
-                _ => Ok(()),
-            };
-            if let Err(error) = written {
-                write_error.get_or_insert(error);
-            }
-        },
-    )?;
+            },
+        )
+    })?;
+    let mut stdout = std::io::stdout().lock();
     if let Some(error) = write_error {
         return Err(error).context("cannot write the reply");
     }

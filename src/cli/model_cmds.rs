@@ -196,20 +196,22 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     }
     let model = args.model.load(args.exact)?;
     let mut session = model.new_session(args.tokens.len() + args.max_tokens);
-    let started = Instant::now();
-    let mut logits = session.prefill(&args.tokens)?;
-    let prefill_time = started.elapsed();
     let mut generated = Vec::with_capacity(args.max_tokens);
-    let decode_start = Instant::now();
-    while generated.len() < args.max_tokens {
-        let next = argmax(logits);
-        generated.push(next);
-        if args.stop.contains(&next) || generated.len() == args.max_tokens {
-            break;
+    let (prefill_time, decode_time) = crate::engine::on_pool(|| -> anyhow::Result<_> {
+        let started = Instant::now();
+        let mut logits = session.prefill(&args.tokens)?;
+        let prefill_time = started.elapsed();
+        let decode_start = Instant::now();
+        while generated.len() < args.max_tokens {
+            let next = argmax(logits);
+            generated.push(next);
+            if args.stop.contains(&next) || generated.len() == args.max_tokens {
+                break;
+            }
+            logits = session.decode(next)?;
         }
-        logits = session.decode(next)?;
-    }
-    let decode_time = decode_start.elapsed();
+        Ok((prefill_time, decode_start.elapsed()))
+    })?;
     eprintln!(
         "prefill {} tokens in {:.2} s, generated {} tokens in {:.2} s",
         args.tokens.len(),

@@ -274,6 +274,19 @@ impl GemmScratch {
     }
 }
 
+/// Like `check_len` for a kernel's output, building the message only on failure: this runs on
+/// every call of the hot path, which must not allocate.
+fn check_output_len(what: &str, got: usize, expected: usize) -> Result<(), KernelError> {
+    if got != expected {
+        return Err(KernelError::Length {
+            what: format!("{what} output (tokens x rows)"),
+            expected,
+            got,
+        });
+    }
+    Ok(())
+}
+
 fn check_rows(what: &str, rows: &Range<usize>, total: usize) -> Result<(), KernelError> {
     if rows.start > rows.end || rows.end > total {
         return Err(KernelError::RowRange {
@@ -309,11 +322,7 @@ fn check_quantized(
             tokens: x.rows(),
         });
     }
-    check_len(
-        &format!("{what} output (tokens x rows)"),
-        out.len(),
-        x.rows() * rows.len(),
-    )
+    check_output_len(what, out.len(), x.rows() * rows.len())
 }
 
 fn check_bf16(
@@ -340,11 +349,7 @@ fn check_bf16(
         });
     }
     let tokens = x.len() / cols;
-    check_len(
-        &format!("{what} output (tokens x rows)"),
-        out.len(),
-        tokens * rows.len(),
-    )?;
+    check_output_len(what, out.len(), tokens * rows.len())?;
     Ok(tokens)
 }
 

@@ -1,0 +1,129 @@
+//! Decoding a token allocates nothing: a counting global allocator watches the forward pass (fast
+//! and exact), the sampler, and the whole generation loop.
+//!
+//! One test function in its own binary, so no other test allocates while it counts.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use ossterm::chat::Tokenizer;
+use ossterm::engine::{generate, on_pool, GenerateLimits, Sampler, SamplerSettings};
+use ossterm::model::{LoadOptions, Model, Precision, Preset};
+
+struct Counting;
+
+static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards every call to the system allocator unchanged; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn allocations() -> usize {
+    ALLOCATIONS.load(Ordering::SeqCst)
+}
+
+fn model(precision: Precision) -> Arc<Model> {
+    let opts = LoadOptions {
+        precision,
+        ..LoadOptions::default()
+    };
+    Arc::new(Model::synthetic(Preset::Tiny, 3, &opts).expect("tiny model"))
+}
+
+/// Allocations made while decoding `steps` tokens after a warm-up.
+fn decode_allocations(model: &Arc<Model>, steps: usize) -> usize {
+    let mut session = model.new_session(256);
+    let mut sampler = Sampler::new(SamplerSettings {
+        seed: Some(1),
+        ..SamplerSettings::default()
+    })
+    .unwrap();
+    let mut next = sampler
+        .sample(session.prefill(&[200006, 17360, 200008]).unwrap())
+        .unwrap();
+    // Warm-up: the pool's threads and their per-thread scratch come to life on first use.
+    for _ in 0..4 {
+        next = sampler.sample(session.decode(next).unwrap()).unwrap();
+    }
+    let before = allocations();
+    for _ in 0..steps {
+        next = sampler.sample(session.decode(next).unwrap()).unwrap();
+    }
+    allocations() - before
+}
+
+/// Allocations of a whole generation of `max_tokens` tokens (prefill included).
+fn generation_allocations(model: &Arc<Model>, max_tokens: usize) -> usize {
+    let tokenizer = Tokenizer::shared().unwrap();
+    let prompt = tokenizer
+        .encode_with_special_tokens("<|start|>user<|message|>hi<|end|><|start|>assistant")
+        .unwrap();
+    let mut session = model.new_session(512);
+    let mut sampler = Sampler::new(SamplerSettings {
+        seed: Some(2),
+        ..SamplerSettings::default()
+    })
+    .unwrap();
+    let cancel = AtomicBool::new(false);
+    let before = allocations();
+    let result = generate(
+        &mut session,
+        tokenizer,
+        &prompt,
+        &mut sampler,
+        GenerateLimits {
+            max_tokens: Some(max_tokens),
+        },
+        &cancel,
+        |_| {},
+    )
+    .unwrap();
+    let used = allocations() - before;
+    assert_eq!(
+        result.generated_tokens, max_tokens,
+        "{:?}",
+        result.stop_reason
+    );
+    used
+}
+
+#[test]
+fn decoding_a_token_allocates_nothing() {
+    for precision in [Precision::Fast, Precision::Exact] {
+        let model = model(precision);
+        assert_eq!(
+            on_pool(|| decode_allocations(&model, 64)),
+            0,
+            "{precision:?} decode allocated"
+        );
+        // The generation loop: longer runs allocate no more than shorter ones.
+        on_pool(|| generation_allocations(&model, 8));
+        let short = on_pool(|| generation_allocations(&model, 8));
+        let long = on_pool(|| generation_allocations(&model, 72));
+        assert_eq!(
+            long,
+            short,
+            "{precision:?}: 32 more tokens cost {} more allocations",
+            long - short
+        );
+    }
+}
