@@ -193,6 +193,35 @@ CASES = {
             gate_up_gain=1.5,
             seed=3000,
         ),
+        Case(
+            name="small_wide",
+            description="the widest case: head_dim 64 and 8 query heads per KV head as in 20b, hidden 256 "
+            "(two 128-wide kernel groups per row), 8 experts top-4 like 20b, 3 layers; the "
+            "fast path's accuracy is judged mostly here, where rounding errors average as in the real model",
+            hidden_size=256,
+            num_hidden_layers=3,
+            num_attention_heads=8,
+            num_key_value_heads=1,
+            head_dim=64,
+            num_local_experts=8,
+            num_experts_per_tok=4,
+            intermediate_size=128,
+            vocab_size=512,
+            sliding_window=32,
+            rope_theta=150000.0,
+            yarn_factor=32.0,
+            original_max_position_embeddings=64,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            max_position_embeddings=4096,
+            rope_key="rope_scaling",
+            num_positions=128,
+            prompt_length=40,
+            num_shards=2,
+            gate_up_gain=1.5,
+            seed=4000,
+        ),
     ]
 }
 
