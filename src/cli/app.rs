@@ -361,6 +361,7 @@ pub fn start_model_engine(config: &AppConfig, events: Sender<Event>) -> EngineHa
                 precision: crate::model::Precision::Fast,
                 weights: settings.weight_format,
                 kv: settings.kv_cache,
+                ..LoadOptions::default()
             };
             let (model, model_label, random_weights) = match source {
                 ModelSource::Checkpoint(dir) => {

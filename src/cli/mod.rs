@@ -12,7 +12,9 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
-use crate::model::{KvFormat, LoadOptions, Model, Precision, Preset, WeightFormat};
+use crate::model::{
+    ActivationFormat, KvFormat, LoadOptions, Model, Precision, Preset, WeightFormat,
+};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -70,6 +72,9 @@ pub struct ModelArgs {
     /// Element type of the KV cache.
     #[arg(long, value_name = "TYPE", default_value = "f16")]
     pub kv_cache: KvFormat,
+    /// Quantization of the experts' inputs: q8 (fastest) or q8x2 (two int8 passes, ~15 bits).
+    #[arg(long, value_name = "FORMAT", default_value = "q8x2")]
+    pub activations: ActivationFormat,
 }
 
 impl ModelArgs {
@@ -85,6 +90,7 @@ impl ModelArgs {
             },
             weights: self.weights,
             kv: self.kv_cache,
+            activations: self.activations,
         };
         let model = match (&self.model, self.synthetic) {
             (Some(dir), _) => Model::load(dir, &opts)

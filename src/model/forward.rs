@@ -265,6 +265,7 @@ impl Session {
                         .expect("a fast session has fast weights"),
                     rope: &model.rope,
                     kernels: model.kernels,
+                    activations: model.activations,
                 };
                 pass.forward_chunk(tokens, start, scratch, cache, &mut self.logits, all_logits)
             }

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub use config::{LayerKind, ModelConfig, Preset, RopeScaling};
-pub use fast::{FastWeights, KvFormat, WeightFormat};
+pub use fast::{ActivationFormat, FastWeights, KvFormat, WeightFormat};
 pub use forward::{ForwardError, Session};
 pub use weights::Weights;
 
@@ -93,6 +93,8 @@ pub struct LoadOptions {
     pub weights: WeightFormat,
     /// KV cache element type in the fast path.
     pub kv: KvFormat,
+    /// How expert inputs are quantized in the fast path.
+    pub activations: ActivationFormat,
 }
 
 /// A loaded model: configuration, weights and the tables every session shares.
@@ -104,6 +106,7 @@ pub struct Model {
     /// The fast path's converted weights (`None` in exact mode).
     pub fast: Option<FastWeights>,
     pub kv_format: KvFormat,
+    pub activations: ActivationFormat,
     pub kernels: crate::kernels::Kernels,
     /// Where the weights came from, for display ("synthetic 20b (random weights)" or a path).
     pub source: String,
@@ -171,6 +174,7 @@ impl Model {
                 Precision::Exact => KvFormat::F32,
                 Precision::Fast => opts.kv,
             },
+            activations: opts.activations,
             kernels,
             source,
         })
@@ -197,6 +201,7 @@ impl Model {
                 .map(|f| f.format)
                 .unwrap_or(WeightFormat::Native),
             kv: self.kv_format,
+            activations: self.activations,
         }
     }
 
@@ -204,7 +209,11 @@ impl Model {
     pub fn weights_description(&self) -> String {
         match &self.fast {
             None => "bf16 (exact)".into(),
-            Some(fast) => format!("experts mxfp4, rest {}", fast.format.name()),
+            Some(fast) => format!(
+                "experts mxfp4 x {} activations, rest {}",
+                self.activations.name(),
+                fast.format.name()
+            ),
         }
     }
 
