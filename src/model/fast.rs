@@ -81,7 +81,15 @@ impl KvFormat {
 
 /// How the experts' inputs are quantized before they meet the MXFP4 weights.
 #[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
 )]
 #[serde(rename_all = "lowercase")]
 pub enum ActivationFormat {
@@ -314,6 +322,8 @@ pub struct FastScratch {
     /// First-pass quantization and the f32 rows of a split quantization.
     split_first: Q8Activations,
     split_staging: Vec<f32>,
+    /// The unembedding's output rows before folding split activations.
+    logits_split: Vec<f32>,
     gate_up: Vec<f32>,
     activated: Vec<f32>,
     activated_q: Vec<Q8Activations>,
@@ -338,19 +348,26 @@ impl FastScratch {
         // Expert products hold up to two quantized rows per token, for a chunk's tokens in prefill
         // or a token's routed experts in decode.
         let expert_rows = 2 * n.max(top_k);
-        let blocked = [n * (qw + 2 * kv), n * h, n * e, c.vocab_size, expert_rows * 2 * i, expert_rows * h]
-            .into_iter()
-            .max()
-            .unwrap_or(0);
+        let blocked = [
+            2 * n * (qw + 2 * kv),
+            2 * n * h,
+            n * e,
+            2 * c.vocab_size,
+            expert_rows * 2 * i,
+            expert_rows * h,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0);
         FastScratch {
             x: vec![0.0; n * h],
             normed: vec![0.0; n * h],
-            normed_q: Q8Activations::with_capacity(n, h),
+            normed_q: Q8Activations::with_capacity(2 * n, h),
             q: vec![0.0; n * qw],
             k: vec![0.0; n * kv],
             v: vec![0.0; n * kv],
             attn: vec![0.0; n * qw],
-            attn_q: Q8Activations::with_capacity(n, qw),
+            attn_q: Q8Activations::with_capacity(2 * n, qw),
             proj: vec![0.0; n * h],
             cos: vec![0.0; n * c.head_dim / 2],
             sin: vec![0.0; n * c.head_dim / 2],
@@ -359,9 +376,10 @@ impl FastScratch {
             route_rows: Vec::with_capacity(2 * n),
             gathered: Q8Activations::with_capacity(2 * n, h),
             expert_in_q: Q8Activations::with_capacity(2 * n, h),
-            split_first: Q8Activations::with_capacity(n, h.max(i)),
-            split_staging: vec![0.0; 2 * n * h.max(i)],
-            gate_up: vec![0.0; (expert_rows * 2 * i).max(n * (qw + 2 * kv))],
+            split_first: Q8Activations::with_capacity(n, h.max(i).max(qw)),
+            split_staging: vec![0.0; 2 * n * h.max(i).max(qw)],
+            logits_split: vec![0.0; 2 * c.vocab_size],
+            gate_up: vec![0.0; (expert_rows * 2 * i).max(2 * n * (qw + 2 * kv))],
             activated: vec![0.0; n.max(top_k) * i],
             activated_q: (0..top_k.max(1))
                 .map(|_| Q8Activations::with_capacity(2 * n, i))
@@ -628,21 +646,26 @@ impl FastPass<'_> {
     /// `out = W normed` for the first `n` rows of `s.normed` (quantizing them when `w` needs it).
     fn dense(&self, w: &DenseMatrix, n: usize, s: &mut FastScratch, out: &mut [f32]) {
         let h = self.config.hidden_size;
-        let quantized = if w.needs_quantized_input() {
-            quantize_activation_rows(&s.normed[..n * h], h, &mut s.normed_q)
-                .expect("hidden size is a multiple of 32");
-            Some(&s.normed_q)
-        } else {
-            None
-        };
-        let job = Job {
-            weights: JobWeights::Dense(w),
-            quantized,
-            plain: &s.normed[..n * h],
-            tokens: n,
-            out_offset: 0,
-        };
-        run_jobs(self.kernels, &[job], &mut s.tasks, &mut s.blocked, out);
+        if !w.needs_quantized_input() {
+            let job = dense_job(w, None, &s.normed[..n * h], n, 0);
+            run_jobs(self.kernels, &[job], &mut s.tasks, &mut s.blocked, out);
+            return;
+        }
+        let per_token = self.activations.rows_per_token();
+        quantize_rows(
+            &s.normed[..n * h],
+            h,
+            self.activations,
+            &mut s.normed_q,
+            &mut s.split_first,
+            &mut s.split_staging,
+        );
+        let rows = w.rows();
+        let staged = &mut s.logits_split[..per_token * n * rows];
+        let job = dense_job(w, Some(&s.normed_q), &[], per_token * n, 0);
+        run_jobs(self.kernels, &[job], &mut s.tasks, &mut s.blocked, staged);
+        fold_rows(staged, n, per_token, rows);
+        out[..n * rows].copy_from_slice(&staged[..n * rows]);
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -663,25 +686,43 @@ impl FastPass<'_> {
             .iter()
             .any(|m| m.needs_quantized_input());
         if needs_q8 {
-            quantize_activation_rows(&s.normed[..n * h], h, &mut s.normed_q)
-                .expect("hidden size is a multiple of 32");
+            quantize_rows(
+                &s.normed[..n * h],
+                h,
+                self.activations,
+                &mut s.normed_q,
+                &mut s.split_first,
+                &mut s.split_staging,
+            );
         }
-        // q, k and v read the same activations: one parallel region, outputs side by side in `proj`
-        // scratch ([n x qw] then [n x kvw] twice), then split.
-        let qkv_out = &mut s.gate_up[..n * (qw + 2 * kvw)];
+        // q, k and v read the same activations: one parallel region, outputs side by side
+        // ([rows x qw] then [rows x kvw] twice, rows = tokens x quantized rows per token).
+        let per = |m: &DenseMatrix| {
+            if m.needs_quantized_input() {
+                self.activations.rows_per_token()
+            } else {
+                1
+            }
+        };
+        let (pq, pk, pv) = (per(&fast.q), per(&fast.k), per(&fast.v));
+        let (at_k, at_v) = (pq * n * qw, pq * n * qw + pk * n * kvw);
+        let qkv_out = &mut s.gate_up[..at_v + pv * n * kvw];
         {
             let quantized = needs_q8.then_some(&s.normed_q);
             let plain = &s.normed[..n * h];
             let jobs = [
-                dense_job(&fast.q, quantized, plain, n, 0),
-                dense_job(&fast.k, quantized, plain, n, n * qw),
-                dense_job(&fast.v, quantized, plain, n, n * (qw + kvw)),
+                dense_job(&fast.q, quantized, plain, pq * n, 0),
+                dense_job(&fast.k, quantized, plain, pk * n, at_k),
+                dense_job(&fast.v, quantized, plain, pv * n, at_v),
             ];
             run_jobs(self.kernels, &jobs, &mut s.tasks, &mut s.blocked, qkv_out);
         }
+        fold_rows(&mut qkv_out[..at_k], n, pq, qw);
+        fold_rows(&mut qkv_out[at_k..at_v], n, pk, kvw);
+        fold_rows(&mut qkv_out[at_v..], n, pv, kvw);
         s.q[..n * qw].copy_from_slice(&qkv_out[..n * qw]);
-        s.k[..n * kvw].copy_from_slice(&qkv_out[n * qw..n * (qw + kvw)]);
-        s.v[..n * kvw].copy_from_slice(&qkv_out[n * (qw + kvw)..n * (qw + 2 * kvw)]);
+        s.k[..n * kvw].copy_from_slice(&qkv_out[at_k..at_k + n * kvw]);
+        s.v[..n * kvw].copy_from_slice(&qkv_out[at_v..at_v + n * kvw]);
         for i in 0..n {
             add_into(&mut s.q[i * qw..(i + 1) * qw], &a.q.bias);
             add_into(&mut s.k[i * kvw..(i + 1) * kvw], &a.k.bias);
@@ -700,19 +741,23 @@ impl FastPass<'_> {
             KvStore::F16(layers) => self.attend(layer, start, n, s, &mut layers[2 * l..2 * l + 2]),
             KvStore::F32(layers) => self.attend(layer, start, n, s, &mut layers[2 * l..2 * l + 2]),
         }
-        let o_out = &mut s.proj[..n * h];
+        let po = per(&fast.o);
         if fast.o.needs_quantized_input() {
-            quantize_activation_rows(&s.attn[..n * qw], qw, &mut s.attn_q)
-                .expect("query width is a multiple of 32");
+            quantize_rows(
+                &s.attn[..n * qw],
+                qw,
+                self.activations,
+                &mut s.attn_q,
+                &mut s.split_first,
+                &mut s.split_staging,
+            );
         }
-        let job = Job {
-            weights: JobWeights::Dense(&fast.o),
-            quantized: fast.o.needs_quantized_input().then_some(&s.attn_q),
-            plain: &s.attn[..n * qw],
-            tokens: n,
-            out_offset: 0,
-        };
-        run_jobs(self.kernels, &[job], &mut s.tasks, &mut s.blocked, o_out);
+        let job = dense_job(&fast.o, Some(&s.attn_q), &s.attn[..n * qw], po * n, 0);
+        let staged = &mut s.expert_out[..po * n * h];
+        run_jobs(self.kernels, &[job], &mut s.tasks, &mut s.blocked, staged);
+        fold_rows(staged, n, po, h);
+        let o_out = &mut s.proj[..n * h];
+        o_out.copy_from_slice(&staged[..n * h]);
         for i in 0..n {
             add_into(&mut o_out[i * h..(i + 1) * h], &a.o.bias);
         }
@@ -825,7 +870,7 @@ impl FastPass<'_> {
                 s.routes[expert].push((i, weight))
             });
         }
-        quantize_for_experts(
+        quantize_rows(
             &s.normed[..n * h],
             h,
             self.activations,
@@ -885,7 +930,7 @@ impl FastPass<'_> {
             let gate_up = &s.gate_up[slot * 2 * inter..(slot + 1) * 2 * inter];
             let activated = &mut s.activated[slot * inter..(slot + 1) * inter];
             swiglu(c, gate_up, layer.gate_up.bias(expert), activated);
-            quantize_for_experts(
+            quantize_rows(
                 activated,
                 inter,
                 self.activations,
@@ -960,7 +1005,7 @@ impl FastPass<'_> {
                 &mut s.activated[t * inter..(t + 1) * inter],
             );
         }
-        quantize_for_experts(
+        quantize_rows(
             &s.activated[..m * inter],
             inter,
             self.activations,
@@ -1018,9 +1063,9 @@ fn dense_job<'j>(
 pub const MAX_GROUP: usize = 64;
 const MAX_TOP_K: usize = 32;
 
-/// Quantizes the token rows of `x` (`cols` wide) for the experts: one int8 row per token, or for
+/// Quantizes the token rows of `x` (`cols` wide) for a quantized matrix: one int8 row per token, or for
 /// [`ActivationFormat::Q8x2`] two, the second quantizing what the first missed.
-fn quantize_for_experts(
+fn quantize_rows(
     x: &[f32],
     cols: usize,
     format: ActivationFormat,
@@ -1028,7 +1073,7 @@ fn quantize_for_experts(
     first: &mut Q8Activations,
     staging: &mut [f32],
 ) {
-    let widths = "expert inputs are a multiple of 32 wide";
+    let widths = "quantized inputs are a multiple of 32 wide";
     if format == ActivationFormat::Q8 {
         quantize_activation_rows(x, cols, out).expect(widths);
         return;
