@@ -5,7 +5,7 @@ use half::f16;
 use ossterm::kernels::{
     e8m0_scale, parse_kernel_path, quantize_activation_rows, quantize_activations,
     select_kernel_path, GemmScratch, KernelError, KernelPath, Kernels, Mxfp4Matrix, Q4Matrix,
-    Q8Activations, Q8Matrix, FP4_E2M1,
+    Q8Activations, Q8Matrix, FP4_E2M1, MAX_GEMV_TOKENS,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -139,8 +139,8 @@ fn mxfp4_gemv_and_gemm_match_scalar_on_every_path() {
                     &expected,
                     &bounds,
                 );
-                if tokens == 1 {
-                    let mut got = vec![f32::NAN; n];
+                if tokens <= MAX_GEMV_TOKENS {
+                    let mut got = vec![f32::NAN; tokens * n];
                     k.mxfp4_gemv(&w, &x, range.clone(), &mut got).unwrap();
                     assert_close(
                         &format!("MXFP4 GEMV {} {rows}x{cols}", k.path()),
@@ -256,7 +256,7 @@ fn q8_and_q4_gemv_and_gemm_match_scalar_on_every_path() {
                 k.q4_gemm(&q4, &x, range.clone(), &mut got, &mut scratch)
                     .unwrap();
                 assert_close(&format!("Q4 GEMM {what}"), &got, &expected4, &bounds4);
-                if tokens == 1 {
+                if tokens <= MAX_GEMV_TOKENS {
                     k.q8_gemv(&q8, &x, range.clone(), &mut got).unwrap();
                     assert_close(&format!("Q8 GEMV {what}"), &got, &expected8, &bounds8);
                     k.q4_gemv(&q4, &x, range.clone(), &mut got).unwrap();
@@ -598,9 +598,11 @@ fn bad_shapes_are_errors_not_panics() {
     let mut scratch = GemmScratch::new(32);
     for k in Kernels::all_supported() {
         let mut out = vec![0.0; 8];
-        // Two tokens into a GEMV, rows past the end, short output, too small scratch.
+        // Three tokens into a GEMV, rows past the end, short output, too small scratch.
+        let mut three = Q8Activations::new();
+        quantize_activation_rows(&[0.5; 192], 64, &mut three).unwrap();
         assert!(matches!(
-            k.mxfp4_gemv(&w, &x, 0..4, &mut out[..4]),
+            k.mxfp4_gemv(&w, &three, 0..2, &mut out[..6]),
             Err(KernelError::NotOneToken { .. })
         ));
         assert!(matches!(

@@ -301,35 +301,44 @@ pub(super) fn prefetch_share(spans: &[(*const u8, usize); 2], group: usize, grou
     }
 }
 
-/// `R` rows against one token, prefetching the rows `prefetch`.
+/// `R` rows against `T` tokens (1 or 2), decoding each weight pair once for all tokens, while
+/// prefetching the rows `prefetch`. Writes `out[t * stride + at + i]`.
 ///
 /// # Safety
-/// `first_row + R` rows exist, `x` has one token of the matrix's columns, `out.len() >= R`.
+/// `first_row + R` rows exist, `x` has `T` tokens of the matrix's columns, writes in bounds.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn gemv_rows<W: PairSource, const R: usize>(
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemv_rows<W: PairSource, const R: usize, const T: usize>(
     w: &W,
     x: &Q8Activations,
     first_row: usize,
     prefetch: Range<usize>,
     out: &mut [f32],
+    stride: usize,
+    at: usize,
 ) {
-    let mut acc = [_mm256_setzero_ps(); R];
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
     let groups = w.groups();
     let spans = w.byte_spans(prefetch);
     for group in 0..groups {
         prefetch_share(&spans, group, groups);
         for pair in 0..2 {
-            let a = ActPair::load(x, 0, group, pair, W::OFFSET);
+            let a: [ActPair; T] =
+                std::array::from_fn(|t| ActPair::load(x, t, group, pair, W::OFFSET));
             for (i, acc_row) in acc.iter_mut().enumerate() {
                 if let Some((evens, odds, scales)) = w.load_pair(first_row + i, group, pair) {
-                    *acc_row = pair_fma(W::SIGNED, *acc_row, evens, odds, scales, &a);
+                    for (acc_t, a_t) in acc_row.iter_mut().zip(&a) {
+                        *acc_t = pair_fma(W::SIGNED, *acc_t, evens, odds, scales, a_t);
+                    }
                 }
             }
         }
     }
-    for (o, acc_row) in out.iter_mut().zip(acc) {
-        *o = W::FACTOR * reduce_add(acc_row);
+    for (i, acc_row) in acc.iter().enumerate() {
+        for (t, acc_t) in acc_row.iter().enumerate() {
+            out[t * stride + at + i] = W::FACTOR * reduce_add(*acc_t);
+        }
     }
 }
 
@@ -337,21 +346,38 @@ unsafe fn gemv_rows<W: PairSource, const R: usize>(
 /// The CPU has the module's features; shapes were checked by `Kernels`.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn gemv<W: PairSource>(w: &W, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
+    match x.rows() {
+        1 => gemv_tokens::<W, 1>(w, x, rows, out),
+        _ => gemv_tokens::<W, 2>(w, x, rows, out),
+    }
+}
+
+/// # Safety
+/// As [`gemv`], with `x` holding exactly `T` tokens.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn gemv_tokens<W: PairSource, const T: usize>(
+    w: &W,
+    x: &Q8Activations,
+    rows: Range<usize>,
+    out: &mut [f32],
+) {
     const ROWS_AT_ONCE: usize = 4;
     const PREFETCH_AHEAD: usize = 2 * ROWS_AT_ONCE;
-    let mut row = rows.start;
+    let stride = rows.len();
     let ahead = |row: usize, count: usize| {
         (row + PREFETCH_AHEAD).min(rows.end)..(row + PREFETCH_AHEAD + count).min(rows.end)
     };
-    for chunk in out.chunks_mut(ROWS_AT_ONCE) {
-        if chunk.len() == ROWS_AT_ONCE {
-            gemv_rows::<W, ROWS_AT_ONCE>(w, x, row, ahead(row, ROWS_AT_ONCE), chunk);
+    let mut at = 0;
+    while at < stride {
+        let row = rows.start + at;
+        if stride - at >= ROWS_AT_ONCE {
+            gemv_rows::<W, ROWS_AT_ONCE, T>(w, x, row, ahead(row, ROWS_AT_ONCE), out, stride, at);
+            at += ROWS_AT_ONCE;
         } else {
-            for (i, o) in chunk.iter_mut().enumerate() {
-                gemv_rows::<W, 1>(w, x, row + i, ahead(row + i, 0), std::slice::from_mut(o));
-            }
+            gemv_rows::<W, 1, T>(w, x, row, ahead(row, 0), out, stride, at);
+            at += 1;
         }
-        row += chunk.len();
     }
 }
 

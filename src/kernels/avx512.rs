@@ -271,33 +271,42 @@ impl GroupSource for Q8Matrix {
     }
 }
 
-/// `R` rows against one token, sharing each activation load across the rows, while prefetching
-/// the rows `prefetch`.
+/// `R` rows against `T` tokens (1 or 2: a token and its split remainder), decoding each weight
+/// group once for all tokens and sharing each activation load across the rows, while prefetching
+/// the rows `prefetch`. Writes `out[t * stride + at + i]`.
 ///
 /// # Safety
-/// `first_row + R <= w.rows()`, `x` has one token of `w`'s columns, `out.len() >= R`.
+/// `first_row + R <= w.rows()`, `x` has `T` tokens of `w`'s columns, the writes are in bounds.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-unsafe fn gemv_rows<W: GroupSource, const R: usize>(
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemv_rows<W: GroupSource, const R: usize, const T: usize>(
     w: &W,
     x: &Q8Activations,
     first_row: usize,
     prefetch: Range<usize>,
     out: &mut [f32],
+    stride: usize,
+    at: usize,
 ) {
-    let mut acc = [_mm512_setzero_ps(); R];
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
     let groups = w.groups();
     let spans = w.byte_spans(prefetch);
     for group in 0..groups {
         prefetch_share(&spans, group, groups);
-        let a = ActGroup::load(x, 0, group, format_offset(W::FORMAT));
+        let a: [ActGroup; T] =
+            std::array::from_fn(|t| ActGroup::load(x, t, group, format_offset(W::FORMAT)));
         for (i, acc_row) in acc.iter_mut().enumerate() {
             let (evens, odds, scales) = w.load_group(first_row + i, group);
-            *acc_row = group_fma(*acc_row, evens, odds, scales, &a);
+            for (acc_t, a_t) in acc_row.iter_mut().zip(&a) {
+                *acc_t = group_fma(*acc_t, evens, odds, scales, a_t);
+            }
         }
     }
-    for (o, acc_row) in out.iter_mut().zip(acc) {
-        *o = format_factor(W::FORMAT) * _mm512_reduce_add_ps(acc_row);
+    for (i, acc_row) in acc.iter().enumerate() {
+        for (t, acc_t) in acc_row.iter().enumerate() {
+            out[t * stride + at + i] = format_factor(W::FORMAT) * _mm512_reduce_add_ps(*acc_t);
+        }
     }
 }
 
@@ -306,21 +315,38 @@ unsafe fn gemv_rows<W: GroupSource, const R: usize>(
 /// `rows` inside the matrix, `out.len() == rows.len()`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn gemv<W: GroupSource>(w: &W, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
+    match x.rows() {
+        1 => gemv_tokens::<W, 1>(w, x, rows, out),
+        _ => gemv_tokens::<W, 2>(w, x, rows, out),
+    }
+}
+
+/// # Safety
+/// As [`gemv`], with `x` holding exactly `T` tokens.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn gemv_tokens<W: GroupSource, const T: usize>(
+    w: &W,
+    x: &Q8Activations,
+    rows: Range<usize>,
+    out: &mut [f32],
+) {
     const ROWS_AT_ONCE: usize = 4;
     const PREFETCH_AHEAD: usize = 2 * ROWS_AT_ONCE;
-    let mut row = rows.start;
+    let stride = rows.len();
     let ahead = |row: usize, count: usize| {
         (row + PREFETCH_AHEAD).min(rows.end)..(row + PREFETCH_AHEAD + count).min(rows.end)
     };
-    for chunk in out.chunks_mut(ROWS_AT_ONCE) {
-        if chunk.len() == ROWS_AT_ONCE {
-            gemv_rows::<W, ROWS_AT_ONCE>(w, x, row, ahead(row, ROWS_AT_ONCE), chunk);
+    let mut at = 0;
+    while at < stride {
+        let row = rows.start + at;
+        if stride - at >= ROWS_AT_ONCE {
+            gemv_rows::<W, ROWS_AT_ONCE, T>(w, x, row, ahead(row, ROWS_AT_ONCE), out, stride, at);
+            at += ROWS_AT_ONCE;
         } else {
-            for (i, o) in chunk.iter_mut().enumerate() {
-                gemv_rows::<W, 1>(w, x, row + i, ahead(row + i, 0), std::slice::from_mut(o));
-            }
+            gemv_rows::<W, 1, T>(w, x, row, ahead(row, 0), out, stride, at);
+            at += 1;
         }
-        row += chunk.len();
     }
 }
 

@@ -69,6 +69,10 @@ use formats::{check_len, GROUP_LANES};
 /// Name of the environment variable that forces a kernel path.
 pub const KERNELS_ENV: &str = "OSSTERM_KERNELS";
 
+/// Most tokens a GEMV streams the weights for in one pass: a token and its split remainder
+/// (two-pass int8 activations); more tokens go to the GEMM.
+pub const MAX_GEMV_TOKENS: usize = 2;
+
 /// Rows of weights a GEMM decodes at once; their int8 form (16 x 2944 bytes for 2880 columns) stays
 /// in L1/L2 while every token is multiplied against it.
 pub const GEMM_TILE_ROWS: usize = 16;
@@ -116,7 +120,7 @@ pub enum KernelError {
         expected: usize,
         got: usize,
     },
-    #[error("{what}: GEMV takes exactly one token, got {tokens}")]
+    #[error("{what}: GEMV takes 1 to {MAX_GEMV_TOKENS} tokens, got {tokens}")]
     NotOneToken { what: String, tokens: usize },
     #[error("kernel benchmark could not start its thread pool: {0}")]
     ThreadPool(String),
@@ -316,7 +320,7 @@ fn check_quantized(
             got: x.cols(),
         });
     }
-    if one_token && x.rows() != 1 {
+    if one_token && !(1..=MAX_GEMV_TOKENS).contains(&x.rows()) {
         return Err(KernelError::NotOneToken {
             what: what.to_string(),
             tokens: x.rows(),
@@ -401,7 +405,8 @@ impl Kernels {
         self.path
     }
 
-    /// `out[i] = W[rows.start + i] . x` for the single token in `x`.
+    /// `out[t * rows.len() + i] = W[rows.start + i] . x[t]` for the one or two tokens in `x`,
+    /// streaming the weights once (a GEMM for so few tokens would spend its time decoding tiles).
     pub fn mxfp4_gemv(
         &self,
         w: &Mxfp4Matrix,
