@@ -409,7 +409,21 @@ impl JobWeights<'_> {
             JobWeights::Bf16(m) => m.rows,
         }
     }
+
+    fn cols(&self) -> usize {
+        match self {
+            JobWeights::Dense(DenseMatrix::Bf16(m)) => m.cols,
+            JobWeights::Dense(DenseMatrix::Q8(m)) => m.cols(),
+            JobWeights::Dense(DenseMatrix::Q4(m)) => m.cols(),
+            JobWeights::Expert(m) => m.cols(),
+            JobWeights::Bf16(m) => m.cols,
+        }
+    }
 }
+
+/// Multiply-accumulates below which a job set runs on the calling thread: waking the pool costs
+/// more than the work (the router's 32 x 2880 for one token, say).
+const INLINE_WORK: usize = 1 << 18;
 
 /// One matrix times a batch of activations, written token-major into `out` ([n x rows]).
 #[derive(Clone, Copy)]
@@ -473,13 +487,18 @@ fn run_jobs(
 ) {
     tasks.clear();
     let total_rows: usize = jobs.iter().map(|j| j.weights.rows()).sum();
-    let per_task = task_rows(total_rows);
+    let work: usize = jobs
+        .iter()
+        .map(|j| j.weights.rows() * j.weights.cols() * j.tokens)
+        .sum();
+    let inline = work < INLINE_WORK;
+    let per_task = if inline { usize::MAX } else { task_rows(total_rows) };
     let mut block_offset = 0;
     for (index, job) in jobs.iter().enumerate() {
         let rows = job.weights.rows();
         let mut start = 0;
         while start < rows {
-            let end = (start + per_task).min(rows);
+            let end = start.saturating_add(per_task).min(rows);
             tasks.push(RowTask {
                 job: index,
                 rows: (start, end),
@@ -494,13 +513,18 @@ fn run_jobs(
         "scratch sized for the widest job set"
     );
     let shared = SharedOut(blocked.as_mut_ptr());
-    tasks.par_iter().for_each(|task| {
+    let run = |task: &RowTask| {
         let job = &jobs[task.job];
         let len = (task.rows.1 - task.rows.0) * job.tokens;
         // SAFETY: see `SharedOut`: this task's block [block_offset, block_offset + len) is its own.
         let block = unsafe { shared.slice(task.block_offset, len) };
         run_task(k, job, task.rows.0..task.rows.1, block);
-    });
+    };
+    if inline {
+        tasks.iter().for_each(run);
+    } else {
+        tasks.par_iter().for_each(run);
+    }
     // Reorder the [tokens x task rows] blocks into each job's [tokens x rows] output.
     for task in tasks.iter() {
         let job = &jobs[task.job];
