@@ -68,6 +68,11 @@ pub struct BenchSettings {
     pub depth: usize,
     pub repeat: usize,
     pub cpu: String,
+    /// Seconds from start to a ready model (mapping, conversion).
+    pub load_seconds: f64,
+    /// Seconds spent converting weights to the chosen format, and the memory they took.
+    pub convert_seconds: f64,
+    pub converted_bytes: u64,
 }
 
 /// Receives progress: (what is running, steps done, steps in all).
@@ -277,6 +282,15 @@ pub fn render_table(report: &BenchReport) -> String {
         format!(
             "settings   threads {}, kernels {}, weights {}, kv cache {}, cpu {}",
             s.threads, s.kernels, s.weights, s.kv_cache, s.cpu
+        ),
+    );
+    line(
+        &mut out,
+        format!(
+            "load       {:.1} s, of which {:.1} s converting weights ({:.2} GiB)",
+            s.load_seconds,
+            s.convert_seconds,
+            s.converted_bytes as f64 / (1u64 << 30) as f64
         ),
     );
     line(&mut out, String::new());

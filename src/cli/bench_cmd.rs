@@ -49,7 +49,9 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     }
     let mut progress = ProgressLine::new();
     progress.show("loading the model", 0, 1);
+    let load_started = std::time::Instant::now();
     let model = args.model.load(args.exact)?;
+    let load_seconds = load_started.elapsed().as_secs_f64();
     let plan = BenchPlan {
         prompt_tokens: args.prompt_tokens,
         gen_tokens: args.gen_tokens,
@@ -71,6 +73,12 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         depth: args.depth,
         repeat: args.repeat,
         cpu: String::new(),
+        load_seconds,
+        convert_seconds: model
+            .fast
+            .as_ref()
+            .map_or(0.0, |f| f.convert_time.as_secs_f64()),
+        converted_bytes: model.fast.as_ref().map_or(0, |f| f.owned_bytes as u64),
     };
     let report = bench::run(&model, &plan, settings, &mut |what, done, total| {
         progress.show(what, done, total)

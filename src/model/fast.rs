@@ -492,7 +492,11 @@ fn run_jobs(
         .map(|j| j.weights.rows() * j.weights.cols() * j.tokens)
         .sum();
     let inline = work < INLINE_WORK;
-    let per_task = if inline { usize::MAX } else { task_rows(total_rows) };
+    let per_task = if inline {
+        usize::MAX
+    } else {
+        task_rows(total_rows)
+    };
     let mut block_offset = 0;
     for (index, job) in jobs.iter().enumerate() {
         let rows = job.weights.rows();
