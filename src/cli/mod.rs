@@ -63,7 +63,7 @@ pub struct ModelArgs {
     /// Seed of the synthetic weights.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub synthetic_seed: u64,
-    /// Worker threads for the forward pass (default: one per core).
+    /// Worker threads for the forward pass (default: one per physical core).
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
     /// Format of attention and unembedding weights (experts stay MXFP4).
@@ -104,7 +104,7 @@ impl ModelArgs {
 
 /// Sizes the global rayon pool once; later calls with the same count are fine.
 pub fn init_threads(threads: Option<usize>) -> anyhow::Result<()> {
-    let count = threads.unwrap_or_else(default_threads);
+    let count = threads.unwrap_or_else(crate::engine::default_threads);
     if count == 0 {
         anyhow::bail!("--threads must be at least 1");
     }
@@ -115,12 +115,6 @@ pub fn init_threads(threads: Option<usize>) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One worker per available core.
-pub fn default_threads() -> usize {
-    std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
-}
 
 pub fn main() -> ExitCode {
     let cli = Cli::parse();

@@ -24,3 +24,9 @@ pub fn on_pool<T: Send>(work: impl FnOnce() -> T + Send) -> T {
     rayon::scope(|_| result = Some(work()));
     result.expect("rayon::scope runs its closure before returning")
 }
+
+/// Default worker threads: one per physical core. Hyperthread siblings share a core's load units
+/// and cache, so they add little to bandwidth-bound decode and contend in compute-bound prefill.
+pub fn default_threads() -> usize {
+    num_cpus::get_physical().max(1)
+}
