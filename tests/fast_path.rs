@@ -172,3 +172,31 @@ fn fast_decode_agrees_with_fast_prefill() {
         }
     }
 }
+
+#[test]
+fn every_kernel_path_computes_the_same_logits() {
+    use ossterm::kernels::Kernels;
+    let dir = &fixture_dirs()[0];
+    let paths: Vec<_> = Kernels::all_supported().iter().map(|k| k.path()).collect();
+    let logits: Vec<Vec<f32>> = paths
+        .iter()
+        .map(|&path| {
+            let opts = LoadOptions {
+                kernels: Some(path),
+                ..LoadOptions::default()
+            };
+            all_logits(dir, &opts).0
+        })
+        .collect();
+    let scale = logits[0].iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    for (path, other) in paths.iter().zip(&logits).skip(1) {
+        let err = other
+            .iter()
+            .zip(&logits[0])
+            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        // Integer products agree exactly; f32 summation order differs between paths, and three
+        // layers amplify those last-bit differences a little.
+        assert!(err <= 1e-3 * scale, "{path:?} differs from scalar by {err}");
+    }
+    eprintln!("kernel paths compared: {paths:?}");
+}

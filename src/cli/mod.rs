@@ -91,6 +91,7 @@ impl ModelArgs {
             weights: self.weights,
             kv: self.kv_cache,
             activations: self.activations,
+            kernels: None,
         };
         let model = match (&self.model, self.synthetic) {
             (Some(dir), _) => Model::load(dir, &opts)
@@ -114,7 +115,6 @@ pub fn init_threads(threads: Option<usize>) -> anyhow::Result<()> {
         .build_global();
     Ok(())
 }
-
 
 pub fn main() -> ExitCode {
     let cli = Cli::parse();

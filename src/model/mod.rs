@@ -95,6 +95,8 @@ pub struct LoadOptions {
     pub kv: KvFormat,
     /// How expert inputs are quantized in the fast path.
     pub activations: ActivationFormat,
+    /// Kernel path to use instead of the process-wide one (tests compare paths this way).
+    pub kernels: Option<crate::kernels::KernelPath>,
 }
 
 /// A loaded model: configuration, weights and the tables every session shares.
@@ -159,7 +161,8 @@ impl Model {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Model, ModelError> {
         let rope = RopeTable::new(&config);
-        let kernels = crate::kernels::Kernels::new(crate::kernels::kernel_path())?;
+        let path = opts.kernels.unwrap_or_else(crate::kernels::kernel_path);
+        let kernels = crate::kernels::Kernels::new(path)?;
         let fast = match opts.precision {
             Precision::Exact => None,
             Precision::Fast => Some(FastWeights::build(&weights, opts.weights, progress)?),
@@ -202,6 +205,7 @@ impl Model {
                 .unwrap_or(WeightFormat::Native),
             kv: self.kv_format,
             activations: self.activations,
+            kernels: Some(self.kernels.path()),
         }
     }
 
