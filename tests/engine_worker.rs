@@ -2,8 +2,9 @@
 //! mistake in prefix reuse (a stale token left behind, a token missing) changes the output.
 
 use ossterm::engine::protocol::{
-    Channel, Command, Conversation, Event, GenerateRequest, KvCacheType, Message, ReasoningEffort,
-    RequestKind, Role, SamplingSettings, Settings, StopReason, SystemContent, WeightFormat,
+    Channel, ChatMessage, Command, Conversation, Event, GenerateRequest, KvCacheType,
+    ReasoningEffort, RequestKind, Role, SamplingSettings, Settings, StopReason, SystemSettings,
+    WeightFormat,
 };
 use ossterm::engine::worker::{
     common_prefix_len, rewind_for_prompt, ChatCodec, EngineError, EngineHandle, EngineParts,
@@ -21,6 +22,7 @@ const STOP: u32 = 28;
 const ROLE_USER: u32 = 40;
 const ROLE_ASSISTANT: u32 = 41;
 const ROLE_SYSTEM: u32 = 42;
+const TOY_PREFILL_CHUNK: usize = 128;
 
 /// Shared record of what the toy sessions were asked to do.
 #[derive(Default)]
@@ -100,6 +102,10 @@ impl InferenceSession for ToySession {
     fn context_limit(&self) -> usize {
         self.limit
     }
+
+    fn prefill_chunk(&self) -> usize {
+        TOY_PREFILL_CHUNK
+    }
 }
 
 impl ModelBackend for ToyModel {
@@ -140,8 +146,8 @@ impl ModelBackend for ToyModel {
         self.format
     }
 
-    fn kv_cache_type(&self) -> KvCacheType {
-        KvCacheType::F16
+    fn effective_kv_cache(&self, requested: KvCacheType) -> KvCacheType {
+        requested
     }
 
     fn kernel_path(&self) -> String {
@@ -170,7 +176,11 @@ impl ChatCodec for ToyCodec {
         keep_reasoning: bool,
     ) -> Result<Vec<u32>, EngineError> {
         let mut ids = vec![ROLE_SYSTEM];
-        encode_text(conversation.system.reasoning.name(), &mut ids);
+        let effort = conversation
+            .system
+            .reasoning
+            .map_or("", |effort| effort.name());
+        encode_text(effort, &mut ids);
         for message in &conversation.messages {
             if message.channel == Some(Channel::Analysis) && !keep_reasoning {
                 continue;
@@ -321,21 +331,24 @@ impl Harness {
 
 fn conversation(messages: &[(Role, Option<Channel>, &str)]) -> Conversation {
     Conversation {
-        system: SystemContent {
-            identity: "toy".to_string(),
-            reasoning: ReasoningEffort::Low,
-            date: None,
-            knowledge_cutoff: "2024-06".to_string(),
+        system: SystemSettings {
+            identity: Some("toy".to_string()),
+            reasoning: Some(ReasoningEffort::Low),
+            ..SystemSettings::default()
         },
         developer: None,
         messages: messages
             .iter()
-            .map(|(role, channel, content)| Message {
-                role: *role,
-                channel: *channel,
-                content: content.to_string(),
+            .map(|(role, channel, content)| match (role, channel) {
+                (Role::Assistant, Some(channel)) => ChatMessage::assistant(*channel, *content),
+                (Role::Assistant, None) => ChatMessage {
+                    channel: None,
+                    ..ChatMessage::assistant(Channel::Final, *content)
+                },
+                (Role::User, _) => ChatMessage::user(*content),
             })
             .collect(),
+        ..Conversation::default()
     }
 }
 
@@ -511,7 +524,7 @@ fn cancel_between_prefill_chunks() {
     assert_eq!(turn_done(&events).0, StopReason::Cancelled);
     let chunks = harness.journal.lock().unwrap().prefill_chunks.len();
     assert!(
-        chunks < 1100usize.div_ceil(128),
+        chunks < 1100usize.div_ceil(TOY_PREFILL_CHUNK),
         "prefilled {chunks} chunks"
     );
 }

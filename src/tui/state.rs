@@ -3,8 +3,8 @@
 //! the engine, clipboard text, quit). Rendering is a pure function of this state (`view`).
 
 use crate::engine::protocol::{
-    CacheHits, Channel, Command, Conversation, EngineInfo, Event, GenerateRequest, Message,
-    RequestId, RequestKind, Role, Settings, StatsSample, StopReason, SystemContent,
+    CacheHits, Channel, ChatMessage, Command, Conversation, EngineInfo, Event, GenerateRequest,
+    RequestId, RequestKind, Role, Settings, StatsSample, StopReason, SystemSettings,
 };
 use crate::tui::settings_panel::SettingField;
 use crate::tui::store::{date_utc, ChatStore, SavedChat};
@@ -15,7 +15,7 @@ use std::time::{Duration, Instant, SystemTime};
 use tui_textarea::TextArea;
 
 /// Harmony's default knowledge cutoff line.
-pub const KNOWLEDGE_CUTOFF: &str = "2024-06";
+pub const KNOWLEDGE_CUTOFF: &str = crate::chat::conversation::DEFAULT_KNOWLEDGE_CUTOFF;
 
 /// Decode-rate samples kept for the sparkline.
 pub const SPARKLINE_SAMPLES: usize = 120;
@@ -151,6 +151,25 @@ impl Reply {
     }
 }
 
+/// The parts of a chat file the app shows no setting for, kept so a loaded chat is written back
+/// with them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChatFileExtras {
+    pub knowledge_cutoff: Option<String>,
+    pub system: serde_json::Map<String, serde_json::Value>,
+    pub conversation: serde_json::Map<String, serde_json::Value>,
+}
+
+impl Default for ChatFileExtras {
+    fn default() -> Self {
+        ChatFileExtras {
+            knowledge_cutoff: Some(KNOWLEDGE_CUTOFF.to_string()),
+            system: serde_json::Map::new(),
+            conversation: serde_json::Map::new(),
+        }
+    }
+}
+
 /// One exchange: what the user sent and the reply to it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Turn {
@@ -206,8 +225,12 @@ pub struct App {
     pub latency: Latency,
     pub store: ChatStore,
     pub chat_path: Option<PathBuf>,
-    /// The date in this chat's system message; fixed so the prompt prefix (and its cache) stays valid.
-    pub chat_date: String,
+    /// The date in this chat's system message; fixed so the prompt prefix (and its cache) stays
+    /// valid. `None` (a loaded chat without one) leaves the line out, as harmony does.
+    pub chat_date: Option<String>,
+    /// What a loaded chat file holds beyond the settings the app edits (its knowledge cutoff, fields
+    /// of other tools), written back unchanged.
+    pub chat_file_extras: ChatFileExtras,
     pub max_threads: usize,
     history: Vec<String>,
     history_cursor: Option<usize>,
@@ -249,7 +272,8 @@ impl App {
             latency: Latency::default(),
             store,
             chat_path: None,
-            chat_date: date_utc(SystemTime::now()),
+            chat_date: Some(date_utc(SystemTime::now())),
+            chat_file_extras: ChatFileExtras::default(),
             history: Vec::new(),
             history_cursor: None,
             active: None,
@@ -273,40 +297,34 @@ impl App {
     pub fn conversation(&self) -> Conversation {
         let mut messages = Vec::new();
         for turn in &self.turns {
-            messages.push(Message {
-                role: Role::User,
-                channel: None,
-                content: turn.user.clone(),
-            });
+            messages.push(ChatMessage::user(turn.user.clone()));
             if let Some(reply) = &turn.reply {
                 if !reply.reasoning.is_empty() {
-                    let content = reply.reasoning.clone();
-                    messages.push(Message {
-                        role: Role::Assistant,
-                        channel: Some(Channel::Analysis),
-                        content,
-                    });
+                    messages.push(ChatMessage::assistant(
+                        Channel::Analysis,
+                        reply.reasoning.clone(),
+                    ));
                 }
                 if !reply.answer.is_empty() {
-                    let content = reply.answer.clone();
-                    messages.push(Message {
-                        role: Role::Assistant,
-                        channel: Some(Channel::Final),
-                        content,
-                    });
+                    messages.push(ChatMessage::assistant(Channel::Final, reply.answer.clone()));
                 }
             }
         }
+        let extras = &self.chat_file_extras;
+        let identity = &self.settings.system_prompt;
         Conversation {
-            system: SystemContent {
-                identity: self.settings.system_prompt.clone(),
-                reasoning: self.settings.reasoning_effort,
-                date: Some(self.chat_date.clone()),
-                knowledge_cutoff: KNOWLEDGE_CUTOFF.to_string(),
+            system: SystemSettings {
+                // An empty identity leaves harmony's identity line out rather than writing it blank.
+                identity: (!identity.trim().is_empty()).then(|| identity.clone()),
+                reasoning: Some(self.settings.reasoning_effort),
+                date: self.chat_date.clone(),
+                knowledge_cutoff: extras.knowledge_cutoff.clone(),
+                extra: extras.system.clone(),
             },
             developer: (!self.settings.developer_instructions.trim().is_empty())
                 .then(|| self.settings.developer_instructions.clone()),
             messages,
+            extra: extras.conversation.clone(),
         }
     }
 
@@ -350,13 +368,20 @@ impl App {
                 }
             }
         }
+        let system = conversation.system;
         let mut settings = self.settings.clone();
-        settings.system_prompt = conversation.system.identity;
-        settings.reasoning_effort = conversation.system.reasoning;
-        settings.developer_instructions = conversation.developer.unwrap_or_default();
-        if let Some(date) = conversation.system.date {
-            self.chat_date = date;
+        settings.system_prompt = system.identity.unwrap_or_default();
+        // A file without a reasoning line keeps the current effort (the app always writes one).
+        if let Some(effort) = system.reasoning {
+            settings.reasoning_effort = effort;
         }
+        settings.developer_instructions = conversation.developer.unwrap_or_default();
+        self.chat_date = system.date;
+        self.chat_file_extras = ChatFileExtras {
+            knowledge_cutoff: system.knowledge_cutoff,
+            system: system.extra,
+            conversation: conversation.extra,
+        };
         effects.extend(self.change_settings(settings));
         self.chat_path = Some(path);
         self.scroll_top = None;
@@ -784,7 +809,8 @@ impl App {
         self.autosave();
         self.turns.clear();
         self.chat_path = None;
-        self.chat_date = date_utc(SystemTime::now());
+        self.chat_date = Some(date_utc(SystemTime::now()));
+        self.chat_file_extras = ChatFileExtras::default();
         self.scroll_top = None;
         self.selected_turn = None;
         self.pending_kind = RequestKind::NewTurn;
