@@ -3,8 +3,8 @@
 
 use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
 use ossterm::engine::protocol::{
-    CacheHits, Channel, Command, EngineInfo, Event, RequestKind, Settings, StatsSample, StopReason,
-    WeightFormat,
+    CacheHits, Channel, Command, EngineInfo, Event, KvCacheType, RequestKind, Settings,
+    StatsSample, StopReason, WeightFormat,
 };
 use ossterm::tui::store::ChatStore;
 use ossterm::tui::view::draw;
@@ -99,6 +99,7 @@ fn stats(decode: f64) -> StatsSample {
         machine_memory_bytes: Some(24 << 30),
         kv_tokens_used: 300,
         kv_tokens_capacity: 8192,
+        kv_cache: KvCacheType::F16,
         context_used: 300,
         context_limit: 8192,
         turn_hits: CacheHits {
@@ -407,4 +408,82 @@ fn history_recalls_sent_messages() {
     );
     assert!(effects.is_empty());
     assert_eq!(app.input.lines().len(), 2);
+}
+
+#[test]
+fn gauges_show_kernels_formats_and_a_running_conversion() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut app = ready_app(dir.path());
+    let now = Instant::now();
+    app.update(Msg::Engine(Event::Stats(stats(12.5))), now);
+    let text = screen(&mut app, 110, 40);
+    for row in [
+        "kernels     avx512",
+        "weights     q8",
+        "KV format   f16",
+        "threads     2",
+    ] {
+        assert!(text.contains(row), "missing {row}:\n{text}");
+    }
+    // Weight format q8 -> q4: the gauge shows the serving format, the target and the progress.
+    app.update(key(KeyCode::Tab), now);
+    app.update(key(KeyCode::Tab), now);
+    app.update(key(KeyCode::Down), now);
+    app.update(key(KeyCode::Right), now);
+    app.update(
+        Msg::Engine(Event::SettingsProgress {
+            what: "re-quantizing weights to q4".to_string(),
+            done: 8,
+            total: 16,
+        }),
+        now,
+    );
+    let text = screen(&mut app, 110, 40);
+    assert!(text.contains("weights     q8 → q4 50%"), "{text}");
+}
+
+#[test]
+fn changing_reasoning_effort_warns_about_the_re_prefill() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut app = ready_app(dir.path());
+    let now = Instant::now();
+    type_text(&mut app, "hello", now);
+    let (id, _, _) = sent_request(&app.update(key(KeyCode::Enter), now));
+    app.update(token(id, Channel::Final, "hi"), now);
+    app.update(
+        Msg::Engine(Event::TurnDone {
+            id,
+            reason: StopReason::Finished,
+            hits: CacheHits::default(),
+            generated_tokens: 1,
+        }),
+        now,
+    );
+    app.update(key(KeyCode::Tab), now);
+    app.update(key(KeyCode::Tab), now);
+    for _ in 0..4 {
+        app.update(key(KeyCode::Down), now);
+    }
+    let text = screen(&mut app, 110, 40);
+    assert!(text.contains("changing it re-prefills the chat"), "{text}");
+    let effects = app.update(key(KeyCode::Right), now);
+    let applied = effects.iter().find_map(|effect| match effect {
+        Effect::Engine(Command::ApplySettings(settings)) => Some(settings.reasoning_effort),
+        _ => None,
+    });
+    assert_eq!(applied.map(|effort| effort.name()), Some("high"));
+    let text = screen(&mut app, 140, 40);
+    assert!(
+        text.contains("Reasoning effort high changes the system message: the next turn re-prefills the whole conversation"),
+        "{text}"
+    );
+    // The next request carries the new effort in its system message.
+    app.update(key(KeyCode::Tab), now);
+    type_text(&mut app, "again", now);
+    let effects = app.update(key(KeyCode::Enter), now);
+    let effort = effects.iter().find_map(|effect| match effect {
+        Effect::Engine(Command::Generate(request)) => request.conversation.system.reasoning,
+        _ => None,
+    });
+    assert_eq!(effort.map(|effort| effort.name()), Some("high"));
 }

@@ -169,6 +169,8 @@ pub struct StatsSample {
     pub machine_memory_bytes: Option<u64>,
     pub kv_tokens_used: usize,
     pub kv_tokens_capacity: usize,
+    /// The element type the current KV cache holds.
+    pub kv_cache: KvCacheType,
     /// Tokens of the current conversation (prompt plus reply so far).
     pub context_used: usize,
     pub context_limit: usize,

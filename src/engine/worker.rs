@@ -649,6 +649,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
             machine_memory_bytes: memory.machine_bytes,
             kv_tokens_used: self.session.tokens().len(),
             kv_tokens_capacity: self.session.context_limit(),
+            kv_cache: self.settings.kv_cache,
             context_used: timings.context_used.max(self.session.tokens().len()),
             context_limit: self.settings.context_limit,
             turn_hits: timings.hits,

@@ -641,15 +641,15 @@ impl App {
         if next == self.settings {
             return Vec::new();
         }
-        if self.settings.invalidates_prompt_prefix(&next) && !self.turns.is_empty() {
-            self.notice = Some("Changed the system/developer message: the next turn re-prefills the whole conversation".to_string());
-        } else if next.weight_format != self.settings.weight_format {
-            self.notice = Some(format!(
-                "Re-quantizing to {} in the background; the old weights keep serving",
-                next.weight_format
-            ));
-        } else if self.is_generating() {
-            self.notice = Some("Settings apply after this turn".to_string());
+        let mut notice = settings_change_notice(&self.settings, &next, !self.turns.is_empty());
+        if self.is_generating() {
+            notice = Some(match notice {
+                Some(text) => format!("{text} (after this turn)"),
+                None => "Settings apply after this turn".to_string(),
+            });
+        }
+        if notice.is_some() {
+            self.notice = notice;
         }
         self.settings = next;
         vec![Effect::Engine(Command::ApplySettings(Box::new(
@@ -1063,6 +1063,55 @@ impl App {
             }
         }
     }
+}
+
+/// What the user should know about going from `previous` to `next`: the costly consequences first
+/// (a whole-conversation re-prefill, a background re-quantization, a pool rebuild).
+pub fn settings_change_notice(
+    previous: &Settings,
+    next: &Settings,
+    has_turns: bool,
+) -> Option<String> {
+    const REPREFILL: &str = "the next turn re-prefills the whole conversation";
+    let cause = if previous.reasoning_effort != next.reasoning_effort {
+        Some(format!(
+            "Reasoning effort {} changes the system message",
+            next.reasoning_effort
+        ))
+    } else if previous.system_prompt != next.system_prompt {
+        Some("The system prompt changed".to_string())
+    } else if previous.developer_instructions != next.developer_instructions {
+        Some("The developer instructions changed".to_string())
+    } else if previous.kv_cache != next.kv_cache {
+        Some(format!("KV cache {} needs a new cache", next.kv_cache))
+    } else if previous.context_limit != next.context_limit {
+        Some(format!(
+            "Context limit {} needs a new cache",
+            next.context_limit
+        ))
+    } else {
+        None
+    };
+    if let Some(cause) = cause {
+        return Some(if has_turns {
+            format!("{cause}: {REPREFILL}")
+        } else {
+            cause
+        });
+    }
+    if previous.weight_format != next.weight_format {
+        return Some(format!(
+            "Re-quantizing to {} in the background; the old weights keep serving",
+            next.weight_format
+        ));
+    }
+    if previous.threads != next.threads {
+        return Some(format!(
+            "Threads {}: the thread pool is rebuilt between turns",
+            next.threads
+        ));
+    }
+    None
 }
 
 fn capitalize(text: &str) -> String {

@@ -426,6 +426,10 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
         )
     });
     rows.push(gauge_row("KV cache", kv));
+    rows.push(gauge_row(
+        "KV format",
+        stats.map_or("-".to_string(), |stats| stats.kv_cache.to_string()),
+    ));
     let context = stats.map_or("-".to_string(), |stats| {
         let ratio = stats.context_used as f64 / stats.context_limit.max(1) as f64;
         format!(
