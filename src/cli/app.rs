@@ -42,10 +42,10 @@ pub struct AppArgs {
     /// Worker threads (engine.threads).
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
-    /// bf16, q8 or q4 (engine.weight_format).
+    /// native, q8 or q4 (engine.weight_format).
     #[arg(long, value_name = "FORMAT", value_parser = parse_choice::<WeightFormat>)]
     pub weight_format: Option<WeightFormat>,
-    /// f16, f32 or q8 (engine.kv_cache).
+    /// f16 or f32 (engine.kv_cache).
     #[arg(long, value_name = "TYPE", value_parser = parse_choice::<KvCacheType>)]
     pub kv_cache: Option<KvCacheType>,
     /// Context limit in tokens (engine.context_limit).
@@ -341,6 +341,8 @@ fn event_loop(
 
 /// `ossterm` with no command: resolve the configuration and run the app over the real model.
 pub fn run(args: AppArgs) -> anyhow::Result<()> {
+    // A bad OSSTERM_KERNELS is reported here, before the screen is taken over.
+    crate::kernels::init_kernel_path()?;
     let config = args.resolve()?;
     run_app(config, |config, events| {
         Ok(start_model_engine(config, events))
@@ -351,57 +353,177 @@ pub fn run(args: AppArgs) -> anyhow::Result<()> {
 /// and the sampler; loading happens on that thread while the UI shows progress.
 pub fn start_model_engine(config: &AppConfig, events: Sender<Event>) -> EngineHandle {
     use crate::engine::worker::{EngineParts, EngineSampler, HarmonyCodec};
-    use crate::model::{LoadOptions, Model, Preset};
     let source = config.model.clone();
     EngineHandle::spawn(
         config.settings.clone(),
         events,
         move |settings, progress| {
-            let options = LoadOptions {
-                precision: crate::model::Precision::Fast,
-                weights: settings.weight_format,
-                kv: settings.kv_cache,
-            };
-            let (model, model_label, random_weights) = match source {
-                ModelSource::Checkpoint(dir) => {
-                    progress("reading the checkpoint", 0, 1);
-                    let model = Model::load(&dir, &options)
-                        .map_err(|error| EngineError::Model(Box::new(error)))?;
-                    progress("reading the checkpoint", 1, 1);
-                    (model, format!("gpt-oss ({})", dir.display()), false)
-                }
-                ModelSource::Synthetic(choice) => {
-                    let machine = crate::engine::worker::machine_memory_bytes();
-                    let preset = match choice.resolve(machine) {
-                        SyntheticChoice::Gpt20b => Preset::Gpt20b,
-                        SyntheticChoice::Tiny | SyntheticChoice::Auto => Preset::Tiny,
-                    };
-                    progress(
-                        &format!("generating random {} weights", preset.name()),
-                        0,
-                        1,
-                    );
-                    let model = Model::synthetic(preset, 0, &options)
-                        .map_err(|error| EngineError::Model(Box::new(error)))?;
-                    progress(
-                        &format!("generating random {} weights", preset.name()),
-                        1,
-                        1,
-                    );
-                    let label = model.source.clone();
-                    (model, label, true)
-                }
-            };
+            let loaded = load_model(&source, settings, progress)?;
             progress("loading the tokenizer", 0, 1);
             let codec = HarmonyCodec::new()?;
             let sampler = EngineSampler::new(&settings.sampling)?;
             Ok(EngineParts {
-                model: std::sync::Arc::new(model),
+                model: std::sync::Arc::new(loaded.model),
                 codec,
                 sampler,
-                model_label,
-                random_weights,
+                model_label: loaded.label,
+                random_weights: loaded.random_weights,
             })
         },
     )
 }
+
+/// A model ready for the engine, with what the title bar says about it.
+pub struct LoadedModel {
+    pub model: crate::model::Model,
+    pub label: String,
+    pub random_weights: bool,
+}
+
+/// The synthetic preset the app runs for `choice`, and why when `auto` fell back to tiny.
+pub fn synthetic_preset(
+    choice: SyntheticChoice,
+    available_memory_bytes: Option<u64>,
+) -> (crate::model::Preset, Option<String>) {
+    use crate::model::Preset;
+    match choice.resolve(available_memory_bytes) {
+        SyntheticChoice::Gpt20b => (Preset::Gpt20b, None),
+        SyntheticChoice::Tiny if choice == SyntheticChoice::Auto => {
+            let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
+            let available = available_memory_bytes.map_or("unknown memory".to_string(), |bytes| {
+                format!("{:.1} GiB", gib(bytes))
+            });
+            let reason = format!(
+                "the 20b demo needs {:.0} GiB available, this machine has {available}",
+                gib(config::SYNTHETIC_20B_MIN_MEMORY_BYTES)
+            );
+            (Preset::Tiny, Some(reason))
+        }
+        SyntheticChoice::Tiny | SyntheticChoice::Auto => (Preset::Tiny, None),
+    }
+}
+
+/// Loads the configured model, reporting each stage: reading or generating the weights (bytes),
+/// then converting attention and unembedding matrices to the weight format (matrices).
+pub fn load_model(
+    source: &ModelSource,
+    settings: &crate::engine::protocol::Settings,
+    progress: &mut dyn FnMut(&str, u64, u64),
+) -> Result<LoadedModel, EngineError> {
+    use crate::model::{LoadOptions, Model, Precision};
+    let model_error = |error: crate::model::ModelError| EngineError::Model(Box::new(error));
+    // The exact build does no conversion; `reconfigured` then builds the fast weights with
+    // progress, sharing (not copying) the weights just loaded.
+    let exact = LoadOptions {
+        precision: Precision::Exact,
+        weights: settings.weight_format,
+        kv: settings.kv_cache,
+    };
+    let (unconverted, label, random_weights) = match source {
+        ModelSource::Checkpoint(dir) => {
+            progress("mapping the checkpoint", 0, 1);
+            let model = Model::load(dir, &exact).map_err(model_error)?;
+            (model, format!("gpt-oss ({})", dir.display()), false)
+        }
+        ModelSource::Synthetic(choice) => {
+            let available = crate::engine::worker::available_memory_bytes();
+            let (preset, fallback) = synthetic_preset(*choice, available);
+            let stage = format!("generating random {} weights", preset.name());
+            let model = synthetic_exact_model_with_progress(preset, &mut |done, total| {
+                progress(&stage, done, total)
+            })
+            .map_err(model_error)?;
+            let label = match fallback {
+                Some(reason) => format!("{} ({reason})", model.source),
+                None => model.source.clone(),
+            };
+            (model, label, true)
+        }
+    };
+    let fast = LoadOptions {
+        precision: Precision::Fast,
+        ..exact
+    };
+    let stage = format!("converting weights to {}", settings.weight_format);
+    let model = unconverted
+        .reconfigured(&fast, &mut |done, total| {
+            progress(&stage, done as u64, total as u64)
+        })
+        .map_err(model_error)?;
+    Ok(LoadedModel {
+        model,
+        label,
+        random_weights,
+    })
+}
+
+/// `Model::synthetic` on the exact path, with progress: the same generator and the same weights,
+/// each tensor reported as it is made (`progress(bytes done, bytes in all)`), because generating
+/// the 20b shape takes a while. `Model::reconfigured` turns it into a fast model (`load_model`).
+pub fn synthetic_exact_model_with_progress(
+    preset: crate::model::Preset,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<crate::model::Model, crate::model::ModelError> {
+    use crate::model::synthetic::{tensor_specs, SyntheticSource};
+    use crate::model::weights::TensorSource;
+    use crate::model::{Model, Weights};
+    use std::cell::RefCell;
+
+    /// Counts the bytes the generator has produced.
+    struct Reporting<'a> {
+        inner: SyntheticSource,
+        done: RefCell<u64>,
+        total: u64,
+        progress: RefCell<&'a mut dyn FnMut(u64, u64)>,
+    }
+
+    impl TensorSource for Reporting<'_> {
+        fn tensor(
+            &self,
+            name: &str,
+            shape: &[usize],
+            dtypes: &[crate::model::checkpoint::Dtype],
+        ) -> Result<
+            (
+                crate::model::checkpoint::Dtype,
+                crate::model::checkpoint::TensorBytes,
+            ),
+            crate::model::ModelError,
+        > {
+            let tensor = self.inner.tensor(name, shape, dtypes)?;
+            let mut done = self.done.borrow_mut();
+            *done = (*done + tensor.1.len() as u64).min(self.total);
+            (self.progress.borrow_mut())(*done, self.total);
+            Ok(tensor)
+        }
+    }
+
+    let config = preset.config();
+    let total = tensor_specs(&config)
+        .iter()
+        .map(|spec| spec.byte_len() as u64)
+        .sum();
+    progress(0, total);
+    let source = Reporting {
+        inner: SyntheticSource::new(config.clone(), SYNTHETIC_SEED),
+        done: RefCell::new(0),
+        total,
+        progress: RefCell::new(progress),
+    };
+    let weights = Weights::load(&config, &source)?;
+    let kernels = crate::kernels::Kernels::new(crate::kernels::kernel_path())?;
+    Ok(Model {
+        rope: crate::model::rope::RopeTable::new(&config),
+        config,
+        weights,
+        precision: crate::model::Precision::Exact,
+        fast: None,
+        // The exact path always keeps an f32 cache.
+        kv_format: crate::model::KvFormat::F32,
+        kernels,
+        source: format!("synthetic {} (random weights)", preset.name()),
+    })
+}
+
+/// Seed of the app's synthetic weights (the same as `--synthetic-seed`'s default elsewhere).
+pub const SYNTHETIC_SEED: u64 = 0;

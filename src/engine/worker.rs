@@ -674,6 +674,8 @@ fn build_pool(threads: usize) -> Result<rayon::ThreadPool, EngineError> {
 pub struct MemoryUsage {
     pub process_bytes: Option<u64>,
     pub machine_bytes: Option<u64>,
+    /// Memory the kernel could hand out now without swapping (`MemAvailable`).
+    pub available_bytes: Option<u64>,
 }
 
 /// Reads `/proc` on Linux; other systems report nothing rather than a guess.
@@ -683,6 +685,7 @@ pub fn read_memory_usage() -> MemoryUsage {
     MemoryUsage {
         process_bytes: kib_field_bytes(&status, "VmRSS:"),
         machine_bytes: kib_field_bytes(&meminfo, "MemTotal:"),
+        available_bytes: kib_field_bytes(&meminfo, "MemAvailable:"),
     }
 }
 
@@ -700,9 +703,9 @@ pub fn kib_field_bytes(text: &str, name: &str) -> Option<u64> {
         .map(|kib| kib * 1024)
 }
 
-/// Total memory of this machine, if known.
-pub fn machine_memory_bytes() -> Option<u64> {
-    read_memory_usage().machine_bytes
+/// Memory available now, if known.
+pub fn available_memory_bytes() -> Option<u64> {
+    read_memory_usage().available_bytes
 }
 
 impl From<crate::model::ForwardError> for EngineError {
