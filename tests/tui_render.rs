@@ -487,3 +487,28 @@ fn changing_reasoning_effort_warns_about_the_re_prefill() {
     });
     assert_eq!(effort.map(|effort| effort.name()), Some("high"));
 }
+
+#[test]
+fn engine_thread_ending_mid_turn_fails_the_reply_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut app = ready_app(dir.path());
+    let now = Instant::now();
+    type_text(&mut app, "hello", now);
+    let (id, _, _) = sent_request(&app.update(key(KeyCode::Enter), now));
+    app.update(token(id, Channel::Final, "half an ans"), now);
+    app.update(
+        Msg::EngineStopped("ossterm-engine panicked: index out of bounds".to_string()),
+        now,
+    );
+    assert!(!app.is_generating());
+    let text = screen(&mut app, 120, 30);
+    assert!(text.contains("half an ans"), "{text}");
+    assert!(
+        text.contains("[error: the engine stopped: ossterm-engine panicked: index out of bounds]"),
+        "{text}"
+    );
+    assert!(text.contains("restart ossterm"), "{text}");
+    // What was received is in the chat file.
+    let saved = std::fs::read_to_string(app.chat_path.clone().unwrap()).unwrap();
+    assert!(saved.contains("half an ans"), "{saved}");
+}

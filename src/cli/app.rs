@@ -22,6 +22,7 @@ use ratatui::Terminal;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::mpsc::{self, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Redraw cadence while events stream in: tokens arriving faster are batched into one frame.
@@ -142,18 +143,67 @@ pub fn initial_engine_status(config: &AppConfig) -> EngineStatus {
     }
 }
 
-/// Puts the terminal back: raw mode off, main screen, mouse and paste reporting off.
-fn restore_terminal() {
-    let mut stdout = std::io::stdout();
-    let _ = crossterm::execute!(
-        stdout,
+/// Environment variable that arms a deliberate panic for the end-to-end test of the terminal
+/// restore: with `OSSTERM_TEST_PANIC=1`, F12 panics the UI thread. Without it F12 does nothing, so
+/// a user cannot trigger it by accident.
+pub const TEST_PANIC_ENV: &str = "OSSTERM_TEST_PANIC";
+
+/// The key that panics when [`TEST_PANIC_ENV`] is set.
+pub const TEST_PANIC_KEY: crossterm::event::KeyCode = crossterm::event::KeyCode::F(12);
+
+/// Writes what undoes the app's terminal setup except raw mode (which is not an escape sequence):
+/// keyboard enhancement popped, bracketed paste and mouse reporting off, main screen, cursor shown.
+pub fn write_terminal_restore(out: &mut impl Write) -> std::io::Result<()> {
+    crossterm::queue!(
+        out,
         PopKeyboardEnhancementFlags,
         DisableBracketedPaste,
         DisableMouseCapture,
         LeaveAlternateScreen,
         crossterm::cursor::Show
-    );
+    )?;
+    out.flush()
+}
+
+/// Puts the terminal back: raw mode off, main screen, mouse and paste reporting off.
+fn restore_terminal() {
+    let _ = write_terminal_restore(&mut std::io::stdout());
     let _ = disable_raw_mode();
+}
+
+/// Panic messages of threads other than the UI's, kept off the screen while the app owns it.
+pub type PanicNotes = Arc<Mutex<Vec<String>>>;
+
+/// Installs a panic hook for the app. A panic on the thread that calls this (the UI thread, which
+/// owns the terminal) runs `restore` first, so the message lands on the normal screen in cooked
+/// mode instead of being lost in the alternate screen. A panic on another thread (the engine)
+/// must not take the terminal from a UI that keeps running: its message goes to the returned
+/// notes, which the app shows and prints after it restored the terminal.
+pub fn install_panic_hook(restore: impl Fn() + Send + Sync + 'static) -> PanicNotes {
+    let notes: PanicNotes = Arc::default();
+    let hook_notes = Arc::clone(&notes);
+    let ui_thread = std::thread::current().id();
+    let previous_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if std::thread::current().id() == ui_thread {
+            restore();
+            previous_hook(info);
+        } else {
+            let thread = std::thread::current();
+            let name = thread.name().unwrap_or("a worker thread");
+            let note = format!("{name} panicked: {info}");
+            match hook_notes.lock() {
+                Ok(mut notes) => notes.push(note),
+                Err(_) => previous_hook(info),
+            }
+        }
+    }));
+    notes
+}
+
+/// The last panic note, for the status line.
+fn last_panic_note(notes: &PanicNotes) -> Option<String> {
+    notes.lock().ok().and_then(|notes| notes.last().cloned())
 }
 
 /// Restores the terminal when dropped, so every exit path (error, `?`, panic unwinding) leaves
@@ -168,13 +218,6 @@ impl Drop for TerminalGuard {
 
 fn setup_terminal() -> anyhow::Result<(Terminal<CrosstermBackend<std::io::Stdout>>, TerminalGuard)>
 {
-    // The hook runs before unwinding prints anything, so the panic message lands on the normal
-    // screen in cooked mode rather than being lost in the alternate screen.
-    let previous_hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(move |info| {
-        restore_terminal();
-        previous_hook(info);
-    }));
     enable_raw_mode().context("cannot switch the terminal to raw mode")?;
     let guard = TerminalGuard;
     let mut stdout = std::io::stdout();
@@ -201,6 +244,8 @@ fn setup_terminal() -> anyhow::Result<(Terminal<CrosstermBackend<std::io::Stdout
 enum Input {
     Terminal(crossterm::event::Event, Instant),
     Engine(Event),
+    /// The engine's event channel closed while the app was running.
+    EngineGone,
 }
 
 /// Runs the app until the user quits. `start_engine` starts the engine thread sending its events
@@ -236,6 +281,7 @@ pub fn run_app(
                     return;
                 }
             }
+            let _ = forward.send(Input::EngineGone);
         })?;
     std::thread::Builder::new()
         .name("ossterm-terminal-input".to_string())
@@ -250,12 +296,36 @@ pub fn run_app(
             }
         })?;
 
-    let (mut terminal, _guard) = setup_terminal()?;
-    let result = event_loop(&mut terminal, &mut app, &inputs, engine.as_ref());
+    let panic_notes = install_panic_hook(restore_terminal);
+    let (mut terminal, guard) = setup_terminal()?;
+    let test_panic_armed = std::env::var_os(TEST_PANIC_ENV).is_some_and(|value| value == "1");
+    let result = event_loop(
+        &mut terminal,
+        &mut app,
+        &inputs,
+        engine.as_ref(),
+        &LoopHooks {
+            panic_notes: &panic_notes,
+            test_panic_armed,
+        },
+    );
+    drop(guard);
+    if let Ok(notes) = panic_notes.lock() {
+        for note in notes.iter() {
+            eprintln!("{note}");
+        }
+    }
     if let Some(engine) = engine {
         engine.shutdown();
     }
     result
+}
+
+/// What the event loop needs besides the app and its channels.
+struct LoopHooks<'a> {
+    panic_notes: &'a PanicNotes,
+    /// [`TEST_PANIC_ENV`] is set: [`TEST_PANIC_KEY`] panics.
+    test_panic_armed: bool,
 }
 
 fn event_loop(
@@ -263,6 +333,7 @@ fn event_loop(
     app: &mut App,
     inputs: &mpsc::Receiver<Input>,
     engine: Option<&EngineHandle>,
+    hooks: &LoopHooks,
 ) -> anyhow::Result<()> {
     let mut dirty = true;
     let mut last_draw = Instant::now() - FRAME_INTERVAL;
@@ -303,8 +374,20 @@ fn event_loop(
             let now = Instant::now();
             let message = match input {
                 Input::Engine(event) => Msg::Engine(event),
+                Input::EngineGone => {
+                    let failed_to_start = matches!(app.engine, EngineStatus::Failed(_));
+                    match last_panic_note(hooks.panic_notes) {
+                        Some(note) => Msg::EngineStopped(note),
+                        // A load error already said why the engine ended.
+                        None if failed_to_start => continue,
+                        None => Msg::EngineStopped("its thread ended".to_string()),
+                    }
+                }
                 Input::Terminal(event, read_at) => match event {
                     crossterm::event::Event::Key(key) => {
+                        if hooks.test_panic_armed && key.code == TEST_PANIC_KEY {
+                            panic!("deliberate panic: {TEST_PANIC_ENV}=1 and F12 was pressed");
+                        }
                         pending_keys.push(read_at);
                         Msg::Key(key)
                     }

@@ -37,6 +37,8 @@ pub enum Msg {
     Resize {
         conversation_height: u16,
     },
+    /// The engine thread ended without being asked to (it panicked); the text says why.
+    EngineStopped(String),
 }
 
 /// Work for the loop, outside the state.
@@ -414,6 +416,25 @@ impl App {
                 Vec::new()
             }
             Msg::Engine(event) => self.on_engine_event(event, now),
+            Msg::EngineStopped(reason) => {
+                if let Some(id) = self.active.take() {
+                    let message = format!("the engine stopped: {reason}");
+                    if let Some(reply) = self
+                        .turns
+                        .last_mut()
+                        .and_then(|turn| turn.reply.as_mut())
+                        .filter(|reply| reply.request_id == Some(id))
+                    {
+                        reply.status = ReplyStatus::Failed(message);
+                    }
+                    self.autosave();
+                }
+                self.engine = EngineStatus::Failed(format!("The engine stopped: {reason}"));
+                self.notice = Some(format!(
+                    "The engine stopped ({reason}); the chat is saved, restart ossterm"
+                ));
+                Vec::new()
+            }
             Msg::Resize {
                 conversation_height,
             } => {
