@@ -512,3 +512,33 @@ fn engine_thread_ending_mid_turn_fails_the_reply_and_says_so() {
     let saved = std::fs::read_to_string(app.chat_path.clone().unwrap()).unwrap();
     assert!(saved.contains("half an ans"), "{saved}");
 }
+
+#[test]
+fn control_characters_from_the_model_never_reach_the_terminal() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut app = ready_app(dir.path());
+    let now = Instant::now();
+    type_text(&mut app, "hi", now);
+    let (id, _, _) = sent_request(&app.update(key(KeyCode::Enter), now));
+    app.update(
+        token(
+            id,
+            Channel::Final,
+            "a\x1b[2Jb\rc\u{8}d\u{202e}e\u{200b}f\tg\u{9b}h",
+        ),
+        now,
+    );
+    let mut terminal = Terminal::new(TestBackend::new(100, 30)).unwrap();
+    terminal.draw(|frame| draw(frame, &mut app)).unwrap();
+    let buffer = terminal.backend().buffer().clone();
+    for cell in buffer.content() {
+        assert!(
+            !cell.symbol().chars().any(|character| character.is_control()
+                || ('\u{202a}'..='\u{202e}').contains(&character)),
+            "a control or bidi character reached a cell: {:?}",
+            cell.symbol()
+        );
+    }
+    let text = screen(&mut app, 100, 30);
+    assert!(text.contains("a␛[2Jb␍c␈def    g\u{fffd}h"), "{text}");
+}

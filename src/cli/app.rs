@@ -266,6 +266,10 @@ pub fn run_app(
         status.clone(),
     );
 
+    let panic_notes = install_panic_hook(restore_terminal);
+    // Before the input thread starts: setting up asks the terminal about its keyboard protocol and
+    // reads the answer, which the input thread would otherwise take (and hold the reader meanwhile).
+    let (mut terminal, guard) = setup_terminal()?;
     let (input_sender, inputs) = mpsc::channel();
     let (event_sender, engine_events) = mpsc::channel();
     let engine = match status {
@@ -296,8 +300,6 @@ pub fn run_app(
             }
         })?;
 
-    let panic_notes = install_panic_hook(restore_terminal);
-    let (mut terminal, guard) = setup_terminal()?;
     let test_panic_armed = std::env::var_os(TEST_PANIC_ENV).is_some_and(|value| value == "1");
     let result = event_loop(
         &mut terminal,
