@@ -542,3 +542,22 @@ fn control_characters_from_the_model_never_reach_the_terminal() {
     let text = screen(&mut app, 100, 30);
     assert!(text.contains("a␛[2Jb␍c␈def    g\u{fffd}h"), "{text}");
 }
+
+#[test]
+fn a_finished_reply_and_ctrl_l_repaint_the_whole_screen() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut app = ready_app(dir.path());
+    let now = Instant::now();
+    type_text(&mut app, "hi", now);
+    let (id, _, _) = sent_request(&app.update(key(KeyCode::Enter), now));
+    let done = Msg::Engine(Event::TurnDone {
+        id,
+        reason: StopReason::Finished,
+        hits: CacheHits::default(),
+        generated_tokens: 3,
+    });
+    assert_eq!(app.update(done.clone(), now), vec![Effect::Redraw]);
+    // A late duplicate of an old request changes nothing.
+    assert!(app.update(done, now).is_empty());
+    assert_eq!(app.update(ctrl('l'), now), vec![Effect::Redraw]);
+}

@@ -52,17 +52,23 @@ pub struct AppArgs {
     /// Context limit in tokens (engine.context_limit).
     #[arg(long, value_name = "TOKENS")]
     pub context_limit: Option<usize>,
-    #[arg(long)]
+    /// Sampling temperature, 0 = greedy (sampling.temperature).
+    #[arg(long, value_name = "T")]
     pub temperature: Option<f32>,
-    #[arg(long)]
+    /// Nucleus sampling mass in (0, 1] (sampling.top_p).
+    #[arg(long, value_name = "P")]
     pub top_p: Option<f32>,
-    #[arg(long)]
+    /// Keep the K most likely tokens, 0 = off (sampling.top_k).
+    #[arg(long, value_name = "K")]
     pub top_k: Option<usize>,
-    #[arg(long)]
+    /// Drop tokens below this fraction of the top one's probability, 0 = off (sampling.min_p).
+    #[arg(long, value_name = "P")]
     pub min_p: Option<f32>,
-    #[arg(long)]
+    /// Most tokens one reply may generate, reasoning included (sampling.max_tokens).
+    #[arg(long, value_name = "N")]
     pub max_tokens: Option<usize>,
-    #[arg(long)]
+    /// Fixed sampling seed (sampling.seed; default: a fresh one every run).
+    #[arg(long, value_name = "N")]
     pub seed: Option<u64>,
     /// low, medium or high (chat.reasoning_effort).
     #[arg(long, value_name = "EFFORT", value_parser = parse_choice::<ReasoningEffort>)]
@@ -341,6 +347,7 @@ fn event_loop(
     let mut last_draw = Instant::now() - FRAME_INTERVAL;
     // Keys read since the last frame, timed until that frame is on screen.
     let mut pending_keys: Vec<Instant> = Vec::new();
+    let mut repaint_all = false;
     loop {
         if dirty && (last_draw.elapsed() >= FRAME_INTERVAL || !pending_keys.is_empty()) {
             let size = terminal.size()?;
@@ -350,6 +357,9 @@ fn event_loop(
                 },
                 Instant::now(),
             );
+            if std::mem::take(&mut repaint_all) {
+                terminal.clear()?;
+            }
             terminal.draw(|frame| draw(frame, app))?;
             let drawn = Instant::now();
             for read_at in pending_keys.drain(..) {
@@ -417,6 +427,7 @@ fn event_loop(
                         stdout.write_all(osc52_sequence(&text).as_bytes())?;
                         stdout.flush()?;
                     }
+                    Effect::Redraw => repaint_all = true,
                     Effect::Quit => return Ok(()),
                 }
             }

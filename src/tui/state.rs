@@ -47,6 +47,10 @@ pub enum Effect {
     Engine(Command),
     /// Put this text on the clipboard (OSC 52).
     Copy(String),
+    /// Repaint every cell of the screen, not only the ones that changed. Terminals disagree with
+    /// the layout about the width of some characters (combining marks of some scripts, emoji),
+    /// which can leave stale cells behind; a full repaint puts the screen right.
+    Redraw,
     Quit,
 }
 
@@ -475,6 +479,7 @@ impl App {
                     return Vec::new();
                 }
                 KeyCode::Char('y') => return self.copy_last_answer(),
+                KeyCode::Char('l') => return vec![Effect::Redraw],
                 KeyCode::Char('t') => {
                     self.toggle_reasoning(self.selected_turn.or(self.turns.len().checked_sub(1)));
                     return Vec::new();
@@ -1023,6 +1028,8 @@ impl App {
                 }
                 if was_active {
                     self.active = None;
+                    // A streamed reply is the text most likely to have confused the terminal.
+                    return vec![Effect::Redraw];
                 }
             }
             Event::SettingsProgress { what, done, total } => {
