@@ -79,13 +79,14 @@ measure_keys() { # WHAT
     wait_for "Message \(" 5
 }
 
-# Starts ossterm in a fresh pane. After it exits, the shell prints its exit code and the terminal
+# Starts ossterm in a fresh pane. The fixed sampling seed makes the random model's replies the same
+# every run (a random reply may end early on a stop token; with this seed the long turn does not). After it exits, the shell prints its exit code and the terminal
 # mode (icanon/echo, each with a leading - when off), so the checks see what the user would.
 start_app() { # EXTRA_ENV
     tmux_ kill-session -t "$session" 2>/dev/null || true
     tmux_ new-session -d -s "$session" -x 130 -y 42 \
         "env TERM=xterm-256color XDG_CONFIG_HOME=$work/config XDG_DATA_HOME=$work/data HOME=$work $1 \
-         $binary --synthetic tiny --max-tokens 64 --threads 2 --chats-dir $work/chats; \
+         $binary --synthetic tiny --max-tokens 64 --threads 2 --seed 7 --chats-dir $work/chats; \
          echo EXIT=\$?; echo MODE: \$(stty -a | tr ' ;' '\n\n' | grep -xE -- '-?(icanon|echo)'); \
          sleep 120"
 }
