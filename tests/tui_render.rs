@@ -520,6 +520,18 @@ fn control_characters_from_the_model_never_reach_the_terminal() {
     let now = Instant::now();
     type_text(&mut app, "hi", now);
     let (id, _, _) = sent_request(&app.update(key(KeyCode::Enter), now));
+    // The prompt is read but no text has come yet (a header, or a random model).
+    app.update(
+        Msg::Engine(Event::PrefillProgress {
+            id,
+            done: 40,
+            total: 40,
+            reused: 0,
+        }),
+        now,
+    );
+    let text = screen(&mut app, 100, 30);
+    assert!(text.contains("Generating… · Esc stops"), "{text}");
     app.update(
         token(
             id,
