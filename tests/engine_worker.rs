@@ -718,7 +718,7 @@ fn weight_format_change_requantizes_while_the_old_weights_keep_serving() {
 
     // The conversion is held at 1 of 4: a turn now runs on the old weights.
     let during = harness.generate(1, conversation(&[(Role::User, None, "hi")]));
-    assert!(!streamed_text(&during).is_empty() || turn_done(&during).0 == StopReason::Finished);
+    assert_ne!(turn_done(&during).0, StopReason::Cancelled);
     assert_eq!(last_stats(&during).weight_format, WeightFormat::Q8);
 
     gate.wait();

@@ -50,7 +50,7 @@ fn synthetic_load_reports_generation_and_conversion_and_matches_model_synthetic(
     let reference = Arc::new(Model::synthetic(Preset::Tiny, 0, &options).unwrap());
     let loaded = Arc::new(loaded.model);
     assert_eq!(loaded.options().weights, WeightFormat::Q8);
-    let prompt = [200_006u32 % 1000, 17, 4_242, 9, 31];
+    let prompt = [6u32, 17, 4_242, 9, 31];
     let mut ours = loaded.new_session_with_kv(64, KvCacheType::F16);
     let mut theirs = reference.new_session_with_kv(64, KvCacheType::F16);
     assert_eq!(
