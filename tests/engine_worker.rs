@@ -2,15 +2,16 @@
 //! mistake in prefix reuse (a stale token left behind, a token missing) changes the output.
 
 use ossterm::engine::protocol::{
-    Channel, Command, Conversation, Event, GenerateRequest, KvCacheType, Message, ReasoningEffort,
-    RequestKind, Role, SamplingSettings, Settings, StopReason, SystemContent, WeightFormat,
+    Channel, ChatMessage, Command, Conversation, Event, GenerateRequest, KvCacheType,
+    ReasoningEffort, RequestKind, Role, SamplingSettings, Settings, StopReason, SystemSettings,
+    WeightFormat,
 };
 use ossterm::engine::worker::{
     common_prefix_len, rewind_for_prompt, ChatCodec, EngineError, EngineHandle, EngineParts,
     InferenceSession, ModelBackend, ParsedToken, StreamParser, TokenSampler,
 };
 use std::sync::mpsc::{self, Receiver};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 const VOCAB: usize = 64;
@@ -21,18 +22,25 @@ const STOP: u32 = 28;
 const ROLE_USER: u32 = 40;
 const ROLE_ASSISTANT: u32 = 41;
 const ROLE_SYSTEM: u32 = 42;
+const TOY_PREFILL_CHUNK: usize = 128;
 
 /// Shared record of what the toy sessions were asked to do.
 #[derive(Default)]
 struct Journal {
     prefill_chunks: Vec<usize>,
     decodes: usize,
+    /// Threads of the rayon pool each prefill ran on.
+    prefill_threads: Vec<usize>,
+    /// KV cache type of every session made.
+    sessions: Vec<KvCacheType>,
 }
 
 struct ToyModel {
     format: WeightFormat,
     step_delay: Duration,
     journal: Arc<Mutex<Journal>>,
+    /// When set, re-quantization reports 1 of 4 and then waits here until the test releases it.
+    requantize_gate: Option<Arc<Barrier>>,
 }
 
 struct ToySession {
@@ -70,11 +78,10 @@ impl ToySession {
 impl InferenceSession for ToySession {
     fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError> {
         std::thread::sleep(self.step_delay);
-        self.journal
-            .lock()
-            .unwrap()
-            .prefill_chunks
-            .push(tokens.len());
+        let mut journal = self.journal.lock().unwrap();
+        journal.prefill_chunks.push(tokens.len());
+        journal.prefill_threads.push(rayon::current_num_threads());
+        drop(journal);
         for &token in tokens {
             self.append(token);
         }
@@ -100,6 +107,10 @@ impl InferenceSession for ToySession {
     fn context_limit(&self) -> usize {
         self.limit
     }
+
+    fn prefill_chunk(&self) -> usize {
+        TOY_PREFILL_CHUNK
+    }
 }
 
 impl ModelBackend for ToyModel {
@@ -108,8 +119,9 @@ impl ModelBackend for ToyModel {
     fn new_session(
         model: &Arc<Self>,
         context_limit: usize,
-        _kv_cache: KvCacheType,
+        kv_cache: KvCacheType,
     ) -> Result<ToySession, EngineError> {
+        model.journal.lock().unwrap().sessions.push(kv_cache);
         Ok(ToySession {
             tokens: Vec::new(),
             states: Vec::new(),
@@ -128,11 +140,17 @@ impl ModelBackend for ToyModel {
         for done in 0..=4 {
             std::thread::sleep(Duration::from_millis(5));
             progress(done, 4);
+            if done == 1 {
+                if let Some(gate) = &self.requantize_gate {
+                    gate.wait();
+                }
+            }
         }
         Ok(ToyModel {
             format,
             step_delay: self.step_delay,
             journal: Arc::clone(&self.journal),
+            requantize_gate: None,
         })
     }
 
@@ -140,8 +158,8 @@ impl ModelBackend for ToyModel {
         self.format
     }
 
-    fn kv_cache_type(&self) -> KvCacheType {
-        KvCacheType::F16
+    fn effective_kv_cache(&self, requested: KvCacheType) -> KvCacheType {
+        requested
     }
 
     fn kernel_path(&self) -> String {
@@ -170,7 +188,11 @@ impl ChatCodec for ToyCodec {
         keep_reasoning: bool,
     ) -> Result<Vec<u32>, EngineError> {
         let mut ids = vec![ROLE_SYSTEM];
-        encode_text(conversation.system.reasoning.name(), &mut ids);
+        let effort = conversation
+            .system
+            .reasoning
+            .map_or("", |effort| effort.name());
+        encode_text(effort, &mut ids);
         for message in &conversation.messages {
             if message.channel == Some(Channel::Analysis) && !keep_reasoning {
                 continue;
@@ -258,6 +280,14 @@ fn test_settings(max_tokens: usize) -> Settings {
 }
 
 fn start(settings: Settings, step_delay: Duration) -> Harness {
+    start_gated(settings, step_delay, None)
+}
+
+fn start_gated(
+    settings: Settings,
+    step_delay: Duration,
+    requantize_gate: Option<Arc<Barrier>>,
+) -> Harness {
     let journal = Arc::new(Mutex::new(Journal::default()));
     let sampler_configs = Arc::new(Mutex::new(Vec::new()));
     let (event_sender, events) = mpsc::channel();
@@ -270,6 +300,7 @@ fn start(settings: Settings, step_delay: Duration) -> Harness {
                 format: WeightFormat::Q8,
                 step_delay,
                 journal: model_journal,
+                requantize_gate,
             }),
             codec: ToyCodec,
             sampler: GreedySampler {
@@ -321,21 +352,24 @@ impl Harness {
 
 fn conversation(messages: &[(Role, Option<Channel>, &str)]) -> Conversation {
     Conversation {
-        system: SystemContent {
-            identity: "toy".to_string(),
-            reasoning: ReasoningEffort::Low,
-            date: None,
-            knowledge_cutoff: "2024-06".to_string(),
+        system: SystemSettings {
+            identity: Some("toy".to_string()),
+            reasoning: Some(ReasoningEffort::Low),
+            ..SystemSettings::default()
         },
         developer: None,
         messages: messages
             .iter()
-            .map(|(role, channel, content)| Message {
-                role: *role,
-                channel: *channel,
-                content: content.to_string(),
+            .map(|(role, channel, content)| match (role, channel) {
+                (Role::Assistant, Some(channel)) => ChatMessage::assistant(*channel, *content),
+                (Role::Assistant, None) => ChatMessage {
+                    channel: None,
+                    ..ChatMessage::assistant(Channel::Final, *content)
+                },
+                (Role::User, _) => ChatMessage::user(*content),
             })
             .collect(),
+        ..Conversation::default()
     }
 }
 
@@ -367,6 +401,7 @@ fn common_prefix_and_rewind_keep_one_token_to_prefill() {
         format: WeightFormat::Q8,
         step_delay: Duration::ZERO,
         journal: Default::default(),
+        requantize_gate: None,
     });
     let mut session = ToyModel::new_session(&model, 100, KvCacheType::F16).unwrap();
     session.prefill(&[5, 6, 7, 8]).unwrap();
@@ -383,6 +418,7 @@ fn reused_prefix_gives_the_same_logits_as_a_cold_prefill() {
         format: WeightFormat::Q8,
         step_delay: Duration::ZERO,
         journal: Default::default(),
+        requantize_gate: None,
     });
     let first: Vec<u32> = (0..40).map(|index| index % 26).collect();
     let mut second = first[..30].to_vec();
@@ -511,7 +547,7 @@ fn cancel_between_prefill_chunks() {
     assert_eq!(turn_done(&events).0, StopReason::Cancelled);
     let chunks = harness.journal.lock().unwrap().prefill_chunks.len();
     assert!(
-        chunks < 1100usize.div_ceil(128),
+        chunks < 1100usize.div_ceil(TOY_PREFILL_CHUNK),
         "prefilled {chunks} chunks"
     );
 }
@@ -632,4 +668,244 @@ fn real_model_reuse_gives_the_same_logits_as_a_cold_prefill() {
     // Chunking differs (the warm run prefills 9 tokens, the cold one 44), so summation order may
     // differ in the last bits; anything beyond rounding noise means stale cache entries.
     assert!(worst < 1e-4, "largest logit difference {worst}");
+}
+
+fn last_stats(events: &[Event]) -> ossterm::engine::protocol::StatsSample {
+    events
+        .iter()
+        .rev()
+        .find_map(|event| match event {
+            Event::Stats(stats) => Some(stats.clone()),
+            _ => None,
+        })
+        .expect("a stats sample")
+}
+
+impl Harness {
+    /// Sends new settings and waits until the engine reports settings that satisfy `applied`.
+    fn apply(&self, settings: &Settings, applied: impl Fn(&Settings) -> bool) -> Vec<Event> {
+        self.engine
+            .send(Command::ApplySettings(Box::new(settings.clone())))
+            .unwrap();
+        self.wait_for(|event| matches!(event, Event::SettingsApplied(done) if applied(done)))
+    }
+}
+
+#[test]
+fn weight_format_change_requantizes_while_the_old_weights_keep_serving() {
+    let gate = Arc::new(Barrier::new(2));
+    let harness = start_gated(test_settings(6), Duration::ZERO, Some(Arc::clone(&gate)));
+    let mut settings = test_settings(6);
+    settings.weight_format = WeightFormat::Q4;
+    // Applied at once, but still showing the serving format while the conversion runs.
+    let events = harness.apply(&settings, |_| true);
+    match events.last() {
+        Some(Event::SettingsApplied(applied)) => {
+            assert_eq!(applied.weight_format, WeightFormat::Q8)
+        }
+        other => panic!("expected settings applied, got {other:?}"),
+    }
+    harness.wait_for(|event| {
+        matches!(
+            event,
+            Event::SettingsProgress {
+                done: 1,
+                total: 4,
+                ..
+            }
+        )
+    });
+
+    // The conversion is held at 1 of 4: a turn now runs on the old weights.
+    let during = harness.generate(1, conversation(&[(Role::User, None, "hi")]));
+    assert_ne!(turn_done(&during).0, StopReason::Cancelled);
+    assert_eq!(last_stats(&during).weight_format, WeightFormat::Q8);
+
+    gate.wait();
+    let events = harness.wait_for(|event| {
+        matches!(event, Event::SettingsApplied(applied) if applied.weight_format == WeightFormat::Q4)
+    });
+    assert!(events.iter().any(|event| matches!(
+        event,
+        Event::SettingsProgress {
+            done: 4,
+            total: 4,
+            ..
+        }
+    )));
+    let after = harness.generate(2, conversation(&[(Role::User, None, "hi")]));
+    assert_eq!(last_stats(&after).weight_format, WeightFormat::Q4);
+    // New weights mean a new KV cache: the same prompt is prefilled from the start.
+    assert_eq!(turn_done(&after).1, 0);
+}
+
+#[test]
+fn switching_back_to_the_serving_format_drops_the_conversion() {
+    let gate = Arc::new(Barrier::new(2));
+    let harness = start_gated(test_settings(4), Duration::ZERO, Some(Arc::clone(&gate)));
+    let mut settings = test_settings(4);
+    settings.weight_format = WeightFormat::Q4;
+    harness.apply(&settings, |_| true);
+    harness.wait_for(|event| matches!(event, Event::SettingsProgress { done: 1, .. }));
+    settings.weight_format = WeightFormat::Q8;
+    harness.apply(&settings, |applied| {
+        applied.weight_format == WeightFormat::Q8
+    });
+    gate.wait();
+    // Give the finished conversion time to be (wrongly) installed by the idle loop.
+    std::thread::sleep(Duration::from_millis(200));
+    let after = harness.generate(1, conversation(&[(Role::User, None, "hi")]));
+    assert_eq!(last_stats(&after).weight_format, WeightFormat::Q8);
+    assert!(!after.iter().any(|event| matches!(
+        event,
+        Event::SettingsApplied(applied) if applied.weight_format == WeightFormat::Q4
+    )));
+}
+
+#[test]
+fn thread_count_change_rebuilds_the_pool_the_forward_pass_runs_on() {
+    let harness = start(test_settings(4), Duration::ZERO);
+    harness.generate(1, conversation(&[(Role::User, None, "one")]));
+    assert_eq!(
+        harness.journal.lock().unwrap().prefill_threads.last(),
+        Some(&1)
+    );
+    let mut settings = test_settings(4);
+    settings.threads = 3;
+    harness.apply(&settings, |applied| applied.threads == 3);
+    let events = harness.generate(2, conversation(&[(Role::User, None, "two")]));
+    assert_eq!(
+        harness.journal.lock().unwrap().prefill_threads.last(),
+        Some(&3)
+    );
+    assert_eq!(last_stats(&events).threads, 3);
+}
+
+#[test]
+fn kv_cache_change_makes_a_new_cache_and_re_prefills() {
+    let harness = start(test_settings(4), Duration::ZERO);
+    let turn = conversation(&[(Role::User, None, "same prompt")]);
+    harness.generate(1, turn.clone());
+    let (_, reused, prompt) = turn_done(&harness.generate(2, turn.clone()));
+    assert_eq!(reused, prompt - 1, "warm cache before the change");
+
+    let mut settings = test_settings(4);
+    settings.kv_cache = KvCacheType::F32;
+    harness.apply(&settings, |applied| applied.kv_cache == KvCacheType::F32);
+    assert_eq!(
+        harness.journal.lock().unwrap().sessions.last(),
+        Some(&KvCacheType::F32)
+    );
+    let events = harness.generate(3, turn);
+    assert_eq!(turn_done(&events).1, 0, "a new cache reuses nothing");
+    assert_eq!(last_stats(&events).kv_cache, KvCacheType::F32);
+}
+
+#[test]
+fn reasoning_effort_change_re_prefills_from_the_system_message() {
+    let harness = start(test_settings(4), Duration::ZERO);
+    let low = conversation(&[(Role::User, None, "a question")]);
+    harness.generate(1, low.clone());
+    let mut high = low;
+    high.system.reasoning = Some(ReasoningEffort::High);
+    let mut settings = test_settings(4);
+    settings.reasoning_effort = ReasoningEffort::High;
+    assert!(test_settings(4).invalidates_prompt_prefix(&settings));
+    harness.apply(&settings, |applied| {
+        applied.reasoning_effort == ReasoningEffort::High
+    });
+    let (_, reused, prompt) = turn_done(&harness.generate(2, high));
+    // Only the system marker before the effort word is shared: the whole chat is prefilled again.
+    assert_eq!(reused, 1, "reused {reused} of {prompt}");
+}
+
+/// The real fast forward pass (synthetic tiny model) behind the engine, with the toy chat format.
+fn start_real(settings: Settings) -> Harness {
+    use ossterm::model::{LoadOptions, Model, Precision, Preset};
+    let journal = Arc::new(Mutex::new(Journal::default()));
+    let sampler_configs = Arc::new(Mutex::new(Vec::new()));
+    let (event_sender, events) = mpsc::channel();
+    let configs = Arc::clone(&sampler_configs);
+    let engine = EngineHandle::spawn(settings, event_sender, move |settings, progress| {
+        progress("tiny weights", 0, 1);
+        let options = LoadOptions {
+            precision: Precision::Fast,
+            weights: settings.weight_format,
+            kv: settings.kv_cache,
+            ..LoadOptions::default()
+        };
+        let model = Model::synthetic(Preset::Tiny, 3, &options)
+            .map_err(|error| EngineError::Model(Box::new(error)))?;
+        Ok(EngineParts {
+            model: Arc::new(model),
+            codec: ToyCodec,
+            sampler: GreedySampler {
+                configured: configs,
+            },
+            model_label: "synthetic tiny".to_string(),
+            random_weights: true,
+        })
+    });
+    let harness = Harness {
+        engine,
+        events,
+        journal,
+        sampler_configs,
+    };
+    harness.wait_for(|event| matches!(event, Event::Ready(_)));
+    harness
+}
+
+#[test]
+fn real_model_applies_every_engine_setting_live() {
+    let expected_kernels = ossterm::kernels::kernel_path().name().to_string();
+    let harness = start_real(test_settings(6));
+    let turn = conversation(&[(Role::User, None, "hello there")]);
+    let first = harness.generate(1, turn.clone());
+    let stats = last_stats(&first);
+    assert_eq!(stats.kernel_path, expected_kernels);
+    assert_eq!(
+        (stats.weight_format, stats.kv_cache, stats.threads),
+        (WeightFormat::Q8, KvCacheType::F16, 1)
+    );
+    assert!(stats.decode_tokens_per_second.is_some());
+
+    // Weight format: a background conversion reports every matrix, then the new weights serve.
+    let mut settings = test_settings(6);
+    settings.weight_format = WeightFormat::Q4;
+    let events = harness.apply(&settings, |applied| {
+        applied.weight_format == WeightFormat::Q4
+    });
+    let progress: Vec<(u64, u64)> = events
+        .iter()
+        .filter_map(|event| match event {
+            Event::SettingsProgress { done, total, .. } => Some((*done, *total)),
+            _ => None,
+        })
+        .collect();
+    let total = progress.last().expect("conversion progress").1;
+    // q, k, v and o of each of the 4 layers, then the unembedding.
+    assert_eq!(total, 4 * 4 + 1);
+    assert_eq!(progress.last(), Some(&(total, total)));
+    let after = harness.generate(2, turn.clone());
+    assert_eq!(last_stats(&after).weight_format, WeightFormat::Q4);
+    assert_eq!(turn_done(&after).1, 0, "new weights, new cache");
+
+    // KV cache type: a new cache of the new type; the next turn re-prefills, the one after reuses.
+    settings.kv_cache = KvCacheType::F32;
+    harness.apply(&settings, |applied| applied.kv_cache == KvCacheType::F32);
+    let cold = harness.generate(3, turn.clone());
+    assert_eq!(turn_done(&cold).1, 0);
+    assert_eq!(last_stats(&cold).kv_cache, KvCacheType::F32);
+    let (_, reused, prompt) = turn_done(&harness.generate(4, turn.clone()));
+    assert_eq!(reused, prompt - 1);
+
+    // Threads: a new pool, and the gauges say so.
+    settings.threads = 2;
+    harness.apply(&settings, |applied| applied.threads == 2);
+    let events = harness.generate(5, turn);
+    assert_eq!(last_stats(&events).threads, 2);
+    assert!(!events
+        .iter()
+        .any(|event| matches!(event, Event::Error { .. })));
 }

@@ -3,8 +3,8 @@
 
 use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
 use ossterm::engine::protocol::{
-    CacheHits, Channel, Command, EngineInfo, Event, RequestKind, Settings, StatsSample, StopReason,
-    WeightFormat,
+    CacheHits, Channel, Command, EngineInfo, Event, KvCacheType, RequestKind, Settings,
+    StatsSample, StopReason, WeightFormat,
 };
 use ossterm::tui::store::ChatStore;
 use ossterm::tui::view::draw;
@@ -99,6 +99,7 @@ fn stats(decode: f64) -> StatsSample {
         machine_memory_bytes: Some(24 << 30),
         kv_tokens_used: 300,
         kv_tokens_capacity: 8192,
+        kv_cache: KvCacheType::F16,
         context_used: 300,
         context_limit: 8192,
         turn_hits: CacheHits {
@@ -407,4 +408,168 @@ fn history_recalls_sent_messages() {
     );
     assert!(effects.is_empty());
     assert_eq!(app.input.lines().len(), 2);
+}
+
+#[test]
+fn gauges_show_kernels_formats_and_a_running_conversion() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut app = ready_app(dir.path());
+    let now = Instant::now();
+    app.update(Msg::Engine(Event::Stats(stats(12.5))), now);
+    let text = screen(&mut app, 110, 40);
+    for row in [
+        "kernels     avx512",
+        "weights     q8",
+        "KV format   f16",
+        "threads     2",
+    ] {
+        assert!(text.contains(row), "missing {row}:\n{text}");
+    }
+    // Weight format q8 -> q4: the gauge shows the serving format, the target and the progress.
+    app.update(key(KeyCode::Tab), now);
+    app.update(key(KeyCode::Tab), now);
+    app.update(key(KeyCode::Down), now);
+    app.update(key(KeyCode::Right), now);
+    app.update(
+        Msg::Engine(Event::SettingsProgress {
+            what: "re-quantizing weights to q4".to_string(),
+            done: 8,
+            total: 16,
+        }),
+        now,
+    );
+    let text = screen(&mut app, 110, 40);
+    assert!(text.contains("weights     q8 → q4 50%"), "{text}");
+}
+
+#[test]
+fn changing_reasoning_effort_warns_about_the_re_prefill() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut app = ready_app(dir.path());
+    let now = Instant::now();
+    type_text(&mut app, "hello", now);
+    let (id, _, _) = sent_request(&app.update(key(KeyCode::Enter), now));
+    app.update(token(id, Channel::Final, "hi"), now);
+    app.update(
+        Msg::Engine(Event::TurnDone {
+            id,
+            reason: StopReason::Finished,
+            hits: CacheHits::default(),
+            generated_tokens: 1,
+        }),
+        now,
+    );
+    app.update(key(KeyCode::Tab), now);
+    app.update(key(KeyCode::Tab), now);
+    for _ in 0..4 {
+        app.update(key(KeyCode::Down), now);
+    }
+    let text = screen(&mut app, 110, 40);
+    assert!(text.contains("changing it re-prefills the chat"), "{text}");
+    let effects = app.update(key(KeyCode::Right), now);
+    let applied = effects.iter().find_map(|effect| match effect {
+        Effect::Engine(Command::ApplySettings(settings)) => Some(settings.reasoning_effort),
+        _ => None,
+    });
+    assert_eq!(applied.map(|effort| effort.name()), Some("high"));
+    let text = screen(&mut app, 140, 40);
+    assert!(
+        text.contains("Reasoning effort high changes the system message: the next turn re-prefills the whole conversation"),
+        "{text}"
+    );
+    // The next request carries the new effort in its system message.
+    app.update(key(KeyCode::Tab), now);
+    type_text(&mut app, "again", now);
+    let effects = app.update(key(KeyCode::Enter), now);
+    let effort = effects.iter().find_map(|effect| match effect {
+        Effect::Engine(Command::Generate(request)) => request.conversation.system.reasoning,
+        _ => None,
+    });
+    assert_eq!(effort.map(|effort| effort.name()), Some("high"));
+}
+
+#[test]
+fn engine_thread_ending_mid_turn_fails_the_reply_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut app = ready_app(dir.path());
+    let now = Instant::now();
+    type_text(&mut app, "hello", now);
+    let (id, _, _) = sent_request(&app.update(key(KeyCode::Enter), now));
+    app.update(token(id, Channel::Final, "half an ans"), now);
+    app.update(
+        Msg::EngineStopped("ossterm-engine panicked: index out of bounds".to_string()),
+        now,
+    );
+    assert!(!app.is_generating());
+    let text = screen(&mut app, 120, 30);
+    assert!(text.contains("half an ans"), "{text}");
+    assert!(
+        text.contains("[error: the engine stopped: ossterm-engine panicked: index out of bounds]"),
+        "{text}"
+    );
+    assert!(text.contains("restart ossterm"), "{text}");
+    // What was received is in the chat file.
+    let saved = std::fs::read_to_string(app.chat_path.clone().unwrap()).unwrap();
+    assert!(saved.contains("half an ans"), "{saved}");
+}
+
+#[test]
+fn control_characters_from_the_model_never_reach_the_terminal() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut app = ready_app(dir.path());
+    let now = Instant::now();
+    type_text(&mut app, "hi", now);
+    let (id, _, _) = sent_request(&app.update(key(KeyCode::Enter), now));
+    // The prompt is read but no text has come yet (a header, or a random model).
+    app.update(
+        Msg::Engine(Event::PrefillProgress {
+            id,
+            done: 40,
+            total: 40,
+            reused: 0,
+        }),
+        now,
+    );
+    let text = screen(&mut app, 100, 30);
+    assert!(text.contains("Generating… · Esc stops"), "{text}");
+    app.update(
+        token(
+            id,
+            Channel::Final,
+            "a\x1b[2Jb\rc\u{8}d\u{202e}e\u{200b}f\tg\u{9b}h",
+        ),
+        now,
+    );
+    let mut terminal = Terminal::new(TestBackend::new(100, 30)).unwrap();
+    terminal.draw(|frame| draw(frame, &mut app)).unwrap();
+    let buffer = terminal.backend().buffer().clone();
+    for cell in buffer.content() {
+        assert!(
+            !cell.symbol().chars().any(|character| character.is_control()
+                || ('\u{202a}'..='\u{202e}').contains(&character)),
+            "a control or bidi character reached a cell: {:?}",
+            cell.symbol()
+        );
+    }
+    let text = screen(&mut app, 100, 30);
+    assert!(text.contains("a␛[2Jb␍c␈def    g\u{fffd}h"), "{text}");
+}
+
+#[test]
+fn a_finished_reply_and_ctrl_l_repaint_the_whole_screen() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut app = ready_app(dir.path());
+    let now = Instant::now();
+    type_text(&mut app, "hi", now);
+    let (id, _, _) = sent_request(&app.update(key(KeyCode::Enter), now));
+    let done = Msg::Engine(Event::TurnDone {
+        id,
+        reason: StopReason::Finished,
+        hits: CacheHits::default(),
+        generated_tokens: 3,
+    });
+    assert_eq!(app.update(done.clone(), now), vec![Effect::Redraw]);
+    // A late duplicate of an old request changes nothing.
+    assert!(app.update(done, now).is_empty());
+    assert_eq!(app.update(ctrl('l'), now), vec![Effect::Redraw]);
 }

@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
 # End-to-end run of the interactive app under tmux: start `ossterm --synthetic tiny`, send two turns,
-# watch tokens stream and the gauges move, cancel one, regenerate, save, quit, and check that the
-# terminal is back in cooked mode. Skips (exit 0) when tmux is missing. Usage: tools/tmux_e2e.sh [BINARY]
+# watch tokens stream and the gauges move, change a setting, cancel a turn, regenerate, save, open the
+# help, measure key-to-screen latency while the engine generates, quit, and check that the terminal
+# is back to normal (cooked mode with echo, main screen, cursor visible, no mouse reporting). Then
+# the same check after a deliberate panic (OSSTERM_TEST_PANIC=1 arms F12 to panic the UI thread).
+#
+# Usage: tools/tmux_e2e.sh [BINARY]   (default: target/release/ossterm, built if missing)
+# Exits 0 when every check passes, 1 on the first failure (with the screen printed), and 0 with a
+# "skipping" line when tmux is not installed. Needs no TTY: tmux runs its own server on a private
+# socket, detached.
 set -euo pipefail
+# The screen is matched with patterns holding box-drawing characters.
+export LC_ALL=C.UTF-8
 
 if ! command -v tmux >/dev/null 2>&1; then
     echo "tmux_e2e: tmux not found, skipping"
@@ -10,70 +19,177 @@ if ! command -v tmux >/dev/null 2>&1; then
 fi
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
-binary="${1:-$root/target/release/ossterm}"
+if [[ $# -ge 1 ]]; then
+    binary="$1"
+else
+    binary="$root/target/release/ossterm"
+    # A no-op when `cargo test --release` already built it.
+    (cd "$root" && cargo build --release --quiet --bin ossterm)
+fi
+[[ -x "$binary" ]] || { echo "tmux_e2e: FAIL: no executable at $binary"; exit 1; }
+
 work="$(mktemp -d)"
-session="ossterm-e2e-$$"
-trap 'tmux kill-session -t "$session" 2>/dev/null || true; rm -rf "$work"' EXIT
+socket="ossterm-e2e-$$"
+session="app"
+started=$SECONDS
+tmux_() { tmux -L "$socket" -f /dev/null "$@"; }
+cleanup() { tmux_ kill-server 2>/dev/null || true; rm -rf "$work"; }
+trap cleanup EXIT
 
-screen() { tmux capture-pane -p -t "$session"; }
-fail() { echo "tmux_e2e: FAIL: $*"; echo "---- screen ----"; screen || true; exit 1; }
-wait_for() { # PATTERN SECONDS
-    local deadline=$((SECONDS + $2))
-    while ((SECONDS < deadline)); do
-        if screen | grep -q -- "$1"; then return 0; fi
-        sleep 0.2
-    done
-    fail "did not see '$1' within $2 s"
+screen() { tmux_ capture-pane -p -t "$session"; }
+fail() {
+    echo "tmux_e2e: FAIL: $*"
+    echo "---- screen ----"
+    screen || true
+    exit 1
 }
-gauge() { screen | grep -o "$1 *[^│]*" | head -1; }
+wait_for() { # PATTERN SECONDS: an extended regex the screen must show within SECONDS
+    local deadline=$((SECONDS + $2))
+    while ((SECONDS <= deadline)); do
+        if screen | grep -Eq -- "$1"; then return 0; fi
+        sleep 0.1
+    done
+    fail "did not see /$1/ within $2 s"
+}
+gauge() { screen | grep -o -- "│$1 *[^│]*" | head -1 | sed 's/^│//; s/ *$//' || true; }
+keys() { tmux_ send-keys -t "$session" "$@"; }
+pane_flag() { tmux_ display-message -p -t "$session" "#{$1}"; }
 
-# The shell prints the terminal mode after ossterm exits, so the check sees what the user would.
-tmux new-session -d -s "$session" -x 120 -y 40 \
-    "env XDG_CONFIG_HOME=$work/config XDG_DATA_HOME=$work/data HOME=$work \
-     $binary --synthetic tiny --max-tokens 64 --threads 2 --chats-dir $work/chats; \
-     echo EXIT=\$?; stty -a | grep -o -- '-\?icanon' ; sleep 60"
+# Types a probe word one key at a time and times each key from `send-keys` until tmux's copy of the
+# screen shows it in the input box, then deletes it. This includes the cost of asking tmux for the
+# screen (a client round trip per poll), so it is an upper bound; the idle run shows that floor.
+input_line() { screen | awk '/┌ Message/ { getline; print; exit }'; }
+measure_keys() { # WHAT
+    local probe="latencyprobe" samples=() index typed sent_ns deadline
+    for ((index = 0; index < ${#probe}; index++)); do
+        typed="${probe:0:index+1}"
+        sent_ns=$(date +%s%N)
+        keys -l "${probe:index:1}"
+        deadline=$((SECONDS + 5))
+        until input_line | grep -q -- "$typed"; do
+            ((SECONDS <= deadline)) || fail "typed '$typed' did not appear within 5 s"
+        done
+        samples+=($((($(date +%s%N) - sent_ns) / 1000000)))
+    done
+    local sorted=($(printf '%s\n' "${samples[@]}" | sort -n))
+    echo "tmux_e2e: key to screen $1, seen from tmux: median ${sorted[${#sorted[@]} / 2]} ms," \
+        "max ${sorted[-1]} ms over ${#sorted[@]} keys"
+    ((sorted[-1] < 50)) || echo "tmux_e2e: warning: a key took ${sorted[-1]} ms (target 50 ms)"
+    for ((index = 0; index < ${#probe}; index++)); do keys BSpace; done
+    wait_for "Message \(" 5
+}
 
+# Starts ossterm in a fresh pane. The fixed sampling seed makes the random model's replies the same
+# every run (a random reply may end early on a stop token; with this seed the long turn does not). After it exits, the shell prints its exit code and the terminal
+# mode (icanon/echo, each with a leading - when off), so the checks see what the user would.
+start_app() { # EXTRA_ENV
+    tmux_ kill-session -t "$session" 2>/dev/null || true
+    tmux_ new-session -d -s "$session" -x 130 -y 42 \
+        "env TERM=xterm-256color XDG_CONFIG_HOME=$work/config XDG_DATA_HOME=$work/data HOME=$work $1 \
+         $binary --synthetic tiny --max-tokens 64 --threads 2 --seed 7 --chats-dir $work/chats; \
+         echo EXIT=\$?; echo MODE: \$(stty -a | tr ' ;' '\n\n' | grep -xE -- '-?(icanon|echo)'); \
+         sleep 120"
+}
+
+# The terminal after ossterm ended: cooked mode with echo, main screen, cursor shown, no mouse mode.
+check_restored() { # WHAT
+    wait_for "MODE: " 10
+    screen | grep -q -- "MODE: icanon echo" || fail "$1: terminal not in cooked mode with echo"
+    [[ "$(pane_flag alternate_on)" == 0 ]] || fail "$1: still on the alternate screen"
+    [[ "$(pane_flag cursor_flag)" == 1 ]] || fail "$1: cursor hidden"
+    [[ "$(pane_flag mouse_any_flag)$(pane_flag mouse_button_flag)$(pane_flag mouse_standard_flag)" == 000 ]] ||
+        fail "$1: mouse reporting left on"
+    echo "tmux_e2e: $1: terminal restored (cooked mode, echo, main screen, cursor visible, no mouse mode)"
+}
+
+start_app ""
 wait_for "Ready" 60
 wait_for "RANDOM WEIGHTS" 1
+[[ "$(pane_flag alternate_on)" == 1 ]] || fail "the app is not on the alternate screen"
 
-tmux send-keys -t "$session" "hello there" Enter
-wait_for "tokens in" 30
+# Turn one: tokens stream, the gauges move.
+keys "hello there" Enter
+wait_for "tokens in [0-9.]+ s" 30
 kv_one="$(gauge 'KV cache')"
-echo "turn 1: $kv_one"
-grep -q "[1-9][0-9]*/8192" <<<"$kv_one" || fail "KV cache gauge did not move"
+echo "tmux_e2e: turn 1: $kv_one; $(gauge 'decode'); $(gauge 'kernels'); $(gauge 'weights')"
+grep -Eq "[1-9][0-9]*/8192" <<<"$kv_one" || fail "the KV cache gauge did not move"
 gauge "decode" | grep -q "tok/s" || fail "no decode rate"
+gauge "kernels" | grep -Eq "avx512|avx2|scalar" || fail "no kernel path"
+gauge "weights" | grep -q "q8" || fail "no weight format"
 
-tmux send-keys -t "$session" "and a second question" Enter
-wait_for "▌ You.*" 1
+# Turn two reuses the cached prefix.
+keys "and a second question" Enter
+wait_for "tokens in [0-9.]+ s, prefix cache [1-9]" 30
+kv_two="$(gauge 'KV cache')"
+echo "tmux_e2e: turn 2: $kv_two; $(gauge 'cache hit')"
+[[ "$kv_two" != "$kv_one" ]] || fail "the KV cache gauge did not change between turns"
+
+measure_keys "with the engine idle"
+
+# Settings: max tokens 64 -> 4096 (Tab Tab focuses settings; max tokens is the 10th row; each Right
+# doubles it), then back to the input.
+keys Tab Tab Down Down Down Down Down Down Down Down Down Right Right Right Right Right Right Tab
+wait_for "max tokens +4096" 5
+
+# A long turn: tokens keep streaming; meanwhile measure key-to-screen time from outside the app:
+# from `send-keys` until tmux's copy of the screen shows the typed character in the input box.
+keys "a long one" Enter
+wait_for "(Thinking|Answering)… [0-9]+ tokens" 10
+first_count="$(screen | grep -Eo '(Thinking|Answering)… [0-9]+' | grep -Eo '[0-9]+$' | head -1)"
 sleep 0.5
-wait_for "tokens in .*prefix cache [1-9]" 30
-echo "turn 2: $(gauge 'cache hit')"
+second_count="$(screen | grep -Eo '(Thinking|Answering)… [0-9]+' | grep -Eo '[0-9]+$' | head -1 || true)"
+[[ -n "$second_count" && "$second_count" -gt "$first_count" ]] ||
+    fail "tokens did not stream ($first_count then ${second_count:-nothing})"
+echo "tmux_e2e: streaming: $first_count then $second_count tokens half a second later"
 
-# Settings: raise max tokens to 4096 (Tab Tab focuses settings; max tokens is the 10th row).
-tmux send-keys -t "$session" Tab Tab Down Down Down Down Down Down Down Down Down Right Right Right Right Right Right Tab
-wait_for "max tokens        4096" 5
+screen | grep -Eq "(Thinking|Answering)… [0-9]+ tokens" || fail "generation ended before the latency probe"
+measure_keys "while the engine generates on both cores"
+screen | grep -Eq "(Thinking|Answering)… [0-9]+ tokens" || fail "generation ended during the latency probe"
+echo "tmux_e2e: the app's own key-to-screen gauge: $(gauge 'key→screen')"
 
-tmux send-keys -t "$session" "a long one" Enter
-sleep 1.5
-tmux send-keys -t "$session" Escape
+# Esc stops the turn; what was received stays, marked.
+keys Escape
 wait_for "\[stopped\]" 10
 
-tmux send-keys -t "$session" C-r
+# Ctrl-R regenerates the last answer; Esc stops that too.
+keys C-r
 wait_for "Esc stops" 5
-tmux send-keys -t "$session" Escape
-wait_for "Stopped:" 10
+keys Escape
+wait_for "Stopped: [0-9]+ tokens" 10
 
-tmux send-keys -t "$session" C-s
-wait_for "Saved " 5
-ls "$work"/chats/chat-*.json >/dev/null 2>&1 || fail "no chat file written"
+# Ctrl-S saves, in the chat module's JSON format.
+keys C-s
+wait_for "Saved .*chat-[0-9-]+\.json" 5
+chat_file="$(ls "$work"/chats/chat-*.json 2>/dev/null | head -1)"
+[[ -n "$chat_file" ]] || fail "no chat file written"
+grep -q '"role": "user"' "$chat_file" && grep -q '"content": "hello there"' "$chat_file" ||
+    fail "the chat file lacks the first user message: $(cat "$chat_file")"
+grep -q '"reasoning": "medium"' "$chat_file" || fail "the chat file lacks the system settings"
 
-tmux send-keys -t "$session" F1
-wait_for "Keys (any key closes)" 5
-tmux send-keys -t "$session" x
-echo "key to screen: $(gauge 'key→screen')"
+# F1 opens the help overlay; any key closes it.
+keys F1
+wait_for "Keys \(any key closes\)" 5
+keys x
+sleep 0.3
+screen | grep -q "Keys (any key closes)" && fail "the help overlay did not close"
 
-tmux send-keys -t "$session" C-q
+# F12 does nothing without the test hook.
+keys F12
+sleep 0.3
+screen | grep -q "EXIT=" && fail "F12 ended the app without OSSTERM_TEST_PANIC"
+
+keys C-q
 wait_for "EXIT=0" 10
-screen | grep -q -- "-icanon" && fail "terminal left in raw mode"
-screen | grep -q "icanon" || fail "could not read the terminal mode"
-echo "tmux_e2e: ok"
+check_restored "after Ctrl-Q"
+
+# A panic in the UI thread restores the terminal before the message is printed.
+start_app "OSSTERM_TEST_PANIC=1"
+wait_for "Ready" 60
+keys "hello" Enter
+wait_for "tokens in [0-9.]+ s" 30
+keys F12
+wait_for "EXIT=101" 10
+screen | grep -q "deliberate panic" || fail "the panic message is not on the main screen"
+check_restored "after a panic"
+
+echo "tmux_e2e: ok in $((SECONDS - started)) s"

@@ -13,15 +13,11 @@ pub type RequestId = u64;
 
 pub use crate::model::fast::{KvFormat as KvCacheType, WeightFormat};
 
-/// Harmony's `Reasoning: low|medium|high` line in the system message.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ReasoningEffort {
-    Low,
-    Medium,
-    High,
-}
+/// The conversation types are the chat module's own, so a request carries exactly what is
+/// rendered and a saved chat is exactly the chat module's JSON file.
+pub use crate::chat::{Channel, ChatMessage, Conversation, ReasoningEffort, Role, SystemSettings};
 
+// The config file, the command line and the settings panel name efforts like the other choices.
 crate::choice::impl_choice!(ReasoningEffort { Low => "low", Medium => "medium", High => "high" });
 
 /// Sampling parameters; `top_k` 0 and `min_p` 0 switch those filters off, `seed` `None` draws one.
@@ -67,13 +63,12 @@ pub struct Settings {
 }
 
 /// Harmony's default identity line.
-pub const DEFAULT_SYSTEM_PROMPT: &str =
-    "You are ChatGPT, a large language model trained by OpenAI.";
+pub const DEFAULT_SYSTEM_PROMPT: &str = crate::chat::conversation::DEFAULT_IDENTITY;
 
 impl Default for Settings {
     fn default() -> Self {
         Settings {
-            threads: std::thread::available_parallelism().map_or(1, |count| count.get()),
+            threads: crate::engine::default_threads(),
             weight_format: WeightFormat::Q8,
             kv_cache: KvCacheType::F16,
             context_limit: 8192,
@@ -94,52 +89,6 @@ impl Settings {
             || self.system_prompt != next.system_prompt
             || self.developer_instructions != next.developer_instructions
     }
-}
-
-/// Who wrote a message (harmony roles; tools are not used by the app).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    User,
-    Assistant,
-}
-
-/// Harmony output channels.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Channel {
-    Analysis,
-    Commentary,
-    Final,
-}
-
-/// One message of a conversation.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Message {
-    pub role: Role,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub channel: Option<Channel>,
-    pub content: String,
-}
-
-/// The harmony system message's fields.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct SystemContent {
-    pub identity: String,
-    pub reasoning: ReasoningEffort,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub date: Option<String>,
-    pub knowledge_cutoff: String,
-}
-
-/// A whole chat as the engine renders it and as it is saved to disk (the chat module's JSON shape:
-/// `{system {identity, reasoning, date, knowledge_cutoff}, developer, messages [{role, channel, content}]}`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Conversation {
-    pub system: SystemContent,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub developer: Option<String>,
-    pub messages: Vec<Message>,
 }
 
 /// Why a generation request exists; the engine treats all alike (prefix reuse finds the rewind
@@ -220,6 +169,8 @@ pub struct StatsSample {
     pub machine_memory_bytes: Option<u64>,
     pub kv_tokens_used: usize,
     pub kv_tokens_capacity: usize,
+    /// The element type the current KV cache holds.
+    pub kv_cache: KvCacheType,
     /// Tokens of the current conversation (prompt plus reply so far).
     pub context_used: usize,
     pub context_limit: usize,

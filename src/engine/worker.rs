@@ -52,6 +52,9 @@ pub trait InferenceSession: Send {
     /// Drops every cached token from position `len` on.
     fn truncate(&mut self, len: usize);
     fn context_limit(&self) -> usize;
+    /// Tokens the forward pass multiplies at once; the worker prefills in chunks of this size so
+    /// each chunk is one batched pass and the cancel mark is checked between them.
+    fn prefill_chunk(&self) -> usize;
 }
 
 /// The loaded weights: makes sessions and, for a weight-format change, a re-quantized copy.
@@ -76,9 +79,9 @@ pub trait ModelBackend: Send + Sync + 'static {
 
     fn weight_format(&self) -> WeightFormat;
 
-    /// The KV cache element type its sessions really use (a request for another type is recorded
-    /// in the settings but the gauges show this one).
-    fn kv_cache_type(&self) -> KvCacheType;
+    /// The KV cache element type a session asked for `requested` really holds (a path that
+    /// supports one type only answers that one, and the settings then show it).
+    fn effective_kv_cache(&self, requested: KvCacheType) -> KvCacheType;
 
     /// The SIMD path the kernels picked ("avx512", "avx2" or "scalar").
     fn kernel_path(&self) -> String;
@@ -129,10 +132,6 @@ pub struct EngineParts<M, C, S> {
     pub model_label: String,
     pub random_weights: bool,
 }
-
-/// Tokens prefilled between two looks at the cancel mark: big enough for batched matmuls to pay
-/// off, small enough that Esc answers within a fraction of a second.
-pub const DEFAULT_PREFILL_CHUNK: usize = 128;
 
 /// How often a stats sample goes out while the engine works.
 const STATS_INTERVAL: Duration = Duration::from_millis(250);
@@ -290,7 +289,8 @@ pub struct Worker<M: ModelBackend, C, S> {
     session_hits: CacheHits,
     timings: TurnTimings,
     last_stats: Instant,
-    prefill_chunk: usize,
+    /// Overrides the session's own prefill chunk (tests use small chunks).
+    prefill_chunk: Option<usize>,
     /// A re-quantized model being built in the background, with the format it will have.
     pending_model: Option<(WeightFormat, Receiver<Result<M, EngineError>>)>,
 }
@@ -314,7 +314,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
         sampler.configure(&settings.sampling);
         let mut effective = settings;
         effective.weight_format = model.weight_format();
-        effective.kv_cache = model.kv_cache_type();
+        effective.kv_cache = model.effective_kv_cache(effective.kv_cache);
         let _ = events.send(Event::Ready(EngineInfo {
             model_label,
             random_weights,
@@ -333,7 +333,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
             session_hits: CacheHits::default(),
             timings: TurnTimings::default(),
             last_stats: Instant::now(),
-            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            prefill_chunk: None,
             pending_model: None,
         };
         worker.send_stats();
@@ -342,7 +342,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
 
     /// Sets the prefill chunk (tests use small chunks to see cancellation between them).
     pub fn set_prefill_chunk(&mut self, tokens: usize) {
-        self.prefill_chunk = tokens.max(1);
+        self.prefill_chunk = Some(tokens.max(1));
     }
 
     /// Serves commands until `Shutdown` or until the UI hangs up.
@@ -438,7 +438,11 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
         let tail = &prompt[reused..];
         let mut first_token = None;
         let mut done = 0;
-        for chunk in tail.chunks(self.prefill_chunk) {
+        let chunk_len = self
+            .prefill_chunk
+            .unwrap_or_else(|| self.session.prefill_chunk())
+            .max(1);
+        for chunk in tail.chunks(chunk_len) {
             if self.is_cancelled(id) {
                 return Ok(cancelled(hits, 0));
             }
@@ -527,7 +531,11 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
         }
         let wants_format = next.weight_format;
         let pending_format = self.pending_model.as_ref().map(|(format, _)| *format);
-        if wants_format != self.model.weight_format() && pending_format != Some(wants_format) {
+        if wants_format == self.model.weight_format() {
+            // Back to the serving format: a conversion still running is no longer wanted (its
+            // thread finishes and its result is dropped with the receiver).
+            self.pending_model = None;
+        } else if pending_format != Some(wants_format) {
             self.start_requantization(wants_format);
         }
         let mut applied = next;
@@ -540,7 +548,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
             applied.context_limit = self.session.context_limit();
             applied.kv_cache = previous.kv_cache;
         }
-        applied.kv_cache = self.model.kv_cache_type();
+        applied.kv_cache = self.model.effective_kv_cache(applied.kv_cache);
         // The weight format shown stays the serving one until the new weights are installed.
         applied.weight_format = self.model.weight_format();
         self.settings = applied;
@@ -641,6 +649,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
             machine_memory_bytes: memory.machine_bytes,
             kv_tokens_used: self.session.tokens().len(),
             kv_tokens_capacity: self.session.context_limit(),
+            kv_cache: self.settings.kv_cache,
             context_used: timings.context_used.max(self.session.tokens().len()),
             context_limit: self.settings.context_limit,
             turn_hits: timings.hits,
@@ -665,6 +674,8 @@ fn build_pool(threads: usize) -> Result<rayon::ThreadPool, EngineError> {
 pub struct MemoryUsage {
     pub process_bytes: Option<u64>,
     pub machine_bytes: Option<u64>,
+    /// Memory the kernel could hand out now without swapping (`MemAvailable`).
+    pub available_bytes: Option<u64>,
 }
 
 /// Reads `/proc` on Linux; other systems report nothing rather than a guess.
@@ -674,6 +685,7 @@ pub fn read_memory_usage() -> MemoryUsage {
     MemoryUsage {
         process_bytes: kib_field_bytes(&status, "VmRSS:"),
         machine_bytes: kib_field_bytes(&meminfo, "MemTotal:"),
+        available_bytes: kib_field_bytes(&meminfo, "MemAvailable:"),
     }
 }
 
@@ -691,9 +703,9 @@ pub fn kib_field_bytes(text: &str, name: &str) -> Option<u64> {
         .map(|kib| kib * 1024)
 }
 
-/// Total memory of this machine, if known.
-pub fn machine_memory_bytes() -> Option<u64> {
-    read_memory_usage().machine_bytes
+/// Memory available now, if known.
+pub fn available_memory_bytes() -> Option<u64> {
+    read_memory_usage().available_bytes
 }
 
 impl From<crate::model::ForwardError> for EngineError {
@@ -721,6 +733,10 @@ impl InferenceSession for crate::model::Session {
 
     fn context_limit(&self) -> usize {
         crate::model::Session::context_limit(self)
+    }
+
+    fn prefill_chunk(&self) -> usize {
+        self.chunk_len()
     }
 }
 
@@ -754,8 +770,12 @@ impl ModelBackend for crate::model::Model {
         self.options().weights
     }
 
-    fn kv_cache_type(&self) -> KvCacheType {
-        self.kv_format
+    fn effective_kv_cache(&self, requested: KvCacheType) -> KvCacheType {
+        // The exact reference path always keeps an f32 cache.
+        match self.precision {
+            crate::model::Precision::Exact => KvCacheType::F32,
+            crate::model::Precision::Fast => requested,
+        }
     }
 
     fn kernel_path(&self) -> String {
@@ -763,48 +783,6 @@ impl ModelBackend for crate::model::Model {
             crate::model::Precision::Exact => "portable".to_string(),
             crate::model::Precision::Fast => self.kernels.path().name().to_string(),
         }
-    }
-}
-
-/// Maps the protocol's conversation to the chat module's, field by field.
-pub fn to_chat_conversation(conversation: &Conversation) -> crate::chat::Conversation {
-    use crate::chat::conversation as chat;
-    use crate::engine::protocol::{ReasoningEffort, Role};
-    let reasoning = match conversation.system.reasoning {
-        ReasoningEffort::Low => chat::ReasoningEffort::Low,
-        ReasoningEffort::Medium => chat::ReasoningEffort::Medium,
-        ReasoningEffort::High => chat::ReasoningEffort::High,
-    };
-    let channel = |channel: Option<Channel>| {
-        channel.map(|channel| match channel {
-            Channel::Analysis => chat::Channel::Analysis,
-            Channel::Commentary => chat::Channel::Commentary,
-            Channel::Final => chat::Channel::Final,
-        })
-    };
-    crate::chat::Conversation {
-        system: chat::SystemSettings {
-            identity: Some(conversation.system.identity.clone()),
-            reasoning: Some(reasoning),
-            date: conversation.system.date.clone(),
-            knowledge_cutoff: Some(conversation.system.knowledge_cutoff.clone()),
-            extra: Default::default(),
-        },
-        developer: conversation.developer.clone(),
-        messages: conversation
-            .messages
-            .iter()
-            .map(|message| chat::ChatMessage {
-                role: match message.role {
-                    Role::User => chat::Role::User,
-                    Role::Assistant => chat::Role::Assistant,
-                },
-                channel: channel(message.channel),
-                content: message.content.clone(),
-                extra: Default::default(),
-            })
-            .collect(),
-        extra: Default::default(),
     }
 }
 
@@ -830,12 +808,8 @@ impl ChatCodec for HarmonyCodec {
         keep_reasoning: bool,
     ) -> Result<Vec<u32>, EngineError> {
         let options = crate::chat::RenderOptions { keep_reasoning };
-        crate::chat::render_for_completion(
-            self.tokenizer,
-            &to_chat_conversation(conversation),
-            &options,
-        )
-        .map_err(|error| EngineError::Chat(Box::new(error)))
+        crate::chat::render_for_completion(self.tokenizer, conversation, &options)
+            .map_err(|error| EngineError::Chat(Box::new(error)))
     }
 
     fn parser(&self) -> HarmonyStream {
@@ -854,7 +828,6 @@ pub struct HarmonyStream {
 
 impl StreamParser for HarmonyStream {
     fn push(&mut self, token: u32) -> Result<ParsedToken, EngineError> {
-        use crate::chat::conversation::Channel as ChatChannel;
         use crate::chat::ParseEvent;
         self.text.clear();
         let mut channel = Channel::Final;
@@ -866,11 +839,7 @@ impl StreamParser for HarmonyStream {
                 text: piece,
             } => {
                 // Text outside a known channel is shown as answer text; the header never is.
-                channel = match text_channel {
-                    Some(ChatChannel::Analysis) => Channel::Analysis,
-                    Some(ChatChannel::Commentary) => Channel::Commentary,
-                    _ => Channel::Final,
-                };
+                channel = text_channel.unwrap_or(Channel::Final);
                 text.push_str(piece);
             }
             ParseEvent::Stop(_) => stopped = true,

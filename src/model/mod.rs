@@ -99,6 +99,20 @@ pub struct LoadOptions {
     pub kernels: Option<crate::kernels::KernelPath>,
 }
 
+/// What a model load is busy with, for progress reports (`done` and `total` in the stage's unit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadStage {
+    /// Mapping the checkpoint and checking its tensors (one step).
+    Mapping,
+    /// Generating synthetic weights (bytes).
+    Generating,
+    /// Converting weights to the chosen format (matrices).
+    Converting,
+}
+
+/// Receives (stage, done, total).
+pub type LoadProgress<'a> = dyn FnMut(LoadStage, u64, u64) + 'a;
+
 /// A loaded model: configuration, weights and the tables every session shares.
 pub struct Model {
     pub config: ModelConfig,
@@ -117,6 +131,16 @@ pub struct Model {
 impl Model {
     /// Loads a Hugging Face gpt-oss checkpoint directory (config.json + safetensors shards).
     pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Model, ModelError> {
+        Model::load_with_progress(dir, opts, &mut |_, _, _| {})
+    }
+
+    /// [`Model::load`], reporting progress.
+    pub fn load_with_progress(
+        dir: &Path,
+        opts: &LoadOptions,
+        progress: &mut LoadProgress<'_>,
+    ) -> Result<Model, ModelError> {
+        progress(LoadStage::Mapping, 0, 1);
         if !dir.is_dir() {
             return Err(ModelError::MissingDir(dir.to_owned()));
         }
@@ -141,15 +165,29 @@ impl Model {
 
     /// A model of `preset`'s shape with random weights, built in memory.
     pub fn synthetic(preset: Preset, seed: u64, opts: &LoadOptions) -> Result<Model, ModelError> {
+        Model::synthetic_with_progress(preset, seed, opts, &mut |_, _, _| {})
+    }
+
+    /// [`Model::synthetic`], reporting progress (generating the 20b shape takes a while).
+    pub fn synthetic_with_progress(
+        preset: Preset,
+        seed: u64,
+        opts: &LoadOptions,
+        progress: &mut LoadProgress<'_>,
+    ) -> Result<Model, ModelError> {
         let config = preset.config();
         let source = synthetic::SyntheticSource::new(config.clone(), seed);
-        let weights = Weights::load(&config, &source)?;
+        let weights = {
+            let mut generated = |done, total| progress(LoadStage::Generating, done, total);
+            let reporting = synthetic::Reporting::new(&source, &mut generated);
+            Weights::load(&config, &reporting)?
+        };
         Model::from_parts(
             config,
             weights,
             opts,
             format!("synthetic {} (random weights)", preset.name()),
-            &mut |_, _| {},
+            &mut |done, total| progress(LoadStage::Converting, done as u64, total as u64),
         )
     }
 

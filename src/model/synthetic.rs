@@ -198,6 +198,40 @@ impl TensorSource for SyntheticSource {
     }
 }
 
+/// Wraps a [`SyntheticSource`] and reports (bytes generated, bytes in all) after each tensor.
+pub struct Reporting<'a> {
+    inner: &'a SyntheticSource,
+    done: std::cell::Cell<u64>,
+    total: u64,
+    progress: std::cell::RefCell<&'a mut dyn FnMut(u64, u64)>,
+}
+
+impl<'a> Reporting<'a> {
+    pub fn new(inner: &'a SyntheticSource, progress: &'a mut dyn FnMut(u64, u64)) -> Self {
+        let total = inner.specs.values().map(|s| s.byte_len() as u64).sum();
+        Reporting {
+            inner,
+            done: std::cell::Cell::new(0),
+            total,
+            progress: std::cell::RefCell::new(progress),
+        }
+    }
+}
+
+impl TensorSource for Reporting<'_> {
+    fn tensor(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtypes: &[Dtype],
+    ) -> Result<(Dtype, TensorBytes), ModelError> {
+        let tensor = self.inner.tensor(name, shape, dtypes)?;
+        self.done.set(self.done.get() + tensor.1.len() as u64);
+        (self.progress.borrow_mut())(self.done.get(), self.total);
+        Ok(tensor)
+    }
+}
+
 /// Bytes generated per independently seeded piece, so generation runs on every core.
 const PIECE: usize = 1 << 20;
 

@@ -25,6 +25,7 @@ pub const KEY_BINDINGS: &[(&str, &str)] = &[
         "Ctrl-T",
         "expand / collapse the reasoning of the selected or last answer",
     ),
+    ("Ctrl-L", "repaint the whole screen"),
     ("Tab / Shift-Tab", "focus input -> conversation -> settings"),
     ("PageUp / PageDown, wheel", "scroll the conversation"),
     ("End (conversation)", "follow the stream again"),

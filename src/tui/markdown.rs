@@ -175,6 +175,51 @@ fn flush(spans: &mut Vec<Span<'static>>, current: &mut String, style: Style) {
     }
 }
 
+/// `text` with nothing that could move the terminal's cursor, change its state or be measured
+/// differently by the terminal and by the layout: C0/C1 control characters become visible
+/// stand-ins (ESC shows as ␛, CR as ␍), a tab becomes four spaces, and invisible format characters
+/// (zero-width spaces and joiners, bidirectional overrides, variation selectors) are dropped.
+/// Model output is untrusted: a random or confused model can emit any byte. Newlines are kept.
+pub fn terminal_safe(text: &str) -> std::borrow::Cow<'_, str> {
+    let needs_change = |character: char| {
+        (character.is_control() && character != '\n') || is_invisible_format(character)
+    };
+    if !text.chars().any(needs_change) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut safe = String::with_capacity(text.len() + 8);
+    for character in text.chars() {
+        match character {
+            '\n' => safe.push('\n'),
+            '\t' => safe.push_str("    "),
+            // Control Pictures: U+2400 + code for C0, U+2421 for DEL.
+            '\u{0}'..='\u{1f}' => {
+                safe.push(char::from_u32(0x2400 + character as u32).unwrap_or('\u{fffd}'))
+            }
+            '\u{7f}' => safe.push('\u{2421}'),
+            _ if character.is_control() => safe.push('\u{fffd}'),
+            _ if is_invisible_format(character) => {}
+            _ => safe.push(character),
+        }
+    }
+    std::borrow::Cow::Owned(safe)
+}
+
+fn is_invisible_format(character: char) -> bool {
+    matches!(
+        character,
+        '\u{00ad}'
+            | '\u{061c}'
+            | '\u{180e}'
+            | '\u{200b}'..='\u{200f}'
+            | '\u{202a}'..='\u{202e}'
+            | '\u{2060}'..='\u{2064}'
+            | '\u{2066}'..='\u{2069}'
+            | '\u{fe00}'..='\u{fe0f}'
+            | '\u{feff}'
+    )
+}
+
 /// Display width of a string in terminal cells.
 pub fn text_width(text: &str) -> usize {
     text.chars()
@@ -200,7 +245,7 @@ fn wrap_line(line: &Line<'static>, width: usize, output: &mut Vec<Line<'static>>
     let mut in_spaces = false;
     for span in &line.spans {
         let style = line.style.patch(span.style);
-        for character in span.content.chars() {
+        for character in terminal_safe(&span.content).chars() {
             let is_space = character == ' ';
             if !is_space && in_spaces {
                 words.push(std::mem::take(&mut word));

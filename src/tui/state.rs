@@ -3,8 +3,8 @@
 //! the engine, clipboard text, quit). Rendering is a pure function of this state (`view`).
 
 use crate::engine::protocol::{
-    CacheHits, Channel, Command, Conversation, EngineInfo, Event, GenerateRequest, Message,
-    RequestId, RequestKind, Role, Settings, StatsSample, StopReason, SystemContent,
+    CacheHits, Channel, ChatMessage, Command, Conversation, EngineInfo, Event, GenerateRequest,
+    RequestId, RequestKind, Role, Settings, StatsSample, StopReason, SystemSettings,
 };
 use crate::tui::settings_panel::SettingField;
 use crate::tui::store::{date_utc, ChatStore, SavedChat};
@@ -15,7 +15,7 @@ use std::time::{Duration, Instant, SystemTime};
 use tui_textarea::TextArea;
 
 /// Harmony's default knowledge cutoff line.
-pub const KNOWLEDGE_CUTOFF: &str = "2024-06";
+pub const KNOWLEDGE_CUTOFF: &str = crate::chat::conversation::DEFAULT_KNOWLEDGE_CUTOFF;
 
 /// Decode-rate samples kept for the sparkline.
 pub const SPARKLINE_SAMPLES: usize = 120;
@@ -37,6 +37,8 @@ pub enum Msg {
     Resize {
         conversation_height: u16,
     },
+    /// The engine thread ended without being asked to (it panicked); the text says why.
+    EngineStopped(String),
 }
 
 /// Work for the loop, outside the state.
@@ -45,6 +47,10 @@ pub enum Effect {
     Engine(Command),
     /// Put this text on the clipboard (OSC 52).
     Copy(String),
+    /// Repaint every cell of the screen, not only the ones that changed. Terminals disagree with
+    /// the layout about the width of some characters (combining marks of some scripts, emoji),
+    /// which can leave stale cells behind; a full repaint puts the screen right.
+    Redraw,
     Quit,
 }
 
@@ -151,6 +157,25 @@ impl Reply {
     }
 }
 
+/// The parts of a chat file the app shows no setting for, kept so a loaded chat is written back
+/// with them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChatFileExtras {
+    pub knowledge_cutoff: Option<String>,
+    pub system: serde_json::Map<String, serde_json::Value>,
+    pub conversation: serde_json::Map<String, serde_json::Value>,
+}
+
+impl Default for ChatFileExtras {
+    fn default() -> Self {
+        ChatFileExtras {
+            knowledge_cutoff: Some(KNOWLEDGE_CUTOFF.to_string()),
+            system: serde_json::Map::new(),
+            conversation: serde_json::Map::new(),
+        }
+    }
+}
+
 /// One exchange: what the user sent and the reply to it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Turn {
@@ -206,8 +231,12 @@ pub struct App {
     pub latency: Latency,
     pub store: ChatStore,
     pub chat_path: Option<PathBuf>,
-    /// The date in this chat's system message; fixed so the prompt prefix (and its cache) stays valid.
-    pub chat_date: String,
+    /// The date in this chat's system message; fixed so the prompt prefix (and its cache) stays
+    /// valid. `None` (a loaded chat without one) leaves the line out, as harmony does.
+    pub chat_date: Option<String>,
+    /// What a loaded chat file holds beyond the settings the app edits (its knowledge cutoff, fields
+    /// of other tools), written back unchanged.
+    pub chat_file_extras: ChatFileExtras,
     pub max_threads: usize,
     history: Vec<String>,
     history_cursor: Option<usize>,
@@ -249,7 +278,8 @@ impl App {
             latency: Latency::default(),
             store,
             chat_path: None,
-            chat_date: date_utc(SystemTime::now()),
+            chat_date: Some(date_utc(SystemTime::now())),
+            chat_file_extras: ChatFileExtras::default(),
             history: Vec::new(),
             history_cursor: None,
             active: None,
@@ -273,40 +303,34 @@ impl App {
     pub fn conversation(&self) -> Conversation {
         let mut messages = Vec::new();
         for turn in &self.turns {
-            messages.push(Message {
-                role: Role::User,
-                channel: None,
-                content: turn.user.clone(),
-            });
+            messages.push(ChatMessage::user(turn.user.clone()));
             if let Some(reply) = &turn.reply {
                 if !reply.reasoning.is_empty() {
-                    let content = reply.reasoning.clone();
-                    messages.push(Message {
-                        role: Role::Assistant,
-                        channel: Some(Channel::Analysis),
-                        content,
-                    });
+                    messages.push(ChatMessage::assistant(
+                        Channel::Analysis,
+                        reply.reasoning.clone(),
+                    ));
                 }
                 if !reply.answer.is_empty() {
-                    let content = reply.answer.clone();
-                    messages.push(Message {
-                        role: Role::Assistant,
-                        channel: Some(Channel::Final),
-                        content,
-                    });
+                    messages.push(ChatMessage::assistant(Channel::Final, reply.answer.clone()));
                 }
             }
         }
+        let extras = &self.chat_file_extras;
+        let identity = &self.settings.system_prompt;
         Conversation {
-            system: SystemContent {
-                identity: self.settings.system_prompt.clone(),
-                reasoning: self.settings.reasoning_effort,
-                date: Some(self.chat_date.clone()),
-                knowledge_cutoff: KNOWLEDGE_CUTOFF.to_string(),
+            system: SystemSettings {
+                // An empty identity leaves harmony's identity line out rather than writing it blank.
+                identity: (!identity.trim().is_empty()).then(|| identity.clone()),
+                reasoning: Some(self.settings.reasoning_effort),
+                date: self.chat_date.clone(),
+                knowledge_cutoff: extras.knowledge_cutoff.clone(),
+                extra: extras.system.clone(),
             },
             developer: (!self.settings.developer_instructions.trim().is_empty())
                 .then(|| self.settings.developer_instructions.clone()),
             messages,
+            extra: extras.conversation.clone(),
         }
     }
 
@@ -350,13 +374,20 @@ impl App {
                 }
             }
         }
+        let system = conversation.system;
         let mut settings = self.settings.clone();
-        settings.system_prompt = conversation.system.identity;
-        settings.reasoning_effort = conversation.system.reasoning;
-        settings.developer_instructions = conversation.developer.unwrap_or_default();
-        if let Some(date) = conversation.system.date {
-            self.chat_date = date;
+        settings.system_prompt = system.identity.unwrap_or_default();
+        // A file without a reasoning line keeps the current effort (the app always writes one).
+        if let Some(effort) = system.reasoning {
+            settings.reasoning_effort = effort;
         }
+        settings.developer_instructions = conversation.developer.unwrap_or_default();
+        self.chat_date = system.date;
+        self.chat_file_extras = ChatFileExtras {
+            knowledge_cutoff: system.knowledge_cutoff,
+            system: system.extra,
+            conversation: conversation.extra,
+        };
         effects.extend(self.change_settings(settings));
         self.chat_path = Some(path);
         self.scroll_top = None;
@@ -389,6 +420,25 @@ impl App {
                 Vec::new()
             }
             Msg::Engine(event) => self.on_engine_event(event, now),
+            Msg::EngineStopped(reason) => {
+                if let Some(id) = self.active.take() {
+                    let message = format!("the engine stopped: {reason}");
+                    if let Some(reply) = self
+                        .turns
+                        .last_mut()
+                        .and_then(|turn| turn.reply.as_mut())
+                        .filter(|reply| reply.request_id == Some(id))
+                    {
+                        reply.status = ReplyStatus::Failed(message);
+                    }
+                    self.autosave();
+                }
+                self.engine = EngineStatus::Failed(format!("The engine stopped: {reason}"));
+                self.notice = Some(format!(
+                    "The engine stopped ({reason}); the chat is saved, restart ossterm"
+                ));
+                Vec::new()
+            }
             Msg::Resize {
                 conversation_height,
             } => {
@@ -429,6 +479,7 @@ impl App {
                     return Vec::new();
                 }
                 KeyCode::Char('y') => return self.copy_last_answer(),
+                KeyCode::Char('l') => return vec![Effect::Redraw],
                 KeyCode::Char('t') => {
                     self.toggle_reasoning(self.selected_turn.or(self.turns.len().checked_sub(1)));
                     return Vec::new();
@@ -616,15 +667,15 @@ impl App {
         if next == self.settings {
             return Vec::new();
         }
-        if self.settings.invalidates_prompt_prefix(&next) && !self.turns.is_empty() {
-            self.notice = Some("Changed the system/developer message: the next turn re-prefills the whole conversation".to_string());
-        } else if next.weight_format != self.settings.weight_format {
-            self.notice = Some(format!(
-                "Re-quantizing to {} in the background; the old weights keep serving",
-                next.weight_format
-            ));
-        } else if self.is_generating() {
-            self.notice = Some("Settings apply after this turn".to_string());
+        let mut notice = settings_change_notice(&self.settings, &next, !self.turns.is_empty());
+        if self.is_generating() {
+            notice = Some(match notice {
+                Some(text) => format!("{text} (after this turn)"),
+                None => "Settings apply after this turn".to_string(),
+            });
+        }
+        if notice.is_some() {
+            self.notice = notice;
         }
         self.settings = next;
         vec![Effect::Engine(Command::ApplySettings(Box::new(
@@ -784,7 +835,8 @@ impl App {
         self.autosave();
         self.turns.clear();
         self.chat_path = None;
-        self.chat_date = date_utc(SystemTime::now());
+        self.chat_date = Some(date_utc(SystemTime::now()));
+        self.chat_file_extras = ChatFileExtras::default();
         self.scroll_top = None;
         self.selected_turn = None;
         self.pending_kind = RequestKind::NewTurn;
@@ -976,6 +1028,8 @@ impl App {
                 }
                 if was_active {
                     self.active = None;
+                    // A streamed reply is the text most likely to have confused the terminal.
+                    return vec![Effect::Redraw];
                 }
             }
             Event::SettingsProgress { what, done, total } => {
@@ -1037,6 +1091,55 @@ impl App {
             }
         }
     }
+}
+
+/// What the user should know about going from `previous` to `next`: the costly consequences first
+/// (a whole-conversation re-prefill, a background re-quantization, a pool rebuild).
+pub fn settings_change_notice(
+    previous: &Settings,
+    next: &Settings,
+    has_turns: bool,
+) -> Option<String> {
+    const REPREFILL: &str = "the next turn re-prefills the whole conversation";
+    let cause = if previous.reasoning_effort != next.reasoning_effort {
+        Some(format!(
+            "Reasoning effort {} changes the system message",
+            next.reasoning_effort
+        ))
+    } else if previous.system_prompt != next.system_prompt {
+        Some("The system prompt changed".to_string())
+    } else if previous.developer_instructions != next.developer_instructions {
+        Some("The developer instructions changed".to_string())
+    } else if previous.kv_cache != next.kv_cache {
+        Some(format!("KV cache {} needs a new cache", next.kv_cache))
+    } else if previous.context_limit != next.context_limit {
+        Some(format!(
+            "Context limit {} needs a new cache",
+            next.context_limit
+        ))
+    } else {
+        None
+    };
+    if let Some(cause) = cause {
+        return Some(if has_turns {
+            format!("{cause}: {REPREFILL}")
+        } else {
+            cause
+        });
+    }
+    if previous.weight_format != next.weight_format {
+        return Some(format!(
+            "Re-quantizing to {} in the background; the old weights keep serving",
+            next.weight_format
+        ));
+    }
+    if previous.threads != next.threads {
+        return Some(format!(
+            "Threads {}: the thread pool is rebuilt between turns",
+            next.threads
+        ));
+    }
+    None
 }
 
 fn capitalize(text: &str) -> String {

@@ -1,8 +1,9 @@
 //! Saved chats: one conversation JSON file per chat in the data directory, written atomically
 //! (temporary file, then rename) every time a turn is sent or completes, so a crash or a killed
-//! terminal loses nothing already sent or received.
+//! terminal loses nothing already sent or received. The files are the chat module's conversation
+//! JSON, so `ossterm run --conversation FILE` continues a chat the app saved.
 
-use crate::engine::protocol::{Conversation, Role};
+use crate::chat::{Conversation, ConversationError, Role};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 use thiserror::Error;
@@ -24,11 +25,8 @@ pub enum StoreError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("chat file {path} is not a conversation JSON: {source}")]
-    Parse {
-        path: PathBuf,
-        source: serde_json::Error,
-    },
+    #[error(transparent)]
+    Parse(#[from] ConversationError),
     #[error("cannot list chat directory {path}: {source}")]
     List {
         path: PathBuf,
@@ -81,11 +79,7 @@ impl ChatStore {
             path: self.dir.clone(),
             source,
         })?;
-        let json =
-            serde_json::to_string_pretty(conversation).map_err(|source| StoreError::Parse {
-                path: path.to_path_buf(),
-                source,
-            })?;
+        let json = conversation.to_json() + "\n";
         let temporary = path.with_extension("json.tmp");
         let write = |target: &Path| std::fs::write(target, json.as_bytes());
         write(&temporary).map_err(|source| StoreError::Write {
@@ -103,10 +97,7 @@ impl ChatStore {
             path: path.to_path_buf(),
             source,
         })?;
-        serde_json::from_str(&text).map_err(|source| StoreError::Parse {
-            path: path.to_path_buf(),
-            source,
-        })
+        Ok(Conversation::from_json(&text, path)?)
     }
 
     /// Saved chats, newest first. A missing directory is an empty list; unreadable files are skipped

@@ -3,7 +3,7 @@
 
 use crate::engine::protocol::StopReason;
 use crate::tui::keys::KEY_BINDINGS;
-use crate::tui::markdown::{render_markdown, text_width, wrap_lines};
+use crate::tui::markdown::{render_markdown, terminal_safe, text_width, wrap_lines};
 use crate::tui::settings_panel::SettingField;
 use crate::tui::state::{App, EngineStatus, Focus, Overlay, Reply, ReplyStatus};
 use ratatui::layout::{Constraint, Layout, Rect};
@@ -72,6 +72,7 @@ pub fn draw(frame: &mut Frame, app: &mut App) {
                         .map(|name| name.to_string_lossy().to_string())
                         .unwrap_or_default();
                     let text = format!("{} ({} messages, {file})", chat.title, chat.messages);
+                    let text = terminal_safe(&text).into_owned();
                     let style = if index == *selected {
                         Style::new().add_modifier(Modifier::REVERSED)
                     } else {
@@ -104,7 +105,7 @@ fn title_line(app: &App) -> Line<'static> {
         Style::new().add_modifier(Modifier::BOLD | Modifier::REVERSED),
     )];
     if let Some(info) = &app.engine_info {
-        spans.push(Span::raw(format!(" {} ", info.model_label)));
+        spans.push(Span::raw(format!(" {} ", terminal_safe(&info.model_label))));
         if info.random_weights {
             spans.push(Span::styled(
                 " RANDOM WEIGHTS: output is noise (synthetic demo) ",
@@ -115,7 +116,7 @@ fn title_line(app: &App) -> Line<'static> {
     if let Some(path) = &app.chat_path {
         if let Some(name) = path.file_name() {
             spans.push(Span::styled(
-                format!("  {}", name.to_string_lossy()),
+                format!("  {}", terminal_safe(&name.to_string_lossy())),
                 Style::new().fg(Color::DarkGray),
             ));
         }
@@ -220,7 +221,7 @@ fn draw_engine_status(frame: &mut Frame, app: &App, area: Rect) {
                     ERROR_STYLE.add_modifier(Modifier::BOLD),
                 ),
                 Line::raw(""),
-                Line::styled(message.clone(), ERROR_STYLE),
+                Line::styled(terminal_safe(message).into_owned(), ERROR_STYLE),
                 Line::raw(""),
                 Line::raw(
                     "Check --model / model.path, or run `ossterm --synthetic tiny`. Ctrl-Q quits.",
@@ -278,6 +279,10 @@ fn reply_lines(reply: &Reply, width: usize) -> Vec<Line<'static>> {
     {
         let text = if total == 0 {
             "Reading the prompt…".to_string()
+        } else if done == total {
+            // Tokens are coming but none is text yet (a message header, or a random model that
+            // never writes one).
+            "Generating…".to_string()
         } else {
             format!("Reading the prompt… {done}/{total} tokens ({reused} reused from the cache)")
         };
@@ -426,6 +431,10 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
         )
     });
     rows.push(gauge_row("KV cache", kv));
+    rows.push(gauge_row(
+        "KV format",
+        stats.map_or("-".to_string(), |stats| stats.kv_cache.to_string()),
+    ));
     let context = stats.map_or("-".to_string(), |stats| {
         let ratio = stats.context_used as f64 / stats.context_limit.max(1) as f64;
         format!(
@@ -501,7 +510,7 @@ fn draw_settings(frame: &mut Frame, app: &App, area: Rect) {
         .iter()
         .enumerate()
         .map(|(index, field)| {
-            let mut value = field.value(&app.settings);
+            let mut value = terminal_safe(&field.value(&app.settings)).into_owned();
             if text_width(&value) > value_width {
                 value = value
                     .chars()
@@ -553,6 +562,9 @@ pub fn status_text(app: &App) -> String {
         .filter(|reply| reply.is_active())
     {
         return match reply.status {
+            ReplyStatus::Prefill { done, total, .. } if total > 0 && done == total => {
+                "Generating… · Esc stops".to_string()
+            }
             ReplyStatus::Prefill { done, total, .. } if total > 0 => {
                 format!("Reading the prompt {done}/{total} · Esc stops")
             }
@@ -592,7 +604,7 @@ pub fn status_text(app: &App) -> String {
 fn status_line(app: &App) -> Line<'static> {
     Line::from(vec![
         Span::styled(
-            format!(" {} ", status_text(app)),
+            format!(" {} ", terminal_safe(&status_text(app))),
             Style::new().add_modifier(Modifier::BOLD),
         ),
         Span::styled(" F1 help · Ctrl-Q quit", Style::new().fg(Color::DarkGray)),

@@ -1,0 +1,107 @@
+//! The app's edges: loading the configured model with progress, and the terminal restore.
+
+use ossterm::cli::app::{load_model, synthetic_preset};
+use ossterm::config::{ModelSource, SyntheticChoice, SYNTHETIC_20B_MIN_MEMORY_BYTES};
+use ossterm::engine::protocol::{KvCacheType, Settings, WeightFormat};
+use ossterm::model::{LoadOptions, Model, Precision, Preset};
+use std::sync::Arc;
+
+#[test]
+fn synthetic_load_reports_generation_and_conversion_and_matches_model_synthetic() {
+    let settings = Settings {
+        weight_format: WeightFormat::Q8,
+        kv_cache: KvCacheType::F16,
+        ..Settings::default()
+    };
+    let mut reports: Vec<(String, u64, u64)> = Vec::new();
+    let loaded = load_model(
+        &ModelSource::Synthetic(SyntheticChoice::Tiny),
+        &settings,
+        &mut |stage, done, total| reports.push((stage.to_string(), done, total)),
+    )
+    .unwrap();
+    assert!(loaded.random_weights);
+    assert!(loaded.label.contains("random weights"), "{}", loaded.label);
+
+    let generating: Vec<&(String, u64, u64)> = reports
+        .iter()
+        .filter(|(stage, ..)| stage == "generating random tiny weights")
+        .collect();
+    assert!(generating.len() > 10, "{reports:?}");
+    assert!(generating.windows(2).all(|pair| pair[0].1 <= pair[1].1));
+    let (_, done, total) = generating.last().unwrap();
+    assert_eq!(done, total);
+    let converting: Vec<&(String, u64, u64)> = reports
+        .iter()
+        .filter(|(stage, ..)| stage == "converting weights to q8")
+        .collect();
+    // q, k, v and o of each of the 4 layers, then the unembedding.
+    assert_eq!(
+        converting.last().map(|report| (report.1, report.2)),
+        Some((17, 17))
+    );
+
+    // Same weights, same fast path as the model's own constructor.
+    let options = LoadOptions {
+        precision: Precision::Fast,
+        weights: WeightFormat::Q8,
+        kv: KvCacheType::F16,
+        ..LoadOptions::default()
+    };
+    let reference = Arc::new(Model::synthetic(Preset::Tiny, 0, &options).unwrap());
+    let loaded = Arc::new(loaded.model);
+    assert_eq!(loaded.options().weights, WeightFormat::Q8);
+    let prompt = [6u32, 17, 4_242, 9, 31];
+    let mut ours = loaded.new_session_with_kv(64, KvCacheType::F16);
+    let mut theirs = reference.new_session_with_kv(64, KvCacheType::F16);
+    assert_eq!(
+        ours.prefill(&prompt).unwrap(),
+        theirs.prefill(&prompt).unwrap()
+    );
+}
+
+#[test]
+fn auto_picks_20b_only_with_the_memory_for_it_and_says_why_not() {
+    let enough = Some(SYNTHETIC_20B_MIN_MEMORY_BYTES);
+    assert_eq!(
+        synthetic_preset(SyntheticChoice::Auto, enough),
+        (Preset::Gpt20b, None)
+    );
+    let (preset, reason) = synthetic_preset(SyntheticChoice::Auto, Some(8 << 30));
+    assert_eq!(preset, Preset::Tiny);
+    let reason = reason.expect("a reason for the fallback");
+    assert!(
+        reason.contains("needs 16 GiB available") && reason.contains("8.0 GiB"),
+        "{reason}"
+    );
+    assert_eq!(
+        synthetic_preset(SyntheticChoice::Auto, None).0,
+        Preset::Tiny
+    );
+    // An explicit choice is honoured whatever the memory.
+    assert_eq!(
+        synthetic_preset(SyntheticChoice::Tiny, enough),
+        (Preset::Tiny, None)
+    );
+    assert_eq!(
+        synthetic_preset(SyntheticChoice::Gpt20b, Some(1 << 30)),
+        (Preset::Gpt20b, None)
+    );
+}
+
+#[test]
+fn missing_checkpoint_is_an_error_naming_the_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("no-such-model");
+    let error = load_model(
+        &ModelSource::Checkpoint(missing.clone()),
+        &Settings::default(),
+        &mut |_, _, _| {},
+    )
+    .err()
+    .expect("an error");
+    assert!(
+        error.to_string().contains(&missing.display().to_string()),
+        "{error}"
+    );
+}

@@ -1,0 +1,61 @@
+//! The README's app sections stay true: every key binding, setting and config key is documented.
+
+use ossterm::tui::keys::KEY_BINDINGS;
+use ossterm::tui::settings_panel::SettingField;
+
+fn readme() -> String {
+    std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap()
+}
+
+#[test]
+fn readme_lists_every_key_binding_as_the_help_overlay_does() {
+    let readme = readme();
+    for (keys, action) in KEY_BINDINGS {
+        let row = format!("| {keys} | {action} |");
+        assert!(readme.contains(&row), "README lacks the row {row}");
+    }
+}
+
+#[test]
+fn readme_lists_every_setting() {
+    let readme = readme();
+    for field in SettingField::ALL {
+        let row = format!("| {} |", field.label());
+        assert!(readme.contains(&row), "README lacks the setting {row}");
+    }
+}
+
+#[test]
+fn readme_lists_every_config_key_of_the_example_file() {
+    let readme = readme();
+    let example =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config.example.toml"))
+            .unwrap();
+    let mut section = String::new();
+    let mut keys = Vec::new();
+    for line in example.lines() {
+        let line = line.trim();
+        if let Some(name) = line
+            .strip_prefix('[')
+            .and_then(|rest| rest.strip_suffix(']'))
+        {
+            section = name.to_string();
+            continue;
+        }
+        // Keys are assigned, or shown commented out when they have no default (`# seed = 42`).
+        let assignment = line.trim_start_matches("# ");
+        let Some((key, _)) = assignment.split_once(" = ") else {
+            continue;
+        };
+        if key.chars().all(|c| c.is_ascii_lowercase() || c == '_') && !section.is_empty() {
+            keys.push(format!("{section}.{key}"));
+        }
+    }
+    assert!(keys.len() >= 17, "found only {keys:?}");
+    for key in keys {
+        assert!(
+            readme.contains(&format!("| `{key}` |")),
+            "README lacks the config key {key}"
+        );
+    }
+}
