@@ -41,7 +41,7 @@ impl KernelBenchConfig {
             rows: 2880,
             cols: 2880,
             thread_counts: vec![1, 2],
-            gemm_tokens: vec![1, 4, 16, 64, 256],
+            gemm_tokens: vec![1, 4, 8, 16, 32, 64, 128, 256],
             repetitions: 5,
             min_run_time: Duration::from_millis(20),
         }
