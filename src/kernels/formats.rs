@@ -8,6 +8,7 @@
 use half::f16;
 use rayon::prelude::*;
 
+use super::aligned::AlignedVec;
 use super::KernelError;
 
 /// Elements per quantization block (one scale each).
@@ -175,12 +176,12 @@ pub struct Q8Activations {
     cols: usize,
     pub(crate) groups: usize,
     /// `rows x groups x 128` int8 values, group-interleaved (evens of 4 blocks, then odds).
-    pub(crate) quants: Vec<i8>,
+    pub(crate) quants: AlignedVec<i8>,
     /// `rows x groups x 16`: lanes 4j..4j+3 hold the scale of block j of the group.
-    pub(crate) scale_lanes: Vec<f32>,
+    pub(crate) scale_lanes: AlignedVec<f32>,
     /// `rows x groups x 16`: lane 4j holds the sum of block j's int8 values, the other lanes 0.
     /// The offset trick subtracts `offset x sum` from each block's unsigned-by-signed dot product.
-    pub(crate) sum_lanes: Vec<i32>,
+    pub(crate) sum_lanes: AlignedVec<i32>,
 }
 
 impl Q8Activations {
@@ -196,9 +197,9 @@ impl Q8Activations {
             rows: 0,
             cols: 0,
             groups: 0,
-            quants: Vec::with_capacity(rows * groups * GROUP_LEN),
-            scale_lanes: Vec::with_capacity(rows * groups * GROUP_LANES),
-            sum_lanes: Vec::with_capacity(rows * groups * GROUP_LANES),
+            quants: AlignedVec::with_capacity(rows * groups * GROUP_LEN),
+            scale_lanes: AlignedVec::with_capacity(rows * groups * GROUP_LANES),
+            sum_lanes: AlignedVec::with_capacity(rows * groups * GROUP_LANES),
         }
     }
 
@@ -454,7 +455,7 @@ pub struct Q8Matrix {
     pub(crate) cols: usize,
     pub(crate) groups: usize,
     /// `rows x groups x 128`.
-    pub(crate) quants: Vec<i8>,
+    pub(crate) quants: AlignedVec<i8>,
     /// `rows x groups x 4`; padding blocks have scale 0.
     pub(crate) scales: Vec<f16>,
 }
@@ -470,7 +471,7 @@ pub struct Q4Matrix {
     pub(crate) cols: usize,
     pub(crate) groups: usize,
     /// `rows x groups x 64`.
-    pub(crate) nibbles: Vec<u8>,
+    pub(crate) nibbles: AlignedVec<u8>,
     /// `rows x groups x 4`; padding blocks have scale 0.
     pub(crate) scales: Vec<f16>,
 }
@@ -485,7 +486,7 @@ impl Q8Matrix {
     pub fn from_bf16(rows: usize, cols: usize, data: &[u16]) -> Result<Self, KernelError> {
         check_bf16_input("Q8 matrix", rows, cols, data.len())?;
         let groups = groups_for(cols);
-        let mut quants = vec![0i8; rows * groups * GROUP_LEN];
+        let mut quants = AlignedVec::filled(rows * groups * GROUP_LEN, 0i8);
         let mut scales = vec![f16::ZERO; rows * groups * GROUP_BLOCKS];
         quants
             .par_chunks_mut(groups * GROUP_LEN)
@@ -563,7 +564,7 @@ impl Q4Matrix {
     pub fn from_bf16(rows: usize, cols: usize, data: &[u16]) -> Result<Self, KernelError> {
         check_bf16_input("Q4 matrix", rows, cols, data.len())?;
         let groups = groups_for(cols);
-        let mut nibbles = vec![0u8; rows * groups * GROUP_LEN / 2];
+        let mut nibbles = AlignedVec::filled(rows * groups * GROUP_LEN / 2, 0u8);
         let mut scales = vec![f16::ZERO; rows * groups * GROUP_BLOCKS];
         nibbles
             .par_chunks_mut(groups * GROUP_LEN / 2)
