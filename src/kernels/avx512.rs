@@ -11,8 +11,8 @@ use half::f16;
 
 use super::avx2::prefetch_share;
 use super::formats::{
-    ByteSpans, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN, GROUP_BLOCKS,
-    GROUP_LANES, GROUP_LEN, MXFP4_OFFSET, Q4_OFFSET, Q8_OFFSET,
+    ByteSpans, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN, CORRECTION_LANE_MXFP4,
+    CORRECTION_LANE_Q4, CORRECTION_LANE_Q8, GROUP_BLOCKS, GROUP_LANES, GROUP_LEN,
 };
 use super::{GemmScratch, GEMM_TILE_ROWS};
 
@@ -43,12 +43,15 @@ const FORMAT_MXFP4: u8 = 0;
 const FORMAT_Q4: u8 = 1;
 const FORMAT_Q8: u8 = 2;
 
-const fn format_offset(format: u8) -> i32 {
-    match format {
-        FORMAT_MXFP4 => MXFP4_OFFSET,
-        FORMAT_Q4 => Q4_OFFSET,
-        _ => Q8_OFFSET,
-    }
+/// The lanes of [`Q8Activations::corrections`] that hold this format's block corrections (one
+/// per block, lane 4j + k).
+const fn correction_mask(format: u8) -> __mmask16 {
+    let lane = match format {
+        FORMAT_MXFP4 => CORRECTION_LANE_MXFP4,
+        FORMAT_Q4 => CORRECTION_LANE_Q4,
+        _ => CORRECTION_LANE_Q8,
+    };
+    0x1111 << lane
 }
 
 /// MXFP4 sums use doubled FP4 values.
@@ -83,7 +86,8 @@ fn f16_lanes(bits: u64) -> __m512 {
 struct ActGroup {
     evens: __m512i,
     odds: __m512i,
-    /// `-offset x block sum` in lane 4j: the starting value of block j's integer sum.
+    /// `-offset x block sum` in one of lanes 4j..4j+3, zeros elsewhere: the starting value of
+    /// block j's integer sum.
     correction: __m512i,
     scales: __m512,
 }
@@ -93,16 +97,18 @@ impl ActGroup {
     /// `group < x.groups()` and `token < x.rows()`; the CPU has the module's features.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-    unsafe fn load(x: &Q8Activations, token: usize, group: usize, offset: i32) -> Self {
+    unsafe fn load(x: &Q8Activations, token: usize, group: usize, mask: __mmask16) -> Self {
         // Tokens are stored back to back, so (token, group) indexes whole groups; raw offsets keep
         // bounds checks out of the inner loops (the caller guarantees both indices are in range).
         let at = token * x.groups + group;
         let quants = x.quants.as_ptr().add(at * GROUP_LEN);
-        let sums = _mm512_loadu_si512(x.sum_lanes.as_ptr().add(at * GROUP_LANES).cast());
         Self {
             evens: _mm512_loadu_si512(quants.cast()),
             odds: _mm512_loadu_si512(quants.add(GROUP_LEN / 2).cast()),
-            correction: _mm512_mullo_epi32(sums, _mm512_set1_epi32(-offset)),
+            correction: _mm512_maskz_loadu_epi32(
+                mask,
+                x.corrections.as_ptr().add(at * GROUP_LANES),
+            ),
             scales: _mm512_loadu_ps(x.scale_lanes.as_ptr().add(at * GROUP_LANES)),
         }
     }
@@ -290,7 +296,7 @@ unsafe fn gemv_rows<W: GroupSource, const R: usize>(
     let spans = w.byte_spans(prefetch);
     for group in 0..groups {
         prefetch_share(&spans, group, groups);
-        let a = ActGroup::load(x, 0, group, format_offset(W::FORMAT));
+        let a = ActGroup::load(x, 0, group, correction_mask(W::FORMAT));
         for (i, acc_row) in acc.iter_mut().enumerate() {
             let (evens, odds, scales) = w.load_group(first_row + i, group);
             *acc_row = group_fma(*acc_row, evens, odds, scales, &a);
@@ -342,7 +348,9 @@ pub(crate) unsafe fn q8_gemv(w: &Q8Matrix, x: &Q8Activations, rows: Range<usize>
 }
 
 /// Decode rows `first_row..first_row + count` into the scratch tile as unsigned bytes in activation
-/// order, with their scales expanded to lanes.
+/// order, and their scales into one lane vector per quad of rows and group (lane 4j + r: block j
+/// of row r of the quad). Rows past `count` up to the next multiple of 4 are zero with scale 0, so
+/// the micro-kernel always works on whole quads.
 ///
 /// # Safety
 /// Rows inside the matrix, `count <= GEMM_TILE_ROWS`, scratch sized for the matrix's columns.
@@ -355,66 +363,127 @@ unsafe fn decode_tile<W: GroupSource>(
 ) {
     let groups = w.groups();
     let tile = scratch.tile.as_mut_ptr();
-    let tile_scales = scratch.tile_scales.as_mut_ptr();
-    for i in 0..count {
+    let quad_scales = scratch.tile_scales.as_mut_ptr();
+    for quad in 0..count.div_ceil(4) {
         for group in 0..groups {
-            let (evens, odds, scales) = w.load_group(first_row + i, group);
-            let at = tile.add((i * groups + group) * GROUP_LEN);
-            _mm512_storeu_si512(at.cast(), evens);
-            _mm512_storeu_si512(at.add(GROUP_LEN / 2).cast(), odds);
-            _mm512_storeu_ps(tile_scales.add((i * groups + group) * GROUP_LANES), scales);
+            let mut scales = _mm512_setzero_ps();
+            for r in 0..4 {
+                let i = quad * 4 + r;
+                let (evens, odds, row_scales) = if i < count {
+                    w.load_group(first_row + i, group)
+                } else {
+                    (
+                        _mm512_setzero_si512(),
+                        _mm512_setzero_si512(),
+                        _mm512_setzero_ps(),
+                    )
+                };
+                let at = tile.add((i * groups + group) * GROUP_LEN);
+                _mm512_storeu_si512(at.cast(), evens);
+                _mm512_storeu_si512(at.add(GROUP_LEN / 2).cast(), odds);
+                // Row r's scale lanes all hold its block scales (4j..4j+3 = block j); keep lane 4j + r.
+                scales = _mm512_mask_blend_ps(0x1111 << r, scales, row_scales);
+            }
+            _mm512_storeu_ps(
+                quad_scales.add((quad * groups + group) * GROUP_LANES),
+                scales,
+            );
         }
     }
 }
 
-/// `R` decoded tile rows x `T` tokens: 12 independent accumulators at R = 4, T = 3.
+/// Sum each block's four lanes of four rows' integer sums: lane 4j + r of the result is block j
+/// of row r. Unpacks and adds run beside `vpdpbusd`, unlike the float convert, multiply and FMA
+/// they save (one each per quad instead of per row).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+fn sum_block_lanes(rows: [__m512i; 4]) -> __m512i {
+    // Within each 128-bit lane (one block): (a0 b0 a1 b1) + (a2 b2 a3 b3).
+    let ab = _mm512_add_epi32(
+        _mm512_unpacklo_epi32(rows[0], rows[1]),
+        _mm512_unpackhi_epi32(rows[0], rows[1]),
+    );
+    let cd = _mm512_add_epi32(
+        _mm512_unpacklo_epi32(rows[2], rows[3]),
+        _mm512_unpackhi_epi32(rows[2], rows[3]),
+    );
+    // (a02 b02 c02 d02) + (a13 b13 c13 d13).
+    _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd))
+}
+
+/// One quad of decoded tile rows x `T` tokens. Each (row, token) pair costs two `vpdpbusd` per
+/// group; the four rows' sums are folded into one vector before the float work.
 ///
 /// # Safety
-/// `tile_row + R` rows were decoded into `scratch` for `groups` groups; tokens `first_token..+T`
-/// exist in `x`; `out[t * stride + i]` is in bounds for t < T, i < R.
+/// Quad `quad` was decoded into `scratch` for `groups` groups; tokens `first_token..+T` exist in
+/// `x`; `out[t * stride + r]` is in bounds for t < T, r < `rows`; `rows <= 4`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_micro<const R: usize, const T: usize>(
+unsafe fn gemm_quad<const T: usize>(
     scratch: &GemmScratch,
     groups: usize,
-    tile_row: usize,
+    quad: usize,
     x: &Q8Activations,
     first_token: usize,
-    offset: i32,
+    mask: __mmask16,
     factor: f32,
     out: *mut f32,
     stride: usize,
+    rows: usize,
 ) {
-    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    let mut acc = [_mm512_setzero_ps(); T];
     let tile = scratch.tile.as_ptr();
-    let tile_scales = scratch.tile_scales.as_ptr();
+    let quad_scales = scratch.tile_scales.as_ptr();
+    let quants = x.quants.as_ptr();
+    let corrections = x.corrections.as_ptr();
+    let act_scales = x.scale_lanes.as_ptr();
     for group in 0..groups {
-        let mut a = [ActGroup {
-            evens: _mm512_setzero_si512(),
-            odds: _mm512_setzero_si512(),
-            correction: _mm512_setzero_si512(),
-            scales: _mm512_setzero_ps(),
-        }; T];
-        for (t, a_t) in a.iter_mut().enumerate() {
-            *a_t = ActGroup::load(x, first_token + t, group, offset);
+        let mut weights = [(_mm512_setzero_si512(), _mm512_setzero_si512()); 4];
+        for (r, w) in weights.iter_mut().enumerate() {
+            let at = tile.add(((quad * 4 + r) * groups + group) * GROUP_LEN);
+            *w = (
+                _mm512_loadu_si512(at.cast()),
+                _mm512_loadu_si512(at.add(GROUP_LEN / 2).cast()),
+            );
         }
-        for (i, acc_row) in acc.iter_mut().enumerate() {
-            let at = (tile_row + i) * groups + group;
-            let evens = _mm512_loadu_si512(tile.add(at * GROUP_LEN).cast());
-            let odds = _mm512_loadu_si512(tile.add(at * GROUP_LEN + GROUP_LEN / 2).cast());
-            let scales = _mm512_loadu_ps(tile_scales.add(at * GROUP_LANES));
-            for (acc_cell, a_t) in acc_row.iter_mut().zip(&a) {
-                *acc_cell = group_fma(*acc_cell, evens, odds, scales, a_t);
-            }
+        let w_scales = _mm512_loadu_ps(quad_scales.add((quad * groups + group) * GROUP_LANES));
+        for (t, acc_t) in acc.iter_mut().enumerate() {
+            let at = (first_token + t) * x.groups + group;
+            let a_evens = _mm512_loadu_si512(quants.add(at * GROUP_LEN).cast());
+            let a_odds = _mm512_loadu_si512(quants.add(at * GROUP_LEN + GROUP_LEN / 2).cast());
+            let correction = _mm512_maskz_loadu_epi32(mask, corrections.add(at * GROUP_LANES));
+            let sums = weights.map(|(evens, odds)| {
+                _mm512_dpbusd_epi32(
+                    _mm512_dpbusd_epi32(correction, evens, a_evens),
+                    odds,
+                    a_odds,
+                )
+            });
+            let scales = _mm512_mul_ps(w_scales, _mm512_loadu_ps(act_scales.add(at * GROUP_LANES)));
+            *acc_t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_block_lanes(sums)), scales, *acc_t);
         }
     }
-    for (i, acc_row) in acc.iter().enumerate() {
-        for (t, acc_cell) in acc_row.iter().enumerate() {
-            *out.add(t * stride + i) = factor * _mm512_reduce_add_ps(*acc_cell);
-        }
+    for (t, acc_t) in acc.iter().enumerate() {
+        // Lane 4j + r holds row r's blocks j, j+4, ...: add the four 128-bit lanes.
+        let upper = _mm512_extractf64x4_pd::<1>(_mm512_castps_pd(*acc_t));
+        let halves = _mm256_add_ps(_mm512_castps512_ps256(*acc_t), _mm256_castpd_ps(upper));
+        let quarters = _mm_add_ps(
+            _mm256_castps256_ps128(halves),
+            _mm256_extractf128_ps::<1>(halves),
+        );
+        let totals = _mm_mul_ps(quarters, _mm_set1_ps(factor));
+        _mm_mask_storeu_ps(
+            out.add(t * stride),
+            ((1u32 << rows) - 1) as __mmask8,
+            totals,
+        );
     }
 }
+
+/// Tokens per micro-kernel call: eight accumulators plus the quad's eight weight registers and
+/// the per-token temporaries fit the 32 zmm registers without spills.
+const GEMM_TOKENS: usize = 4;
 
 /// # Safety
 /// The CPU has the module's features; shapes and scratch size were checked by `Kernels`
@@ -430,7 +499,7 @@ unsafe fn gemm<W: GroupSource>(
     if x.rows() == 1 {
         return gemv(w, x, rows, out);
     }
-    let (offset, factor) = (format_offset(W::FORMAT), format_factor(W::FORMAT));
+    let (mask, factor) = (correction_mask(W::FORMAT), format_factor(W::FORMAT));
     let groups = w.groups();
     let stride = rows.len();
     let tokens = x.rows();
@@ -441,32 +510,30 @@ unsafe fn gemm<W: GroupSource>(
         let out_column = out.as_mut_ptr().add(tile_start - rows.start);
         let mut token = 0;
         while token < tokens {
-            let t_count = (tokens - token).min(3);
-            let mut i = 0;
-            while i < count {
-                let r_count = if count - i >= 4 { 4 } else { 1 };
-                let o = out_column.add(token * stride + i);
-                match (r_count, t_count) {
-                    (4, 3) => {
-                        gemm_micro::<4, 3>(scratch, groups, i, x, token, offset, factor, o, stride)
-                    }
-                    (4, 2) => {
-                        gemm_micro::<4, 2>(scratch, groups, i, x, token, offset, factor, o, stride)
-                    }
-                    (4, _) => {
-                        gemm_micro::<4, 1>(scratch, groups, i, x, token, offset, factor, o, stride)
-                    }
-                    (_, 3) => {
-                        gemm_micro::<1, 3>(scratch, groups, i, x, token, offset, factor, o, stride)
-                    }
-                    (_, 2) => {
-                        gemm_micro::<1, 2>(scratch, groups, i, x, token, offset, factor, o, stride)
-                    }
-                    _ => {
-                        gemm_micro::<1, 1>(scratch, groups, i, x, token, offset, factor, o, stride)
-                    }
+            let t_count = (tokens - token).min(GEMM_TOKENS);
+            for quad in 0..count.div_ceil(4) {
+                let quad_rows = (count - quad * 4).min(4);
+                let o = out_column.add(token * stride + quad * 4);
+                let args = (
+                    scratch as &GemmScratch,
+                    groups,
+                    quad,
+                    x,
+                    token,
+                    mask,
+                    factor,
+                );
+                let (s, g, q, x, t, m, f) = args;
+                match t_count {
+                    8 => gemm_quad::<8>(s, g, q, x, t, m, f, o, stride, quad_rows),
+                    7 => gemm_quad::<7>(s, g, q, x, t, m, f, o, stride, quad_rows),
+                    6 => gemm_quad::<6>(s, g, q, x, t, m, f, o, stride, quad_rows),
+                    5 => gemm_quad::<5>(s, g, q, x, t, m, f, o, stride, quad_rows),
+                    4 => gemm_quad::<4>(s, g, q, x, t, m, f, o, stride, quad_rows),
+                    3 => gemm_quad::<3>(s, g, q, x, t, m, f, o, stride, quad_rows),
+                    2 => gemm_quad::<2>(s, g, q, x, t, m, f, o, stride, quad_rows),
+                    _ => gemm_quad::<1>(s, g, q, x, t, m, f, o, stride, quad_rows),
                 }
-                i += r_count;
             }
             token += t_count;
         }

@@ -250,7 +250,8 @@ pub struct GemmScratch {
     cols: usize,
     /// Unsigned int8 weights, group-interleaved like the activations, `GEMM_TILE_ROWS x groups x 128`.
     pub(crate) tile: AlignedVec<u8>,
-    /// Weight block scales expanded to lanes, `GEMM_TILE_ROWS x groups x 16`.
+    /// Weight block scales as lanes, `GEMM_TILE_ROWS x groups x 16` at most, in the layout of the
+    /// path that decoded the tile (AVX-512: one vector per quad of rows, AVX2: per row).
     pub(crate) tile_scales: AlignedVec<f32>,
 }
 
