@@ -43,15 +43,19 @@ const FORMAT_MXFP4: u8 = 0;
 const FORMAT_Q4: u8 = 1;
 const FORMAT_Q8: u8 = 2;
 
-/// The lanes of [`Q8Activations::corrections`] that hold this format's block corrections (one
-/// per block, lane 4j + k).
-const fn correction_mask(format: u8) -> __mmask16 {
-    let lane = match format {
+/// Which of a block's four lanes of [`Q8Activations::corrections`] holds this format's correction.
+const fn correction_lane(format: u8) -> usize {
+    match format {
         FORMAT_MXFP4 => CORRECTION_LANE_MXFP4,
         FORMAT_Q4 => CORRECTION_LANE_Q4,
         _ => CORRECTION_LANE_Q8,
-    };
-    0x1111 << lane
+    }
+}
+
+/// The lanes of [`Q8Activations::corrections`] that hold this format's block corrections (lane
+/// 4j + k of block j).
+const fn correction_mask(format: u8) -> __mmask16 {
+    0x1111 << correction_lane(format)
 }
 
 /// MXFP4 sums use doubled FP4 values.
@@ -347,13 +351,62 @@ pub(crate) unsafe fn q8_gemv(w: &Q8Matrix, x: &Q8Activations, rows: Range<usize>
     gemv(w, x, rows, out)
 }
 
-/// Decode rows `first_row..first_row + count` into the scratch tile as unsigned bytes in activation
-/// order, and their scales into one lane vector per quad of rows and group (lane 4j + r: block j
-/// of row r of the quad). Rows past `count` up to the next multiple of 4 are zero with scale 0, so
-/// the micro-kernel always works on whole quads.
+/// Transpose a 16 x 16 matrix of 32-bit values held as 16 row vectors.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+fn transpose_16x16(rows: [__m512i; 16]) -> [__m512i; 16] {
+    // Within each 128-bit lane: pairs of rows interleaved by dword, then by qword, so u[4i + k]
+    // holds rows 4i..4i+3 of column 4L + k in its 128-bit lane L.
+    let mut t = [_mm512_setzero_si512(); 16];
+    for i in 0..8 {
+        t[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
+    }
+    let mut u = [_mm512_setzero_si512(); 16];
+    for i in 0..4 {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    // Gather 128-bit lane L of u[k], u[4 + k], u[8 + k], u[12 + k] into column 4L + k.
+    const EVEN_LANES: i32 = 0b10_00_10_00;
+    const ODD_LANES: i32 = 0b11_01_11_01;
+    let mut columns = [_mm512_setzero_si512(); 16];
+    for k in 0..4 {
+        let x0 = _mm512_shuffle_i32x4::<EVEN_LANES>(u[k], u[4 + k]);
+        let x1 = _mm512_shuffle_i32x4::<ODD_LANES>(u[k], u[4 + k]);
+        let y0 = _mm512_shuffle_i32x4::<EVEN_LANES>(u[8 + k], u[12 + k]);
+        let y1 = _mm512_shuffle_i32x4::<ODD_LANES>(u[8 + k], u[12 + k]);
+        columns[k] = _mm512_shuffle_i32x4::<EVEN_LANES>(x0, y0);
+        columns[4 + k] = _mm512_shuffle_i32x4::<EVEN_LANES>(x1, y1);
+        columns[8 + k] = _mm512_shuffle_i32x4::<ODD_LANES>(x0, y0);
+        columns[12 + k] = _mm512_shuffle_i32x4::<ODD_LANES>(x1, y1);
+    }
+    columns
+}
+
+/// Dwords per group of 128 int8 values: 0..16 hold the evens of the four blocks (block j in
+/// 4j..4j+4), 16..32 the odds.
+const GROUP_DWORDS: usize = GROUP_LEN / 4;
+
+/// The dword positions of block `j` within a group, in the order the GEMM reads them.
+#[inline(always)]
+fn block_dword(j: usize, step: usize) -> usize {
+    if step < 4 {
+        4 * j + step
+    } else {
+        GROUP_DWORDS / 2 + 4 * j + step - 4
+    }
+}
+
+/// Decode rows `first_row..first_row + count` into the scratch tile transposed: for each group
+/// and dword position q (four weights of one block), one vector whose lane r holds those four
+/// unsigned weights of row r. Scales likewise: per group and block j, lane r = row r's scale.
+/// Rows past `count` are zero with scale 0.
 ///
 /// # Safety
-/// Rows inside the matrix, `count <= GEMM_TILE_ROWS`, scratch sized for the matrix's columns.
+/// Rows inside the matrix, `count <= GEMM_TILE_ROWS` (16), scratch sized for the matrix's columns.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn decode_tile<W: GroupSource>(
     w: &W,
@@ -363,70 +416,50 @@ unsafe fn decode_tile<W: GroupSource>(
 ) {
     let groups = w.groups();
     let tile = scratch.tile.as_mut_ptr();
-    let quad_scales = scratch.tile_scales.as_mut_ptr();
-    for quad in 0..count.div_ceil(4) {
-        for group in 0..groups {
-            let mut scales = _mm512_setzero_ps();
-            for r in 0..4 {
-                let i = quad * 4 + r;
-                let (evens, odds, row_scales) = if i < count {
-                    w.load_group(first_row + i, group)
-                } else {
-                    (
-                        _mm512_setzero_si512(),
-                        _mm512_setzero_si512(),
-                        _mm512_setzero_ps(),
-                    )
-                };
-                let at = tile.add((i * groups + group) * GROUP_LEN);
-                _mm512_storeu_si512(at.cast(), evens);
-                _mm512_storeu_si512(at.add(GROUP_LEN / 2).cast(), odds);
-                // Row r's scale lanes all hold its block scales (4j..4j+3 = block j); keep lane 4j + r.
-                scales = _mm512_mask_blend_ps(0x1111 << r, scales, row_scales);
-            }
-            _mm512_storeu_ps(
-                quad_scales.add((quad * groups + group) * GROUP_LANES),
-                scales,
-            );
+    let tile_scales = scratch.tile_scales.as_mut_ptr();
+    for group in 0..groups {
+        let mut evens = [_mm512_setzero_si512(); GEMM_TILE_ROWS];
+        let mut odds = [_mm512_setzero_si512(); GEMM_TILE_ROWS];
+        let mut scales = [_mm512_setzero_si512(); GEMM_TILE_ROWS];
+        for r in 0..count {
+            let (e, o, s) = w.load_group(first_row + r, group);
+            evens[r] = e;
+            odds[r] = o;
+            scales[r] = _mm512_castps_si512(s);
+        }
+        let at = tile.add(group * GEMM_TILE_ROWS * GROUP_LEN);
+        for (q, column) in transpose_16x16(evens).into_iter().enumerate() {
+            _mm512_storeu_si512(at.add(q * 64).cast(), column);
+        }
+        for (q, column) in transpose_16x16(odds).into_iter().enumerate() {
+            _mm512_storeu_si512(at.add((GROUP_DWORDS / 2 + q) * 64).cast(), column);
+        }
+        // Row scale lanes 4j..4j+3 all hold block j's scale; column 4j of the transpose is block j.
+        let columns = transpose_16x16(scales);
+        for j in 0..GROUP_BLOCKS {
+            let to = tile_scales.add((group * GROUP_BLOCKS + j) * GEMM_TILE_ROWS);
+            _mm512_storeu_ps(to, _mm512_castsi512_ps(columns[4 * j]));
         }
     }
 }
 
-/// Sum each block's four lanes of four rows' integer sums: lane 4j + r of the result is block j
-/// of row r. Unpacks and adds run beside `vpdpbusd`, unlike the float convert, multiply and FMA
-/// they save (one each per quad instead of per row).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-fn sum_block_lanes(rows: [__m512i; 4]) -> __m512i {
-    // Within each 128-bit lane (one block): (a0 b0 a1 b1) + (a2 b2 a3 b3).
-    let ab = _mm512_add_epi32(
-        _mm512_unpacklo_epi32(rows[0], rows[1]),
-        _mm512_unpackhi_epi32(rows[0], rows[1]),
-    );
-    let cd = _mm512_add_epi32(
-        _mm512_unpacklo_epi32(rows[2], rows[3]),
-        _mm512_unpackhi_epi32(rows[2], rows[3]),
-    );
-    // (a02 b02 c02 d02) + (a13 b13 c13 d13).
-    _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd))
-}
-
-/// One quad of decoded tile rows x `T` tokens. Each (row, token) pair costs two `vpdpbusd` per
-/// group; the four rows' sums are folded into one vector before the float work.
+/// Sixteen decoded tile rows x `T` tokens. Each of a block's eight dword positions is one weight
+/// vector (16 rows) times that token's four activations broadcast, so a block's integer sums
+/// for 16 rows build up in one register without any lane shuffling, and the float convert,
+/// scale and FMA run once per (block, token) for all 16 rows.
 ///
 /// # Safety
-/// Quad `quad` was decoded into `scratch` for `groups` groups; tokens `first_token..+T` exist in
-/// `x`; `out[t * stride + r]` is in bounds for t < T, r < `rows`; `rows <= 4`.
+/// The tile was decoded into `scratch` for `groups` groups; tokens `first_token..+T` exist in
+/// `x`; `out[t * stride + r]` is in bounds for t < T, r < `rows`; `rows <= 16`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_quad<const T: usize>(
+unsafe fn gemm_tile<const T: usize>(
     scratch: &GemmScratch,
     groups: usize,
-    quad: usize,
     x: &Q8Activations,
     first_token: usize,
-    mask: __mmask16,
+    correction_lane: usize,
     factor: f32,
     out: *mut f32,
     stride: usize,
@@ -434,56 +467,58 @@ unsafe fn gemm_quad<const T: usize>(
 ) {
     let mut acc = [_mm512_setzero_ps(); T];
     let tile = scratch.tile.as_ptr();
-    let quad_scales = scratch.tile_scales.as_ptr();
-    let quants = x.quants.as_ptr();
-    let corrections = x.corrections.as_ptr();
-    let act_scales = x.scale_lanes.as_ptr();
+    let tile_scales = scratch.tile_scales.as_ptr();
+    let token_quants = x.quants.as_ptr().add(first_token * x.groups * GROUP_LEN);
+    let token_lanes = first_token * x.groups * GROUP_LANES;
+    let corrections = x.corrections.as_ptr().add(token_lanes);
+    let act_scales = x.scale_lanes.as_ptr().add(token_lanes);
+    let (quant_stride, lane_stride) = (x.groups * GROUP_LEN, x.groups * GROUP_LANES);
     for group in 0..groups {
-        let mut weights = [(_mm512_setzero_si512(), _mm512_setzero_si512()); 4];
-        for (r, w) in weights.iter_mut().enumerate() {
-            let at = tile.add(((quad * 4 + r) * groups + group) * GROUP_LEN);
-            *w = (
-                _mm512_loadu_si512(at.cast()),
-                _mm512_loadu_si512(at.add(GROUP_LEN / 2).cast()),
-            );
-        }
-        let w_scales = _mm512_loadu_ps(quad_scales.add((quad * groups + group) * GROUP_LANES));
-        for (t, acc_t) in acc.iter_mut().enumerate() {
-            let at = (first_token + t) * x.groups + group;
-            let a_evens = _mm512_loadu_si512(quants.add(at * GROUP_LEN).cast());
-            let a_odds = _mm512_loadu_si512(quants.add(at * GROUP_LEN + GROUP_LEN / 2).cast());
-            let correction = _mm512_maskz_loadu_epi32(mask, corrections.add(at * GROUP_LANES));
-            let sums = weights.map(|(evens, odds)| {
-                _mm512_dpbusd_epi32(
-                    _mm512_dpbusd_epi32(correction, evens, a_evens),
-                    odds,
-                    a_odds,
+        let weights = tile.add(group * GEMM_TILE_ROWS * GROUP_LEN);
+        let quants = token_quants.add(group * GROUP_LEN);
+        let lanes = group * GROUP_LANES;
+        for j in 0..GROUP_BLOCKS {
+            let mut sums: [__m512i; T] = std::array::from_fn(|t| {
+                _mm512_set1_epi32(
+                    *corrections.add(t * lane_stride + lanes + 4 * j + correction_lane),
                 )
             });
-            let scales = _mm512_mul_ps(w_scales, _mm512_loadu_ps(act_scales.add(at * GROUP_LANES)));
-            *acc_t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_block_lanes(sums)), scales, *acc_t);
+            for step in 0..8 {
+                let q = block_dword(j, step);
+                let w = _mm512_loadu_si512(weights.add(q * 64).cast());
+                for (t, sum) in sums.iter_mut().enumerate() {
+                    let a = quants
+                        .add(t * quant_stride + 4 * q)
+                        .cast::<i32>()
+                        .read_unaligned();
+                    *sum = _mm512_dpbusd_epi32(*sum, w, _mm512_set1_epi32(a));
+                }
+            }
+            let w_scales =
+                _mm512_loadu_ps(tile_scales.add((group * GROUP_BLOCKS + j) * GEMM_TILE_ROWS));
+            for (t, (acc_t, sum)) in acc.iter_mut().zip(sums).enumerate() {
+                let a_scale = _mm512_set1_ps(*act_scales.add(t * lane_stride + lanes + 4 * j));
+                *acc_t = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(sum),
+                    _mm512_mul_ps(w_scales, a_scale),
+                    *acc_t,
+                );
+            }
         }
     }
+    let mask = ((1u32 << rows) - 1) as __mmask16;
     for (t, acc_t) in acc.iter().enumerate() {
-        // Lane 4j + r holds row r's blocks j, j+4, ...: add the four 128-bit lanes.
-        let upper = _mm512_extractf64x4_pd::<1>(_mm512_castps_pd(*acc_t));
-        let halves = _mm256_add_ps(_mm512_castps512_ps256(*acc_t), _mm256_castpd_ps(upper));
-        let quarters = _mm_add_ps(
-            _mm256_castps256_ps128(halves),
-            _mm256_extractf128_ps::<1>(halves),
-        );
-        let totals = _mm_mul_ps(quarters, _mm_set1_ps(factor));
-        _mm_mask_storeu_ps(
+        _mm512_mask_storeu_ps(
             out.add(t * stride),
-            ((1u32 << rows) - 1) as __mmask8,
-            totals,
+            mask,
+            _mm512_mul_ps(*acc_t, _mm512_set1_ps(factor)),
         );
     }
 }
 
-/// Tokens per micro-kernel call: eight accumulators plus the quad's eight weight registers and
-/// the per-token temporaries fit the 32 zmm registers without spills.
-const GEMM_TOKENS: usize = 4;
+/// Tokens per micro-kernel call: enough independent `vpdpbusd` chains to hide its latency, with
+/// the sums and accumulators (2 x 8 registers) well inside the 32 zmm registers.
+const GEMM_TOKENS: usize = 8;
 
 /// # Safety
 /// The CPU has the module's features; shapes and scratch size were checked by `Kernels`
@@ -499,7 +534,7 @@ unsafe fn gemm<W: GroupSource>(
     if x.rows() == 1 {
         return gemv(w, x, rows, out);
     }
-    let (mask, factor) = (correction_mask(W::FORMAT), format_factor(W::FORMAT));
+    let (lane, factor) = (correction_lane(W::FORMAT), format_factor(W::FORMAT));
     let groups = w.groups();
     let stride = rows.len();
     let tokens = x.rows();
@@ -511,30 +546,17 @@ unsafe fn gemm<W: GroupSource>(
         let mut token = 0;
         while token < tokens {
             let t_count = (tokens - token).min(GEMM_TOKENS);
-            for quad in 0..count.div_ceil(4) {
-                let quad_rows = (count - quad * 4).min(4);
-                let o = out_column.add(token * stride + quad * 4);
-                let args = (
-                    scratch as &GemmScratch,
-                    groups,
-                    quad,
-                    x,
-                    token,
-                    mask,
-                    factor,
-                );
-                let (s, g, q, x, t, m, f) = args;
-                match t_count {
-                    8 => gemm_quad::<8>(s, g, q, x, t, m, f, o, stride, quad_rows),
-                    7 => gemm_quad::<7>(s, g, q, x, t, m, f, o, stride, quad_rows),
-                    6 => gemm_quad::<6>(s, g, q, x, t, m, f, o, stride, quad_rows),
-                    5 => gemm_quad::<5>(s, g, q, x, t, m, f, o, stride, quad_rows),
-                    4 => gemm_quad::<4>(s, g, q, x, t, m, f, o, stride, quad_rows),
-                    3 => gemm_quad::<3>(s, g, q, x, t, m, f, o, stride, quad_rows),
-                    2 => gemm_quad::<2>(s, g, q, x, t, m, f, o, stride, quad_rows),
-                    _ => gemm_quad::<1>(s, g, q, x, t, m, f, o, stride, quad_rows),
-                }
+            let o = out_column.add(token * stride);
+            let s = &*scratch;
+            macro_rules! tile_for {
+                ($($n:literal)*) => {
+                    match t_count {
+                        $($n => gemm_tile::<$n>(s, groups, x, token, lane, factor, o, stride, count),)*
+                        _ => gemm_tile::<1>(s, groups, x, token, lane, factor, o, stride, count),
+                    }
+                };
             }
+            tile_for!(8 7 6 5 4 3 2);
             token += t_count;
         }
         tile_start += count;
