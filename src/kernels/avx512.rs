@@ -11,8 +11,8 @@ use half::f16;
 
 use super::avx2::prefetch_share;
 use super::formats::{
-    ByteSpans, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN, GROUP_BLOCKS,
-    GROUP_LANES, GROUP_LEN, MXFP4_OFFSET, Q4_OFFSET, Q8_OFFSET,
+    ByteSpans, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN, CORRECTION_LANE_MXFP4,
+    CORRECTION_LANE_Q4, CORRECTION_LANE_Q8, GROUP_BLOCKS, GROUP_LANES, GROUP_LEN,
 };
 use super::{GemmScratch, GEMM_TILE_ROWS};
 
@@ -43,12 +43,19 @@ const FORMAT_MXFP4: u8 = 0;
 const FORMAT_Q4: u8 = 1;
 const FORMAT_Q8: u8 = 2;
 
-const fn format_offset(format: u8) -> i32 {
+/// Which of a block's four lanes of [`Q8Activations::corrections`] holds this format's correction.
+const fn correction_lane(format: u8) -> usize {
     match format {
-        FORMAT_MXFP4 => MXFP4_OFFSET,
-        FORMAT_Q4 => Q4_OFFSET,
-        _ => Q8_OFFSET,
+        FORMAT_MXFP4 => CORRECTION_LANE_MXFP4,
+        FORMAT_Q4 => CORRECTION_LANE_Q4,
+        _ => CORRECTION_LANE_Q8,
     }
+}
+
+/// The lanes of [`Q8Activations::corrections`] that hold this format's block corrections (lane
+/// 4j + k of block j).
+const fn correction_mask(format: u8) -> __mmask16 {
+    0x1111 << correction_lane(format)
 }
 
 /// MXFP4 sums use doubled FP4 values.
@@ -83,7 +90,8 @@ fn f16_lanes(bits: u64) -> __m512 {
 struct ActGroup {
     evens: __m512i,
     odds: __m512i,
-    /// `-offset x block sum` in lane 4j: the starting value of block j's integer sum.
+    /// `-offset x block sum` in one of lanes 4j..4j+3, zeros elsewhere: the starting value of
+    /// block j's integer sum.
     correction: __m512i,
     scales: __m512,
 }
@@ -93,16 +101,18 @@ impl ActGroup {
     /// `group < x.groups()` and `token < x.rows()`; the CPU has the module's features.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-    unsafe fn load(x: &Q8Activations, token: usize, group: usize, offset: i32) -> Self {
+    unsafe fn load(x: &Q8Activations, token: usize, group: usize, mask: __mmask16) -> Self {
         // Tokens are stored back to back, so (token, group) indexes whole groups; raw offsets keep
         // bounds checks out of the inner loops (the caller guarantees both indices are in range).
         let at = token * x.groups + group;
         let quants = x.quants.as_ptr().add(at * GROUP_LEN);
-        let sums = _mm512_loadu_si512(x.sum_lanes.as_ptr().add(at * GROUP_LANES).cast());
         Self {
             evens: _mm512_loadu_si512(quants.cast()),
             odds: _mm512_loadu_si512(quants.add(GROUP_LEN / 2).cast()),
-            correction: _mm512_mullo_epi32(sums, _mm512_set1_epi32(-offset)),
+            correction: _mm512_maskz_loadu_epi32(
+                mask,
+                x.corrections.as_ptr().add(at * GROUP_LANES),
+            ),
             scales: _mm512_loadu_ps(x.scale_lanes.as_ptr().add(at * GROUP_LANES)),
         }
     }
@@ -295,7 +305,7 @@ unsafe fn gemv_rows<W: GroupSource, const R: usize, const T: usize>(
     for group in 0..groups {
         prefetch_share(&spans, group, groups);
         let a: [ActGroup; T] =
-            std::array::from_fn(|t| ActGroup::load(x, t, group, format_offset(W::FORMAT)));
+            std::array::from_fn(|t| ActGroup::load(x, t, group, correction_mask(W::FORMAT)));
         for (i, acc_row) in acc.iter_mut().enumerate() {
             let (evens, odds, scales) = w.load_group(first_row + i, group);
             for (acc_t, a_t) in acc_row.iter_mut().zip(&a) {
@@ -367,11 +377,62 @@ pub(crate) unsafe fn q8_gemv(w: &Q8Matrix, x: &Q8Activations, rows: Range<usize>
     gemv(w, x, rows, out)
 }
 
-/// Decode rows `first_row..first_row + count` into the scratch tile as unsigned bytes in activation
-/// order, with their scales expanded to lanes.
+/// Transpose a 16 x 16 matrix of 32-bit values held as 16 row vectors.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+fn transpose_16x16(rows: [__m512i; 16]) -> [__m512i; 16] {
+    // Within each 128-bit lane: pairs of rows interleaved by dword, then by qword, so u[4i + k]
+    // holds rows 4i..4i+3 of column 4L + k in its 128-bit lane L.
+    let mut t = [_mm512_setzero_si512(); 16];
+    for i in 0..8 {
+        t[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
+    }
+    let mut u = [_mm512_setzero_si512(); 16];
+    for i in 0..4 {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    // Gather 128-bit lane L of u[k], u[4 + k], u[8 + k], u[12 + k] into column 4L + k.
+    const EVEN_LANES: i32 = 0b10_00_10_00;
+    const ODD_LANES: i32 = 0b11_01_11_01;
+    let mut columns = [_mm512_setzero_si512(); 16];
+    for k in 0..4 {
+        let x0 = _mm512_shuffle_i32x4::<EVEN_LANES>(u[k], u[4 + k]);
+        let x1 = _mm512_shuffle_i32x4::<ODD_LANES>(u[k], u[4 + k]);
+        let y0 = _mm512_shuffle_i32x4::<EVEN_LANES>(u[8 + k], u[12 + k]);
+        let y1 = _mm512_shuffle_i32x4::<ODD_LANES>(u[8 + k], u[12 + k]);
+        columns[k] = _mm512_shuffle_i32x4::<EVEN_LANES>(x0, y0);
+        columns[4 + k] = _mm512_shuffle_i32x4::<EVEN_LANES>(x1, y1);
+        columns[8 + k] = _mm512_shuffle_i32x4::<ODD_LANES>(x0, y0);
+        columns[12 + k] = _mm512_shuffle_i32x4::<ODD_LANES>(x1, y1);
+    }
+    columns
+}
+
+/// Dwords per group of 128 int8 values: 0..16 hold the evens of the four blocks (block j in
+/// 4j..4j+4), 16..32 the odds.
+const GROUP_DWORDS: usize = GROUP_LEN / 4;
+
+/// The dword positions of block `j` within a group, in the order the GEMM reads them.
+#[inline(always)]
+fn block_dword(j: usize, step: usize) -> usize {
+    if step < 4 {
+        4 * j + step
+    } else {
+        GROUP_DWORDS / 2 + 4 * j + step - 4
+    }
+}
+
+/// Decode rows `first_row..first_row + count` into the scratch tile transposed: for each group
+/// and dword position q (four weights of one block), one vector whose lane r holds those four
+/// unsigned weights of row r. Scales likewise: per group and block j, lane r = row r's scale.
+/// Rows past `count` are zero with scale 0.
 ///
 /// # Safety
-/// Rows inside the matrix, `count <= GEMM_TILE_ROWS`, scratch sized for the matrix's columns.
+/// Rows inside the matrix, `count <= GEMM_TILE_ROWS` (16), scratch sized for the matrix's columns.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn decode_tile<W: GroupSource>(
     w: &W,
@@ -382,65 +443,108 @@ unsafe fn decode_tile<W: GroupSource>(
     let groups = w.groups();
     let tile = scratch.tile.as_mut_ptr();
     let tile_scales = scratch.tile_scales.as_mut_ptr();
-    for i in 0..count {
-        for group in 0..groups {
-            let (evens, odds, scales) = w.load_group(first_row + i, group);
-            let at = tile.add((i * groups + group) * GROUP_LEN);
-            _mm512_storeu_si512(at.cast(), evens);
-            _mm512_storeu_si512(at.add(GROUP_LEN / 2).cast(), odds);
-            _mm512_storeu_ps(tile_scales.add((i * groups + group) * GROUP_LANES), scales);
+    for group in 0..groups {
+        let mut evens = [_mm512_setzero_si512(); GEMM_TILE_ROWS];
+        let mut odds = [_mm512_setzero_si512(); GEMM_TILE_ROWS];
+        let mut scales = [_mm512_setzero_si512(); GEMM_TILE_ROWS];
+        for r in 0..count {
+            let (e, o, s) = w.load_group(first_row + r, group);
+            evens[r] = e;
+            odds[r] = o;
+            scales[r] = _mm512_castps_si512(s);
+        }
+        let at = tile.add(group * GEMM_TILE_ROWS * GROUP_LEN);
+        for (q, column) in transpose_16x16(evens).into_iter().enumerate() {
+            _mm512_storeu_si512(at.add(q * 64).cast(), column);
+        }
+        for (q, column) in transpose_16x16(odds).into_iter().enumerate() {
+            _mm512_storeu_si512(at.add((GROUP_DWORDS / 2 + q) * 64).cast(), column);
+        }
+        // Row scale lanes 4j..4j+3 all hold block j's scale; column 4j of the transpose is block j.
+        let columns = transpose_16x16(scales);
+        for j in 0..GROUP_BLOCKS {
+            let to = tile_scales.add((group * GROUP_BLOCKS + j) * GEMM_TILE_ROWS);
+            _mm512_storeu_ps(to, _mm512_castsi512_ps(columns[4 * j]));
         }
     }
 }
 
-/// `R` decoded tile rows x `T` tokens: 12 independent accumulators at R = 4, T = 3.
+/// Sixteen decoded tile rows x `T` tokens. Each of a block's eight dword positions is one weight
+/// vector (16 rows) times that token's four activations broadcast, so a block's integer sums
+/// for 16 rows build up in one register without any lane shuffling, and the float convert,
+/// scale and FMA run once per (block, token) for all 16 rows.
 ///
 /// # Safety
-/// `tile_row + R` rows were decoded into `scratch` for `groups` groups; tokens `first_token..+T`
-/// exist in `x`; `out[t * stride + i]` is in bounds for t < T, i < R.
+/// The tile was decoded into `scratch` for `groups` groups; tokens `first_token..+T` exist in
+/// `x`; `out[t * stride + r]` is in bounds for t < T, r < `rows`; `rows <= 16`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_micro<const R: usize, const T: usize>(
+unsafe fn gemm_tile<const T: usize>(
     scratch: &GemmScratch,
     groups: usize,
-    tile_row: usize,
     x: &Q8Activations,
     first_token: usize,
-    offset: i32,
+    correction_lane: usize,
     factor: f32,
     out: *mut f32,
     stride: usize,
+    rows: usize,
 ) {
-    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    let mut acc = [_mm512_setzero_ps(); T];
     let tile = scratch.tile.as_ptr();
     let tile_scales = scratch.tile_scales.as_ptr();
+    let token_quants = x.quants.as_ptr().add(first_token * x.groups * GROUP_LEN);
+    let token_lanes = first_token * x.groups * GROUP_LANES;
+    let corrections = x.corrections.as_ptr().add(token_lanes);
+    let act_scales = x.scale_lanes.as_ptr().add(token_lanes);
+    let (quant_stride, lane_stride) = (x.groups * GROUP_LEN, x.groups * GROUP_LANES);
     for group in 0..groups {
-        let mut a = [ActGroup {
-            evens: _mm512_setzero_si512(),
-            odds: _mm512_setzero_si512(),
-            correction: _mm512_setzero_si512(),
-            scales: _mm512_setzero_ps(),
-        }; T];
-        for (t, a_t) in a.iter_mut().enumerate() {
-            *a_t = ActGroup::load(x, first_token + t, group, offset);
-        }
-        for (i, acc_row) in acc.iter_mut().enumerate() {
-            let at = (tile_row + i) * groups + group;
-            let evens = _mm512_loadu_si512(tile.add(at * GROUP_LEN).cast());
-            let odds = _mm512_loadu_si512(tile.add(at * GROUP_LEN + GROUP_LEN / 2).cast());
-            let scales = _mm512_loadu_ps(tile_scales.add(at * GROUP_LANES));
-            for (acc_cell, a_t) in acc_row.iter_mut().zip(&a) {
-                *acc_cell = group_fma(*acc_cell, evens, odds, scales, a_t);
+        let weights = tile.add(group * GEMM_TILE_ROWS * GROUP_LEN);
+        let quants = token_quants.add(group * GROUP_LEN);
+        let lanes = group * GROUP_LANES;
+        for j in 0..GROUP_BLOCKS {
+            let mut sums: [__m512i; T] = std::array::from_fn(|t| {
+                _mm512_set1_epi32(
+                    *corrections.add(t * lane_stride + lanes + 4 * j + correction_lane),
+                )
+            });
+            for step in 0..8 {
+                let q = block_dword(j, step);
+                let w = _mm512_loadu_si512(weights.add(q * 64).cast());
+                for (t, sum) in sums.iter_mut().enumerate() {
+                    let a = quants
+                        .add(t * quant_stride + 4 * q)
+                        .cast::<i32>()
+                        .read_unaligned();
+                    *sum = _mm512_dpbusd_epi32(*sum, w, _mm512_set1_epi32(a));
+                }
+            }
+            let w_scales =
+                _mm512_loadu_ps(tile_scales.add((group * GROUP_BLOCKS + j) * GEMM_TILE_ROWS));
+            for (t, (acc_t, sum)) in acc.iter_mut().zip(sums).enumerate() {
+                let a_scale = _mm512_set1_ps(*act_scales.add(t * lane_stride + lanes + 4 * j));
+                *acc_t = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(sum),
+                    _mm512_mul_ps(w_scales, a_scale),
+                    *acc_t,
+                );
             }
         }
     }
-    for (i, acc_row) in acc.iter().enumerate() {
-        for (t, acc_cell) in acc_row.iter().enumerate() {
-            *out.add(t * stride + i) = factor * _mm512_reduce_add_ps(*acc_cell);
-        }
+    let mask = ((1u32 << rows) - 1) as __mmask16;
+    for (t, acc_t) in acc.iter().enumerate() {
+        _mm512_mask_storeu_ps(
+            out.add(t * stride),
+            mask,
+            _mm512_mul_ps(*acc_t, _mm512_set1_ps(factor)),
+        );
     }
 }
+
+/// Tokens per micro-kernel call: enough independent `vpdpbusd` chains to hide its latency, with
+/// the sums and accumulators (2 x 8 registers) well inside the 32 zmm registers.
+const GEMM_TOKENS: usize = 8;
 
 /// # Safety
 /// The CPU has the module's features; shapes and scratch size were checked by `Kernels`
@@ -456,7 +560,7 @@ unsafe fn gemm<W: GroupSource>(
     if x.rows() == 1 {
         return gemv(w, x, rows, out);
     }
-    let (offset, factor) = (format_offset(W::FORMAT), format_factor(W::FORMAT));
+    let (lane, factor) = (correction_lane(W::FORMAT), format_factor(W::FORMAT));
     let groups = w.groups();
     let stride = rows.len();
     let tokens = x.rows();
@@ -467,33 +571,18 @@ unsafe fn gemm<W: GroupSource>(
         let out_column = out.as_mut_ptr().add(tile_start - rows.start);
         let mut token = 0;
         while token < tokens {
-            let t_count = (tokens - token).min(3);
-            let mut i = 0;
-            while i < count {
-                let r_count = if count - i >= 4 { 4 } else { 1 };
-                let o = out_column.add(token * stride + i);
-                match (r_count, t_count) {
-                    (4, 3) => {
-                        gemm_micro::<4, 3>(scratch, groups, i, x, token, offset, factor, o, stride)
+            let t_count = (tokens - token).min(GEMM_TOKENS);
+            let o = out_column.add(token * stride);
+            let s = &*scratch;
+            macro_rules! tile_for {
+                ($($n:literal)*) => {
+                    match t_count {
+                        $($n => gemm_tile::<$n>(s, groups, x, token, lane, factor, o, stride, count),)*
+                        _ => gemm_tile::<1>(s, groups, x, token, lane, factor, o, stride, count),
                     }
-                    (4, 2) => {
-                        gemm_micro::<4, 2>(scratch, groups, i, x, token, offset, factor, o, stride)
-                    }
-                    (4, _) => {
-                        gemm_micro::<4, 1>(scratch, groups, i, x, token, offset, factor, o, stride)
-                    }
-                    (_, 3) => {
-                        gemm_micro::<1, 3>(scratch, groups, i, x, token, offset, factor, o, stride)
-                    }
-                    (_, 2) => {
-                        gemm_micro::<1, 2>(scratch, groups, i, x, token, offset, factor, o, stride)
-                    }
-                    _ => {
-                        gemm_micro::<1, 1>(scratch, groups, i, x, token, offset, factor, o, stride)
-                    }
-                }
-                i += r_count;
+                };
             }
+            tile_for!(8 7 6 5 4 3 2);
             token += t_count;
         }
         tile_start += count;

@@ -11,6 +11,7 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 use serde::Serialize;
 
+use super::aligned::AlignedVec;
 use super::formats::{
     quantize_activation_rows, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, GROUP_BLOCKS,
     GROUP_LEN,
@@ -41,7 +42,7 @@ impl KernelBenchConfig {
             rows: 2880,
             cols: 2880,
             thread_counts: vec![1, 2],
-            gemm_tokens: vec![1, 4, 16, 64, 256],
+            gemm_tokens: vec![1, 4, 8, 16, 32, 64, 128, 256],
             repetitions: 5,
             min_run_time: Duration::from_millis(20),
         }
@@ -159,7 +160,12 @@ impl BenchWeights {
                 rows,
                 cols,
                 groups,
-                quants: quants.into_iter().map(|b| (b as i8).max(-127)).collect(),
+                quants: AlignedVec::from_slice(
+                    &quants
+                        .into_iter()
+                        .map(|b| (b as i8).max(-127))
+                        .collect::<Vec<i8>>(),
+                ),
                 scales: scales(rng),
             });
             let mut nibbles = vec![0u8; rows * groups * GROUP_LEN / 2];
@@ -168,7 +174,7 @@ impl BenchWeights {
                 rows,
                 cols,
                 groups,
-                nibbles,
+                nibbles: AlignedVec::from_slice(&nibbles),
                 scales: scales(rng),
             });
         }

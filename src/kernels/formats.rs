@@ -8,6 +8,7 @@
 use half::f16;
 use rayon::prelude::*;
 
+use super::aligned::AlignedVec;
 use super::KernelError;
 
 /// Elements per quantization block (one scale each).
@@ -30,14 +31,16 @@ pub(crate) const FP4_DOUBLED: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3
 
 /// Added to the doubled FP4 values so `vpdpbusd`/`vpmaddubsw` see unsigned weights; each block's
 /// sum is corrected by `-offset x (sum of the block's activations)`.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) const MXFP4_OFFSET: i32 = 12;
 /// Q4 nibbles hold `q + 8` for q in -8..=7.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) const Q4_OFFSET: i32 = 8;
 /// The AVX-512 Q8 kernels flip the sign bit (`q ^ 0x80 = q + 128`) to get unsigned weights.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) const Q8_OFFSET: i32 = 128;
+
+/// Lane (within a block's four) of each format's entry in [`Q8Activations::corrections`].
+pub(crate) const CORRECTION_LANE_MXFP4: usize = 0;
+pub(crate) const CORRECTION_LANE_Q4: usize = 1;
+pub(crate) const CORRECTION_LANE_Q8: usize = 2;
 
 /// The exact MXFP4 block scale of an E8M0 byte, as the spec defines it: 2^(s-127), NaN for 255.
 pub fn e8m0_scale(s: u8) -> f32 {
@@ -175,12 +178,17 @@ pub struct Q8Activations {
     cols: usize,
     pub(crate) groups: usize,
     /// `rows x groups x 128` int8 values, group-interleaved (evens of 4 blocks, then odds).
-    pub(crate) quants: Vec<i8>,
+    pub(crate) quants: AlignedVec<i8>,
     /// `rows x groups x 16`: lanes 4j..4j+3 hold the scale of block j of the group.
-    pub(crate) scale_lanes: Vec<f32>,
+    pub(crate) scale_lanes: AlignedVec<f32>,
     /// `rows x groups x 16`: lane 4j holds the sum of block j's int8 values, the other lanes 0.
     /// The offset trick subtracts `offset x sum` from each block's unsigned-by-signed dot product.
-    pub(crate) sum_lanes: Vec<i32>,
+    pub(crate) sum_lanes: AlignedVec<i32>,
+    /// `rows x groups x 16`: each format's `-offset x block sum`, ready to start a block's integer
+    /// sum: lane `4j + CORRECTION_LANE_*` holds block j's correction for that format, lane 4j + 3
+    /// is 0. Only the total of a block's four lanes matters to the kernels, so the AVX-512 path
+    /// loads this with one lane per block unmasked instead of multiplying `sum_lanes` each time.
+    pub(crate) corrections: AlignedVec<i32>,
 }
 
 impl Q8Activations {
@@ -196,9 +204,10 @@ impl Q8Activations {
             rows: 0,
             cols: 0,
             groups: 0,
-            quants: Vec::with_capacity(rows * groups * GROUP_LEN),
-            scale_lanes: Vec::with_capacity(rows * groups * GROUP_LANES),
-            sum_lanes: Vec::with_capacity(rows * groups * GROUP_LANES),
+            quants: AlignedVec::with_capacity(rows * groups * GROUP_LEN),
+            scale_lanes: AlignedVec::with_capacity(rows * groups * GROUP_LANES),
+            sum_lanes: AlignedVec::with_capacity(rows * groups * GROUP_LANES),
+            corrections: AlignedVec::with_capacity(rows * groups * GROUP_LANES),
         }
     }
 
@@ -227,6 +236,11 @@ impl Q8Activations {
         &self.sum_lanes[row * stride..(row + 1) * stride]
     }
 
+    pub(crate) fn row_corrections(&self, row: usize) -> &[i32] {
+        let stride = self.groups * GROUP_LANES;
+        &self.corrections[row * stride..(row + 1) * stride]
+    }
+
     /// Scale of block `block` of token `row`.
     pub(crate) fn block_scale(&self, row: usize, block: usize) -> f32 {
         let group = block / GROUP_BLOCKS;
@@ -243,6 +257,7 @@ impl Q8Activations {
         self.scale_lanes
             .resize(rows * self.groups * GROUP_LANES, 0.0);
         self.sum_lanes.resize(rows * self.groups * GROUP_LANES, 0);
+        self.corrections.resize(rows * self.groups * GROUP_LANES, 0);
     }
 
     /// Copy whole quantized tokens from `source` (e.g. the tokens routed to one expert), without
@@ -265,6 +280,7 @@ impl Q8Activations {
             self.quants[dst * qs..(dst + 1) * qs].copy_from_slice(source.row_quants(src));
             self.scale_lanes[dst * ls..(dst + 1) * ls].copy_from_slice(source.row_scale_lanes(src));
             self.sum_lanes[dst * ls..(dst + 1) * ls].copy_from_slice(source.row_sum_lanes(src));
+            self.corrections[dst * ls..(dst + 1) * ls].copy_from_slice(source.row_corrections(src));
         }
         Ok(())
     }
@@ -329,9 +345,11 @@ pub fn quantize_activation_rows(
         let quants = &mut out.quants[row * quant_stride..(row + 1) * quant_stride];
         let scales = &mut out.scale_lanes[row * lane_stride..(row + 1) * lane_stride];
         let sums = &mut out.sum_lanes[row * lane_stride..(row + 1) * lane_stride];
+        let corrections = &mut out.corrections[row * lane_stride..(row + 1) * lane_stride];
         quants.fill(0);
         scales.fill(0.0);
         sums.fill(0);
+        corrections.fill(0);
         for (block, values) in source.chunks_exact(BLOCK_LEN).enumerate() {
             let amax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
             let (scale, inverse) = if amax > 0.0 {
@@ -353,6 +371,9 @@ pub fn quantize_activation_rows(
             let lanes = group * GROUP_LANES + j * 4;
             scales[lanes..lanes + 4].fill(scale);
             sums[lanes] = sum;
+            corrections[lanes + CORRECTION_LANE_MXFP4] = -MXFP4_OFFSET * sum;
+            corrections[lanes + CORRECTION_LANE_Q4] = -Q4_OFFSET * sum;
+            corrections[lanes + CORRECTION_LANE_Q8] = -Q8_OFFSET * sum;
         }
     }
     Ok(())
@@ -454,7 +475,7 @@ pub struct Q8Matrix {
     pub(crate) cols: usize,
     pub(crate) groups: usize,
     /// `rows x groups x 128`.
-    pub(crate) quants: Vec<i8>,
+    pub(crate) quants: AlignedVec<i8>,
     /// `rows x groups x 4`; padding blocks have scale 0.
     pub(crate) scales: Vec<f16>,
 }
@@ -470,7 +491,7 @@ pub struct Q4Matrix {
     pub(crate) cols: usize,
     pub(crate) groups: usize,
     /// `rows x groups x 64`.
-    pub(crate) nibbles: Vec<u8>,
+    pub(crate) nibbles: AlignedVec<u8>,
     /// `rows x groups x 4`; padding blocks have scale 0.
     pub(crate) scales: Vec<f16>,
 }
@@ -485,7 +506,7 @@ impl Q8Matrix {
     pub fn from_bf16(rows: usize, cols: usize, data: &[u16]) -> Result<Self, KernelError> {
         check_bf16_input("Q8 matrix", rows, cols, data.len())?;
         let groups = groups_for(cols);
-        let mut quants = vec![0i8; rows * groups * GROUP_LEN];
+        let mut quants = AlignedVec::filled(rows * groups * GROUP_LEN, 0i8);
         let mut scales = vec![f16::ZERO; rows * groups * GROUP_BLOCKS];
         quants
             .par_chunks_mut(groups * GROUP_LEN)
@@ -563,7 +584,7 @@ impl Q4Matrix {
     pub fn from_bf16(rows: usize, cols: usize, data: &[u16]) -> Result<Self, KernelError> {
         check_bf16_input("Q4 matrix", rows, cols, data.len())?;
         let groups = groups_for(cols);
-        let mut nibbles = vec![0u8; rows * groups * GROUP_LEN / 2];
+        let mut nibbles = AlignedVec::filled(rows * groups * GROUP_LEN / 2, 0u8);
         let mut scales = vec![f16::ZERO; rows * groups * GROUP_BLOCKS];
         nibbles
             .par_chunks_mut(groups * GROUP_LEN / 2)
@@ -714,6 +735,10 @@ mod tests {
         quantize_activations(&values, &mut x).unwrap();
         for j in 0..3 {
             assert_eq!(x.sum_lanes[4 * j], 127 * 32);
+            assert_eq!(
+                &x.corrections[4 * j..4 * j + 4],
+                &[-12 * 127 * 32, -8 * 127 * 32, -128 * 127 * 32, 0]
+            );
             assert_eq!(&x.sum_lanes[4 * j + 1..4 * j + 4], &[0, 0, 0]);
             assert_eq!(x.scale_lanes[4 * j], (j + 1) as f32 / 127.0);
         }

@@ -42,6 +42,7 @@
 //! across paths; the f32 sums differ only in rounding order (about 1e-6 relative to the sum of
 //! magnitudes).
 
+mod aligned;
 pub mod bench;
 mod formats;
 mod scalar;
@@ -64,6 +65,7 @@ pub use formats::{
 
 pub use bench::{run_kernel_bench, KernelBenchConfig, KernelBenchReport, KernelBenchResult};
 
+use aligned::AlignedVec;
 use formats::{check_len, GROUP_LANES};
 
 /// Name of the environment variable that forces a kernel path.
@@ -251,9 +253,10 @@ pub fn kernels() -> Kernels {
 pub struct GemmScratch {
     cols: usize,
     /// Unsigned int8 weights, group-interleaved like the activations, `GEMM_TILE_ROWS x groups x 128`.
-    pub(crate) tile: Vec<u8>,
-    /// Weight block scales expanded to lanes, `GEMM_TILE_ROWS x groups x 16`.
-    pub(crate) tile_scales: Vec<f32>,
+    pub(crate) tile: AlignedVec<u8>,
+    /// Weight block scales as lanes, `GEMM_TILE_ROWS x groups x 16` at most, in the layout of the
+    /// path that decoded the tile (AVX-512: one vector per quad of rows, AVX2: per row).
+    pub(crate) tile_scales: AlignedVec<f32>,
 }
 
 impl GemmScratch {
@@ -262,8 +265,8 @@ impl GemmScratch {
         let groups = max_cols.div_ceil(GROUP_LEN);
         Self {
             cols: max_cols,
-            tile: vec![0; GEMM_TILE_ROWS * groups * GROUP_LEN],
-            tile_scales: vec![0.0; GEMM_TILE_ROWS * groups * GROUP_LANES],
+            tile: AlignedVec::filled(GEMM_TILE_ROWS * groups * GROUP_LEN, 0),
+            tile_scales: AlignedVec::filled(GEMM_TILE_ROWS * groups * GROUP_LANES, 0.0),
         }
     }
 
