@@ -42,6 +42,7 @@
 //! across paths; the f32 sums differ only in rounding order (about 1e-6 relative to the sum of
 //! magnitudes).
 
+pub mod attention;
 pub mod bench;
 mod formats;
 mod scalar;
