@@ -4,7 +4,7 @@
 //!
 //! Tolerance: outputs are compared relative to the largest |value| of the head's value rows
 //! (an output is a convex combination of them, times at most 1). f32 arithmetic in a different
-//! order plus the ~2 ulp exp give errors of a few 1e-7 there; we allow 4e-6.
+//! order plus the <= 2 ulp exp give errors up to about 4e-7 there (measured); we allow 2e-6.
 
 use half::f16;
 use ossterm::kernels::attention::{
@@ -15,7 +15,7 @@ use ossterm::kernels::{KernelPath, Kernels};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-const TOLERANCE: f64 = 4e-6;
+const TOLERANCE: f64 = 2e-6;
 
 fn scalar() -> Kernels {
     Kernels::new(KernelPath::Scalar).expect("scalar always runs")
@@ -427,7 +427,7 @@ fn bad_shapes_are_errors() {
         let e = attend_group(path, &query, &kv, start..end, &mut out, &mut scratch).unwrap_err();
         assert!(matches!(e, AttentionError::Positions { .. }), "{e}");
     }
-    for k in simd_paths() {
+    for k in Kernels::all_supported() {
         let mut small = AttentionScratch::new(1, d);
         let e = attend_group(k, &query, &kv, 0..3, &mut out, &mut small).unwrap_err();
         assert!(matches!(e, AttentionError::ScratchTooSmall { .. }), "{e}");

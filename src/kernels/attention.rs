@@ -381,62 +381,75 @@ pub fn attend_group<T: KvElem>(
     scratch: &mut AttentionScratch,
 ) -> Result<(), AttentionError> {
     let heads = check_shapes(query, kv, &positions, out)?;
+    scratch.check(heads, query.head_dim)?;
     match k.path() {
         // SAFETY: a Kernels value holding Avx512 exists only after its features were detected
         // (Kernels::new), and check_shapes / scratch.check validated every shape attend_tiled
         // relies on.
         #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx512 => {
-            scratch.check(heads, query.head_dim)?;
-            unsafe { attend_tiled::<avx512::Tiles, T>(k, query, kv, positions, out, scratch) }
-        }
+        KernelPath::Avx512 => unsafe {
+            attend_tiled::<avx512::Tiles, T>(k, query, kv, positions, out, scratch)
+        },
         // SAFETY: as above, for the AVX2 features.
         #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx2 => {
-            scratch.check(heads, query.head_dim)?;
-            unsafe { attend_tiled::<avx2::Tiles, T>(k, query, kv, positions, out, scratch) }
-        }
-        _ => attend_scalar(query, kv, positions, out),
+        KernelPath::Avx2 => unsafe {
+            attend_tiled::<avx2::Tiles, T>(k, query, kv, positions, out, scratch)
+        },
+        _ => attend_scalar(query, kv, positions, out, scratch),
     }
     Ok(())
 }
 
-/// The reference: one key at a time, every head on its own, online softmax with `f32::exp`.
+/// The reference: one key at a time (widened once for all heads), online softmax per head with
+/// `f32::exp`.
 fn attend_scalar<T: KvElem>(
     query: &GroupQuery<'_>,
     kv: &KvHead<'_, T>,
     positions: Range<usize>,
     out: &mut [f32],
+    scratch: &mut AttentionScratch,
 ) {
     let d = query.head_dim;
-    for ((q, acc), &sink) in query
-        .queries
-        .chunks_exact(d)
-        .zip(out.chunks_exact_mut(d))
-        .zip(query.sinks)
-    {
-        acc.fill(0.0);
-        let mut max = sink;
-        let mut sum = 0.0f32;
-        for j in positions.clone() {
-            let at = j * kv.row_stride + kv.offset;
-            let key = &kv.keys[at..at + d];
-            let value = &kv.values[at..at + d];
-            let dot: f32 = q.iter().zip(key).map(|(a, b)| a * b.widen()).sum();
+    let heads = query.queries.len() / d;
+    let (max, sum) = (
+        &mut scratch.running_max[..heads],
+        &mut scratch.running_sum[..heads],
+    );
+    max.copy_from_slice(query.sinks);
+    sum.fill(0.0);
+    out.fill(0.0);
+    let (key, value) = (&mut scratch.keys[..d], &mut scratch.values[..d]);
+    for j in positions {
+        let at = j * kv.row_stride + kv.offset;
+        for (dst, src) in key.iter_mut().zip(&kv.keys[at..at + d]) {
+            *dst = src.widen();
+        }
+        for (dst, src) in value.iter_mut().zip(&kv.values[at..at + d]) {
+            *dst = src.widen();
+        }
+        for (g, (q, acc)) in query
+            .queries
+            .chunks_exact(d)
+            .zip(out.chunks_exact_mut(d))
+            .enumerate()
+        {
+            let dot: f32 = q.iter().zip(key.iter()).map(|(a, b)| a * b).sum();
             let logit = query.scale * dot;
-            if logit > max {
-                let rescale = (max - logit).exp();
-                sum *= rescale;
+            if logit > max[g] {
+                let rescale = (max[g] - logit).exp();
+                sum[g] *= rescale;
                 acc.iter_mut().for_each(|o| *o *= rescale);
-                max = logit;
+                max[g] = logit;
             }
-            let weight = (logit - max).exp();
-            sum += weight;
-            for (o, v) in acc.iter_mut().zip(value) {
-                *o += weight * v.widen();
+            let weight = (logit - max[g]).exp();
+            sum[g] += weight;
+            for (o, v) in acc.iter_mut().zip(value.iter()) {
+                *o += weight * v;
             }
         }
-        let denominator = sum + (sink - max).exp();
+    }
+    for (g, acc) in out.chunks_exact_mut(d).enumerate() {
+        let denominator = sum[g] + (query.sinks[g] - max[g]).exp();
         acc.iter_mut().for_each(|o| *o /= denominator);
     }
 }
