@@ -43,6 +43,7 @@
 //! magnitudes).
 
 mod aligned;
+pub mod attention;
 pub mod bench;
 mod formats;
 mod scalar;

@@ -1,0 +1,1436 @@
+//! Grouped-query attention for one token and one KV head: the G query heads that share a KV head
+//! read each key and value row once, with the per-head sink logit in the softmax denominator.
+//!
+//! ```text
+//! m_g   = max(S_g, max_j l_gj)            l_gj = scale * q_g . k_j
+//! out_g = sum_j exp(l_gj - m_g) v_j / (exp(S_g - m_g) + sum_j exp(l_gj - m_g))
+//! ```
+//!
+//! # Algorithm (SIMD paths)
+//! Keys are processed in tiles of [`TILE_KEYS`]. An f16 tile is widened to f32 once (an f32 cache
+//! whose head_dim is a multiple of 16 is read in place). The G x tile logits are computed with the
+//! key rows loaded once per head from L1 and the horizontal sums of 16 (AVX-512) or 8 (AVX2) keys
+//! reduced together by a transpose-and-add tree, so no per-key reduction is paid. The softmax is
+//! online across tiles: the running maximum starts at the sink, each tile's exponentials come from a
+//! vectorized polynomial ([`fast_exp`] lane by lane), and the accumulators are rescaled once per tile
+//! and head. Then each value row (widened once) feeds all G heads: blocks of up to four heads times
+//! 64 (AVX-512) or 16 (AVX2) columns stay in registers across the whole tile.
+//!
+//! The scalar path is the straightforward reference: one key at a time, online softmax with
+//! `f32::exp`.
+//!
+//! Everything is single-threaded and allocation-free; [`AttentionScratch`] holds the buffers.
+
+use std::fmt;
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use half::f16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::{KernelError, KernelPath, Kernels};
+
+/// Keys per tile: a widened f16 tile of keys plus one of values (2 x 64 x 64 x 4 bytes for
+/// head_dim 64) stays in L1 while every head of the group uses it.
+pub const TILE_KEYS: usize = 64;
+
+/// Head dims are padded to a multiple of this in scratch, so SIMD loops need no column tails.
+const PAD_LANES: usize = 16;
+
+/// Below this, [`fast_exp`] returns 0: e^-87 is about 1.6e-38, the smallest normal f32 is 1.2e-38,
+/// and every softmax denominator here is at least 1 (the maximum's own term).
+const EXP_MIN: f32 = -87.0;
+const LOG2_E: f32 = std::f32::consts::LOG2_E;
+/// ln 2 split in two so `x - n ln2` is exact for |n| <= 127 (Cody-Waite).
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+/// Minimax polynomial for (e^r - 1 - r) / r^2 on [-ln2/2, ln2/2] (Cephes `expf`).
+const EXP_POLY: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    1.666_666_5e-1,
+    0.5,
+];
+
+/// Errors of the attention kernel: operands whose shapes do not fit together.
+#[derive(Debug, thiserror::Error)]
+pub enum AttentionError {
+    #[error("attention head_dim is 0, expected at least 1")]
+    ZeroHeadDim,
+    #[error(
+        "attention queries: length {len} is not a positive multiple of head_dim {head_dim} \
+         (query heads x head_dim)"
+    )]
+    QueryLength { len: usize, head_dim: usize },
+    #[error("attention sinks: {got} values, expected one per query head ({expected})")]
+    SinkCount { expected: usize, got: usize },
+    #[error("attention output: length {got}, expected {expected} (query heads x head_dim)")]
+    OutputLength { expected: usize, got: usize },
+    #[error(
+        "attention KV rows: a head at offset {offset} of head_dim {head_dim} does not fit in rows \
+         of {row_stride} elements"
+    )]
+    HeadOutsideRow {
+        offset: usize,
+        head_dim: usize,
+        row_stride: usize,
+    },
+    #[error("attention key positions {start}..{end}: the start is past the end")]
+    Positions { start: usize, end: usize },
+    #[error(
+        "attention {operand} cache: positions up to {last} need {needed} elements, the slice has {got}"
+    )]
+    CacheTooShort {
+        operand: &'static str,
+        last: usize,
+        needed: usize,
+        got: usize,
+    },
+    #[error(
+        "attention scratch holds {have_heads} heads of head_dim {have_dim}, the call needs \
+         {heads} heads of head_dim {dim}"
+    )]
+    ScratchTooSmall {
+        have_heads: usize,
+        have_dim: usize,
+        heads: usize,
+        dim: usize,
+    },
+    #[error("attention benchmark: {0}")]
+    Kernel(#[from] KernelError),
+    #[error(
+        "attention benchmark: tiled and per-key results differ at {keys} keys (max relative \
+         difference {difference:e})"
+    )]
+    BenchMismatch { keys: usize, difference: f32 },
+}
+
+/// The query side of one call: the G heads that share a KV head.
+#[derive(Clone, Copy, Debug)]
+pub struct GroupQuery<'a> {
+    /// G x head_dim, contiguous (rotary embedding already applied).
+    pub queries: &'a [f32],
+    /// One sink logit per query head (G values).
+    pub sinks: &'a [f32],
+    pub head_dim: usize,
+    /// Multiplies every logit (1/sqrt(head_dim) for gpt-oss); not applied to the sinks.
+    pub scale: f32,
+}
+
+/// One KV head in a layer's cache: position j's key is `keys[j * row_stride + offset..][..head_dim]`,
+/// and likewise its value.
+#[derive(Clone, Copy, Debug)]
+pub struct KvHead<'a, T> {
+    pub keys: &'a [T],
+    pub values: &'a [T],
+    /// Elements per cache row (kv_width: all KV heads of one position).
+    pub row_stride: usize,
+    /// Where this head's head_dim elements start in a row (kv_head * head_dim).
+    pub offset: usize,
+}
+
+mod sealed {
+    use super::Kernels;
+
+    /// How a tile of cache rows is laid out in f32 for the SIMD paths.
+    #[derive(Clone, Copy, Debug)]
+    pub struct RowLayout {
+        pub row_stride: usize,
+        pub offset: usize,
+        pub head_dim: usize,
+        /// head_dim rounded up to a multiple of 16.
+        pub padded: usize,
+    }
+
+    pub trait Sealed: Copy + Send + Sync {
+        fn widen(self) -> f32;
+
+        /// Rows `rows` of one head as f32 rows of `layout.padded` elements, zero past head_dim:
+        /// `(slice starting at the first row, elements between rows)`. Either the cache itself
+        /// (f32 with head_dim a multiple of 16) or `tile`, filled here. The caller checked that
+        /// the rows lie inside `cache` and that `tile` holds `rows.len() * padded` elements.
+        fn f32_rows<'a>(
+            k: Kernels,
+            cache: &'a [Self],
+            layout: RowLayout,
+            rows: std::ops::Range<usize>,
+            tile: &'a mut [f32],
+        ) -> (&'a [f32], usize);
+    }
+}
+
+use sealed::RowLayout;
+
+/// Element type of a KV cache: `half::f16` (the default cache) or `f32`.
+pub trait KvElem: sealed::Sealed {}
+
+impl KvElem for f16 {}
+impl KvElem for f32 {}
+
+impl sealed::Sealed for f16 {
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+
+    fn f32_rows<'a>(
+        k: Kernels,
+        cache: &'a [f16],
+        layout: RowLayout,
+        rows: Range<usize>,
+        tile: &'a mut [f32],
+    ) -> (&'a [f32], usize) {
+        let count = rows.len();
+        let first = rows.start * layout.row_stride + layout.offset;
+        let tile = &mut tile[..count * layout.padded];
+        match k.path() {
+            // SAFETY: a Kernels value holding Avx512 exists only after its features were detected
+            // (Kernels::new); the caller checked that rows `rows` lie inside `cache`, so every
+            // source row read (head_dim elements from `first + t * row_stride`) is in bounds, and
+            // `tile` holds count x padded elements.
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx512 => unsafe {
+                avx512::widen_f16_rows(cache[first..].as_ptr(), layout, count, tile.as_mut_ptr())
+            },
+            // SAFETY: as above, for the AVX2 features.
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx2 => unsafe {
+                avx2::widen_f16_rows(cache[first..].as_ptr(), layout, count, tile.as_mut_ptr())
+            },
+            _ => widen_rows_scalar(&cache[first..], layout, count, tile),
+        }
+        (tile, layout.padded)
+    }
+}
+
+impl sealed::Sealed for f32 {
+    fn widen(self) -> f32 {
+        self
+    }
+
+    fn f32_rows<'a>(
+        _: Kernels,
+        cache: &'a [f32],
+        layout: RowLayout,
+        rows: Range<usize>,
+        tile: &'a mut [f32],
+    ) -> (&'a [f32], usize) {
+        let first = rows.start * layout.row_stride + layout.offset;
+        if layout.head_dim == layout.padded {
+            return (&cache[first..], layout.row_stride);
+        }
+        let count = rows.len();
+        let tile = &mut tile[..count * layout.padded];
+        widen_rows_scalar(&cache[first..], layout, count, tile);
+        (tile, layout.padded)
+    }
+}
+
+fn widen_rows_scalar<T: sealed::Sealed>(
+    src: &[T],
+    layout: RowLayout,
+    count: usize,
+    dst: &mut [f32],
+) {
+    for (t, row) in dst.chunks_exact_mut(layout.padded).take(count).enumerate() {
+        let from = &src[t * layout.row_stride..t * layout.row_stride + layout.head_dim];
+        for (d, s) in row.iter_mut().zip(from) {
+            *d = s.widen();
+        }
+        row[layout.head_dim..].fill(0.0);
+    }
+}
+
+/// Buffers of [`attend_group`], sized once for the largest group and head_dim.
+#[derive(Clone, Debug)]
+pub struct AttentionScratch {
+    max_heads: usize,
+    max_head_dim: usize,
+    /// Scaled queries, heads x padded.
+    queries: Vec<f32>,
+    /// Widened key tile, TILE_KEYS x padded.
+    keys: Vec<f32>,
+    /// Widened value tile, TILE_KEYS x padded.
+    values: Vec<f32>,
+    /// Logits, then probabilities, heads x TILE_KEYS.
+    logits: Vec<f32>,
+    /// Unnormalized outputs, heads x padded.
+    acc: Vec<f32>,
+    /// Stands in for the keys past the end of a ragged tile (padded zeros).
+    zero_row: Vec<f32>,
+    running_max: Vec<f32>,
+    running_sum: Vec<f32>,
+    rescale: Vec<f32>,
+}
+
+impl AttentionScratch {
+    /// Scratch for groups of up to `max_heads` query heads of up to `max_head_dim` each.
+    pub fn new(max_heads: usize, max_head_dim: usize) -> Self {
+        let padded = max_head_dim.next_multiple_of(PAD_LANES);
+        Self {
+            max_heads,
+            max_head_dim,
+            queries: vec![0.0; max_heads * padded],
+            keys: vec![0.0; TILE_KEYS * padded],
+            values: vec![0.0; TILE_KEYS * padded],
+            logits: vec![0.0; max_heads * TILE_KEYS],
+            acc: vec![0.0; max_heads * padded],
+            zero_row: vec![0.0; padded],
+            running_max: vec![0.0; max_heads],
+            running_sum: vec![0.0; max_heads],
+            rescale: vec![0.0; max_heads],
+        }
+    }
+
+    fn check(&self, heads: usize, head_dim: usize) -> Result<(), AttentionError> {
+        if heads > self.max_heads || head_dim > self.max_head_dim {
+            return Err(AttentionError::ScratchTooSmall {
+                have_heads: self.max_heads,
+                have_dim: self.max_head_dim,
+                heads,
+                dim: head_dim,
+            });
+        }
+        Ok(())
+    }
+}
+
+fn check_cache<T>(
+    operand: &'static str,
+    cache: &[T],
+    kv: &KvHead<'_, T>,
+    head_dim: usize,
+    positions: &Range<usize>,
+) -> Result<(), AttentionError> {
+    if positions.is_empty() {
+        return Ok(());
+    }
+    let last = positions.end - 1;
+    let needed = last * kv.row_stride + kv.offset + head_dim;
+    if cache.len() < needed {
+        return Err(AttentionError::CacheTooShort {
+            operand,
+            last,
+            needed,
+            got: cache.len(),
+        });
+    }
+    Ok(())
+}
+
+/// Number of query heads, after checking every shape.
+fn check_shapes<T>(
+    query: &GroupQuery<'_>,
+    kv: &KvHead<'_, T>,
+    positions: &Range<usize>,
+    out: &[f32],
+) -> Result<usize, AttentionError> {
+    let head_dim = query.head_dim;
+    if head_dim == 0 {
+        return Err(AttentionError::ZeroHeadDim);
+    }
+    if query.queries.is_empty() || !query.queries.len().is_multiple_of(head_dim) {
+        return Err(AttentionError::QueryLength {
+            len: query.queries.len(),
+            head_dim,
+        });
+    }
+    let heads = query.queries.len() / head_dim;
+    if query.sinks.len() != heads {
+        return Err(AttentionError::SinkCount {
+            expected: heads,
+            got: query.sinks.len(),
+        });
+    }
+    if out.len() != query.queries.len() {
+        return Err(AttentionError::OutputLength {
+            expected: query.queries.len(),
+            got: out.len(),
+        });
+    }
+    if kv.offset + head_dim > kv.row_stride {
+        return Err(AttentionError::HeadOutsideRow {
+            offset: kv.offset,
+            head_dim,
+            row_stride: kv.row_stride,
+        });
+    }
+    if positions.start > positions.end {
+        return Err(AttentionError::Positions {
+            start: positions.start,
+            end: positions.end,
+        });
+    }
+    check_cache("key", kv.keys, kv, head_dim, positions)?;
+    check_cache("value", kv.values, kv, head_dim, positions)?;
+    Ok(heads)
+}
+
+/// Attention of one token's G query heads over the cache rows `positions` of one KV head, into
+/// `out` (G x head_dim). An empty `positions` gives zeros (all weight on the sinks).
+///
+/// Allocation-free; runs on the path of `k`.
+pub fn attend_group<T: KvElem>(
+    k: Kernels,
+    query: &GroupQuery<'_>,
+    kv: &KvHead<'_, T>,
+    positions: Range<usize>,
+    out: &mut [f32],
+    scratch: &mut AttentionScratch,
+) -> Result<(), AttentionError> {
+    let heads = check_shapes(query, kv, &positions, out)?;
+    scratch.check(heads, query.head_dim)?;
+    match k.path() {
+        // SAFETY: a Kernels value holding Avx512 exists only after its features were detected
+        // (Kernels::new), and check_shapes / scratch.check validated every shape attend_tiled
+        // relies on.
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Avx512 => unsafe {
+            attend_tiled::<avx512::Tiles, T>(k, query, kv, positions, out, scratch)
+        },
+        // SAFETY: as above, for the AVX2 features.
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Avx2 => unsafe {
+            attend_tiled::<avx2::Tiles, T>(k, query, kv, positions, out, scratch)
+        },
+        _ => attend_scalar(query, kv, positions, out, scratch),
+    }
+    Ok(())
+}
+
+/// The reference: one key at a time (widened once for all heads), online softmax per head with
+/// `f32::exp`.
+fn attend_scalar<T: KvElem>(
+    query: &GroupQuery<'_>,
+    kv: &KvHead<'_, T>,
+    positions: Range<usize>,
+    out: &mut [f32],
+    scratch: &mut AttentionScratch,
+) {
+    let d = query.head_dim;
+    let heads = query.queries.len() / d;
+    let (max, sum) = (
+        &mut scratch.running_max[..heads],
+        &mut scratch.running_sum[..heads],
+    );
+    max.copy_from_slice(query.sinks);
+    sum.fill(0.0);
+    out.fill(0.0);
+    let (key, value) = (&mut scratch.keys[..d], &mut scratch.values[..d]);
+    for j in positions {
+        let at = j * kv.row_stride + kv.offset;
+        for (dst, src) in key.iter_mut().zip(&kv.keys[at..at + d]) {
+            *dst = src.widen();
+        }
+        for (dst, src) in value.iter_mut().zip(&kv.values[at..at + d]) {
+            *dst = src.widen();
+        }
+        for (g, (q, acc)) in query
+            .queries
+            .chunks_exact(d)
+            .zip(out.chunks_exact_mut(d))
+            .enumerate()
+        {
+            let dot: f32 = q.iter().zip(key.iter()).map(|(a, b)| a * b).sum();
+            let logit = query.scale * dot;
+            if logit > max[g] {
+                let rescale = (max[g] - logit).exp();
+                sum[g] *= rescale;
+                acc.iter_mut().for_each(|o| *o *= rescale);
+                max[g] = logit;
+            }
+            let weight = (logit - max[g]).exp();
+            sum[g] += weight;
+            for (o, v) in acc.iter_mut().zip(value.iter()) {
+                *o += weight * v;
+            }
+        }
+    }
+    for (g, acc) in out.chunks_exact_mut(d).enumerate() {
+        let denominator = sum[g] + (query.sinks[g] - max[g]).exp();
+        acc.iter_mut().for_each(|o| *o /= denominator);
+    }
+}
+
+/// e^x for x <= 0, as the SIMD paths compute it lane by lane: Cody-Waite reduction to
+/// r in [-ln2/2, ln2/2], a degree-7 polynomial, then 2^n by exponent arithmetic. Within 2 ulp of
+/// e^x on [-87, 0]; exactly 0 below -87 (and for -inf and NaN).
+pub fn fast_exp(x: f32) -> f32 {
+    if x.is_nan() || x < EXP_MIN {
+        return 0.0;
+    }
+    let n = (x * LOG2_E).round_ties_even();
+    let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, x));
+    let mut y = EXP_POLY[0];
+    for c in &EXP_POLY[1..] {
+        y = y.mul_add(r, *c);
+    }
+    let p = y.mul_add(r * r, r) + 1.0;
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+/// The steps of one tile on a SIMD path. Every function requires the CPU features of its path
+/// and pointers to buffers at least as large as the doc says. Raw pointers because the f32 rows may
+/// be the caller's cache or the scratch tile, and the SIMD loops index them with strides.
+#[allow(clippy::too_many_arguments)]
+trait TilePath {
+    /// `logits[g * TILE_KEYS + t] = queries_g . row_t` for t < count (rows `stride` apart, each
+    /// `padded` long), -inf for count <= t < count rounded up to the path's vector width.
+    /// `zero_row`: `padded` zeros.
+    unsafe fn logits(
+        queries: *const f32,
+        heads: usize,
+        padded: usize,
+        rows: *const f32,
+        stride: usize,
+        count: usize,
+        zero_row: *const f32,
+        logits: *mut f32,
+    );
+
+    /// Turn one head's tile of logits (count, then -inf up to the vector width) into
+    /// exp(logit - new running max) in place, update the running max and sum, return the factor
+    /// the earlier accumulation must be scaled by.
+    unsafe fn softmax(logits: *mut f32, count: usize, max: &mut f32, sum: &mut f32) -> f32;
+
+    /// `acc_g = acc_g * rescale_g + sum_t p_gt v_t` for all heads, columns 0..padded.
+    unsafe fn accumulate(
+        probs: *const f32,
+        heads: usize,
+        rescale: *const f32,
+        values: *const f32,
+        stride: usize,
+        count: usize,
+        acc: *mut f32,
+        padded: usize,
+    );
+}
+
+/// # Safety
+/// The CPU has the features of `P`'s path; shapes were checked by [`check_shapes`] and the scratch
+/// by [`AttentionScratch::check`].
+unsafe fn attend_tiled<P: TilePath, T: KvElem>(
+    k: Kernels,
+    query: &GroupQuery<'_>,
+    kv: &KvHead<'_, T>,
+    positions: Range<usize>,
+    out: &mut [f32],
+    scratch: &mut AttentionScratch,
+) {
+    let d = query.head_dim;
+    let heads = query.queries.len() / d;
+    let padded = d.next_multiple_of(PAD_LANES);
+    let layout = RowLayout {
+        row_stride: kv.row_stride,
+        offset: kv.offset,
+        head_dim: d,
+        padded,
+    };
+    for (dst, src) in scratch
+        .queries
+        .chunks_exact_mut(padded)
+        .zip(query.queries.chunks_exact(d))
+    {
+        for (s, q) in dst.iter_mut().zip(src) {
+            *s = q * query.scale;
+        }
+        dst[d..].fill(0.0);
+    }
+    scratch.running_max[..heads].copy_from_slice(query.sinks);
+    scratch.running_sum[..heads].fill(0.0);
+    scratch.acc[..heads * padded].fill(0.0);
+
+    let mut start = positions.start;
+    while start < positions.end {
+        let count = TILE_KEYS.min(positions.end - start);
+        let tile = start..start + count;
+        let (keys, key_stride) = T::f32_rows(k, kv.keys, layout, tile.clone(), &mut scratch.keys);
+        // SAFETY: `keys` holds `count` rows of `padded` readable elements `key_stride` apart
+        // (f32_rows' contract, rows checked against the cache); the scratch buffers have the
+        // sizes TilePath asks for (scratch.check: heads <= max_heads, padded <= padded max).
+        unsafe {
+            P::logits(
+                scratch.queries.as_ptr(),
+                heads,
+                padded,
+                keys.as_ptr(),
+                key_stride,
+                count,
+                scratch.zero_row.as_ptr(),
+                scratch.logits.as_mut_ptr(),
+            );
+            for g in 0..heads {
+                scratch.rescale[g] = P::softmax(
+                    scratch.logits.as_mut_ptr().add(g * TILE_KEYS),
+                    count,
+                    &mut scratch.running_max[g],
+                    &mut scratch.running_sum[g],
+                );
+            }
+        }
+        let (values, value_stride) = T::f32_rows(k, kv.values, layout, tile, &mut scratch.values);
+        // SAFETY: as for the keys.
+        unsafe {
+            P::accumulate(
+                scratch.logits.as_ptr(),
+                heads,
+                scratch.rescale.as_ptr(),
+                values.as_ptr(),
+                value_stride,
+                count,
+                scratch.acc.as_mut_ptr(),
+                padded,
+            );
+        }
+        start += count;
+    }
+
+    for g in 0..heads {
+        let denominator = scratch.running_sum[g] + (query.sinks[g] - scratch.running_max[g]).exp();
+        let inverse = 1.0 / denominator;
+        for (o, a) in out[g * d..(g + 1) * d]
+            .iter_mut()
+            .zip(&scratch.acc[g * padded..])
+        {
+            *o = a * inverse;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    //! The AVX-512 steps. Each function requires the features of the `Avx512` kernel path (the
+    //! subset enabled here: F and BW, with AVX2, FMA and F16C) and the buffer sizes of `TilePath`.
+
+    use std::arch::x86_64::*;
+
+    use half::f16;
+
+    use super::{RowLayout, TilePath, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, LOG2_E, TILE_KEYS};
+
+    const W: usize = 16;
+
+    pub(super) struct Tiles;
+
+    /// # Safety
+    /// The CPU has AVX-512 F/BW and F16C; `src` has `count` rows `row_stride` apart with
+    /// `head_dim` readable elements each; `dst` has `count * padded` writable elements.
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    pub(super) unsafe fn widen_f16_rows(
+        src: *const f16,
+        layout: RowLayout,
+        count: usize,
+        dst: *mut f32,
+    ) {
+        for t in 0..count {
+            let from = src.add(t * layout.row_stride);
+            let to = dst.add(t * layout.padded);
+            let mut c = 0;
+            while c < layout.padded {
+                let len = layout.head_dim.saturating_sub(c).min(W);
+                // Masked-off lanes are neither read nor faulted on, and load as zero: the padding.
+                let bits = _mm512_maskz_loadu_epi16((1u32 << len) - 1, from.add(c).cast());
+                _mm512_storeu_ps(to.add(c), _mm512_cvtph_ps(_mm512_castsi512_si256(bits)));
+                c += W;
+            }
+        }
+    }
+
+    /// `fast_exp` in 16 lanes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn exp(x: __m512) -> __m512 {
+        let in_range = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, _mm512_set1_ps(EXP_MIN));
+        let x = _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(x, _mm512_set1_ps(LOG2_E)),
+        );
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+        let mut y = _mm512_set1_ps(EXP_POLY[0]);
+        for c in &EXP_POLY[1..] {
+            y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(*c));
+        }
+        let p = _mm512_add_ps(
+            _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r),
+            _mm512_set1_ps(1.0),
+        );
+        let exponent = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+        let two_n = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(exponent));
+        _mm512_maskz_mul_ps(in_range, p, two_n)
+    }
+
+    /// Lane t of the result: the sum of all lanes of `v[t]`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn transpose_sum(v: [__m512; W]) -> __m512 {
+        // Each level halves the vectors: pairs interleave and add, so a vector holds partial sums
+        // of twice as many keys over half as many lanes.
+        let mut s1 = [_mm512_setzero_ps(); 8];
+        for i in 0..8 {
+            let (a, b) = (v[2 * i], v[2 * i + 1]);
+            s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+        }
+        let mut s2 = [_mm512_setzero_ps(); 4];
+        for i in 0..4 {
+            let (a, b) = (_mm512_castps_pd(s1[2 * i]), _mm512_castps_pd(s1[2 * i + 1]));
+            // The pd unpacks move pairs of f32 lanes; the sum is of f32 lanes.
+            s2[i] = _mm512_add_ps(
+                _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
+            );
+        }
+        let mut s3 = [_mm512_setzero_ps(); 2];
+        for i in 0..2 {
+            let (a, b) = (s2[2 * i], s2[2 * i + 1]);
+            s3[i] = _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x88>(a, b),
+                _mm512_shuffle_f32x4::<0xDD>(a, b),
+            );
+        }
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(s3[0], s3[1]),
+            _mm512_shuffle_f32x4::<0xDD>(s3[0], s3[1]),
+        )
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn logits(
+        queries: *const f32,
+        heads: usize,
+        padded: usize,
+        rows: *const f32,
+        stride: usize,
+        count: usize,
+        zero_row: *const f32,
+        logits: *mut f32,
+    ) {
+        let mut block = 0;
+        while block < count {
+            let valid = (count - block).min(W);
+            let mut row = [zero_row; W];
+            for (t, r) in row.iter_mut().enumerate().take(valid) {
+                *r = rows.add((block + t) * stride);
+            }
+            for g in 0..heads {
+                let q = queries.add(g * padded);
+                let mut partial = [_mm512_setzero_ps(); W];
+                let mut c = 0;
+                while c < padded {
+                    let qc = _mm512_loadu_ps(q.add(c));
+                    for t in 0..W {
+                        partial[t] =
+                            _mm512_fmadd_ps(qc, _mm512_loadu_ps(row[t].add(c)), partial[t]);
+                    }
+                    c += W;
+                }
+                let keep = ((1u32 << valid) - 1) as u16;
+                let sums = _mm512_mask_blend_ps(
+                    keep,
+                    _mm512_set1_ps(f32::NEG_INFINITY),
+                    transpose_sum(partial),
+                );
+                _mm512_storeu_ps(logits.add(g * TILE_KEYS + block), sums);
+            }
+            block += W;
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn softmax(logits: *mut f32, count: usize, max: &mut f32, sum: &mut f32) -> f32 {
+        let blocks = count.div_ceil(W);
+        let mut tile_max = _mm512_set1_ps(f32::NEG_INFINITY);
+        for b in 0..blocks {
+            tile_max = _mm512_max_ps(tile_max, _mm512_loadu_ps(logits.add(b * W)));
+        }
+        let new_max = max.max(_mm512_reduce_max_ps(tile_max));
+        let rescale = (*max - new_max).exp();
+        let shift = _mm512_set1_ps(new_max);
+        let mut total = _mm512_setzero_ps();
+        for b in 0..blocks {
+            let p = exp(_mm512_sub_ps(_mm512_loadu_ps(logits.add(b * W)), shift));
+            _mm512_storeu_ps(logits.add(b * W), p);
+            total = _mm512_add_ps(total, p);
+        }
+        *sum = *sum * rescale + _mm512_reduce_add_ps(total);
+        *max = new_max;
+        rescale
+    }
+
+    /// HEADS heads x CHUNKS x 16 columns, held in registers across the tile.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn accumulate_block<const HEADS: usize, const CHUNKS: usize>(
+        probs: *const f32,
+        rescale: *const f32,
+        values: *const f32,
+        stride: usize,
+        count: usize,
+        acc: *mut f32,
+        padded: usize,
+    ) {
+        let mut sums = [[_mm512_setzero_ps(); CHUNKS]; HEADS];
+        for (h, row) in sums.iter_mut().enumerate() {
+            let factor = _mm512_set1_ps(*rescale.add(h));
+            for (c, s) in row.iter_mut().enumerate() {
+                *s = _mm512_mul_ps(_mm512_loadu_ps(acc.add(h * padded + c * W)), factor);
+            }
+        }
+        for t in 0..count {
+            let v = values.add(t * stride);
+            let mut value = [_mm512_setzero_ps(); CHUNKS];
+            for (c, x) in value.iter_mut().enumerate() {
+                *x = _mm512_loadu_ps(v.add(c * W));
+            }
+            for (h, row) in sums.iter_mut().enumerate() {
+                let p = _mm512_set1_ps(*probs.add(h * TILE_KEYS + t));
+                for (s, x) in row.iter_mut().zip(&value) {
+                    *s = _mm512_fmadd_ps(p, *x, *s);
+                }
+            }
+        }
+        for (h, row) in sums.iter().enumerate() {
+            for (c, s) in row.iter().enumerate() {
+                _mm512_storeu_ps(acc.add(h * padded + c * W), *s);
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn accumulate(
+        probs: *const f32,
+        heads: usize,
+        rescale: *const f32,
+        values: *const f32,
+        stride: usize,
+        count: usize,
+        acc: *mut f32,
+        padded: usize,
+    ) {
+        let mut column = 0;
+        while column < padded {
+            let chunks = match (padded - column) / W {
+                1 => 1,
+                2 | 3 => 2,
+                _ => 4,
+            };
+            let mut g = 0;
+            while g < heads {
+                let block = match heads - g {
+                    1 => 1,
+                    2 | 3 => 2,
+                    _ => 4,
+                };
+                let args = (
+                    probs.add(g * TILE_KEYS),
+                    rescale.add(g),
+                    values.add(column),
+                    stride,
+                    count,
+                    acc.add(g * padded + column),
+                    padded,
+                );
+                match (block, chunks) {
+                    (4, 4) => accumulate_block::<4, 4>(
+                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                    ),
+                    (4, 2) => accumulate_block::<4, 2>(
+                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                    ),
+                    (4, _) => accumulate_block::<4, 1>(
+                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                    ),
+                    (2, 4) => accumulate_block::<2, 4>(
+                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                    ),
+                    (2, 2) => accumulate_block::<2, 2>(
+                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                    ),
+                    (2, _) => accumulate_block::<2, 1>(
+                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                    ),
+                    (_, 4) => accumulate_block::<1, 4>(
+                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                    ),
+                    (_, 2) => accumulate_block::<1, 2>(
+                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                    ),
+                    _ => accumulate_block::<1, 1>(
+                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                    ),
+                }
+                g += block;
+            }
+            column += chunks * W;
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    impl TilePath for Tiles {
+        unsafe fn logits(
+            queries: *const f32,
+            heads: usize,
+            padded: usize,
+            rows: *const f32,
+            stride: usize,
+            count: usize,
+            zero_row: *const f32,
+            out: *mut f32,
+        ) {
+            logits(queries, heads, padded, rows, stride, count, zero_row, out)
+        }
+
+        unsafe fn softmax(logits: *mut f32, count: usize, max: &mut f32, sum: &mut f32) -> f32 {
+            softmax(logits, count, max, sum)
+        }
+
+        unsafe fn accumulate(
+            probs: *const f32,
+            heads: usize,
+            rescale: *const f32,
+            values: *const f32,
+            stride: usize,
+            count: usize,
+            acc: *mut f32,
+            padded: usize,
+        ) {
+            accumulate(probs, heads, rescale, values, stride, count, acc, padded)
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! The AVX2 steps: 8 lanes, blocks of 8 keys for the logits and up to 4 heads x 16 columns for
+    //! the values. Each function requires AVX2, FMA and F16C and the buffer sizes of `TilePath`.
+
+    use std::arch::x86_64::*;
+
+    use half::f16;
+
+    use super::{RowLayout, TilePath, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, LOG2_E, TILE_KEYS};
+
+    const W: usize = 8;
+    /// Columns per value block: two registers of 8.
+    const COLUMNS: usize = 16;
+
+    pub(super) struct Tiles;
+
+    /// # Safety
+    /// The CPU has AVX2 and F16C; `src` has `count` rows `row_stride` apart with `head_dim`
+    /// readable elements each; `dst` has `count * padded` writable elements.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn widen_f16_rows(
+        src: *const f16,
+        layout: RowLayout,
+        count: usize,
+        dst: *mut f32,
+    ) {
+        for t in 0..count {
+            let from = src.add(t * layout.row_stride);
+            let to = dst.add(t * layout.padded);
+            let mut c = 0;
+            while c + W <= layout.head_dim {
+                let bits = _mm_loadu_si128(from.add(c).cast());
+                _mm256_storeu_ps(to.add(c), _mm256_cvtph_ps(bits));
+                c += W;
+            }
+            // A whole-register load here could read past the end of the cache.
+            while c < layout.head_dim {
+                *to.add(c) = (*from.add(c)).to_f32();
+                c += 1;
+            }
+            while c < layout.padded {
+                *to.add(c) = 0.0;
+                c += 1;
+            }
+        }
+    }
+
+    /// `fast_exp` in 8 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn exp(x: __m256) -> __m256 {
+        let in_range = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(EXP_MIN));
+        let x = _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(LOG2_E)),
+        );
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+        let mut y = _mm256_set1_ps(EXP_POLY[0]);
+        for c in &EXP_POLY[1..] {
+            y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(*c));
+        }
+        let p = _mm256_add_ps(
+            _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r),
+            _mm256_set1_ps(1.0),
+        );
+        let exponent = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+        let two_n = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(exponent));
+        _mm256_and_ps(_mm256_mul_ps(p, two_n), in_range)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn horizontal_max(v: __m256) -> f32 {
+        let m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn horizontal_sum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+    }
+
+    /// Lane t of the result: the sum of all lanes of `v[t]`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn transpose_sum(v: [__m256; W]) -> __m256 {
+        let mut s1 = [_mm256_setzero_ps(); 4];
+        for i in 0..4 {
+            let (a, b) = (v[2 * i], v[2 * i + 1]);
+            s1[i] = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+        }
+        let mut s2 = [_mm256_setzero_ps(); 2];
+        for i in 0..2 {
+            let (a, b) = (_mm256_castps_pd(s1[2 * i]), _mm256_castps_pd(s1[2 * i + 1]));
+            // The pd unpacks move pairs of f32 lanes; the sum is of f32 lanes.
+            s2[i] = _mm256_add_ps(
+                _mm256_castpd_ps(_mm256_unpacklo_pd(a, b)),
+                _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)),
+            );
+        }
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(s2[0], s2[1]),
+            _mm256_permute2f128_ps::<0x31>(s2[0], s2[1]),
+        )
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn logits(
+        queries: *const f32,
+        heads: usize,
+        padded: usize,
+        rows: *const f32,
+        stride: usize,
+        count: usize,
+        zero_row: *const f32,
+        logits: *mut f32,
+    ) {
+        let mut block = 0;
+        while block < count {
+            let valid = (count - block).min(W);
+            let mut row = [zero_row; W];
+            for (t, r) in row.iter_mut().enumerate().take(valid) {
+                *r = rows.add((block + t) * stride);
+            }
+            for g in 0..heads {
+                let q = queries.add(g * padded);
+                let mut partial = [_mm256_setzero_ps(); W];
+                let mut c = 0;
+                while c < padded {
+                    let qc = _mm256_loadu_ps(q.add(c));
+                    for t in 0..W {
+                        partial[t] =
+                            _mm256_fmadd_ps(qc, _mm256_loadu_ps(row[t].add(c)), partial[t]);
+                    }
+                    c += W;
+                }
+                let out = logits.add(g * TILE_KEYS + block);
+                _mm256_storeu_ps(out, transpose_sum(partial));
+                // Softmax reads whole vectors: past the tile's end the logits must be -inf.
+                for t in valid..W {
+                    *out.add(t) = f32::NEG_INFINITY;
+                }
+            }
+            block += W;
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn softmax(logits: *mut f32, count: usize, max: &mut f32, sum: &mut f32) -> f32 {
+        let blocks = count.div_ceil(W);
+        let mut tile_max = _mm256_set1_ps(f32::NEG_INFINITY);
+        for b in 0..blocks {
+            tile_max = _mm256_max_ps(tile_max, _mm256_loadu_ps(logits.add(b * W)));
+        }
+        let new_max = max.max(horizontal_max(tile_max));
+        let rescale = (*max - new_max).exp();
+        let shift = _mm256_set1_ps(new_max);
+        let mut total = _mm256_setzero_ps();
+        for b in 0..blocks {
+            let p = exp(_mm256_sub_ps(_mm256_loadu_ps(logits.add(b * W)), shift));
+            _mm256_storeu_ps(logits.add(b * W), p);
+            total = _mm256_add_ps(total, p);
+        }
+        *sum = *sum * rescale + horizontal_sum(total);
+        *max = new_max;
+        rescale
+    }
+
+    /// HEADS heads x 16 columns, held in registers across the tile.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn accumulate_block<const HEADS: usize>(
+        probs: *const f32,
+        rescale: *const f32,
+        values: *const f32,
+        stride: usize,
+        count: usize,
+        acc: *mut f32,
+        padded: usize,
+    ) {
+        let mut sums = [[_mm256_setzero_ps(); 2]; HEADS];
+        for (h, row) in sums.iter_mut().enumerate() {
+            let factor = _mm256_set1_ps(*rescale.add(h));
+            for (c, s) in row.iter_mut().enumerate() {
+                *s = _mm256_mul_ps(_mm256_loadu_ps(acc.add(h * padded + c * W)), factor);
+            }
+        }
+        for t in 0..count {
+            let v = values.add(t * stride);
+            let value = [_mm256_loadu_ps(v), _mm256_loadu_ps(v.add(W))];
+            for (h, row) in sums.iter_mut().enumerate() {
+                let p = _mm256_set1_ps(*probs.add(h * TILE_KEYS + t));
+                for (s, x) in row.iter_mut().zip(&value) {
+                    *s = _mm256_fmadd_ps(p, *x, *s);
+                }
+            }
+        }
+        for (h, row) in sums.iter().enumerate() {
+            for (c, s) in row.iter().enumerate() {
+                _mm256_storeu_ps(acc.add(h * padded + c * W), *s);
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn accumulate(
+        probs: *const f32,
+        heads: usize,
+        rescale: *const f32,
+        values: *const f32,
+        stride: usize,
+        count: usize,
+        acc: *mut f32,
+        padded: usize,
+    ) {
+        let mut column = 0;
+        while column < padded {
+            let mut g = 0;
+            while g < heads {
+                let (p, r, v, a) = (
+                    probs.add(g * TILE_KEYS),
+                    rescale.add(g),
+                    values.add(column),
+                    acc.add(g * padded + column),
+                );
+                let block = match heads - g {
+                    1 => {
+                        accumulate_block::<1>(p, r, v, stride, count, a, padded);
+                        1
+                    }
+                    2 | 3 => {
+                        accumulate_block::<2>(p, r, v, stride, count, a, padded);
+                        2
+                    }
+                    _ => {
+                        accumulate_block::<4>(p, r, v, stride, count, a, padded);
+                        4
+                    }
+                };
+                g += block;
+            }
+            column += COLUMNS;
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    impl TilePath for Tiles {
+        unsafe fn logits(
+            queries: *const f32,
+            heads: usize,
+            padded: usize,
+            rows: *const f32,
+            stride: usize,
+            count: usize,
+            zero_row: *const f32,
+            out: *mut f32,
+        ) {
+            logits(queries, heads, padded, rows, stride, count, zero_row, out)
+        }
+
+        unsafe fn softmax(logits: *mut f32, count: usize, max: &mut f32, sum: &mut f32) -> f32 {
+            softmax(logits, count, max, sum)
+        }
+
+        unsafe fn accumulate(
+            probs: *const f32,
+            heads: usize,
+            rescale: *const f32,
+            values: *const f32,
+            stride: usize,
+            count: usize,
+            acc: *mut f32,
+            padded: usize,
+        ) {
+            accumulate(probs, heads, rescale, values, stride, count, acc, padded)
+        }
+    }
+}
+
+/// What [`bench_attention_with`] measures.
+#[derive(Clone, Debug)]
+pub struct AttentionBenchConfig {
+    /// Key counts (context depths) to measure.
+    pub depths: Vec<usize>,
+    /// Query heads per KV head.
+    pub group: usize,
+    pub head_dim: usize,
+    /// KV heads in a cache row; one measured call covers all of them, as a decoded token does.
+    pub kv_heads: usize,
+    /// Timed runs per measurement; the report gives the best and the median.
+    pub repetitions: usize,
+    /// Each timed run repeats the work until it lasts at least this long.
+    pub min_run_time: Duration,
+}
+
+impl AttentionBenchConfig {
+    /// gpt-oss-20b: 8 query heads per KV head, head_dim 64, 8 KV heads; a sliding window (128 keys)
+    /// and a full layer at depth 4096.
+    pub fn standard() -> Self {
+        Self {
+            depths: vec![128, 4096],
+            group: 8,
+            head_dim: 64,
+            kv_heads: 8,
+            repetitions: 5,
+            min_run_time: Duration::from_millis(30),
+        }
+    }
+
+    /// A shape small enough for tests.
+    pub fn quick() -> Self {
+        Self {
+            depths: vec![5, 100],
+            group: 8,
+            head_dim: 64,
+            kv_heads: 2,
+            repetitions: 2,
+            min_run_time: Duration::from_micros(200),
+        }
+    }
+}
+
+/// One context depth: nanoseconds per (query head, key), best and median of the runs.
+#[derive(Clone, Debug)]
+pub struct AttentionBenchRow {
+    pub keys: usize,
+    pub tiled_best_ns: f64,
+    pub tiled_median_ns: f64,
+    /// The per-key loop the forward pass used before this kernel: per key and head one
+    /// `dot_f16`, a scalar online-softmax step and one `axpy_f16`.
+    pub per_key_best_ns: f64,
+    pub per_key_median_ns: f64,
+}
+
+/// All depths of one run (f16 cache, one thread).
+#[derive(Clone, Debug)]
+pub struct AttentionBenchReport {
+    pub path: KernelPath,
+    pub group: usize,
+    pub head_dim: usize,
+    pub rows: Vec<AttentionBenchRow>,
+}
+
+impl fmt::Display for AttentionBenchReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "attention, kernel path {}, {} query heads per KV head, head_dim {}, f16 cache, one \
+             thread; ns per (query head, key)",
+            self.path, self.group, self.head_dim
+        )?;
+        writeln!(
+            f,
+            "{:>6} {:>11} {:>11} {:>13} {:>13} {:>8}",
+            "keys", "tiled best", "tiled med", "per-key best", "per-key med", "speedup"
+        )?;
+        for r in &self.rows {
+            writeln!(
+                f,
+                "{:>6} {:>11.2} {:>11.2} {:>13.2} {:>13.2} {:>7.1}x",
+                r.keys,
+                r.tiled_best_ns,
+                r.tiled_median_ns,
+                r.per_key_best_ns,
+                r.per_key_median_ns,
+                r.per_key_best_ns / r.tiled_best_ns
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// [`bench_attention_with`] on the standard gpt-oss-20b shape.
+pub fn bench_attention(k: Kernels) -> Result<AttentionBenchReport, AttentionError> {
+    bench_attention_with(k, &AttentionBenchConfig::standard())
+}
+
+/// Time [`attend_group`] against the per-key loop on random data (an f16 cache of the deepest
+/// depth, all KV heads of one token per run), after checking that both give the same result.
+pub fn bench_attention_with(
+    k: Kernels,
+    config: &AttentionBenchConfig,
+) -> Result<AttentionBenchReport, AttentionError> {
+    let (group, d, kv_heads) = (config.group, config.head_dim, config.kv_heads.max(1));
+    let row_stride = kv_heads * d;
+    let depth = config.depths.iter().copied().max().unwrap_or(1).max(1);
+    let mut rng = ChaCha8Rng::seed_from_u64(0xa77e);
+    let mut random = |n: usize, spread: f32| -> Vec<f32> {
+        (0..n).map(|_| rng.gen_range(-spread..spread)).collect()
+    };
+    let keys: Vec<f16> = random(depth * row_stride, 1.0)
+        .into_iter()
+        .map(f16::from_f32)
+        .collect();
+    let values: Vec<f16> = random(depth * row_stride, 1.0)
+        .into_iter()
+        .map(f16::from_f32)
+        .collect();
+    let queries = random(kv_heads * group * d, 1.0);
+    let sinks = random(kv_heads * group, 2.0);
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut scratch = AttentionScratch::new(group, d);
+    let mut tiled_out = vec![0.0f32; kv_heads * group * d];
+    let mut per_key_out = vec![0.0f32; kv_heads * group * d];
+    let mut per_key_state = vec![(0.0f32, 0.0f32); group];
+
+    let mut rows = Vec::with_capacity(config.depths.len());
+    for &keys_visible in &config.depths {
+        let positions = depth - keys_visible.min(depth)..depth;
+        let mut tiled = || -> Result<(), AttentionError> {
+            for h in 0..kv_heads {
+                let query = GroupQuery {
+                    queries: &queries[h * group * d..(h + 1) * group * d],
+                    sinks: &sinks[h * group..(h + 1) * group],
+                    head_dim: d,
+                    scale,
+                };
+                let kv = KvHead {
+                    keys: &keys,
+                    values: &values,
+                    row_stride,
+                    offset: h * d,
+                };
+                let out = &mut tiled_out[h * group * d..(h + 1) * group * d];
+                attend_group(k, &query, &kv, positions.clone(), out, &mut scratch)?;
+            }
+            Ok(())
+        };
+        tiled()?;
+        let (tiled_best, tiled_median) =
+            time_runs(config.repetitions, config.min_run_time, &mut tiled)?;
+
+        let mut per_key = || -> Result<(), AttentionError> {
+            for h in 0..kv_heads {
+                let q = &queries[h * group * d..(h + 1) * group * d];
+                let out = &mut per_key_out[h * group * d..(h + 1) * group * d];
+                out.fill(0.0);
+                for (g, state) in per_key_state.iter_mut().enumerate() {
+                    *state = (sinks[h * group + g], 0.0);
+                }
+                for j in positions.clone() {
+                    let at = j * row_stride + h * d;
+                    let (key, value) = (&keys[at..at + d], &values[at..at + d]);
+                    for (g, (max, sum)) in per_key_state.iter_mut().enumerate() {
+                        let logit = k.dot_f16(&q[g * d..(g + 1) * d], key)? * scale;
+                        let acc = &mut out[g * d..(g + 1) * d];
+                        if logit > *max {
+                            let rescale = (*max - logit).exp();
+                            *sum *= rescale;
+                            acc.iter_mut().for_each(|o| *o *= rescale);
+                            *max = logit;
+                        }
+                        let weight = (logit - *max).exp();
+                        *sum += weight;
+                        k.axpy_f16(weight, value, acc)?;
+                    }
+                }
+                for (g, (max, sum)) in per_key_state.iter().enumerate() {
+                    let denominator = sum + (sinks[h * group + g] - max).exp();
+                    out[g * d..(g + 1) * d]
+                        .iter_mut()
+                        .for_each(|o| *o /= denominator);
+                }
+            }
+            Ok(())
+        };
+        per_key()?;
+        let (per_key_best, per_key_median) =
+            time_runs(config.repetitions, config.min_run_time, &mut per_key)?;
+
+        let difference = tiled_out
+            .iter()
+            .zip(&per_key_out)
+            .map(|(a, b)| (a - b).abs() / b.abs().max(1e-3))
+            .fold(0.0f32, f32::max);
+        if difference.is_nan() || difference > 1e-3 {
+            return Err(AttentionError::BenchMismatch {
+                keys: keys_visible,
+                difference,
+            });
+        }
+        let per_pair = 1e9 / (kv_heads * group * positions.len().max(1)) as f64;
+        rows.push(AttentionBenchRow {
+            keys: positions.len(),
+            tiled_best_ns: tiled_best * per_pair,
+            tiled_median_ns: tiled_median * per_pair,
+            per_key_best_ns: per_key_best * per_pair,
+            per_key_median_ns: per_key_median * per_pair,
+        });
+    }
+    Ok(AttentionBenchReport {
+        path: k.path(),
+        group,
+        head_dim: d,
+        rows,
+    })
+}
+
+/// Seconds per call of `run`: best and median of `repetitions` runs, each repeated to
+/// `min_run_time`.
+fn time_runs(
+    repetitions: usize,
+    min_run_time: Duration,
+    mut run: impl FnMut() -> Result<(), AttentionError>,
+) -> Result<(f64, f64), AttentionError> {
+    let start = Instant::now();
+    run()?;
+    let once = start.elapsed().max(Duration::from_nanos(100));
+    let calls = (min_run_time.as_secs_f64() / once.as_secs_f64())
+        .ceil()
+        .max(1.0) as usize;
+    let mut samples = Vec::with_capacity(repetitions.max(1));
+    for _ in 0..repetitions.max(1) {
+        let start = Instant::now();
+        for _ in 0..calls {
+            run()?;
+        }
+        samples.push(start.elapsed().as_secs_f64() / calls as f64);
+    }
+    samples.sort_by(f64::total_cmp);
+    Ok((samples[0], samples[samples.len() / 2]))
+}
