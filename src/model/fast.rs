@@ -19,6 +19,7 @@ use super::forward::{rms_norm_rows, route_token};
 use super::rope::apply_rope;
 use super::weights::{bf16_to_f32, Bf16Matrix, Layer, Mxfp4Experts, Weights};
 use super::ModelError;
+use crate::kernels::attention::{attend_group, AttentionScratch, GroupQuery, KvElem, KvHead};
 use crate::kernels::{
     self, quantize_activation_rows, GemmScratch, Kernels, Mxfp4Matrix, Q4Matrix, Q8Activations,
     Q8Matrix,
@@ -269,32 +270,19 @@ impl KvStore {
     }
 }
 
-/// A row of the cache the attention kernels can read.
+/// An element type of the cache that rows of f32 can be stored into.
 trait KvElement: Copy + Send + Sync {
-    fn dot(k: Kernels, query: &[f32], key: &[Self]) -> f32;
-    fn axpy(k: Kernels, weight: f32, value: &[Self], out: &mut [f32]);
     fn store(k: Kernels, src: &[f32], dst: &mut [Self]);
 }
 
 impl KvElement for f16 {
-    fn dot(k: Kernels, query: &[f32], key: &[f16]) -> f32 {
-        k.dot_f16(query, key).unwrap_or(0.0)
-    }
-    fn axpy(k: Kernels, weight: f32, value: &[f16], out: &mut [f32]) {
-        let _ = k.axpy_f16(weight, value, out);
-    }
     fn store(k: Kernels, src: &[f32], dst: &mut [f16]) {
-        let _ = k.f32_to_f16(src, dst);
+        k.f32_to_f16(src, dst)
+            .expect("cache rows match the projection width");
     }
 }
 
 impl KvElement for f32 {
-    fn dot(k: Kernels, query: &[f32], key: &[f32]) -> f32 {
-        k.dot(query, key).unwrap_or(0.0)
-    }
-    fn axpy(k: Kernels, weight: f32, value: &[f32], out: &mut [f32]) {
-        let _ = k.axpy(weight, value, out);
-    }
     fn store(_: Kernels, src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src);
     }
@@ -445,6 +433,9 @@ struct RowTask {
 }
 
 thread_local! {
+    /// Each pool thread's attention tiles, with the (heads, head_dim) they were sized for.
+    static ATTENTION_SCRATCH: RefCell<((usize, usize), AttentionScratch)> =
+        RefCell::new(((0, 0), AttentionScratch::new(0, 0)));
     /// Each pool thread's GEMM tile, with the widest row it was sized for; grown on first use.
     static GEMM_SCRATCH: RefCell<(usize, GemmScratch)> = RefCell::new((0, GemmScratch::new(0)));
 }
@@ -794,7 +785,7 @@ impl FastPass<'_> {
 
     /// Stores the chunk's keys and values, then attends: one task per (token, KV head) walks the
     /// visible keys once for all query heads of its group, so each cached row is read once.
-    fn attend<T: KvElement>(
+    fn attend<T: KvElement + KvElem>(
         &self,
         layer: &Layer,
         start: usize,
@@ -827,6 +818,12 @@ impl FastPass<'_> {
         let scale = 1.0 / (hd as f32).sqrt();
         let sinks = &layer.attention.sinks;
         let q = &s.q[..n * qw];
+        let cache = KvHead {
+            keys,
+            values,
+            row_stride: kvw,
+            offset: 0,
+        };
         s.attn[..n * qw]
             .par_chunks_mut(group * hd)
             .enumerate()
@@ -834,41 +831,32 @@ impl FastPass<'_> {
                 let (i, kv_head) = (index / kv_heads, index % kv_heads);
                 let position = start + i;
                 let first_key = (position + 1).saturating_sub(window);
-                let queries =
-                    &q[i * qw + kv_head * group * hd..i * qw + (kv_head + 1) * group * hd];
-                let mut max = [0.0f32; MAX_GROUP];
-                let mut sum = [0.0f32; MAX_GROUP];
-                let mut logits = [0.0f32; MAX_GROUP];
-                for g in 0..group {
-                    max[g] = sinks[kv_head * group + g];
-                }
-                out.fill(0.0);
-                for j in first_key..=position {
-                    let at = j * kvw + kv_head * hd;
-                    let key = &keys[at..at + hd];
-                    let value = &values[at..at + hd];
-                    for g in 0..group {
-                        logits[g] = T::dot(k, &queries[g * hd..(g + 1) * hd], key) * scale;
+                let heads = kv_head * group..(kv_head + 1) * group;
+                let query = GroupQuery {
+                    queries: &q[i * qw + heads.start * hd..i * qw + heads.end * hd],
+                    sinks: &sinks[heads],
+                    head_dim: hd,
+                    scale,
+                };
+                let head = KvHead {
+                    offset: kv_head * hd,
+                    ..cache
+                };
+                ATTENTION_SCRATCH.with(|scratch| {
+                    let mut scratch = scratch.borrow_mut();
+                    if scratch.0 != (group, hd) {
+                        *scratch = ((group, hd), AttentionScratch::new(group, hd));
                     }
-                    for g in 0..group {
-                        let acc = &mut out[g * hd..(g + 1) * hd];
-                        if logits[g] > max[g] {
-                            let rescale = (max[g] - logits[g]).exp();
-                            sum[g] *= rescale;
-                            acc.iter_mut().for_each(|o| *o *= rescale);
-                            max[g] = logits[g];
-                        }
-                        let weight = (logits[g] - max[g]).exp();
-                        sum[g] += weight;
-                        T::axpy(k, weight, value, acc);
-                    }
-                }
-                for g in 0..group {
-                    let denominator = sum[g] + (sinks[kv_head * group + g] - max[g]).exp();
-                    out[g * hd..(g + 1) * hd]
-                        .iter_mut()
-                        .for_each(|o| *o /= denominator);
-                }
+                    attend_group(
+                        k,
+                        &query,
+                        &head,
+                        first_key..position + 1,
+                        out,
+                        &mut scratch.1,
+                    )
+                    .expect("attention shapes follow the model config");
+                });
             });
     }
 
@@ -1088,8 +1076,6 @@ fn dense_job<'j>(
     }
 }
 
-/// Most query heads per KV head the grouped attention keeps on the stack.
-pub const MAX_GROUP: usize = 64;
 const MAX_TOP_K: usize = 32;
 
 /// Quantizes the token rows of `x` (`cols` wide) for a quantized matrix: one int8 row per token, or for
