@@ -215,7 +215,7 @@ fn measure_once(
     progress: &mut Progress<'_>,
 ) -> anyhow::Result<Sample> {
     session.truncate(0);
-    let chunk = crate::model::forward::PREFILL_CHUNK;
+    let chunk = session.chunk_len();
     if plan.depth > 0 {
         let context = filler_tokens(plan.depth, vocab, salt);
         for (i, piece) in context.chunks(chunk).enumerate() {

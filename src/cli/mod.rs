@@ -72,8 +72,9 @@ pub struct ModelArgs {
     /// Element type of the KV cache.
     #[arg(long, value_name = "TYPE", default_value = "f16")]
     pub kv_cache: KvFormat,
-    /// Quantization of the experts' inputs: q8 (fastest) or q8x2 (two int8 passes, ~15 bits).
-    #[arg(long, value_name = "FORMAT", default_value = "q8x2")]
+    /// Int8 inputs of quantized products: q8 (one row, fastest), q8x2 (two rows, ~15 bits, every
+    /// product) or mixed (two rows where one loses most: attention, unembedding, experts' down).
+    #[arg(long, value_name = "FORMAT", default_value = "mixed")]
     pub activations: ActivationFormat,
 }
 

@@ -80,7 +80,12 @@ impl KvFormat {
     }
 }
 
-/// How the experts' inputs are quantized before they meet the MXFP4 weights.
+/// How the inputs of quantized products (int8 blocks of 32) are made.
+///
+/// A plain int8 row loses about 1.5% of the logit range per position on the fixtures, enough to
+/// flip near-tied top tokens. A split row adds a second int8 row holding what the first missed
+/// (about 15 bits in all) at twice the integer work for that product; decode, bound by reading
+/// weights, hardly notices, prefill does. Measured trade-offs are in README.
 #[derive(
     Debug,
     Clone,
@@ -94,23 +99,51 @@ impl KvFormat {
 )]
 #[serde(rename_all = "lowercase")]
 pub enum ActivationFormat {
-    /// One int8 row per token (blocks of 32, f32 scale): fastest prefill.
+    /// One int8 row for every product: fastest prefill.
     Q8,
-    /// Two int8 rows per token: the int8 row and the int8 quantization of what it missed, summed
-    /// after the product. About 15 bits of precision for twice the integer work, which decode
-    /// (bound by reading weights) barely notices; measured effect on the fixtures in README.
+    /// Split rows where int8 loses most: the experts' down input (the SwiGLU output, heavy-tailed),
+    /// attention projections and the unembedding; one row for the experts' gate_up input
+    /// (RMS-normed and smooth), the largest product.
     #[default]
+    Mixed,
+    /// Split rows for every product.
     Q8x2,
 }
 
-crate::choice::impl_choice!(ActivationFormat { Q8 => "q8", Q8x2 => "q8x2" });
+crate::choice::impl_choice!(ActivationFormat { Q8 => "q8", Mixed => "mixed", Q8x2 => "q8x2" });
 
-impl ActivationFormat {
+/// Which product an activation row feeds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Product {
+    /// Attention projections and the unembedding.
+    Dense,
+    ExpertGateUp,
+    ExpertDown,
+}
+
+/// One int8 row per token, or two.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    Single,
+    Double,
+}
+
+impl Split {
     /// Quantized rows per token.
     pub fn rows_per_token(self) -> usize {
         match self {
-            ActivationFormat::Q8 => 1,
-            ActivationFormat::Q8x2 => 2,
+            Split::Single => 1,
+            Split::Double => 2,
+        }
+    }
+}
+
+impl ActivationFormat {
+    pub fn split(self, product: Product) -> Split {
+        match (self, product) {
+            (ActivationFormat::Q8, _) => Split::Single,
+            (ActivationFormat::Mixed, Product::ExpertGateUp) => Split::Single,
+            (ActivationFormat::Mixed, _) | (ActivationFormat::Q8x2, _) => Split::Double,
         }
     }
 }
@@ -236,7 +269,7 @@ impl FastWeights {
 
 /// Tokens per prefill chunk in the fast path: enough that each of 32 experts sees dozens of
 /// tokens, so a decoded weight tile is reused many times.
-pub const FAST_PREFILL_CHUNK: usize = 256;
+pub const FAST_PREFILL_CHUNK: usize = 512;
 
 /// The KV cache of the fast path: keys of layer l at index 2l, values at 2l + 1, each
 /// [positions x kv_width].
@@ -586,6 +619,11 @@ pub struct FastPass<'a> {
 }
 
 impl FastPass<'_> {
+    /// How the inputs of `product` are quantized under the activation setting.
+    fn split(&self, product: Product) -> Split {
+        self.activations.split(product)
+    }
+
     /// Runs `tokens` at positions `start..`, leaving the last token's logits in `logits` (or every
     /// token's, appended to `all_logits`).
     pub fn forward_chunk(
@@ -671,11 +709,11 @@ impl FastPass<'_> {
             run_jobs(self.kernels, &[job], &mut s.tasks, &mut s.blocked, out);
             return;
         }
-        let per_token = self.activations.rows_per_token();
+        let per_token = self.split(Product::Dense).rows_per_token();
         quantize_rows(
             &s.normed[..n * h],
             h,
-            self.activations,
+            self.split(Product::Dense),
             &mut s.normed_q,
             &mut s.split_first,
             &mut s.split_staging,
@@ -709,7 +747,7 @@ impl FastPass<'_> {
             quantize_rows(
                 &s.normed[..n * h],
                 h,
-                self.activations,
+                self.split(Product::Dense),
                 &mut s.normed_q,
                 &mut s.split_first,
                 &mut s.split_staging,
@@ -719,7 +757,7 @@ impl FastPass<'_> {
         // ([rows x qw] then [rows x kvw] twice, rows = tokens x quantized rows per token).
         let per = |m: &DenseMatrix| {
             if m.needs_quantized_input() {
-                self.activations.rows_per_token()
+                self.split(Product::Dense).rows_per_token()
             } else {
                 1
             }
@@ -766,7 +804,7 @@ impl FastPass<'_> {
             quantize_rows(
                 &s.attn[..n * qw],
                 qw,
-                self.activations,
+                self.split(Product::Dense),
                 &mut s.attn_q,
                 &mut s.split_first,
                 &mut s.split_staging,
@@ -890,7 +928,7 @@ impl FastPass<'_> {
         quantize_rows(
             &s.normed[..n * h],
             h,
-            self.activations,
+            self.split(Product::ExpertGateUp),
             &mut s.expert_in_q,
             &mut s.split_first,
             &mut s.split_staging,
@@ -920,7 +958,8 @@ impl FastPass<'_> {
             }
         }
         let chosen = &chosen[..count];
-        let per_token = self.activations.rows_per_token();
+        let per_token = self.split(Product::ExpertGateUp).rows_per_token();
+        let per_down = self.split(Product::ExpertDown).rows_per_token();
         // A fixed array (slots past `count` repeat the first expert and are never run): no
         // allocation per token.
         let expert_in = &s.expert_in_q;
@@ -950,7 +989,7 @@ impl FastPass<'_> {
             quantize_rows(
                 activated,
                 inter,
-                self.activations,
+                self.split(Product::ExpertDown),
                 &mut s.activated_q[slot],
                 &mut s.split_first,
                 &mut s.split_staging,
@@ -963,8 +1002,8 @@ impl FastPass<'_> {
                 weights: JobWeights::Expert(expert_matrix(&layer.down, chosen[slot].0)),
                 quantized: Some(&activated_q[slot]),
                 plain: &[],
-                tokens: per_token,
-                out_offset: slot * per_token * h,
+                tokens: per_down,
+                out_offset: slot * per_down * h,
             }
         });
         run_jobs(
@@ -972,9 +1011,9 @@ impl FastPass<'_> {
             &jobs[..count],
             &mut s.tasks,
             &mut s.blocked,
-            &mut s.expert_out[..count * per_token * h],
+            &mut s.expert_out[..count * per_down * h],
         );
-        fold_rows(&mut s.expert_out, count, per_token, h);
+        fold_rows(&mut s.expert_out, count, per_down, h);
         for (slot, &(expert, weight)) in chosen.iter().enumerate() {
             let bias = layer.down.bias(expert);
             let out = &s.expert_out[slot * h..(slot + 1) * h];
@@ -989,7 +1028,8 @@ impl FastPass<'_> {
     fn prefill_expert(&self, layer: &Layer, expert: usize, s: &mut FastScratch) {
         let c = self.config;
         let (h, inter) = (c.hidden_size, c.intermediate_size);
-        let per_token = self.activations.rows_per_token();
+        let per_token = self.split(Product::ExpertGateUp).rows_per_token();
+        let per_down = self.split(Product::ExpertDown).rows_per_token();
         let m = s.routes[expert].len();
         s.route_rows.clear();
         for &(i, _) in &s.routes[expert] {
@@ -1025,7 +1065,7 @@ impl FastPass<'_> {
         quantize_rows(
             &s.activated[..m * inter],
             inter,
-            self.activations,
+            self.split(Product::ExpertDown),
             &mut s.activated_q[0],
             &mut s.split_first,
             &mut s.split_staging,
@@ -1034,7 +1074,7 @@ impl FastPass<'_> {
             weights: JobWeights::Expert(expert_matrix(&layer.down, expert)),
             quantized: Some(&s.activated_q[0]),
             plain: &[],
-            tokens: per_token * m,
+            tokens: per_down * m,
             out_offset: 0,
         };
         run_jobs(
@@ -1042,9 +1082,9 @@ impl FastPass<'_> {
             &[job],
             &mut s.tasks,
             &mut s.blocked,
-            &mut s.expert_out[..per_token * m * h],
+            &mut s.expert_out[..per_down * m * h],
         );
-        fold_rows(&mut s.expert_out, m, per_token, h);
+        fold_rows(&mut s.expert_out, m, per_down, h);
         let bias = layer.down.bias(expert);
         for (t, &(i, weight)) in s.routes[expert].iter().enumerate() {
             let out = &s.expert_out[t * h..(t + 1) * h];
@@ -1078,18 +1118,18 @@ fn dense_job<'j>(
 
 const MAX_TOP_K: usize = 32;
 
-/// Quantizes the token rows of `x` (`cols` wide) for a quantized matrix: one int8 row per token, or for
-/// [`ActivationFormat::Q8x2`] two, the second quantizing what the first missed.
+/// Quantizes the token rows of `x` (`cols` wide) for a quantized matrix: one int8 row per token, or
+/// for [`Split::Double`] two, the second quantizing what the first missed.
 fn quantize_rows(
     x: &[f32],
     cols: usize,
-    format: ActivationFormat,
+    split: Split,
     out: &mut Q8Activations,
     first: &mut Q8Activations,
     staging: &mut [f32],
 ) {
     let widths = "quantized inputs are a multiple of 32 wide";
-    if format == ActivationFormat::Q8 {
+    if split == Split::Single {
         quantize_activation_rows(x, cols, out).expect(widths);
         return;
     }
