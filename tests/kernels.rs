@@ -688,3 +688,45 @@ fn kernel_bench_reports_every_kernel_with_positive_rates() {
     );
     assert!(report.to_string().contains("mxfp4_gemm"));
 }
+
+#[test]
+fn split_rows_hold_exactly_what_int8_missed() {
+    let mut rng = rng(41);
+    for cols in [32usize, 96, 2880] {
+        let rows = 3;
+        let x = random_f32(&mut rng, rows * cols, 4.0);
+        let mut staged = vec![f32::NAN; 2 * rows * cols];
+        ossterm::kernels::split_rows(&x, cols, &mut staged).unwrap();
+        let mut first = Q8Activations::new();
+        quantize_activation_rows(&x, cols, &mut first).unwrap();
+        let mut dequantized = vec![0.0; cols];
+        for r in 0..rows {
+            first.dequantize_row(r, &mut dequantized).unwrap();
+            let exact = &staged[2 * r * cols..(2 * r + 1) * cols];
+            let missed = &staged[(2 * r + 1) * cols..(2 * r + 2) * cols];
+            assert_eq!(exact, &x[r * cols..(r + 1) * cols]);
+            for k in 0..cols {
+                assert_eq!(
+                    missed[k],
+                    x[r * cols + k] - dequantized[k],
+                    "cols {cols} row {r} element {k}"
+                );
+            }
+        }
+        // Two int8 rows carry the value to within the second row's rounding.
+        let mut both = Q8Activations::new();
+        quantize_activation_rows(&staged, cols, &mut both).unwrap();
+        let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
+        both.dequantize_row(0, &mut a).unwrap();
+        both.dequantize_row(1, &mut b).unwrap();
+        let amax = x[..cols].iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        for k in 0..cols {
+            assert!(
+                (a[k] + b[k] - x[k]).abs() <= amax / 127.0 / 254.0 * 1.01,
+                "element {k}"
+            );
+        }
+    }
+    let mut small = vec![0.0; 10];
+    assert!(ossterm::kernels::split_rows(&[0.0; 32], 32, &mut small).is_err());
+}

@@ -338,6 +338,20 @@ pub fn quantize_activation_rows(
     }
     let rows = x.len() / cols;
     out.resize(rows, cols);
+    #[cfg(target_arch = "x86_64")]
+    if super::kernel_path() == super::KernelPath::Avx512 {
+        // SAFETY: the process-wide path is Avx512 only after its CPU features were detected.
+        unsafe { quantize_rows_avx512(x, cols, rows, out) };
+        return Ok(());
+    }
+    quantize_rows_portable(x, cols, rows, out);
+    Ok(())
+}
+
+/// The quantization loop, compiled twice: for baseline x86-64 and, through the wrapper below,
+/// with AVX-512 enabled so the compiler vectorizes it. Same IEEE operations, so the same bits.
+#[inline(always)]
+fn quantize_rows_body(x: &[f32], cols: usize, rows: usize, out: &mut Q8Activations) {
     let groups = out.groups;
     let (quant_stride, lane_stride) = (groups * GROUP_LEN, groups * GROUP_LANES);
     for row in 0..rows {
@@ -374,6 +388,51 @@ pub fn quantize_activation_rows(
             corrections[lanes + CORRECTION_LANE_MXFP4] = -MXFP4_OFFSET * sum;
             corrections[lanes + CORRECTION_LANE_Q4] = -Q4_OFFSET * sum;
             corrections[lanes + CORRECTION_LANE_Q8] = -Q8_OFFSET * sum;
+        }
+    }
+}
+
+fn quantize_rows_portable(x: &[f32], cols: usize, rows: usize, out: &mut Q8Activations) {
+    quantize_rows_body(x, cols, rows, out)
+}
+
+/// # Safety
+/// The CPU has AVX-512 F and BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn quantize_rows_avx512(x: &[f32], cols: usize, rows: usize, out: &mut Q8Activations) {
+    quantize_rows_body(x, cols, rows, out)
+}
+
+/// The f32 rows of a split quantization: each row of `x` followed by what its int8 quantization
+/// misses (`x - scale * q`, rounded exactly as [`quantize_activation_rows`] rounds). Quantizing
+/// `out` then gives each token two int8 rows whose products sum to about 15 bits of precision.
+pub fn split_rows(x: &[f32], cols: usize, out: &mut [f32]) -> Result<(), KernelError> {
+    check_block_cols("activation row", cols)?;
+    if !x.len().is_multiple_of(cols) || out.len() < 2 * x.len() {
+        return Err(KernelError::Length {
+            what: format!("split rows (two rows of {cols} for each input row)"),
+            expected: 2 * x.len().div_ceil(cols) * cols,
+            got: out.len(),
+        });
+    }
+    for (row, pair) in x.chunks_exact(cols).zip(out.chunks_exact_mut(2 * cols)) {
+        let (exact, missed) = pair.split_at_mut(cols);
+        exact.copy_from_slice(row);
+        for (values, rest) in row
+            .chunks_exact(BLOCK_LEN)
+            .zip(missed.chunks_exact_mut(BLOCK_LEN))
+        {
+            let amax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let (scale, inverse) = if amax > 0.0 {
+                (amax / 127.0, 127.0 / amax)
+            } else {
+                (0.0, 0.0)
+            };
+            for (r, &v) in rest.iter_mut().zip(values) {
+                let q = (v * inverse).round_even_fast().clamp(-127.0, 127.0);
+                *r = v - q * scale;
+            }
         }
     }
     Ok(())
@@ -681,6 +740,40 @@ impl Q4Matrix {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn vectorized_quantization_gives_the_same_bits() {
+        #[cfg(target_arch = "x86_64")]
+        if super::super::KernelPath::Avx512.is_supported() {
+            let mut state = 7u64;
+            for cols in [32usize, 160, 2880] {
+                let rows = 5;
+                let x: Vec<f32> = (0..rows * cols)
+                    .map(|i| {
+                        state = state
+                            .wrapping_mul(6364136223846793005)
+                            .wrapping_add(1442695040888963407);
+                        // Some exact ties at .5 steps, some zero blocks, mostly random values.
+                        match i % 97 {
+                            0 => 0.0,
+                            1 => 63.5,
+                            _ => ((state >> 33) as f32 / (1u64 << 31) as f32 - 0.5) * 8.0,
+                        }
+                    })
+                    .collect();
+                let (mut portable, mut simd) = (Q8Activations::new(), Q8Activations::new());
+                portable.resize(rows, cols);
+                simd.resize(rows, cols);
+                quantize_rows_portable(&x, cols, rows, &mut portable);
+                // SAFETY: AVX-512 support was checked above.
+                unsafe { quantize_rows_avx512(&x, cols, rows, &mut simd) };
+                assert_eq!(&portable.quants[..], &simd.quants[..], "cols {cols}");
+                assert_eq!(&portable.scale_lanes[..], &simd.scale_lanes[..]);
+                assert_eq!(&portable.sum_lanes[..], &simd.sum_lanes[..]);
+                assert_eq!(&portable.corrections[..], &simd.corrections[..]);
+            }
+        }
+    }
 
     #[test]
     fn interleaved_position_is_a_permutation_of_each_group() {

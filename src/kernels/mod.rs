@@ -60,7 +60,7 @@ use std::sync::OnceLock;
 use half::f16;
 
 pub use formats::{
-    e8m0_scale, quantize_activation_rows, quantize_activations, Mxfp4Matrix, Q4Matrix,
+    e8m0_scale, quantize_activation_rows, quantize_activations, split_rows, Mxfp4Matrix, Q4Matrix,
     Q8Activations, Q8Matrix, BLOCK_LEN, FP4_E2M1, GROUP_BLOCKS, GROUP_LEN,
 };
 

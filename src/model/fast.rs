@@ -340,8 +340,7 @@ pub struct FastScratch {
     gathered: Q8Activations,
     /// The experts' input: one or two quantized rows per token (see [`ActivationFormat`]).
     expert_in_q: Q8Activations,
-    /// First-pass quantization and the f32 rows of a split quantization.
-    split_first: Q8Activations,
+    /// The f32 rows of a split quantization.
     split_staging: Vec<f32>,
     /// The unembedding's output rows before folding split activations.
     logits_split: Vec<f32>,
@@ -397,7 +396,6 @@ impl FastScratch {
             route_rows: Vec::with_capacity(2 * n),
             gathered: Q8Activations::with_capacity(2 * n, h),
             expert_in_q: Q8Activations::with_capacity(2 * n, h),
-            split_first: Q8Activations::with_capacity(n, h.max(i).max(qw)),
             split_staging: vec![0.0; 2 * n * h.max(i).max(qw)],
             logits_split: vec![0.0; 2 * c.vocab_size],
             gate_up: vec![0.0; (expert_rows * 2 * i).max(2 * n * (qw + 2 * kv))],
@@ -715,7 +713,6 @@ impl FastPass<'_> {
             h,
             self.split(Product::Dense),
             &mut s.normed_q,
-            &mut s.split_first,
             &mut s.split_staging,
         );
         let rows = w.rows();
@@ -749,7 +746,6 @@ impl FastPass<'_> {
                 h,
                 self.split(Product::Dense),
                 &mut s.normed_q,
-                &mut s.split_first,
                 &mut s.split_staging,
             );
         }
@@ -806,7 +802,6 @@ impl FastPass<'_> {
                 qw,
                 self.split(Product::Dense),
                 &mut s.attn_q,
-                &mut s.split_first,
                 &mut s.split_staging,
             );
         }
@@ -930,7 +925,6 @@ impl FastPass<'_> {
             h,
             self.split(Product::ExpertGateUp),
             &mut s.expert_in_q,
-            &mut s.split_first,
             &mut s.split_staging,
         );
         s.moe_out[..n * h].fill(0.0);
@@ -991,7 +985,6 @@ impl FastPass<'_> {
                 inter,
                 self.split(Product::ExpertDown),
                 &mut s.activated_q[slot],
-                &mut s.split_first,
                 &mut s.split_staging,
             );
         }
@@ -1067,7 +1060,6 @@ impl FastPass<'_> {
             inter,
             self.split(Product::ExpertDown),
             &mut s.activated_q[0],
-            &mut s.split_first,
             &mut s.split_staging,
         );
         let job = Job {
@@ -1125,25 +1117,17 @@ fn quantize_rows(
     cols: usize,
     split: Split,
     out: &mut Q8Activations,
-    first: &mut Q8Activations,
     staging: &mut [f32],
 ) {
     let widths = "quantized inputs are a multiple of 32 wide";
-    if split == Split::Single {
-        quantize_activation_rows(x, cols, out).expect(widths);
-        return;
-    }
-    let rows = x.len() / cols;
-    quantize_activation_rows(x, cols, first).expect(widths);
-    for (r, row) in x.chunks_exact(cols).enumerate() {
-        let (exact, missed) = staging[2 * r * cols..(2 * r + 2) * cols].split_at_mut(cols);
-        exact.copy_from_slice(row);
-        first.dequantize_row(r, missed).expect(widths);
-        for (m, &v) in missed.iter_mut().zip(row) {
-            *m = v - *m;
+    match split {
+        Split::Single => quantize_activation_rows(x, cols, out).expect(widths),
+        Split::Double => {
+            let staged = &mut staging[..2 * x.len()];
+            kernels::split_rows(x, cols, staged).expect(widths);
+            quantize_activation_rows(staged, cols, out).expect(widths);
         }
     }
-    quantize_activation_rows(&staging[..2 * rows * cols], cols, out).expect(widths);
 }
 
 /// Sums each token's `per_token` consecutive output rows (`width` wide) into one, in place: row t
