@@ -15,9 +15,9 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::config::{LayerKind, ModelConfig, MXFP4_BLOCK};
-use super::forward::{rms_norm_rows, route_token};
+use super::forward::{embed_tokens, rms_norm_rows, route_token};
 use super::rope::apply_rope;
-use super::weights::{bf16_to_f32, Bf16Matrix, Layer, Mxfp4Experts, Weights};
+use super::weights::{Bf16Matrix, Layer, Mxfp4Experts, Weights};
 use super::ModelError;
 use crate::kernels::attention::{attend_group, AttentionScratch, GroupQuery, KvElem, KvHead};
 use crate::kernels::{
@@ -636,19 +636,8 @@ impl FastPass<'_> {
         let c = self.config;
         let n = tokens.len();
         let h = c.hidden_size;
-        for (row, &token) in s.x.chunks_exact_mut(h).zip(tokens) {
-            for (out, &bits) in row.iter_mut().zip(self.weights.embed.row(token as usize)) {
-                *out = bf16_to_f32(bits);
-            }
-        }
-        let half = c.head_dim / 2;
-        for i in 0..n {
-            self.rope.cos_sin(
-                start + i,
-                &mut s.cos[i * half..(i + 1) * half],
-                &mut s.sin[i * half..(i + 1) * half],
-            );
-        }
+        embed_tokens(self.weights, tokens, &mut s.x);
+        self.rope.cos_sin_rows(start, n, &mut s.cos, &mut s.sin);
         for (l, (layer, fast)) in self
             .weights
             .layers

@@ -290,19 +290,8 @@ fn exact_chunk(
         let n = tokens.len();
         let h = c.hidden_size;
 
-        for (row, &token) in s.x.chunks_exact_mut(h).zip(tokens) {
-            for (out, &bits) in row.iter_mut().zip(weights.embed.row(token as usize)) {
-                *out = bf16_to_f32(bits);
-            }
-        }
-        let half = c.head_dim / 2;
-        for i in 0..n {
-            model.rope.cos_sin(
-                start + i,
-                &mut s.cos[i * half..(i + 1) * half],
-                &mut s.sin[i * half..(i + 1) * half],
-            );
-        }
+        embed_tokens(weights, tokens, &mut s.x);
+        model.rope.cos_sin_rows(start, n, &mut s.cos, &mut s.sin);
 
         for (l, layer) in weights.layers.iter().enumerate() {
             rms_norm_rows(
@@ -351,6 +340,16 @@ fn exact_chunk(
                 transpose(&transposed, vocab, rows, &mut out[at..]);
                 logits.copy_from_slice(&out[out.len() - vocab..]);
             }
+        }
+    }
+}
+
+/// The embedding rows of `tokens`, widened to f32, into the first rows of `x`.
+pub(crate) fn embed_tokens(weights: &super::Weights, tokens: &[u32], x: &mut [f32]) {
+    let h = weights.embed.cols;
+    for (row, &token) in x.chunks_exact_mut(h).zip(tokens) {
+        for (out, &bits) in row.iter_mut().zip(weights.embed.row(token as usize)) {
+            *out = bf16_to_f32(bits);
         }
     }
 }

@@ -74,6 +74,21 @@ impl RopeTable {
     }
 }
 
+impl RopeTable {
+    /// cos and sin of positions `start..start + n`, one row of head_dim / 2 each.
+    pub fn cos_sin_rows(&self, start: usize, n: usize, cos: &mut [f32], sin: &mut [f32]) {
+        let half = self.inv_freq.len();
+        for (i, (c, s)) in cos
+            .chunks_exact_mut(half)
+            .zip(sin.chunks_exact_mut(half))
+            .take(n)
+            .enumerate()
+        {
+            self.cos_sin(start + i, c, s);
+        }
+    }
+}
+
 /// Rotates each head of `x` (heads x head_dim, half-split pairs (i, i + d/2)).
 pub fn apply_rope(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
     let half = head_dim / 2;
