@@ -338,28 +338,74 @@ pub fn quantize_activation_rows(
     }
     let rows = x.len() / cols;
     out.resize(rows, cols);
+    let (quant_stride, lane_stride) = (out.groups * GROUP_LEN, out.groups * GROUP_LANES);
+    let q = &mut *out;
+    if rows < PARALLEL_QUANTIZE_ROWS {
+        quantize_rows_dispatch(
+            x,
+            cols,
+            &mut q.quants,
+            &mut q.scale_lanes,
+            &mut q.sum_lanes,
+            &mut q.corrections,
+        );
+        return Ok(());
+    }
+    // A prefill chunk's rows are independent: spread them over the pool (the caller is on it).
+    let step = QUANTIZE_TASK_ROWS;
+    x.par_chunks(step * cols)
+        .zip(q.quants.par_chunks_mut(step * quant_stride))
+        .zip(q.scale_lanes.par_chunks_mut(step * lane_stride))
+        .zip(q.sum_lanes.par_chunks_mut(step * lane_stride))
+        .zip(q.corrections.par_chunks_mut(step * lane_stride))
+        .for_each(|((((x, quants), scales), sums), corrections)| {
+            quantize_rows_dispatch(x, cols, quants, scales, sums, corrections)
+        });
+    Ok(())
+}
+
+/// Rows from which quantization runs on the pool, and rows per task there.
+const PARALLEL_QUANTIZE_ROWS: usize = 16;
+const QUANTIZE_TASK_ROWS: usize = 8;
+
+/// Quantizes the rows of `x` into the given slices of a [`Q8Activations`] (whole rows each).
+fn quantize_rows_dispatch(
+    x: &[f32],
+    cols: usize,
+    quants: &mut [i8],
+    scales: &mut [f32],
+    sums: &mut [i32],
+    corrections: &mut [i32],
+) {
     #[cfg(target_arch = "x86_64")]
     if super::kernel_path() == super::KernelPath::Avx512 {
         // SAFETY: the process-wide path is Avx512 only after its CPU features were detected.
-        unsafe { quantize_rows_avx512(x, cols, rows, out) };
-        return Ok(());
+        unsafe { quantize_rows_avx512(x, cols, quants, scales, sums, corrections) };
+        return;
     }
-    quantize_rows_portable(x, cols, rows, out);
-    Ok(())
+    quantize_rows_portable(x, cols, quants, scales, sums, corrections);
 }
 
 /// The quantization loop, compiled twice: for baseline x86-64 and, through the wrapper below,
 /// with AVX-512 enabled so the compiler vectorizes it. Same IEEE operations, so the same bits.
 #[inline(always)]
-fn quantize_rows_body(x: &[f32], cols: usize, rows: usize, out: &mut Q8Activations) {
-    let groups = out.groups;
+fn quantize_rows_body(
+    x: &[f32],
+    cols: usize,
+    all_quants: &mut [i8],
+    all_scales: &mut [f32],
+    all_sums: &mut [i32],
+    all_corrections: &mut [i32],
+) {
+    let rows = x.len() / cols;
+    let groups = cols.div_ceil(GROUP_LEN);
     let (quant_stride, lane_stride) = (groups * GROUP_LEN, groups * GROUP_LANES);
     for row in 0..rows {
         let source = &x[row * cols..(row + 1) * cols];
-        let quants = &mut out.quants[row * quant_stride..(row + 1) * quant_stride];
-        let scales = &mut out.scale_lanes[row * lane_stride..(row + 1) * lane_stride];
-        let sums = &mut out.sum_lanes[row * lane_stride..(row + 1) * lane_stride];
-        let corrections = &mut out.corrections[row * lane_stride..(row + 1) * lane_stride];
+        let quants = &mut all_quants[row * quant_stride..(row + 1) * quant_stride];
+        let scales = &mut all_scales[row * lane_stride..(row + 1) * lane_stride];
+        let sums = &mut all_sums[row * lane_stride..(row + 1) * lane_stride];
+        let corrections = &mut all_corrections[row * lane_stride..(row + 1) * lane_stride];
         quants.fill(0);
         scales.fill(0.0);
         sums.fill(0);
@@ -392,16 +438,30 @@ fn quantize_rows_body(x: &[f32], cols: usize, rows: usize, out: &mut Q8Activatio
     }
 }
 
-fn quantize_rows_portable(x: &[f32], cols: usize, rows: usize, out: &mut Q8Activations) {
-    quantize_rows_body(x, cols, rows, out)
+fn quantize_rows_portable(
+    x: &[f32],
+    cols: usize,
+    quants: &mut [i8],
+    scales: &mut [f32],
+    sums: &mut [i32],
+    corrections: &mut [i32],
+) {
+    quantize_rows_body(x, cols, quants, scales, sums, corrections)
 }
 
 /// # Safety
 /// The CPU has AVX-512 F and BW.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn quantize_rows_avx512(x: &[f32], cols: usize, rows: usize, out: &mut Q8Activations) {
-    quantize_rows_body(x, cols, rows, out)
+unsafe fn quantize_rows_avx512(
+    x: &[f32],
+    cols: usize,
+    quants: &mut [i8],
+    scales: &mut [f32],
+    sums: &mut [i32],
+    corrections: &mut [i32],
+) {
+    quantize_rows_body(x, cols, quants, scales, sums, corrections)
 }
 
 /// The f32 rows of a split quantization: each row of `x` followed by what its int8 quantization
@@ -764,9 +824,27 @@ mod tests {
                 let (mut portable, mut simd) = (Q8Activations::new(), Q8Activations::new());
                 portable.resize(rows, cols);
                 simd.resize(rows, cols);
-                quantize_rows_portable(&x, cols, rows, &mut portable);
+                let p = &mut portable;
+                quantize_rows_portable(
+                    &x,
+                    cols,
+                    &mut p.quants,
+                    &mut p.scale_lanes,
+                    &mut p.sum_lanes,
+                    &mut p.corrections,
+                );
+                let v = &mut simd;
                 // SAFETY: AVX-512 support was checked above.
-                unsafe { quantize_rows_avx512(&x, cols, rows, &mut simd) };
+                unsafe {
+                    quantize_rows_avx512(
+                        &x,
+                        cols,
+                        &mut v.quants,
+                        &mut v.scale_lanes,
+                        &mut v.sum_lanes,
+                        &mut v.corrections,
+                    )
+                };
                 assert_eq!(&portable.quants[..], &simd.quants[..], "cols {cols}");
                 assert_eq!(&portable.scale_lanes[..], &simd.scale_lanes[..]);
                 assert_eq!(&portable.sum_lanes[..], &simd.sum_lanes[..]);
