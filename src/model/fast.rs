@@ -471,6 +471,31 @@ thread_local! {
     static GEMM_SCRATCH: RefCell<(usize, GemmScratch)> = RefCell::new((0, GemmScratch::new(0)));
 }
 
+/// Sizes every pool thread's GEMM and attention scratch for `config` now, so that no thread
+/// allocates the first time it happens to pick up such a task in the middle of a generation.
+pub fn prepare_thread_scratch(config: &ModelConfig) {
+    let widest = config
+        .hidden_size
+        .max(config.intermediate_size)
+        .max(config.q_width());
+    let group = config.num_attention_heads / config.num_key_value_heads;
+    let head_dim = config.head_dim;
+    rayon::broadcast(|_| {
+        GEMM_SCRATCH.with(|scratch| {
+            let mut guard = scratch.borrow_mut();
+            if guard.0 < widest {
+                *guard = (widest, GemmScratch::new(widest));
+            }
+        });
+        ATTENTION_SCRATCH.with(|scratch| {
+            let mut guard = scratch.borrow_mut();
+            if guard.0 != (group, head_dim) {
+                *guard = ((group, head_dim), AttentionScratch::new(group, head_dim));
+            }
+        });
+    });
+}
+
 /// A raw pointer that may cross to pool threads; every task writes a disjoint range through it.
 #[derive(Clone, Copy)]
 struct SharedOut(*mut f32);

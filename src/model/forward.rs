@@ -90,6 +90,7 @@ impl Session {
         let kv_format = kv;
         let kv = c.kv_width();
         if model.fast.is_some() {
+            super::fast::prepare_thread_scratch(c);
             let state = State::Fast {
                 cache: KvStore::new(kv_format, c.num_hidden_layers, context_limit * kv),
                 scratch: Box::new(FastScratch::new(c)),
