@@ -203,7 +203,7 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         let prefill_time = started.elapsed();
         let decode_start = Instant::now();
         while generated.len() < args.max_tokens {
-            let next = argmax(logits);
+            let next = crate::engine::sampler::argmax(logits).unwrap_or(0);
             generated.push(next);
             if args.stop.contains(&next) || generated.len() == args.max_tokens {
                 break;
@@ -223,17 +223,6 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     let mut stdout = std::io::stdout().lock();
     writeln!(stdout, "{}", line.join(","))?;
     Ok(())
-}
-
-/// Index of the largest logit; the first one on ties.
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 pub fn synth(args: SynthArgs) -> anyhow::Result<()> {

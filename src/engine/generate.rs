@@ -1,6 +1,7 @@
-//! The generation loop shared by `ossterm run` and the TUI's engine thread: reuse the cached
-//! prefix, prefill the rest of the prompt in chunks, then sample, parse and decode token by token,
-//! reporting every event through a callback. Nothing is allocated per token.
+//! The generation loop of `ossterm run` (and of the allocation test): reuse the cached prefix,
+//! prefill the rest of the prompt in chunks, then sample, parse and decode token by token,
+//! reporting every event through a callback. Nothing is allocated per token. The app's engine
+//! thread (`worker.rs`) still runs a loop of its own over the same steps.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -10,8 +11,7 @@ use crate::model::{ForwardError, Session};
 
 use super::sampler::{Sampler, SamplerError};
 
-/// Prompt tokens per prefill call: small enough that Ctrl-C and progress reports come quickly,
-/// large enough that the forward pass batches its matrix products (it chunks by 64 itself).
+/// Prompt tokens per prefill call for sessions that do not say how many they batch.
 pub const PREFILL_STEP: usize = 256;
 
 /// What the generation loop needs from a model: the KV-cached session of [`crate::model`]. A
@@ -27,6 +27,11 @@ pub trait InferenceSession {
     /// Rewinds the cache to its first `len` tokens.
     fn truncate(&mut self, len: usize);
     fn context_limit(&self) -> usize;
+    /// Tokens the forward pass multiplies at once. Prefill steps by this much, so each step is
+    /// one batched pass and Ctrl-C and progress are checked between them.
+    fn prefill_chunk(&self) -> usize {
+        PREFILL_STEP
+    }
 }
 
 impl InferenceSession for Session {
@@ -45,6 +50,9 @@ impl InferenceSession for Session {
     }
     fn context_limit(&self) -> usize {
         Session::context_limit(self)
+    }
+    fn prefill_chunk(&self) -> usize {
+        Session::chunk_len(self)
     }
 }
 
@@ -213,7 +221,7 @@ pub fn generate<S: InferenceSession>(
 
     let mut done = reused;
     let mut token = None;
-    for step in prompt[reused..].chunks(PREFILL_STEP) {
+    for step in prompt[reused..].chunks(session.prefill_chunk().max(1)) {
         if cancel.load(Ordering::Relaxed) {
             result.prefill_time = started.elapsed();
             return Ok(result);

@@ -139,14 +139,7 @@ const STATS_INTERVAL: Duration = Duration::from_millis(250);
 /// How long the idle loop waits for a command before it looks for a finished re-quantization.
 const IDLE_POLL: Duration = Duration::from_millis(50);
 
-/// Length of the longest common prefix of two id sequences.
-pub fn common_prefix_len(cached: &[u32], prompt: &[u32]) -> usize {
-    cached
-        .iter()
-        .zip(prompt)
-        .take_while(|(left, right)| left == right)
-        .count()
-}
+pub use super::generate::common_prefix_len;
 
 /// Rewinds `session` to the longest prefix it shares with `prompt` and returns how many tokens
 /// that keeps. At least one prompt token is always left to prefill, because the logits of the
