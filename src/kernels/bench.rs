@@ -298,49 +298,56 @@ pub fn run_kernel_bench(
             .map_err(|e| KernelError::ThreadPool(e.to_string()))?;
         let ranges = split_rows(config.rows, threads.max(1));
         for format in [Format::Mxfp4, Format::Q8, Format::Q4] {
-            // GEMV: one token against every expert matrix, each thread on its rows of each.
-            let mut x = Q8Activations::with_capacity(1, config.cols);
-            quantize_activation_rows(&activations[..config.cols], config.cols, &mut x)?;
-            let mut states = thread_states(&ranges, 1, config.cols);
-            let (best, median) = time_runs(config.repetitions, config.min_run_time, || {
-                pool.install(|| {
-                    states.par_iter_mut().try_for_each(|s| {
-                        for e in 0..config.experts {
-                            match format {
-                                Format::Mxfp4 => kernels.mxfp4_gemv(
-                                    &weights.mxfp4(e),
-                                    &x,
-                                    s.rows.clone(),
-                                    &mut s.out,
-                                )?,
-                                Format::Q8 => kernels.q8_gemv(
-                                    &weights.q8[e],
-                                    &x,
-                                    s.rows.clone(),
-                                    &mut s.out,
-                                )?,
-                                Format::Q4 => kernels.q4_gemv(
-                                    &weights.q4[e],
-                                    &x,
-                                    s.rows.clone(),
-                                    &mut s.out,
-                                )?,
+            // GEMV: one token (or a token and its split remainder, as decode with split
+            // activations runs) against every expert matrix, each thread on its rows of each.
+            for gemv_tokens in 1..=super::MAX_GEMV_TOKENS.min(max_tokens) {
+                let mut x = Q8Activations::with_capacity(gemv_tokens, config.cols);
+                quantize_activation_rows(
+                    &activations[..gemv_tokens * config.cols],
+                    config.cols,
+                    &mut x,
+                )?;
+                let mut states = thread_states(&ranges, gemv_tokens, config.cols);
+                let (best, median) = time_runs(config.repetitions, config.min_run_time, || {
+                    pool.install(|| {
+                        states.par_iter_mut().try_for_each(|s| {
+                            for e in 0..config.experts {
+                                match format {
+                                    Format::Mxfp4 => kernels.mxfp4_gemv(
+                                        &weights.mxfp4(e),
+                                        &x,
+                                        s.rows.clone(),
+                                        &mut s.out,
+                                    )?,
+                                    Format::Q8 => kernels.q8_gemv(
+                                        &weights.q8[e],
+                                        &x,
+                                        s.rows.clone(),
+                                        &mut s.out,
+                                    )?,
+                                    Format::Q4 => kernels.q4_gemv(
+                                        &weights.q4[e],
+                                        &x,
+                                        s.rows.clone(),
+                                        &mut s.out,
+                                    )?,
+                                }
                             }
-                        }
-                        Ok(())
+                            Ok(())
+                        })
                     })
-                })
-            })?;
-            let bytes = format.matrix_bytes(&weights) * config.experts;
-            results.push(result(
-                format!("{}_gemv", format.name()),
-                threads,
-                1,
-                bytes,
-                config,
-                best,
-                median,
-            ));
+                })?;
+                let bytes = format.matrix_bytes(&weights) * config.experts;
+                results.push(result(
+                    format!("{}_gemv", format.name()),
+                    threads,
+                    gemv_tokens,
+                    bytes,
+                    config,
+                    best,
+                    median,
+                ));
+            }
 
             // GEMM: M tokens against one matrix.
             for &tokens in &config.gemm_tokens {
@@ -370,7 +377,7 @@ pub fn run_kernel_bench(
                         })
                     })
                 })?;
-                let mut r = result(
+                results.push(result(
                     format!("{}_gemm", format.name()),
                     threads,
                     tokens,
@@ -378,10 +385,7 @@ pub fn run_kernel_bench(
                     config,
                     best,
                     median,
-                );
-                r.macs *= tokens;
-                r.best_gmac_per_s *= tokens as f64;
-                results.push(r);
+                ));
             }
         }
     }
@@ -419,12 +423,12 @@ fn result(
     best: f64,
     median: f64,
 ) -> KernelBenchResult {
-    let matrices = if tokens == 1 && kernel.ends_with("gemv") {
+    let matrices = if kernel.ends_with("gemv") {
         config.experts
     } else {
         1
     };
-    let macs = matrices * config.rows * config.cols;
+    let macs = matrices * config.rows * config.cols * tokens;
     KernelBenchResult {
         kernel,
         threads,
