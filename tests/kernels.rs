@@ -660,8 +660,9 @@ fn gathered_activation_rows_equal_quantizing_those_tokens() {
 fn kernel_bench_reports_every_kernel_with_positive_rates() {
     let config = ossterm::kernels::KernelBenchConfig::quick();
     let report = ossterm::kernels::run_kernel_bench(ossterm::kernels::kernels(), &config).unwrap();
-    // Per thread count and format: one GEMV plus one GEMM per token count.
-    let per_format = 1 + config.gemm_tokens.len();
+    // Per thread count and format: a GEMV of one and of two activation rows (decode's split
+    // rows; the quick config's largest token count is above two), plus one GEMM per token count.
+    let per_format = ossterm::kernels::MAX_GEMV_TOKENS + config.gemm_tokens.len();
     assert_eq!(
         report.results.len(),
         config.thread_counts.len() * 3 * per_format
@@ -680,12 +681,18 @@ fn kernel_bench_reports_every_kernel_with_positive_rates() {
             "{r:?}"
         );
     }
-    let gemv = &report.results[0];
-    assert_eq!(gemv.kernel, "mxfp4_gemv");
-    assert_eq!(
-        gemv.weight_bytes,
-        config.experts * config.rows * config.cols / 32 * 17
-    );
+    for (tokens, gemv) in report.results[..2].iter().enumerate() {
+        assert_eq!(gemv.kernel, "mxfp4_gemv");
+        assert_eq!(gemv.tokens, tokens + 1);
+        assert_eq!(
+            gemv.weight_bytes,
+            config.experts * config.rows * config.cols / 32 * 17
+        );
+        assert_eq!(
+            gemv.macs,
+            config.experts * config.rows * config.cols * (tokens + 1)
+        );
+    }
     assert!(report.to_string().contains("mxfp4_gemm"));
 }
 

@@ -12,11 +12,11 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use half::f16;
-use rayon::prelude::*;
 
 use super::config::{LayerKind, ModelConfig, MXFP4_BLOCK};
 use super::forward::{embed_tokens, rms_norm_rows, route_token};
 use super::rope::apply_rope;
+use super::team::{parallel_for, Team};
 use super::weights::{Bf16Matrix, Layer, Mxfp4Experts, Weights};
 use super::ModelError;
 use crate::kernels::attention::{attend_group, AttentionScratch, GroupQuery, KvElem, KvHead};
@@ -530,6 +530,7 @@ fn task_rows(total_rows: usize) -> usize {
 /// `out_offset`.
 fn run_jobs(
     k: Kernels,
+    team: Option<&Team>,
     jobs: &[Job<'_>],
     tasks: &mut Vec<RowTask>,
     blocked: &mut [f32],
@@ -577,7 +578,7 @@ fn run_jobs(
     if inline {
         tasks.iter().for_each(run);
     } else {
-        tasks.par_iter().for_each(run);
+        parallel_for(team, tasks.len(), &|i| run(&tasks[i]));
     }
     // Reorder the [tokens x task rows] blocks into each job's [tokens x rows] output.
     for task in tasks.iter() {
@@ -642,6 +643,8 @@ pub struct FastPass<'a> {
     pub rope: &'a super::rope::RopeTable,
     pub kernels: Kernels,
     pub activations: ActivationFormat,
+    /// Pool threads kept awake for this pass (decode), or `None` to use rayon.
+    pub team: Option<&'a Team>,
 }
 
 impl FastPass<'_> {
@@ -721,7 +724,14 @@ impl FastPass<'_> {
         let h = self.config.hidden_size;
         if !w.needs_quantized_input() {
             let job = dense_job(w, None, &s.normed[..n * h], n, 0);
-            run_jobs(self.kernels, &[job], &mut s.tasks, &mut s.blocked, out);
+            run_jobs(
+                self.kernels,
+                self.team,
+                &[job],
+                &mut s.tasks,
+                &mut s.blocked,
+                out,
+            );
             return;
         }
         let per_token = self.split(Product::Dense).rows_per_token();
@@ -735,7 +745,14 @@ impl FastPass<'_> {
         let rows = w.rows();
         let staged = &mut s.logits_split[..per_token * n * rows];
         let job = dense_job(w, Some(&s.normed_q), &[], per_token * n, 0);
-        run_jobs(self.kernels, &[job], &mut s.tasks, &mut s.blocked, staged);
+        run_jobs(
+            self.kernels,
+            self.team,
+            &[job],
+            &mut s.tasks,
+            &mut s.blocked,
+            staged,
+        );
         fold_rows(staged, n, per_token, rows);
         out[..n * rows].copy_from_slice(&staged[..n * rows]);
     }
@@ -786,7 +803,14 @@ impl FastPass<'_> {
                 dense_job(&fast.k, quantized, plain, pk * n, at_k),
                 dense_job(&fast.v, quantized, plain, pv * n, at_v),
             ];
-            run_jobs(self.kernels, &jobs, &mut s.tasks, &mut s.blocked, qkv_out);
+            run_jobs(
+                self.kernels,
+                self.team,
+                &jobs,
+                &mut s.tasks,
+                &mut s.blocked,
+                qkv_out,
+            );
         }
         fold_rows(&mut qkv_out[..at_k], n, pq, qw);
         fold_rows(&mut qkv_out[at_k..at_v], n, pk, kvw);
@@ -824,7 +848,14 @@ impl FastPass<'_> {
         }
         let job = dense_job(&fast.o, Some(&s.attn_q), &s.attn[..n * qw], po * n, 0);
         let staged = &mut s.expert_out[..po * n * h];
-        run_jobs(self.kernels, &[job], &mut s.tasks, &mut s.blocked, staged);
+        run_jobs(
+            self.kernels,
+            self.team,
+            &[job],
+            &mut s.tasks,
+            &mut s.blocked,
+            staged,
+        );
         fold_rows(staged, n, po, h);
         let o_out = &mut s.proj[..n * h];
         o_out.copy_from_slice(&staged[..n * h]);
@@ -870,7 +901,7 @@ impl FastPass<'_> {
         let q = &s.q[..n * qw];
         let out = SharedOut(s.attn.as_mut_ptr());
         assert!(s.attn.len() >= n * qw, "scratch sized for the chunk");
-        (0..n * kv_heads).into_par_iter().for_each(|index| {
+        parallel_for(self.team, n * kv_heads, &|index| {
             let (kv_head, i) = (index / n, index % n);
             let position = start + i;
             let first_key = (position + 1).saturating_sub(window);
@@ -922,6 +953,7 @@ impl FastPass<'_> {
         };
         run_jobs(
             self.kernels,
+            self.team,
             &[job],
             &mut s.tasks,
             &mut s.blocked,
@@ -985,6 +1017,7 @@ impl FastPass<'_> {
         });
         run_jobs(
             self.kernels,
+            self.team,
             &jobs[..count],
             &mut s.tasks,
             &mut s.blocked,
@@ -1017,6 +1050,7 @@ impl FastPass<'_> {
         });
         run_jobs(
             self.kernels,
+            self.team,
             &jobs[..count],
             &mut s.tasks,
             &mut s.blocked,
@@ -1056,6 +1090,7 @@ impl FastPass<'_> {
         };
         run_jobs(
             self.kernels,
+            self.team,
             &[job],
             &mut s.tasks,
             &mut s.blocked,
@@ -1087,6 +1122,7 @@ impl FastPass<'_> {
         };
         run_jobs(
             self.kernels,
+            self.team,
             &[job],
             &mut s.tasks,
             &mut s.blocked,

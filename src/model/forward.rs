@@ -13,6 +13,7 @@ use rayon::prelude::*;
 use super::config::{LayerKind, ModelConfig};
 use super::fast::{FastPass, FastScratch, KvStore, FAST_PREFILL_CHUNK};
 use super::rope::apply_rope;
+use super::team::{with_team, Team};
 use super::weights::{bf16_to_f32, e8m0_to_f32, Bf16Matrix, Layer, Linear, FP4_VALUES};
 use super::Model;
 
@@ -257,18 +258,30 @@ impl Session {
                 all_logits,
             ),
             State::Fast { cache, scratch } => {
-                let pass = FastPass {
-                    config: &model.config,
-                    weights: &model.weights,
-                    fast: model
-                        .fast
-                        .as_ref()
-                        .expect("a fast session has fast weights"),
-                    rope: &model.rope,
-                    kernels: model.kernels,
-                    activations: model.activations,
+                let logits = &mut self.logits;
+                let run = |team: Option<&Team>| {
+                    let pass = FastPass {
+                        config: &model.config,
+                        weights: &model.weights,
+                        fast: model
+                            .fast
+                            .as_ref()
+                            .expect("a fast session has fast weights"),
+                        rope: &model.rope,
+                        kernels: model.kernels,
+                        activations: model.activations,
+                        team,
+                    };
+                    pass.forward_chunk(tokens, start, scratch, cache, logits, all_logits)
                 };
-                pass.forward_chunk(tokens, start, scratch, cache, &mut self.logits, all_logits)
+                // A decode step is ~100 short parallel regions: the team keeps the pool awake
+                // through it (about 4% faster decode, measured token by token in one process).
+                // A prefill chunk's regions are long, and its activation quantization uses rayon.
+                if tokens.len() == 1 {
+                    with_team(run)
+                } else {
+                    run(None)
+                }
             }
         }
         self.tokens.extend_from_slice(tokens);

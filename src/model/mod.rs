@@ -6,6 +6,7 @@ pub mod fast;
 pub mod forward;
 pub mod rope;
 pub mod synthetic;
+pub mod team;
 pub mod weights;
 
 use std::path::{Path, PathBuf};
