@@ -115,8 +115,9 @@ impl Team {
         while let Some(i) = self.claim_task(region, End::Front) {
             self.run_claimed(i);
         }
+        let mut idle = Idle::default();
         while self.completed.load(Ordering::Acquire) < count {
-            std::hint::spin_loop();
+            idle.wait();
         }
         if self.panicked.load(Ordering::Relaxed) {
             panic!("a task of the forward pass panicked on a team thread");
@@ -160,12 +161,37 @@ impl Team {
     /// A helper's loop: claim and run tasks of whatever region is published, until the leader
     /// is done.
     fn help(&self) {
+        let mut idle = Idle::default();
         while !self.done.load(Ordering::Acquire) {
             let word = self.claim.load(Ordering::Acquire);
             match self.claim_task(region_of(word), End::Back) {
-                Some(i) => self.run_claimed(i),
-                None => std::hint::spin_loop(),
+                Some(i) => {
+                    self.run_claimed(i);
+                    idle = Idle::default();
+                }
+                None => idle.wait(),
             }
+        }
+    }
+}
+
+/// Waiting without work: spin for the few microseconds between regions, then yield the core on
+/// every further check, so that with more threads than cores (`--threads` above the core count)
+/// a spinning member does not hold a core its leader or a preempted member needs.
+#[derive(Default)]
+struct Idle {
+    spins: u32,
+}
+
+impl Idle {
+    const SPINS_BEFORE_YIELDING: u32 = 1 << 12;
+
+    fn wait(&mut self) {
+        if self.spins < Self::SPINS_BEFORE_YIELDING {
+            self.spins += 1;
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
         }
     }
 }
