@@ -9,7 +9,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::aligned::AlignedVec;
-use super::KernelError;
+use super::{KernelError, KernelPath, Kernels};
 
 /// Elements per quantization block (one scale each).
 pub const BLOCK_LEN: usize = 32;
@@ -142,12 +142,14 @@ trait RoundEvenFast {
     fn round_even_fast(self) -> f32;
 }
 
+/// 1.5 x 2^23: adding it leaves no fraction bits for values below 2^22 in magnitude.
+const ROUND_MAGIC: f32 = 12_582_912.0;
+
 impl RoundEvenFast for f32 {
     #[inline(always)]
     fn round_even_fast(self) -> f32 {
-        const MAGIC: f32 = 12_582_912.0;
         if self.abs() < 4_194_304.0 {
-            (self + MAGIC) - MAGIC
+            (self + ROUND_MAGIC) - ROUND_MAGIC
         } else {
             self
         }
@@ -321,8 +323,9 @@ pub fn quantize_activations(x: &[f32], out: &mut Q8Activations) -> Result<(), Ke
 
 /// Quantize `x.len() / cols` tokens of `cols` elements each into `out`, reusing its buffers.
 ///
-/// One implementation serves every kernel path, so all paths see identical int8 values: scale
-/// `d = max|x| / 127`, `q = round_half_even(x * (127 / max|x|))`.
+/// Scale `d = max|x| / 127`, `q = round_half_even(x * (127 / max|x|))`, on the process-wide kernel
+/// path; every path writes the same bits (decode and prefill results, and the paths' products,
+/// are compared closely).
 pub fn quantize_activation_rows(
     x: &[f32],
     cols: usize,
@@ -340,8 +343,10 @@ pub fn quantize_activation_rows(
     out.resize(rows, cols);
     let (quant_stride, lane_stride) = (out.groups * GROUP_LEN, out.groups * GROUP_LANES);
     let q = &mut *out;
+    let kernels = super::kernels();
     if rows < PARALLEL_QUANTIZE_ROWS {
-        quantize_rows_dispatch(
+        quantize_rows_with(
+            kernels,
             x,
             cols,
             &mut q.quants,
@@ -359,7 +364,7 @@ pub fn quantize_activation_rows(
         .zip(q.sum_lanes.par_chunks_mut(step * lane_stride))
         .zip(q.corrections.par_chunks_mut(step * lane_stride))
         .for_each(|((((x, quants), scales), sums), corrections)| {
-            quantize_rows_dispatch(x, cols, quants, scales, sums, corrections)
+            quantize_rows_with(kernels, x, cols, quants, scales, sums, corrections)
         });
     Ok(())
 }
@@ -368,8 +373,10 @@ pub fn quantize_activation_rows(
 const PARALLEL_QUANTIZE_ROWS: usize = 16;
 const QUANTIZE_TASK_ROWS: usize = 8;
 
-/// Quantizes the rows of `x` into the given slices of a [`Q8Activations`] (whole rows each).
-fn quantize_rows_dispatch(
+/// Quantizes the rows of `x` into the given slices of a [`Q8Activations`] (whole rows each) on the
+/// path of `kernels`. Every path gives the bits of [`quantize_rows_portable`].
+fn quantize_rows_with(
+    kernels: Kernels,
     x: &[f32],
     cols: usize,
     quants: &mut [i8],
@@ -377,19 +384,24 @@ fn quantize_rows_dispatch(
     sums: &mut [i32],
     corrections: &mut [i32],
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if super::kernel_path() == super::KernelPath::Avx512 {
-        // SAFETY: the process-wide path is Avx512 only after its CPU features were detected.
-        unsafe { quantize_rows_avx512(x, cols, quants, scales, sums, corrections) };
-        return;
+    match kernels.path() {
+        // SAFETY: a `Kernels` holds a SIMD path only after its CPU features were detected, and
+        // both paths' features include the ones these functions enable.
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Avx512 => unsafe {
+            x86::quantize_rows_avx512(x, cols, quants, scales, sums, corrections)
+        },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Avx2 => unsafe {
+            x86::quantize_rows_avx2(x, cols, quants, scales, sums, corrections)
+        },
+        _ => quantize_rows_portable(x, cols, quants, scales, sums, corrections),
     }
-    quantize_rows_portable(x, cols, quants, scales, sums, corrections);
 }
 
-/// The quantization loop, compiled twice: for baseline x86-64 and, through the wrapper below,
-/// with AVX-512 enabled so the compiler vectorizes it. Same IEEE operations, so the same bits.
-#[inline(always)]
-fn quantize_rows_body(
+/// The reference quantizer: the SIMD paths must reproduce its every output bit.
+fn quantize_rows_portable(
     x: &[f32],
     cols: usize,
     all_quants: &mut [i8],
@@ -438,32 +450,6 @@ fn quantize_rows_body(
     }
 }
 
-fn quantize_rows_portable(
-    x: &[f32],
-    cols: usize,
-    quants: &mut [i8],
-    scales: &mut [f32],
-    sums: &mut [i32],
-    corrections: &mut [i32],
-) {
-    quantize_rows_body(x, cols, quants, scales, sums, corrections)
-}
-
-/// # Safety
-/// The CPU has AVX-512 F and BW.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn quantize_rows_avx512(
-    x: &[f32],
-    cols: usize,
-    quants: &mut [i8],
-    scales: &mut [f32],
-    sums: &mut [i32],
-    corrections: &mut [i32],
-) {
-    quantize_rows_body(x, cols, quants, scales, sums, corrections)
-}
-
 /// The f32 rows of a split quantization: each row of `x` followed by what its int8 quantization
 /// misses (`x - scale * q`, rounded exactly as [`quantize_activation_rows`] rounds). Quantizing
 /// `out` then gives each token two int8 rows whose products sum to about 15 bits of precision.
@@ -476,6 +462,25 @@ pub fn split_rows(x: &[f32], cols: usize, out: &mut [f32]) -> Result<(), KernelE
             got: out.len(),
         });
     }
+    split_rows_with(super::kernels(), x, cols, out);
+    Ok(())
+}
+
+/// [`split_rows`] on the path of `kernels`; every path gives the bits of [`split_rows_portable`]
+/// (NaN payloads aside).
+fn split_rows_with(kernels: Kernels, x: &[f32], cols: usize, out: &mut [f32]) {
+    match kernels.path() {
+        // SAFETY: a `Kernels` holds a SIMD path only after its CPU features were detected.
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Avx512 => unsafe { x86::split_rows_avx512(x, cols, out) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Avx2 => unsafe { x86::split_rows_avx2(x, cols, out) },
+        _ => split_rows_portable(x, cols, out),
+    }
+}
+
+fn split_rows_portable(x: &[f32], cols: usize, out: &mut [f32]) {
     for (row, pair) in x.chunks_exact(cols).zip(out.chunks_exact_mut(2 * cols)) {
         let (exact, missed) = pair.split_at_mut(cols);
         exact.copy_from_slice(row);
@@ -495,7 +500,491 @@ pub fn split_rows(x: &[f32], cols: usize, out: &mut [f32]) -> Result<(), KernelE
             }
         }
     }
-    Ok(())
+}
+
+/// Hand-written activation quantizers, bit for bit the portable loops.
+///
+/// Why they match, for every input including NaN and infinities:
+/// * Block maxima: `f32::max` ignores a NaN argument; `max_ps(a, b)` returns `b` when either is
+///   NaN, so folding each `|v|` in as `max_ps(|v|, acc)` from a zero start ignores NaN the same way.
+///   The maxima are then combined in a tree, which is exact for non-NaN values in any order.
+/// * Scale and inverse are the same IEEE divisions, masked to 0 where the maximum is not positive.
+/// * A finite `p = v x inverse` is at most 127 plus two roundings in magnitude (`|v| <= amax`), so
+///   `round_even_fast` never takes its `|x| >= 2^22` branch on a finite value and the branchless
+///   `(p + 1.5 x 2^23) - 1.5 x 2^23` equals it everywhere, signed zeros included (the split rows
+///   need those); for the int8 values `cvtps2dq` gives the same integers, rounding half to even in
+///   the default rounding mode, which all Rust float code assumes.
+/// * The rest is the clamp (infinities become +-127) and `as i8`, which turns NaN into 0: where
+///   `p` is NaN (a NaN input, `inf x 0` when the maximum is infinite, `0 x inf` when it is so
+///   small that `127 / amax` overflows) the SIMD code writes 0.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{
+        BLOCK_LEN, CORRECTION_LANE_MXFP4, CORRECTION_LANE_Q4, CORRECTION_LANE_Q8, GROUP_BLOCKS,
+        GROUP_LANES, GROUP_LEN, MXFP4_OFFSET, Q4_OFFSET, Q8_OFFSET, ROUND_MAGIC,
+    };
+
+    /// A group's lanes of `-offset` per format: multiplied by the block sums they give
+    /// `Q8Activations::corrections`.
+    const CORRECTION_FACTORS: [i32; GROUP_LANES] = {
+        let mut factors = [0; GROUP_LANES];
+        let mut j = 0;
+        while j < GROUP_BLOCKS {
+            factors[4 * j + CORRECTION_LANE_MXFP4] = -MXFP4_OFFSET;
+            factors[4 * j + CORRECTION_LANE_Q4] = -Q4_OFFSET;
+            factors[4 * j + CORRECTION_LANE_Q8] = -Q8_OFFSET;
+            j += 1;
+        }
+        factors
+    };
+
+    /// The int8 values are summed as unsigned bytes (`q ^ 0x80 = q + 128`), then this is taken off.
+    const SUM_BIAS: i32 = 128 * BLOCK_LEN as i32;
+
+    /// Rows, groups per row and blocks per row, after checking that the outputs hold whole groups
+    /// for every row: the pointer arithmetic below relies on it.
+    fn quantize_shape(
+        x: &[f32],
+        cols: usize,
+        quants: &[i8],
+        scales: &[f32],
+        sums: &[i32],
+        corrections: &[i32],
+    ) -> (usize, usize, usize) {
+        let rows = x.len() / cols;
+        let blocks = cols / BLOCK_LEN;
+        let groups = blocks.div_ceil(GROUP_BLOCKS);
+        assert!(
+            quants.len() >= rows * groups * GROUP_LEN
+                && scales.len() >= rows * groups * GROUP_LANES
+                && sums.len() >= rows * groups * GROUP_LANES
+                && corrections.len() >= rows * groups * GROUP_LANES,
+            "quantized activation buffers too small for {rows} rows of {cols}"
+        );
+        (rows, groups, blocks)
+    }
+
+    // ---------------------------------------------------------------------------------------------
+    // AVX-512: one group (four blocks, eight vectors of 16) at a time.
+
+    /// The eight vectors of a group starting at `src`, zeros past its `blocks` blocks.
+    ///
+    /// # Safety
+    /// `src` points at `blocks * BLOCK_LEN` readable values, `1 <= blocks <= GROUP_BLOCKS`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load_group_512(src: *const f32, blocks: usize) -> [__m512; 8] {
+        let mut v = [_mm512_setzero_ps(); 8];
+        if blocks == GROUP_BLOCKS {
+            for (i, v) in v.iter_mut().enumerate() {
+                *v = _mm512_loadu_ps(src.add(16 * i));
+            }
+        } else {
+            for (i, v) in v.iter_mut().enumerate() {
+                // Masked-off lanes are not read, so the pointer may run past the row.
+                let mask: __mmask16 = if i < 2 * blocks { 0xFFFF } else { 0 };
+                *v = _mm512_maskz_loadu_ps(mask, src.wrapping_add(16 * i));
+            }
+        }
+        v
+    }
+
+    /// Block j's scale in lanes 4j..4j+3 and its inverse, each 0 where the block's largest
+    /// magnitude is 0.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn scales_512(v: &[__m512; 8]) -> (__m512, __m512) {
+        let zero = _mm512_setzero_ps();
+        let m: [__m512; 4] = std::array::from_fn(|j| {
+            let first = _mm512_max_ps(_mm512_abs_ps(v[2 * j]), zero);
+            _mm512_max_ps(_mm512_abs_ps(v[2 * j + 1]), first)
+        });
+        // Transpose-and-reduce: first pair 128-bit lanes across blocks, then finish within lanes.
+        let p01 = _mm512_max_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(m[0], m[1]),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(m[0], m[1]),
+        );
+        let p23 = _mm512_max_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(m[2], m[3]),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(m[2], m[3]),
+        );
+        let q = _mm512_max_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(p01, p23),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(p01, p23),
+        );
+        let q = _mm512_max_ps(q, _mm512_permute_ps::<0b10_11_00_01>(q));
+        let amax = _mm512_max_ps(q, _mm512_permute_ps::<0b01_00_11_10>(q));
+        let positive = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(amax, zero);
+        let limit = _mm512_set1_ps(127.0);
+        (
+            _mm512_maskz_div_ps(positive, amax, limit),
+            _mm512_maskz_div_ps(positive, limit, amax),
+        )
+    }
+
+    /// Block j's lanes (4j..4j+3, all equal) broadcast to all sixteen.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn per_block_512(lanes: __m512) -> [__m512; 4] {
+        [
+            _mm512_shuffle_f32x4::<0x00>(lanes, lanes),
+            _mm512_shuffle_f32x4::<0x55>(lanes, lanes),
+            _mm512_shuffle_f32x4::<0xAA>(lanes, lanes),
+            _mm512_shuffle_f32x4::<0xFF>(lanes, lanes),
+        ]
+    }
+
+    /// `clamp(round_half_even(v x inverse), -127, 127)` as i32, NaN as 0.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn quantize_16(v: __m512, inverse: __m512) -> __m512i {
+        let p = _mm512_mul_ps(v, inverse);
+        let ordered = _mm512_cmp_ps_mask::<_CMP_ORD_Q>(p, p);
+        let clamped = _mm512_min_ps(
+            _mm512_max_ps(p, _mm512_set1_ps(-127.0)),
+            _mm512_set1_ps(127.0),
+        );
+        _mm512_maskz_cvtps_epi32(ordered, clamped)
+    }
+
+    /// Four vectors of i32 in -127..=127 as 64 bytes, in order.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn pack_bytes_512(q: [__m512i; 4]) -> __m512i {
+        let bytes = _mm512_packs_epi16(
+            _mm512_packs_epi32(q[0], q[1]),
+            _mm512_packs_epi32(q[2], q[3]),
+        );
+        // The packs work within 128-bit lanes: dword 4k + m holds lane k of q[m].
+        let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        _mm512_permutexvar_epi32(order, bytes)
+    }
+
+    /// # Safety
+    /// `src` as for [`load_group_512`]; `quants` points at `GROUP_LEN` writable bytes and
+    /// `scales`, `sums`, `corrections` at `GROUP_LANES` writable lanes each.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn quantize_group_512(
+        src: *const f32,
+        blocks: usize,
+        quants: *mut i8,
+        scales: *mut f32,
+        sums: *mut i32,
+        corrections: *mut i32,
+    ) {
+        let v = load_group_512(src, blocks);
+        let (scale, inverse) = scales_512(&v);
+        let inverses = per_block_512(inverse);
+        let evens_index =
+            _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        let odds_index =
+            _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        let evens = pack_bytes_512(std::array::from_fn(|j| {
+            let e = _mm512_permutex2var_ps(v[2 * j], evens_index, v[2 * j + 1]);
+            quantize_16(e, inverses[j])
+        }));
+        let odds = pack_bytes_512(std::array::from_fn(|j| {
+            let o = _mm512_permutex2var_ps(v[2 * j], odds_index, v[2 * j + 1]);
+            quantize_16(o, inverses[j])
+        }));
+        // Block j's 16 evens and 16 odds are 128-bit lane j of each: sum them as unsigned bytes.
+        let flip = _mm512_set1_epi8(i8::MIN);
+        let zero = _mm512_setzero_si512();
+        let partial = _mm512_add_epi64(
+            _mm512_sad_epu8(_mm512_xor_si512(evens, flip), zero),
+            _mm512_sad_epu8(_mm512_xor_si512(odds, flip), zero),
+        );
+        let total = _mm512_add_epi64(partial, _mm512_shuffle_epi32::<0b01_00_11_10>(partial));
+        // Lanes 4j and 4j + 2 now hold block j's sum (the others garbage).
+        let sum = _mm512_sub_epi32(total, _mm512_set1_epi32(SUM_BIAS));
+        let factors = _mm512_loadu_si512(CORRECTION_FACTORS.as_ptr().cast());
+        _mm512_storeu_si512(quants.cast(), evens);
+        _mm512_storeu_si512(quants.add(GROUP_LEN / 2).cast(), odds);
+        _mm512_storeu_ps(scales, scale);
+        _mm512_storeu_si512(sums.cast(), _mm512_maskz_mov_epi32(0x1111, sum));
+        _mm512_storeu_si512(
+            corrections.cast(),
+            _mm512_mullo_epi32(_mm512_shuffle_epi32::<0>(sum), factors),
+        );
+    }
+
+    /// The AVX-512 quantizer: same contract and bits as `quantize_rows_portable`.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) fn quantize_rows_avx512(
+        x: &[f32],
+        cols: usize,
+        quants: &mut [i8],
+        scales: &mut [f32],
+        sums: &mut [i32],
+        corrections: &mut [i32],
+    ) {
+        let (rows, groups, blocks) = quantize_shape(x, cols, quants, scales, sums, corrections);
+        for row in 0..rows {
+            for group in 0..groups {
+                let here = (blocks - group * GROUP_BLOCKS).min(GROUP_BLOCKS);
+                let at = row * groups + group;
+                // SAFETY: the group's `here` blocks lie inside row `row` of `x`, and
+                // `quantize_shape` checked that every output holds group `at`.
+                unsafe {
+                    quantize_group_512(
+                        x.as_ptr().add(row * cols + group * GROUP_LEN),
+                        here,
+                        quants.as_mut_ptr().add(at * GROUP_LEN),
+                        scales.as_mut_ptr().add(at * GROUP_LANES),
+                        sums.as_mut_ptr().add(at * GROUP_LANES),
+                        corrections.as_mut_ptr().add(at * GROUP_LANES),
+                    )
+                }
+            }
+        }
+    }
+
+    /// `v - clamp(round_half_even(v x inverse), -127, 127) x scale`, NaN where the portable code
+    /// has NaN.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn missed_16(v: __m512, inverse: __m512, scale: __m512) -> __m512 {
+        let magic = _mm512_set1_ps(ROUND_MAGIC);
+        let rounded = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(v, inverse), magic), magic);
+        // Operand order keeps a NaN (max/min return their second operand if either is NaN).
+        let q = _mm512_min_ps(
+            _mm512_set1_ps(127.0),
+            _mm512_max_ps(_mm512_set1_ps(-127.0), rounded),
+        );
+        _mm512_sub_ps(v, _mm512_mul_ps(q, scale))
+    }
+
+    /// The AVX-512 `split_rows`: same contract and bits as `split_rows_portable`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn split_rows_avx512(x: &[f32], cols: usize, out: &mut [f32]) {
+        let rows = x.len() / cols;
+        let blocks = cols / BLOCK_LEN;
+        assert!(out.len() >= 2 * rows * cols, "split rows output too small");
+        for row in 0..rows {
+            for group in 0..blocks.div_ceil(GROUP_BLOCKS) {
+                let here = (blocks - group * GROUP_BLOCKS).min(GROUP_BLOCKS);
+                let offset = row * cols + group * GROUP_LEN;
+                // SAFETY: the group's `here` blocks lie inside row `row` of `x`, and inside rows
+                // 2 row and 2 row + 1 of `out` at the same column (the assert above).
+                unsafe {
+                    let v = load_group_512(x.as_ptr().add(offset), here);
+                    let (scale, inverse) = scales_512(&v);
+                    let (scales, inverses) = (per_block_512(scale), per_block_512(inverse));
+                    let exact = out.as_mut_ptr().add(offset + row * cols);
+                    let missed = exact.add(cols);
+                    for (i, &v) in v.iter().enumerate() {
+                        let r = missed_16(v, inverses[i / 2], scales[i / 2]);
+                        if i < 2 * here {
+                            _mm512_storeu_ps(exact.add(16 * i), v);
+                            _mm512_storeu_ps(missed.add(16 * i), r);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------------
+    // AVX2: half a group (two blocks, eight vectors of 8) at a time.
+
+    /// The eight vectors of two blocks starting at `src`, zeros past its `blocks` blocks.
+    ///
+    /// # Safety
+    /// `src` points at `blocks * BLOCK_LEN` readable values, `blocks <= 2`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load_pair_256(src: *const f32, blocks: usize) -> [__m256; 8] {
+        let mut v = [_mm256_setzero_ps(); 8];
+        for (i, v) in v.iter_mut().enumerate() {
+            if i < 4 * blocks {
+                *v = _mm256_loadu_ps(src.add(8 * i));
+            }
+        }
+        v
+    }
+
+    /// Block j (of two) scale in lanes 4j..4j+3 and its inverse, 0 where the block is all zeros.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn scales_256(v: &[__m256; 8]) -> (__m256, __m256) {
+        let zero = _mm256_setzero_ps();
+        let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MAX));
+        let m: [__m256; 2] = std::array::from_fn(|j| {
+            v[4 * j..4 * j + 4].iter().fold(zero, |acc, &x| {
+                _mm256_max_ps(_mm256_and_ps(x, magnitude), acc)
+            })
+        });
+        let x = _mm256_max_ps(
+            _mm256_permute2f128_ps::<0x20>(m[0], m[1]),
+            _mm256_permute2f128_ps::<0x31>(m[0], m[1]),
+        );
+        let x = _mm256_max_ps(x, _mm256_permute_ps::<0b10_11_00_01>(x));
+        let amax = _mm256_max_ps(x, _mm256_permute_ps::<0b01_00_11_10>(x));
+        let positive = _mm256_cmp_ps::<_CMP_GT_OQ>(amax, zero);
+        let limit = _mm256_set1_ps(127.0);
+        (
+            _mm256_and_ps(_mm256_div_ps(amax, limit), positive),
+            _mm256_and_ps(_mm256_div_ps(limit, amax), positive),
+        )
+    }
+
+    /// Block j's lanes (4j..4j+3, all equal) broadcast to all eight.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn per_block_256(lanes: __m256) -> [__m256; 2] {
+        [
+            _mm256_permute2f128_ps::<0x00>(lanes, lanes),
+            _mm256_permute2f128_ps::<0x11>(lanes, lanes),
+        ]
+    }
+
+    /// `clamp(round_half_even(v x inverse), -127, 127)` as i32, NaN as 0.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn quantize_8(v: __m256, inverse: __m256) -> __m256i {
+        let p = _mm256_mul_ps(v, inverse);
+        let ordered = _mm256_cmp_ps::<_CMP_ORD_Q>(p, p);
+        let clamped = _mm256_min_ps(
+            _mm256_max_ps(p, _mm256_set1_ps(-127.0)),
+            _mm256_set1_ps(127.0),
+        );
+        _mm256_cvtps_epi32(_mm256_and_ps(clamped, ordered))
+    }
+
+    /// # Safety
+    /// `src` as for [`load_pair_256`]; `evens` and `odds` point at 32 writable bytes each,
+    /// `scales`, `sums` and `corrections` at 8 writable lanes each.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn quantize_pair_256(
+        src: *const f32,
+        blocks: usize,
+        evens: *mut i8,
+        odds: *mut i8,
+        scales: *mut f32,
+        sums: *mut i32,
+        corrections: *mut i32,
+    ) {
+        let v = load_pair_256(src, blocks);
+        let (scale, inverse) = scales_256(&v);
+        let inverses = per_block_256(inverse);
+        // Each vector's evens to its low half, odds to its high half; after the in-lane packs,
+        // block j's 16 evens fill the low 128 bits and its 16 odds the high 128 bits.
+        let split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+        let q: [__m256i; 8] = std::array::from_fn(|i| {
+            quantize_8(_mm256_permutevar8x32_ps(v[i], split), inverses[i / 4])
+        });
+        let block: [__m256i; 2] = std::array::from_fn(|j| {
+            _mm256_packs_epi16(
+                _mm256_packs_epi32(q[4 * j], q[4 * j + 1]),
+                _mm256_packs_epi32(q[4 * j + 2], q[4 * j + 3]),
+            )
+        });
+        let even_bytes = _mm256_permute2x128_si256::<0x20>(block[0], block[1]);
+        let odd_bytes = _mm256_permute2x128_si256::<0x31>(block[0], block[1]);
+        let flip = _mm256_set1_epi8(i8::MIN);
+        let zero = _mm256_setzero_si256();
+        let partial = _mm256_add_epi64(
+            _mm256_sad_epu8(_mm256_xor_si256(even_bytes, flip), zero),
+            _mm256_sad_epu8(_mm256_xor_si256(odd_bytes, flip), zero),
+        );
+        let total = _mm256_add_epi64(partial, _mm256_shuffle_epi32::<0b01_00_11_10>(partial));
+        // Lanes 4j and 4j + 2 now hold block j's sum (the others garbage).
+        let sum = _mm256_sub_epi32(total, _mm256_set1_epi32(SUM_BIAS));
+        let factors = _mm256_loadu_si256(CORRECTION_FACTORS.as_ptr().cast());
+        _mm256_storeu_si256(evens.cast(), even_bytes);
+        _mm256_storeu_si256(odds.cast(), odd_bytes);
+        _mm256_storeu_ps(scales, scale);
+        _mm256_storeu_si256(sums.cast(), _mm256_blend_epi32::<0x11>(zero, sum));
+        _mm256_storeu_si256(
+            corrections.cast(),
+            _mm256_mullo_epi32(_mm256_shuffle_epi32::<0>(sum), factors),
+        );
+    }
+
+    /// The AVX2 quantizer: same contract and bits as `quantize_rows_portable`.
+    #[target_feature(enable = "avx2")]
+    pub(super) fn quantize_rows_avx2(
+        x: &[f32],
+        cols: usize,
+        quants: &mut [i8],
+        scales: &mut [f32],
+        sums: &mut [i32],
+        corrections: &mut [i32],
+    ) {
+        let (rows, groups, blocks) = quantize_shape(x, cols, quants, scales, sums, corrections);
+        for row in 0..rows {
+            for group in 0..groups {
+                let at = row * groups + group;
+                for half in 0..2 {
+                    let first = group * GROUP_BLOCKS + 2 * half;
+                    let here = blocks.saturating_sub(first).min(2);
+                    // SAFETY: the pair's `here` blocks lie inside row `row` of `x` (the pointer is
+                    // not read when `here` is 0), and `quantize_shape` checked that every output
+                    // holds group `at`, whose halves these are.
+                    unsafe {
+                        let quants = quants.as_mut_ptr().add(at * GROUP_LEN + 32 * half);
+                        let lanes = at * GROUP_LANES + 8 * half;
+                        quantize_pair_256(
+                            x.as_ptr().wrapping_add(row * cols + first * BLOCK_LEN),
+                            here,
+                            quants,
+                            quants.add(GROUP_LEN / 2),
+                            scales.as_mut_ptr().add(lanes),
+                            sums.as_mut_ptr().add(lanes),
+                            corrections.as_mut_ptr().add(lanes),
+                        )
+                    }
+                }
+            }
+        }
+    }
+
+    /// As [`missed_16`], eight lanes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn missed_8(v: __m256, inverse: __m256, scale: __m256) -> __m256 {
+        let magic = _mm256_set1_ps(ROUND_MAGIC);
+        let rounded = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v, inverse), magic), magic);
+        let q = _mm256_min_ps(
+            _mm256_set1_ps(127.0),
+            _mm256_max_ps(_mm256_set1_ps(-127.0), rounded),
+        );
+        _mm256_sub_ps(v, _mm256_mul_ps(q, scale))
+    }
+
+    /// The AVX2 `split_rows`: same contract and bits as `split_rows_portable`.
+    #[target_feature(enable = "avx2")]
+    pub(super) fn split_rows_avx2(x: &[f32], cols: usize, out: &mut [f32]) {
+        let rows = x.len() / cols;
+        let blocks = cols / BLOCK_LEN;
+        assert!(out.len() >= 2 * rows * cols, "split rows output too small");
+        for row in 0..rows {
+            for first in (0..blocks).step_by(2) {
+                let here = (blocks - first).min(2);
+                let offset = row * cols + first * BLOCK_LEN;
+                // SAFETY: the pair's `here` blocks lie inside row `row` of `x`, and inside rows
+                // 2 row and 2 row + 1 of `out` at the same column (the assert above).
+                unsafe {
+                    let v = load_pair_256(x.as_ptr().add(offset), here);
+                    let (scale, inverse) = scales_256(&v);
+                    let (scales, inverses) = (per_block_256(scale), per_block_256(inverse));
+                    let exact = out.as_mut_ptr().add(offset + row * cols);
+                    let missed = exact.add(cols);
+                    for (i, &v) in v.iter().enumerate() {
+                        let r = missed_8(v, inverses[i / 4], scales[i / 4]);
+                        if i < 4 * here {
+                            _mm256_storeu_ps(exact.add(8 * i), v);
+                            _mm256_storeu_ps(missed.add(8 * i), r);
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// An MXFP4 matrix `[rows, cols]` borrowed zero-copy from the checkpoint.
@@ -801,55 +1290,225 @@ impl Q4Matrix {
 mod tests {
     use super::*;
 
-    #[test]
-    fn vectorized_quantization_gives_the_same_bits() {
-        #[cfg(target_arch = "x86_64")]
-        if super::super::KernelPath::Avx512.is_supported() {
-            let mut state = 7u64;
-            for cols in [32usize, 160, 2880] {
-                let rows = 5;
-                let x: Vec<f32> = (0..rows * cols)
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    /// Column counts of every tail (1, 3, 1 and 2 blocks past whole groups, and whole groups) with
+    /// the model's 2880.
+    const RAGGED_COLS: [usize; 5] = [32, 96, 160, 2880, 4096];
+
+    /// Rows of blocks that stress the quantizer: ordinary values over a wide range of scales,
+    /// outliers, all-zero blocks (with negative zeros), subnormals, blocks so small that
+    /// `127 / amax` overflows, values near `f32::MAX`, and exact rounding ties. With
+    /// `non_finite`, some blocks also hold infinities and NaN.
+    fn stress_values(rng: &mut ChaCha8Rng, n: usize, non_finite: bool) -> Vec<f32> {
+        let mut x = Vec::with_capacity(n);
+        while x.len() < n {
+            let kinds = if non_finite { 9 } else { 8 };
+            let scale = 10f32.powi(rng.gen_range(-6..=6));
+            let block: Vec<f32> = match rng.gen_range(0..kinds) {
+                0 | 1 => (0..BLOCK_LEN)
+                    .map(|_| rng.gen_range(-1.0f32..1.0) * scale)
+                    .collect(),
+                2 => (0..BLOCK_LEN)
                     .map(|i| {
-                        state = state
-                            .wrapping_mul(6364136223846793005)
-                            .wrapping_add(1442695040888963407);
-                        // Some exact ties at .5 steps, some zero blocks, mostly random values.
-                        match i % 97 {
-                            0 => 0.0,
-                            1 => 63.5,
-                            _ => ((state >> 33) as f32 / (1u64 << 31) as f32 - 0.5) * 8.0,
+                        let v = rng.gen_range(-1.0f32..1.0) * scale;
+                        if i == 5 {
+                            v * 1e4
+                        } else {
+                            v
                         }
                     })
-                    .collect();
-                let (mut portable, mut simd) = (Q8Activations::new(), Q8Activations::new());
-                portable.resize(rows, cols);
-                simd.resize(rows, cols);
-                let p = &mut portable;
-                quantize_rows_portable(
-                    &x,
-                    cols,
-                    &mut p.quants,
-                    &mut p.scale_lanes,
-                    &mut p.sum_lanes,
-                    &mut p.corrections,
-                );
-                let v = &mut simd;
-                // SAFETY: AVX-512 support was checked above.
-                unsafe {
-                    quantize_rows_avx512(
-                        &x,
-                        cols,
-                        &mut v.quants,
-                        &mut v.scale_lanes,
-                        &mut v.sum_lanes,
-                        &mut v.corrections,
-                    )
-                };
-                assert_eq!(&portable.quants[..], &simd.quants[..], "cols {cols}");
-                assert_eq!(&portable.scale_lanes[..], &simd.scale_lanes[..]);
-                assert_eq!(&portable.sum_lanes[..], &simd.sum_lanes[..]);
-                assert_eq!(&portable.corrections[..], &simd.corrections[..]);
+                    .collect(),
+                3 => (0..BLOCK_LEN)
+                    .map(|_| if rng.gen() { 0.0 } else { -0.0 })
+                    .collect(),
+                4 => (0..BLOCK_LEN)
+                    .map(|_| match rng.gen_range(0..4) {
+                        0 => 0.0,
+                        1 => -0.0,
+                        2 => f32::from_bits(rng.gen_range(1..0x0080_0000)) * rng_sign(rng),
+                        _ => rng.gen_range(-1.0f32..1.0) * 1e-37,
+                    })
+                    .collect(),
+                5 => (0..BLOCK_LEN)
+                    .map(|_| rng.gen_range(-1.0f32..1.0) * f32::MAX)
+                    .collect(),
+                6 => {
+                    // amax 127 makes the inverse exactly 1: the halves are exact ties.
+                    let mut b: Vec<f32> = (0..BLOCK_LEN)
+                        .map(|_| rng.gen_range(-127i32..127) as f32 + 0.5)
+                        .collect();
+                    b[rng.gen_range(0..BLOCK_LEN)] = 127.0 * rng_sign(rng);
+                    b
+                }
+                7 => (0..BLOCK_LEN)
+                    .map(|_| match rng.gen_range(0..3) {
+                        0 => -0.0,
+                        _ => rng.gen_range(-1.0f32..1.0) * scale,
+                    })
+                    .collect(),
+                _ => (0..BLOCK_LEN)
+                    .map(|_| match rng.gen_range(0..6) {
+                        0 => f32::INFINITY,
+                        1 => f32::NEG_INFINITY,
+                        2 => f32::NAN,
+                        3 => 0.0,
+                        4 => 1e-38,
+                        _ => rng.gen_range(-1.0f32..1.0) * scale,
+                    })
+                    .collect(),
+            };
+            x.extend(block);
+        }
+        x.truncate(n);
+        x
+    }
+
+    fn rng_sign(rng: &mut ChaCha8Rng) -> f32 {
+        if rng.gen() {
+            1.0
+        } else {
+            -1.0
+        }
+    }
+
+    fn simd_kernels() -> Vec<Kernels> {
+        Kernels::all_supported()
+            .into_iter()
+            .filter(|k| k.path() != KernelPath::Scalar)
+            .collect()
+    }
+
+    /// Quantizes `x` on `kernels` into buffers first filled with junk, so any lane a path leaves
+    /// unwritten shows up.
+    fn quantize_on(kernels: Option<Kernels>, x: &[f32], cols: usize) -> Q8Activations {
+        let mut q = Q8Activations::new();
+        q.resize(x.len() / cols, cols);
+        q.quants.fill(0x55);
+        q.scale_lanes.fill(f32::NAN);
+        q.sum_lanes.fill(-7);
+        q.corrections.fill(-7);
+        let p = &mut q;
+        let (quants, scales, sums, corrections) = (
+            &mut p.quants[..],
+            &mut p.scale_lanes[..],
+            &mut p.sum_lanes[..],
+            &mut p.corrections[..],
+        );
+        match kernels {
+            Some(k) => quantize_rows_with(k, x, cols, quants, scales, sums, corrections),
+            None => quantize_rows_portable(x, cols, quants, scales, sums, corrections),
+        }
+        q
+    }
+
+    fn assert_same_quantization(what: &str, got: &Q8Activations, expected: &Q8Activations) {
+        for (i, (g, e)) in got.quants.iter().zip(&expected.quants[..]).enumerate() {
+            assert_eq!(g, e, "{what}: quant {i}");
+        }
+        for (i, (g, e)) in got
+            .scale_lanes
+            .iter()
+            .zip(&expected.scale_lanes[..])
+            .enumerate()
+        {
+            assert_eq!(
+                g.to_bits(),
+                e.to_bits(),
+                "{what}: scale lane {i}: {g} vs {e}"
+            );
+        }
+        for (i, (g, e)) in got
+            .sum_lanes
+            .iter()
+            .zip(&expected.sum_lanes[..])
+            .enumerate()
+        {
+            assert_eq!(g, e, "{what}: sum lane {i}");
+        }
+        for (i, (g, e)) in got
+            .corrections
+            .iter()
+            .zip(&expected.corrections[..])
+            .enumerate()
+        {
+            assert_eq!(g, e, "{what}: correction lane {i}");
+        }
+        assert_eq!(got.quants.len(), expected.quants.len(), "{what}");
+        assert_eq!(got.scale_lanes.len(), expected.scale_lanes.len(), "{what}");
+    }
+
+    #[test]
+    fn simd_quantizers_give_the_portable_bits() {
+        let mut rng = ChaCha8Rng::seed_from_u64(17);
+        for non_finite in [false, true] {
+            for cols in RAGGED_COLS {
+                for rows in 1..=20 {
+                    let x = stress_values(&mut rng, rows * cols, non_finite);
+                    let expected = quantize_on(None, &x, cols);
+                    for k in simd_kernels() {
+                        let got = quantize_on(Some(k), &x, cols);
+                        let what = format!("{} {rows}x{cols} non-finite {non_finite}", k.path());
+                        assert_same_quantization(&what, &got, &expected);
+                    }
+                }
             }
+        }
+    }
+
+    #[test]
+    fn simd_split_rows_give_the_portable_bits() {
+        let mut rng = ChaCha8Rng::seed_from_u64(18);
+        for non_finite in [false, true] {
+            for cols in RAGGED_COLS {
+                for rows in 1..=20 {
+                    let x = stress_values(&mut rng, rows * cols, non_finite);
+                    // One spare row checks that nothing is written past the split rows.
+                    let mut expected = vec![-3.0f32; 2 * x.len() + cols];
+                    split_rows_portable(&x, cols, &mut expected);
+                    for k in simd_kernels() {
+                        let mut got = vec![-3.0f32; 2 * x.len() + cols];
+                        split_rows_with(k, &x, cols, &mut got);
+                        for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+                            // Rust leaves NaN payloads unspecified; NaN must stay NaN.
+                            assert!(
+                                g.to_bits() == e.to_bits() || (g.is_nan() && e.is_nan()),
+                                "{} {rows}x{cols} non-finite {non_finite}: element {i}: {g} vs {e}",
+                                k.path()
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn quantizers_map_non_finite_values_like_the_portable_casts() {
+        // One block: +inf, -inf, NaN next to finite values. amax is infinite, so the inverse is 0:
+        // finite values give 0, the infinities `inf x 0 = NaN`, which the cast turns into 0.
+        let mut block = [1.0f32; BLOCK_LEN];
+        (block[0], block[1], block[2]) = (f32::INFINITY, f32::NEG_INFINITY, f32::NAN);
+        // A block whose maximum is so small that the inverse overflows: its zeros give
+        // `0 x inf = NaN` -> 0, its nonzero values +-inf -> +-127.
+        let mut tiny = [0.0f32; BLOCK_LEN];
+        (tiny[3], tiny[4], tiny[5]) = (1e-38, -1e-39, -0.0);
+        let x: Vec<f32> = block.iter().chain(&tiny).copied().collect();
+        let expected = quantize_on(None, &x, x.len());
+        assert!(expected.quants[..GROUP_LEN].iter().all(|&q| {
+            // Block 0: all 0. Block 1: 127 and -127 for its two nonzero values.
+            q == 0 || q == 127 || q == -127
+        }));
+        assert_eq!(expected.quants[GROUP_LEN / 2 + BLOCK_LEN / 2 + 1], 127);
+        assert_eq!(expected.quants[BLOCK_LEN / 2 + 2], -127);
+        assert_eq!(expected.scale_lanes[0], f32::INFINITY);
+        for k in simd_kernels() {
+            assert_same_quantization(
+                &format!("{}", k.path()),
+                &quantize_on(Some(k), &x, x.len()),
+                &expected,
+            );
         }
     }
 
@@ -916,5 +1575,55 @@ mod tests {
         // The fourth block is padding.
         assert_eq!(x.sum_lanes[12], 0);
         assert_eq!(x.scale_lanes[12], 0.0);
+    }
+
+    /// Single-threaded ns per value of each path's quantizer and `split_rows`, best of several
+    /// runs: `cargo test --release --lib quantizer_timings -- --ignored --nocapture`.
+    #[test]
+    #[ignore = "timing harness; prints figures, asserts nothing"]
+    fn quantizer_timings() {
+        let cols = 2880;
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        for rows in [1usize, 4, 512] {
+            let x: Vec<f32> = (0..rows * cols).map(|_| rng.gen_range(-4.0..4.0)).collect();
+            let mut q = Q8Activations::with_capacity(rows, cols);
+            q.resize(rows, cols);
+            let mut split = vec![0.0f32; 2 * x.len()];
+            let reps = (4_000_000 / x.len()).max(2);
+            let best_ns = |run: &mut dyn FnMut()| {
+                (0..15)
+                    .map(|_| {
+                        let start = std::time::Instant::now();
+                        for _ in 0..reps {
+                            run();
+                        }
+                        start.elapsed().as_secs_f64() * 1e9 / (reps * x.len()) as f64
+                    })
+                    .fold(f64::INFINITY, f64::min)
+            };
+            for k in Kernels::all_supported() {
+                let quantize = best_ns(&mut || {
+                    let p = &mut q;
+                    quantize_rows_with(
+                        k,
+                        &x,
+                        cols,
+                        &mut p.quants,
+                        &mut p.scale_lanes,
+                        &mut p.sum_lanes,
+                        &mut p.corrections,
+                    );
+                    std::hint::black_box(&q.quants[..]);
+                });
+                let split = best_ns(&mut || {
+                    split_rows_with(k, &x, cols, &mut split);
+                    std::hint::black_box(&split[..]);
+                });
+                println!(
+                    "{rows:>3} x {cols} {:>6}: quantize {quantize:.3} ns/value, split_rows {split:.3} ns/value",
+                    k.path().name()
+                );
+            }
+        }
     }
 }
