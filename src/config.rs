@@ -6,7 +6,7 @@
 //! silently falls back to a default.
 
 use crate::engine::protocol::{
-    KvCacheType, ReasoningEffort, SamplingSettings, Settings, WeightFormat,
+    ActivationFormat, KvCacheType, ReasoningEffort, SamplingSettings, Settings, WeightFormat,
 };
 use serde::Deserialize;
 use std::fmt;
@@ -127,6 +127,7 @@ pub struct ConfigOverrides {
     pub synthetic: Option<SyntheticChoice>,
     pub threads: Option<usize>,
     pub weight_format: Option<WeightFormat>,
+    pub activations: Option<ActivationFormat>,
     pub kv_cache: Option<KvCacheType>,
     pub context_limit: Option<usize>,
     pub temperature: Option<f32>,
@@ -166,6 +167,7 @@ struct ModelSection {
 struct EngineSection {
     threads: Option<usize>,
     weight_format: Option<WeightFormat>,
+    activations: Option<ActivationFormat>,
     kv_cache: Option<KvCacheType>,
     context_limit: Option<usize>,
 }
@@ -265,6 +267,7 @@ pub fn parse(text: &str, path: &Path) -> Result<AppConfig, ConfigError> {
         }
     }
     set(&mut settings.weight_format, file.engine.weight_format);
+    set(&mut settings.activations, file.engine.activations);
     set(&mut settings.kv_cache, file.engine.kv_cache);
     set(&mut settings.context_limit, file.engine.context_limit);
     let sampling = &mut settings.sampling;
@@ -363,6 +366,7 @@ fn apply_overrides(config: &mut AppConfig, overrides: &ConfigOverrides) -> Resul
         settings.threads = threads;
     }
     set(&mut settings.weight_format, overrides.weight_format);
+    set(&mut settings.activations, overrides.activations);
     set(&mut settings.kv_cache, overrides.kv_cache);
     set(&mut settings.context_limit, overrides.context_limit);
     set(&mut settings.sampling.temperature, overrides.temperature);
@@ -514,6 +518,53 @@ mod tests {
             }
             other => panic!("expected InvalidKey, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn activations_parse_and_a_bad_one_names_key_and_line() {
+        let config = parse_str("[engine]\nactivations = \"q8x2\"\n").unwrap();
+        assert_eq!(config.settings.activations, ActivationFormat::Q8x2);
+        let config = parse_str("[engine]\nactivations = \"q8\"\n").unwrap();
+        assert_eq!(config.settings.activations, ActivationFormat::Q8);
+
+        let error = parse_str("[engine]\nthreads = 2\nactivations = \"q4\"\n").unwrap_err();
+        match error {
+            ConfigError::InvalidKey {
+                line, key, message, ..
+            } => {
+                assert_eq!((line, key.as_str()), (3, "engine.activations"));
+                assert!(message.contains("q4"), "{message}");
+                assert!(
+                    message.contains("q8x2"),
+                    "names the accepted values: {message}"
+                );
+            }
+            other => panic!("expected InvalidKey, got {other:?}"),
+        }
+        let error = parse_str("[engine]\n\nactivations = 8\n").unwrap_err();
+        match error {
+            ConfigError::InvalidKey { line, key, .. } => {
+                assert_eq!((line, key.as_str()), (3, "engine.activations"))
+            }
+            other => panic!("expected InvalidKey, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn activations_flag_beats_the_file_and_the_file_beats_the_default() {
+        let mut config = parse_str("[engine]\nactivations = \"q8\"\n").unwrap();
+        apply_overrides(&mut config, &ConfigOverrides::default()).unwrap();
+        assert_eq!(config.settings.activations, ActivationFormat::Q8);
+        let overrides = ConfigOverrides {
+            activations: Some(ActivationFormat::Q8x2),
+            ..Default::default()
+        };
+        apply_overrides(&mut config, &overrides).unwrap();
+        assert_eq!(config.settings.activations, ActivationFormat::Q8x2);
+        assert_eq!(
+            AppConfig::default().settings.activations,
+            ActivationFormat::Mixed
+        );
     }
 
     #[test]

@@ -2,9 +2,9 @@
 //! mistake in prefix reuse (a stale token left behind, a token missing) changes the output.
 
 use ossterm::engine::protocol::{
-    Channel, ChatMessage, Command, Conversation, Event, GenerateRequest, KvCacheType,
-    ReasoningEffort, RequestKind, Role, SamplingSettings, Settings, StopReason, SystemSettings,
-    WeightFormat,
+    ActivationFormat, Channel, ChatMessage, Command, Conversation, Event, GenerateRequest,
+    KvCacheType, ReasoningEffort, RequestKind, Role, SamplingSettings, Settings, StopReason,
+    SystemSettings, WeightFormat,
 };
 use ossterm::engine::worker::{
     common_prefix_len, rewind_for_prompt, ChatCodec, EngineError, EngineHandle, EngineParts,
@@ -33,10 +33,15 @@ struct Journal {
     prefill_threads: Vec<usize>,
     /// KV cache type of every session made.
     sessions: Vec<KvCacheType>,
+    /// Activation format of the model each session was made over.
+    session_activations: Vec<ActivationFormat>,
+    /// Weight conversions started.
+    requantizations: usize,
 }
 
 struct ToyModel {
     format: WeightFormat,
+    activations: ActivationFormat,
     step_delay: Duration,
     journal: Arc<Mutex<Journal>>,
     /// When set, re-quantization reports 1 of 4 and then waits here until the test releases it.
@@ -44,6 +49,9 @@ struct ToyModel {
 }
 
 struct ToySession {
+    /// The state before any token; it depends on the activation format, so sessions of different
+    /// formats give different logits, as the real forward pass does.
+    start: u64,
     tokens: Vec<u32>,
     /// Rolling hash of the history after each token.
     states: Vec<u64>,
@@ -59,9 +67,17 @@ fn mix(state: u64, token: u32) -> u64 {
         .rotate_left(29)
 }
 
+/// The default format keeps the plain start, so replies of the other tests stay what they were.
+fn start_state(activations: ActivationFormat) -> u64 {
+    match activations {
+        ActivationFormat::Mixed => 0x1234_5678,
+        other => mix(0x1234_5678, 1000 + other.name().len() as u32),
+    }
+}
+
 impl ToySession {
     fn append(&mut self, token: u32) {
-        let previous = self.states.last().copied().unwrap_or(0x1234_5678);
+        let previous = self.states.last().copied().unwrap_or(self.start);
         self.states.push(mix(previous, token));
         self.tokens.push(token);
     }
@@ -121,8 +137,11 @@ impl ModelBackend for ToyModel {
         context_limit: usize,
         kv_cache: KvCacheType,
     ) -> Result<ToySession, EngineError> {
-        model.journal.lock().unwrap().sessions.push(kv_cache);
+        let mut journal = model.journal.lock().unwrap();
+        journal.sessions.push(kv_cache);
+        journal.session_activations.push(model.activations);
         Ok(ToySession {
+            start: start_state(model.activations),
             tokens: Vec::new(),
             states: Vec::new(),
             logits: vec![0.0; VOCAB],
@@ -137,6 +156,7 @@ impl ModelBackend for ToyModel {
         format: WeightFormat,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<ToyModel, EngineError> {
+        self.journal.lock().unwrap().requantizations += 1;
         for done in 0..=4 {
             std::thread::sleep(Duration::from_millis(5));
             progress(done, 4);
@@ -148,6 +168,8 @@ impl ModelBackend for ToyModel {
         }
         Ok(ToyModel {
             format,
+            // Like the real model: the new weights keep the options of the old ones.
+            activations: self.activations,
             step_delay: self.step_delay,
             journal: Arc::clone(&self.journal),
             requantize_gate: None,
@@ -156,6 +178,14 @@ impl ModelBackend for ToyModel {
 
     fn weight_format(&self) -> WeightFormat {
         self.format
+    }
+
+    fn activations(&self) -> ActivationFormat {
+        self.activations
+    }
+
+    fn set_activations(&mut self, format: ActivationFormat) {
+        self.activations = format;
     }
 
     fn effective_kv_cache(&self, requested: KvCacheType) -> KvCacheType {
@@ -293,11 +323,12 @@ fn start_gated(
     let (event_sender, events) = mpsc::channel();
     let model_journal = Arc::clone(&journal);
     let configs = Arc::clone(&sampler_configs);
-    let engine = EngineHandle::spawn(settings, event_sender, move |_settings, progress| {
+    let engine = EngineHandle::spawn(settings, event_sender, move |settings, progress| {
         progress("toy weights", 1, 1);
         Ok(EngineParts {
             model: Arc::new(ToyModel {
                 format: WeightFormat::Q8,
+                activations: settings.activations,
                 step_delay,
                 journal: model_journal,
                 requantize_gate,
@@ -399,6 +430,7 @@ fn common_prefix_and_rewind_keep_one_token_to_prefill() {
     assert_eq!(common_prefix_len(&[], &[1]), 0);
     let model = Arc::new(ToyModel {
         format: WeightFormat::Q8,
+        activations: ActivationFormat::Mixed,
         step_delay: Duration::ZERO,
         journal: Default::default(),
         requantize_gate: None,
@@ -416,6 +448,7 @@ fn common_prefix_and_rewind_keep_one_token_to_prefill() {
 fn reused_prefix_gives_the_same_logits_as_a_cold_prefill() {
     let model = Arc::new(ToyModel {
         format: WeightFormat::Q8,
+        activations: ActivationFormat::Mixed,
         step_delay: Duration::ZERO,
         journal: Default::default(),
         requantize_gate: None,
@@ -805,6 +838,166 @@ fn kv_cache_change_makes_a_new_cache_and_re_prefills() {
     assert_eq!(last_stats(&events).kv_cache, KvCacheType::F32);
 }
 
+fn with_activations(mut settings: Settings, activations: ActivationFormat) -> Settings {
+    settings.activations = activations;
+    settings
+}
+
+fn conversion_progress(events: &[Event]) -> usize {
+    events
+        .iter()
+        .filter(|event| matches!(event, Event::SettingsProgress { .. }))
+        .count()
+}
+
+#[test]
+fn activation_change_switches_in_place_with_a_new_cache() {
+    let harness = start(test_settings(6), Duration::ZERO);
+    let turn = conversation(&[(Role::User, None, "same prompt")]);
+    let before = harness.generate(1, turn.clone());
+    assert_eq!(last_stats(&before).activations, ActivationFormat::Mixed);
+    let (_, reused, prompt) = turn_done(&harness.generate(2, turn.clone()));
+    assert_eq!(reused, prompt - 1, "warm cache before the change");
+
+    let settings = with_activations(test_settings(6), ActivationFormat::Q8);
+    let events = harness.apply(&settings, |applied| {
+        applied.activations == ActivationFormat::Q8
+    });
+    // One report, already with the new format: the switch needs no background work.
+    let reports: Vec<&Event> = events
+        .iter()
+        .filter(|event| matches!(event, Event::SettingsApplied(_)))
+        .collect();
+    assert_eq!(reports.len(), 1, "{events:?}");
+    assert_eq!(conversion_progress(&events), 0);
+    {
+        let journal = harness.journal.lock().unwrap();
+        assert_eq!(journal.requantizations, 0, "the weights are kept");
+        assert_eq!(
+            journal.session_activations.last(),
+            Some(&ActivationFormat::Q8)
+        );
+    }
+
+    let after = harness.generate(3, turn.clone());
+    assert_eq!(last_stats(&after).activations, ActivationFormat::Q8);
+    assert_eq!(turn_done(&after).1, 0, "the old cache holds other numbers");
+    // What a fresh engine on the new format says, and not what the old format said.
+    let cold = start(settings, Duration::ZERO);
+    assert_eq!(
+        streamed_text(&after),
+        streamed_text(&cold.generate(1, turn.clone()))
+    );
+    assert_ne!(streamed_text(&after), streamed_text(&before));
+    let (_, reused, prompt) = turn_done(&harness.generate(4, turn));
+    assert_eq!(reused, prompt - 1, "the new cache is reused");
+}
+
+#[test]
+fn activation_change_during_a_conversion_is_carried_into_the_new_weights() {
+    let gate = Arc::new(Barrier::new(2));
+    let harness = start_gated(test_settings(4), Duration::ZERO, Some(Arc::clone(&gate)));
+    let mut settings = test_settings(4);
+    settings.weight_format = WeightFormat::Q4;
+    harness.apply(&settings, |_| true);
+    harness.wait_for(|event| matches!(event, Event::SettingsProgress { done: 1, .. }));
+
+    // The conversion thread still reads the serving model: its format cannot change under it.
+    settings.activations = ActivationFormat::Q8x2;
+    let events = harness.apply(&settings, |_| true);
+    match events.last() {
+        Some(Event::SettingsApplied(applied)) => {
+            assert_eq!(applied.activations, ActivationFormat::Mixed)
+        }
+        other => panic!("expected settings applied, got {other:?}"),
+    }
+    let during = harness.generate(1, conversation(&[(Role::User, None, "hi")]));
+    assert_eq!(last_stats(&during).activations, ActivationFormat::Mixed);
+
+    gate.wait();
+    harness.wait_for(|event| {
+        matches!(event, Event::SettingsApplied(applied)
+            if applied.weight_format == WeightFormat::Q4
+                && applied.activations == ActivationFormat::Q8x2)
+    });
+    let after = harness.generate(2, conversation(&[(Role::User, None, "hi")]));
+    let stats = last_stats(&after);
+    assert_eq!(
+        (stats.weight_format, stats.activations),
+        (WeightFormat::Q4, ActivationFormat::Q8x2)
+    );
+    let journal = harness.journal.lock().unwrap();
+    assert_eq!(journal.requantizations, 1);
+    // The new weights arrive with the new format: one new cache, not one per change.
+    assert_eq!(
+        journal.session_activations,
+        [ActivationFormat::Mixed, ActivationFormat::Q8x2]
+    );
+}
+
+#[test]
+fn activation_change_waits_for_an_abandoned_conversion_to_end() {
+    let gate = Arc::new(Barrier::new(2));
+    let harness = start_gated(test_settings(4), Duration::ZERO, Some(Arc::clone(&gate)));
+    let mut settings = test_settings(4);
+    settings.weight_format = WeightFormat::Q4;
+    harness.apply(&settings, |_| true);
+    harness.wait_for(|event| matches!(event, Event::SettingsProgress { done: 1, .. }));
+    // Back to q8 (the conversion is dropped but its thread still runs) and to q8 activations.
+    settings.weight_format = WeightFormat::Q8;
+    settings.activations = ActivationFormat::Q8;
+    let events = harness.apply(&settings, |_| true);
+    match events.last() {
+        Some(Event::SettingsApplied(applied)) => {
+            assert_eq!(applied.activations, ActivationFormat::Mixed)
+        }
+        other => panic!("expected settings applied, got {other:?}"),
+    }
+    gate.wait();
+    // The idle loop switches once the thread has ended, without a request to prompt it.
+    harness.wait_for(|event| {
+        matches!(event, Event::SettingsApplied(applied)
+            if applied.activations == ActivationFormat::Q8
+                && applied.weight_format == WeightFormat::Q8)
+    });
+    let after = harness.generate(1, conversation(&[(Role::User, None, "hi")]));
+    assert_eq!(last_stats(&after).activations, ActivationFormat::Q8);
+    assert_eq!(last_stats(&after).weight_format, WeightFormat::Q8);
+}
+
+#[test]
+fn real_model_activation_switch_computes_like_a_model_built_that_way() {
+    use ossterm::model::{LoadOptions, Model, Preset};
+    let build = |activations| {
+        let options = LoadOptions {
+            activations,
+            ..LoadOptions::default()
+        };
+        Arc::new(Model::synthetic(Preset::Tiny, 5, &options).unwrap())
+    };
+    let vocab = build(ActivationFormat::Mixed).config.vocab_size as u32;
+    let prompt: Vec<u32> = (0..40).map(|index| (index * 7919 + 11) % vocab).collect();
+    let logits = |model: &Arc<Model>| {
+        let mut session =
+            <Model as ModelBackend>::new_session(model, 128, KvCacheType::F16).unwrap();
+        InferenceSession::prefill(&mut session, &prompt)
+            .unwrap()
+            .to_vec()
+    };
+
+    let mut switched = build(ActivationFormat::Mixed);
+    let mixed = logits(&switched);
+    Arc::get_mut(&mut switched)
+        .expect("no session holds the model")
+        .set_activations(ActivationFormat::Q8);
+    assert_eq!(ModelBackend::activations(&*switched), ActivationFormat::Q8);
+    let direct = build(ActivationFormat::Q8);
+    let q8 = logits(&switched);
+    // Same weights, kernels and chunking: the switched model is the one built with q8, bit for bit.
+    assert_eq!(q8, logits(&direct));
+    assert_ne!(q8, mixed, "the format reaches the forward pass");
+}
+
 #[test]
 fn reasoning_effort_change_re_prefills_from_the_system_message() {
     let harness = start(test_settings(4), Duration::ZERO);
@@ -836,6 +1029,7 @@ fn start_real(settings: Settings) -> Harness {
             precision: Precision::Fast,
             weights: settings.weight_format,
             kv: settings.kv_cache,
+            activations: settings.activations,
             ..LoadOptions::default()
         };
         let model = Model::synthetic(Preset::Tiny, 3, &options)
@@ -872,6 +1066,7 @@ fn real_model_applies_every_engine_setting_live() {
         (stats.weight_format, stats.kv_cache, stats.threads),
         (WeightFormat::Q8, KvCacheType::F16, 1)
     );
+    assert_eq!(stats.activations, ActivationFormat::Mixed);
     assert!(stats.decode_tokens_per_second.is_some());
 
     // Weight format: a background conversion reports every matrix, then the new weights serve.
@@ -904,10 +1099,26 @@ fn real_model_applies_every_engine_setting_live() {
     let (_, reused, prompt) = turn_done(&harness.generate(4, turn.clone()));
     assert_eq!(reused, prompt - 1);
 
+    // Activations: switched in place (no conversion), a new cache, the same reply a fresh engine
+    // built with them gives.
+    settings.activations = ActivationFormat::Q8x2;
+    let events = harness.apply(&settings, |applied| {
+        applied.activations == ActivationFormat::Q8x2
+    });
+    assert_eq!(conversion_progress(&events), 0);
+    let switched = harness.generate(5, turn.clone());
+    assert_eq!(last_stats(&switched).activations, ActivationFormat::Q8x2);
+    assert_eq!(turn_done(&switched).1, 0, "new activations, new cache");
+    let cold = start_real(settings.clone());
+    assert_eq!(
+        streamed_text(&switched),
+        streamed_text(&cold.generate(1, turn.clone()))
+    );
+
     // Threads: a new pool, and the gauges say so.
     settings.threads = 2;
     harness.apply(&settings, |applied| applied.threads == 2);
-    let events = harness.generate(5, turn);
+    let events = harness.generate(6, turn);
     assert_eq!(last_stats(&events).threads, 2);
     assert!(!events
         .iter()

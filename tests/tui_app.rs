@@ -2,7 +2,7 @@
 
 use ossterm::cli::app::{load_model, synthetic_preset};
 use ossterm::config::{ModelSource, SyntheticChoice, SYNTHETIC_20B_MIN_MEMORY_BYTES};
-use ossterm::engine::protocol::{KvCacheType, Settings, WeightFormat};
+use ossterm::engine::protocol::{ActivationFormat, KvCacheType, Settings, WeightFormat};
 use ossterm::model::{LoadOptions, Model, Precision, Preset};
 use std::sync::Arc;
 
@@ -102,6 +102,65 @@ fn missing_checkpoint_is_an_error_naming_the_directory() {
     .expect("an error");
     assert!(
         error.to_string().contains(&missing.display().to_string()),
+        "{error}"
+    );
+}
+
+#[test]
+fn the_loaded_model_uses_the_configured_activations() {
+    for activations in ActivationFormat::ALL.iter().copied() {
+        let settings = Settings {
+            activations,
+            ..Settings::default()
+        };
+        let loaded = load_model(
+            &ModelSource::Synthetic(SyntheticChoice::Tiny),
+            &settings,
+            &mut |_, _, _| {},
+        )
+        .unwrap();
+        assert_eq!(loaded.model.options().activations, activations);
+    }
+}
+
+/// The app's settings from `args` (after the program name) over a config file holding `config`.
+fn resolved(config: &str, args: &[&str]) -> Result<Settings, String> {
+    use clap::Parser;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.toml");
+    std::fs::write(&path, config).unwrap();
+    let mut argv = vec!["ossterm", "--config", path.to_str().unwrap()];
+    argv.extend_from_slice(args);
+    let cli = ossterm::cli::Cli::try_parse_from(argv).map_err(|error| error.to_string())?;
+    cli.app
+        .resolve()
+        .map(|config| config.settings)
+        .map_err(|error| format!("{error:#}"))
+}
+
+#[test]
+fn activations_flag_overrides_the_config_file_which_overrides_the_default() {
+    let activations = |config: &str, args: &[&str]| resolved(config, args).unwrap().activations;
+    assert_eq!(activations("", &[]), ActivationFormat::Mixed);
+    let file = "[engine]\nactivations = \"q8\"\n";
+    assert_eq!(activations(file, &[]), ActivationFormat::Q8);
+    assert_eq!(
+        activations(file, &["--activations", "q8x2"]),
+        ActivationFormat::Q8x2
+    );
+    assert_eq!(
+        activations("", &["--activations", "mixed"]),
+        ActivationFormat::Mixed
+    );
+
+    let error = resolved("", &["--activations", "q4"]).unwrap_err();
+    assert!(
+        error.contains("q4") && error.contains("q8, mixed, q8x2"),
+        "{error}"
+    );
+    let error = resolved("[engine]\n\nactivations = \"fp8\"\n", &[]).unwrap_err();
+    assert!(
+        error.contains("line 3") && error.contains("engine.activations"),
         "{error}"
     );
 }

@@ -3,8 +3,8 @@
 
 use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
 use ossterm::engine::protocol::{
-    CacheHits, Channel, Command, EngineInfo, Event, KvCacheType, RequestKind, Settings,
-    StatsSample, StopReason, WeightFormat,
+    ActivationFormat, CacheHits, Channel, Command, EngineInfo, Event, KvCacheType, RequestKind,
+    Settings, StatsSample, StopReason, WeightFormat,
 };
 use ossterm::tui::store::ChatStore;
 use ossterm::tui::view::draw;
@@ -113,6 +113,7 @@ fn stats(decode: f64) -> StatsSample {
         threads: 2,
         kernel_path: "avx512".to_string(),
         weight_format: WeightFormat::Q8,
+        activations: ActivationFormat::Mixed,
     }
 }
 
@@ -233,6 +234,7 @@ fn settings_panel_and_help_overlay() {
         "max tokens",
         "seed",
         "keep reasoning",
+        "activations",
         "system prompt",
         "developer instr.",
     ] {
@@ -420,6 +422,7 @@ fn gauges_show_kernels_formats_and_a_running_conversion() {
     for row in [
         "kernels     avx512",
         "weights     q8",
+        "activations mixed",
         "KV format   f16",
         "threads     2",
     ] {
@@ -440,6 +443,107 @@ fn gauges_show_kernels_formats_and_a_running_conversion() {
     );
     let text = screen(&mut app, 110, 40);
     assert!(text.contains("weights     q8 → q4 50%"), "{text}");
+}
+
+/// Focuses the settings panel and moves the cursor to `label`'s row.
+fn select_setting(app: &mut App, label: &str, now: Instant) {
+    use ossterm::tui::settings_panel::SettingField;
+    app.update(key(KeyCode::Tab), now);
+    app.update(key(KeyCode::Tab), now);
+    let row = SettingField::ALL
+        .iter()
+        .position(|field| field.label() == label)
+        .expect("a settings row");
+    for _ in 0..row {
+        app.update(key(KeyCode::Down), now);
+    }
+}
+
+#[test]
+fn activations_setting_is_sent_to_the_engine_and_the_gauge_follows_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut app = ready_app(dir.path());
+    let now = Instant::now();
+    app.update(Msg::Engine(Event::Stats(stats(12.5))), now);
+    type_text(&mut app, "hello", now);
+    let (id, _, _) = sent_request(&app.update(key(KeyCode::Enter), now));
+    app.update(
+        Msg::Engine(Event::TurnDone {
+            id,
+            reason: StopReason::Finished,
+            hits: CacheHits::default(),
+            generated_tokens: 1,
+        }),
+        now,
+    );
+    select_setting(&mut app, "activations", now);
+    let text = screen(&mut app, 110, 40);
+    assert!(text.contains("›activations       mixed"), "{text}");
+
+    // Right steps mixed -> q8x2: the engine gets the whole settings with the new format.
+    let effects = app.update(key(KeyCode::Right), now);
+    let applied: Vec<&Settings> = effects
+        .iter()
+        .filter_map(|effect| match effect {
+            Effect::Engine(Command::ApplySettings(settings)) => Some(settings.as_ref()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(applied.len(), 1, "{effects:?}");
+    assert_eq!(applied[0].activations, ActivationFormat::Q8x2);
+    assert_eq!(
+        applied[0].weight_format,
+        WeightFormat::Q8,
+        "nothing else moves"
+    );
+    let text = screen(&mut app, 140, 40);
+    assert!(text.contains("›activations       q8x2"), "{text}");
+    assert!(
+        text.contains("Activations q8x2 keep the weights but need a new cache: the next turn re-prefills the whole conversation"),
+        "{text}"
+    );
+    // Until the engine reports the switch, the gauge shows the serving format and the target.
+    assert!(text.contains("activations mixed → q8x2"), "{text}");
+
+    let switched = Box::new(applied[0].clone());
+    app.update(Msg::Engine(Event::SettingsApplied(switched)), now);
+    let mut sample = stats(12.5);
+    sample.activations = ActivationFormat::Q8x2;
+    app.update(Msg::Engine(Event::Stats(sample)), now);
+    let text = screen(&mut app, 140, 40);
+    assert!(text.contains("activations q8x2 "), "{text}");
+    assert!(!text.contains("→ q8x2"), "{text}");
+    assert_eq!(
+        app.engine_settings
+            .as_ref()
+            .map(|settings| settings.activations),
+        Some(ActivationFormat::Q8x2)
+    );
+}
+
+#[test]
+fn ready_shows_the_activation_format_the_engine_loaded() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut app = App::new(
+        Settings::default(),
+        ChatStore::new(dir.path().to_path_buf()),
+        EngineStatus::Loading {
+            stage: "weights".to_string(),
+            done: 0,
+            total: 1,
+        },
+    );
+    let info = EngineInfo {
+        model_label: "synthetic tiny".to_string(),
+        random_weights: true,
+        kernel_path: "avx512".to_string(),
+        settings: Settings {
+            activations: ActivationFormat::Q8,
+            ..Settings::default()
+        },
+    };
+    app.update(Msg::Engine(Event::Ready(info)), Instant::now());
+    assert_eq!(app.settings.activations, ActivationFormat::Q8);
 }
 
 #[test]

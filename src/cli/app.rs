@@ -2,7 +2,9 @@
 //! restore (also on panic), and the event loop that joins keys, engine events and redraws.
 
 use crate::config::{self, AppConfig, ConfigOverrides, ModelSource, SyntheticChoice};
-use crate::engine::protocol::{Event, KvCacheType, ReasoningEffort, WeightFormat};
+use crate::engine::protocol::{
+    ActivationFormat, Event, KvCacheType, ReasoningEffort, WeightFormat,
+};
 use crate::engine::worker::{EngineError, EngineHandle};
 use crate::tui::clipboard::osc52_sequence;
 use crate::tui::store::ChatStore;
@@ -46,6 +48,9 @@ pub struct AppArgs {
     /// native, q8 or q4 (engine.weight_format).
     #[arg(long, value_name = "FORMAT", value_parser = parse_choice::<WeightFormat>)]
     pub weight_format: Option<WeightFormat>,
+    /// Int8 inputs of quantized products: q8, mixed or q8x2 (engine.activations).
+    #[arg(long, value_name = "FORMAT", value_parser = parse_choice::<ActivationFormat>)]
+    pub activations: Option<ActivationFormat>,
     /// f16 or f32 (engine.kv_cache).
     #[arg(long, value_name = "TYPE", value_parser = parse_choice::<KvCacheType>)]
     pub kv_cache: Option<KvCacheType>,
@@ -98,7 +103,7 @@ macro_rules! named_choice {
         }
     )*};
 }
-named_choice!(WeightFormat, KvCacheType, ReasoningEffort);
+named_choice!(WeightFormat, ActivationFormat, KvCacheType, ReasoningEffort);
 
 fn parse_choice<T: NamedChoice>(text: &str) -> Result<T, String> {
     T::ALL
@@ -119,6 +124,7 @@ impl AppArgs {
             synthetic: self.synthetic,
             threads: self.threads,
             weight_format: self.weight_format,
+            activations: self.activations,
             kv_cache: self.kv_cache,
             context_limit: self.context_limit,
             temperature: self.temperature,
@@ -512,6 +518,7 @@ pub fn load_model(
         precision: Precision::Fast,
         weights: settings.weight_format,
         kv: settings.kv_cache,
+        activations: settings.activations,
         ..LoadOptions::default()
     };
     let converting = format!("converting weights to {}", settings.weight_format);

@@ -11,7 +11,7 @@ use std::time::Duration;
 /// told apart from the current one. Ids only grow.
 pub type RequestId = u64;
 
-pub use crate::model::fast::{KvFormat as KvCacheType, WeightFormat};
+pub use crate::model::fast::{ActivationFormat, KvFormat as KvCacheType, WeightFormat};
 
 /// The conversation types are the chat module's own, so a request carries exactly what is
 /// rendered and a saved chat is exactly the chat module's JSON file.
@@ -50,6 +50,8 @@ impl Default for SamplingSettings {
 pub struct Settings {
     pub threads: usize,
     pub weight_format: WeightFormat,
+    /// How the inputs of quantized products are quantized (one int8 row per token, or two).
+    pub activations: ActivationFormat,
     pub kv_cache: KvCacheType,
     pub context_limit: usize,
     pub sampling: SamplingSettings,
@@ -70,6 +72,7 @@ impl Default for Settings {
         Settings {
             threads: crate::engine::default_threads(),
             weight_format: WeightFormat::Q8,
+            activations: ActivationFormat::Mixed,
             kv_cache: KvCacheType::F16,
             context_limit: 8192,
             sampling: SamplingSettings::default(),
@@ -179,6 +182,8 @@ pub struct StatsSample {
     pub threads: usize,
     pub kernel_path: String,
     pub weight_format: WeightFormat,
+    /// The activation format the serving model computes with.
+    pub activations: ActivationFormat,
 }
 
 /// What the engine runs, sent once the model is ready.

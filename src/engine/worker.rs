@@ -9,8 +9,9 @@
 //! be tested with a toy model and so that the forward pass knows nothing about threads or UIs.
 
 use crate::engine::protocol::{
-    CacheHits, Channel, Command, Conversation, EngineInfo, Event, GenerateRequest, KvCacheType,
-    RequestId, SamplingSettings, Settings, StatsSample, StopReason, WeightFormat,
+    ActivationFormat, CacheHits, Channel, Command, Conversation, EngineInfo, Event,
+    GenerateRequest, KvCacheType, RequestId, SamplingSettings, Settings, StatsSample, StopReason,
+    WeightFormat,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -78,6 +79,14 @@ pub trait ModelBackend: Send + Sync + 'static {
         Self: Sized;
 
     fn weight_format(&self) -> WeightFormat;
+
+    /// How the inputs of quantized products are quantized.
+    fn activations(&self) -> ActivationFormat;
+
+    /// Switches the activation format in place. The weights do not depend on it, so nothing is
+    /// rebuilt; the worker calls this only while it holds the model alone (no session, no
+    /// conversion thread), since sessions read it at every forward pass.
+    fn set_activations(&mut self, format: ActivationFormat);
 
     /// The KV cache element type a session asked for `requested` really holds (a path that
     /// supports one type only answers that one, and the settings then show it).
@@ -286,6 +295,12 @@ pub struct Worker<M: ModelBackend, C, S> {
     prefill_chunk: Option<usize>,
     /// A re-quantized model being built in the background, with the format it will have.
     pending_model: Option<(WeightFormat, Receiver<Result<M, EngineError>>)>,
+    /// Conversion threads that may still run, abandoned ones included: each holds the serving
+    /// model, which can only be changed in place once they have ended.
+    conversion_threads: Vec<JoinHandle<()>>,
+    /// The activation format asked for. It differs from the serving model's only while the switch
+    /// waits for a conversion thread (see `with_wanted_activations`).
+    wanted_activations: ActivationFormat,
 }
 
 impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
@@ -306,8 +321,11 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
         let pool = Arc::new(build_pool(settings.threads)?);
         sampler.configure(&settings.sampling);
         let mut effective = settings;
+        // The loader chose the formats; what it built is what the settings show from now on.
         effective.weight_format = model.weight_format();
+        effective.activations = model.activations();
         effective.kv_cache = model.effective_kv_cache(effective.kv_cache);
+        let activations = effective.activations;
         let _ = events.send(Event::Ready(EngineInfo {
             model_label,
             random_weights,
@@ -328,6 +346,8 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
             last_stats: Instant::now(),
             prefill_chunk: None,
             pending_model: None,
+            conversion_threads: Vec::new(),
+            wanted_activations: activations,
         };
         worker.send_stats();
         Ok(worker)
@@ -344,19 +364,32 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
             let command = match commands.recv_timeout(IDLE_POLL) {
                 Ok(command) => command,
                 Err(RecvTimeoutError::Timeout) => {
-                    self.install_requantized_model();
+                    let Some(worker) = self.install_waiting_changes() else {
+                        return;
+                    };
+                    self = worker;
                     continue;
                 }
                 Err(RecvTimeoutError::Disconnected) => return,
             };
             match command {
                 Command::Generate(request) => {
-                    self.install_requantized_model();
+                    let Some(worker) = self.install_waiting_changes() else {
+                        return;
+                    };
+                    self = worker;
                     self.run_turn(request);
                 }
                 // A cancel with nothing running has already raised the mark; queued requests check it.
                 Command::Cancel(_) => {}
-                Command::ApplySettings(settings) => self.apply_settings(*settings),
+                Command::ApplySettings(settings) => {
+                    self.apply_settings(*settings);
+                    let Some(worker) = self.with_wanted_activations() else {
+                        return;
+                    };
+                    self = worker;
+                    self.report_settings();
+                }
                 Command::Shutdown => return,
             }
         }
@@ -531,6 +564,8 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
         } else if pending_format != Some(wants_format) {
             self.start_requantization(wants_format);
         }
+        // Switched by the caller once this returns (it needs the worker by value).
+        self.wanted_activations = next.activations;
         let mut applied = next;
         if let Some(error) = failure {
             let _ = self.events.send(Event::Error {
@@ -542,13 +577,85 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
             applied.kv_cache = previous.kv_cache;
         }
         applied.kv_cache = self.model.effective_kv_cache(applied.kv_cache);
-        // The weight format shown stays the serving one until the new weights are installed.
-        applied.weight_format = self.model.weight_format();
         self.settings = applied;
+    }
+
+    /// Tells the UI the settings in force. The formats shown are the serving model's: a new weight
+    /// format shows once its weights are installed, a new activation format once it is switched.
+    fn report_settings(&mut self) {
+        self.settings.weight_format = self.model.weight_format();
+        self.settings.activations = self.model.activations();
         let _ = self
             .events
             .send(Event::SettingsApplied(Box::new(self.settings.clone())));
         self.send_stats();
+    }
+
+    /// Between turns: installs a finished conversion, then an activation switch that was waiting
+    /// for one. `None` when the engine cannot go on (see `with_wanted_activations`).
+    fn install_waiting_changes(mut self) -> Option<Self> {
+        self.install_requantized_model();
+        let serving = self.model.activations();
+        let mut worker = self.with_wanted_activations()?;
+        if worker.model.activations() != serving {
+            worker.report_settings();
+        }
+        Some(worker)
+    }
+
+    /// Switches the serving model to the wanted activation format without rebuilding anything: the
+    /// format is a plain setting of the model that the forward pass reads at every step, while a
+    /// rebuild (`requantized`) would convert every dense matrix again for nothing. Changing it in
+    /// place needs the model to be ours alone, so the switch waits while a conversion thread still
+    /// reads it (a pending conversion instead carries the wanted format into the model it builds).
+    ///
+    /// Our session holds the model too and is dropped first; that is also what correctness asks
+    /// for: the K and V it cached were computed from inputs quantized the old way, so a turn that
+    /// reused them would match neither format. The next turn therefore prefills from the start.
+    ///
+    /// `None` when no new session can be made: the engine has no cache left to serve with.
+    fn with_wanted_activations(mut self) -> Option<Self> {
+        let wanted = self.wanted_activations;
+        self.conversion_threads
+            .retain(|thread| !thread.is_finished());
+        let busy = self.pending_model.is_some() || !self.conversion_threads.is_empty();
+        if wanted == self.model.activations() || busy {
+            return Some(self);
+        }
+        drop(self.session);
+        let switched = match Arc::get_mut(&mut self.model) {
+            Some(model) => {
+                model.set_activations(wanted);
+                true
+            }
+            None => false,
+        };
+        match M::new_session(
+            &self.model,
+            self.settings.context_limit,
+            self.settings.kv_cache,
+        ) {
+            Ok(session) => self.session = session,
+            Err(error) => {
+                let _ = self.events.send(Event::Error {
+                    id: None,
+                    message: format!(
+                        "no KV cache after switching activations to {wanted}: {error}"
+                    ),
+                });
+                return None;
+            }
+        }
+        if !switched {
+            // Only a backend whose sessions share the model with something else gets here; trying
+            // again would only drop the cache again, so the serving format stays.
+            self.wanted_activations = self.model.activations();
+            let _ = self.events.send(Event::Error {
+                id: None,
+                message: format!("cannot switch activations to {wanted}: the model is shared"),
+            });
+        }
+        Some(self)
     }
 
     fn start_requantization(&mut self, format: WeightFormat) {
@@ -569,7 +676,10 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
                 let _ = sender.send(model.requantized(format, &mut progress));
             });
         match spawned {
-            Ok(_) => self.pending_model = Some((format, receiver)),
+            Ok(thread) => {
+                self.pending_model = Some((format, receiver));
+                self.conversion_threads.push(thread);
+            }
             Err(error) => {
                 let message = format!("cannot start re-quantization to {format}: {error}");
                 let _ = self.events.send(Event::Error { id: None, message });
@@ -591,7 +701,9 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
             )),
         };
         self.pending_model = None;
-        let installed = result.and_then(|model| {
+        let installed = result.and_then(|mut model| {
+            // Built from the old model's options; the activation format asked for since wins.
+            model.set_activations(self.wanted_activations);
             let model = Arc::new(model);
             let session =
                 M::new_session(&model, self.settings.context_limit, self.settings.kv_cache)?;
@@ -601,11 +713,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
             Ok((model, session)) => {
                 self.model = model;
                 self.session = session;
-                self.settings.weight_format = self.model.weight_format();
-                let _ = self
-                    .events
-                    .send(Event::SettingsApplied(Box::new(self.settings.clone())));
-                self.send_stats();
+                self.report_settings();
             }
             Err(error) => {
                 let _ = self.events.send(Event::Error {
@@ -650,6 +758,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
             threads: self.pool.current_num_threads(),
             kernel_path: self.model.kernel_path(),
             weight_format: self.model.weight_format(),
+            activations: self.model.activations(),
         }
     }
 }
@@ -761,6 +870,14 @@ impl ModelBackend for crate::model::Model {
 
     fn weight_format(&self) -> WeightFormat {
         self.options().weights
+    }
+
+    fn activations(&self) -> ActivationFormat {
+        self.activations
+    }
+
+    fn set_activations(&mut self, format: ActivationFormat) {
+        self.activations = format;
     }
 
     fn effective_kv_cache(&self, requested: KvCacheType) -> KvCacheType {

@@ -1,6 +1,8 @@
 //! The settings rows: how each one is shown and changed with Left/Right.
 
-use crate::engine::protocol::{KvCacheType, ReasoningEffort, Settings, WeightFormat};
+use crate::engine::protocol::{
+    ActivationFormat, KvCacheType, ReasoningEffort, Settings, WeightFormat,
+};
 
 /// One row of the settings panel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -17,6 +19,7 @@ pub enum SettingField {
     MaxTokens,
     Seed,
     KeepReasoning,
+    Activations,
     SystemPrompt,
     DeveloperInstructions,
 }
@@ -35,6 +38,9 @@ impl SettingField {
         SettingField::MaxTokens,
         SettingField::Seed,
         SettingField::KeepReasoning,
+        // Here rather than beside the weight format: rows above keep their places, which the
+        // end-to-end script (tools/tmux_e2e.sh) counts Down presses to reach.
+        SettingField::Activations,
         SettingField::SystemPrompt,
         SettingField::DeveloperInstructions,
     ];
@@ -53,6 +59,7 @@ impl SettingField {
             SettingField::MaxTokens => "max tokens",
             SettingField::Seed => "seed",
             SettingField::KeepReasoning => "keep reasoning",
+            SettingField::Activations => "activations",
             SettingField::SystemPrompt => "system prompt",
             SettingField::DeveloperInstructions => "developer instr.",
         }
@@ -90,6 +97,7 @@ impl SettingField {
                 "no"
             }
             .to_string(),
+            SettingField::Activations => settings.activations.to_string(),
             SettingField::SystemPrompt => one_line(&settings.system_prompt),
             SettingField::DeveloperInstructions => one_line(&settings.developer_instructions),
         }
@@ -153,6 +161,9 @@ impl SettingField {
             }
             SettingField::KeepReasoning => {
                 settings.keep_reasoning_in_context = !settings.keep_reasoning_in_context
+            }
+            SettingField::Activations => {
+                settings.activations = ActivationFormat::cycle(settings.activations, sign(up))
             }
             SettingField::SystemPrompt | SettingField::DeveloperInstructions => {}
         }
@@ -219,5 +230,19 @@ mod tests {
         SettingField::Seed.step(&mut settings, -1, 2);
         assert_eq!(settings.sampling.seed, None);
         assert_eq!(SettingField::TopK.value(&settings), "off");
+    }
+
+    #[test]
+    fn activations_cycle_through_every_format_both_ways() {
+        let mut settings = Settings::default();
+        assert_eq!(SettingField::Activations.value(&settings), "mixed");
+        let mut seen = Vec::new();
+        for _ in 0..ActivationFormat::ALL.len() {
+            SettingField::Activations.step(&mut settings, 1, 2);
+            seen.push(SettingField::Activations.value(&settings));
+        }
+        assert_eq!(seen, ["q8x2", "q8", "mixed"]);
+        SettingField::Activations.step(&mut settings, -1, 2);
+        assert_eq!(settings.activations, ActivationFormat::Q8);
     }
 }

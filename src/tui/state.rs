@@ -940,6 +940,7 @@ impl App {
                 self.engine = EngineStatus::Ready;
                 // Show what really runs: the model may not offer the configured formats.
                 self.settings.weight_format = info.settings.weight_format;
+                self.settings.activations = info.settings.activations;
                 self.settings.kv_cache = info.settings.kv_cache;
                 self.engine_settings = Some(info.settings.clone());
                 self.engine_info = Some(info);
@@ -1110,6 +1111,11 @@ pub fn settings_change_notice(
         Some("The system prompt changed".to_string())
     } else if previous.developer_instructions != next.developer_instructions {
         Some("The developer instructions changed".to_string())
+    } else if previous.activations != next.activations {
+        Some(format!(
+            "Activations {} keep the weights but need a new cache",
+            next.activations
+        ))
     } else if previous.kv_cache != next.kv_cache {
         Some(format!("KV cache {} needs a new cache", next.kv_cache))
     } else if previous.context_limit != next.context_limit {

@@ -479,6 +479,15 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
         (None, _) => "-".to_string(),
     };
     rows.push(gauge_row("weights", weights));
+    // A switch waits while a weight conversion runs, so the serving format can lag the setting.
+    let activations = match stats.map(|stats| stats.activations) {
+        Some(serving) if serving != app.settings.activations => {
+            format!("{serving} → {}", app.settings.activations)
+        }
+        Some(serving) => serving.to_string(),
+        None => "-".to_string(),
+    };
+    rows.push(gauge_row("activations", activations));
     let latency = &app.latency;
     let ui = if latency.samples > 0 {
         format!(
