@@ -33,7 +33,7 @@ struct Journal {
     prefill_threads: Vec<usize>,
     /// KV cache type of every session made.
     sessions: Vec<KvCacheType>,
-    /// Activation format of the model each session was made over.
+    /// Activation format of every session made and of every switch of one.
     session_activations: Vec<ActivationFormat>,
     /// Weight conversions started.
     requantizations: usize,
@@ -49,6 +49,7 @@ struct ToyModel {
 }
 
 struct ToySession {
+    activations: ActivationFormat,
     /// The state before any token; it depends on the activation format, so sessions of different
     /// formats give different logits, as the real forward pass does.
     start: u64,
@@ -127,6 +128,23 @@ impl InferenceSession for ToySession {
     fn prefill_chunk(&self) -> usize {
         TOY_PREFILL_CHUNK
     }
+
+    fn activations(&self) -> ActivationFormat {
+        self.activations
+    }
+
+    fn set_activations(&mut self, format: ActivationFormat) {
+        if format != self.activations {
+            self.journal
+                .lock()
+                .unwrap()
+                .session_activations
+                .push(format);
+            self.activations = format;
+            self.start = start_state(format);
+            self.truncate(0);
+        }
+    }
 }
 
 impl ModelBackend for ToyModel {
@@ -136,12 +154,14 @@ impl ModelBackend for ToyModel {
         model: &Arc<Self>,
         context_limit: usize,
         kv_cache: KvCacheType,
+        activations: ActivationFormat,
     ) -> Result<ToySession, EngineError> {
         let mut journal = model.journal.lock().unwrap();
         journal.sessions.push(kv_cache);
-        journal.session_activations.push(model.activations);
+        journal.session_activations.push(activations);
         Ok(ToySession {
-            start: start_state(model.activations),
+            activations,
+            start: start_state(activations),
             tokens: Vec::new(),
             states: Vec::new(),
             logits: vec![0.0; VOCAB],
@@ -182,10 +202,6 @@ impl ModelBackend for ToyModel {
 
     fn activations(&self) -> ActivationFormat {
         self.activations
-    }
-
-    fn set_activations(&mut self, format: ActivationFormat) {
-        self.activations = format;
     }
 
     fn effective_kv_cache(&self, requested: KvCacheType) -> KvCacheType {
@@ -435,7 +451,8 @@ fn common_prefix_and_rewind_keep_one_token_to_prefill() {
         journal: Default::default(),
         requantize_gate: None,
     });
-    let mut session = ToyModel::new_session(&model, 100, KvCacheType::F16).unwrap();
+    let mut session =
+        ToyModel::new_session(&model, 100, KvCacheType::F16, ActivationFormat::Mixed).unwrap();
     session.prefill(&[5, 6, 7, 8]).unwrap();
     assert_eq!(rewind_for_prompt(&mut session, &[5, 6, 9]), 2);
     assert_eq!(session.tokens(), &[5, 6]);
@@ -457,14 +474,16 @@ fn reused_prefix_gives_the_same_logits_as_a_cold_prefill() {
     let mut second = first[..30].to_vec();
     second.extend([3, 1, 4, 1, 5, 9, 2, 6]);
 
-    let mut warm = ToyModel::new_session(&model, 100, KvCacheType::F16).unwrap();
+    let mut warm =
+        ToyModel::new_session(&model, 100, KvCacheType::F16, ActivationFormat::Mixed).unwrap();
     warm.prefill(&first).unwrap();
     warm.decode(7).unwrap();
     let reused = rewind_for_prompt(&mut warm, &second);
     assert_eq!(reused, 30);
     let warm_logits = warm.prefill(&second[reused..]).unwrap().to_vec();
 
-    let mut cold = ToyModel::new_session(&model, 100, KvCacheType::F16).unwrap();
+    let mut cold =
+        ToyModel::new_session(&model, 100, KvCacheType::F16, ActivationFormat::Mixed).unwrap();
     let cold_logits = cold.prefill(&second).unwrap().to_vec();
     assert_eq!(warm_logits, cold_logits);
 }
@@ -680,7 +699,13 @@ fn real_model_reuse_gives_the_same_logits_as_a_cold_prefill() {
     let mut second = first[..35].to_vec();
     second.extend((0..9).map(|index| (index * 104_729 + 5) % vocab));
 
-    let mut warm = <Model as ModelBackend>::new_session(&model, 256, KvCacheType::F32).unwrap();
+    let mut warm = <Model as ModelBackend>::new_session(
+        &model,
+        256,
+        KvCacheType::F32,
+        ActivationFormat::Mixed,
+    )
+    .unwrap();
     InferenceSession::prefill(&mut warm, &first).unwrap();
     InferenceSession::decode(&mut warm, 3).unwrap();
     let reused = rewind_for_prompt(&mut warm, &second);
@@ -689,7 +714,13 @@ fn real_model_reuse_gives_the_same_logits_as_a_cold_prefill() {
         .unwrap()
         .to_vec();
 
-    let mut cold = <Model as ModelBackend>::new_session(&model, 256, KvCacheType::F32).unwrap();
+    let mut cold = <Model as ModelBackend>::new_session(
+        &model,
+        256,
+        KvCacheType::F32,
+        ActivationFormat::Mixed,
+    )
+    .unwrap();
     let cold_logits = InferenceSession::prefill(&mut cold, &second)
         .unwrap()
         .to_vec();
@@ -851,7 +882,7 @@ fn conversion_progress(events: &[Event]) -> usize {
 }
 
 #[test]
-fn activation_change_switches_in_place_with_a_new_cache() {
+fn activation_change_switches_the_session_with_a_new_cache() {
     let harness = start(test_settings(6), Duration::ZERO);
     let turn = conversation(&[(Role::User, None, "same prompt")]);
     let before = harness.generate(1, turn.clone());
@@ -894,25 +925,38 @@ fn activation_change_switches_in_place_with_a_new_cache() {
 }
 
 #[test]
-fn activation_change_during_a_conversion_is_carried_into_the_new_weights() {
+fn activation_change_during_a_conversion_switches_at_once_and_carries_into_the_new_weights() {
     let gate = Arc::new(Barrier::new(2));
     let harness = start_gated(test_settings(4), Duration::ZERO, Some(Arc::clone(&gate)));
+    let turn = conversation(&[(Role::User, None, "hi")]);
+    harness.generate(1, turn.clone());
     let mut settings = test_settings(4);
     settings.weight_format = WeightFormat::Q4;
     harness.apply(&settings, |_| true);
     harness.wait_for(|event| matches!(event, Event::SettingsProgress { done: 1, .. }));
 
-    // The conversion thread still reads the serving model: its format cannot change under it.
+    // The conversion is held at 1 of 4 and still reads the serving model; the switch is the
+    // session's, so it does not wait for it.
     settings.activations = ActivationFormat::Q8x2;
     let events = harness.apply(&settings, |_| true);
     match events.last() {
-        Some(Event::SettingsApplied(applied)) => {
-            assert_eq!(applied.activations, ActivationFormat::Mixed)
-        }
+        Some(Event::SettingsApplied(applied)) => assert_eq!(
+            (applied.weight_format, applied.activations),
+            (WeightFormat::Q8, ActivationFormat::Q8x2)
+        ),
         other => panic!("expected settings applied, got {other:?}"),
     }
-    let during = harness.generate(1, conversation(&[(Role::User, None, "hi")]));
-    assert_eq!(last_stats(&during).activations, ActivationFormat::Mixed);
+    let during = harness.generate(2, turn.clone());
+    assert_eq!(last_stats(&during).activations, ActivationFormat::Q8x2);
+    assert_eq!(turn_done(&during).1, 0, "the old cache holds other numbers");
+    let cold = start(
+        with_activations(test_settings(4), ActivationFormat::Q8x2),
+        Duration::ZERO,
+    );
+    assert_eq!(
+        streamed_text(&during),
+        streamed_text(&cold.generate(1, turn.clone()))
+    );
 
     gate.wait();
     harness.wait_for(|event| {
@@ -920,7 +964,7 @@ fn activation_change_during_a_conversion_is_carried_into_the_new_weights() {
             if applied.weight_format == WeightFormat::Q4
                 && applied.activations == ActivationFormat::Q8x2)
     });
-    let after = harness.generate(2, conversation(&[(Role::User, None, "hi")]));
+    let after = harness.generate(3, turn);
     let stats = last_stats(&after);
     assert_eq!(
         (stats.weight_format, stats.activations),
@@ -928,15 +972,19 @@ fn activation_change_during_a_conversion_is_carried_into_the_new_weights() {
     );
     let journal = harness.journal.lock().unwrap();
     assert_eq!(journal.requantizations, 1);
-    // The new weights arrive with the new format: one new cache, not one per change.
+    // First session, its switch, and the new weights' session made in the format in force.
     assert_eq!(
         journal.session_activations,
-        [ActivationFormat::Mixed, ActivationFormat::Q8x2]
+        [
+            ActivationFormat::Mixed,
+            ActivationFormat::Q8x2,
+            ActivationFormat::Q8x2
+        ]
     );
 }
 
 #[test]
-fn activation_change_waits_for_an_abandoned_conversion_to_end() {
+fn activation_change_with_an_abandoned_conversion_applies_at_once() {
     let gate = Arc::new(Barrier::new(2));
     let harness = start_gated(test_settings(4), Duration::ZERO, Some(Arc::clone(&gate)));
     let mut settings = test_settings(4);
@@ -948,25 +996,28 @@ fn activation_change_waits_for_an_abandoned_conversion_to_end() {
     settings.activations = ActivationFormat::Q8;
     let events = harness.apply(&settings, |_| true);
     match events.last() {
-        Some(Event::SettingsApplied(applied)) => {
-            assert_eq!(applied.activations, ActivationFormat::Mixed)
-        }
+        Some(Event::SettingsApplied(applied)) => assert_eq!(
+            (applied.weight_format, applied.activations),
+            (WeightFormat::Q8, ActivationFormat::Q8)
+        ),
         other => panic!("expected settings applied, got {other:?}"),
     }
+    let during = harness.generate(1, conversation(&[(Role::User, None, "hi")]));
+    assert_eq!(last_stats(&during).activations, ActivationFormat::Q8);
     gate.wait();
-    // The idle loop switches once the thread has ended, without a request to prompt it.
-    harness.wait_for(|event| {
-        matches!(event, Event::SettingsApplied(applied)
-            if applied.activations == ActivationFormat::Q8
-                && applied.weight_format == WeightFormat::Q8)
-    });
-    let after = harness.generate(1, conversation(&[(Role::User, None, "hi")]));
-    assert_eq!(last_stats(&after).activations, ActivationFormat::Q8);
-    assert_eq!(last_stats(&after).weight_format, WeightFormat::Q8);
+    std::thread::sleep(Duration::from_millis(200));
+    let after = harness.generate(2, conversation(&[(Role::User, None, "hi")]));
+    assert_eq!(
+        (
+            last_stats(&after).weight_format,
+            last_stats(&after).activations
+        ),
+        (WeightFormat::Q8, ActivationFormat::Q8)
+    );
 }
 
 #[test]
-fn real_model_activation_switch_computes_like_a_model_built_that_way() {
+fn real_model_session_switch_computes_like_a_model_built_that_way() {
     use ossterm::model::{LoadOptions, Model, Preset};
     let build = |activations| {
         let options = LoadOptions {
@@ -975,27 +1026,40 @@ fn real_model_activation_switch_computes_like_a_model_built_that_way() {
         };
         Arc::new(Model::synthetic(Preset::Tiny, 5, &options).unwrap())
     };
-    let vocab = build(ActivationFormat::Mixed).config.vocab_size as u32;
+    let mixed_model = build(ActivationFormat::Mixed);
+    let vocab = mixed_model.config.vocab_size as u32;
     let prompt: Vec<u32> = (0..40).map(|index| (index * 7919 + 11) % vocab).collect();
-    let logits = |model: &Arc<Model>| {
-        let mut session =
-            <Model as ModelBackend>::new_session(model, 128, KvCacheType::F16).unwrap();
-        InferenceSession::prefill(&mut session, &prompt)
-            .unwrap()
-            .to_vec()
+    let new_session = |model: &Arc<Model>, activations| {
+        <Model as ModelBackend>::new_session(model, 128, KvCacheType::F16, activations).unwrap()
     };
 
-    let mut switched = build(ActivationFormat::Mixed);
-    let mixed = logits(&switched);
-    Arc::get_mut(&mut switched)
-        .expect("no session holds the model")
-        .set_activations(ActivationFormat::Q8);
-    assert_eq!(ModelBackend::activations(&*switched), ActivationFormat::Q8);
-    let direct = build(ActivationFormat::Q8);
-    let q8 = logits(&switched);
-    // Same weights, kernels and chunking: the switched model is the one built with q8, bit for bit.
-    assert_eq!(q8, logits(&direct));
-    assert_ne!(q8, mixed, "the format reaches the forward pass");
+    // Through the worker's traits: made as mixed, switched to q8 with a warm cache.
+    let mut session = new_session(&mixed_model, ActivationFormat::Mixed);
+    let mixed = InferenceSession::prefill(&mut session, &prompt)
+        .unwrap()
+        .to_vec();
+    InferenceSession::set_activations(&mut session, ActivationFormat::Q8);
+    assert_eq!(
+        InferenceSession::activations(&session),
+        ActivationFormat::Q8
+    );
+    assert!(session.tokens().is_empty(), "the switch empties the cache");
+    let switched = InferenceSession::prefill(&mut session, &prompt)
+        .unwrap()
+        .to_vec();
+
+    let q8_model = build(ActivationFormat::Q8);
+    let mut direct = new_session(&q8_model, ActivationFormat::Q8);
+    let direct = InferenceSession::prefill(&mut direct, &prompt).unwrap();
+    // Same weights, kernels and chunking: bit for bit what a model built with q8 computes.
+    assert_eq!(switched, direct);
+    assert_ne!(switched, mixed, "the format reaches the forward pass");
+    // A session asked for q8 over the mixed model is the same session.
+    let mut asked = new_session(&mixed_model, ActivationFormat::Q8);
+    assert_eq!(
+        InferenceSession::prefill(&mut asked, &prompt).unwrap(),
+        direct
+    );
 }
 
 #[test]

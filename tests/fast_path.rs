@@ -233,3 +233,54 @@ fn every_kernel_path_computes_the_same_logits() {
     }
     eprintln!("kernel paths compared: {paths:?}");
 }
+
+#[test]
+fn switching_a_session_computes_like_a_session_built_with_that_format() {
+    use ossterm::model::Preset;
+    let build = |activations| {
+        let opts = LoadOptions {
+            activations,
+            ..LoadOptions::default()
+        };
+        Arc::new(Model::synthetic(Preset::Tiny, 11, &opts).unwrap())
+    };
+    let vocab = build(ActivationFormat::Mixed).config.vocab_size as u32;
+    let prompt: Vec<u32> = (0..48).map(|i| (i * 7919 + 3) % vocab).collect();
+    // Every position's logits of the prompt, then one decoded token's.
+    let run = |session: &mut ossterm::model::Session| {
+        let mut logits = Vec::new();
+        session.prefill_all_logits(&prompt, &mut logits).unwrap();
+        logits.extend_from_slice(session.decode(5).unwrap());
+        logits
+    };
+    for from in ActivationFormat::ALL.iter().copied() {
+        let model = build(from);
+        let mut session = model.new_session(128);
+        assert_eq!(
+            session.activations(),
+            from,
+            "starts with the model's format"
+        );
+        let before = run(&mut session);
+        // The same format keeps the cache: it is still what that format computes.
+        session.set_activations(from);
+        assert_eq!(session.len(), prompt.len() + 1);
+        for to in ActivationFormat::ALL
+            .iter()
+            .copied()
+            .filter(|&to| to != from)
+        {
+            session.set_activations(to);
+            assert_eq!(session.activations(), to);
+            assert!(session.is_empty(), "{from} -> {to} kept the cache");
+            let switched = run(&mut session);
+            let fresh = run(&mut build(to).new_session(128));
+            assert!(
+                switched == fresh,
+                "{from} -> {to} differs from a fresh {to} session"
+            );
+            assert!(switched != before, "{from} -> {to} computed like {from}");
+            session.set_activations(from);
+        }
+    }
+}

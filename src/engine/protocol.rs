@@ -182,7 +182,7 @@ pub struct StatsSample {
     pub threads: usize,
     pub kernel_path: String,
     pub weight_format: WeightFormat,
-    /// The activation format the serving model computes with.
+    /// The activation format the serving session computes with.
     pub activations: ActivationFormat,
 }
 

@@ -56,6 +56,11 @@ pub trait InferenceSession: Send {
     /// Tokens the forward pass multiplies at once; the worker prefills in chunks of this size so
     /// each chunk is one batched pass and the cancel mark is checked between them.
     fn prefill_chunk(&self) -> usize;
+    /// How the inputs of quantized products are quantized.
+    fn activations(&self) -> ActivationFormat;
+    /// Switches the activation format; a change empties the cache, whose keys and values were
+    /// computed the other way.
+    fn set_activations(&mut self, format: ActivationFormat);
 }
 
 /// The loaded weights: makes sessions and, for a weight-format change, a re-quantized copy.
@@ -66,6 +71,7 @@ pub trait ModelBackend: Send + Sync + 'static {
         model: &Arc<Self>,
         context_limit: usize,
         kv_cache: KvCacheType,
+        activations: ActivationFormat,
     ) -> Result<Self::Session, EngineError>;
 
     /// Builds the same model with attention/unembedding weights in `format`. Runs on a background
@@ -80,13 +86,8 @@ pub trait ModelBackend: Send + Sync + 'static {
 
     fn weight_format(&self) -> WeightFormat;
 
-    /// How the inputs of quantized products are quantized.
+    /// The activation format the loader built the model with: the first session's.
     fn activations(&self) -> ActivationFormat;
-
-    /// Switches the activation format in place. The weights do not depend on it, so nothing is
-    /// rebuilt; the worker calls this only while it holds the model alone (no session, no
-    /// conversion thread), since sessions read it at every forward pass.
-    fn set_activations(&mut self, format: ActivationFormat);
 
     /// The KV cache element type a session asked for `requested` really holds (a path that
     /// supports one type only answers that one, and the settings then show it).
@@ -295,12 +296,6 @@ pub struct Worker<M: ModelBackend, C, S> {
     prefill_chunk: Option<usize>,
     /// A re-quantized model being built in the background, with the format it will have.
     pending_model: Option<(WeightFormat, Receiver<Result<M, EngineError>>)>,
-    /// Conversion threads that may still run, abandoned ones included: each holds the serving
-    /// model, which can only be changed in place once they have ended.
-    conversion_threads: Vec<JoinHandle<()>>,
-    /// The activation format asked for. It differs from the serving model's only while the switch
-    /// waits for a conversion thread (see `with_wanted_activations`).
-    wanted_activations: ActivationFormat,
 }
 
 impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
@@ -317,7 +312,12 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
             model_label,
             random_weights,
         } = parts;
-        let session = M::new_session(&model, settings.context_limit, settings.kv_cache)?;
+        let session = M::new_session(
+            &model,
+            settings.context_limit,
+            settings.kv_cache,
+            model.activations(),
+        )?;
         let pool = Arc::new(build_pool(settings.threads)?);
         sampler.configure(&settings.sampling);
         let mut effective = settings;
@@ -325,7 +325,6 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
         effective.weight_format = model.weight_format();
         effective.activations = model.activations();
         effective.kv_cache = model.effective_kv_cache(effective.kv_cache);
-        let activations = effective.activations;
         let _ = events.send(Event::Ready(EngineInfo {
             model_label,
             random_weights,
@@ -346,8 +345,6 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
             last_stats: Instant::now(),
             prefill_chunk: None,
             pending_model: None,
-            conversion_threads: Vec::new(),
-            wanted_activations: activations,
         };
         worker.send_stats();
         Ok(worker)
@@ -361,36 +358,19 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
     /// Serves commands until `Shutdown` or until the UI hangs up.
     pub fn run(mut self, commands: Receiver<Command>) {
         loop {
-            let command = match commands.recv_timeout(IDLE_POLL) {
-                Ok(command) => command,
-                Err(RecvTimeoutError::Timeout) => {
-                    let Some(worker) = self.install_waiting_changes() else {
-                        return;
-                    };
-                    self = worker;
-                    continue;
-                }
-                Err(RecvTimeoutError::Disconnected) => return,
-            };
-            match command {
-                Command::Generate(request) => {
-                    let Some(worker) = self.install_waiting_changes() else {
-                        return;
-                    };
-                    self = worker;
+            match commands.recv_timeout(IDLE_POLL) {
+                Ok(Command::Generate(request)) => {
+                    self.install_requantized_model();
                     self.run_turn(request);
                 }
                 // A cancel with nothing running has already raised the mark; queued requests check it.
-                Command::Cancel(_) => {}
-                Command::ApplySettings(settings) => {
+                Ok(Command::Cancel(_)) => {}
+                Ok(Command::ApplySettings(settings)) => {
                     self.apply_settings(*settings);
-                    let Some(worker) = self.with_wanted_activations() else {
-                        return;
-                    };
-                    self = worker;
                     self.report_settings();
                 }
-                Command::Shutdown => return,
+                Err(RecvTimeoutError::Timeout) => self.install_requantized_model(),
+                Ok(Command::Shutdown) | Err(RecvTimeoutError::Disconnected) => return,
             }
         }
     }
@@ -547,11 +527,19 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
             }
         }
         if next.context_limit != previous.context_limit || next.kv_cache != previous.kv_cache {
-            match M::new_session(&self.model, next.context_limit, next.kv_cache) {
+            match M::new_session(
+                &self.model,
+                next.context_limit,
+                next.kv_cache,
+                next.activations,
+            ) {
                 Ok(session) => self.session = session,
                 Err(error) => failure = Some(error),
             }
         }
+        // The weights do not depend on the activation format, so the session switches at once,
+        // even while a conversion thread reads the model; the new weights get the format in force.
+        self.session.set_activations(next.activations);
         if next.sampling != previous.sampling {
             self.sampler.configure(&next.sampling);
         }
@@ -564,8 +552,6 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
         } else if pending_format != Some(wants_format) {
             self.start_requantization(wants_format);
         }
-        // Switched by the caller once this returns (it needs the worker by value).
-        self.wanted_activations = next.activations;
         let mut applied = next;
         if let Some(error) = failure {
             let _ = self.events.send(Event::Error {
@@ -580,82 +566,15 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
         self.settings = applied;
     }
 
-    /// Tells the UI the settings in force. The formats shown are the serving model's: a new weight
-    /// format shows once its weights are installed, a new activation format once it is switched.
+    /// Tells the UI the settings in force. The formats shown are the serving ones: a new weight
+    /// format shows once its weights are installed.
     fn report_settings(&mut self) {
         self.settings.weight_format = self.model.weight_format();
-        self.settings.activations = self.model.activations();
+        self.settings.activations = self.session.activations();
         let _ = self
             .events
             .send(Event::SettingsApplied(Box::new(self.settings.clone())));
         self.send_stats();
-    }
-
-    /// Between turns: installs a finished conversion, then an activation switch that was waiting
-    /// for one. `None` when the engine cannot go on (see `with_wanted_activations`).
-    fn install_waiting_changes(mut self) -> Option<Self> {
-        self.install_requantized_model();
-        let serving = self.model.activations();
-        let mut worker = self.with_wanted_activations()?;
-        if worker.model.activations() != serving {
-            worker.report_settings();
-        }
-        Some(worker)
-    }
-
-    /// Switches the serving model to the wanted activation format without rebuilding anything: the
-    /// format is a plain setting of the model that the forward pass reads at every step, while a
-    /// rebuild (`requantized`) would convert every dense matrix again for nothing. Changing it in
-    /// place needs the model to be ours alone, so the switch waits while a conversion thread still
-    /// reads it (a pending conversion instead carries the wanted format into the model it builds).
-    ///
-    /// Our session holds the model too and is dropped first; that is also what correctness asks
-    /// for: the K and V it cached were computed from inputs quantized the old way, so a turn that
-    /// reused them would match neither format. The next turn therefore prefills from the start.
-    ///
-    /// `None` when no new session can be made: the engine has no cache left to serve with.
-    fn with_wanted_activations(mut self) -> Option<Self> {
-        let wanted = self.wanted_activations;
-        self.conversion_threads
-            .retain(|thread| !thread.is_finished());
-        let busy = self.pending_model.is_some() || !self.conversion_threads.is_empty();
-        if wanted == self.model.activations() || busy {
-            return Some(self);
-        }
-        drop(self.session);
-        let switched = match Arc::get_mut(&mut self.model) {
-            Some(model) => {
-                model.set_activations(wanted);
-                true
-            }
-            None => false,
-        };
-        match M::new_session(
-            &self.model,
-            self.settings.context_limit,
-            self.settings.kv_cache,
-        ) {
-            Ok(session) => self.session = session,
-            Err(error) => {
-                let _ = self.events.send(Event::Error {
-                    id: None,
-                    message: format!(
-                        "no KV cache after switching activations to {wanted}: {error}"
-                    ),
-                });
-                return None;
-            }
-        }
-        if !switched {
-            // Only a backend whose sessions share the model with something else gets here; trying
-            // again would only drop the cache again, so the serving format stays.
-            self.wanted_activations = self.model.activations();
-            let _ = self.events.send(Event::Error {
-                id: None,
-                message: format!("cannot switch activations to {wanted}: the model is shared"),
-            });
-        }
-        Some(self)
     }
 
     fn start_requantization(&mut self, format: WeightFormat) {
@@ -676,10 +595,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
                 let _ = sender.send(model.requantized(format, &mut progress));
             });
         match spawned {
-            Ok(thread) => {
-                self.pending_model = Some((format, receiver));
-                self.conversion_threads.push(thread);
-            }
+            Ok(_) => self.pending_model = Some((format, receiver)),
             Err(error) => {
                 let message = format!("cannot start re-quantization to {format}: {error}");
                 let _ = self.events.send(Event::Error { id: None, message });
@@ -701,12 +617,14 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
             )),
         };
         self.pending_model = None;
-        let installed = result.and_then(|mut model| {
-            // Built from the old model's options; the activation format asked for since wins.
-            model.set_activations(self.wanted_activations);
+        let installed = result.and_then(|model| {
             let model = Arc::new(model);
-            let session =
-                M::new_session(&model, self.settings.context_limit, self.settings.kv_cache)?;
+            let session = M::new_session(
+                &model,
+                self.settings.context_limit,
+                self.settings.kv_cache,
+                self.session.activations(),
+            )?;
             Ok((model, session))
         });
         match installed {
@@ -758,7 +676,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
             threads: self.pool.current_num_threads(),
             kernel_path: self.model.kernel_path(),
             weight_format: self.model.weight_format(),
-            activations: self.model.activations(),
+            activations: self.session.activations(),
         }
     }
 }
@@ -840,6 +758,14 @@ impl InferenceSession for crate::model::Session {
     fn prefill_chunk(&self) -> usize {
         self.chunk_len()
     }
+
+    fn activations(&self) -> ActivationFormat {
+        crate::model::Session::activations(self)
+    }
+
+    fn set_activations(&mut self, format: ActivationFormat) {
+        crate::model::Session::set_activations(self, format);
+    }
 }
 
 impl ModelBackend for crate::model::Model {
@@ -849,8 +775,11 @@ impl ModelBackend for crate::model::Model {
         model: &Arc<Self>,
         context_limit: usize,
         kv_cache: KvCacheType,
+        activations: ActivationFormat,
     ) -> Result<Self::Session, EngineError> {
-        Ok(model.new_session_with_kv(context_limit, kv_cache))
+        let mut session = model.new_session_with_kv(context_limit, kv_cache);
+        session.set_activations(activations);
+        Ok(session)
     }
 
     fn requantized(
@@ -874,10 +803,6 @@ impl ModelBackend for crate::model::Model {
 
     fn activations(&self) -> ActivationFormat {
         self.activations
-    }
-
-    fn set_activations(&mut self, format: ActivationFormat) {
-        self.activations = format;
     }
 
     fn effective_kv_cache(&self, requested: KvCacheType) -> KvCacheType {

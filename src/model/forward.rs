@@ -11,7 +11,7 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use super::config::{LayerKind, ModelConfig};
-use super::fast::{FastPass, FastScratch, KvStore, FAST_PREFILL_CHUNK};
+use super::fast::{ActivationFormat, FastPass, FastScratch, KvStore, FAST_PREFILL_CHUNK};
 use super::rope::apply_rope;
 use super::team::{with_team, Team};
 use super::weights::{bf16_to_f32, e8m0_to_f32, Bf16Matrix, Layer, Linear, FP4_VALUES};
@@ -62,12 +62,15 @@ struct Scratch {
     moe_out: Vec<f32>,
 }
 
-/// One conversation's state over a shared model: the KV cache, the ids it holds, scratch space
-/// and the logits of the last processed token.
+/// One conversation's state over a shared model: the KV cache, the ids it holds, scratch space,
+/// the logits of the last processed token and the activation format the fast path computes with.
 pub struct Session {
     model: Arc<Model>,
     context_limit: usize,
     tokens: Vec<u32>,
+    /// A property of the session, not of the shared model, so it can change while other holders
+    /// (a weight conversion thread) read the model.
+    activations: ActivationFormat,
     state: State,
     logits: Vec<f32>,
 }
@@ -98,6 +101,7 @@ impl Session {
             };
             return Session {
                 logits: vec![0.0; c.vocab_size],
+                activations: model.activations,
                 model,
                 context_limit,
                 tokens: Vec::with_capacity(context_limit),
@@ -146,6 +150,7 @@ impl Session {
         };
         Session {
             logits: vec![0.0; c.vocab_size],
+            activations: model.activations,
             model,
             context_limit,
             tokens: Vec::with_capacity(context_limit),
@@ -182,6 +187,21 @@ impl Session {
     /// this is free; the logits of the last token are stale until the next prefill or decode.
     pub fn truncate(&mut self, len: usize) {
         self.tokens.truncate(len);
+    }
+
+    /// How the fast path quantizes the inputs of its quantized products (the exact path keeps f32).
+    pub fn activations(&self) -> ActivationFormat {
+        self.activations
+    }
+
+    /// Switches the activation format. A change empties the cache: its keys and values were
+    /// computed from inputs quantized the other way, so continuing from them would match neither
+    /// format. The same format keeps the cache, which is still what that format computes.
+    pub fn set_activations(&mut self, format: ActivationFormat) {
+        if format != self.activations {
+            self.activations = format;
+            self.truncate(0);
+        }
     }
 
     /// Logits of the last processed token.
@@ -247,6 +267,7 @@ impl Session {
     fn forward_chunk(&mut self, tokens: &[u32], all_logits: Option<&mut Vec<f32>>) {
         let start = self.tokens.len();
         let model = self.model.clone();
+        let activations = self.activations;
         match &mut self.state {
             State::Exact { cache, scratch } => exact_chunk(
                 &model,
@@ -269,7 +290,7 @@ impl Session {
                             .expect("a fast session has fast weights"),
                         rope: &model.rope,
                         kernels: model.kernels,
-                        activations: model.activations,
+                        activations,
                         team,
                     };
                     pass.forward_chunk(tokens, start, scratch, cache, logits, all_logits)

@@ -123,6 +123,7 @@ pub struct Model {
     /// The fast path's converted weights (`None` in exact mode).
     pub fast: Option<FastWeights>,
     pub kv_format: KvFormat,
+    /// The activation format new sessions start with; each session can switch its own.
     pub activations: ActivationFormat,
     pub kernels: crate::kernels::Kernels,
     /// Where the weights came from, for display ("synthetic 20b (random weights)" or a path).
