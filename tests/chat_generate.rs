@@ -6,13 +6,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use ossterm::chat::{
-    render_for_completion, Channel, ChatMessage, Conversation, ParseEvent, RenderOptions, Tokenizer,
+    render_for_completion, Channel, ChatMessage, Conversation, HarmonyParser, ParseEvent,
+    RenderOptions, Tokenizer,
 };
 use ossterm::engine::{
     generate, GenerateError, GenerateEvent, GenerateLimits, GenerateResult, InferenceSession,
     Sampler, SamplerSettings, StopReason,
 };
-use ossterm::model::{LoadOptions, Model, Preset};
+use ossterm::model::{ActivationFormat, LoadOptions, Model, Preset};
 
 /// A session whose logits make greedy sampling emit `script` after the prompt.
 struct ScriptedSession {
@@ -22,6 +23,7 @@ struct ScriptedSession {
     limit: usize,
     logits: Vec<f32>,
     prefilled: Vec<usize>,
+    activations: ActivationFormat,
 }
 
 impl ScriptedSession {
@@ -33,6 +35,7 @@ impl ScriptedSession {
             limit,
             logits: vec![0.0; 201_088],
             prefilled: Vec::new(),
+            activations: ActivationFormat::default(),
         }
     }
 
@@ -71,6 +74,15 @@ impl InferenceSession for ScriptedSession {
     fn context_limit(&self) -> usize {
         self.limit
     }
+    fn activations(&self) -> ActivationFormat {
+        self.activations
+    }
+    fn set_activations(&mut self, format: ActivationFormat) {
+        if format != self.activations {
+            self.activations = format;
+            self.tokens.clear();
+        }
+    }
 }
 
 fn tokenizer() -> &'static Tokenizer {
@@ -97,11 +109,11 @@ fn run(
     let (mut reasoning, mut answer, mut sampled) = (String::new(), String::new(), 0);
     let result = generate(
         session,
-        tokenizer(),
+        &mut HarmonyParser::after_prompt(tokenizer(), "assistant"),
         prompt,
         &mut sampler,
         GenerateLimits { max_tokens },
-        &cancel,
+        || cancel.load(Ordering::Relaxed),
         |event| match event {
             GenerateEvent::Token { .. } => {
                 sampled += 1;
@@ -221,13 +233,13 @@ fn synthetic_tiny_model_generates_and_reuses_its_cache_exactly() {
         let mut ids = Vec::new();
         let result = generate(
             &mut session,
-            tokenizer(),
+            &mut HarmonyParser::after_prompt(tokenizer(), "assistant"),
             &prompt,
             &mut sampler,
             GenerateLimits {
                 max_tokens: Some(max_tokens),
             },
-            &AtomicBool::new(false),
+            || false,
             |event| {
                 if let GenerateEvent::Token { id } = event {
                     ids.push(id);
@@ -252,13 +264,13 @@ fn synthetic_tiny_model_generates_and_reuses_its_cache_exactly() {
     let mut warm_ids = Vec::new();
     let warm = generate(
         &mut session,
-        tokenizer(),
+        &mut HarmonyParser::after_prompt(tokenizer(), "assistant"),
         &prompt,
         &mut sampler,
         GenerateLimits {
             max_tokens: Some(12),
         },
-        &AtomicBool::new(false),
+        || false,
         |event| {
             if let GenerateEvent::Token { id } = event {
                 warm_ids.push(id);

@@ -1,15 +1,18 @@
 //! Engine thread tests over a toy model whose logits depend on every token in its cache, so any
 //! mistake in prefix reuse (a stale token left behind, a token missing) changes the output.
 
+use ossterm::chat::{ParseEvent, StopToken};
 use ossterm::engine::protocol::{
     ActivationFormat, Channel, ChatMessage, Command, Conversation, Event, GenerateRequest,
     KvCacheType, ReasoningEffort, RequestKind, Role, SamplingSettings, Settings, StopReason,
     SystemSettings, WeightFormat,
 };
-use ossterm::engine::worker::{
-    common_prefix_len, rewind_for_prompt, ChatCodec, EngineError, EngineHandle, EngineParts,
-    InferenceSession, ModelBackend, ParsedToken, StreamParser, TokenSampler,
+use ossterm::engine::worker::{ChatCodec, EngineError, EngineHandle, EngineParts, ModelBackend};
+use ossterm::engine::{
+    common_prefix_len, rewind_for_prompt, InferenceSession, ReplyParser, SamplerError,
+    SamplerSettings, TokenSampler,
 };
+use std::convert::Infallible;
 use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
@@ -93,7 +96,9 @@ impl ToySession {
 }
 
 impl InferenceSession for ToySession {
-    fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError> {
+    type Error = Infallible;
+
+    fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], Infallible> {
         std::thread::sleep(self.step_delay);
         let mut journal = self.journal.lock().unwrap();
         journal.prefill_chunks.push(tokens.len());
@@ -105,7 +110,7 @@ impl InferenceSession for ToySession {
         Ok(self.compute_logits())
     }
 
-    fn decode(&mut self, token: u32) -> Result<&[f32], EngineError> {
+    fn decode(&mut self, token: u32) -> Result<&[f32], Infallible> {
         std::thread::sleep(self.step_delay);
         self.journal.lock().unwrap().decodes += 1;
         self.append(token);
@@ -265,38 +270,42 @@ struct ToyParser {
     channel: Channel,
 }
 
-impl StreamParser for ToyParser {
-    fn push(&mut self, token: u32) -> Result<ParsedToken, EngineError> {
-        Ok(match token {
-            0..=25 => ParsedToken::Text {
-                channel: self.channel,
-                text: char::from(b'a' + token as u8).to_string(),
-            },
-            SPACE => ParsedToken::Text {
-                channel: self.channel,
-                text: " ".to_string(),
-            },
+const LETTERS: &str = "abcdefghijklmnopqrstuvwxyz";
+
+impl ReplyParser for ToyParser {
+    fn push(&mut self, token: u32, on_event: &mut dyn FnMut(ParseEvent<'_>)) {
+        let text = match token {
+            0..=25 => &LETTERS[token as usize..token as usize + 1],
+            SPACE => " ",
             TO_FINAL => {
                 self.channel = Channel::Final;
-                ParsedToken::Silent
+                return;
             }
-            STOP => ParsedToken::Stop,
-            _ => ParsedToken::Silent,
-        })
+            STOP => return on_event(ParseEvent::Stop(StopToken::Return)),
+            _ => return,
+        };
+        on_event(ParseEvent::Text {
+            channel: Some(self.channel),
+            text,
+        });
     }
+
+    // Every token is reported whole as it comes: nothing is left to flush.
+    fn finish(&mut self, _on_event: &mut dyn FnMut(ParseEvent<'_>)) {}
 }
 
 /// Greedy, so runs are reproducible; records configurations.
 struct GreedySampler {
-    configured: Arc<Mutex<Vec<SamplingSettings>>>,
+    configured: Arc<Mutex<Vec<SamplerSettings>>>,
 }
 
 impl TokenSampler for GreedySampler {
-    fn configure(&mut self, sampling: &SamplingSettings) {
-        self.configured.lock().unwrap().push(sampling.clone());
+    fn configure(&mut self, settings: SamplerSettings) -> Result<(), SamplerError> {
+        self.configured.lock().unwrap().push(settings);
+        Ok(())
     }
 
-    fn sample(&mut self, logits: &[f32]) -> Result<u32, EngineError> {
+    fn sample(&mut self, logits: &[f32]) -> Result<u32, SamplerError> {
         Ok(logits
             .iter()
             .enumerate()
@@ -309,7 +318,7 @@ struct Harness {
     engine: EngineHandle,
     events: Receiver<Event>,
     journal: Arc<Mutex<Journal>>,
-    sampler_configs: Arc<Mutex<Vec<SamplingSettings>>>,
+    sampler_configs: Arc<Mutex<Vec<SamplerSettings>>>,
 }
 
 fn test_settings(max_tokens: usize) -> Settings {
@@ -575,6 +584,37 @@ fn cancel_stops_within_one_token() {
 }
 
 #[test]
+fn a_full_cache_stops_the_turn_and_the_stats_count_what_it_holds() {
+    let mut settings = test_settings(50);
+    // The prompt is 8 tokens: system marker, "low", user marker, "hi", assistant marker.
+    settings.context_limit = 11;
+    let harness = start(settings, Duration::ZERO);
+    let events = harness.generate(1, conversation(&[(Role::User, None, "hi")]));
+    let (reason, reused, prompt) = turn_done(&events);
+    assert_eq!((reason, reused, prompt), (StopReason::ContextFull, 0, 8));
+    // The prompt's logits give one token, each of the three decodes that fill the cache another.
+    let generated = events.iter().find_map(|event| match event {
+        Event::TurnDone {
+            generated_tokens, ..
+        } => Some(*generated_tokens),
+        _ => None,
+    });
+    assert_eq!(generated, Some(4));
+    let stats = last_stats(&events);
+    assert_eq!(
+        (
+            stats.kv_tokens_used,
+            stats.context_used,
+            stats.kv_tokens_capacity
+        ),
+        (11, 11, 11)
+    );
+    assert!(stats.time_to_first_token.is_some());
+    assert!(stats.prefill_tokens_per_second.is_some());
+    assert_eq!(stats.turn_hits.prompt, 8);
+}
+
+#[test]
 fn cancel_before_start_skips_the_request() {
     let harness = start(test_settings(50), Duration::from_millis(2));
     harness.engine.cancel(1);
@@ -668,9 +708,8 @@ fn prompt_longer_than_the_context_is_an_error_not_a_panic() {
         Event::Error { message, .. } => Some(message.clone()),
         _ => None,
     });
-    assert!(message
-        .expect("error event")
-        .contains("context limit is 256"));
+    let message = message.expect("error event");
+    assert!(message.contains("holds only 256"), "{message}");
 }
 
 #[test]

@@ -4,10 +4,10 @@
 //! One test function in its own binary, so no other test allocates while it counts.
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use ossterm::chat::Tokenizer;
+use ossterm::chat::{HarmonyParser, Tokenizer};
 use ossterm::engine::{generate, on_pool, GenerateLimits, Sampler, SamplerSettings};
 use ossterm::model::{LoadOptions, Model, Precision, Preset};
 
@@ -83,17 +83,16 @@ fn generation_allocations(model: &Arc<Model>, max_tokens: usize) -> usize {
         ..SamplerSettings::default()
     })
     .unwrap();
-    let cancel = AtomicBool::new(false);
     let before = allocations();
     let result = generate(
         &mut session,
-        tokenizer,
+        &mut HarmonyParser::after_prompt(tokenizer, "assistant"),
         &prompt,
         &mut sampler,
         GenerateLimits {
             max_tokens: Some(max_tokens),
         },
-        &cancel,
+        || false,
         |_| {},
     )
     .unwrap();

@@ -8,7 +8,10 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::chat::{render_for_completion, ChatMessage, Conversation, RenderOptions, Tokenizer};
+use crate::chat::{
+    render_for_completion, ChatMessage, Conversation, HarmonyParser, RenderOptions, Tokenizer,
+};
+use crate::engine::{generate, GenerateLimits, Sampler, SamplerSettings};
 use crate::model::{Model, Session};
 use stats::Summary;
 
@@ -136,6 +139,7 @@ pub fn run(
     let mut ttft = Vec::new();
     if plan.ttft {
         let tokenizer = Tokenizer::shared()?;
+        let mut sampler = Sampler::new(SamplerSettings::greedy())?;
         let prompts = standard_prompts();
         for (index, text) in prompts.iter().enumerate() {
             let conversation = Conversation {
@@ -156,11 +160,24 @@ pub fn run(
                     repeat,
                     plan.repeat,
                 );
+                // A fresh cache, and the app's own loop: what a first turn waits for.
                 session.truncate(0);
-                let started = Instant::now();
-                let first = crate::engine::on_pool(|| session.prefill(&ids).map(argmax))?;
-                times.push(started.elapsed().as_secs_f64() * 1e3);
-                std::hint::black_box(first);
+                let mut parser = HarmonyParser::after_prompt(tokenizer, "assistant");
+                let first = GenerateLimits {
+                    max_tokens: Some(1),
+                };
+                let result = crate::engine::on_pool(|| {
+                    generate(
+                        &mut session,
+                        &mut parser,
+                        &ids,
+                        &mut sampler,
+                        first,
+                        || false,
+                        |_| {},
+                    )
+                })?;
+                times.push(result.time_to_first_token.as_secs_f64() * 1e3);
             }
             ttft.push(PromptTtft {
                 prompt: index + 1,

@@ -454,7 +454,7 @@ pub fn run(args: AppArgs) -> anyhow::Result<()> {
 /// Starts the engine thread over the configured checkpoint or synthetic model, the harmony codec
 /// and the sampler; loading happens on that thread while the UI shows progress.
 pub fn start_model_engine(config: &AppConfig, events: Sender<Event>) -> EngineHandle {
-    use crate::engine::worker::{EngineParts, EngineSampler, HarmonyCodec};
+    use crate::engine::worker::{EngineParts, HarmonyCodec};
     let source = config.model.clone();
     EngineHandle::spawn(
         config.settings.clone(),
@@ -463,7 +463,8 @@ pub fn start_model_engine(config: &AppConfig, events: Sender<Event>) -> EngineHa
             let loaded = load_model(&source, settings, progress)?;
             progress("loading the tokenizer", 0, 1);
             let codec = HarmonyCodec::new()?;
-            let sampler = EngineSampler::new(&settings.sampling)?;
+            let sampler = crate::engine::Sampler::new(settings.sampling.sampler())
+                .map_err(|error| EngineError::Chat(Box::new(error)))?;
             Ok(EngineParts {
                 model: std::sync::Arc::new(loaded.model),
                 codec,

@@ -2,7 +2,7 @@
 
 use std::io::{Read, Write};
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -10,8 +10,8 @@ use clap::Args;
 
 use super::ModelArgs;
 use crate::chat::{
-    render_for_completion, Channel, ChatMessage, Conversation, ParseEvent, ReasoningEffort,
-    RenderOptions, Tokenizer,
+    render_for_completion, Channel, ChatMessage, Conversation, HarmonyParser, ParseEvent,
+    ReasoningEffort, RenderOptions, Tokenizer,
 };
 use crate::engine::{
     generate, GenerateEvent, GenerateLimits, GenerateResult, Sampler, SamplerSettings, StopReason,
@@ -227,13 +227,13 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         let mut stderr = std::io::stderr();
         generate(
             &mut session,
-            tokenizer,
+            &mut HarmonyParser::after_prompt(tokenizer, "assistant"),
             &prompt,
             &mut sampler,
             GenerateLimits {
                 max_tokens: args.max_tokens,
             },
-            &cancel,
+            || cancel.load(Ordering::Relaxed),
             |event| {
                 let GenerateEvent::Parsed(event) = event else {
                     return;

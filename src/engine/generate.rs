@@ -1,21 +1,19 @@
-//! The generation loop of `ossterm run` (and of the allocation test): reuse the cached prefix,
-//! prefill the rest of the prompt in chunks, then sample, parse and decode token by token,
-//! reporting every event through a callback. Nothing is allocated per token. The app's engine
-//! thread (`worker.rs`) still runs a loop of its own over the same steps.
+//! The generation loop of the app's engine thread, `ossterm run` and the benchmark: reuse the
+//! cached prefix, prefill the rest of the prompt in chunks, then sample, parse and decode token by
+//! token, reporting every event through a callback. Nothing is allocated per token.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::chat::{HarmonyParser, ParseEvent, StopToken, Tokenizer};
-use crate::model::{ForwardError, Session};
+use crate::chat::{HarmonyParser, ParseEvent, StopToken};
+use crate::model::{ActivationFormat, ForwardError, Session};
 
-use super::sampler::{Sampler, SamplerError};
+use super::sampler::{Sampler, SamplerError, SamplerSettings};
 
 /// Prompt tokens per prefill call for sessions that do not say how many they batch.
 pub const PREFILL_STEP: usize = 256;
 
-/// What the generation loop needs from a model: the KV-cached session of [`crate::model`]. A
-/// trait so the loop can be tested without weights.
+/// What the generation loop and the engine thread need from a model: the KV-cached session of
+/// [`crate::model`]. A trait so both can be tested without weights.
 pub trait InferenceSession {
     type Error: std::error::Error + Send + Sync + 'static;
     /// Appends tokens to the cache and returns the logits after the last one.
@@ -31,6 +29,45 @@ pub trait InferenceSession {
     /// one batched pass and Ctrl-C and progress are checked between them.
     fn prefill_chunk(&self) -> usize {
         PREFILL_STEP
+    }
+    /// How the inputs of quantized products are quantized.
+    fn activations(&self) -> ActivationFormat;
+    /// Switches the activation format; a change empties the cache, whose keys and values were
+    /// computed the other way.
+    fn set_activations(&mut self, format: ActivationFormat);
+}
+
+/// The streaming parser of one reply (harmony's, or a test's toy format).
+pub trait ReplyParser {
+    /// Reads one sampled token; a [`ParseEvent::Stop`] ends the reply.
+    fn push(&mut self, token: u32, on_event: &mut dyn FnMut(ParseEvent<'_>));
+    /// Ends a reply cut short (no stop token): flushes text, closes an open message.
+    fn finish(&mut self, on_event: &mut dyn FnMut(ParseEvent<'_>));
+}
+
+impl ReplyParser for HarmonyParser<'_> {
+    fn push(&mut self, token: u32, mut on_event: &mut dyn FnMut(ParseEvent<'_>)) {
+        HarmonyParser::push(self, token, &mut on_event)
+    }
+    fn finish(&mut self, mut on_event: &mut dyn FnMut(ParseEvent<'_>)) {
+        HarmonyParser::finish(self, &mut on_event)
+    }
+}
+
+/// Picks the next token from logits.
+pub trait TokenSampler {
+    fn sample(&mut self, logits: &[f32]) -> Result<u32, SamplerError>;
+    /// New settings between generations; invalid ones are refused and the old ones kept.
+    fn configure(&mut self, settings: SamplerSettings) -> Result<(), SamplerError>;
+}
+
+impl TokenSampler for Sampler {
+    fn sample(&mut self, logits: &[f32]) -> Result<u32, SamplerError> {
+        Sampler::sample(self, logits)
+    }
+    fn configure(&mut self, settings: SamplerSettings) -> Result<(), SamplerError> {
+        *self = Sampler::new(settings)?;
+        Ok(())
     }
 }
 
@@ -53,6 +90,12 @@ impl InferenceSession for Session {
     }
     fn prefill_chunk(&self) -> usize {
         Session::chunk_len(self)
+    }
+    fn activations(&self) -> ActivationFormat {
+        Session::activations(self)
+    }
+    fn set_activations(&mut self, format: ActivationFormat) {
+        Session::set_activations(self, format)
     }
 }
 
@@ -115,10 +158,12 @@ impl From<StopToken> for StopReason {
 /// Reported while generating. Strings borrow from the parser until the callback returns.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum GenerateEvent<'a> {
-    /// `done` of `total` prompt tokens are in the cache (`total` counts reused ones too).
+    /// `done` of `total` prompt tokens are in the cache, `reused` of them from an earlier turn.
+    /// Sent once the cache is rewound, then after every prefill step.
     PrefillProgress {
         done: usize,
         total: usize,
+        reused: usize,
     },
     /// A token was sampled (before it is parsed).
     Token {
@@ -175,18 +220,20 @@ fn forward_error<E: std::error::Error + Send + Sync + 'static>(error: E) -> Gene
     GenerateError::Forward(Box::new(error))
 }
 
-/// Generates a reply to `prompt` (a harmony prompt ending in `<|start|>assistant`).
+/// Generates a reply to `prompt` (a prompt ending in `<|start|>assistant`), read by `parser`.
 ///
 /// The session keeps whatever it already holds that matches the start of the prompt; the rest is
-/// prefilled. `cancel` is checked between prefill steps and between tokens; a cancelled run still
-/// returns its result, with what was generated reported through `on_event` already.
-pub fn generate<S: InferenceSession>(
+/// prefilled in steps of [`InferenceSession::prefill_chunk`]. `cancelled` is asked before every
+/// prefill step and every decoded token, so a cancel takes effect within one of either; a cancelled
+/// run still returns its result, with what was generated reported through `on_event` already.
+/// Every stop rule is here: a stop token, `limits.max_tokens`, a full cache, a cancel.
+pub fn generate<S: InferenceSession + ?Sized>(
     session: &mut S,
-    tokenizer: &Tokenizer,
+    parser: &mut impl ReplyParser,
     prompt: &[u32],
-    sampler: &mut Sampler,
+    sampler: &mut impl TokenSampler,
     limits: GenerateLimits,
-    cancel: &AtomicBool,
+    cancelled: impl Fn() -> bool,
     mut on_event: impl FnMut(GenerateEvent<'_>),
 ) -> Result<GenerateResult, GenerateError> {
     let started = Instant::now();
@@ -210,19 +257,18 @@ pub fn generate<S: InferenceSession>(
         decode_time: Duration::ZERO,
     };
 
-    // At least the last prompt token is processed again: its logits pick the first token.
-    let reused = common_prefix_len(session.tokens(), prompt).min(prompt.len() - 1);
-    session.truncate(reused);
+    let reused = rewind_for_prompt(session, prompt);
     result.reused_tokens = reused;
     on_event(GenerateEvent::PrefillProgress {
         done: reused,
         total: prompt.len(),
+        reused,
     });
 
     let mut done = reused;
     let mut token = None;
     for step in prompt[reused..].chunks(session.prefill_chunk().max(1)) {
-        if cancel.load(Ordering::Relaxed) {
+        if cancelled() {
             result.prefill_time = started.elapsed();
             return Ok(result);
         }
@@ -234,6 +280,7 @@ pub fn generate<S: InferenceSession>(
         on_event(GenerateEvent::PrefillProgress {
             done,
             total: prompt.len(),
+            reused,
         });
     }
     result.prefill_time = started.elapsed();
@@ -244,7 +291,6 @@ pub fn generate<S: InferenceSession>(
     result.time_to_first_token = started.elapsed();
     let first_token_at = Instant::now();
 
-    let mut parser = HarmonyParser::after_prompt(tokenizer, "assistant");
     let mut stop_token = None;
     let stop_reason = loop {
         result.generated_tokens += 1;
@@ -264,7 +310,7 @@ pub fn generate<S: InferenceSession>(
         {
             break StopReason::MaxTokens;
         }
-        if cancel.load(Ordering::Relaxed) {
+        if cancelled() {
             break StopReason::Cancelled;
         }
         if session.tokens().len() >= context_limit {
@@ -279,6 +325,15 @@ pub fn generate<S: InferenceSession>(
     result.stop_reason = stop_reason;
     result.decode_time = first_token_at.elapsed();
     Ok(result)
+}
+
+/// Rewinds `session` to the longest prefix it shares with `prompt` and returns how many tokens
+/// that keeps. At least one prompt token is always left to prefill: its logits pick the first
+/// token, and the cache keeps no logits.
+pub fn rewind_for_prompt<S: InferenceSession + ?Sized>(session: &mut S, prompt: &[u32]) -> usize {
+    let reused = common_prefix_len(session.tokens(), prompt).min(prompt.len().saturating_sub(1));
+    session.truncate(reused);
+    reused
 }
 
 /// Length of the longest common prefix of two id sequences.

@@ -1,5 +1,5 @@
-//! The engine: sampling and the generation loop shared by `ossterm run`, and the TUI's engine
-//! thread with its protocol.
+//! The engine: sampling, the generation loop (shared by the TUI's engine thread, `ossterm run` and
+//! the benchmark), and the engine thread with its protocol.
 
 pub mod generate;
 pub mod protocol;
@@ -7,8 +7,8 @@ pub mod sampler;
 pub mod worker;
 
 pub use generate::{
-    generate, GenerateError, GenerateEvent, GenerateLimits, GenerateResult, InferenceSession,
-    StopReason,
+    common_prefix_len, generate, rewind_for_prompt, GenerateError, GenerateEvent, GenerateLimits,
+    GenerateResult, InferenceSession, ReplyParser, StopReason, TokenSampler,
 };
 pub use sampler::{Sampler, SamplerError, SamplerSettings};
 

@@ -31,6 +31,19 @@ pub struct SamplingSettings {
     pub seed: Option<u64>,
 }
 
+impl SamplingSettings {
+    /// The sampler's part (everything but the token budget).
+    pub fn sampler(&self) -> crate::engine::SamplerSettings {
+        crate::engine::SamplerSettings {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            seed: self.seed,
+        }
+    }
+}
+
 impl Default for SamplingSettings {
     /// The model card recommends temperature 1.0 and top-p 1.0.
     fn default() -> Self {
@@ -130,6 +143,18 @@ pub enum StopReason {
     MaxTokens,
     ContextFull,
     Cancelled,
+}
+
+impl From<crate::engine::StopReason> for StopReason {
+    fn from(reason: crate::engine::StopReason) -> StopReason {
+        use crate::engine::StopReason as Loop;
+        match reason {
+            Loop::Return | Loop::ToolCall | Loop::EndOfText => StopReason::Finished,
+            Loop::MaxTokens => StopReason::MaxTokens,
+            Loop::ContextFull => StopReason::ContextFull,
+            Loop::Cancelled => StopReason::Cancelled,
+        }
+    }
 }
 
 impl StopReason {

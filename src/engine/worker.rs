@@ -5,13 +5,19 @@
 //! common prefix of those ids and the new prompt, drops the rest and prefills only the new tail,
 //! so regenerate and edit-and-resend rewind to the edit point for free.
 //!
-//! The worker talks to the model and the chat format through three small traits so that it can
-//! be tested with a toy model and so that the forward pass knows nothing about threads or UIs.
+//! A turn is [`generate`](super::generate::generate), the loop `ossterm run` uses too; the worker
+//! adds what the app needs around it: the cancel mark, streaming events, live stats. It talks to
+//! the model and the chat format through small traits so that it can be tested with a toy model
+//! and so that the forward pass knows nothing about threads or UIs.
 
+use crate::chat::{HarmonyParser, ParseEvent};
+use crate::engine::generate::{
+    generate, GenerateError, GenerateEvent, GenerateLimits, GenerateResult, InferenceSession,
+    ReplyParser, TokenSampler,
+};
 use crate::engine::protocol::{
     ActivationFormat, CacheHits, Channel, Command, Conversation, EngineInfo, Event,
-    GenerateRequest, KvCacheType, RequestId, SamplingSettings, Settings, StatsSample, StopReason,
-    WeightFormat,
+    GenerateRequest, KvCacheType, RequestId, Settings, StatsSample, WeightFormat,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -29,10 +35,8 @@ pub enum EngineError {
     Model(ComponentError),
     #[error("chat format: {0}")]
     Chat(ComponentError),
-    #[error("the prompt has {prompt} tokens but the context limit is {limit}; start a new chat or raise engine.context_limit")]
-    PromptTooLong { prompt: usize, limit: usize },
-    #[error("the rendered prompt is empty")]
-    EmptyPrompt,
+    #[error(transparent)]
+    Generate(#[from] GenerateError),
     #[error("cannot build a thread pool of {threads} threads: {source}")]
     ThreadPool {
         threads: usize,
@@ -42,30 +46,9 @@ pub enum EngineError {
     Stopped,
 }
 
-/// One conversation's KV cache and forward pass (implemented by `model::Session`).
-pub trait InferenceSession: Send {
-    /// Appends `tokens` to the cache and returns the logits after the last one.
-    fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError>;
-    /// Appends one token and returns its logits.
-    fn decode(&mut self, token: u32) -> Result<&[f32], EngineError>;
-    /// The ids the KV cache holds, in order.
-    fn tokens(&self) -> &[u32];
-    /// Drops every cached token from position `len` on.
-    fn truncate(&mut self, len: usize);
-    fn context_limit(&self) -> usize;
-    /// Tokens the forward pass multiplies at once; the worker prefills in chunks of this size so
-    /// each chunk is one batched pass and the cancel mark is checked between them.
-    fn prefill_chunk(&self) -> usize;
-    /// How the inputs of quantized products are quantized.
-    fn activations(&self) -> ActivationFormat;
-    /// Switches the activation format; a change empties the cache, whose keys and values were
-    /// computed the other way.
-    fn set_activations(&mut self, format: ActivationFormat);
-}
-
 /// The loaded weights: makes sessions and, for a weight-format change, a re-quantized copy.
 pub trait ModelBackend: Send + Sync + 'static {
-    type Session: InferenceSession;
+    type Session: InferenceSession + Send;
 
     fn new_session(
         model: &Arc<Self>,
@@ -97,25 +80,9 @@ pub trait ModelBackend: Send + Sync + 'static {
     fn kernel_path(&self) -> String;
 }
 
-/// What one generated token means for the UI.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ParsedToken {
-    /// Visible text on a channel.
-    Text { channel: Channel, text: String },
-    /// Part of a harmony header, or bytes of a character not yet complete.
-    Silent,
-    /// The reply ended (`<|return|>` or `<|call|>`).
-    Stop,
-}
-
-/// The streaming harmony parser of one reply.
-pub trait StreamParser {
-    fn push(&mut self, token: u32) -> Result<ParsedToken, EngineError>;
-}
-
 /// Harmony rendering and parsing (implemented over `chat`).
 pub trait ChatCodec: Send + 'static {
-    type Parser: StreamParser;
+    type Parser: ReplyParser;
 
     /// Renders `conversation` followed by `<|start|>assistant`. Reasoning (analysis messages) of
     /// completed turns is dropped unless `keep_reasoning`.
@@ -126,12 +93,6 @@ pub trait ChatCodec: Send + 'static {
     ) -> Result<Vec<u32>, EngineError>;
 
     fn parser(&self) -> Self::Parser;
-}
-
-/// Picks the next token from logits (implemented over `engine::sampler`).
-pub trait TokenSampler: Send {
-    fn configure(&mut self, sampling: &SamplingSettings);
-    fn sample(&mut self, logits: &[f32]) -> Result<u32, EngineError>;
 }
 
 /// What the load closure hands to the engine thread.
@@ -149,18 +110,6 @@ const STATS_INTERVAL: Duration = Duration::from_millis(250);
 /// How long the idle loop waits for a command before it looks for a finished re-quantization.
 const IDLE_POLL: Duration = Duration::from_millis(50);
 
-pub use super::generate::common_prefix_len;
-
-/// Rewinds `session` to the longest prefix it shares with `prompt` and returns how many tokens
-/// that keeps. At least one prompt token is always left to prefill, because the logits of the
-/// last prompt token are needed and the cache keeps no logits.
-pub fn rewind_for_prompt(session: &mut dyn InferenceSession, prompt: &[u32]) -> usize {
-    let shared = common_prefix_len(session.tokens(), prompt);
-    let reused = shared.min(prompt.len().saturating_sub(1));
-    session.truncate(reused);
-    reused
-}
-
 /// The UI's side of the engine thread.
 pub struct EngineHandle {
     commands: Sender<Command>,
@@ -177,7 +126,7 @@ impl EngineHandle {
     where
         M: ModelBackend,
         C: ChatCodec,
-        S: TokenSampler + 'static,
+        S: TokenSampler + Send + 'static,
         L: FnOnce(
                 &Settings,
                 &mut dyn FnMut(&str, u64, u64),
@@ -260,13 +209,6 @@ impl Drop for EngineHandle {
     }
 }
 
-/// How a turn ended, with its numbers.
-struct TurnOutcome {
-    reason: StopReason,
-    hits: CacheHits,
-    generated_tokens: usize,
-}
-
 /// Timings of the turn in progress, for stats samples.
 #[derive(Default)]
 struct TurnTimings {
@@ -277,6 +219,43 @@ struct TurnTimings {
     time_to_first_token: Option<Duration>,
     hits: CacheHits,
     context_used: usize,
+}
+
+impl TurnTimings {
+    /// `done` prompt tokens are in the cache, `elapsed` since the turn started.
+    fn prefilled(&mut self, done: usize, reused: usize, elapsed: Duration) {
+        self.prefill_tokens = done - reused;
+        self.prefill_time = elapsed;
+        self.context_used = done;
+    }
+
+    /// A token was sampled, `elapsed` since the turn started. Every token after the first one
+    /// follows a decode step, which put the token before it into the cache.
+    fn sampled(&mut self, elapsed: Duration) {
+        match self.time_to_first_token {
+            None => self.time_to_first_token = Some(elapsed),
+            Some(first) => {
+                self.decoded_tokens += 1;
+                self.decode_time = elapsed - first;
+                self.context_used += 1;
+            }
+        }
+    }
+
+    /// Writes this turn's figures and the memory in use into `sample`.
+    fn fill(&self, sample: &mut StatsSample) {
+        let rate = |tokens: usize, time: Duration| {
+            (tokens > 0 && time > Duration::ZERO).then(|| tokens as f64 / time.as_secs_f64())
+        };
+        let memory = read_memory_usage();
+        sample.decode_tokens_per_second = rate(self.decoded_tokens, self.decode_time);
+        sample.prefill_tokens_per_second = rate(self.prefill_tokens, self.prefill_time);
+        sample.time_to_first_token = self.time_to_first_token;
+        sample.process_memory_bytes = memory.process_bytes;
+        sample.machine_memory_bytes = memory.machine_bytes;
+        sample.context_used = self.context_used.max(sample.kv_tokens_used);
+        sample.turn_hits = self.hits;
+    }
 }
 
 /// The engine thread's state. Generic over the model and chat pieces; see [`EngineHandle::spawn`].
@@ -292,13 +271,11 @@ pub struct Worker<M: ModelBackend, C, S> {
     session_hits: CacheHits,
     timings: TurnTimings,
     last_stats: Instant,
-    /// Overrides the session's own prefill chunk (tests use small chunks).
-    prefill_chunk: Option<usize>,
     /// A re-quantized model being built in the background, with the format it will have.
     pending_model: Option<(WeightFormat, Receiver<Result<M, EngineError>>)>,
 }
 
-impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
+impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
     pub fn new(
         parts: EngineParts<M, C, S>,
         settings: Settings,
@@ -308,7 +285,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
         let EngineParts {
             model,
             codec,
-            mut sampler,
+            sampler,
             model_label,
             random_weights,
         } = parts;
@@ -319,7 +296,6 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
             model.activations(),
         )?;
         let pool = Arc::new(build_pool(settings.threads)?);
-        sampler.configure(&settings.sampling);
         let mut effective = settings;
         // The loader chose the formats; what it built is what the settings show from now on.
         effective.weight_format = model.weight_format();
@@ -343,16 +319,10 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
             session_hits: CacheHits::default(),
             timings: TurnTimings::default(),
             last_stats: Instant::now(),
-            prefill_chunk: None,
             pending_model: None,
         };
         worker.send_stats();
         Ok(worker)
-    }
-
-    /// Sets the prefill chunk (tests use small chunks to see cancellation between them).
-    pub fn set_prefill_chunk(&mut self, tokens: usize) {
-        self.prefill_chunk = Some(tokens.max(1));
     }
 
     /// Serves commands until `Shutdown` or until the UI hangs up.
@@ -375,23 +345,18 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
         }
     }
 
-    fn is_cancelled(&self, id: RequestId) -> bool {
-        self.cancel_mark.load(Ordering::SeqCst) >= id
-    }
-
     fn run_turn(&mut self, request: GenerateRequest) {
         let id = request.id;
         self.timings = TurnTimings::default();
         let pool = Arc::clone(&self.pool);
-        let outcome = pool.install(|| self.generate(&request));
-        match outcome {
-            Ok(outcome) => {
+        match pool.install(|| self.generate(&request)) {
+            Ok(result) => {
                 self.send_stats();
                 let _ = self.events.send(Event::TurnDone {
                     id,
-                    reason: outcome.reason,
-                    hits: outcome.hits,
-                    generated_tokens: outcome.generated_tokens,
+                    reason: result.stop_reason.into(),
+                    hits: self.timings.hits,
+                    generated_tokens: result.generated_tokens,
                 });
             }
             Err(error) => {
@@ -406,115 +371,73 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
         }
     }
 
-    fn generate(&mut self, request: &GenerateRequest) -> Result<TurnOutcome, EngineError> {
+    /// Runs one turn through the generation loop, streaming its text, prefill progress and
+    /// (every [`STATS_INTERVAL`]) stats samples to the UI.
+    fn generate(&mut self, request: &GenerateRequest) -> Result<GenerateResult, EngineError> {
         let id = request.id;
         let started = Instant::now();
-        let cancelled = |hits, generated_tokens| TurnOutcome {
-            reason: StopReason::Cancelled,
-            hits,
-            generated_tokens,
-        };
-        if self.is_cancelled(id) {
-            return Ok(cancelled(CacheHits::default(), 0));
-        }
         let prompt = self.codec.render_prompt(
             &request.conversation,
             self.settings.keep_reasoning_in_context,
         )?;
-        if prompt.is_empty() {
-            return Err(EngineError::EmptyPrompt);
-        }
-        let limit = self.session.context_limit();
-        if prompt.len() >= limit {
-            return Err(EngineError::PromptTooLong {
-                prompt: prompt.len(),
-                limit,
-            });
-        }
-
-        let reused = rewind_for_prompt(&mut self.session, &prompt);
-        let hits = CacheHits {
-            reused: reused as u64,
-            prompt: prompt.len() as u64,
-        };
-        self.session_hits.add(hits);
-        self.timings.hits = hits;
-        self.timings.context_used = reused;
-
-        let tail = &prompt[reused..];
-        let mut first_token = None;
-        let mut done = 0;
-        let chunk_len = self
-            .prefill_chunk
-            .unwrap_or_else(|| self.session.prefill_chunk())
-            .max(1);
-        for chunk in tail.chunks(chunk_len) {
-            if self.is_cancelled(id) {
-                return Ok(cancelled(hits, 0));
-            }
-            let chunk_started = Instant::now();
-            let logits = self.session.prefill(chunk)?;
-            done += chunk.len();
-            if done == tail.len() {
-                first_token = Some(self.sampler.sample(logits)?);
-            }
-            self.timings.prefill_tokens += chunk.len();
-            self.timings.prefill_time += chunk_started.elapsed();
-            self.timings.context_used = reused + done;
-            let _ = self.events.send(Event::PrefillProgress {
-                id,
-                done,
-                total: tail.len(),
-                reused,
-            });
-            self.maybe_send_stats();
-        }
-        let mut token = first_token.ok_or(EngineError::EmptyPrompt)?;
-        self.timings.time_to_first_token = Some(started.elapsed());
-
         let mut parser = self.codec.parser();
-        let mut generated = 0;
-        loop {
-            generated += 1;
-            match parser.push(token)? {
-                ParsedToken::Text { channel, text } => {
-                    let _ = self.events.send(Event::Token { id, channel, text });
+        // What stays fixed through the turn; the callback refreshes the rest.
+        let mut sample = self.stats_sample();
+        let limits = GenerateLimits {
+            max_tokens: Some(self.settings.sampling.max_tokens),
+        };
+        let cancel_mark = &self.cancel_mark;
+        let (events, timings) = (&self.events, &mut self.timings);
+        let (session_hits, last_stats) = (&mut self.session_hits, &mut self.last_stats);
+        let result = generate(
+            &mut self.session,
+            &mut parser,
+            &prompt,
+            &mut self.sampler,
+            limits,
+            || cancel_mark.load(Ordering::SeqCst) >= id,
+            |event| {
+                match event {
+                    GenerateEvent::PrefillProgress {
+                        done,
+                        total,
+                        reused,
+                    } => {
+                        // The first report comes right after the rewind, before any prefill step.
+                        if done == reused {
+                            timings.hits = CacheHits {
+                                reused: reused as u64,
+                                prompt: total as u64,
+                            };
+                            session_hits.add(timings.hits);
+                        }
+                        timings.prefilled(done, reused, started.elapsed());
+                        let _ = events.send(Event::PrefillProgress {
+                            id,
+                            done: done - reused,
+                            total: total - reused,
+                            reused,
+                        });
+                    }
+                    GenerateEvent::Token { .. } => timings.sampled(started.elapsed()),
+                    GenerateEvent::Parsed(ParseEvent::Text { channel, text }) => {
+                        // Text outside a known channel is shown as answer text.
+                        let channel = channel.unwrap_or(Channel::Final);
+                        let text = text.to_string();
+                        let _ = events.send(Event::Token { id, channel, text });
+                    }
+                    GenerateEvent::Parsed(_) => {}
                 }
-                ParsedToken::Silent => {}
-                ParsedToken::Stop => {
-                    return Ok(TurnOutcome {
-                        reason: StopReason::Finished,
-                        hits,
-                        generated_tokens: generated,
-                    });
+                if last_stats.elapsed() >= STATS_INTERVAL {
+                    *last_stats = Instant::now();
+                    sample.kv_tokens_used = timings.context_used;
+                    sample.session_hits = *session_hits;
+                    timings.fill(&mut sample);
+                    let _ = events.send(Event::Stats(sample.clone()));
                 }
-            }
-            if generated >= self.settings.sampling.max_tokens {
-                return Ok(TurnOutcome {
-                    reason: StopReason::MaxTokens,
-                    hits,
-                    generated_tokens: generated,
-                });
-            }
-            // The token about to be decoded needs a cache slot of its own.
-            if self.session.tokens().len() + 1 >= limit {
-                return Ok(TurnOutcome {
-                    reason: StopReason::ContextFull,
-                    hits,
-                    generated_tokens: generated,
-                });
-            }
-            if self.is_cancelled(id) {
-                return Ok(cancelled(hits, generated));
-            }
-            let step_started = Instant::now();
-            let logits = self.session.decode(token)?;
-            token = self.sampler.sample(logits)?;
-            self.timings.decoded_tokens += 1;
-            self.timings.decode_time += step_started.elapsed();
-            self.timings.context_used = self.session.tokens().len();
-            self.maybe_send_stats();
-        }
+            },
+        )?;
+        Ok(result)
     }
 
     fn apply_settings(&mut self, next: Settings) {
@@ -541,7 +464,11 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
         // even while a conversion thread reads the model; the new weights get the format in force.
         self.session.set_activations(next.activations);
         if next.sampling != previous.sampling {
-            self.sampler.configure(&next.sampling);
+            // Values were validated with the config; an invalid set keeps the previous sampler.
+            if let Err(error) = self.sampler.configure(next.sampling.sampler()) {
+                let message = format!("sampling settings refused: {error}");
+                let _ = self.events.send(Event::Error { id: None, message });
+            }
         }
         let wants_format = next.weight_format;
         let pending_format = self.pending_model.as_ref().map(|(format, _)| *format);
@@ -642,12 +569,6 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
         }
     }
 
-    fn maybe_send_stats(&mut self) {
-        if self.last_stats.elapsed() >= STATS_INTERVAL {
-            self.send_stats();
-        }
-    }
-
     fn send_stats(&mut self) {
         self.last_stats = Instant::now();
         let _ = self.events.send(Event::Stats(self.stats_sample()));
@@ -655,29 +576,26 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler> Worker<M, C, S> {
 
     /// The current numbers (also what a stats event carries).
     pub fn stats_sample(&self) -> StatsSample {
-        let rate = |tokens: usize, time: Duration| {
-            (tokens > 0 && time > Duration::ZERO).then(|| tokens as f64 / time.as_secs_f64())
-        };
-        let timings = &self.timings;
-        let memory = read_memory_usage();
-        StatsSample {
-            decode_tokens_per_second: rate(timings.decoded_tokens, timings.decode_time),
-            prefill_tokens_per_second: rate(timings.prefill_tokens, timings.prefill_time),
-            time_to_first_token: timings.time_to_first_token,
-            process_memory_bytes: memory.process_bytes,
-            machine_memory_bytes: memory.machine_bytes,
+        let mut sample = StatsSample {
+            decode_tokens_per_second: None,
+            prefill_tokens_per_second: None,
+            time_to_first_token: None,
+            process_memory_bytes: None,
+            machine_memory_bytes: None,
             kv_tokens_used: self.session.tokens().len(),
             kv_tokens_capacity: self.session.context_limit(),
             kv_cache: self.settings.kv_cache,
-            context_used: timings.context_used.max(self.session.tokens().len()),
+            context_used: 0,
             context_limit: self.settings.context_limit,
-            turn_hits: timings.hits,
+            turn_hits: CacheHits::default(),
             session_hits: self.session_hits,
             threads: self.pool.current_num_threads(),
             kernel_path: self.model.kernel_path(),
             weight_format: self.model.weight_format(),
             activations: self.session.activations(),
-        }
+        };
+        self.timings.fill(&mut sample);
+        sample
     }
 }
 
@@ -726,46 +644,6 @@ pub fn kib_field_bytes(text: &str, name: &str) -> Option<u64> {
 /// Memory available now, if known.
 pub fn available_memory_bytes() -> Option<u64> {
     read_memory_usage().available_bytes
-}
-
-impl From<crate::model::ForwardError> for EngineError {
-    fn from(error: crate::model::ForwardError) -> Self {
-        EngineError::Model(Box::new(error))
-    }
-}
-
-impl InferenceSession for crate::model::Session {
-    fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError> {
-        Ok(crate::model::Session::prefill(self, tokens)?)
-    }
-
-    fn decode(&mut self, token: u32) -> Result<&[f32], EngineError> {
-        Ok(crate::model::Session::decode(self, token)?)
-    }
-
-    fn tokens(&self) -> &[u32] {
-        crate::model::Session::tokens(self)
-    }
-
-    fn truncate(&mut self, len: usize) {
-        crate::model::Session::truncate(self, len);
-    }
-
-    fn context_limit(&self) -> usize {
-        crate::model::Session::context_limit(self)
-    }
-
-    fn prefill_chunk(&self) -> usize {
-        self.chunk_len()
-    }
-
-    fn activations(&self) -> ActivationFormat {
-        crate::model::Session::activations(self)
-    }
-
-    fn set_activations(&mut self, format: ActivationFormat) {
-        crate::model::Session::set_activations(self, format);
-    }
 }
 
 impl ModelBackend for crate::model::Model {
@@ -835,7 +713,7 @@ impl HarmonyCodec {
 }
 
 impl ChatCodec for HarmonyCodec {
-    type Parser = HarmonyStream;
+    type Parser = HarmonyParser<'static>;
 
     fn render_prompt(
         &self,
@@ -847,88 +725,7 @@ impl ChatCodec for HarmonyCodec {
             .map_err(|error| EngineError::Chat(Box::new(error)))
     }
 
-    fn parser(&self) -> HarmonyStream {
-        HarmonyStream {
-            parser: crate::chat::HarmonyParser::after_prompt(self.tokenizer, "assistant"),
-            text: String::new(),
-        }
-    }
-}
-
-/// The chat module's streaming parser, reduced to what the UI shows.
-pub struct HarmonyStream {
-    parser: crate::chat::HarmonyParser<'static>,
-    text: String,
-}
-
-impl StreamParser for HarmonyStream {
-    fn push(&mut self, token: u32) -> Result<ParsedToken, EngineError> {
-        use crate::chat::ParseEvent;
-        self.text.clear();
-        let mut channel = Channel::Final;
-        let mut stopped = false;
-        let text = &mut self.text;
-        self.parser.push(token, &mut |event| match event {
-            ParseEvent::Text {
-                channel: text_channel,
-                text: piece,
-            } => {
-                // Text outside a known channel is shown as answer text; the header never is.
-                channel = text_channel.unwrap_or(Channel::Final);
-                text.push_str(piece);
-            }
-            ParseEvent::Stop(_) => stopped = true,
-            ParseEvent::MessageStart { .. }
-            | ParseEvent::MessageEnd { .. }
-            | ParseEvent::Malformed(_) => {}
-        });
-        if stopped {
-            return Ok(ParsedToken::Stop);
-        }
-        if self.text.is_empty() {
-            return Ok(ParsedToken::Silent);
-        }
-        Ok(ParsedToken::Text {
-            channel,
-            text: self.text.clone(),
-        })
-    }
-}
-
-/// The chat module's sampler behind [`TokenSampler`].
-pub struct EngineSampler {
-    sampler: crate::engine::sampler::Sampler,
-}
-
-fn sampler_settings(sampling: &SamplingSettings) -> crate::engine::sampler::SamplerSettings {
-    crate::engine::sampler::SamplerSettings {
-        temperature: sampling.temperature,
-        top_k: sampling.top_k,
-        top_p: sampling.top_p,
-        min_p: sampling.min_p,
-        seed: sampling.seed,
-    }
-}
-
-impl EngineSampler {
-    pub fn new(sampling: &SamplingSettings) -> Result<EngineSampler, EngineError> {
-        let sampler = crate::engine::sampler::Sampler::new(sampler_settings(sampling))
-            .map_err(|error| EngineError::Chat(Box::new(error)))?;
-        Ok(EngineSampler { sampler })
-    }
-}
-
-impl TokenSampler for EngineSampler {
-    fn configure(&mut self, sampling: &SamplingSettings) {
-        // Values were validated with the config; an invalid set keeps the previous sampler.
-        if let Ok(sampler) = crate::engine::sampler::Sampler::new(sampler_settings(sampling)) {
-            self.sampler = sampler;
-        }
-    }
-
-    fn sample(&mut self, logits: &[f32]) -> Result<u32, EngineError> {
-        self.sampler
-            .sample(logits)
-            .map_err(|error| EngineError::Chat(Box::new(error)))
+    fn parser(&self) -> HarmonyParser<'static> {
+        HarmonyParser::after_prompt(self.tokenizer, "assistant")
     }
 }
