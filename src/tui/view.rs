@@ -479,7 +479,7 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
         (None, _) => "-".to_string(),
     };
     rows.push(gauge_row("weights", weights));
-    // A switch waits while a weight conversion runs, so the serving format can lag the setting.
+    // Until the engine answers a change, the serving format lags the setting.
     let activations = match stats.map(|stats| stats.activations) {
         Some(serving) if serving != app.settings.activations => {
             format!("{serving} → {}", app.settings.activations)
