@@ -1,5 +1,5 @@
 //! Decoding a token allocates nothing: a counting global allocator watches the forward pass (fast
-//! and exact), the sampler, and the whole generation loop.
+//! and exact), the sampler, the whole generation loop, and the first decode on a freshly built pool.
 //!
 //! One test function in its own binary, so no other test allocates while it counts.
 
@@ -125,4 +125,28 @@ fn decoding_a_token_allocates_nothing() {
             long - short
         );
     }
+    first_decode_on_a_new_pool_allocates_nothing();
+}
+
+/// The app builds its own pool (and a new one when the thread count changes) and readies its
+/// threads with `prepare_pool_threads`: their very first decode then allocates nothing either.
+fn first_decode_on_a_new_pool_allocates_nothing() {
+    let model = model(Precision::Fast);
+    let mut session = model.new_session(256);
+    let mut next =
+        ossterm::engine::sampler::argmax(session.prefill(&[200006, 17360, 200008]).unwrap())
+            .unwrap();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    pool.install(|| model.prepare_pool_threads());
+    let used = pool.install(|| {
+        let before = allocations();
+        for _ in 0..4 {
+            next = ossterm::engine::sampler::argmax(session.decode(next).unwrap()).unwrap();
+        }
+        allocations() - before
+    });
+    assert_eq!(used, 0, "the first decode steps on a new pool allocated");
 }

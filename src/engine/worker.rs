@@ -69,6 +69,10 @@ pub trait ModelBackend: Send + Sync + 'static {
 
     fn weight_format(&self) -> WeightFormat;
 
+    /// Readies the threads of the current pool for this model's forward pass (per-thread scratch
+    /// buffers), so a new pool does not allocate them during its first generation.
+    fn prepare_pool_threads(&self) {}
+
     /// The activation format the loader built the model with: the first session's.
     fn activations(&self) -> ActivationFormat;
 
@@ -296,6 +300,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
             model.activations(),
         )?;
         let pool = Arc::new(build_pool(settings.threads)?);
+        pool.install(|| model.prepare_pool_threads());
         let mut effective = settings;
         // The loader chose the formats; what it built is what the settings show from now on.
         effective.weight_format = model.weight_format();
@@ -445,7 +450,10 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
         let mut failure = None;
         if next.threads != previous.threads {
             match build_pool(next.threads) {
-                Ok(pool) => self.pool = Arc::new(pool),
+                Ok(pool) => {
+                    pool.install(|| self.model.prepare_pool_threads());
+                    self.pool = Arc::new(pool);
+                }
                 Err(error) => failure = Some(error),
             }
         }
@@ -673,6 +681,10 @@ impl ModelBackend for crate::model::Model {
             progress(done as u64, total as u64)
         })
         .map_err(|error| EngineError::Model(Box::new(error)))
+    }
+
+    fn prepare_pool_threads(&self) {
+        crate::model::Model::prepare_pool_threads(self);
     }
 
     fn weight_format(&self) -> WeightFormat {

@@ -473,8 +473,9 @@ thread_local! {
     static GEMM_SCRATCH: RefCell<(usize, GemmScratch)> = RefCell::new((0, GemmScratch::new(0)));
 }
 
-/// Sizes every pool thread's GEMM and attention scratch for `config` now, so that no thread
-/// allocates the first time it happens to pick up such a task in the middle of a generation.
+/// Sizes every thread's GEMM and attention scratch for `config` now, on the current rayon pool
+/// (the global one outside any pool), so that no thread allocates the first time it happens to
+/// pick up such a task in the middle of a generation.
 pub fn prepare_thread_scratch(config: &ModelConfig) {
     let widest = config
         .hidden_size

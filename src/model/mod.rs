@@ -265,6 +265,14 @@ impl Model {
         Session::new(self.clone(), context_limit, self.kv_format)
     }
 
+    /// Sizes the fast path's per-thread scratch on every thread of the current rayon pool, so that
+    /// a pool built for a new thread count does not allocate it in its first generation.
+    pub fn prepare_pool_threads(&self) {
+        if self.fast.is_some() {
+            fast::prepare_thread_scratch(&self.config);
+        }
+    }
+
     /// A session whose KV cache holds `kv` elements (the exact path always keeps f32).
     pub fn new_session_with_kv(self: &Arc<Self>, context_limit: usize, kv: KvFormat) -> Session {
         Session::new(self.clone(), context_limit, kv)
