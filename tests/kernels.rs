@@ -598,11 +598,11 @@ fn bad_shapes_are_errors_not_panics() {
     let mut scratch = GemmScratch::new(32);
     for k in Kernels::all_supported() {
         let mut out = vec![0.0; 8];
-        // Three tokens into a GEMV, rows past the end, short output, too small scratch.
-        let mut three = Q8Activations::new();
-        quantize_activation_rows(&[0.5; 192], 64, &mut three).unwrap();
+        // Too many tokens for a GEMV, rows past the end, short output, too small scratch.
+        let mut five = Q8Activations::new();
+        quantize_activation_rows(&[0.5; 320], 64, &mut five).unwrap();
         assert!(matches!(
-            k.mxfp4_gemv(&w, &three, 0..2, &mut out[..6]),
+            k.mxfp4_gemv(&w, &five, 0..2, &mut out[..8]),
             Err(KernelError::NotOneToken { .. })
         ));
         assert!(matches!(

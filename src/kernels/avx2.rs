@@ -348,7 +348,9 @@ unsafe fn gemv_rows<W: PairSource, const R: usize, const T: usize>(
 unsafe fn gemv<W: PairSource>(w: &W, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
     match x.rows() {
         1 => gemv_tokens::<W, 1>(w, x, rows, out),
-        _ => gemv_tokens::<W, 2>(w, x, rows, out),
+        2 => gemv_tokens::<W, 2>(w, x, rows, out),
+        3 => gemv_tokens::<W, 3>(w, x, rows, out),
+        _ => gemv_tokens::<W, 4>(w, x, rows, out),
     }
 }
 
@@ -362,18 +364,35 @@ unsafe fn gemv_tokens<W: PairSource, const T: usize>(
     rows: Range<usize>,
     out: &mut [f32],
 ) {
-    const ROWS_AT_ONCE: usize = 4;
-    const PREFETCH_AHEAD: usize = 2 * ROWS_AT_ONCE;
+    // Past two tokens, four rows' accumulators and the tokens' operands outgrow the 16 registers.
+    if T > 2 {
+        gemv_row_blocks::<W, 2, T>(w, x, rows, out)
+    } else {
+        gemv_row_blocks::<W, 4, T>(w, x, rows, out)
+    }
+}
+
+/// # Safety
+/// As [`gemv_tokens`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn gemv_row_blocks<W: PairSource, const R: usize, const T: usize>(
+    w: &W,
+    x: &Q8Activations,
+    rows: Range<usize>,
+    out: &mut [f32],
+) {
+    let prefetch_ahead = 8;
     let stride = rows.len();
     let ahead = |row: usize, count: usize| {
-        (row + PREFETCH_AHEAD).min(rows.end)..(row + PREFETCH_AHEAD + count).min(rows.end)
+        (row + prefetch_ahead).min(rows.end)..(row + prefetch_ahead + count).min(rows.end)
     };
     let mut at = 0;
     while at < stride {
         let row = rows.start + at;
-        if stride - at >= ROWS_AT_ONCE {
-            gemv_rows::<W, ROWS_AT_ONCE, T>(w, x, row, ahead(row, ROWS_AT_ONCE), out, stride, at);
-            at += ROWS_AT_ONCE;
+        if stride - at >= R {
+            gemv_rows::<W, R, T>(w, x, row, ahead(row, R), out, stride, at);
+            at += R;
         } else {
             gemv_rows::<W, 1, T>(w, x, row, ahead(row, 0), out, stride, at);
             at += 1;

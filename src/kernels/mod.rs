@@ -72,9 +72,12 @@ use formats::{check_len, GROUP_LANES};
 /// Name of the environment variable that forces a kernel path.
 pub const KERNELS_ENV: &str = "OSSTERM_KERNELS";
 
-/// Most tokens a GEMV streams the weights for in one pass: a token and its split remainder
-/// (two-pass int8 activations); more tokens go to the GEMM.
-pub const MAX_GEMV_TOKENS: usize = 2;
+/// Most tokens a GEMV streams the weights for in one pass: a token and its split remainder in
+/// decode, and the few tokens a prefill chunk routes to one expert in short prompts or follow-up
+/// turns. Up to four, streaming the rows with every token's sums in registers beats decoding
+/// and transposing a GEMM tile for so few tokens (MXFP4 on 2 threads: 209-247 against 174
+/// GMAC/s at M = 3-4); more tokens go to the GEMM.
+pub const MAX_GEMV_TOKENS: usize = 4;
 
 /// Rows of weights a GEMM decodes at once; their int8 form (16 x 2944 bytes for 2880 columns) stays
 /// in L1/L2 while every token is multiplied against it.
