@@ -3,38 +3,12 @@
 //!
 //! One test function in its own binary, so no other test allocates while it counts.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use half::f16;
 use ossterm::kernels::attention::{attend_group, AttentionScratch, GroupQuery, KvHead};
 use ossterm::kernels::Kernels;
 
-struct Counting;
-
-static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: forwards every call to the system allocator unchanged; only counts.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        unsafe { System.alloc_zeroed(layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
+mod counting_alloc;
+use counting_alloc::allocations;
 
 #[test]
 fn attention_does_not_allocate() {
@@ -58,7 +32,7 @@ fn attention_does_not_allocate() {
     let mut scratch = AttentionScratch::new(group, d);
     let paths = Kernels::all_supported();
 
-    let before = ALLOCATIONS.load(Ordering::SeqCst);
+    let before = allocations();
     for &k in &paths {
         for positions in [0..1, 10..139, 0..rows] {
             let kv16 = KvHead {
@@ -79,7 +53,7 @@ fn attention_does_not_allocate() {
                 .expect("f32 attention");
         }
     }
-    let allocations = ALLOCATIONS.load(Ordering::SeqCst) - before;
+    let allocations = allocations() - before;
     assert_eq!(allocations, 0, "attend_group allocated {allocations} times");
     assert!(out.iter().all(|o| o.is_finite()));
 }

@@ -603,7 +603,7 @@ fn bad_shapes_are_errors_not_panics() {
         quantize_activation_rows(&[0.5; 320], 64, &mut five).unwrap();
         assert!(matches!(
             k.mxfp4_gemv(&w, &five, 0..2, &mut out[..8]),
-            Err(KernelError::NotOneToken { .. })
+            Err(KernelError::TooManyGemvTokens { .. })
         ));
         assert!(matches!(
             k.mxfp4_gemm(&w, &x, 2..5, &mut out[..6], &mut scratch),
@@ -660,9 +660,11 @@ fn gathered_activation_rows_equal_quantizing_those_tokens() {
 fn kernel_bench_reports_every_kernel_with_positive_rates() {
     let config = ossterm::kernels::KernelBenchConfig::quick();
     let report = ossterm::kernels::run_kernel_bench(ossterm::kernels::kernels(), &config).unwrap();
-    // Per thread count and format: a GEMV of one and of two activation rows (decode's split
-    // rows; the quick config's largest token count is above two), plus one GEMM per token count.
-    let per_format = ossterm::kernels::MAX_GEMV_TOKENS + config.gemm_tokens.len();
+    // Per thread count and format: a GEMV of each token count it takes (the quick config's
+    // largest token count is above that), plus one GEMM per token count.
+    let max_gemv = ossterm::kernels::MAX_GEMV_TOKENS;
+    assert!(config.gemm_tokens.iter().any(|&t| t >= max_gemv));
+    let per_format = max_gemv + config.gemm_tokens.len();
     assert_eq!(
         report.results.len(),
         config.thread_counts.len() * 3 * per_format
@@ -681,7 +683,7 @@ fn kernel_bench_reports_every_kernel_with_positive_rates() {
             "{r:?}"
         );
     }
-    for (tokens, gemv) in report.results[..2].iter().enumerate() {
+    for (tokens, gemv) in report.results[..max_gemv].iter().enumerate() {
         assert_eq!(gemv.kernel, "mxfp4_gemv");
         assert_eq!(gemv.tokens, tokens + 1);
         assert_eq!(

@@ -23,12 +23,13 @@
 
 use std::fmt;
 use std::ops::Range;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use half::f16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use super::bench::time_runs;
 use super::{KernelError, KernelPath, Kernels};
 
 /// Keys per tile: a widened f16 tile of keys plus one of values (2 x 64 x 64 x 4 bytes for
@@ -1427,29 +1428,4 @@ pub fn bench_attention_with(
         head_dim: d,
         rows,
     })
-}
-
-/// Seconds per call of `run`: best and median of `repetitions` runs, each repeated to
-/// `min_run_time`.
-fn time_runs(
-    repetitions: usize,
-    min_run_time: Duration,
-    mut run: impl FnMut() -> Result<(), AttentionError>,
-) -> Result<(f64, f64), AttentionError> {
-    let start = Instant::now();
-    run()?;
-    let once = start.elapsed().max(Duration::from_nanos(100));
-    let calls = (min_run_time.as_secs_f64() / once.as_secs_f64())
-        .ceil()
-        .max(1.0) as usize;
-    let mut samples = Vec::with_capacity(repetitions.max(1));
-    for _ in 0..repetitions.max(1) {
-        let start = Instant::now();
-        for _ in 0..calls {
-            run()?;
-        }
-        samples.push(start.elapsed().as_secs_f64() / calls as f64);
-    }
-    samples.sort_by(f64::total_cmp);
-    Ok((samples[0], samples[samples.len() / 2]))
 }

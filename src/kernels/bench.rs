@@ -242,18 +242,18 @@ fn split_rows(rows: usize, threads: usize) -> Vec<std::ops::Range<usize>> {
 }
 
 /// Time `run` (best and median of `repetitions`, each repeated to `min_run_time`), per call.
-fn time_runs(
+pub(crate) fn time_runs<E>(
     repetitions: usize,
     min_run_time: Duration,
-    mut run: impl FnMut() -> Result<(), KernelError>,
-) -> Result<(f64, f64), KernelError> {
+    mut run: impl FnMut() -> Result<(), E>,
+) -> Result<(f64, f64), E> {
     let start = Instant::now();
     run()?;
     let once = start.elapsed().max(Duration::from_nanos(100));
     let calls = (min_run_time.as_secs_f64() / once.as_secs_f64())
         .ceil()
         .max(1.0) as usize;
-    let mut samples = Vec::with_capacity(repetitions);
+    let mut samples = Vec::with_capacity(repetitions.max(1));
     for _ in 0..repetitions.max(1) {
         let start = Instant::now();
         for _ in 0..calls {

@@ -127,7 +127,7 @@ pub enum KernelError {
         got: usize,
     },
     #[error("{what}: GEMV takes 1 to {MAX_GEMV_TOKENS} tokens, got {tokens}")]
-    NotOneToken { what: String, tokens: usize },
+    TooManyGemvTokens { what: String, tokens: usize },
     #[error("kernel benchmark could not start its thread pool: {0}")]
     ThreadPool(String),
     #[error("GEMM scratch was sized for {have} columns, the matrix has {needed}")]
@@ -328,7 +328,7 @@ fn check_quantized(
         });
     }
     if one_token && !(1..=MAX_GEMV_TOKENS).contains(&x.rows()) {
-        return Err(KernelError::NotOneToken {
+        return Err(KernelError::TooManyGemvTokens {
             what: what.to_string(),
             tokens: x.rows(),
         });

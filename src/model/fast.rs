@@ -595,7 +595,8 @@ fn run_jobs(
 }
 
 fn run_task(k: Kernels, job: &Job<'_>, rows: Range<usize>, out: &mut [f32]) {
-    // One token and its split remainder stream the weights once through the GEMV.
+    // A token and its split remainder (decode), or the few tokens an expert gets in a short
+    // prefill, stream the weights once through the GEMV.
     let one = job.tokens <= kernels::MAX_GEMV_TOKENS;
     let result = match (job.weights, job.quantized) {
         (JobWeights::Bf16(m), _) => k.bf16_gemm(m.values(), m.cols, job.plain, rows, out),
