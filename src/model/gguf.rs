@@ -667,12 +667,14 @@ impl GgufFile {
         let arch_key = "general.architecture";
         match self.string(arch_key)? {
             Some(ARCH) => {}
-            Some(other) => return Err(self.key_err(
-                arch_key,
-                format!(
+            Some(other) => {
+                return Err(self.key_err(
+                    arch_key,
+                    format!(
                     "the file holds a \"{other}\" model; ossterm runs \"{ARCH}\" (gpt-oss) only"
                 ),
-            )),
+                ))
+            }
             None => return Err(self.key_err(arch_key, "missing".into())),
         }
         let k = |name: &str| format!("{ARCH}.{name}");
@@ -1132,7 +1134,10 @@ impl GgufSource {
         } else {
             shape.to_vec()
         };
-        if blocks_shape.len() != 4 || blocks_shape[3] != 16 || !blocks_shape[1].is_multiple_of(parts.len()) {
+        if blocks_shape.len() != 4
+            || blocks_shape[3] != 16
+            || !blocks_shape[1].is_multiple_of(parts.len())
+        {
             return Err(self.file.err(format!(
                 "{hf} cannot be served as MXFP4 experts of shape {shape:?}"
             )));
