@@ -239,3 +239,61 @@ fn ollama_manifest_without_model_layer_or_blob_is_refused() {
         .to_string();
     assert!(message.contains("missing"), "{message}");
 }
+
+fn ossterm(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_ossterm"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn cli_takes_a_gguf_wherever_it_takes_a_checkpoint() {
+    let out = tempfile::tempdir().unwrap();
+    let (a, b) = (out.path().join("a.bin"), out.path().join("b.bin"));
+    let gguf = fixtures().join("gguf/tiny_single.gguf");
+    let dir = fixtures().join("tiny_single");
+    for (model, file) in [(&gguf, &a), (&dir, &b)] {
+        let run = ossterm(&[
+            "logits",
+            "--model",
+            model.to_str().unwrap(),
+            "--tokens",
+            "1,2,3,4,5",
+            "--exact",
+            "--out",
+            file.to_str().unwrap(),
+        ]);
+        assert!(
+            run.status.success(),
+            "{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+    }
+    assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+
+    let info = ossterm(&["info", "--model", gguf.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&info.stdout);
+    assert!(
+        info.status.success(),
+        "{}",
+        String::from_utf8_lossy(&info.stderr)
+    );
+    assert!(text.contains("GGUF v3") && text.contains("MXFP4"), "{text}");
+}
+
+#[test]
+fn info_describes_the_120b_layout_without_building_it() {
+    let info = ossterm(&["info", "--synthetic", "120b"]);
+    let text = String::from_utf8_lossy(&info.stdout);
+    assert!(
+        info.status.success(),
+        "{}",
+        String::from_utf8_lossy(&info.stderr)
+    );
+    assert!(text.contains("layers:             36"), "{text}");
+    assert!(text.contains("128 per layer, 4 per token"), "{text}");
+    assert!(text.contains("116.83B"), "{text}");
+    assert!(text.contains("5.13B"), "{text}");
+    assert!(text.contains("weights 60.77 GiB"), "{text}");
+}

@@ -525,6 +525,10 @@ pub fn load_model(
     let converting = format!("converting weights to {}", settings.weight_format);
     let (model, label, random_weights) = match source {
         ModelSource::Checkpoint(dir) => {
+            let planned = crate::model::memory::Planned::Path(dir);
+            let warning =
+                crate::model::memory::check_before_load(planned, &options, settings.context_limit)
+                    .map_err(model_error)?;
             let model = Model::load_with_progress(dir, &options, &mut |stage, done, total| {
                 let what = match stage {
                     LoadStage::Converting => converting.as_str(),
@@ -533,7 +537,11 @@ pub fn load_model(
                 progress(what, done, total)
             })
             .map_err(model_error)?;
-            (model, format!("gpt-oss ({})", dir.display()), false)
+            let label = match warning {
+                Some(_) => format!("gpt-oss ({}; weights paged from disk)", dir.display()),
+                None => format!("gpt-oss ({})", dir.display()),
+            };
+            (model, label, false)
         }
         ModelSource::Synthetic(choice) => {
             let available = crate::engine::worker::available_memory_bytes();

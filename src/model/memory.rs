@@ -5,8 +5,59 @@
 //! weights, GGUF experts repacked to the kernels' layout, the KV cache at the chosen context) cannot
 //! be paged back from a file; if it does not fit the load is refused with the numbers.
 
-use super::config::{ModelConfig, MXFP4_BLOCK};
-use super::{KvFormat, ModelError, Precision, WeightFormat};
+use std::path::Path;
+
+use super::config::{ModelConfig, Preset, MXFP4_BLOCK};
+use super::{gguf, resolve_model_path, KvFormat, LoadOptions, ModelError, Precision, WeightFormat};
+
+/// What to load, for [`check_before_load`].
+#[derive(Debug, Clone, Copy)]
+pub enum Planned<'a> {
+    /// A `--model` value: checkpoint directory, GGUF file or `ollama:NAME:TAG`.
+    Path(&'a Path),
+    Synthetic(Preset),
+}
+
+/// Compares what loading `planned` with `opts` and a KV cache of `context` tokens needs with this
+/// machine's memory, reading only the configuration. `Ok(Some(warning))` when the weights will be
+/// paged from disk; an error when owned memory cannot fit. A model whose configuration cannot be
+/// read passes: the load itself reports why.
+pub fn check_before_load(
+    planned: Planned<'_>,
+    opts: &LoadOptions,
+    context: usize,
+) -> Result<Option<String>, ModelError> {
+    let Some(memory) = SystemMemory::read() else {
+        return Ok(None);
+    };
+    let (config, source) = match planned {
+        Planned::Synthetic(preset) => (preset.config(), WeightSource::Synthetic),
+        Planned::Path(spec) => {
+            let path = resolve_model_path(spec)?;
+            let read = if gguf::is_gguf(&path) {
+                gguf::GgufFile::open(&path)
+                    .and_then(|f| f.config())
+                    .map(|c| (c, WeightSource::Gguf))
+            } else {
+                ModelConfig::from_file(&path.join("config.json")).map(|c| (c, WeightSource::Mapped))
+            };
+            match read {
+                Ok(found) => found,
+                Err(_) => return Ok(None),
+            }
+        }
+    };
+    let context = context.min(config.max_position_embeddings);
+    MemoryNeeds::estimate(
+        &config,
+        source,
+        opts.precision,
+        opts.weights,
+        opts.kv,
+        context,
+    )
+    .check(memory)
+}
 
 /// Bytes of RAM: installed and available now (free plus reclaimable cache), from /proc/meminfo.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
