@@ -297,3 +297,13 @@ fn info_describes_the_120b_layout_without_building_it() {
     assert!(text.contains("5.13B"), "{text}");
     assert!(text.contains("weights 60.77 GiB"), "{text}");
 }
+
+#[test]
+fn the_app_treats_gguf_files_and_ollama_names_as_models() {
+    use ossterm::model::looks_loadable;
+    assert!(looks_loadable(&fixtures().join("gguf/tiny_single.gguf")));
+    assert!(looks_loadable(&fixtures().join("tiny_single")));
+    assert!(looks_loadable(Path::new("ollama:gpt-oss:20b")));
+    assert!(!looks_loadable(&fixtures().join("gguf/absent.gguf")));
+    assert!(!looks_loadable(&fixtures().join("harmony")));
+}

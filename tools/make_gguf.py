@@ -97,67 +97,89 @@ def mxfp4_to_ggml(blocks, scales):
 
 
 def plan(ck, dense):
-    """(gguf name, producer) for every tensor, in the converter's order."""
+    """(gguf name, shape maker, data maker) for every tensor, in the converter's order. The shape
+    maker reads only the safetensors header, so the file's header can be written before any data."""
     c = ck.config
     layers = c["num_hidden_layers"]
     out = []
+    Q8_0, BF16, MXFP4 = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.BF16,
+                         gguf.GGMLQuantizationType.MXFP4)
+
+    def shape_of(hf):
+        return list(ck.tensors[hf][4])
 
     def matrix(hf):
+        def info():
+            rows, cols = shape_of(hf)
+            if dense == "q8_0":
+                return (rows, cols // 32 * 34), np.uint8, rows * cols // 32 * 34, Q8_0
+            return (rows, cols * 2), np.uint8, rows * cols * 2, BF16
+
         def make():
             dtype, data = ck.get(hf)
             if dense == "q8_0":
-                return gguf.quants.quantize(to_f32(dtype, data), gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+                return gguf.quants.quantize(to_f32(dtype, data), Q8_0)
             assert dtype == "BF16", f"{hf} is {dtype}"
-            raw = np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1)
-            return raw, gguf.GGMLQuantizationType.BF16
-        return make
+            return np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1)
+        return info, make
 
-    def f32(hf, select=None):
+    def f32(hf, half=None):
+        def info():
+            shape = shape_of(hf)
+            if half is not None:
+                shape[-1] //= 2
+            return tuple(shape), np.float32, 4 * int(np.prod(shape)), None
+
         def make():
             dtype, data = ck.get(hf)
             data = to_f32(dtype, np.asarray(data))
-            if select is not None:
-                data = select(data)
-            return np.ascontiguousarray(data), None
-        return make
+            if half is not None:
+                data = data[..., half::2]
+            return np.ascontiguousarray(data)
+        return info, make
 
-    def experts(prefix, select=None):
+    def experts(prefix, half=None):
+        def info():
+            e, rows, nb, _ = shape_of(prefix + "_blocks")
+            if half is not None:
+                rows //= 2
+            return (e, rows, nb * 17), np.uint8, e * rows * nb * 17, MXFP4
+
         def make():
             _, blocks = ck.get(prefix + "_blocks")
             _, scales = ck.get(prefix + "_scales")
-            blocks, scales = np.asarray(blocks), np.asarray(scales)
-            if select is not None:
-                blocks, scales = blocks[:, select], scales[:, select]
-            return mxfp4_to_ggml(blocks, scales), gguf.GGMLQuantizationType.MXFP4
-        return make
+            if half is not None:
+                blocks, scales = blocks[:, half::2], scales[:, half::2]
+            return mxfp4_to_ggml(np.asarray(blocks), np.asarray(scales))
+        return info, make
 
-    out.append(("token_embd.weight", matrix("model.embed_tokens.weight")))
+    out.append(("token_embd.weight", *matrix("model.embed_tokens.weight")))
     for l in range(layers):
         p = f"model.layers.{l}."
         b = f"blk.{l}."
         out += [
-            (b + "attn_norm.weight", f32(p + "input_layernorm.weight")),
-            (b + "post_attention_norm.weight", f32(p + "post_attention_layernorm.weight")),
-            (b + "attn_sinks.weight", f32(p + "self_attn.sinks")),
+            (b + "attn_norm.weight", *f32(p + "input_layernorm.weight")),
+            (b + "post_attention_norm.weight", *f32(p + "post_attention_layernorm.weight")),
+            (b + "attn_sinks.weight", *f32(p + "self_attn.sinks")),
         ]
         for hf, g in [("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")]:
             out += [
-                (b + g + ".weight", matrix(p + f"self_attn.{hf}.weight")),
-                (b + g + ".bias", f32(p + f"self_attn.{hf}.bias")),
+                (b + g + ".weight", *matrix(p + f"self_attn.{hf}.weight")),
+                (b + g + ".bias", *f32(p + f"self_attn.{hf}.bias")),
             ]
         out += [
-            (b + "ffn_gate_inp.weight", matrix(p + "mlp.router.weight")),
-            (b + "ffn_gate_inp.bias", f32(p + "mlp.router.bias")),
-            (b + "ffn_gate_exps.weight", experts(p + "mlp.experts.gate_up_proj", slice(0, None, 2))),
-            (b + "ffn_up_exps.weight", experts(p + "mlp.experts.gate_up_proj", slice(1, None, 2))),
-            (b + "ffn_down_exps.weight", experts(p + "mlp.experts.down_proj")),
-            (b + "ffn_gate_exps.bias", f32(p + "mlp.experts.gate_up_proj_bias", lambda d: d[..., 0::2])),
-            (b + "ffn_up_exps.bias", f32(p + "mlp.experts.gate_up_proj_bias", lambda d: d[..., 1::2])),
-            (b + "ffn_down_exps.bias", f32(p + "mlp.experts.down_proj_bias")),
+            (b + "ffn_gate_inp.weight", *matrix(p + "mlp.router.weight")),
+            (b + "ffn_gate_inp.bias", *f32(p + "mlp.router.bias")),
+            (b + "ffn_gate_exps.weight", *experts(p + "mlp.experts.gate_up_proj", 0)),
+            (b + "ffn_up_exps.weight", *experts(p + "mlp.experts.gate_up_proj", 1)),
+            (b + "ffn_down_exps.weight", *experts(p + "mlp.experts.down_proj")),
+            (b + "ffn_gate_exps.bias", *f32(p + "mlp.experts.gate_up_proj_bias", 0)),
+            (b + "ffn_up_exps.bias", *f32(p + "mlp.experts.gate_up_proj_bias", 1)),
+            (b + "ffn_down_exps.bias", *f32(p + "mlp.experts.down_proj_bias")),
         ]
-    out.append(("output_norm.weight", f32("model.norm.weight")))
+    out.append(("output_norm.weight", *f32("model.norm.weight")))
     if not c.get("tie_word_embeddings", False):
-        out.append(("output.weight", matrix("lm_head.weight")))
+        out.append(("output.weight", *matrix("lm_head.weight")))
     return out
 
 
@@ -207,15 +229,15 @@ def write(ck, out_path, dense, tokens):
 
     items = plan(ck, dense)
     # Shapes and sizes first (the header holds them), then the data, one tensor at a time.
-    for name, make in items:
-        data, qtype = make()
-        w.add_tensor_info(name, data.shape, data.dtype, data.nbytes, raw_dtype=qtype)
-        del data
+    for name, info, _ in items:
+        shape, dtype, nbytes, qtype = info()
+        w.add_tensor_info(name, shape, np.dtype(dtype), nbytes, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for name, make in items:
-        data, _ = make()
+    for name, info, make in items:
+        data = make()
+        assert data.nbytes == info()[2], name
         w.write_tensor_data(data)
         del data
     w.close()

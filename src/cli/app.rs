@@ -36,8 +36,8 @@ pub struct AppArgs {
     /// Config file to read instead of the one in the platform config directory.
     #[arg(long, value_name = "PATH")]
     pub config: Option<PathBuf>,
-    /// Checkpoint directory (model.path).
-    #[arg(long, value_name = "DIR")]
+    /// Checkpoint directory, GGUF file or ollama:NAME:TAG (model.path).
+    #[arg(long, value_name = "PATH")]
     pub model: Option<PathBuf>,
     /// Random-weight model when no checkpoint is given: auto, tiny or 20b (model.synthetic).
     #[arg(long, value_name = "PRESET", value_parser = parse_synthetic)]
@@ -144,7 +144,7 @@ impl AppArgs {
 /// screen (download command, demo) instead of failing with an error dump.
 pub fn initial_engine_status(config: &AppConfig) -> EngineStatus {
     match &config.model {
-        ModelSource::Checkpoint(dir) if !dir.join("config.json").is_file() => {
+        ModelSource::Checkpoint(dir) if !crate::model::looks_loadable(dir) => {
             EngineStatus::ModelMissing { path: dir.clone() }
         }
         _ => EngineStatus::Loading {

@@ -138,6 +138,15 @@ pub fn resolve_model_path(spec: &Path) -> Result<PathBuf, ModelError> {
     }
 }
 
+/// Whether `spec` names something [`Model::load`] can try: a checkpoint directory with its
+/// config.json, a GGUF file, or an `ollama:` name (whose resolution reports its own errors).
+pub fn looks_loadable(spec: &Path) -> bool {
+    let ollama_name = spec
+        .to_str()
+        .is_some_and(|s| s.starts_with(ollama::PREFIX) && !spec.exists());
+    ollama_name || (spec.is_file() && gguf::is_gguf(spec)) || spec.join("config.json").is_file()
+}
+
 /// A loaded model: configuration, weights and the tables every session shares.
 pub struct Model {
     pub config: ModelConfig,
