@@ -1094,16 +1094,11 @@ impl GgufSource {
                     let codes = &block[1..];
                     let out = &mut dst_blocks[b * 16..(b + 1) * 16];
                     // GGUF: byte i holds value i (low) and i + 16 (high). HF: byte j holds 2j (low)
-                    // and 2j + 1 (high).
-                    let value = |k: usize| {
-                        if k < 16 {
-                            codes[k] & 0x0F
-                        } else {
-                            codes[k - 16] >> 4
-                        }
-                    };
-                    for (j, byte) in out.iter_mut().enumerate() {
-                        *byte = value(2 * j) | (value(2 * j + 1) << 4);
+                    // and 2j + 1 (high): values 0..15 come from low nibbles, 16..31 from high ones.
+                    for j in 0..8 {
+                        let (even, odd) = (codes[2 * j], codes[2 * j + 1]);
+                        out[j] = (even & 0x0F) | (odd << 4);
+                        out[j + 8] = (even >> 4) | (odd & 0xF0);
                     }
                 }
             });

@@ -105,9 +105,12 @@ pub struct MemoryNeeds {
     pub weights: u64,
     /// Of those or in addition, bytes the process must own (not backed by a file).
     pub owned: u64,
+    /// Of `owned`, the fast path's converted attention and unembedding matrices.
+    pub converted: u64,
     /// The KV cache when the context is full.
     pub kv: u64,
     pub context: usize,
+    pub source: WeightSource,
 }
 
 impl ModelConfig {
@@ -156,27 +159,27 @@ impl MemoryNeeds {
         context: usize,
     ) -> MemoryNeeds {
         let total = config.checkpoint_bytes();
-        let mut owned = match source {
+        let loaded = match source {
             WeightSource::Mapped => 0,
             WeightSource::Gguf => config.expert_bytes(),
             WeightSource::Synthetic => total,
         };
-        if precision == Precision::Fast {
-            // Q8 keeps 34 bytes per 32 weights, Q4 18; converted pages of the mapping are released.
-            let params = config.converted_parameters();
-            owned += match weights {
-                WeightFormat::Native => 0,
-                WeightFormat::Q8 => params * 34 / 32,
-                WeightFormat::Q4 => params * 18 / 32,
-            };
-        }
+        // Q8 keeps 34 bytes per 32 weights, Q4 18; converted pages of the mapping are released.
+        let params = config.converted_parameters();
+        let converted = match (precision, weights) {
+            (Precision::Exact, _) | (_, WeightFormat::Native) => 0,
+            (_, WeightFormat::Q8) => params * 34 / 32,
+            (_, WeightFormat::Q4) => params * 18 / 32,
+        };
         let kv_bytes = match precision {
             Precision::Exact => 4,
             Precision::Fast => kv.bytes_per_value() as u64,
         };
         MemoryNeeds {
             weights: total,
-            owned,
+            owned: loaded + converted,
+            converted,
+            source,
             kv: 2
                 * config.num_hidden_layers as u64
                 * context as u64
@@ -186,27 +189,57 @@ impl MemoryNeeds {
         }
     }
 
+    /// What would lower the owned memory, for the refusal message.
+    fn advice(&self) -> String {
+        let mut ways = Vec::new();
+        if self.kv > 0 {
+            ways.push("lower the context (--context / engine.context_limit)".to_string());
+        }
+        match self.source {
+            WeightSource::Synthetic => ways.push(
+                "pick a smaller synthetic preset: random weights are generated in memory".into(),
+            ),
+            WeightSource::Gguf => ways.push(
+                "use the Hugging Face safetensors checkpoint, which stays mapped (a GGUF's \
+                 experts are repacked into memory)"
+                    .into(),
+            ),
+            WeightSource::Mapped => {}
+        }
+        if self.converted > 0 && self.source != WeightSource::Synthetic {
+            ways.push("--weights native keeps attention and unembedding in the mapping".into());
+        }
+        ways.join("; or ")
+    }
+
     /// Refuses what cannot fit in `memory`; returns a warning when the mapped weights do not fit
     /// beside it (they will be read from disk as needed).
     pub fn check(&self, memory: SystemMemory) -> Result<Option<String>, ModelError> {
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         let anonymous = self.owned + self.kv;
         if anonymous > memory.available {
+            let kv = if self.context > 0 {
+                format!(
+                    "the KV cache for {} tokens needs {:.1} GiB and ",
+                    self.context,
+                    gib(self.kv)
+                )
+            } else {
+                String::new()
+            };
             return Err(ModelError::Memory(format!(
-                "not enough memory: the KV cache for {} tokens needs {:.1} GiB and weights held in \
-                 memory (converted or repacked) {:.1} GiB, {:.1} GiB in all, but {:.1} GiB of {:.1} GiB \
-                 are available; lower the context (--context / engine.context_limit){}",
-                self.context,
-                gib(self.kv),
+                "not enough memory: {kv}weights held in memory ({}) need {:.1} GiB, {:.1} GiB in \
+                 all, but {:.1} GiB of {:.1} GiB are available: {}",
+                match self.source {
+                    WeightSource::Synthetic => "generated",
+                    WeightSource::Gguf => "repacked experts, converted matrices",
+                    WeightSource::Mapped => "converted matrices",
+                },
                 gib(self.owned),
                 gib(anonymous),
                 gib(memory.available),
                 gib(memory.total),
-                if self.owned > 0 {
-                    ", or use --weights native / the safetensors checkpoint, which stay mapped"
-                } else {
-                    ""
-                }
+                self.advice()
             )));
         }
         let mapped = self.weights.saturating_sub(self.owned.min(self.weights));
@@ -279,7 +312,10 @@ mod tests {
             available: 8 * GIB,
         };
         let err = needs(131072).check(small_machine).unwrap_err().to_string();
-        assert!(err.contains("131072 tokens needs 9.0 GiB"), "{err}");
+        assert!(
+            err.contains("131072 tokens needs 9.0 GiB") && err.contains("--context"),
+            "{err}"
+        );
         let small = MemoryNeeds::estimate(
             &ModelConfig::tiny(),
             WeightSource::Mapped,
