@@ -213,7 +213,7 @@ impl GgufTensor {
 /// A mapped, validated GGUF file.
 pub struct GgufFile {
     path: PathBuf,
-    map: Arc<Mmap>,
+    map: Arc<dyn ByteOwner>,
     pub version: u32,
     metadata: HashMap<String, Value>,
     tensors: HashMap<String, GgufTensor>,
@@ -361,12 +361,17 @@ impl GgufFile {
         Self::parse(path, Arc::new(map))
     }
 
-    fn parse(path: &Path, map: Arc<Mmap>) -> Result<Self, ModelError> {
+    /// Parses a GGUF held in memory; `path` only names it in errors (tests and fuzzing use this).
+    pub fn from_bytes(path: &Path, bytes: Vec<u8>) -> Result<Self, ModelError> {
+        Self::parse(path, Arc::new(bytes))
+    }
+
+    fn parse(path: &Path, map: Arc<dyn ByteOwner>) -> Result<Self, ModelError> {
         let bad = |message: String| ModelError::BadGguf {
             path: path.to_owned(),
             message,
         };
-        let bytes: &[u8] = &map;
+        let bytes: &[u8] = map.bytes();
         let mut c = Cursor { bytes, pos: 0 };
         let magic = c.array::<4>(&|| "the magic number".into()).map_err(bad)?;
         if &magic != MAGIC {
@@ -543,12 +548,11 @@ impl GgufFile {
     }
 
     fn bytes(&self, tensor: &GgufTensor) -> &[u8] {
-        &self.map[tensor.range.clone()]
+        &self.map.bytes()[tensor.range.clone()]
     }
 
     fn view(&self, tensor: &GgufTensor) -> TensorBytes {
-        let owner: Arc<dyn ByteOwner> = self.map.clone();
-        TensorBytes::new(owner, tensor.range.clone())
+        TensorBytes::new(self.map.clone(), tensor.range.clone())
     }
 
     fn err(&self, message: String) -> ModelError {
@@ -570,7 +574,7 @@ impl GgufFile {
     pub fn string(&self, key: &str) -> Result<Option<&str>, ModelError> {
         match self.metadata.get(key) {
             None => Ok(None),
-            Some(Value::String(range)) => std::str::from_utf8(&self.map[range.clone()])
+            Some(Value::String(range)) => std::str::from_utf8(&self.map.bytes()[range.clone()])
                 .map(Some)
                 .map_err(|_| self.key_err(key, "is not UTF-8".into())),
             Some(other) => {
@@ -587,7 +591,7 @@ impl GgufFile {
                 key,
                 format!(
                     "expected a non-negative integer, found {}",
-                    describe(&self.map, other)
+                    describe(self.map.bytes(), other)
                 ),
             )),
         }
@@ -626,7 +630,7 @@ impl GgufFile {
             ));
         };
         let mut c = Cursor {
-            bytes: &self.map[..bytes.end],
+            bytes: &self.map.bytes()[..bytes.end],
             pos: bytes.start,
         };
         // The parse walked these strings already; `count` is bounded by the file size.
@@ -648,7 +652,7 @@ impl GgufFile {
         match value {
             Value::Array { elem, count, bytes } if *elem != ValueType::String => {
                 let size = elem.min_size();
-                let raw = &self.map[bytes.clone()];
+                let raw = &self.map.bytes()[bytes.clone()];
                 Ok(Some(
                     (0..*count)
                         .map(|i| raw[i * size..(i + 1) * size].iter().any(|b| *b != 0))
