@@ -384,6 +384,9 @@ fn wrong_model_and_missing_keys_are_named() {
     b.remove("gpt-oss.block_count");
     refused(&b, &["gpt-oss.block_count", "missing"]);
     let mut b = Builder::valid();
+    b.set("gpt-oss.block_count", Val::U32(u32::MAX));
+    refused(&b, &["gpt-oss.block_count", "4294967295 layers"]);
+    let mut b = Builder::valid();
     b.set("gpt-oss.rope.scaling.type", Val::Str("linear".into()));
     refused(&b, &["gpt-oss.rope.scaling.type", "linear"]);
     let mut b = Builder::valid();

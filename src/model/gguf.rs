@@ -694,6 +694,17 @@ impl GgufFile {
         }
         let hidden_size = self.required_uint(&k("embedding_length"))?;
         let num_hidden_layers = self.required_uint(&k("block_count"))?;
+        // Every layer has tensors of its own: a count the tensor table cannot back is a lie, and
+        // refusing it here keeps it from sizing the per-layer lists below.
+        if num_hidden_layers > self.tensors.len() {
+            return Err(self.key_err(
+                &k("block_count"),
+                format!(
+                    "{num_hidden_layers} layers, but the file has only {} tensors",
+                    self.tensors.len()
+                ),
+            ));
+        }
         let num_attention_heads = self.required_uint(&k("attention.head_count"))?;
         let num_key_value_heads = self
             .uint(&k("attention.head_count_kv"))?
