@@ -2,13 +2,12 @@
 //! restore (also on panic), and the event loop that joins keys, engine events and redraws.
 
 use crate::config::{self, AppConfig, ConfigOverrides, ModelSource, SyntheticChoice};
-use crate::engine::protocol::{
-    ActivationFormat, Event, KvCacheType, ReasoningEffort, WeightFormat,
-};
+use crate::engine::protocol::Event;
 use crate::engine::worker::{EngineError, EngineHandle};
+use crate::settings::{Kind, Setting, Value, SETTINGS};
 use crate::tui::clipboard::osc52_sequence;
-use crate::tui::store::ChatStore;
-use crate::tui::view::draw;
+use crate::tui::store::{ChatStore, StoreOutcome, StoreRequest};
+use crate::tui::view::{conversation_viewport, draw};
 use crate::tui::{App, Effect, EngineStatus, Msg};
 use anyhow::Context;
 use clap::Args;
@@ -42,45 +41,11 @@ pub struct AppArgs {
     /// Random-weight model when no checkpoint is given: auto, tiny or 20b (model.synthetic).
     #[arg(long, value_name = "PRESET", value_parser = parse_synthetic)]
     pub synthetic: Option<SyntheticChoice>,
-    /// Worker threads (engine.threads).
-    #[arg(long, value_name = "N")]
-    pub threads: Option<usize>,
-    /// native, q8 or q4 (engine.weight_format).
-    #[arg(long, value_name = "FORMAT", value_parser = parse_choice::<WeightFormat>)]
-    pub weight_format: Option<WeightFormat>,
-    /// Int8 inputs of quantized products: q8, mixed or q8x2 (engine.activations).
-    #[arg(long, value_name = "FORMAT", value_parser = parse_choice::<ActivationFormat>)]
-    pub activations: Option<ActivationFormat>,
-    /// f16 or f32 (engine.kv_cache).
-    #[arg(long, value_name = "TYPE", value_parser = parse_choice::<KvCacheType>)]
-    pub kv_cache: Option<KvCacheType>,
-    /// Context limit in tokens (engine.context_limit).
-    #[arg(long, value_name = "TOKENS")]
-    pub context_limit: Option<usize>,
-    /// Sampling temperature, 0 = greedy (sampling.temperature).
-    #[arg(long, value_name = "T")]
-    pub temperature: Option<f32>,
-    /// Nucleus sampling mass in (0, 1] (sampling.top_p).
-    #[arg(long, value_name = "P")]
-    pub top_p: Option<f32>,
-    /// Keep the K most likely tokens, 0 = off (sampling.top_k).
-    #[arg(long, value_name = "K")]
-    pub top_k: Option<usize>,
-    /// Drop tokens below this fraction of the top one's probability, 0 = off (sampling.min_p).
-    #[arg(long, value_name = "P")]
-    pub min_p: Option<f32>,
-    /// Most tokens one reply may generate, reasoning included (sampling.max_tokens).
-    #[arg(long, value_name = "N")]
-    pub max_tokens: Option<usize>,
-    /// Fixed sampling seed (sampling.seed; default: a fresh one every run).
-    #[arg(long, value_name = "N")]
-    pub seed: Option<u64>,
-    /// low, medium or high (chat.reasoning_effort).
-    #[arg(long, value_name = "EFFORT", value_parser = parse_choice::<ReasoningEffort>)]
-    pub reasoning_effort: Option<ReasoningEffort>,
     /// Directory of saved chats (paths.chats_dir).
     #[arg(long, value_name = "DIR")]
     pub chats_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub settings: SettingFlags,
 }
 
 fn parse_synthetic(text: &str) -> Result<SyntheticChoice, String> {
@@ -88,32 +53,58 @@ fn parse_synthetic(text: &str) -> Result<SyntheticChoice, String> {
         .ok_or_else(|| format!("expected auto, tiny or 20b, got {text:?}"))
 }
 
-trait NamedChoice: Sized + Copy + 'static {
-    const ALL: &'static [Self];
-    fn name(self) -> &'static str;
+/// The flags of every setting that has one in [`SETTINGS`], as given: (config key, value).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SettingFlags(pub Vec<(&'static str, Value)>);
+
+/// A flag's text as its setting's value, checked, so clap reports a bad one with its usage.
+fn parse_setting_flag(setting: &'static Setting, text: &str) -> Result<Option<Value>, String> {
+    let value = setting.parse_text(text)?;
+    if let Some(value) = &value {
+        setting.check(value)?;
+    }
+    Ok(value)
 }
 
-macro_rules! named_choice {
-    ($($ty:ty),*) => {$(
-        impl NamedChoice for $ty {
-            const ALL: &'static [Self] = <$ty>::ALL;
-            fn name(self) -> &'static str {
-                <$ty>::name(self)
-            }
-        }
-    )*};
-}
-named_choice!(WeightFormat, ActivationFormat, KvCacheType, ReasoningEffort);
+impl clap::FromArgMatches for SettingFlags {
+    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        let given = SETTINGS.iter().filter_map(|setting| {
+            let flag = setting.flag?;
+            let value = matches.get_one::<Option<Value>>(flag)?.clone()?;
+            Some((setting.key, value))
+        });
+        Ok(SettingFlags(given.collect()))
+    }
 
-fn parse_choice<T: NamedChoice>(text: &str) -> Result<T, String> {
-    T::ALL
-        .iter()
-        .copied()
-        .find(|value| value.name() == text)
-        .ok_or_else(|| {
-            let names: Vec<&str> = T::ALL.iter().map(|value| value.name()).collect();
-            format!("expected one of {}, got {text:?}", names.join(", "))
+    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(matches)?;
+        Ok(())
+    }
+}
+
+impl clap::Args for SettingFlags {
+    fn augment_args(command: clap::Command) -> clap::Command {
+        SETTINGS.iter().fold(command, |command, setting| {
+            let Some(flag) = setting.flag else {
+                return command;
+            };
+            let values = match setting.kind {
+                Kind::Choice { names } => format!(": {}", names.join(", ")),
+                _ => String::new(),
+            };
+            command.arg(
+                clap::Arg::new(flag)
+                    .long(flag)
+                    .value_name(setting.value_name)
+                    .help(format!("{}{values} ({})", setting.help, setting.key))
+                    .value_parser(move |text: &str| parse_setting_flag(setting, text)),
+            )
         })
+    }
+
+    fn augment_args_for_update(command: clap::Command) -> clap::Command {
+        Self::augment_args(command)
+    }
 }
 
 impl AppArgs {
@@ -122,19 +113,8 @@ impl AppArgs {
         let overrides = ConfigOverrides {
             model_dir: self.model.clone(),
             synthetic: self.synthetic,
-            threads: self.threads,
-            weight_format: self.weight_format,
-            activations: self.activations,
-            kv_cache: self.kv_cache,
-            context_limit: self.context_limit,
-            temperature: self.temperature,
-            top_p: self.top_p,
-            top_k: self.top_k,
-            min_p: self.min_p,
-            max_tokens: self.max_tokens,
-            seed: self.seed,
-            reasoning_effort: self.reasoning_effort,
             chats_dir: self.chats_dir.clone(),
+            settings: self.settings.0.clone(),
         };
         Ok(config::load(self.config.as_deref(), &overrides)?)
     }
@@ -252,12 +232,13 @@ fn setup_terminal() -> anyhow::Result<(Terminal<CrosstermBackend<std::io::Stdout
     Ok((terminal, guard))
 }
 
-/// What the loop receives: terminal input and engine events on one channel.
+/// What the loop receives: terminal input, engine events and finished file work on one channel.
 enum Input {
     Terminal(crossterm::event::Event, Instant),
     Engine(Event),
     /// The engine's event channel closed while the app was running.
     EngineGone,
+    Stored(StoreOutcome),
 }
 
 /// Runs the app until the user quits. `start_engine` starts the engine thread sending its events
@@ -272,11 +253,8 @@ pub fn run_app(
         .or_else(config::default_chats_dir)
         .context("no platform data directory for saved chats; set paths.chats_dir")?;
     let status = initial_engine_status(&config);
-    let mut app = App::new(
-        config.settings.clone(),
-        ChatStore::new(chats_dir),
-        status.clone(),
-    );
+    let store = ChatStore::new(chats_dir);
+    let mut app = App::new(config.settings.clone(), store.clone(), status.clone());
 
     let panic_notes = install_panic_hook(restore_terminal);
     // Before the input thread starts: setting up asks the terminal about its keyboard protocol and
@@ -299,6 +277,16 @@ pub fn run_app(
             }
             let _ = forward.send(Input::EngineGone);
         })?;
+    // File work (saving a chat of any size, listing chats) off the UI thread, in order.
+    let (store_requests, store_inbox) = mpsc::channel::<StoreRequest>();
+    let stored = input_sender.clone();
+    let store_thread = std::thread::Builder::new()
+        .name("ossterm-chat-files".to_string())
+        .spawn(move || {
+            for request in store_inbox {
+                let _ = stored.send(Input::Stored(store.perform(request)));
+            }
+        })?;
     std::thread::Builder::new()
         .name("ossterm-terminal-input".to_string())
         .spawn(move || {
@@ -317,12 +305,16 @@ pub fn run_app(
         &mut terminal,
         &mut app,
         &inputs,
-        engine.as_ref(),
         &LoopHooks {
+            engine: engine.as_ref(),
+            store: &store_requests,
             panic_notes: &panic_notes,
             test_panic_armed,
         },
     );
+    // Saves already asked for finish before the process ends.
+    drop(store_requests);
+    let _ = store_thread.join();
     drop(guard);
     if let Ok(notes) = panic_notes.lock() {
         for note in notes.iter() {
@@ -335,18 +327,56 @@ pub fn run_app(
     result
 }
 
-/// What the event loop needs besides the app and its channels.
+/// What the event loop needs besides the app and its input channel.
 struct LoopHooks<'a> {
+    engine: Option<&'a EngineHandle>,
+    store: &'a Sender<StoreRequest>,
     panic_notes: &'a PanicNotes,
     /// [`TEST_PANIC_ENV`] is set: [`TEST_PANIC_KEY`] panics.
     test_panic_armed: bool,
+}
+
+/// Whether the loop goes on after an effect.
+enum Flow {
+    Continue,
+    Quit,
+}
+
+/// Carries out one effect of `App::update`; what the app should hear about comes back as messages.
+fn perform(
+    effect: Effect,
+    hooks: &LoopHooks,
+    repaint_all: &mut bool,
+    replies: &mut Vec<Msg>,
+) -> anyhow::Result<Flow> {
+    match effect {
+        Effect::Engine(command) => {
+            if let Some(engine) = hooks.engine {
+                if let Err(error) = engine.send(command) {
+                    replies.push(Msg::Notice(error.to_string()));
+                }
+            }
+        }
+        Effect::Store(request) => {
+            if hooks.store.send(request).is_err() {
+                replies.push(Msg::Notice("the chat file thread ended".to_string()));
+            }
+        }
+        Effect::Copy(text) => {
+            let mut stdout = std::io::stdout();
+            stdout.write_all(osc52_sequence(&text).as_bytes())?;
+            stdout.flush()?;
+        }
+        Effect::Redraw => *repaint_all = true,
+        Effect::Quit => return Ok(Flow::Quit),
+    }
+    Ok(Flow::Continue)
 }
 
 fn event_loop(
     terminal: &mut Terminal<CrosstermBackend<std::io::Stdout>>,
     app: &mut App,
     inputs: &mpsc::Receiver<Input>,
-    engine: Option<&EngineHandle>,
     hooks: &LoopHooks,
 ) -> anyhow::Result<()> {
     let mut dirty = true;
@@ -354,25 +384,27 @@ fn event_loop(
     // Keys read since the last frame, timed until that frame is on screen.
     let mut pending_keys: Vec<Instant> = Vec::new();
     let mut repaint_all = false;
+    let mut replies: Vec<Msg> = Vec::new();
     loop {
         if dirty && (last_draw.elapsed() >= FRAME_INTERVAL || !pending_keys.is_empty()) {
             let size = terminal.size()?;
-            app.update(
-                Msg::Resize {
-                    conversation_height: size.height.saturating_sub(6),
-                },
-                Instant::now(),
+            let (width, height) = conversation_viewport(
+                ratatui::layout::Rect::from((ratatui::layout::Position::ORIGIN, size)),
+                app,
             );
+            app.update(Msg::Layout { width, height }, Instant::now());
             if std::mem::take(&mut repaint_all) {
                 terminal.clear()?;
             }
             terminal.draw(|frame| draw(frame, app))?;
             let drawn = Instant::now();
-            for read_at in pending_keys.drain(..) {
-                let latency = drawn.saturating_duration_since(read_at);
-                app.latency.last = latency;
-                app.latency.max = app.latency.max.max(latency);
-                app.latency.samples += 1;
+            if !pending_keys.is_empty() {
+                let latencies = pending_keys
+                    .drain(..)
+                    .map(|read_at| drawn.saturating_duration_since(read_at))
+                    .collect();
+                // Shown with the next frame, as the gauge always lags the frame it measures.
+                app.update(Msg::KeysDrawn(latencies), drawn);
             }
             last_draw = drawn;
             dirty = false;
@@ -389,9 +421,9 @@ fn event_loop(
         };
         // Drain everything already queued so a burst of tokens costs one frame.
         for input in std::iter::once(first).chain(inputs.try_iter()) {
-            let now = Instant::now();
             let message = match input {
                 Input::Engine(event) => Msg::Engine(event),
+                Input::Stored(outcome) => Msg::Stored(outcome),
                 Input::EngineGone => {
                     let failed_to_start = matches!(app.engine, EngineStatus::Failed(_));
                     match last_panic_note(hooks.panic_notes) {
@@ -419,22 +451,12 @@ fn event_loop(
                 },
             };
             dirty = true;
-            for effect in app.update(message, now) {
-                match effect {
-                    Effect::Engine(command) => {
-                        if let Some(engine) = engine {
-                            if let Err(error) = engine.send(command) {
-                                app.notice = Some(error.to_string());
-                            }
-                        }
+            replies.push(message);
+            while let Some(message) = replies.pop() {
+                for effect in app.update(message, Instant::now()) {
+                    if let Flow::Quit = perform(effect, hooks, &mut repaint_all, &mut replies)? {
+                        return Ok(());
                     }
-                    Effect::Copy(text) => {
-                        let mut stdout = std::io::stdout();
-                        stdout.write_all(osc52_sequence(&text).as_bytes())?;
-                        stdout.flush()?;
-                    }
-                    Effect::Redraw => repaint_all = true,
-                    Effect::Quit => return Ok(()),
                 }
             }
         }

@@ -44,6 +44,37 @@ pub struct SavedChat {
     pub messages: usize,
 }
 
+/// File work the app's update asks the loop for; [`ChatStore::perform`] carries it out.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StoreRequest {
+    /// Write the chat file. `manual`: the user asked (Ctrl-S), so success is reported too.
+    Save {
+        path: PathBuf,
+        conversation: Box<Conversation>,
+        manual: bool,
+    },
+    /// List the saved chats.
+    List,
+    /// Read a saved chat.
+    Open(PathBuf),
+}
+
+/// How a [`StoreRequest`] went, errors as the text to show.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StoreOutcome {
+    Saved {
+        path: PathBuf,
+        manual: bool,
+        result: Result<(), String>,
+    },
+    /// The chats, newest first, and how many files could not be read.
+    Listed(Result<(Vec<SavedChat>, usize), String>),
+    Opened {
+        path: PathBuf,
+        result: Result<Box<Conversation>, String>,
+    },
+}
+
 /// The directory of saved chats.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ChatStore {
@@ -90,6 +121,36 @@ impl ChatStore {
             path: path.to_path_buf(),
             source,
         })
+    }
+
+    /// Carries out `request`.
+    pub fn perform(&self, request: StoreRequest) -> StoreOutcome {
+        match request {
+            StoreRequest::Save {
+                path,
+                conversation,
+                manual,
+            } => {
+                let result = self
+                    .save(&path, &conversation)
+                    .map_err(|error| error.to_string());
+                StoreOutcome::Saved {
+                    path,
+                    manual,
+                    result,
+                }
+            }
+            StoreRequest::List => {
+                StoreOutcome::Listed(self.list().map_err(|error| error.to_string()))
+            }
+            StoreRequest::Open(path) => {
+                let result = self
+                    .load(&path)
+                    .map(Box::new)
+                    .map_err(|error| error.to_string());
+                StoreOutcome::Opened { path, result }
+            }
+        }
     }
 
     pub fn load(&self, path: &Path) -> Result<Conversation, StoreError> {
