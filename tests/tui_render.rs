@@ -728,3 +728,83 @@ fn a_finished_reply_and_ctrl_l_repaint_the_whole_screen() {
     assert!(step(&mut app, done, now).is_empty());
     assert_eq!(step(&mut app, ctrl('l'), now), vec![Effect::Redraw]);
 }
+
+/// Every cell of the screen is free of control characters.
+fn assert_no_control_cells(app: &mut App, width: u16, height: u16) {
+    let mut terminal = Terminal::new(TestBackend::new(width, height)).unwrap();
+    let (pane_width, pane_height) = conversation_viewport(Rect::new(0, 0, width, height), app);
+    app.update(
+        Msg::Layout {
+            width: pane_width,
+            height: pane_height,
+        },
+        Instant::now(),
+    );
+    terminal.draw(|frame| draw(frame, app)).unwrap();
+    for cell in terminal.backend().buffer().content() {
+        assert!(
+            !cell.symbol().chars().any(char::is_control),
+            "a control character reached a cell: {:?}",
+            cell.symbol()
+        );
+    }
+}
+
+#[test]
+fn a_paste_with_carriage_returns_is_sent_and_saved_with_line_feeds() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut app = ready_app(dir.path());
+    let now = Instant::now();
+    // What tmux, xterm and VTE send for a three-line paste, CRLF from Windows Terminal.
+    step(
+        &mut app,
+        Msg::Paste("first line\rsecond line\r\nthird\x1b[31m".to_string()),
+        now,
+    );
+    assert_eq!(
+        app.input.lines(),
+        ["first line", "second line", "third[31m"]
+    );
+    assert_no_control_cells(&mut app, 100, 30);
+    let text = screen(&mut app, 100, 30);
+    let border_rows = text
+        .lines()
+        .filter(|row| row.contains("│first line"))
+        .count();
+    assert_eq!(border_rows, 1, "the box keeps its left border:\n{text}");
+
+    // A paste the terminal sends key by key: CR as a typed character.
+    for character in ['\r', 'x', '\u{7}', 'y'] {
+        step(&mut app, key(KeyCode::Char(character)), now);
+    }
+    let effects = step(&mut app, key(KeyCode::Enter), now);
+    let sent = effects
+        .iter()
+        .find_map(|effect| match effect {
+            Effect::Engine(Command::Generate(request)) => {
+                Some(request.conversation.messages[0].content.clone())
+            }
+            _ => None,
+        })
+        .expect("a generate command");
+    assert_eq!(sent, "first line\nsecond line\nthird[31m\nxy");
+    let saved = std::fs::read_to_string(app.chat_file.path.clone().unwrap()).unwrap();
+    assert!(
+        !saved.contains("\\r") && saved.contains("first line\\nsecond line"),
+        "{saved}"
+    );
+    assert_no_control_cells(&mut app, 100, 30);
+}
+
+#[test]
+fn the_settings_editor_takes_pastes_without_carriage_returns() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut app = ready_app(dir.path());
+    let now = Instant::now();
+    select_setting(&mut app, "developer instr.", now);
+    step(&mut app, key(KeyCode::Enter), now);
+    step(&mut app, Msg::Paste("be\rbrief".to_string()), now);
+    assert_no_control_cells(&mut app, 110, 40);
+    step(&mut app, key(KeyCode::Enter), now);
+    assert_eq!(app.settings.current.developer_instructions, "be\nbrief");
+}

@@ -114,10 +114,11 @@ impl ChatStore {
         })?;
         let json = conversation.to_json() + "\n";
         let temporary = path.with_extension("json.tmp");
-        let written = write_synced(&temporary, json.as_bytes()).map_err(|source| StoreError::Write {
-            path: temporary.clone(),
-            source,
-        });
+        let written =
+            write_synced(&temporary, json.as_bytes()).map_err(|source| StoreError::Write {
+                path: temporary.clone(),
+                source,
+            });
         let renamed = written.and_then(|()| {
             std::fs::rename(&temporary, path).map_err(|source| StoreError::Write {
                 path: path.to_path_buf(),
