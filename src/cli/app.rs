@@ -239,7 +239,17 @@ enum Input {
     /// The engine's event channel closed while the app was running.
     EngineGone,
     Stored(StoreOutcome),
+    /// SIGTERM, SIGINT or SIGHUP arrived.
+    Signal(i32),
 }
+
+/// The signals that end the app the orderly way: terminal restored, chat saved, exit status
+/// 128 + the signal's number as a shell reports a process the signal killed.
+pub const EXIT_SIGNALS: [i32; 3] = [
+    signal_hook::consts::SIGTERM,
+    signal_hook::consts::SIGINT,
+    signal_hook::consts::SIGHUP,
+];
 
 /// Runs the app until the user quits. `start_engine` starts the engine thread sending its events
 /// to the given sender (the caller chooses the model and chat pieces, see `EngineHandle::spawn`).
@@ -257,6 +267,10 @@ pub fn run_app(
     let mut app = App::new(config.settings.clone(), store.clone(), status.clone());
 
     let panic_notes = install_panic_hook(restore_terminal);
+    // From here on these signals no longer kill the process: the loop hears of them and ends.
+    let mut signals = signal_hook::iterator::Signals::new(EXIT_SIGNALS)
+        .context("cannot install the signal handlers")?;
+    let signals_handle = signals.handle();
     // Before the input thread starts: setting up asks the terminal about its keyboard protocol and
     // reads the answer, which the input thread would otherwise take (and hold the reader meanwhile).
     let (mut terminal, guard) = setup_terminal()?;
@@ -287,6 +301,16 @@ pub fn run_app(
                 let _ = stored.send(Input::Stored(store.perform(request)));
             }
         })?;
+    let signalled = input_sender.clone();
+    std::thread::Builder::new()
+        .name("ossterm-signals".to_string())
+        .spawn(move || {
+            for signal in signals.forever() {
+                if signalled.send(Input::Signal(signal)).is_err() {
+                    return;
+                }
+            }
+        })?;
     std::thread::Builder::new()
         .name("ossterm-terminal-input".to_string())
         .spawn(move || {
@@ -312,19 +336,24 @@ pub fn run_app(
             test_panic_armed,
         },
     );
-    // Saves already asked for finish before the process ends.
+    // Saves already asked for (the last one on a signal) finish before the process ends.
     drop(store_requests);
     let _ = store_thread.join();
     drop(guard);
+    signals_handle.close();
     if let Ok(notes) = panic_notes.lock() {
         for note in notes.iter() {
             eprintln!("{note}");
         }
     }
+    if let Ok(Some(signal)) = result {
+        // The engine is not waited for: it may be loading for minutes, and the chat is saved.
+        std::process::exit(128 + signal);
+    }
     if let Some(engine) = engine {
         engine.shutdown();
     }
-    result
+    result.map(|_| ())
 }
 
 /// What the event loop needs besides the app and its input channel.
@@ -373,12 +402,14 @@ fn perform(
     Ok(Flow::Continue)
 }
 
+/// Runs until the user quits (`None`) or a signal of [`EXIT_SIGNALS`] arrives (`Some(signal)`,
+/// after asking for the chat's last save).
 fn event_loop(
     terminal: &mut Terminal<CrosstermBackend<std::io::Stdout>>,
     app: &mut App,
     inputs: &mpsc::Receiver<Input>,
     hooks: &LoopHooks,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Option<i32>> {
     let mut dirty = true;
     let mut last_draw = Instant::now() - FRAME_INTERVAL;
     // Keys read since the last frame, timed until that frame is on screen.
@@ -417,13 +448,21 @@ fn event_loop(
         let first = match inputs.recv_timeout(wait) {
             Ok(input) => input,
             Err(RecvTimeoutError::Timeout) => continue,
-            Err(RecvTimeoutError::Disconnected) => return Ok(()),
+            Err(RecvTimeoutError::Disconnected) => return Ok(None),
         };
         // Drain everything already queued so a burst of tokens costs one frame.
         for input in std::iter::once(first).chain(inputs.try_iter()) {
             let message = match input {
                 Input::Engine(event) => Msg::Engine(event),
                 Input::Stored(outcome) => Msg::Stored(outcome),
+                Input::Signal(signal) => {
+                    // Everything received so far (a reply as far as it streamed, settings not yet
+                    // written) goes to the chat file.
+                    if let Some(request) = app.save_request() {
+                        let _ = hooks.store.send(request);
+                    }
+                    return Ok(Some(signal));
+                }
                 Input::EngineGone => {
                     let failed_to_start = matches!(app.engine, EngineStatus::Failed(_));
                     match last_panic_note(hooks.panic_notes) {
@@ -455,7 +494,7 @@ fn event_loop(
             while let Some(message) = replies.pop() {
                 for effect in app.update(message, Instant::now()) {
                     if let Flow::Quit = perform(effect, hooks, &mut repaint_all, &mut replies)? {
-                        return Ok(());
+                        return Ok(None);
                     }
                 }
             }
