@@ -3,9 +3,7 @@
 //! machine slows both alike.
 
 use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
-use ossterm::engine::protocol::{
-    Channel, ChatMessage, Conversation, EngineInfo, Event, Settings,
-};
+use ossterm::engine::protocol::{Channel, ChatMessage, Conversation, EngineInfo, Event, Settings};
 use ossterm::tui::store::{ChatStore, StoreOutcome};
 use ossterm::tui::view::{conversation_viewport, draw};
 use ossterm::tui::{App, EngineStatus, Msg};
@@ -15,10 +13,11 @@ use ratatui::Terminal;
 use std::time::{Duration, Instant};
 
 fn chat(messages: usize) -> Conversation {
-    let answer = "Here is **an answer** with `code`, a list:\n- one item that is long enough to wrap \
+    let answer =
+        "Here is **an answer** with `code`, a list:\n- one item that is long enough to wrap \
                   around the pane at least once when the pane is narrow\n- two\n\n```rust\nfn \
                   main() {}\n```\nand a closing paragraph of ordinary words to wrap. "
-        .repeat(2);
+            .repeat(2);
     let messages = (0..messages)
         .map(|index| {
             if index % 2 == 0 {
