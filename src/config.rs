@@ -219,6 +219,7 @@ pub fn parse(text: &str, path: &Path) -> Result<AppConfig, ConfigError> {
     let mut sections: Vec<&str> = known_keys()
         .filter_map(|key| key.split_once('.').map(|(section, _)| section))
         .collect();
+    sections.sort_unstable();
     sections.dedup();
 
     for (section, item) in &file {

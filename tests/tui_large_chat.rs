@@ -3,7 +3,9 @@
 //! machine slows both alike.
 
 use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
-use ossterm::engine::protocol::{Channel, ChatMessage, Conversation, EngineInfo, Event, Settings};
+use ossterm::engine::protocol::{
+    CacheHits, Channel, ChatMessage, Conversation, EngineInfo, Event, Settings, StopReason,
+};
 use ossterm::tui::store::{ChatStore, StoreOutcome};
 use ossterm::tui::view::{conversation_viewport, draw};
 use ossterm::tui::{App, EngineStatus, Msg};
@@ -99,6 +101,52 @@ fn cost_per_key(app: &mut App) -> Duration {
         })
         .min()
         .unwrap()
+}
+
+/// The fastest of a few rounds of sending a message and receiving the end of its reply (each
+/// saves the chat, and the message asks for a request holding the whole conversation).
+fn cost_of_a_turn(app: &mut App) -> Duration {
+    let mut terminal = Terminal::new(TestBackend::new(130, 40)).unwrap();
+    (0..5)
+        .map(|_| {
+            let start = Instant::now();
+            key_to_frame(app, &mut terminal, KeyCode::Char('q'));
+            key_to_frame(app, &mut terminal, KeyCode::Enter);
+            let id = app.active_request().expect("the message was sent");
+            let done = Event::TurnDone {
+                id,
+                reason: StopReason::Finished,
+                hits: CacheHits::default(),
+                generated_tokens: 1,
+            };
+            app.update(Msg::Engine(done), Instant::now());
+            key_to_frame(app, &mut terminal, KeyCode::Char('z'));
+            start.elapsed()
+        })
+        .min()
+        .unwrap()
+}
+
+#[test]
+fn sending_in_a_long_chat_shares_the_chat_instead_of_copying_it() {
+    let mut large = app_with(chat(90_000));
+    let turn = cost_of_a_turn(&mut large);
+    // What the update used to do twice per message, and once per save: build the conversation.
+    let copy = (0..3)
+        .map(|_| {
+            let start = Instant::now();
+            std::hint::black_box(large.conversation());
+            start.elapsed()
+        })
+        .min()
+        .unwrap();
+    // Sharing costs a pointer per turn (three times: the request and two saves); copying costs
+    // every byte of the chat.
+    assert!(
+        turn * 5 <= copy,
+        "a turn took {turn:?} on the UI thread, a copy of the chat {copy:?}"
+    );
+    eprintln!("a turn in the 90,000-message chat: {turn:?}; one copy of the chat: {copy:?}");
 }
 
 #[test]

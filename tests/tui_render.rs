@@ -38,7 +38,8 @@ fn screen(app: &mut App, width: u16, height: u16) -> String {
     text
 }
 
-/// `App::update` with the file work carried out as the loop does; returns the other effects.
+/// `App::update` with the file work carried out as the loop does, and generation requests built
+/// as the loop's engine thread builds them; returns the effects for the engine and the terminal.
 fn step(app: &mut App, message: Msg, now: Instant) -> Vec<Effect> {
     let mut others = Vec::new();
     let mut messages = vec![message];
@@ -47,6 +48,9 @@ fn step(app: &mut App, message: Msg, now: Instant) -> Vec<Effect> {
             match effect {
                 Effect::Store(request) => {
                     messages.push(Msg::Stored(app.chat_file.store.clone().perform(request)))
+                }
+                Effect::Generate(job) => {
+                    others.push(Effect::Engine(Command::Generate(job.request())))
                 }
                 other => others.push(other),
             }

@@ -2,9 +2,10 @@
 //! restore (also on panic), and the event loop that joins keys, engine events and redraws.
 
 use crate::config::{self, AppConfig, ConfigOverrides, ModelSource, SyntheticChoice};
-use crate::engine::protocol::Event;
+use crate::engine::protocol::{Command, Event};
 use crate::engine::worker::{EngineError, EngineHandle};
 use crate::settings::{Kind, Setting, Value, SETTINGS};
+use crate::tui::chat_file::GenerateJob;
 use crate::tui::clipboard::osc52_sequence;
 use crate::tui::store::{ChatStore, StoreOutcome, StoreRequest};
 use crate::tui::view::{conversation_viewport, draw};
@@ -241,6 +242,8 @@ enum Input {
     Stored(StoreOutcome),
     /// SIGTERM, SIGINT or SIGHUP arrived.
     Signal(i32),
+    /// Something a helper thread could not do, for the status line.
+    Notice(String),
 }
 
 /// The signals that end the app the orderly way: terminal restored, chat saved, exit status
@@ -278,8 +281,28 @@ pub fn run_app(
     let (event_sender, engine_events) = mpsc::channel();
     let engine = match status {
         EngineStatus::ModelMissing { .. } => None,
-        _ => Some(start_engine(&config, event_sender)?),
+        _ => Some(Arc::new(start_engine(&config, event_sender)?)),
     };
+    // Requests for the engine are built (a copy of the whole chat) and sent here, in order with
+    // the other commands, so a long chat never holds up the screen.
+    let (engine_work, engine_inbox) = mpsc::channel::<EngineWork>();
+    let feeder_engine = engine.clone();
+    let feeder_notices = input_sender.clone();
+    let feeder = std::thread::Builder::new()
+        .name("ossterm-engine-requests".to_string())
+        .spawn(move || {
+            for work in engine_inbox {
+                let command = match work {
+                    EngineWork::Command(command) => command,
+                    EngineWork::Generate(job) => Command::Generate(job.request()),
+                };
+                if let Some(engine) = &feeder_engine {
+                    if let Err(error) = engine.send(command) {
+                        let _ = feeder_notices.send(Input::Notice(error.to_string()));
+                    }
+                }
+            }
+        })?;
     let forward = input_sender.clone();
     std::thread::Builder::new()
         .name("ossterm-engine-events".to_string())
@@ -330,13 +353,16 @@ pub fn run_app(
         &mut app,
         &inputs,
         &LoopHooks {
-            engine: engine.as_ref(),
+            engine: engine.as_deref(),
+            engine_work: &engine_work,
             store: &store_requests,
             panic_notes: &panic_notes,
             test_panic_armed,
         },
     );
     // Saves already asked for (the last one on a signal) finish before the process ends.
+    drop(engine_work);
+    let _ = feeder.join();
     drop(store_requests);
     let _ = store_thread.join();
     drop(guard);
@@ -350,15 +376,22 @@ pub fn run_app(
         // The engine is not waited for: it may be loading for minutes, and the chat is saved.
         std::process::exit(128 + signal);
     }
-    if let Some(engine) = engine {
+    if let Some(engine) = engine.and_then(Arc::into_inner) {
         engine.shutdown();
     }
     result.map(|_| ())
 }
 
+/// Work for the thread that sends to the engine.
+enum EngineWork {
+    Command(Command),
+    Generate(GenerateJob),
+}
+
 /// What the event loop needs besides the app and its input channel.
 struct LoopHooks<'a> {
     engine: Option<&'a EngineHandle>,
+    engine_work: &'a Sender<EngineWork>,
     store: &'a Sender<StoreRequest>,
     panic_notes: &'a PanicNotes,
     /// [`TEST_PANIC_ENV`] is set: [`TEST_PANIC_KEY`] panics.
@@ -378,14 +411,20 @@ fn perform(
     repaint_all: &mut bool,
     replies: &mut Vec<Msg>,
 ) -> anyhow::Result<Flow> {
+    let mut to_engine = |work: EngineWork| {
+        if hooks.engine_work.send(work).is_err() {
+            replies.push(Msg::Notice("the engine request thread ended".to_string()));
+        }
+    };
     match effect {
-        Effect::Engine(command) => {
+        // At once: the engine's cancel mark stops a request even before its command arrives.
+        Effect::Engine(Command::Cancel(id)) => {
             if let Some(engine) = hooks.engine {
-                if let Err(error) = engine.send(command) {
-                    replies.push(Msg::Notice(error.to_string()));
-                }
+                engine.cancel(id);
             }
         }
+        Effect::Engine(command) => to_engine(EngineWork::Command(command)),
+        Effect::Generate(job) => to_engine(EngineWork::Generate(job)),
         Effect::Store(request) => {
             if hooks.store.send(request).is_err() {
                 replies.push(Msg::Notice("the chat file thread ended".to_string()));
@@ -455,6 +494,7 @@ fn event_loop(
             let message = match input {
                 Input::Engine(event) => Msg::Engine(event),
                 Input::Stored(outcome) => Msg::Stored(outcome),
+                Input::Notice(text) => Msg::Notice(text),
                 Input::Signal(signal) => {
                     // Everything received so far (a reply as far as it streamed, settings not yet
                     // written) goes to the chat file.

@@ -1,7 +1,13 @@
 //! The file the current chat is saved to, and what it holds beyond the turns.
 
+use crate::engine::protocol::{
+    Channel, ChatMessage, Conversation, GenerateRequest, ReasoningEffort, RequestId, RequestKind,
+    SystemSettings,
+};
 use crate::tui::store::{date_utc, ChatStore};
+use crate::tui::transcript::Turn;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 /// Harmony's default knowledge cutoff line.
@@ -64,5 +70,88 @@ impl ChatFile {
         self.path
             .get_or_insert_with(|| self.store.new_chat_path(SystemTime::now()))
             .clone()
+    }
+}
+
+/// The chat at one moment, cheap to take (the turns are shared) and turned into the chat file's
+/// conversation by whoever needs it off the UI thread: the file thread, or the thread that sends
+/// requests to the engine. A chat of tens of megabytes then costs the UI a pointer per turn.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChatSnapshot {
+    pub turns: Vec<Arc<Turn>>,
+    pub system_prompt: String,
+    pub reasoning_effort: ReasoningEffort,
+    pub developer_instructions: String,
+    pub date: Option<String>,
+    pub extras: ChatFileExtras,
+}
+
+impl ChatSnapshot {
+    /// The conversation in the chat file's shape. Replies still streaming are included as far as
+    /// they got, so a crash mid-reply keeps what was received.
+    pub fn conversation(&self) -> Conversation {
+        let mut messages = Vec::new();
+        for turn in &self.turns {
+            messages.push(ChatMessage::user(turn.user.clone()));
+            if let Some(reply) = &turn.reply {
+                if !reply.reasoning.is_empty() {
+                    messages.push(ChatMessage::assistant(
+                        Channel::Analysis,
+                        reply.reasoning.clone(),
+                    ));
+                }
+                if !reply.answer.is_empty() {
+                    messages.push(ChatMessage::assistant(Channel::Final, reply.answer.clone()));
+                }
+            }
+        }
+        let extras = &self.extras;
+        let identity = &self.system_prompt;
+        Conversation {
+            system: SystemSettings {
+                // An empty identity leaves harmony's identity line out rather than writing it blank.
+                identity: (!identity.trim().is_empty()).then(|| identity.clone()),
+                reasoning: Some(self.reasoning_effort),
+                date: self.date.clone(),
+                knowledge_cutoff: extras.knowledge_cutoff.clone(),
+                extra: extras.system.clone(),
+            },
+            developer: (!self.developer_instructions.trim().is_empty())
+                .then(|| self.developer_instructions.clone()),
+            messages,
+            extra: extras.conversation.clone(),
+        }
+    }
+
+    /// The conversation a request answering the last turn carries: every turn before it in full,
+    /// and the last one's user message only.
+    pub fn request_conversation(&self) -> Conversation {
+        let mut conversation = self.conversation();
+        if let Some(reply) = self.turns.last().and_then(|last| last.reply.as_ref()) {
+            let reply_messages =
+                usize::from(!reply.reasoning.is_empty()) + usize::from(!reply.answer.is_empty());
+            conversation
+                .messages
+                .truncate(conversation.messages.len() - reply_messages);
+        }
+        conversation
+    }
+}
+
+/// A generation request before its conversation is built (off the UI thread).
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenerateJob {
+    pub id: RequestId,
+    pub kind: RequestKind,
+    pub chat: Box<ChatSnapshot>,
+}
+
+impl GenerateJob {
+    pub fn request(&self) -> GenerateRequest {
+        GenerateRequest {
+            id: self.id,
+            kind: self.kind,
+            conversation: self.chat.request_conversation(),
+        }
     }
 }

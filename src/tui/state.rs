@@ -4,11 +4,12 @@
 //! input or output itself; rendering is a pure function of this state (`view`).
 
 use crate::engine::protocol::{
-    Channel, ChatMessage, Command, Conversation, Event, GenerateRequest, RequestId, RequestKind,
-    Role, Settings, SystemSettings,
+    Channel, Command, Conversation, Event, RequestId, RequestKind, Role, Settings,
 };
 use crate::settings::change_notice;
-use crate::tui::chat_file::{ChatFile, ChatFileExtras, STREAM_SAVE_INTERVAL};
+use crate::tui::chat_file::{
+    ChatFile, ChatFileExtras, ChatSnapshot, GenerateJob, STREAM_SAVE_INTERVAL,
+};
 use crate::tui::gauges::Gauges;
 use crate::tui::input::{self, InputBox};
 use crate::tui::settings_panel::SettingsPanel;
@@ -51,6 +52,9 @@ pub enum Msg {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Effect {
     Engine(Command),
+    /// Build the request's conversation and send it to the engine, in order with the commands
+    /// around it; building it copies the whole chat, which the UI thread does not wait for.
+    Generate(GenerateJob),
     /// File work; the loop answers with [`Msg::Stored`].
     Store(StoreRequest),
     /// Put this text on the clipboard (OSC 52).
@@ -154,41 +158,23 @@ impl App {
         self.requests.active.is_some()
     }
 
-    /// The conversation in the chat file's shape. Replies still streaming are included as far as
-    /// they got, so a crash mid-reply keeps what was received.
-    pub fn conversation(&self) -> Conversation {
-        let mut messages = Vec::new();
-        for turn in self.transcript.turns() {
-            messages.push(ChatMessage::user(turn.user.clone()));
-            if let Some(reply) = &turn.reply {
-                if !reply.reasoning.is_empty() {
-                    messages.push(ChatMessage::assistant(
-                        Channel::Analysis,
-                        reply.reasoning.clone(),
-                    ));
-                }
-                if !reply.answer.is_empty() {
-                    messages.push(ChatMessage::assistant(Channel::Final, reply.answer.clone()));
-                }
-            }
-        }
-        let extras = &self.chat_file.extras;
+    /// The chat as it is now, for saving or for a request; shares the turns.
+    pub fn snapshot(&self) -> ChatSnapshot {
         let settings = &self.settings.current;
-        let identity = &settings.system_prompt;
-        Conversation {
-            system: SystemSettings {
-                // An empty identity leaves harmony's identity line out rather than writing it blank.
-                identity: (!identity.trim().is_empty()).then(|| identity.clone()),
-                reasoning: Some(settings.reasoning_effort),
-                date: self.chat_file.date.clone(),
-                knowledge_cutoff: extras.knowledge_cutoff.clone(),
-                extra: extras.system.clone(),
-            },
-            developer: (!settings.developer_instructions.trim().is_empty())
-                .then(|| settings.developer_instructions.clone()),
-            messages,
-            extra: extras.conversation.clone(),
+        ChatSnapshot {
+            turns: self.transcript.snapshot(),
+            system_prompt: settings.system_prompt.clone(),
+            reasoning_effort: settings.reasoning_effort,
+            developer_instructions: settings.developer_instructions.clone(),
+            date: self.chat_file.date.clone(),
+            extras: self.chat_file.extras.clone(),
         }
+    }
+
+    /// The conversation in the chat file's shape (built from every turn: not for the UI thread
+    /// of a long chat).
+    pub fn conversation(&self) -> Conversation {
+        self.snapshot().conversation()
     }
 
     /// The request to save the chat now, if there is anything to save (the loop's last save before
@@ -199,23 +185,9 @@ impl App {
         }
         Some(StoreRequest::Save {
             path: self.chat_file.path_for_saving(),
-            conversation: Box::new(self.conversation()),
+            chat: Box::new(self.snapshot()),
             manual: false,
         })
-    }
-
-    /// The conversation for the request that answers the last turn: every turn before it in full,
-    /// and the last one's user message only.
-    fn request_conversation(&self) -> Conversation {
-        let mut conversation = self.conversation();
-        if let Some(reply) = self.transcript.last().and_then(|last| last.reply.as_ref()) {
-            let reply_messages =
-                usize::from(!reply.reasoning.is_empty()) + usize::from(!reply.answer.is_empty());
-            conversation
-                .messages
-                .truncate(conversation.messages.len() - reply_messages);
-        }
-        conversation
     }
 
     /// Replaces the chat with a loaded conversation; its system and developer text become settings.
@@ -608,7 +580,7 @@ impl App {
     fn start_request(&mut self, kind: RequestKind, now: Instant) {
         let id = self.requests.next_id;
         self.requests.next_id += 1;
-        let conversation = self.request_conversation();
+        let chat = Box::new(self.snapshot());
         if let Some(turn) = self.transcript.last_mut() {
             turn.reply = Some(Reply::pending(id, now));
         }
@@ -618,11 +590,7 @@ impl App {
         self.notice = None;
         self.autosave();
         self.effects
-            .push(Effect::Engine(Command::Generate(GenerateRequest {
-                id,
-                kind,
-                conversation,
-            })));
+            .push(Effect::Generate(GenerateJob { id, kind, chat }));
     }
 
     fn regenerate(&mut self, now: Instant) {
@@ -695,13 +663,13 @@ impl App {
     /// Ctrl-S: writes the chat file now; the outcome says where.
     fn save_now(&mut self) {
         match self.save_request() {
-            Some(StoreRequest::Save {
-                path, conversation, ..
-            }) => self.effects.push(Effect::Store(StoreRequest::Save {
-                path,
-                conversation,
-                manual: true,
-            })),
+            Some(StoreRequest::Save { path, chat, .. }) => {
+                self.effects.push(Effect::Store(StoreRequest::Save {
+                    path,
+                    chat,
+                    manual: true,
+                }))
+            }
             _ => self.notice = Some("Nothing to save yet".to_string()),
         }
     }

@@ -4,6 +4,7 @@
 //! JSON, so `ossterm run --conversation FILE` continues a chat the app saved.
 
 use crate::chat::{Conversation, ConversationError, Role};
+use crate::tui::chat_file::ChatSnapshot;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 use thiserror::Error;
@@ -50,7 +51,7 @@ pub enum StoreRequest {
     /// Write the chat file. `manual`: the user asked (Ctrl-S), so success is reported too.
     Save {
         path: PathBuf,
-        conversation: Box<Conversation>,
+        chat: Box<ChatSnapshot>,
         manual: bool,
     },
     /// List the saved chats.
@@ -139,13 +140,9 @@ impl ChatStore {
     /// Carries out `request`.
     pub fn perform(&self, request: StoreRequest) -> StoreOutcome {
         match request {
-            StoreRequest::Save {
-                path,
-                conversation,
-                manual,
-            } => {
+            StoreRequest::Save { path, chat, manual } => {
                 let result = self
-                    .save(&path, &conversation)
+                    .save(&path, &chat.conversation())
                     .map_err(|error| error.to_string());
                 StoreOutcome::Saved {
                     path,

@@ -7,6 +7,7 @@ use crate::engine::protocol::{CacheHits, RequestId, StopReason};
 use crate::tui::markdown::{render_markdown, wrap_lines};
 use ratatui::style::{Color, Modifier, Style};
 use ratatui::text::Line;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub const USER_STYLE: Style = Style::new().fg(Color::Cyan).add_modifier(Modifier::BOLD);
@@ -122,7 +123,9 @@ pub struct Anchor {
 /// The turns, the scroll position and the wrapped-line cache.
 #[derive(Debug)]
 pub struct Transcript {
-    turns: Vec<Turn>,
+    /// Shared with snapshots ([`Transcript::snapshot`]) that are being saved or sent; a change
+    /// copies only the turn it changes.
+    turns: Vec<Arc<Turn>>,
     /// One entry per turn: its wrapped lines at the width they were wrapped for, or `None` after
     /// the turn changed.
     layouts: Vec<Option<TurnLayout>>,
@@ -151,8 +154,13 @@ impl Default for Transcript {
 pub const EMPTY_HINT: &str = "Type a message below and press Enter. F1 lists every key.";
 
 impl Transcript {
-    pub fn turns(&self) -> &[Turn] {
+    pub fn turns(&self) -> &[Arc<Turn>] {
         &self.turns
+    }
+
+    /// Every turn, shared: costs a pointer per turn however long the chat.
+    pub fn snapshot(&self) -> Vec<Arc<Turn>> {
+        self.turns.clone()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -164,7 +172,7 @@ impl Transcript {
     }
 
     pub fn last(&self) -> Option<&Turn> {
-        self.turns.last()
+        self.turns.last().map(|turn| turn.as_ref())
     }
 
     /// The last turn, for a change: its cached lines are dropped.
@@ -178,17 +186,17 @@ impl Transcript {
         if let Some(layout) = self.layouts.get_mut(index) {
             *layout = None;
         }
-        self.turns.get_mut(index)
+        self.turns.get_mut(index).map(Arc::make_mut)
     }
 
     pub fn push(&mut self, turn: Turn) {
-        self.turns.push(turn);
+        self.turns.push(Arc::new(turn));
         self.layouts.push(None);
     }
 
     pub fn pop(&mut self) -> Option<Turn> {
         self.layouts.pop();
-        let turn = self.turns.pop();
+        let turn = self.turns.pop().map(Arc::unwrap_or_clone);
         self.clamp_positions();
         turn
     }
@@ -196,7 +204,7 @@ impl Transcript {
     /// Replaces every turn; the view follows the end again.
     pub fn replace(&mut self, turns: Vec<Turn>) {
         self.layouts = vec![None; turns.len()];
-        self.turns = turns;
+        self.turns = turns.into_iter().map(Arc::new).collect();
         self.scroll = None;
         self.selected = None;
     }
