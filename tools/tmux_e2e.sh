@@ -91,6 +91,8 @@ start_app() { # EXTRA_ENV
          $binary --synthetic tiny --max-tokens 64 --threads 2 --seed 7 --chats-dir $work/chats; \
          echo EXIT=\$?; echo MODE: \$(stty -a | tr ' ;' '\n\n' | grep -xE -- '-?(icanon|echo)'); \
          sleep 120"
+    # Killing the only session must not end the server while the next one starts.
+    tmux_ set-option -s exit-empty off
 }
 
 # The terminal after ossterm ended: cooked mode with echo, main screen, cursor shown, no mouse mode.
