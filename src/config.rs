@@ -205,7 +205,7 @@ pub fn parse(text: &str, path: &Path) -> Result<AppConfig, ConfigError> {
     let invalid = |key: &str, message: String| {
         let (section, name) = key.split_once('.').unwrap_or(("", key));
         let line = if name.is_empty() || section.is_empty() {
-            locate_section(text, key)
+            locate_section(text, key).or_else(|| locate_key(text, "", key))
         } else {
             locate_key(text, section, name)
         };
@@ -423,6 +423,16 @@ mod tests {
                 assert_eq!(line, 3);
                 assert_eq!(key, "sampling.top_q");
                 assert!(message.contains("unknown field"), "{message}");
+            }
+            other => panic!("expected InvalidKey, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_key_outside_any_section_is_named_with_its_line() {
+        match parse_str("# settings\n\nthreads = 2\n").unwrap_err() {
+            ConfigError::InvalidKey { line, key, .. } => {
+                assert_eq!((line, key.as_str()), (3, "threads"))
             }
             other => panic!("expected InvalidKey, got {other:?}"),
         }
