@@ -1,5 +1,7 @@
-//! The interactive app (`ossterm` with no command): command-line flags, terminal setup and
-//! restore (also on panic), and the event loop that joins keys, engine events and redraws.
+//! The interactive app (`ossterm` with no command): command-line flags (derived from the settings
+//! table), terminal setup and restore (also on panic and on SIGTERM, SIGINT, SIGHUP), the threads
+//! around the UI (terminal input, engine events, engine requests, chat files, signals), and the
+//! event loop that feeds their messages to `App::update` and carries out its effects.
 
 use crate::config::{self, AppConfig, ConfigOverrides, ModelSource, SyntheticChoice};
 use crate::engine::protocol::{Command, Event};
