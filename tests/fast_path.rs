@@ -6,6 +6,11 @@ use std::sync::Arc;
 
 use ossterm::model::{ActivationFormat, LoadOptions, Model, Precision, WeightFormat};
 
+/// The pool sessions compute on, built as the app builds its own.
+fn pool() -> Arc<rayon::ThreadPool> {
+    ossterm::engine::build_pool(2).expect("a pool of two threads")
+}
+
 fn fixture_dirs() -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
@@ -31,7 +36,7 @@ fn tokens(dir: &Path) -> Vec<u32> {
 fn all_logits(dir: &Path, opts: &LoadOptions) -> (Vec<f32>, usize) {
     let model = Arc::new(Model::load(dir, opts).unwrap());
     let tokens = tokens(dir);
-    let mut session = model.new_session(tokens.len());
+    let mut session = model.new_session(&pool(), tokens.len());
     let mut logits = Vec::new();
     session.prefill_all_logits(&tokens, &mut logits).unwrap();
     (logits, model.config.vocab_size)
@@ -161,10 +166,10 @@ fn fast_decode_agrees_with_fast_prefill() {
         let model = Arc::new(Model::load(&dir, &LoadOptions::default()).unwrap());
         let tokens = tokens(&dir);
         let vocab = model.config.vocab_size;
-        let mut batch = model.new_session(tokens.len());
+        let mut batch = model.new_session(&pool(), tokens.len());
         let mut want = Vec::new();
         batch.prefill_all_logits(&tokens, &mut want).unwrap();
-        let mut stepwise = model.new_session(tokens.len());
+        let mut stepwise = model.new_session(&pool(), tokens.len());
         let mut got = Vec::with_capacity(want.len());
         for &token in &tokens {
             got.extend_from_slice(stepwise.decode(token).unwrap());
@@ -255,7 +260,7 @@ fn switching_a_session_computes_like_a_session_built_with_that_format() {
     };
     for from in ActivationFormat::ALL.iter().copied() {
         let model = build(from);
-        let mut session = model.new_session(128);
+        let mut session = model.new_session(&pool(), 128);
         assert_eq!(
             session.activations(),
             from,
@@ -274,7 +279,7 @@ fn switching_a_session_computes_like_a_session_built_with_that_format() {
             assert_eq!(session.activations(), to);
             assert!(session.is_empty(), "{from} -> {to} kept the cache");
             let switched = run(&mut session);
-            let fresh = run(&mut build(to).new_session(128));
+            let fresh = run(&mut build(to).new_session(&pool(), 128));
             assert!(
                 switched == fresh,
                 "{from} -> {to} differs from a fresh {to} session"

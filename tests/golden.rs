@@ -16,6 +16,11 @@ struct Golden {
     generated: Vec<u32>,
 }
 
+/// The pool sessions compute on, built as the app builds its own.
+fn pool() -> Arc<rayon::ThreadPool> {
+    ossterm::engine::build_pool(2).expect("a pool of two threads")
+}
+
 fn fixture_dirs() -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
@@ -107,7 +112,7 @@ fn exact_logits_match_transformers() {
         let golden = read_golden(&dir);
         let model = load(&dir);
         assert_eq!(model.config.vocab_size, golden.vocab);
-        let mut session = model.new_session(golden.tokens.len());
+        let mut session = model.new_session(&pool(), golden.tokens.len());
         let mut logits = Vec::new();
         session
             .prefill_all_logits(&golden.tokens, &mut logits)
@@ -127,7 +132,7 @@ fn greedy_continuation_matches_transformers() {
     for dir in fixture_dirs() {
         let golden = read_golden(&dir);
         let model = load(&dir);
-        let mut session = model.new_session(golden.prompt.len() + golden.generated.len());
+        let mut session = model.new_session(&pool(), golden.prompt.len() + golden.generated.len());
         let mut next = argmax(session.prefill(&golden.prompt).unwrap());
         let mut generated = vec![next];
         while generated.len() < golden.generated.len() {
@@ -143,13 +148,13 @@ fn one_token_decode_equals_batch_prefill() {
     for dir in fixture_dirs() {
         let golden = read_golden(&dir);
         let model = load(&dir);
-        let mut batch = model.new_session(golden.tokens.len());
+        let mut batch = model.new_session(&pool(), golden.tokens.len());
         let mut batch_logits = Vec::new();
         batch
             .prefill_all_logits(&golden.tokens, &mut batch_logits)
             .unwrap();
 
-        let mut stepwise = model.new_session(golden.tokens.len());
+        let mut stepwise = model.new_session(&pool(), golden.tokens.len());
         let vocab = golden.vocab;
         for (i, &token) in golden.tokens.iter().enumerate() {
             let logits = stepwise.decode(token).unwrap();
@@ -169,9 +174,9 @@ fn prefill_in_uneven_pieces_equals_one_prefill() {
     let dir = &fixture_dirs()[0];
     let golden = read_golden(dir);
     let model = load(dir);
-    let mut whole = model.new_session(golden.tokens.len());
+    let mut whole = model.new_session(&pool(), golden.tokens.len());
     let want = whole.prefill(&golden.tokens).unwrap().to_vec();
-    let mut pieces = model.new_session(golden.tokens.len());
+    let mut pieces = model.new_session(&pool(), golden.tokens.len());
     let (a, rest) = golden.tokens.split_at(3);
     let (b, c) = rest.split_at(rest.len() / 2);
     pieces.prefill(a).unwrap();
