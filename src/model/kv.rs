@@ -2,8 +2,8 @@
 //!
 //! Each layer's keys and values are [kv_heads x positions x head_dim]: head-major, so attention
 //! streams one head's rows contiguously (position-major rows put one head's 128 bytes every
-//! kv_width elements, which the prefetchers followed poorly: decode at depth 4096 spent 17% of
-//! its time widening them).
+//! kv_width elements, which the prefetchers followed poorly: deep-context decode spent a large
+//! share of its time widening them).
 
 use half::f16;
 
@@ -41,13 +41,6 @@ impl KvStore {
             positions,
             kv_heads: config.num_key_value_heads,
             head_dim: config.head_dim,
-        }
-    }
-
-    pub fn format(&self) -> KvFormat {
-        match self.layers {
-            Layers::F16(_) => KvFormat::F16,
-            Layers::F32(_) => KvFormat::F32,
         }
     }
 

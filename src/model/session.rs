@@ -143,11 +143,6 @@ impl Session {
         self.sequence.context_limit()
     }
 
-    /// The element type the KV cache holds.
-    pub fn kv_format(&self) -> KvFormat {
-        self.sequence.kv.format()
-    }
-
     /// Rewinds the cache to its first `len` tokens. Later positions are simply overwritten, so
     /// this is free; the logits of the last token are stale until the next prefill or decode.
     pub fn truncate(&mut self, len: usize) {
@@ -167,11 +162,6 @@ impl Session {
             self.activations = format;
             self.truncate(0);
         }
-    }
-
-    /// Logits of the last processed token.
-    pub fn logits(&self) -> &[f32] {
-        &self.logits
     }
 
     /// Appends `tokens` to the context and returns the logits of the last one.
