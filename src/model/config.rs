@@ -482,10 +482,9 @@ fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>, ModelEr
 }
 
 /// The configurations `--synthetic` and `ossterm synth` can build.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Preset {
     /// The exact gpt-oss-20b shape (about 13 GB of weights).
-    #[value(name = "20b")]
     Gpt20b,
     /// A few MB, with the full 201,088-token vocabulary so chat plumbing works end to end.
     Tiny,
@@ -498,14 +497,9 @@ impl Preset {
             Preset::Tiny => ModelConfig::tiny(),
         }
     }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Preset::Gpt20b => "20b",
-            Preset::Tiny => "tiny",
-        }
-    }
 }
+
+crate::choice::impl_choice!(Preset { Gpt20b => "20b", Tiny => "tiny" });
 
 impl ModelConfig {
     /// gpt-oss-20b as published (spec section 1).
