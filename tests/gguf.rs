@@ -29,7 +29,8 @@ fn logits(path: &Path, tokens: &[u32], precision: Precision) -> Vec<f32> {
     };
     let model =
         Arc::new(Model::load(path, &opts).unwrap_or_else(|e| panic!("{}: {e}", path.display())));
-    let mut session = model.new_session(tokens.len());
+    let pool = ossterm::engine::build_pool(2).expect("a pool of two threads");
+    let mut session = model.new_session(&pool, tokens.len());
     let mut out = Vec::new();
     session.prefill_all_logits(tokens, &mut out).unwrap();
     out
