@@ -3,7 +3,9 @@
 pub mod app;
 mod bench_cmd;
 mod chat_cmds;
+mod limits;
 mod model_cmds;
+pub mod output;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -100,20 +102,33 @@ impl ModelArgs {
             (None, Some(preset)) => Model::synthetic(preset, self.synthetic_seed, &opts)?,
             (None, None) => anyhow::bail!("name a model: --model DIR or --synthetic 20b|tiny"),
         };
+        // Converting the weights reads the mapping; a shard cut short meanwhile read zeros.
+        crate::fault::check()?;
         Ok(Arc::new(model))
     }
 }
 
-/// Sizes the global rayon pool once; later calls with the same count are fine.
+/// Sizes the global rayon pool once. More threads than logical CPUs are capped to that count, as
+/// the app's settings are: they would only contend, and tens of thousands of them exhaust the OS.
 pub fn init_threads(threads: Option<usize>) -> anyhow::Result<()> {
-    let count = threads.unwrap_or_else(crate::engine::default_threads);
-    if count == 0 {
+    static POOL_THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let asked = threads.unwrap_or_else(crate::engine::default_threads);
+    if asked == 0 {
         anyhow::bail!("--threads must be at least 1");
     }
-    // A second initialisation fails harmlessly when the pool already exists.
-    let _ = rayon::ThreadPoolBuilder::new()
+    let available = std::thread::available_parallelism().map_or(1, |count| count.get());
+    let count = asked.min(available);
+    if count < asked {
+        output::note!("--threads {asked} is more than the {available} logical CPUs; using {count}");
+    }
+    if POOL_THREADS.get().is_some() {
+        return Ok(());
+    }
+    rayon::ThreadPoolBuilder::new()
         .num_threads(count)
-        .build_global();
+        .build_global()
+        .map_err(|error| anyhow::anyhow!("cannot start a pool of {count} worker threads: {error}"))?;
+    let _ = POOL_THREADS.set(count);
     Ok(())
 }
 
@@ -130,11 +145,5 @@ pub fn main() -> ExitCode {
         Some(Command::Tokenize(args)) => chat_cmds::tokenize(args),
         None => app::run(cli.app),
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(err) => {
-            eprintln!("error: {err:#}");
-            ExitCode::FAILURE
-        }
-    }
+    output::exit_code(result)
 }

@@ -112,6 +112,16 @@ pub enum GenerateError {
     Sampler(#[from] SamplerError),
     #[error("the forward pass failed: {0}")]
     Forward(#[source] Box<dyn std::error::Error + Send + Sync>),
+    #[error("the logits after {position} tokens are not finite ({value} at token id {token}): the weights hold NaN or infinity (check with `ossterm info --check`)")]
+    NonFiniteLogits {
+        position: usize,
+        token: usize,
+        value: f32,
+    },
+    /// A checkpoint shard changed on disk mid-generation; the last step read zeros from it, so
+    /// its logits are discarded. Everything reported through the callback before is valid.
+    #[error(transparent)]
+    WeightsChanged(#[from] crate::fault::MappingChanged),
 }
 
 /// Why generation ended.
@@ -273,8 +283,10 @@ pub fn generate<S: InferenceSession + ?Sized>(
             return Ok(result);
         }
         let logits = session.prefill(step).map_err(forward_error)?;
+        crate::fault::check()?;
         done += step.len();
         if done == prompt.len() {
+            check_logits(logits, done)?;
             token = Some(sampler.sample(logits)?);
         }
         on_event(GenerateEvent::PrefillProgress {
@@ -288,6 +300,10 @@ pub fn generate<S: InferenceSession + ?Sized>(
     let Some(mut token) = token else {
         return Ok(result);
     };
+    if limits.max_tokens == Some(0) {
+        result.stop_reason = StopReason::MaxTokens;
+        return Ok(result);
+    }
     result.time_to_first_token = started.elapsed();
     let first_token_at = Instant::now();
 
@@ -317,6 +333,8 @@ pub fn generate<S: InferenceSession + ?Sized>(
             break StopReason::ContextFull;
         }
         let logits = session.decode(token).map_err(forward_error)?;
+        crate::fault::check()?;
+        check_logits(logits, prompt.len() + result.generated_tokens)?;
         token = sampler.sample(logits)?;
     };
     if stop_token.is_none() {
@@ -325,6 +343,21 @@ pub fn generate<S: InferenceSession + ?Sized>(
     result.stop_reason = stop_reason;
     result.decode_time = first_token_at.elapsed();
     Ok(result)
+}
+
+/// Refuses logits holding NaN or infinity: they come from broken weights, and sampling around
+/// them would turn the damage into plausible-looking ids. `position` is the tokens processed.
+pub fn check_logits(logits: &[f32], position: usize) -> Result<(), GenerateError> {
+    // A branch-free OR over the whole row vectorizes; the slow search runs only on failure.
+    if logits.iter().fold(false, |bad, v| bad | !v.is_finite()) {
+        let token = logits.iter().position(|v| !v.is_finite()).unwrap_or(0);
+        return Err(GenerateError::NonFiniteLogits {
+            position,
+            token,
+            value: logits[token],
+        });
+    }
+    Ok(())
 }
 
 /// Rewinds `session` to the longest prefix it shares with `prompt` and returns how many tokens

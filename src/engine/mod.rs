@@ -7,7 +7,7 @@ pub mod sampler;
 pub mod worker;
 
 pub use generate::{
-    common_prefix_len, generate, rewind_for_prompt, GenerateError, GenerateEvent, GenerateLimits,
+    check_logits, common_prefix_len, generate, rewind_for_prompt, GenerateError, GenerateEvent, GenerateLimits,
     GenerateResult, InferenceSession, ReplyParser, StopReason, TokenSampler,
 };
 pub use sampler::{Sampler, SamplerError, SamplerSettings};
