@@ -82,10 +82,14 @@ pub fn info(args: InfoArgs) -> anyhow::Result<()> {
     }
     let config = ModelConfig::from_file(&dir.join("config.json"))?;
     let checkpoint = Checkpoint::open(dir)?;
+    let mut out = output::stdout();
+    // The scan comes first: loading stops at the first bad tensor, the scan lists them all.
+    if args.check {
+        check_values(&mut out, &checkpoint)?;
+    }
     // Build the typed views too, so `info` reports any tensor the engine would refuse.
     crate::model::Weights::load(&config, &checkpoint)
         .with_context(|| format!("the checkpoint in {} is not usable", dir.display()))?;
-    let mut out = output::stdout();
     print_config(&mut out, &config)?;
     let mut by_dtype: Vec<(Dtype, u64, usize)> = Vec::new();
     for (dtype, bytes) in checkpoint.tensor_sizes() {
@@ -124,9 +128,6 @@ pub fn info(args: InfoArgs) -> anyhow::Result<()> {
         billions(config.active_parameters())
     )?;
     out.flush()?;
-    if args.check {
-        check_values(&mut out, &checkpoint)?;
-    }
     Ok(())
 }
 

@@ -373,3 +373,26 @@ pub fn rewind_for_prompt<S: InferenceSession + ?Sized>(session: &mut S, prompt: 
 pub fn common_prefix_len(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logits_with_any_nan_or_infinity_are_an_error_naming_the_first() {
+        let mut logits = vec![0.5f32; 1000];
+        assert!(check_logits(&logits, 4).is_ok());
+        logits[700] = f32::NEG_INFINITY;
+        logits[900] = f32::NAN;
+        let error = check_logits(&logits, 4).unwrap_err();
+        assert!(matches!(
+            error,
+            GenerateError::NonFiniteLogits {
+                position: 4,
+                token: 700,
+                ..
+            }
+        ));
+        assert!(error.to_string().contains("not finite"), "{error}");
+    }
+}
