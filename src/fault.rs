@@ -74,7 +74,9 @@ pub fn register(start: *const u8, len: usize, path: &Path) -> Registration {
     if len == 0 {
         return Registration { slot: None };
     }
-    let mut paths = PATHS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let mut paths = PATHS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     let Some(slot) = paths.iter().position(Option::is_none) else {
         return Registration { slot: None };
     };
@@ -89,7 +91,9 @@ pub fn register(start: *const u8, len: usize, path: &Path) -> Registration {
 impl Drop for Registration {
     fn drop(&mut self) {
         let Some(slot) = self.slot else { return };
-        let mut paths = PATHS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut paths = PATHS
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         let entry = &TABLE[slot];
         entry.len.store(0, Ordering::Release);
         entry.start.store(0, Ordering::Release);
@@ -104,7 +108,9 @@ pub fn check() -> Result<(), MappingChanged> {
     if FAULTS.load(Ordering::Acquire) == 0 {
         return Ok(());
     }
-    let paths = PATHS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let paths = PATHS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     for (slot, entry) in TABLE.iter().enumerate() {
         if entry.faulted.load(Ordering::Acquire) {
             if let Some(path) = &paths[slot] {
@@ -137,7 +143,11 @@ fn install_handler() {
     }
 }
 
-extern "C" fn on_sigbus(signal: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::c_void) {
+extern "C" fn on_sigbus(
+    signal: libc::c_int,
+    info: *mut libc::siginfo_t,
+    context: *mut libc::c_void,
+) {
     // SAFETY: the kernel passes a valid siginfo for a handler installed with SA_SIGINFO.
     let address = unsafe { (*info).si_addr() } as usize;
     if let Some(slot) = watched_slot(address) {
@@ -186,8 +196,11 @@ fn pass_on(signal: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::
             let handler = previous.sa_sigaction;
             if handler != libc::SIG_DFL && handler != libc::SIG_IGN {
                 if previous.sa_flags & libc::SA_SIGINFO != 0 {
-                    let handler: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
-                        std::mem::transmute(handler);
+                    let handler: extern "C" fn(
+                        libc::c_int,
+                        *mut libc::siginfo_t,
+                        *mut libc::c_void,
+                    ) = std::mem::transmute(handler);
                     handler(signal, info, context);
                 } else {
                     let handler: extern "C" fn(libc::c_int) = std::mem::transmute(handler);

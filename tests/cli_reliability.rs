@@ -12,7 +12,10 @@ fn ossterm() -> Command {
 }
 
 fn run(args: &[&str]) -> Output {
-    ossterm().args(args).output().expect("the ossterm binary runs")
+    ossterm()
+        .args(args)
+        .output()
+        .expect("the ossterm binary runs")
 }
 
 fn stderr_of(output: &Output) -> String {
@@ -44,13 +47,7 @@ fn assert_no_panic(what: &str, output: &Output) {
 /// A tiny synthetic checkpoint written by `ossterm synth`, as a user would make one.
 fn synth_tiny(parent: &Path) -> PathBuf {
     let dir = parent.join("tiny");
-    let output = run(&[
-        "synth",
-        "--preset",
-        "tiny",
-        "--out",
-        dir.to_str().unwrap(),
-    ]);
+    let output = run(&["synth", "--preset", "tiny", "--out", dir.to_str().unwrap()]);
     assert!(output.status.success(), "{}", stderr_of(&output));
     dir
 }
@@ -78,7 +75,14 @@ fn a_shard_truncated_mid_run_is_an_error_naming_it_and_the_ids_so_far_are_kept()
         let dir = synth_tiny(parent.path());
         let shard = dir.join("model-00001-of-00001.safetensors");
         let mut command = ossterm();
-        command.args(["generate", "--greedy", "--tokens", "1,2,3", "--max-tokens", "100000"]);
+        command.args([
+            "generate",
+            "--greedy",
+            "--tokens",
+            "1,2,3",
+            "--max-tokens",
+            "100000",
+        ]);
         command.arg("--model").arg(&dir);
         if exact {
             command.arg("--exact");
@@ -147,8 +151,19 @@ fn a_closed_stdout_ends_quietly_with_status_141() {
             .output()
             .unwrap();
         assert_no_panic(&format!("{args:?}"), &output);
-        assert_eq!(output.status.code(), Some(141), "{args:?}: {}", stderr_of(&output));
-        assert_eq!(stderr_of(&output).lines().filter(|l| l.starts_with("error")).count(), 0);
+        assert_eq!(
+            output.status.code(),
+            Some(141),
+            "{args:?}: {}",
+            stderr_of(&output)
+        );
+        assert_eq!(
+            stderr_of(&output)
+                .lines()
+                .filter(|l| l.starts_with("error"))
+                .count(),
+            0
+        );
     }
 }
 
@@ -164,7 +179,10 @@ fn a_full_stdout_is_an_error_message() {
         vec!["generate", "--greedy", "--tokens", "1,2", "--model", model],
     ];
     for args in cases {
-        let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap();
         let output = ossterm()
             .args(&args)
             .stdout(full)
@@ -186,7 +204,16 @@ fn sizes_past_the_context_or_the_machine_are_refused_with_the_numbers() {
     let model = fixture("tiny_single");
     let model = model.to_str().unwrap();
     let generate = |max: &str| {
-        run(&["generate", "--greedy", "--tokens", "1,2,3", "--max-tokens", max, "--model", model])
+        run(&[
+            "generate",
+            "--greedy",
+            "--tokens",
+            "1,2,3",
+            "--max-tokens",
+            max,
+            "--model",
+            model,
+        ])
     };
     for (output, wanted) in [
         (
@@ -198,19 +225,46 @@ fn sizes_past_the_context_or_the_machine_are_refused_with_the_numbers() {
             "need 1000000000003 positions, but the model's context holds",
         ),
         (
-            run(&["bench", "--synthetic", "tiny", "--no-ttft", "--depth", "18446744073709551615"]),
+            run(&[
+                "bench",
+                "--synthetic",
+                "tiny",
+                "--no-ttft",
+                "--depth",
+                "18446744073709551615",
+            ]),
             "--depth 18446744073709551615",
         ),
         (
-            run(&["bench", "--synthetic", "tiny", "--no-ttft", "--prompt-tokens", "4000000000"]),
+            run(&[
+                "bench",
+                "--synthetic",
+                "tiny",
+                "--no-ttft",
+                "--prompt-tokens",
+                "4000000000",
+            ]),
             "need 4000000129 positions",
         ),
         (
-            run(&["bench", "--synthetic", "tiny", "--no-ttft", "--gen-tokens", "18446744073709551615"]),
+            run(&[
+                "bench",
+                "--synthetic",
+                "tiny",
+                "--no-ttft",
+                "--gen-tokens",
+                "18446744073709551615",
+            ]),
             "add up to more than any context holds",
         ),
         (
-            run(&["bench", "--synthetic", "tiny", "--repeat", "18446744073709551615"]),
+            run(&[
+                "bench",
+                "--synthetic",
+                "tiny",
+                "--repeat",
+                "18446744073709551615",
+            ]),
             "--repeat 18446744073709551615 is more than",
         ),
     ] {
@@ -224,11 +278,24 @@ fn sizes_past_the_context_or_the_machine_are_refused_with_the_numbers() {
     let ids = vec!["1"; 100].join(",");
     let out = tempfile::tempdir().unwrap();
     let file = out.path().join("logits.bin");
-    let output = run(&["logits", "--tokens", &ids, "--out", file.to_str().unwrap(), "--model", model]);
+    let output = run(&[
+        "logits",
+        "--tokens",
+        &ids,
+        "--out",
+        file.to_str().unwrap(),
+        "--model",
+        model,
+    ]);
     assert_no_panic("logits", &output);
     let stderr = stderr_of(&output);
     assert_eq!(output.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("the 100 token ids of --tokens need 100 positions, but the model's context holds 64"), "{stderr}");
+    assert!(
+        stderr.contains(
+            "the 100 token ids of --tokens need 100 positions, but the model's context holds 64"
+        ),
+        "{stderr}"
+    );
     assert!(!file.exists());
 }
 
@@ -260,7 +327,10 @@ fn a_huge_context_is_checked_against_the_machines_memory() {
     let stderr = stderr_of(&output);
     assert_eq!(output.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("but this machine has"), "{stderr}");
-    assert!(stderr.contains("KV cache of 1000000000001 positions"), "{stderr}");
+    assert!(
+        stderr.contains("KV cache of 1000000000001 positions"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -289,7 +359,14 @@ fn run_with_max_tokens_zero_generates_nothing() {
 fn more_threads_than_the_os_allows_are_capped_not_a_panic() {
     let model = fixture("tiny_single");
     for command in [
-        vec!["generate", "--greedy", "--tokens", "1,2", "--max-tokens", "2"],
+        vec![
+            "generate",
+            "--greedy",
+            "--tokens",
+            "1,2",
+            "--max-tokens",
+            "2",
+        ],
         vec!["logits", "--tokens", "1,2", "--out", "/dev/null"],
     ] {
         let child = ossterm()
@@ -304,7 +381,10 @@ fn more_threads_than_the_os_allows_are_capped_not_a_panic() {
         assert_no_panic("--threads 1000000", &output);
         let stderr = stderr_of(&output);
         assert!(output.status.success(), "{command:?}: {stderr}");
-        assert!(stderr.contains("--threads 1000000 is more than the"), "{stderr}");
+        assert!(
+            stderr.contains("--threads 1000000 is more than the"),
+            "{stderr}"
+        );
     }
 }
 
@@ -334,7 +414,11 @@ fn error_causes_are_printed_once() {
         fixture("README.md").to_str().unwrap(),
     ]);
     let stderr = stderr_of(&output);
-    assert_eq!(stderr.matches("expected value at line 1").count(), 1, "{stderr}");
+    assert_eq!(
+        stderr.matches("expected value at line 1").count(),
+        1,
+        "{stderr}"
+    );
 }
 
 /// `synth` into a file system that runs out of room (RLIMIT_FSIZE through `ulimit -f`, with

@@ -368,7 +368,10 @@ fn non_finite_weights_are_refused_naming_the_tensor() {
             let dir = copy_of("tiny_single");
             poke(&dir.path().join("model.safetensors"), tensor, 3, &value);
             let message = load_err(dir.path());
-            assert!(message.contains(&format!("tensor {tensor} holds")), "{message}");
+            assert!(
+                message.contains(&format!("tensor {tensor} holds")),
+                "{message}"
+            );
             assert!(message.contains("element 3"), "{message}");
         }
     }
@@ -381,7 +384,10 @@ fn nan_mxfp4_scales_are_refused_naming_the_tensor() {
     poke(&dir.path().join("model.safetensors"), tensor, 17, &[0xff]);
     let message = load_err(dir.path());
     assert!(message.contains(tensor), "{message}");
-    assert!(message.contains("0xFF") && message.contains("element 17"), "{message}");
+    assert!(
+        message.contains("0xFF") && message.contains("element 17"),
+        "{message}"
+    );
 }
 
 fn ossterm(args: &[&str], dir: &Path) -> std::process::Output {
@@ -420,10 +426,20 @@ fn generate_refuses_nan_weights_instead_of_printing_token_zero() {
 fn info_check_reports_every_bad_tensor() {
     let dir = copy_of("tiny_single");
     let file = dir.path().join("model.safetensors");
-    poke(&file, "model.layers.0.self_attn.k_proj.weight", 5, &BF16_NAN);
+    poke(
+        &file,
+        "model.layers.0.self_attn.k_proj.weight",
+        5,
+        &BF16_NAN,
+    );
     poke(&file, "model.embed_tokens.weight", 7, &BF16_INFINITY);
     poke(&file, "model.embed_tokens.weight", 9, &BF16_NAN);
-    poke(&file, "model.layers.1.mlp.experts.down_proj_scales", 2, &[0xff]);
+    poke(
+        &file,
+        "model.layers.1.mlp.experts.down_proj_scales",
+        2,
+        &[0xff],
+    );
     let output = ossterm(&["info", "--check", "--model"], dir.path());
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
@@ -440,7 +456,11 @@ fn info_check_reports_every_bad_tensor() {
 
     let clean = ossterm(&["info", "--check", "--model"], &fixture("tiny_single"));
     let stdout = String::from_utf8_lossy(&clean.stdout);
-    assert!(clean.status.success(), "{}", String::from_utf8_lossy(&clean.stderr));
+    assert!(
+        clean.status.success(),
+        "{}",
+        String::from_utf8_lossy(&clean.stderr)
+    );
     assert!(stdout.contains("all 79 tensors finite"), "{stdout}");
     assert!(stdout.contains("vocab_size:"), "{stdout}");
 }

@@ -73,8 +73,14 @@ mod tests {
         let error = positions(&[("--max-tokens", usize::MAX), ("prompt tokens", 3)])
             .unwrap_err()
             .to_string();
-        assert!(error.contains("--max-tokens 18446744073709551615"), "{error}");
+        assert!(
+            error.contains("--max-tokens 18446744073709551615"),
+            "{error}"
+        );
         assert!(error.contains("the 3 prompt tokens"), "{error}");
-        assert_eq!(positions(&[("--depth", 4), ("--prompt-tokens", 5)]).unwrap(), 9);
+        assert_eq!(
+            positions(&[("--depth", 4), ("--prompt-tokens", 5)]).unwrap(),
+            9
+        );
     }
 }

@@ -127,7 +127,9 @@ pub fn init_threads(threads: Option<usize>) -> anyhow::Result<()> {
     rayon::ThreadPoolBuilder::new()
         .num_threads(count)
         .build_global()
-        .map_err(|error| anyhow::anyhow!("cannot start a pool of {count} worker threads: {error}"))?;
+        .map_err(|error| {
+            anyhow::anyhow!("cannot start a pool of {count} worker threads: {error}")
+        })?;
     let _ = POOL_THREADS.set(count);
     Ok(())
 }

@@ -104,7 +104,11 @@ pub fn info(args: InfoArgs) -> anyhow::Result<()> {
     by_dtype.sort_by_key(|(d, _, _)| d.name());
     let tensors: usize = by_dtype.iter().map(|(_, _, n)| n).sum();
     let total_bytes: u64 = by_dtype.iter().map(|(_, b, _)| b).sum();
-    writeln!(out, "shards:             {}", checkpoint.shard_paths().count())?;
+    writeln!(
+        out,
+        "shards:             {}",
+        checkpoint.shard_paths().count()
+    )?;
     writeln!(out, "tensors:            {tensors}")?;
     for (dtype, bytes, count) in &by_dtype {
         writeln!(

@@ -108,7 +108,6 @@ pub fn exit_code(result: anyhow::Result<()>) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use anyhow::Context;
 
     #[test]
     fn a_cause_quoted_by_its_error_is_printed_once() {

@@ -375,7 +375,11 @@ impl std::fmt::Display for BadValues {
         } else {
             "NaN or infinite values"
         };
-        write!(f, "{} {what}, the first at element {}", self.count, self.first)
+        write!(
+            f,
+            "{} {what}, the first at element {}",
+            self.count, self.first
+        )
     }
 }
 

@@ -176,14 +176,23 @@ impl Weights {
             .collect::<Result<Vec<_>, _>>()?;
         // Every dense matrix is checked for NaN and infinity: the fast path quantizes them to
         // int8, which would turn a NaN into a plausible weight. Memory-speed, in parallel.
-        let mut dense: Vec<(String, &Bf16Matrix)> = vec![("model.embed_tokens.weight".into(), &embed)];
+        let mut dense: Vec<(String, &Bf16Matrix)> =
+            vec![("model.embed_tokens.weight".into(), &embed)];
         if !config.tie_word_embeddings {
             dense.push(("lm_head.weight".into(), &lm_head));
         }
         for (l, layer) in layers.iter().enumerate() {
             let a = &layer.attention;
-            for (name, linear) in [("q_proj", &a.q), ("k_proj", &a.k), ("v_proj", &a.v), ("o_proj", &a.o)] {
-                dense.push((format!("model.layers.{l}.self_attn.{name}.weight"), &linear.weight));
+            for (name, linear) in [
+                ("q_proj", &a.q),
+                ("k_proj", &a.k),
+                ("v_proj", &a.v),
+                ("o_proj", &a.o),
+            ] {
+                dense.push((
+                    format!("model.layers.{l}.self_attn.{name}.weight"),
+                    &linear.weight,
+                ));
             }
         }
         dense
@@ -334,7 +343,11 @@ fn experts(
     // 0xFF is E8M0's NaN: every weight of its block would be NaN. The scales are 1/17 of the
     // experts' bytes and `contains` runs at memory speed, so all of them are checked.
     if scales.as_slice().contains(&0xff) {
-        let index = scales.as_slice().iter().position(|&s| s == 0xff).unwrap_or(0);
+        let index = scales
+            .as_slice()
+            .iter()
+            .position(|&s| s == 0xff)
+            .unwrap_or(0);
         return Err(ModelError::NanScale {
             tensor: format!("{prefix}_scales"),
             index,
