@@ -342,8 +342,12 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
             }
             Ok((prefill_time, decode_start.elapsed()))
         })();
-        // End the line of ids even when the run failed, unless stdout itself is what failed.
-        let ended = writeln!(out).and_then(|()| out.flush());
+        // End the line of ids, also when the run failed after printing some.
+        let ended = if timings.is_ok() || generated > 0 {
+            writeln!(out).and_then(|()| out.flush())
+        } else {
+            Ok(())
+        };
         match (timings, ended) {
             (Err(error), _) => (generated, Err(error)),
             (Ok(_), Err(error)) => (generated, Err(error.into())),
