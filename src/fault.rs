@@ -41,8 +41,14 @@ const FREE_SLOT: Slot = Slot {
 };
 
 static TABLE: [Slot; SLOTS] = [FREE_SLOT; SLOTS];
-/// The file of each slot in use; only ordinary code touches it.
-static PATHS: Mutex<[Option<PathBuf>; SLOTS]> = Mutex::new([const { None }; SLOTS]);
+/// The file of each slot in use and its identity when mapped; only ordinary code touches it.
+static PATHS: Mutex<[Option<WatchedFile>; SLOTS]> = Mutex::new([const { None }; SLOTS]);
+
+struct WatchedFile {
+    path: PathBuf,
+    /// `None` when the file could not be examined; then only faults are noticed.
+    mapped: Option<FileStamp>,
+}
 /// Faults handled since start; lets [`check`] return at once in the normal case.
 static FAULTS: AtomicUsize = AtomicUsize::new(0);
 static PAGE_SIZE: AtomicUsize = AtomicUsize::new(4096);
@@ -59,6 +65,31 @@ static INSTALL: Once = Once::new();
 )]
 pub struct MappingChanged {
     pub path: PathBuf,
+}
+
+/// Which file a path names and how it was when mapped. The same inode with another size or
+/// modification time was overwritten in place (the mapping now shows a mix of old and new
+/// bytes); another inode means the path was replaced by a rename, and the mapping still holds
+/// the old file whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileStamp {
+    device: u64,
+    inode: u64,
+    len: u64,
+    modified: (i64, i64),
+}
+
+impl FileStamp {
+    fn of(path: &Path) -> Option<FileStamp> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(path).ok()?;
+        Some(FileStamp {
+            device: meta.dev(),
+            inode: meta.ino(),
+            len: meta.len(),
+            modified: (meta.mtime(), meta.mtime_nsec()),
+        })
+    }
 }
 
 /// Keeps a mapping watched until dropped. Drop it before unmapping the memory.
@@ -80,7 +111,10 @@ pub fn register(start: *const u8, len: usize, path: &Path) -> Registration {
     let Some(slot) = paths.iter().position(Option::is_none) else {
         return Registration { slot: None };
     };
-    paths[slot] = Some(path.to_owned());
+    paths[slot] = Some(WatchedFile {
+        path: path.to_owned(),
+        mapped: FileStamp::of(path),
+    });
     let entry = &TABLE[slot];
     entry.faulted.store(false, Ordering::Release);
     entry.start.store(start as usize, Ordering::Release);
@@ -113,9 +147,41 @@ pub fn check() -> Result<(), MappingChanged> {
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     for (slot, entry) in TABLE.iter().enumerate() {
         if entry.faulted.load(Ordering::Acquire) {
-            if let Some(path) = &paths[slot] {
-                return Err(MappingChanged { path: path.clone() });
+            if let Some(watched) = &paths[slot] {
+                return Err(MappingChanged {
+                    path: watched.path.clone(),
+                });
             }
+        }
+    }
+    Ok(())
+}
+
+/// [`check`], and also asks the file system whether a watched file was overwritten in place
+/// since it was mapped (a write that keeps the file's length faults nowhere, but the weights
+/// change under the model). One `stat` per shard: for the start and end of a generation, not
+/// for every token. A file found changed stays reported, like a fault.
+pub fn verify_files() -> Result<(), MappingChanged> {
+    check()?;
+    let paths = PATHS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    for (slot, entry) in paths.iter().enumerate() {
+        let Some(WatchedFile {
+            path,
+            mapped: Some(mapped),
+        }) = entry
+        else {
+            continue;
+        };
+        // A file removed or renamed away leaves the mapping with the old file, whole.
+        let Some(now) = FileStamp::of(path) else {
+            continue;
+        };
+        if (now.device, now.inode) == (mapped.device, mapped.inode) && now != *mapped {
+            TABLE[slot].faulted.store(true, Ordering::Release);
+            FAULTS.fetch_add(1, Ordering::AcqRel);
+            return Err(MappingChanged { path: path.clone() });
         }
     }
     Ok(())
@@ -220,8 +286,18 @@ fn pass_on(signal: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::
 mod tests {
     use super::*;
 
+    /// The table is global: tests that fault or look for faults take turns.
+    static SERIAL: Mutex<()> = Mutex::new(());
+
+    fn serial() -> std::sync::MutexGuard<'static, ()> {
+        SERIAL
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
     #[test]
     fn a_fault_inside_a_watched_mapping_reads_zeros_and_is_reported() {
+        let _serial = serial();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("shard.bin");
         let page = 4096;
@@ -246,5 +322,40 @@ mod tests {
         assert!(error.to_string().contains("changed on disk while in use"));
         drop(registration);
         assert_eq!(check(), Ok(()));
+    }
+
+    #[test]
+    fn a_file_overwritten_in_place_is_reported_and_one_replaced_by_rename_is_not() {
+        let _serial = serial();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shard.bin");
+        std::fs::write(&path, vec![1u8; 8192]).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        // SAFETY: the test owns the file and only rewrites it while it is mapped read-only.
+        let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+        let registration = register(map.as_ptr(), map.len(), &path);
+
+        // Replaced by a rename: a new inode at the path, the mapping keeps the old file.
+        let fresh = dir.path().join("fresh.bin");
+        std::fs::write(&fresh, vec![2u8; 8192]).unwrap();
+        std::fs::rename(&fresh, &path).unwrap();
+        assert_eq!(verify_files(), Ok(()));
+        drop(registration);
+        drop(map);
+
+        // Overwritten in place, same length: no fault, but the bytes changed under the mapping.
+        let file = std::fs::File::open(&path).unwrap();
+        // SAFETY: as above.
+        let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+        let _registration = register(map.as_ptr(), map.len(), &path);
+        assert_eq!(verify_files(), Ok(()));
+        let writer = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        std::io::Write::write_all(&mut &writer, &[3u8; 100]).unwrap();
+        let later = std::time::SystemTime::now() + std::time::Duration::from_secs(5);
+        writer.set_modified(later).unwrap();
+        let error = verify_files().unwrap_err();
+        assert_eq!(error.path, path);
+        // It stays reported: the weights already read are a mix.
+        assert_eq!(check().unwrap_err().path, path);
     }
 }

@@ -130,6 +130,58 @@ fn a_shard_truncated_mid_run_is_an_error_naming_it_and_the_ids_so_far_are_kept()
 }
 
 #[test]
+fn a_shard_overwritten_in_place_mid_run_is_an_error_naming_it() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = synth_tiny(parent.path());
+    let shard = dir.join("model-00001-of-00001.safetensors");
+    let mut child = ossterm()
+        .args([
+            "generate",
+            "--greedy",
+            "--tokens",
+            "1,2,3",
+            "--max-tokens",
+            "100000",
+            "--model",
+        ])
+        .arg(&dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let mut seen = Vec::new();
+    let mut byte = [0u8; 1];
+    while !seen.contains(&b',') {
+        assert_eq!(stdout.read(&mut byte).unwrap(), 1, "generate ended early");
+        seen.push(byte[0]);
+    }
+    // Same length, other bytes in the middle: nothing faults, but the weights changed.
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&shard)
+        .unwrap();
+    let middle = file.metadata().unwrap().len() / 2;
+    std::os::unix::fs::FileExt::write_all_at(&file, &[0x55; 4096], middle).unwrap();
+    file.set_modified(std::time::SystemTime::now() + Duration::from_secs(5))
+        .unwrap();
+    drop(file);
+    stdout.read_to_end(&mut seen).unwrap();
+    let output = wait_with_deadline(child, Duration::from_secs(120));
+    let stderr = stderr_of(&output);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("model-00001-of-00001.safetensors changed on disk while in use"),
+        "{stderr}"
+    );
+    let printed = String::from_utf8(seen).unwrap();
+    assert!(
+        printed.ends_with('\n') && printed.split(',').count() >= 2,
+        "{printed:?}"
+    );
+}
+
+#[test]
 fn a_closed_stdout_ends_quietly_with_status_141() {
     let model = fixture("tiny_single");
     let model = model.to_str().unwrap();

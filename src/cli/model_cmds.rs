@@ -297,6 +297,7 @@ fn write_logits(
         file.write_all(&bytes).map_err(write_error)?;
     }
     file.flush().map_err(write_error)?;
+    crate::fault::verify_files()?;
     Ok(())
 }
 
@@ -322,6 +323,7 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         let mut generated = 0usize;
         let timings = (|| -> anyhow::Result<_> {
             let started = Instant::now();
+            crate::fault::verify_files()?;
             let mut logits = session.prefill(&args.tokens)?;
             crate::fault::check()?;
             crate::engine::check_logits(logits, args.tokens.len())?;
@@ -337,9 +339,11 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
                     break;
                 }
                 logits = session.decode(next)?;
-                crate::fault::check()?;
+                // A stat per shard (microseconds) also catches a shard rewritten in place.
+                crate::fault::verify_files()?;
                 crate::engine::check_logits(logits, args.tokens.len() + generated)?;
             }
+            crate::fault::verify_files()?;
             Ok((prefill_time, decode_start.elapsed()))
         })();
         // End the line of ids, also when the run failed after printing some.

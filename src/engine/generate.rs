@@ -257,6 +257,8 @@ pub fn generate<S: InferenceSession + ?Sized>(
             context_limit,
         });
     }
+    // A shard rewritten since the last turn would give this one mixed weights: refuse up front.
+    crate::fault::verify_files()?;
     let mut result = GenerateResult {
         stop_reason: StopReason::Cancelled,
         prompt_tokens: prompt.len(),
@@ -342,6 +344,8 @@ pub fn generate<S: InferenceSession + ?Sized>(
     }
     result.stop_reason = stop_reason;
     result.decode_time = first_token_at.elapsed();
+    // Rewritten in place during this turn: what it streamed came partly from other weights.
+    crate::fault::verify_files()?;
     Ok(result)
 }
 
