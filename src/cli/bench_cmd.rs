@@ -70,6 +70,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     ];
     let context = limits::positions(&parts)?;
     let model = args.model.load(args.exact)?;
+    let pool = args.model.pool()?;
     let load_seconds = load_started.elapsed().as_secs_f64();
     limits::check_context(&model, context, &parts)?;
     let plan = BenchPlan {
@@ -81,7 +82,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     };
     let settings = BenchSettings {
         model: model.source.clone(),
-        threads: rayon::current_num_threads(),
+        threads: pool.current_num_threads(),
         kernels: match model.precision {
             crate::model::Precision::Exact => "portable (exact)".into(),
             crate::model::Precision::Fast => model.kernels.path().name().into(),
@@ -100,7 +101,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
             .map_or(0.0, |f| f.convert_time.as_secs_f64()),
         converted_bytes: model.fast.as_ref().map_or(0, |f| f.owned_bytes as u64),
     };
-    let report = bench::run(&model, &plan, settings, &mut |what, done, total| {
+    let report = bench::run(&model, &pool, &plan, settings, &mut |what, done, total| {
         progress.show(what, done, total)
     })?;
     progress.clear();

@@ -62,7 +62,7 @@ pub struct GenerateArgs {
 #[derive(Args, Debug)]
 pub struct SynthArgs {
     /// Shape of the checkpoint.
-    #[arg(long, value_name = "PRESET")]
+    #[arg(long, value_name = "PRESET", value_parser = choice_parser!(Preset))]
     pub preset: Preset,
     /// Output directory (created if needed).
     #[arg(long, value_name = "DIR")]
@@ -253,7 +253,8 @@ pub fn logits(args: LogitsArgs) -> anyhow::Result<()> {
     let model = args.model.load(args.exact)?;
     let context = args.tokens.len();
     limits::check_context(&model, context, &[("token ids of --tokens", context)])?;
-    let written = write_logits(&model, &args.tokens, &args.out);
+    let pool = args.model.pool()?;
+    let written = write_logits(&model, &pool, &args.tokens, &args.out);
     if written.is_err() {
         // A partial file would pass for the logits of fewer tokens.
         let _ = std::fs::remove_file(&args.out);
@@ -272,20 +273,21 @@ pub fn logits(args: LogitsArgs) -> anyhow::Result<()> {
 /// however many tokens there are.
 fn write_logits(
     model: &std::sync::Arc<crate::model::Model>,
+    pool: &std::sync::Arc<rayon::ThreadPool>,
     tokens: &[u32],
     path: &Path,
 ) -> anyhow::Result<()> {
     let write_error = |source| anyhow::anyhow!("cannot write {}: {source}", path.display());
     let file = std::fs::File::create(path).map_err(write_error)?;
     let mut file = std::io::BufWriter::with_capacity(1 << 20, file);
-    let mut session = model.new_session(tokens.len());
+    let mut session = model.new_session(pool, tokens.len());
     let vocab = model.config.vocab_size;
     let chunk = session.chunk_len().max(1);
     let mut rows = Vec::new();
     let mut bytes = Vec::new();
     for (chunk_index, part) in tokens.chunks(chunk).enumerate() {
         rows.clear();
-        crate::engine::on_pool(|| session.prefill_all_logits(part, &mut rows))?;
+        pool.install(|| session.prefill_all_logits(part, &mut rows))?;
         crate::fault::check()?;
         for (row, logits) in rows.chunks(vocab).enumerate() {
             crate::engine::check_logits(logits, chunk_index * chunk + row + 1)?;
@@ -314,11 +316,13 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     ];
     let context = limits::positions(&parts)?;
     limits::check_context(&model, context, &parts)?;
-    let mut session = model.new_session(context);
+    let pool = args.model.pool()?;
+    let mut session = model.new_session(&pool, context);
     let mut sampler = crate::engine::Sampler::new(crate::engine::SamplerSettings::greedy())?;
     // Each id is written and flushed as soon as it is chosen: whatever stops the run (an error,
     // a signal, a closed pipe), the ids made so far are already out.
-    let (generated, timings) = crate::engine::on_pool(|| {
+    // The loop runs on the session's pool, as the app's generation does.
+    let (generated, timings) = pool.install(|| {
         let mut out = output::stdout();
         let mut generated = 0usize;
         let timings = (|| -> anyhow::Result<_> {
