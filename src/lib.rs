@@ -13,4 +13,5 @@ pub mod engine;
 pub mod fault;
 pub mod kernels;
 pub mod model;
+pub mod settings;
 pub mod tui;
