@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use memmap2::Mmap;
 use rayon::prelude::*;
 
-use super::checkpoint::{ByteOwner, Dtype, TensorBytes};
+use super::checkpoint::{ByteOwner, Dtype, TensorBytes, WatchedMap};
 use super::config::{LayerKind, ModelConfig, RopeScaling, MXFP4_BLOCK};
 use super::weights::TensorSource;
 use super::ModelError;
@@ -358,7 +358,9 @@ impl GgufFile {
         // truncated by another process while mapped faults on access, the contract of every
         // mmap-based model loader.
         let map = unsafe { Mmap::map(&handle) }.map_err(io)?;
-        Self::parse(path, Arc::new(map))
+        // Watched like a safetensors shard: a file truncated while mapped becomes an error naming
+        // it instead of a SIGBUS.
+        Self::parse(path, Arc::new(WatchedMap::new(map, path)))
     }
 
     /// Parses a GGUF held in memory; `path` only names it in errors (tests and fuzzing use this).
