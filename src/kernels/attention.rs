@@ -642,17 +642,23 @@ mod avx512 {
         count: usize,
         dst: *mut f32,
     ) {
-        for t in 0..count {
-            let from = src.add(t * layout.row_stride);
-            super::prefetch_row_of_next_tile(from, layout);
-            let to = dst.add(t * layout.padded);
-            let mut c = 0;
-            while c < layout.padded {
-                let len = layout.head_dim.saturating_sub(c).min(W);
-                // Masked-off lanes are neither read nor faulted on, and load as zero: the padding.
-                let bits = _mm512_maskz_loadu_epi16((1u32 << len) - 1, from.add(c).cast());
-                _mm512_storeu_ps(to.add(c), _mm512_cvtph_ps(_mm512_castsi512_si256(bits)));
-                c += W;
+        // SAFETY: the caller upholds this function's contract (The CPU has AVX-512 F/BW and F16C;
+        // `src` has `count` rows `row_stride` apart with `head_dim` readable elements each; `dst`
+        // has `count * padded` writable elements), which is what every pointer access and
+        // target-feature call below relies on.
+        unsafe {
+            for t in 0..count {
+                let from = src.add(t * layout.row_stride);
+                super::prefetch_row_of_next_tile(from, layout);
+                let to = dst.add(t * layout.padded);
+                let mut c = 0;
+                while c < layout.padded {
+                    let len = layout.head_dim.saturating_sub(c).min(W);
+                    // Masked-off lanes are neither read nor faulted on, and load as zero: the padding.
+                    let bits = _mm512_maskz_loadu_epi16((1u32 << len) - 1, from.add(c).cast());
+                    _mm512_storeu_ps(to.add(c), _mm512_cvtph_ps(_mm512_castsi512_si256(bits)));
+                    c += W;
+                }
             }
         }
     }
@@ -727,56 +733,66 @@ mod avx512 {
         zero_row: *const f32,
         logits: *mut f32,
     ) {
-        let mut block = 0;
-        while block < count {
-            let valid = (count - block).min(W);
-            let mut row = [zero_row; W];
-            for (t, r) in row.iter_mut().enumerate().take(valid) {
-                *r = rows.add((block + t) * stride);
-            }
-            for g in 0..heads {
-                let q = queries.add(g * padded);
-                let mut partial = [_mm512_setzero_ps(); W];
-                let mut c = 0;
-                while c < padded {
-                    let qc = _mm512_loadu_ps(q.add(c));
-                    for t in 0..W {
-                        partial[t] =
-                            _mm512_fmadd_ps(qc, _mm512_loadu_ps(row[t].add(c)), partial[t]);
-                    }
-                    c += W;
+        // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this path's
+        // features; every buffer is as large as the trait's doc says), which is all the code below
+        // relies on.
+        unsafe {
+            let mut block = 0;
+            while block < count {
+                let valid = (count - block).min(W);
+                let mut row = [zero_row; W];
+                for (t, r) in row.iter_mut().enumerate().take(valid) {
+                    *r = rows.add((block + t) * stride);
                 }
-                let keep = ((1u32 << valid) - 1) as u16;
-                let sums = _mm512_mask_blend_ps(
-                    keep,
-                    _mm512_set1_ps(f32::NEG_INFINITY),
-                    transpose_sum(partial),
-                );
-                _mm512_storeu_ps(logits.add(g * TILE_KEYS + block), sums);
+                for g in 0..heads {
+                    let q = queries.add(g * padded);
+                    let mut partial = [_mm512_setzero_ps(); W];
+                    let mut c = 0;
+                    while c < padded {
+                        let qc = _mm512_loadu_ps(q.add(c));
+                        for t in 0..W {
+                            partial[t] =
+                                _mm512_fmadd_ps(qc, _mm512_loadu_ps(row[t].add(c)), partial[t]);
+                        }
+                        c += W;
+                    }
+                    let keep = ((1u32 << valid) - 1) as u16;
+                    let sums = _mm512_mask_blend_ps(
+                        keep,
+                        _mm512_set1_ps(f32::NEG_INFINITY),
+                        transpose_sum(partial),
+                    );
+                    _mm512_storeu_ps(logits.add(g * TILE_KEYS + block), sums);
+                }
+                block += W;
             }
-            block += W;
         }
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     unsafe fn softmax(logits: *mut f32, count: usize, max: &mut f32, sum: &mut f32) -> f32 {
-        let blocks = count.div_ceil(W);
-        let mut tile_max = _mm512_set1_ps(f32::NEG_INFINITY);
-        for b in 0..blocks {
-            tile_max = _mm512_max_ps(tile_max, _mm512_loadu_ps(logits.add(b * W)));
+        // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this path's
+        // features; every buffer is as large as the trait's doc says), which is all the code below
+        // relies on.
+        unsafe {
+            let blocks = count.div_ceil(W);
+            let mut tile_max = _mm512_set1_ps(f32::NEG_INFINITY);
+            for b in 0..blocks {
+                tile_max = _mm512_max_ps(tile_max, _mm512_loadu_ps(logits.add(b * W)));
+            }
+            let new_max = max.max(_mm512_reduce_max_ps(tile_max));
+            let rescale = (*max - new_max).exp();
+            let shift = _mm512_set1_ps(new_max);
+            let mut total = _mm512_setzero_ps();
+            for b in 0..blocks {
+                let p = exp(_mm512_sub_ps(_mm512_loadu_ps(logits.add(b * W)), shift));
+                _mm512_storeu_ps(logits.add(b * W), p);
+                total = _mm512_add_ps(total, p);
+            }
+            *sum = *sum * rescale + _mm512_reduce_add_ps(total);
+            *max = new_max;
+            rescale
         }
-        let new_max = max.max(_mm512_reduce_max_ps(tile_max));
-        let rescale = (*max - new_max).exp();
-        let shift = _mm512_set1_ps(new_max);
-        let mut total = _mm512_setzero_ps();
-        for b in 0..blocks {
-            let p = exp(_mm512_sub_ps(_mm512_loadu_ps(logits.add(b * W)), shift));
-            _mm512_storeu_ps(logits.add(b * W), p);
-            total = _mm512_add_ps(total, p);
-        }
-        *sum = *sum * rescale + _mm512_reduce_add_ps(total);
-        *max = new_max;
-        rescale
     }
 
     /// HEADS heads x CHUNKS x 16 columns, held in registers across the tile.
@@ -792,29 +808,34 @@ mod avx512 {
         acc: *mut f32,
         padded: usize,
     ) {
-        let mut sums = [[_mm512_setzero_ps(); CHUNKS]; HEADS];
-        for (h, row) in sums.iter_mut().enumerate() {
-            let factor = _mm512_set1_ps(*rescale.add(h));
-            for (c, s) in row.iter_mut().enumerate() {
-                *s = _mm512_mul_ps(_mm512_loadu_ps(acc.add(h * padded + c * W)), factor);
-            }
-        }
-        for t in 0..count {
-            let v = values.add(t * stride);
-            let mut value = [_mm512_setzero_ps(); CHUNKS];
-            for (c, x) in value.iter_mut().enumerate() {
-                *x = _mm512_loadu_ps(v.add(c * W));
-            }
+        // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this path's
+        // features; every buffer is as large as the trait's doc says), which is all the code below
+        // relies on.
+        unsafe {
+            let mut sums = [[_mm512_setzero_ps(); CHUNKS]; HEADS];
             for (h, row) in sums.iter_mut().enumerate() {
-                let p = _mm512_set1_ps(*probs.add(h * TILE_KEYS + t));
-                for (s, x) in row.iter_mut().zip(&value) {
-                    *s = _mm512_fmadd_ps(p, *x, *s);
+                let factor = _mm512_set1_ps(*rescale.add(h));
+                for (c, s) in row.iter_mut().enumerate() {
+                    *s = _mm512_mul_ps(_mm512_loadu_ps(acc.add(h * padded + c * W)), factor);
                 }
             }
-        }
-        for (h, row) in sums.iter().enumerate() {
-            for (c, s) in row.iter().enumerate() {
-                _mm512_storeu_ps(acc.add(h * padded + c * W), *s);
+            for t in 0..count {
+                let v = values.add(t * stride);
+                let mut value = [_mm512_setzero_ps(); CHUNKS];
+                for (c, x) in value.iter_mut().enumerate() {
+                    *x = _mm512_loadu_ps(v.add(c * W));
+                }
+                for (h, row) in sums.iter_mut().enumerate() {
+                    let p = _mm512_set1_ps(*probs.add(h * TILE_KEYS + t));
+                    for (s, x) in row.iter_mut().zip(&value) {
+                        *s = _mm512_fmadd_ps(p, *x, *s);
+                    }
+                }
+            }
+            for (h, row) in sums.iter().enumerate() {
+                for (c, s) in row.iter().enumerate() {
+                    _mm512_storeu_ps(acc.add(h * padded + c * W), *s);
+                }
             }
         }
     }
@@ -831,61 +852,66 @@ mod avx512 {
         acc: *mut f32,
         padded: usize,
     ) {
-        let mut column = 0;
-        while column < padded {
-            let chunks = match (padded - column) / W {
-                1 => 1,
-                2 | 3 => 2,
-                _ => 4,
-            };
-            let mut g = 0;
-            while g < heads {
-                let block = match heads - g {
+        // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this path's
+        // features; every buffer is as large as the trait's doc says), which is all the code below
+        // relies on.
+        unsafe {
+            let mut column = 0;
+            while column < padded {
+                let chunks = match (padded - column) / W {
                     1 => 1,
                     2 | 3 => 2,
                     _ => 4,
                 };
-                let args = (
-                    probs.add(g * TILE_KEYS),
-                    rescale.add(g),
-                    values.add(column),
-                    stride,
-                    count,
-                    acc.add(g * padded + column),
-                    padded,
-                );
-                match (block, chunks) {
-                    (4, 4) => accumulate_block::<4, 4>(
-                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                    ),
-                    (4, 2) => accumulate_block::<4, 2>(
-                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                    ),
-                    (4, _) => accumulate_block::<4, 1>(
-                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                    ),
-                    (2, 4) => accumulate_block::<2, 4>(
-                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                    ),
-                    (2, 2) => accumulate_block::<2, 2>(
-                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                    ),
-                    (2, _) => accumulate_block::<2, 1>(
-                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                    ),
-                    (_, 4) => accumulate_block::<1, 4>(
-                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                    ),
-                    (_, 2) => accumulate_block::<1, 2>(
-                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                    ),
-                    _ => accumulate_block::<1, 1>(
-                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                    ),
+                let mut g = 0;
+                while g < heads {
+                    let block = match heads - g {
+                        1 => 1,
+                        2 | 3 => 2,
+                        _ => 4,
+                    };
+                    let args = (
+                        probs.add(g * TILE_KEYS),
+                        rescale.add(g),
+                        values.add(column),
+                        stride,
+                        count,
+                        acc.add(g * padded + column),
+                        padded,
+                    );
+                    match (block, chunks) {
+                        (4, 4) => accumulate_block::<4, 4>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                        (4, 2) => accumulate_block::<4, 2>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                        (4, _) => accumulate_block::<4, 1>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                        (2, 4) => accumulate_block::<2, 4>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                        (2, 2) => accumulate_block::<2, 2>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                        (2, _) => accumulate_block::<2, 1>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                        (_, 4) => accumulate_block::<1, 4>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                        (_, 2) => accumulate_block::<1, 2>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                        _ => accumulate_block::<1, 1>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                    }
+                    g += block;
                 }
-                g += block;
+                column += chunks * W;
             }
-            column += chunks * W;
         }
     }
 
@@ -901,11 +927,17 @@ mod avx512 {
             zero_row: *const f32,
             out: *mut f32,
         ) {
-            logits(queries, heads, padded, rows, stride, count, zero_row, out)
+            // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this
+            // path's features; every buffer is as large as the trait's doc says), which is all the
+            // code below relies on.
+            unsafe { logits(queries, heads, padded, rows, stride, count, zero_row, out) }
         }
 
         unsafe fn softmax(logits: *mut f32, count: usize, max: &mut f32, sum: &mut f32) -> f32 {
-            softmax(logits, count, max, sum)
+            // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this
+            // path's features; every buffer is as large as the trait's doc says), which is all the
+            // code below relies on.
+            unsafe { softmax(logits, count, max, sum) }
         }
 
         unsafe fn accumulate(
@@ -918,7 +950,10 @@ mod avx512 {
             acc: *mut f32,
             padded: usize,
         ) {
-            accumulate(probs, heads, rescale, values, stride, count, acc, padded)
+            // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this
+            // path's features; every buffer is as large as the trait's doc says), which is all the
+            // code below relies on.
+            unsafe { accumulate(probs, heads, rescale, values, stride, count, acc, padded) }
         }
     }
 }
@@ -950,24 +985,30 @@ mod avx2 {
         count: usize,
         dst: *mut f32,
     ) {
-        for t in 0..count {
-            let from = src.add(t * layout.row_stride);
-            super::prefetch_row_of_next_tile(from, layout);
-            let to = dst.add(t * layout.padded);
-            let mut c = 0;
-            while c + W <= layout.head_dim {
-                let bits = _mm_loadu_si128(from.add(c).cast());
-                _mm256_storeu_ps(to.add(c), _mm256_cvtph_ps(bits));
-                c += W;
-            }
-            // A whole-register load here could read past the end of the cache.
-            while c < layout.head_dim {
-                *to.add(c) = (*from.add(c)).to_f32();
-                c += 1;
-            }
-            while c < layout.padded {
-                *to.add(c) = 0.0;
-                c += 1;
+        // SAFETY: the caller upholds this function's contract (The CPU has AVX2 and F16C; `src` has
+        // `count` rows `row_stride` apart with `head_dim` readable elements each; `dst` has `count
+        // * padded` writable elements), which is what every pointer access and target-feature call
+        // below relies on.
+        unsafe {
+            for t in 0..count {
+                let from = src.add(t * layout.row_stride);
+                super::prefetch_row_of_next_tile(from, layout);
+                let to = dst.add(t * layout.padded);
+                let mut c = 0;
+                while c + W <= layout.head_dim {
+                    let bits = _mm_loadu_si128(from.add(c).cast());
+                    _mm256_storeu_ps(to.add(c), _mm256_cvtph_ps(bits));
+                    c += W;
+                }
+                // A whole-register load here could read past the end of the cache.
+                while c < layout.head_dim {
+                    *to.add(c) = (*from.add(c)).to_f32();
+                    c += 1;
+                }
+                while c < layout.padded {
+                    *to.add(c) = 0.0;
+                    c += 1;
+                }
             }
         }
     }
@@ -1048,55 +1089,65 @@ mod avx2 {
         zero_row: *const f32,
         logits: *mut f32,
     ) {
-        let mut block = 0;
-        while block < count {
-            let valid = (count - block).min(W);
-            let mut row = [zero_row; W];
-            for (t, r) in row.iter_mut().enumerate().take(valid) {
-                *r = rows.add((block + t) * stride);
-            }
-            for g in 0..heads {
-                let q = queries.add(g * padded);
-                let mut partial = [_mm256_setzero_ps(); W];
-                let mut c = 0;
-                while c < padded {
-                    let qc = _mm256_loadu_ps(q.add(c));
-                    for t in 0..W {
-                        partial[t] =
-                            _mm256_fmadd_ps(qc, _mm256_loadu_ps(row[t].add(c)), partial[t]);
+        // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this path's
+        // features; every buffer is as large as the trait's doc says), which is all the code below
+        // relies on.
+        unsafe {
+            let mut block = 0;
+            while block < count {
+                let valid = (count - block).min(W);
+                let mut row = [zero_row; W];
+                for (t, r) in row.iter_mut().enumerate().take(valid) {
+                    *r = rows.add((block + t) * stride);
+                }
+                for g in 0..heads {
+                    let q = queries.add(g * padded);
+                    let mut partial = [_mm256_setzero_ps(); W];
+                    let mut c = 0;
+                    while c < padded {
+                        let qc = _mm256_loadu_ps(q.add(c));
+                        for t in 0..W {
+                            partial[t] =
+                                _mm256_fmadd_ps(qc, _mm256_loadu_ps(row[t].add(c)), partial[t]);
+                        }
+                        c += W;
                     }
-                    c += W;
+                    let out = logits.add(g * TILE_KEYS + block);
+                    _mm256_storeu_ps(out, transpose_sum(partial));
+                    // Softmax reads whole vectors: past the tile's end the logits must be -inf.
+                    for t in valid..W {
+                        *out.add(t) = f32::NEG_INFINITY;
+                    }
                 }
-                let out = logits.add(g * TILE_KEYS + block);
-                _mm256_storeu_ps(out, transpose_sum(partial));
-                // Softmax reads whole vectors: past the tile's end the logits must be -inf.
-                for t in valid..W {
-                    *out.add(t) = f32::NEG_INFINITY;
-                }
+                block += W;
             }
-            block += W;
         }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn softmax(logits: *mut f32, count: usize, max: &mut f32, sum: &mut f32) -> f32 {
-        let blocks = count.div_ceil(W);
-        let mut tile_max = _mm256_set1_ps(f32::NEG_INFINITY);
-        for b in 0..blocks {
-            tile_max = _mm256_max_ps(tile_max, _mm256_loadu_ps(logits.add(b * W)));
+        // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this path's
+        // features; every buffer is as large as the trait's doc says), which is all the code below
+        // relies on.
+        unsafe {
+            let blocks = count.div_ceil(W);
+            let mut tile_max = _mm256_set1_ps(f32::NEG_INFINITY);
+            for b in 0..blocks {
+                tile_max = _mm256_max_ps(tile_max, _mm256_loadu_ps(logits.add(b * W)));
+            }
+            let new_max = max.max(horizontal_max(tile_max));
+            let rescale = (*max - new_max).exp();
+            let shift = _mm256_set1_ps(new_max);
+            let mut total = _mm256_setzero_ps();
+            for b in 0..blocks {
+                let p = exp(_mm256_sub_ps(_mm256_loadu_ps(logits.add(b * W)), shift));
+                _mm256_storeu_ps(logits.add(b * W), p);
+                total = _mm256_add_ps(total, p);
+            }
+            *sum = *sum * rescale + horizontal_sum(total);
+            *max = new_max;
+            rescale
         }
-        let new_max = max.max(horizontal_max(tile_max));
-        let rescale = (*max - new_max).exp();
-        let shift = _mm256_set1_ps(new_max);
-        let mut total = _mm256_setzero_ps();
-        for b in 0..blocks {
-            let p = exp(_mm256_sub_ps(_mm256_loadu_ps(logits.add(b * W)), shift));
-            _mm256_storeu_ps(logits.add(b * W), p);
-            total = _mm256_add_ps(total, p);
-        }
-        *sum = *sum * rescale + horizontal_sum(total);
-        *max = new_max;
-        rescale
     }
 
     /// HEADS heads x 16 columns, held in registers across the tile.
@@ -1111,26 +1162,31 @@ mod avx2 {
         acc: *mut f32,
         padded: usize,
     ) {
-        let mut sums = [[_mm256_setzero_ps(); 2]; HEADS];
-        for (h, row) in sums.iter_mut().enumerate() {
-            let factor = _mm256_set1_ps(*rescale.add(h));
-            for (c, s) in row.iter_mut().enumerate() {
-                *s = _mm256_mul_ps(_mm256_loadu_ps(acc.add(h * padded + c * W)), factor);
-            }
-        }
-        for t in 0..count {
-            let v = values.add(t * stride);
-            let value = [_mm256_loadu_ps(v), _mm256_loadu_ps(v.add(W))];
+        // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this path's
+        // features; every buffer is as large as the trait's doc says), which is all the code below
+        // relies on.
+        unsafe {
+            let mut sums = [[_mm256_setzero_ps(); 2]; HEADS];
             for (h, row) in sums.iter_mut().enumerate() {
-                let p = _mm256_set1_ps(*probs.add(h * TILE_KEYS + t));
-                for (s, x) in row.iter_mut().zip(&value) {
-                    *s = _mm256_fmadd_ps(p, *x, *s);
+                let factor = _mm256_set1_ps(*rescale.add(h));
+                for (c, s) in row.iter_mut().enumerate() {
+                    *s = _mm256_mul_ps(_mm256_loadu_ps(acc.add(h * padded + c * W)), factor);
                 }
             }
-        }
-        for (h, row) in sums.iter().enumerate() {
-            for (c, s) in row.iter().enumerate() {
-                _mm256_storeu_ps(acc.add(h * padded + c * W), *s);
+            for t in 0..count {
+                let v = values.add(t * stride);
+                let value = [_mm256_loadu_ps(v), _mm256_loadu_ps(v.add(W))];
+                for (h, row) in sums.iter_mut().enumerate() {
+                    let p = _mm256_set1_ps(*probs.add(h * TILE_KEYS + t));
+                    for (s, x) in row.iter_mut().zip(&value) {
+                        *s = _mm256_fmadd_ps(p, *x, *s);
+                    }
+                }
+            }
+            for (h, row) in sums.iter().enumerate() {
+                for (c, s) in row.iter().enumerate() {
+                    _mm256_storeu_ps(acc.add(h * padded + c * W), *s);
+                }
             }
         }
     }
@@ -1147,33 +1203,38 @@ mod avx2 {
         acc: *mut f32,
         padded: usize,
     ) {
-        let mut column = 0;
-        while column < padded {
-            let mut g = 0;
-            while g < heads {
-                let (p, r, v, a) = (
-                    probs.add(g * TILE_KEYS),
-                    rescale.add(g),
-                    values.add(column),
-                    acc.add(g * padded + column),
-                );
-                let block = match heads - g {
-                    1 => {
-                        accumulate_block::<1>(p, r, v, stride, count, a, padded);
-                        1
-                    }
-                    2 | 3 => {
-                        accumulate_block::<2>(p, r, v, stride, count, a, padded);
-                        2
-                    }
-                    _ => {
-                        accumulate_block::<4>(p, r, v, stride, count, a, padded);
-                        4
-                    }
-                };
-                g += block;
+        // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this path's
+        // features; every buffer is as large as the trait's doc says), which is all the code below
+        // relies on.
+        unsafe {
+            let mut column = 0;
+            while column < padded {
+                let mut g = 0;
+                while g < heads {
+                    let (p, r, v, a) = (
+                        probs.add(g * TILE_KEYS),
+                        rescale.add(g),
+                        values.add(column),
+                        acc.add(g * padded + column),
+                    );
+                    let block = match heads - g {
+                        1 => {
+                            accumulate_block::<1>(p, r, v, stride, count, a, padded);
+                            1
+                        }
+                        2 | 3 => {
+                            accumulate_block::<2>(p, r, v, stride, count, a, padded);
+                            2
+                        }
+                        _ => {
+                            accumulate_block::<4>(p, r, v, stride, count, a, padded);
+                            4
+                        }
+                    };
+                    g += block;
+                }
+                column += COLUMNS;
             }
-            column += COLUMNS;
         }
     }
 
@@ -1189,11 +1250,17 @@ mod avx2 {
             zero_row: *const f32,
             out: *mut f32,
         ) {
-            logits(queries, heads, padded, rows, stride, count, zero_row, out)
+            // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this
+            // path's features; every buffer is as large as the trait's doc says), which is all the
+            // code below relies on.
+            unsafe { logits(queries, heads, padded, rows, stride, count, zero_row, out) }
         }
 
         unsafe fn softmax(logits: *mut f32, count: usize, max: &mut f32, sum: &mut f32) -> f32 {
-            softmax(logits, count, max, sum)
+            // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this
+            // path's features; every buffer is as large as the trait's doc says), which is all the
+            // code below relies on.
+            unsafe { softmax(logits, count, max, sum) }
         }
 
         unsafe fn accumulate(
@@ -1206,7 +1273,10 @@ mod avx2 {
             acc: *mut f32,
             padded: usize,
         ) {
-            accumulate(probs, heads, rescale, values, stride, count, acc, padded)
+            // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this
+            // path's features; every buffer is as large as the trait's doc says), which is all the
+            // code below relies on.
+            unsafe { accumulate(probs, heads, rescale, values, stride, count, acc, padded) }
         }
     }
 }

@@ -576,19 +576,24 @@ mod x86 {
     #[inline]
     #[target_feature(enable = "avx512f")]
     unsafe fn load_group_512(src: *const f32, blocks: usize) -> [__m512; 8] {
-        let mut v = [_mm512_setzero_ps(); 8];
-        if blocks == GROUP_BLOCKS {
-            for (i, v) in v.iter_mut().enumerate() {
-                *v = _mm512_loadu_ps(src.add(16 * i));
+        // SAFETY: the caller upholds this function's contract (`src` points at `blocks * BLOCK_LEN`
+        // readable values, `1 <= blocks <= GROUP_BLOCKS`), which is what every pointer access and
+        // target-feature call below relies on.
+        unsafe {
+            let mut v = [_mm512_setzero_ps(); 8];
+            if blocks == GROUP_BLOCKS {
+                for (i, v) in v.iter_mut().enumerate() {
+                    *v = _mm512_loadu_ps(src.add(16 * i));
+                }
+            } else {
+                for (i, v) in v.iter_mut().enumerate() {
+                    // Masked-off lanes are not read, so the pointer may run past the row.
+                    let mask: __mmask16 = if i < 2 * blocks { 0xFFFF } else { 0 };
+                    *v = _mm512_maskz_loadu_ps(mask, src.wrapping_add(16 * i));
+                }
             }
-        } else {
-            for (i, v) in v.iter_mut().enumerate() {
-                // Masked-off lanes are not read, so the pointer may run past the row.
-                let mask: __mmask16 = if i < 2 * blocks { 0xFFFF } else { 0 };
-                *v = _mm512_maskz_loadu_ps(mask, src.wrapping_add(16 * i));
-            }
+            v
         }
-        v
     }
 
     /// Block j's scale in lanes 4j..4j+3 and its inverse, each 0 where the block's largest
@@ -675,40 +680,46 @@ mod x86 {
         sums: *mut i32,
         corrections: *mut i32,
     ) {
-        let v = load_group_512(src, blocks);
-        let (scale, inverse) = scales_512(&v);
-        let inverses = per_block_512(inverse);
-        let evens_index =
-            _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        let odds_index =
-            _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-        let evens = pack_bytes_512(std::array::from_fn(|j| {
-            let e = _mm512_permutex2var_ps(v[2 * j], evens_index, v[2 * j + 1]);
-            quantize_16(e, inverses[j])
-        }));
-        let odds = pack_bytes_512(std::array::from_fn(|j| {
-            let o = _mm512_permutex2var_ps(v[2 * j], odds_index, v[2 * j + 1]);
-            quantize_16(o, inverses[j])
-        }));
-        // Block j's 16 evens and 16 odds are 128-bit lane j of each: sum them as unsigned bytes.
-        let flip = _mm512_set1_epi8(i8::MIN);
-        let zero = _mm512_setzero_si512();
-        let partial = _mm512_add_epi64(
-            _mm512_sad_epu8(_mm512_xor_si512(evens, flip), zero),
-            _mm512_sad_epu8(_mm512_xor_si512(odds, flip), zero),
-        );
-        let total = _mm512_add_epi64(partial, _mm512_shuffle_epi32::<0b01_00_11_10>(partial));
-        // Lanes 4j and 4j + 2 now hold block j's sum (the others garbage).
-        let sum = _mm512_sub_epi32(total, _mm512_set1_epi32(SUM_BIAS));
-        let factors = _mm512_loadu_si512(CORRECTION_FACTORS.as_ptr().cast());
-        _mm512_storeu_si512(quants.cast(), evens);
-        _mm512_storeu_si512(quants.add(GROUP_LEN / 2).cast(), odds);
-        _mm512_storeu_ps(scales, scale);
-        _mm512_storeu_si512(sums.cast(), _mm512_maskz_mov_epi32(0x1111, sum));
-        _mm512_storeu_si512(
-            corrections.cast(),
-            _mm512_mullo_epi32(_mm512_shuffle_epi32::<0>(sum), factors),
-        );
+        // SAFETY: the caller upholds this function's contract (`src` as for [`load_group_512`];
+        // `quants` points at `GROUP_LEN` writable bytes and `scales`, `sums`, `corrections` at
+        // `GROUP_LANES` writable lanes each), which is what every pointer access and
+        // target-feature call below relies on.
+        unsafe {
+            let v = load_group_512(src, blocks);
+            let (scale, inverse) = scales_512(&v);
+            let inverses = per_block_512(inverse);
+            let evens_index =
+                _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+            let odds_index =
+                _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+            let evens = pack_bytes_512(std::array::from_fn(|j| {
+                let e = _mm512_permutex2var_ps(v[2 * j], evens_index, v[2 * j + 1]);
+                quantize_16(e, inverses[j])
+            }));
+            let odds = pack_bytes_512(std::array::from_fn(|j| {
+                let o = _mm512_permutex2var_ps(v[2 * j], odds_index, v[2 * j + 1]);
+                quantize_16(o, inverses[j])
+            }));
+            // Block j's 16 evens and 16 odds are 128-bit lane j of each: sum them as unsigned bytes.
+            let flip = _mm512_set1_epi8(i8::MIN);
+            let zero = _mm512_setzero_si512();
+            let partial = _mm512_add_epi64(
+                _mm512_sad_epu8(_mm512_xor_si512(evens, flip), zero),
+                _mm512_sad_epu8(_mm512_xor_si512(odds, flip), zero),
+            );
+            let total = _mm512_add_epi64(partial, _mm512_shuffle_epi32::<0b01_00_11_10>(partial));
+            // Lanes 4j and 4j + 2 now hold block j's sum (the others garbage).
+            let sum = _mm512_sub_epi32(total, _mm512_set1_epi32(SUM_BIAS));
+            let factors = _mm512_loadu_si512(CORRECTION_FACTORS.as_ptr().cast());
+            _mm512_storeu_si512(quants.cast(), evens);
+            _mm512_storeu_si512(quants.add(GROUP_LEN / 2).cast(), odds);
+            _mm512_storeu_ps(scales, scale);
+            _mm512_storeu_si512(sums.cast(), _mm512_maskz_mov_epi32(0x1111, sum));
+            _mm512_storeu_si512(
+                corrections.cast(),
+                _mm512_mullo_epi32(_mm512_shuffle_epi32::<0>(sum), factors),
+            );
+        }
     }
 
     /// The AVX-512 quantizer: same contract and bits as `quantize_rows_portable`.
@@ -797,13 +808,18 @@ mod x86 {
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn load_pair_256(src: *const f32, blocks: usize) -> [__m256; 8] {
-        let mut v = [_mm256_setzero_ps(); 8];
-        for (i, v) in v.iter_mut().enumerate() {
-            if i < 4 * blocks {
-                *v = _mm256_loadu_ps(src.add(8 * i));
+        // SAFETY: the caller upholds this function's contract (`src` points at `blocks * BLOCK_LEN`
+        // readable values, `blocks <= 2`), which is what every pointer access and target-feature
+        // call below relies on.
+        unsafe {
+            let mut v = [_mm256_setzero_ps(); 8];
+            for (i, v) in v.iter_mut().enumerate() {
+                if i < 4 * blocks {
+                    *v = _mm256_loadu_ps(src.add(8 * i));
+                }
             }
+            v
         }
-        v
     }
 
     /// Block j (of two) scale in lanes 4j..4j+3 and its inverse, 0 where the block is all zeros.
@@ -868,41 +884,47 @@ mod x86 {
         sums: *mut i32,
         corrections: *mut i32,
     ) {
-        let v = load_pair_256(src, blocks);
-        let (scale, inverse) = scales_256(&v);
-        let inverses = per_block_256(inverse);
-        // Each vector's evens to its low half, odds to its high half; after the in-lane packs,
-        // block j's 16 evens fill the low 128 bits and its 16 odds the high 128 bits.
-        let split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-        let q: [__m256i; 8] = std::array::from_fn(|i| {
-            quantize_8(_mm256_permutevar8x32_ps(v[i], split), inverses[i / 4])
-        });
-        let block: [__m256i; 2] = std::array::from_fn(|j| {
-            _mm256_packs_epi16(
-                _mm256_packs_epi32(q[4 * j], q[4 * j + 1]),
-                _mm256_packs_epi32(q[4 * j + 2], q[4 * j + 3]),
-            )
-        });
-        let even_bytes = _mm256_permute2x128_si256::<0x20>(block[0], block[1]);
-        let odd_bytes = _mm256_permute2x128_si256::<0x31>(block[0], block[1]);
-        let flip = _mm256_set1_epi8(i8::MIN);
-        let zero = _mm256_setzero_si256();
-        let partial = _mm256_add_epi64(
-            _mm256_sad_epu8(_mm256_xor_si256(even_bytes, flip), zero),
-            _mm256_sad_epu8(_mm256_xor_si256(odd_bytes, flip), zero),
-        );
-        let total = _mm256_add_epi64(partial, _mm256_shuffle_epi32::<0b01_00_11_10>(partial));
-        // Lanes 4j and 4j + 2 now hold block j's sum (the others garbage).
-        let sum = _mm256_sub_epi32(total, _mm256_set1_epi32(SUM_BIAS));
-        let factors = _mm256_loadu_si256(CORRECTION_FACTORS.as_ptr().cast());
-        _mm256_storeu_si256(evens.cast(), even_bytes);
-        _mm256_storeu_si256(odds.cast(), odd_bytes);
-        _mm256_storeu_ps(scales, scale);
-        _mm256_storeu_si256(sums.cast(), _mm256_blend_epi32::<0x11>(zero, sum));
-        _mm256_storeu_si256(
-            corrections.cast(),
-            _mm256_mullo_epi32(_mm256_shuffle_epi32::<0>(sum), factors),
-        );
+        // SAFETY: the caller upholds this function's contract (`src` as for [`load_pair_256`];
+        // `evens` and `odds` point at 32 writable bytes each, `scales`, `sums` and `corrections` at
+        // 8 writable lanes each), which is what every pointer access and target-feature call below
+        // relies on.
+        unsafe {
+            let v = load_pair_256(src, blocks);
+            let (scale, inverse) = scales_256(&v);
+            let inverses = per_block_256(inverse);
+            // Each vector's evens to its low half, odds to its high half; after the in-lane packs,
+            // block j's 16 evens fill the low 128 bits and its 16 odds the high 128 bits.
+            let split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+            let q: [__m256i; 8] = std::array::from_fn(|i| {
+                quantize_8(_mm256_permutevar8x32_ps(v[i], split), inverses[i / 4])
+            });
+            let block: [__m256i; 2] = std::array::from_fn(|j| {
+                _mm256_packs_epi16(
+                    _mm256_packs_epi32(q[4 * j], q[4 * j + 1]),
+                    _mm256_packs_epi32(q[4 * j + 2], q[4 * j + 3]),
+                )
+            });
+            let even_bytes = _mm256_permute2x128_si256::<0x20>(block[0], block[1]);
+            let odd_bytes = _mm256_permute2x128_si256::<0x31>(block[0], block[1]);
+            let flip = _mm256_set1_epi8(i8::MIN);
+            let zero = _mm256_setzero_si256();
+            let partial = _mm256_add_epi64(
+                _mm256_sad_epu8(_mm256_xor_si256(even_bytes, flip), zero),
+                _mm256_sad_epu8(_mm256_xor_si256(odd_bytes, flip), zero),
+            );
+            let total = _mm256_add_epi64(partial, _mm256_shuffle_epi32::<0b01_00_11_10>(partial));
+            // Lanes 4j and 4j + 2 now hold block j's sum (the others garbage).
+            let sum = _mm256_sub_epi32(total, _mm256_set1_epi32(SUM_BIAS));
+            let factors = _mm256_loadu_si256(CORRECTION_FACTORS.as_ptr().cast());
+            _mm256_storeu_si256(evens.cast(), even_bytes);
+            _mm256_storeu_si256(odds.cast(), odd_bytes);
+            _mm256_storeu_ps(scales, scale);
+            _mm256_storeu_si256(sums.cast(), _mm256_blend_epi32::<0x11>(zero, sum));
+            _mm256_storeu_si256(
+                corrections.cast(),
+                _mm256_mullo_epi32(_mm256_shuffle_epi32::<0>(sum), factors),
+            );
+        }
     }
 
     /// The AVX2 quantizer: same contract and bits as `quantize_rows_portable`.
