@@ -3,9 +3,8 @@
 
 use half::f16;
 use ossterm::kernels::{
-    e8m0_scale, parse_kernel_path, quantize_activation_rows, quantize_activations,
-    select_kernel_path, GemmScratch, KernelError, KernelPath, Kernels, Mxfp4Matrix, Q4Matrix,
-    Q8Activations, Q8Matrix, FP4_E2M1, MAX_GEMV_TOKENS,
+    e8m0_scale, kernels, parse_kernel_path, select_kernel_path, GemmScratch, KernelError,
+    KernelPath, Kernels, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, FP4_E2M1, MAX_GEMV_TOKENS,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -115,7 +114,9 @@ fn mxfp4_gemv_and_gemm_match_scalar_on_every_path() {
         for tokens in [1usize, 2, 3, 4, 5, 7, 17] {
             let x_values = random_f32(&mut rng, tokens * cols, 3.0);
             let mut x = Q8Activations::new();
-            quantize_activation_rows(&x_values, cols, &mut x).unwrap();
+            kernels()
+                .quantize_activation_rows(&x_values, cols, &mut x)
+                .unwrap();
             let range = if rows > 4 { 1..rows - 1 } else { 0..rows };
             let n = range.len();
             let mut scratch = GemmScratch::new(cols);
@@ -174,7 +175,8 @@ fn integer_exact_inputs_give_identical_results_on_every_path() {
         let data = Mxfp4Data::random(&mut rng, rows, cols, 126..=128);
         let mut x = Q8Activations::new();
         for tokens in [1, 5] {
-            quantize_activation_rows(&exact_activations(&mut rng, tokens, cols), cols, &mut x)
+            kernels()
+                .quantize_activation_rows(&exact_activations(&mut rng, tokens, cols), cols, &mut x)
                 .unwrap();
             // Q8 weights: +-127 in each block and small integers, so the f16 scale is exactly 1.
             let mut q8_values: Vec<f32> = (0..rows * cols)
@@ -223,7 +225,8 @@ fn q8_and_q4_gemv_and_gemm_match_scalar_on_every_path() {
         let q4 = Q4Matrix::from_bf16(rows, cols, &weights).unwrap();
         for tokens in [1usize, 2, 3, 6, 17] {
             let mut x = Q8Activations::new();
-            quantize_activation_rows(&random_f32(&mut rng, tokens * cols, 2.0), cols, &mut x)
+            kernels()
+                .quantize_activation_rows(&random_f32(&mut rng, tokens * cols, 2.0), cols, &mut x)
                 .unwrap();
             let range = if rows > 2 { 2..rows } else { 0..rows };
             let n = range.len();
@@ -443,7 +446,7 @@ fn mxfp4_dequantization_follows_the_table() {
             let mut x = vec![0.0f32; 32];
             x[pick] = 1.0;
             let mut q = Q8Activations::new();
-            quantize_activations(&x, &mut q).unwrap();
+            kernels().quantize_activations(&x, &mut q).unwrap();
             let mut out = [0.0f32; 2];
             k.mxfp4_gemv(&w, &q, 0..2, &mut out).unwrap();
             let (mut r0, mut r1) = (vec![0.0; 32], vec![0.0; 32]);
@@ -462,7 +465,7 @@ fn quantized_dot_approximates_the_exact_dot_within_quantization_error() {
     let w = data.matrix();
     let x_values = random_f32(&mut rng, cols, 1.5);
     let mut x = Q8Activations::new();
-    quantize_activations(&x_values, &mut x).unwrap();
+    kernels().quantize_activations(&x_values, &mut x).unwrap();
     let mut weight_row = vec![0.0; cols];
     for k in Kernels::all_supported() {
         let mut out = vec![0.0; rows];
@@ -592,15 +595,19 @@ fn bad_shapes_are_errors_not_panics() {
     assert!(Q8Matrix::from_bf16(2, 64, &[0u16; 100]).is_err());
     assert!(Q4Matrix::from_bf16(2, 30, &[0u16; 60]).is_err());
     let mut x = Q8Activations::new();
-    assert!(quantize_activations(&[0.0; 33], &mut x).is_err());
-    quantize_activation_rows(&[0.5; 128], 64, &mut x).unwrap();
+    assert!(kernels().quantize_activations(&[0.0; 33], &mut x).is_err());
+    kernels()
+        .quantize_activation_rows(&[0.5; 128], 64, &mut x)
+        .unwrap();
     let w = data.matrix();
     let mut scratch = GemmScratch::new(32);
     for k in Kernels::all_supported() {
         let mut out = vec![0.0; 8];
         // Too many tokens for a GEMV, rows past the end, short output, too small scratch.
         let mut five = Q8Activations::new();
-        quantize_activation_rows(&[0.5; 320], 64, &mut five).unwrap();
+        kernels()
+            .quantize_activation_rows(&[0.5; 320], 64, &mut five)
+            .unwrap();
         assert!(matches!(
             k.mxfp4_gemv(&w, &five, 0..2, &mut out[..8]),
             Err(KernelError::TooManyGemvTokens { .. })
@@ -637,7 +644,9 @@ fn gathered_activation_rows_equal_quantizing_those_tokens() {
     let cols = 96;
     let all = random_f32(&mut rng, 5 * cols, 1.0);
     let mut x = Q8Activations::new();
-    quantize_activation_rows(&all, cols, &mut x).unwrap();
+    kernels()
+        .quantize_activation_rows(&all, cols, &mut x)
+        .unwrap();
     let mut gathered = Q8Activations::new();
     gathered.gather_rows(&x, &[4, 1]).unwrap();
     let mut direct = Q8Activations::new();
@@ -646,7 +655,9 @@ fn gathered_activation_rows_equal_quantizing_those_tokens() {
         .chain(&all[cols..2 * cols])
         .copied()
         .collect();
-    quantize_activation_rows(&picked, cols, &mut direct).unwrap();
+    kernels()
+        .quantize_activation_rows(&picked, cols, &mut direct)
+        .unwrap();
     let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
     for t in 0..2 {
         gathered.dequantize_row(t, &mut a).unwrap();
@@ -658,8 +669,8 @@ fn gathered_activation_rows_equal_quantizing_those_tokens() {
 
 #[test]
 fn kernel_bench_reports_every_kernel_with_positive_rates() {
-    let config = ossterm::kernels::KernelBenchConfig::quick();
-    let report = ossterm::kernels::run_kernel_bench(ossterm::kernels::kernels(), &config).unwrap();
+    let config = ossterm::bench::kernels::KernelBenchConfig::quick();
+    let report = ossterm::bench::kernels::run_kernel_bench(kernels(), &config).unwrap();
     // Per thread count and format: a GEMV of each token count it takes (the quick config's
     // largest token count is above that), plus one GEMM per token count.
     let max_gemv = ossterm::kernels::MAX_GEMV_TOKENS;
@@ -705,9 +716,11 @@ fn split_rows_hold_exactly_what_int8_missed() {
         let rows = 3;
         let x = random_f32(&mut rng, rows * cols, 4.0);
         let mut staged = vec![f32::NAN; 2 * rows * cols];
-        ossterm::kernels::split_rows(&x, cols, &mut staged).unwrap();
+        kernels().split_rows(&x, cols, &mut staged).unwrap();
         let mut first = Q8Activations::new();
-        quantize_activation_rows(&x, cols, &mut first).unwrap();
+        kernels()
+            .quantize_activation_rows(&x, cols, &mut first)
+            .unwrap();
         let mut dequantized = vec![0.0; cols];
         for r in 0..rows {
             first.dequantize_row(r, &mut dequantized).unwrap();
@@ -724,7 +737,9 @@ fn split_rows_hold_exactly_what_int8_missed() {
         }
         // Two int8 rows carry the value to within the second row's rounding.
         let mut both = Q8Activations::new();
-        quantize_activation_rows(&staged, cols, &mut both).unwrap();
+        kernels()
+            .quantize_activation_rows(&staged, cols, &mut both)
+            .unwrap();
         let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
         both.dequantize_row(0, &mut a).unwrap();
         both.dequantize_row(1, &mut b).unwrap();
@@ -737,5 +752,5 @@ fn split_rows_hold_exactly_what_int8_missed() {
         }
     }
     let mut small = vec![0.0; 10];
-    assert!(ossterm::kernels::split_rows(&[0.0; 32], 32, &mut small).is_err());
+    assert!(kernels().split_rows(&[0.0; 32], 32, &mut small).is_err());
 }

@@ -1,6 +1,8 @@
 //! `ossterm bench`: prefill and decode speed, time to first token on the standard prompts, peak
 //! memory, and how close decode comes to this machine's memory-bandwidth roofline.
 
+pub mod attention;
+pub mod kernels;
 pub mod probe;
 pub mod stats;
 

@@ -94,12 +94,12 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
 
 fn kernel_bench(args: &BenchArgs) -> anyhow::Result<()> {
     let kernels = crate::kernels::Kernels::new(crate::kernels::init_kernel_path()?)?;
-    let config = crate::kernels::bench::KernelBenchConfig {
+    let config = crate::bench::kernels::KernelBenchConfig {
         repetitions: args.repeat.max(3),
-        ..crate::kernels::bench::KernelBenchConfig::standard()
+        ..crate::bench::kernels::KernelBenchConfig::standard()
     };
     eprintln!("measuring the {} kernels ...", kernels.path());
-    let report = crate::kernels::bench::run_kernel_bench(kernels, &config)?;
+    let report = crate::bench::kernels::run_kernel_bench(kernels, &config)?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {

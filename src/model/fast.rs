@@ -20,10 +20,7 @@ use super::team::{parallel_for, Team};
 use super::weights::{Bf16Matrix, Layer, Mxfp4Experts, Weights};
 use super::ModelError;
 use crate::kernels::attention::{attend_group, AttentionScratch, GroupQuery, KvElem, KvHead};
-use crate::kernels::{
-    self, quantize_activation_rows, GemmScratch, Kernels, Mxfp4Matrix, Q4Matrix, Q8Activations,
-    Q8Matrix,
-};
+use crate::kernels::{self, GemmScratch, Kernels, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix};
 
 /// How attention, embedding-free dense weights and the unembedding are held in the fast path.
 #[derive(
@@ -158,22 +155,21 @@ pub enum DenseMatrix {
 impl DenseMatrix {
     fn convert(matrix: &Bf16Matrix, format: WeightFormat) -> Result<Self, ModelError> {
         // Quantized blocks need whole blocks of 32 inputs; other widths stay exact.
-        if format == WeightFormat::Native || !matrix.cols.is_multiple_of(MXFP4_BLOCK) {
+        if format == WeightFormat::Native || !matrix.cols().is_multiple_of(MXFP4_BLOCK) {
             return Ok(DenseMatrix::Bf16(matrix.clone()));
         }
-        let quantized =
-            match format {
-                WeightFormat::Q8 => Q8Matrix::from_bf16(matrix.rows, matrix.cols, matrix.values())
-                    .map(DenseMatrix::Q8),
-                _ => Q4Matrix::from_bf16(matrix.rows, matrix.cols, matrix.values())
-                    .map(DenseMatrix::Q4),
-            };
+        let quantized = match format {
+            WeightFormat::Q8 => Q8Matrix::from_bf16(matrix.rows(), matrix.cols(), matrix.values())
+                .map(DenseMatrix::Q8),
+            _ => Q4Matrix::from_bf16(matrix.rows(), matrix.cols(), matrix.values())
+                .map(DenseMatrix::Q4),
+        };
         quantized.map_err(|e| ModelError::Quantize(e.to_string()))
     }
 
     pub fn rows(&self) -> usize {
         match self {
-            DenseMatrix::Bf16(m) => m.rows,
+            DenseMatrix::Bf16(m) => m.rows(),
             DenseMatrix::Q8(m) => m.rows(),
             DenseMatrix::Q4(m) => m.rows(),
         }
@@ -427,17 +423,17 @@ impl JobWeights<'_> {
         match self {
             JobWeights::Dense(m) => m.rows(),
             JobWeights::Expert(m) => m.rows(),
-            JobWeights::Bf16(m) => m.rows,
+            JobWeights::Bf16(m) => m.rows(),
         }
     }
 
     fn cols(&self) -> usize {
         match self {
-            JobWeights::Dense(DenseMatrix::Bf16(m)) => m.cols,
+            JobWeights::Dense(DenseMatrix::Bf16(m)) => m.cols(),
             JobWeights::Dense(DenseMatrix::Q8(m)) => m.cols(),
             JobWeights::Dense(DenseMatrix::Q4(m)) => m.cols(),
             JobWeights::Expert(m) => m.cols(),
-            JobWeights::Bf16(m) => m.cols,
+            JobWeights::Bf16(m) => m.cols(),
         }
     }
 }
@@ -599,9 +595,9 @@ fn run_task(k: Kernels, job: &Job<'_>, rows: Range<usize>, out: &mut [f32]) {
     // prefill, stream the weights once through the GEMV.
     let one = job.tokens <= kernels::MAX_GEMV_TOKENS;
     let result = match (job.weights, job.quantized) {
-        (JobWeights::Bf16(m), _) => k.bf16_gemm(m.values(), m.cols, job.plain, rows, out),
+        (JobWeights::Bf16(m), _) => k.bf16_gemm(m.values(), m.cols(), job.plain, rows, out),
         (JobWeights::Dense(DenseMatrix::Bf16(m)), _) => {
-            k.bf16_gemm(m.values(), m.cols, job.plain, rows, out)
+            k.bf16_gemm(m.values(), m.cols(), job.plain, rows, out)
         }
         (JobWeights::Dense(DenseMatrix::Q8(m)), Some(x)) if one => k.q8_gemv(m, x, rows, out),
         (JobWeights::Expert(m), Some(x)) if one => k.mxfp4_gemv(&m, x, rows, out),
@@ -629,8 +625,8 @@ fn run_task(k: Kernels, job: &Job<'_>, rows: Range<usize>, out: &mut [f32]) {
 
 fn expert_matrix(experts: &Mxfp4Experts, expert: usize) -> Mxfp4Matrix<'_> {
     Mxfp4Matrix::new(
-        experts.rows,
-        experts.cols,
+        experts.rows(),
+        experts.cols(),
         experts.blocks(expert),
         experts.scales(expert),
     )
@@ -738,6 +734,7 @@ impl FastPass<'_> {
         }
         let per_token = self.split(Product::Dense).rows_per_token();
         quantize_rows(
+            self.kernels,
             &s.normed[..n * h],
             h,
             self.split(Product::Dense),
@@ -778,6 +775,7 @@ impl FastPass<'_> {
             .any(|m| m.needs_quantized_input());
         if needs_q8 {
             quantize_rows(
+                self.kernels,
                 &s.normed[..n * h],
                 h,
                 self.split(Product::Dense),
@@ -841,6 +839,7 @@ impl FastPass<'_> {
         let po = per(&fast.o);
         if fast.o.needs_quantized_input() {
             quantize_rows(
+                self.kernels,
                 &s.attn[..n * qw],
                 qw,
                 self.split(Product::Dense),
@@ -971,6 +970,7 @@ impl FastPass<'_> {
             });
         }
         quantize_rows(
+            self.kernels,
             &s.normed[..n * h],
             h,
             self.split(Product::ExpertGateUp),
@@ -1032,6 +1032,7 @@ impl FastPass<'_> {
             let activated = &mut s.activated[slot * inter..(slot + 1) * inter];
             swiglu(c, gate_up, layer.gate_up.bias(expert), activated);
             quantize_rows(
+                self.kernels,
                 activated,
                 inter,
                 self.split(Product::ExpertDown),
@@ -1109,6 +1110,7 @@ impl FastPass<'_> {
             );
         }
         quantize_rows(
+            self.kernels,
             &s.activated[..m * inter],
             inter,
             self.split(Product::ExpertDown),
@@ -1167,6 +1169,7 @@ const MAX_TOP_K: usize = 32;
 /// Quantizes the token rows of `x` (`cols` wide) for a quantized matrix: one int8 row per token, or
 /// for [`Split::Double`] two, the second quantizing what the first missed.
 fn quantize_rows(
+    k: Kernels,
     x: &[f32],
     cols: usize,
     split: Split,
@@ -1175,11 +1178,11 @@ fn quantize_rows(
 ) {
     let widths = "quantized inputs are a multiple of 32 wide";
     match split {
-        Split::Single => quantize_activation_rows(x, cols, out).expect(widths),
+        Split::Single => k.quantize_activation_rows(x, cols, out).expect(widths),
         Split::Double => {
             let staged = &mut staging[..2 * x.len()];
-            kernels::split_rows(x, cols, staged).expect(widths);
-            quantize_activation_rows(staged, cols, out).expect(widths);
+            k.split_rows(x, cols, staged).expect(widths);
+            k.quantize_activation_rows(staged, cols, out).expect(widths);
         }
     }
 }

@@ -381,7 +381,7 @@ fn exact_chunk(
 
 /// The embedding rows of `tokens`, widened to f32, into the first rows of `x`.
 pub(crate) fn embed_tokens(weights: &super::Weights, tokens: &[u32], x: &mut [f32]) {
-    let h = weights.embed.cols;
+    let h = weights.embed.cols();
     for (row, &token) in x.chunks_exact_mut(h).zip(tokens) {
         for (out, &bits) in row.iter_mut().zip(weights.embed.row(token as usize)) {
             *out = bf16_to_f32(bits);
@@ -596,11 +596,11 @@ trait DecodeRows: Sync {
 
 impl DecodeRows for Bf16Matrix {
     fn rows(&self) -> usize {
-        self.rows
+        self.rows()
     }
 
     fn cols(&self) -> usize {
-        self.cols
+        self.cols()
     }
 
     fn decode(&self, r: usize, start: usize, out: &mut [f32]) {
@@ -622,8 +622,8 @@ struct ExpertMatrix<'a> {
 impl<'a> ExpertMatrix<'a> {
     fn new(experts: &'a super::weights::Mxfp4Experts, expert: usize) -> Self {
         ExpertMatrix {
-            rows: experts.rows,
-            cols: experts.cols,
+            rows: experts.rows(),
+            cols: experts.cols(),
             blocks: experts.blocks(expert),
             scales: experts.scales(expert),
         }
@@ -690,7 +690,7 @@ fn matmul(w: &impl DecodeRows, x: &[f32], n: usize, out_t: &mut [f32]) {
 
 /// `out = x W^T + b` for `n` token rows, token-major.
 fn linear(layer: &Linear, x: &[f32], n: usize, out: &mut [f32], transposed: &mut [f32]) {
-    let rows = layer.weight.rows;
+    let rows = layer.weight.rows();
     if n == 1 {
         matmul(&layer.weight, x, 1, out);
     } else {

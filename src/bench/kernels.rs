@@ -11,12 +11,10 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 use serde::Serialize;
 
-use super::aligned::AlignedVec;
-use super::formats::{
-    quantize_activation_rows, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, GROUP_BLOCKS,
-    GROUP_LEN,
+use crate::kernels::{
+    GemmScratch, KernelError, Kernels, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix,
+    GROUP_BLOCKS, GROUP_LEN, MAX_GEMV_TOKENS,
 };
-use super::{GemmScratch, KernelError, Kernels};
 
 /// What to measure.
 #[derive(Clone, Debug)]
@@ -133,7 +131,12 @@ struct BenchWeights {
 }
 
 impl BenchWeights {
-    fn random(rng: &mut ChaCha8Rng, experts: usize, rows: usize, cols: usize) -> Self {
+    fn random(
+        rng: &mut ChaCha8Rng,
+        experts: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self, KernelError> {
         let groups = cols.div_ceil(GROUP_LEN);
         let blocks = cols / 32;
         let mut bytes = |n: usize| -> Vec<u8> {
@@ -156,46 +159,30 @@ impl BenchWeights {
         for _ in 0..experts {
             let mut quants = vec![0u8; rows * groups * GROUP_LEN];
             rng.fill(&mut quants[..]);
-            q8.push(Q8Matrix {
-                rows,
-                cols,
-                groups,
-                quants: AlignedVec::from_slice(
-                    &quants
-                        .into_iter()
-                        .map(|b| (b as i8).max(-127))
-                        .collect::<Vec<i8>>(),
-                ),
-                scales: scales(rng),
-            });
+            let quants: Vec<i8> = quants.into_iter().map(|b| (b as i8).max(-127)).collect();
+            q8.push(Q8Matrix::from_parts(rows, cols, &quants, scales(rng))?);
             let mut nibbles = vec![0u8; rows * groups * GROUP_LEN / 2];
             rng.fill(&mut nibbles[..]);
-            q4.push(Q4Matrix {
-                rows,
-                cols,
-                groups,
-                nibbles: AlignedVec::from_slice(&nibbles),
-                scales: scales(rng),
-            });
+            q4.push(Q4Matrix::from_parts(rows, cols, &nibbles, scales(rng))?);
         }
-        Self {
+        Ok(Self {
             rows,
             cols,
             mxfp4_blocks,
             mxfp4_scales,
             q8,
             q4,
-        }
+        })
     }
 
-    fn mxfp4(&self, expert: usize) -> Mxfp4Matrix<'_> {
+    fn mxfp4(&self, expert: usize) -> Result<Mxfp4Matrix<'_>, KernelError> {
         let (block_bytes, scale_bytes) = (self.rows * self.cols / 2, self.rows * self.cols / 32);
-        Mxfp4Matrix {
-            rows: self.rows,
-            cols: self.cols,
-            blocks: &self.mxfp4_blocks[expert * block_bytes..(expert + 1) * block_bytes],
-            scales: &self.mxfp4_scales[expert * scale_bytes..(expert + 1) * scale_bytes],
-        }
+        Mxfp4Matrix::new(
+            self.rows,
+            self.cols,
+            &self.mxfp4_blocks[expert * block_bytes..(expert + 1) * block_bytes],
+            &self.mxfp4_scales[expert * scale_bytes..(expert + 1) * scale_bytes],
+        )
     }
 }
 
@@ -285,7 +272,7 @@ pub fn run_kernel_bench(
         });
     }
     let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
-    let weights = BenchWeights::random(&mut rng, config.experts, config.rows, config.cols);
+    let weights = BenchWeights::random(&mut rng, config.experts, config.rows, config.cols)?;
     let max_tokens = config.gemm_tokens.iter().copied().max().unwrap_or(1).max(1);
     let activations: Vec<f32> = (0..max_tokens * config.cols)
         .map(|_| rng.gen_range(-2.0..2.0))
@@ -300,9 +287,9 @@ pub fn run_kernel_bench(
         for format in [Format::Mxfp4, Format::Q8, Format::Q4] {
             // GEMV: one token (or a token and its split remainder, as decode with split
             // activations runs) against every expert matrix, each thread on its rows of each.
-            for gemv_tokens in 1..=super::MAX_GEMV_TOKENS.min(max_tokens) {
+            for gemv_tokens in 1..=MAX_GEMV_TOKENS.min(max_tokens) {
                 let mut x = Q8Activations::with_capacity(gemv_tokens, config.cols);
-                quantize_activation_rows(
+                kernels.quantize_activation_rows(
                     &activations[..gemv_tokens * config.cols],
                     config.cols,
                     &mut x,
@@ -314,7 +301,7 @@ pub fn run_kernel_bench(
                             for e in 0..config.experts {
                                 match format {
                                     Format::Mxfp4 => kernels.mxfp4_gemv(
-                                        &weights.mxfp4(e),
+                                        &weights.mxfp4(e)?,
                                         &x,
                                         s.rows.clone(),
                                         &mut s.out,
@@ -353,7 +340,7 @@ pub fn run_kernel_bench(
             for &tokens in &config.gemm_tokens {
                 let tokens = tokens.max(1);
                 let mut x = Q8Activations::with_capacity(tokens, config.cols);
-                quantize_activation_rows(
+                kernels.quantize_activation_rows(
                     &activations[..tokens * config.cols],
                     config.cols,
                     &mut x,
@@ -365,7 +352,7 @@ pub fn run_kernel_bench(
                             let (rows, out, scratch) = (s.rows.clone(), &mut s.out, &mut s.scratch);
                             match format {
                                 Format::Mxfp4 => {
-                                    kernels.mxfp4_gemm(&weights.mxfp4(0), &x, rows, out, scratch)
+                                    kernels.mxfp4_gemm(&weights.mxfp4(0)?, &x, rows, out, scratch)
                                 }
                                 Format::Q8 => {
                                     kernels.q8_gemm(&weights.q8[0], &x, rows, out, scratch)
