@@ -707,6 +707,46 @@ fn kernel_bench_reports_every_kernel_with_positive_rates() {
         );
     }
     assert!(report.to_string().contains("mxfp4_gemm"));
+    // Every report names its CPU; SIMD paths measure the int8 peak per thread count and relate
+    // every GEMM (and only the GEMMs) to it.
+    let text = report.to_string();
+    assert!(text.starts_with("cpu "), "{text}");
+    assert!(!report.cpu.name.is_empty());
+    if kernels().path() == KernelPath::Scalar {
+        assert!(report.int8_peak.is_empty());
+    } else {
+        let threads: Vec<usize> = report.int8_peak.iter().map(|p| p.threads).collect();
+        assert_eq!(threads, config.thread_counts);
+        assert!(report.int8_peak.iter().all(|p| p.gmac_per_s > 0.0));
+        assert!(text.contains("int8 MAC peak"), "{text}");
+        for r in &report.results {
+            assert_eq!(
+                r.peak_fraction.is_some(),
+                r.kernel.ends_with("gemm"),
+                "{r:?}"
+            );
+        }
+    }
+    let json = serde_json::to_value(&report).unwrap();
+    assert!(json["cpu"]["flags"].is_array() && json["int8_peak"].is_array());
+}
+
+#[test]
+fn the_int8_peak_probe_computes_the_same_products_on_every_path() {
+    use ossterm::kernels::PROBE_ROUND_MACS;
+    // Chain g multiplies (1 + g % 3) by (g % 5 - 2); a round is 64 of each of 16 chains.
+    let per_round: i64 = (0..16).map(|g| 64 * (1 + g % 3) * (g % 5 - 2)).sum();
+    assert_eq!(PROBE_ROUND_MACS, 16 * 64);
+    for rounds in [0usize, 1, 7, 1000] {
+        for k in Kernels::all_supported() {
+            assert_eq!(
+                k.int8_mac_probe(rounds),
+                per_round * rounds as i64,
+                "{} with {rounds} rounds",
+                k.path()
+            );
+        }
+    }
 }
 
 #[test]

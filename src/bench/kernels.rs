@@ -11,9 +11,10 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 use serde::Serialize;
 
+use super::probe::CpuInfo;
 use crate::kernels::{
-    GemmScratch, KernelError, Kernels, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix,
-    GROUP_BLOCKS, GROUP_LEN, MAX_GEMV_TOKENS,
+    GemmScratch, KernelError, KernelPath, Kernels, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix,
+    GROUP_BLOCKS, GROUP_LEN, MAX_GEMV_TOKENS, PROBE_ROUND_MACS,
 };
 
 /// What to measure.
@@ -78,12 +79,25 @@ pub struct KernelBenchResult {
     pub best_gb_per_s: f64,
     /// Multiply-accumulates per second at the best run, in 1e9.
     pub best_gmac_per_s: f64,
+    /// GEMMs: `best_gmac_per_s` over the int8 peak measured with the same thread count.
+    pub peak_fraction: Option<f64>,
+}
+
+/// The int8 arithmetic peak on some threads ([`Kernels::int8_mac_probe`] on each at once).
+#[derive(Clone, Debug, Serialize)]
+pub struct PeakResult {
+    pub threads: usize,
+    /// Multiply-accumulates per second of all threads together at the best run, in 1e9.
+    pub gmac_per_s: f64,
 }
 
 /// All measurements of one run.
 #[derive(Clone, Debug, Serialize)]
 pub struct KernelBenchReport {
     pub path: String,
+    pub cpu: CpuInfo,
+    /// The int8 peak per thread count (empty on the scalar path, which has no such instruction).
+    pub int8_peak: Vec<PeakResult>,
     pub experts: usize,
     pub rows: usize,
     pub cols: usize,
@@ -92,31 +106,80 @@ pub struct KernelBenchReport {
 
 impl fmt::Display for KernelBenchReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "cpu {}", self.cpu)?;
         writeln!(
             f,
             "kernel path {}; GEMV over {} matrices of {}x{}, GEMM on one",
             self.path, self.experts, self.rows, self.cols
         )?;
-        writeln!(
-            f,
-            "{:<12} {:>7} {:>6} {:>11} {:>11} {:>9} {:>9}",
-            "kernel", "threads", "M", "best ms", "median ms", "GB/s", "GMAC/s"
-        )?;
-        for r in &self.results {
+        for p in &self.int8_peak {
             writeln!(
                 f,
-                "{:<12} {:>7} {:>6} {:>11.3} {:>11.3} {:>9.1} {:>9.1}",
+                "int8 MAC peak ({}) on {} thread{}: {:.1} GMAC/s ({:.1} per thread)",
+                peak_instructions(&self.path),
+                p.threads,
+                if p.threads == 1 { "" } else { "s" },
+                p.gmac_per_s,
+                p.gmac_per_s / p.threads.max(1) as f64
+            )?;
+        }
+        writeln!(
+            f,
+            "{:<12} {:>7} {:>6} {:>11} {:>11} {:>9} {:>9} {:>7}",
+            "kernel", "threads", "M", "best ms", "median ms", "GB/s", "GMAC/s", "% peak"
+        )?;
+        for r in &self.results {
+            let peak = r
+                .peak_fraction
+                .map_or(String::new(), |p| format!("{:.0}%", 100.0 * p));
+            writeln!(
+                f,
+                "{:<12} {:>7} {:>6} {:>11.3} {:>11.3} {:>9.1} {:>9.1} {:>7}",
                 r.kernel,
                 r.threads,
                 r.tokens,
                 r.best_seconds * 1e3,
                 r.median_seconds * 1e3,
                 r.best_gb_per_s,
-                r.best_gmac_per_s
+                r.best_gmac_per_s,
+                peak
             )?;
         }
         Ok(())
     }
+}
+
+/// What the probe of `path` runs, for the report.
+fn peak_instructions(path: &str) -> &'static str {
+    match path {
+        "avx512" => "vpdpbusd, 16 chains",
+        "avx2" => "vpmaddubsw + vpmaddwd",
+        _ => "scalar",
+    }
+}
+
+/// Probe rounds per call: about a millisecond at the AVX-512 peak, far below the 2^24 rounds
+/// at which a lane could overflow.
+const PROBE_ROUNDS: usize = 1 << 19;
+
+/// The int8 peak of `kernels` on `pool`: every thread runs the probe at the same time, as the
+/// GEMM's threads do.
+fn measure_peak(
+    kernels: Kernels,
+    pool: &rayon::ThreadPool,
+    config: &KernelBenchConfig,
+) -> Result<PeakResult, KernelError> {
+    let threads = pool.current_num_threads();
+    // The best of many short runs: on a shared machine a neighbour's burst lowers single runs,
+    // and a low peak would overstate every GEMM's ratio to it.
+    let (best, _) = time_runs(config.repetitions.max(10), config.min_run_time, || {
+        pool.broadcast(|_| std::hint::black_box(kernels.int8_mac_probe(PROBE_ROUNDS)));
+        Ok::<(), KernelError>(())
+    })?;
+    Ok(PeakResult {
+        threads,
+        gmac_per_s: (threads * PROBE_ROUNDS * PROBE_ROUND_MACS) as f64 / best / 1e9,
+    })
 }
 
 /// Random weights in the three integer formats, built directly (no bf16 round trip) to keep
@@ -278,11 +341,16 @@ pub fn run_kernel_bench(
         .map(|_| rng.gen_range(-2.0..2.0))
         .collect();
     let mut results = Vec::new();
+    let mut int8_peak = Vec::new();
     for &threads in &config.thread_counts {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads.max(1))
             .build()
             .map_err(|e| KernelError::ThreadPool(e.to_string()))?;
+        let peak = (kernels.path() != KernelPath::Scalar)
+            .then(|| measure_peak(kernels, &pool, config))
+            .transpose()?;
+        let first_result = results.len();
         let ranges = split_rows(config.rows, threads.max(1));
         for format in [Format::Mxfp4, Format::Q8, Format::Q4] {
             // GEMV: one token (or a token and its split remainder, as decode with split
@@ -375,9 +443,19 @@ pub fn run_kernel_bench(
                 ));
             }
         }
+        if let Some(peak) = peak {
+            for r in &mut results[first_result..] {
+                if r.kernel.ends_with("gemm") {
+                    r.peak_fraction = Some(r.best_gmac_per_s / peak.gmac_per_s);
+                }
+            }
+            int8_peak.push(peak);
+        }
     }
     Ok(KernelBenchReport {
         path: kernels.path().name().to_string(),
+        cpu: CpuInfo::current(),
+        int8_peak,
         experts: config.experts,
         rows: config.rows,
         cols: config.cols,
@@ -426,6 +504,7 @@ fn result(
         median_seconds: median,
         best_gb_per_s: bytes as f64 / best / 1e9,
         best_gmac_per_s: macs as f64 / best / 1e9,
+        peak_fraction: None,
     }
 }
 

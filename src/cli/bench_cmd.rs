@@ -73,6 +73,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         depth: args.depth,
         repeat: args.repeat,
         cpu: String::new(),
+        cpu_info: Default::default(),
         load_seconds,
         convert_seconds: model
             .fast

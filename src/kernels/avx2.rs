@@ -883,3 +883,37 @@ pub(crate) unsafe fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
         }
     }
 }
+
+/// The `vpmaddubsw` + `vpmaddwd` + `vpaddd` peak (the AVX2 GEMM's instructions): eight accumulator
+/// chains, each round's operands passed through an empty `asm!` so the compiler cannot hoist the
+/// loop-invariant products out of the loop.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn int8_mac_probe(rounds: usize) -> i64 {
+    use super::{probe_operands, PROBE_GROUPS};
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_si256(); 8];
+    for _ in 0..rounds {
+        let mut unsigned: [__m256i; 3] =
+            std::array::from_fn(|g| _mm256_set1_epi8(probe_operands(g).0 as i8));
+        let mut signed: [__m256i; 5] =
+            std::array::from_fn(|g| _mm256_set1_epi8(probe_operands(g).1));
+        for v in unsigned.iter_mut().chain(signed.iter_mut()) {
+            // SAFETY: an empty template: it only tells the compiler the value may have changed.
+            unsafe { std::arch::asm!("/* {0} */", inout(ymm_reg) * v, options(nomem, nostack)) };
+        }
+        for g in 0..PROBE_GROUPS {
+            // A group is 64 multiply-accumulates: two 32-byte products.
+            let pairs = _mm256_maddubs_epi16(unsigned[g % 3], signed[g % 5]);
+            let quads = _mm256_madd_epi16(pairs, ones);
+            acc[g % 8] = _mm256_add_epi32(acc[g % 8], _mm256_add_epi32(quads, quads));
+        }
+    }
+    let mut total = 0i64;
+    for acc in acc {
+        let mut lanes = [0i32; 8];
+        // SAFETY: `lanes` is 32 writable bytes; storeu has no alignment requirement.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), acc) };
+        total += lanes.iter().map(|&l| l as i64).sum::<i64>();
+    }
+    total
+}

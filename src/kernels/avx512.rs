@@ -1005,3 +1005,28 @@ pub(crate) unsafe fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
         }
     }
 }
+
+/// The `vpdpbusd` peak: [`super::PROBE_GROUPS`] independent accumulator chains (enough to hide
+/// the instruction's latency on every core so far), no memory traffic.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+pub(crate) fn int8_mac_probe(rounds: usize) -> i64 {
+    use super::{probe_operands, PROBE_GROUPS};
+    // Three unsigned and five signed operand vectors: with the sixteen chains, 24 registers.
+    let unsigned: [__m512i; 3] =
+        std::array::from_fn(|g| _mm512_set1_epi8(probe_operands(g).0 as i8));
+    let signed: [__m512i; 5] = std::array::from_fn(|g| _mm512_set1_epi8(probe_operands(g).1));
+    let mut acc = [_mm512_setzero_si512(); PROBE_GROUPS];
+    for _ in 0..rounds {
+        for (g, acc) in acc.iter_mut().enumerate() {
+            *acc = _mm512_dpbusd_epi32(*acc, unsigned[g % 3], signed[g % 5]);
+        }
+    }
+    let mut total = 0i64;
+    for acc in acc {
+        let mut lanes = [0i32; 16];
+        // SAFETY: `lanes` is 64 writable bytes; storeu has no alignment requirement.
+        unsafe { _mm512_storeu_si512(lanes.as_mut_ptr().cast(), acc) };
+        total += lanes.iter().map(|&l| l as i64).sum::<i64>();
+    }
+    total
+}

@@ -247,6 +247,21 @@ pub fn kernels() -> Kernels {
     }
 }
 
+/// Accumulator chains of the int8 peak probe ([`Kernels::int8_mac_probe`]): one `vpdpbusd`
+/// each per round on AVX-512, enough independent chains to cover its latency.
+pub(crate) const PROBE_GROUPS: usize = 16;
+/// Multiply-accumulates per chain and round: one 512-bit `vpdpbusd` (16 lanes x 4 products).
+pub(crate) const PROBE_GROUP_MACS: usize = 64;
+/// Multiply-accumulates of one probe round, on every path.
+pub const PROBE_ROUND_MACS: usize = PROBE_GROUPS * PROBE_GROUP_MACS;
+
+/// The operands of chain `g` of the probe: every product of the chain is `u x s`. Small enough
+/// that the AVX2 path's 16-bit pair sums cannot saturate.
+#[inline(always)]
+pub(crate) fn probe_operands(g: usize) -> (u8, i8) {
+    (1 + (g % 3) as u8, (g % 5) as i8 - 2)
+}
+
 /// Scratch space for the GEMMs: one decoded tile of [`GEMM_TILE_ROWS`] weight rows.
 #[derive(Clone, Debug)]
 // Only the SIMD paths decode tiles; the scalar reference leaves the scratch untouched.
@@ -484,6 +499,15 @@ impl Kernels {
             avx2: formats::x86::split_rows_avx2(x, cols, out),
             scalar: formats::split_rows_portable(x, cols, out),
         )
+    }
+
+    /// `rounds` rounds of [`PROBE_ROUND_MACS`] int8 multiply-accumulates each, in the
+    /// instructions the path's GEMMs use (AVX-512: `vpdpbusd` on 16 independent chains; AVX2:
+    /// `vpmaddubsw`, `vpmaddwd`, `vpaddd`), with no memory traffic: the arithmetic peak the GEMMs
+    /// are measured against. Returns the sum of all products, the same on every path. Keep
+    /// `rounds` below 2^24 so no 32-bit lane overflows.
+    pub fn int8_mac_probe(&self, rounds: usize) -> i64 {
+        dispatch!(self, int8_mac_probe(rounds))
     }
 
     /// `out[t * rows.len() + i] = W[rows.start + i] . x[t]` for the one or two tokens in `x`,
