@@ -101,7 +101,9 @@ fn assert_close(what: &str, got: &[f32], expected: &[f32], bounds: &[f32]) {
 }
 
 /// Shapes: columns hit every MXFP4 tail (1, 2, 3 blocks past the last full group of 4) and the
-/// model's 2880; row counts are not multiples of the 4-row or 16-row tiles.
+/// model's 2880; row counts are not multiples of the 4-row or 16-row tiles, and the GEMM's ranges
+/// (all rows but the first and last) give pairs of tiles with 1-16 rows in the second (17, 35
+/// and 19 rows).
 const QUANT_SHAPES: [(usize, usize); 6] =
     [(1, 32), (5, 64), (7, 96), (19, 160), (37, 512), (21, 2880)];
 
@@ -171,10 +173,11 @@ fn exact_activations(rng: &mut ChaCha8Rng, tokens: usize, cols: usize) -> Vec<f3
 #[test]
 fn integer_exact_inputs_give_identical_results_on_every_path() {
     let mut rng = rng(2);
-    for (rows, cols) in [(9, 96), (13, 2880)] {
+    // 35 rows: a pair of tiles (32 rows) and a 3-row tile; 13 tokens: two batches of 6 and one.
+    for (rows, cols) in [(9, 96), (13, 2880), (35, 160)] {
         let data = Mxfp4Data::random(&mut rng, rows, cols, 126..=128);
         let mut x = Q8Activations::new();
-        for tokens in [1, 5] {
+        for tokens in [1, 5, 13] {
             kernels()
                 .quantize_activation_rows(&exact_activations(&mut rng, tokens, cols), cols, &mut x)
                 .unwrap();

@@ -14,7 +14,7 @@ use super::formats::{
     ByteSpans, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN, CORRECTION_LANE_MXFP4,
     CORRECTION_LANE_Q4, CORRECTION_LANE_Q8, GROUP_BLOCKS, GROUP_LANES, GROUP_LEN,
 };
-use super::{GemmScratch, GEMM_TILE_ROWS};
+use super::{GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
 
 const REQUIRED: [&str; 6] = ["avx512f", "avx512bw", "avx512vnni", "avx2", "fma", "f16c"];
 
@@ -499,27 +499,48 @@ fn block_dword(j: usize, step: usize) -> usize {
     }
 }
 
-/// Decode rows `first_row..first_row + count` into the scratch tile transposed: for each group
+/// Bytes of one decoded tile of a matrix with `groups` groups per row: the scratch holds
+/// [`GEMM_TILE_SLOTS`] tiles this far apart.
+#[inline(always)]
+fn tile_slot_bytes(groups: usize) -> usize {
+    groups * GEMM_TILE_ROWS * GROUP_LEN
+}
+
+/// Scale lanes of one decoded tile, likewise.
+#[inline(always)]
+fn tile_slot_scales(groups: usize) -> usize {
+    groups * GROUP_BLOCKS * GEMM_TILE_ROWS
+}
+
+/// Decode rows `first_row..first_row + count` into tile `slot` of the scratch, transposed: for each group
 /// and dword position q (four weights of one block), one vector whose lane r holds those four
 /// unsigned weights of row r. Scales likewise: per group and block j, lane r = row r's scale.
 /// Rows past `count` are zero with scale 0.
 ///
 /// # Safety
-/// Rows inside the matrix, `count <= GEMM_TILE_ROWS` (16), scratch sized for the matrix's columns.
+/// Rows inside the matrix, `count <= GEMM_TILE_ROWS` (16), `slot < GEMM_TILE_SLOTS`, scratch sized
+/// for the matrix's columns.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn decode_tile<W: GroupSource>(
     w: &W,
     first_row: usize,
     count: usize,
     scratch: &mut GemmScratch,
+    slot: usize,
 ) {
-    // SAFETY: the caller upholds this function's contract (Rows inside the matrix, `count <=
-    // GEMM_TILE_ROWS` (16), scratch sized for the matrix's columns), which is what every pointer
-    // access and target-feature call below relies on.
+    // SAFETY: the caller upholds this function's contract (rows inside the matrix, `count <=
+    // GEMM_TILE_ROWS` (16), `slot < GEMM_TILE_SLOTS`, scratch sized for the matrix's columns),
+    // which is what every pointer access and target-feature call below relies on.
     unsafe {
         let groups = w.groups();
-        let tile = scratch.tile.as_mut_ptr();
-        let tile_scales = scratch.tile_scales.as_mut_ptr();
+        let tile = scratch
+            .tile
+            .as_mut_ptr()
+            .add(slot * tile_slot_bytes(groups));
+        let tile_scales = scratch
+            .tile_scales
+            .as_mut_ptr()
+            .add(slot * tile_slot_scales(groups));
         for group in 0..groups {
             let mut evens = [_mm512_setzero_si512(); GEMM_TILE_ROWS];
             let mut odds = [_mm512_setzero_si512(); GEMM_TILE_ROWS];
@@ -626,6 +647,103 @@ unsafe fn gemm_tile<const T: usize>(
     }
 }
 
+/// Two decoded tiles (32 rows) x `T` tokens: each broadcast activation dword feeds two
+/// `vpdpbusd` (one per tile), so a step loads two weight vectors and `T` dwords for `2 T`
+/// products, and the `2 T` independent sums cover the instruction's latency on every core. With
+/// `T` = [`GEMM_PAIR_TOKENS`] the sums and accumulators take 24 of the 32 zmm registers.
+///
+/// # Safety
+/// Both tiles were decoded into `scratch` (slots 0 and 1) for `groups` groups; tokens
+/// `first_token..+T` exist in `x`; `out[t * stride + r]` is in bounds for t < T, r < `rows`;
+/// `16 < rows <= 32`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_tile_pair<const T: usize>(
+    scratch: &GemmScratch,
+    groups: usize,
+    x: &Q8Activations,
+    first_token: usize,
+    correction_lane: usize,
+    factor: f32,
+    out: *mut f32,
+    stride: usize,
+    rows: usize,
+) {
+    // SAFETY: the caller upholds this function's contract (both tiles decoded for `groups`
+    // groups, tokens `first_token..+T` in `x`, `out[t * stride + r]` in bounds for t < T,
+    // r < rows <= 32), which is what every pointer access below relies on.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); T]; 2];
+        let tile = scratch.tile.as_ptr();
+        let second = tile_slot_bytes(groups);
+        let tile_scales = scratch.tile_scales.as_ptr();
+        let second_scales = tile_slot_scales(groups);
+        let token_quants = x.quants.as_ptr().add(first_token * x.groups * GROUP_LEN);
+        let token_lanes = first_token * x.groups * GROUP_LANES;
+        let corrections = x.corrections.as_ptr().add(token_lanes);
+        let act_scales = x.scale_lanes.as_ptr().add(token_lanes);
+        let (quant_stride, lane_stride) = (x.groups * GROUP_LEN, x.groups * GROUP_LANES);
+        for group in 0..groups {
+            let weights = tile.add(group * GEMM_TILE_ROWS * GROUP_LEN);
+            let quants = token_quants.add(group * GROUP_LEN);
+            let lanes = group * GROUP_LANES;
+            for j in 0..GROUP_BLOCKS {
+                let start: [__m512i; T] = std::array::from_fn(|t| {
+                    _mm512_set1_epi32(
+                        *corrections.add(t * lane_stride + lanes + 4 * j + correction_lane),
+                    )
+                });
+                let mut sums = [start, start];
+                for step in 0..8 {
+                    let q = block_dword(j, step);
+                    let w0 = _mm512_loadu_si512(weights.add(q * 64).cast());
+                    let w1 = _mm512_loadu_si512(weights.add(second + q * 64).cast());
+                    for t in 0..T {
+                        let a = _mm512_set1_epi32(
+                            quants
+                                .add(t * quant_stride + 4 * q)
+                                .cast::<i32>()
+                                .read_unaligned(),
+                        );
+                        sums[0][t] = _mm512_dpbusd_epi32(sums[0][t], w0, a);
+                        sums[1][t] = _mm512_dpbusd_epi32(sums[1][t], w1, a);
+                    }
+                }
+                let at = (group * GROUP_BLOCKS + j) * GEMM_TILE_ROWS;
+                let w_scales = [
+                    _mm512_loadu_ps(tile_scales.add(at)),
+                    _mm512_loadu_ps(tile_scales.add(second_scales + at)),
+                ];
+                for t in 0..T {
+                    let a_scale = _mm512_set1_ps(*act_scales.add(t * lane_stride + lanes + 4 * j));
+                    for half in 0..2 {
+                        acc[half][t] = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(sums[half][t]),
+                            _mm512_mul_ps(w_scales[half], a_scale),
+                            acc[half][t],
+                        );
+                    }
+                }
+            }
+        }
+        let factor = _mm512_set1_ps(factor);
+        let tail = ((1u32 << (rows - GEMM_TILE_ROWS)) - 1) as __mmask16;
+        for t in 0..T {
+            let row_start = out.add(t * stride);
+            _mm512_storeu_ps(row_start, _mm512_mul_ps(acc[0][t], factor));
+            _mm512_mask_storeu_ps(
+                row_start.add(GEMM_TILE_ROWS),
+                tail,
+                _mm512_mul_ps(acc[1][t], factor),
+            );
+        }
+    }
+}
+
+/// Tokens per call of [`gemm_tile_pair`].
+const GEMM_PAIR_TOKENS: usize = 6;
+
 /// Tokens per micro-kernel call: enough independent `vpdpbusd` chains to hide its latency, with
 /// the sums and accumulators (2 x 8 registers) well inside the 32 zmm registers.
 const GEMM_TOKENS: usize = 8;
@@ -654,9 +772,40 @@ unsafe fn gemm<W: GroupSource>(
         let tokens = x.rows();
         let mut tile_start = rows.start;
         while tile_start < rows.end {
-            let count = (rows.end - tile_start).min(GEMM_TILE_ROWS);
-            decode_tile(w, tile_start, count, scratch);
+            let remaining = rows.end - tile_start;
             let out_column = out.as_mut_ptr().add(tile_start - rows.start);
+            if remaining > GEMM_TILE_ROWS {
+                // Two tiles at once: 17 to 32 rows.
+                let count = remaining.min(GEMM_TILE_SLOTS * GEMM_TILE_ROWS);
+                decode_tile(w, tile_start, GEMM_TILE_ROWS, scratch, 0);
+                decode_tile(
+                    w,
+                    tile_start + GEMM_TILE_ROWS,
+                    count - GEMM_TILE_ROWS,
+                    scratch,
+                    1,
+                );
+                let mut token = 0;
+                while token < tokens {
+                    let t_count = (tokens - token).min(GEMM_PAIR_TOKENS);
+                    let o = out_column.add(token * stride);
+                    let s = &*scratch;
+                    macro_rules! pair_for {
+                        ($($n:literal)*) => {
+                            match t_count {
+                                $($n => gemm_tile_pair::<$n>(s, groups, x, token, lane, factor, o, stride, count),)*
+                                _ => gemm_tile_pair::<1>(s, groups, x, token, lane, factor, o, stride, count),
+                            }
+                        };
+                    }
+                    pair_for!(6 5 4 3 2);
+                    token += t_count;
+                }
+                tile_start += count;
+                continue;
+            }
+            let count = remaining;
+            decode_tile(w, tile_start, count, scratch, 0);
             let mut token = 0;
             while token < tokens {
                 let t_count = (tokens - token).min(GEMM_TOKENS);

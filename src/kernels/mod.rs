@@ -262,7 +262,11 @@ pub(crate) fn probe_operands(g: usize) -> (u8, i8) {
     (1 + (g % 3) as u8, (g % 5) as i8 - 2)
 }
 
-/// Scratch space for the GEMMs: one decoded tile of [`GEMM_TILE_ROWS`] weight rows.
+/// Decoded tiles the GEMM scratch holds: the AVX-512 GEMM multiplies two at once (32 rows), so
+/// each activation load feeds two products.
+pub(crate) const GEMM_TILE_SLOTS: usize = 2;
+
+/// Scratch space for the GEMMs: [`GEMM_TILE_SLOTS`] decoded tiles of [`GEMM_TILE_ROWS`] weight rows.
 #[derive(Clone, Debug)]
 // Only the SIMD paths decode tiles; the scalar reference leaves the scratch untouched.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -281,8 +285,11 @@ impl GemmScratch {
         let groups = max_cols.div_ceil(GROUP_LEN);
         Self {
             cols: max_cols,
-            tile: AlignedVec::filled(GEMM_TILE_ROWS * groups * GROUP_LEN, 0),
-            tile_scales: AlignedVec::filled(GEMM_TILE_ROWS * groups * GROUP_LANES, 0.0),
+            tile: AlignedVec::filled(GEMM_TILE_SLOTS * GEMM_TILE_ROWS * groups * GROUP_LEN, 0),
+            tile_scales: AlignedVec::filled(
+                GEMM_TILE_SLOTS * GEMM_TILE_ROWS * groups * GROUP_LANES,
+                0.0,
+            ),
         }
     }
 
