@@ -261,6 +261,76 @@ trait GroupSource: ByteSpans {
     /// # Safety
     /// `row < rows()`, `group < groups()`; the CPU has the module's features.
     unsafe fn load_group(&self, row: usize, group: usize) -> (__m512i, __m512i, __m512);
+
+    /// The group's weight bytes as stored, not yet decoded: the 64 nibble bytes (and zeros) for
+    /// MXFP4 and Q4, the evens and the odds for Q8. Bytes past a short last group are zero.
+    ///
+    /// # Safety
+    /// As [`GroupSource::load_group`].
+    unsafe fn raw_group(&self, row: usize, group: usize) -> (__m512i, __m512i);
+
+    /// Unsigned (evens, odds) from [`GroupSource::raw_group`]'s vectors. Byte-wise, so it gives
+    /// the same bytes when applied after any permutation of dwords: the GEMM transposes the raw
+    /// bytes (one transpose for the nibble formats) and decodes afterwards.
+    ///
+    /// # Safety
+    /// The CPU has the module's features.
+    unsafe fn decode_raw(first: __m512i, second: __m512i) -> (__m512i, __m512i);
+
+    /// Block j's scale of rows `first_row..first_row + count` in lane r of vector j, 0 in the
+    /// lanes past `count`: the GEMM tile's scale columns, built without a transpose.
+    ///
+    /// # Safety
+    /// Rows inside the matrix, `count <= 16`, `group < groups()`; the CPU has the module's features.
+    unsafe fn scale_columns(&self, first_row: usize, count: usize, group: usize) -> [__m512; 4];
+}
+
+/// Block j's f16 scale of each of 16 rows (four per row in `bits[r]`) as f32 in lane r of
+/// vector j.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+fn f16_scale_columns(bits: &[u64; 16]) -> [__m512; 4] {
+    // SAFETY: `bits` is 16 readable u64 (two vectors); loadu has no alignment requirement.
+    let (low, high) = unsafe {
+        (
+            _mm512_loadu_si512(bits.as_ptr().cast()),
+            _mm512_loadu_si512(bits.as_ptr().add(8).cast()),
+        )
+    };
+    std::array::from_fn(|j| {
+        let shift = _mm512_set1_epi64(16 * j as i64);
+        let words = _mm256_set_m128i(
+            _mm512_cvtepi64_epi16(_mm512_srlv_epi64(high, shift)),
+            _mm512_cvtepi64_epi16(_mm512_srlv_epi64(low, shift)),
+        );
+        _mm512_cvtph_ps(words)
+    })
+}
+
+/// The four f16 scales of `group` in rows `first_row..+count` of a Q8 or Q4 matrix (zeros past
+/// `count`), as `f16_scale_columns` takes them.
+///
+/// # Safety
+/// `scales` holds `groups * 4` f16 per row for the rows asked; `count <= 16`.
+#[inline]
+unsafe fn f16_scale_bits(
+    scales: *const f16,
+    groups: usize,
+    first_row: usize,
+    count: usize,
+    group: usize,
+) -> [u64; 16] {
+    let mut bits = [0u64; 16];
+    for (r, bits) in bits.iter_mut().enumerate().take(count) {
+        // SAFETY: row `first_row + r` exists and its group `group` has four scales.
+        *bits = unsafe {
+            scales
+                .add((first_row + r) * groups * GROUP_BLOCKS + group * GROUP_BLOCKS)
+                .cast::<u64>()
+                .read_unaligned()
+        };
+    }
+    bits
 }
 
 impl GroupSource for Mxfp4Matrix<'_> {
@@ -274,6 +344,59 @@ impl GroupSource for Mxfp4Matrix<'_> {
         // SAFETY: the caller upholds the trait's contract for this method (row and group inside the
         // matrix; the CPU has this module's features), so every load below stays inside the row.
         unsafe { mxfp4_group(self, row, group) }
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn raw_group(&self, row: usize, group: usize) -> (__m512i, __m512i) {
+        let blocks_here = (self.cols / BLOCK_LEN - group * GROUP_BLOCKS).min(GROUP_BLOCKS);
+        // A short last group: masked-off bytes are not read (no fault) and stay zero.
+        let mask = u64::MAX >> (64 - 16 * blocks_here);
+        // SAFETY: the caller upholds the trait's contract (row and group inside the matrix); the
+        // mask keeps the load inside the row's bytes.
+        let nibbles = unsafe {
+            _mm512_maskz_loadu_epi8(
+                mask,
+                self.blocks
+                    .as_ptr()
+                    .add(row * (self.cols / 2) + group * GROUP_LEN / 2)
+                    .cast(),
+            )
+        };
+        (nibbles, _mm512_setzero_si512())
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn decode_raw(first: __m512i, _: __m512i) -> (__m512i, __m512i) {
+        split_nibbles::<FORMAT_MXFP4>(first)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn scale_columns(&self, first_row: usize, count: usize, group: usize) -> [__m512; 4] {
+        let blocks_per_row = self.cols / BLOCK_LEN;
+        let blocks_here = (blocks_per_row - group * GROUP_BLOCKS).min(GROUP_BLOCKS);
+        let mut bytes = [0u32; 16];
+        let scales = self.scales.as_ptr();
+        for (r, word) in bytes.iter_mut().enumerate().take(count) {
+            let at = (first_row + r) * blocks_per_row + group * GROUP_BLOCKS;
+            // SAFETY: the caller upholds the trait's contract (row `first_row + r` and `group`
+            // inside the matrix), so the group's `blocks_here` scale bytes exist.
+            *word = unsafe {
+                if blocks_here == GROUP_BLOCKS {
+                    scales.add(at).cast::<u32>().read_unaligned()
+                } else {
+                    (0..blocks_here)
+                        .fold(0, |word, j| word | (*scales.add(at + j) as u32) << (8 * j))
+                }
+            };
+        }
+        // SAFETY: `bytes` is 64 readable bytes; loadu has no alignment requirement.
+        let v = unsafe { _mm512_loadu_si512(bytes.as_ptr().cast()) };
+        let byte = _mm512_set1_epi32(0xFF);
+        std::array::from_fn(|j| {
+            let e = _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(8 * j as i32)), byte);
+            // 2^(s - 127) as f32 bits, s = 0 flushing to 0: as `e8m0_lanes`.
+            _mm512_castsi512_ps(_mm512_slli_epi32::<23>(e))
+        })
     }
 }
 
@@ -289,6 +412,33 @@ impl GroupSource for Q4Matrix {
         // matrix; the CPU has this module's features), so every load below stays inside the row.
         unsafe { q4_group(self, row, group) }
     }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn raw_group(&self, row: usize, group: usize) -> (__m512i, __m512i) {
+        // SAFETY: the caller upholds the trait's contract; rows are padded to whole groups.
+        let nibbles = unsafe {
+            _mm512_loadu_si512(
+                self.row_nibbles(row)
+                    .as_ptr()
+                    .add(group * GROUP_LEN / 2)
+                    .cast(),
+            )
+        };
+        (nibbles, _mm512_setzero_si512())
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn decode_raw(first: __m512i, _: __m512i) -> (__m512i, __m512i) {
+        split_nibbles::<FORMAT_Q4>(first)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn scale_columns(&self, first_row: usize, count: usize, group: usize) -> [__m512; 4] {
+        // SAFETY: the caller upholds the trait's contract (rows inside the matrix, count <= 16).
+        let bits =
+            unsafe { f16_scale_bits(self.scales.as_ptr(), self.groups, first_row, count, group) };
+        f16_scale_columns(&bits)
+    }
 }
 
 impl GroupSource for Q8Matrix {
@@ -302,6 +452,36 @@ impl GroupSource for Q8Matrix {
         // SAFETY: the caller upholds the trait's contract for this method (row and group inside the
         // matrix; the CPU has this module's features), so every load below stays inside the row.
         unsafe { q8_group(self, row, group) }
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn raw_group(&self, row: usize, group: usize) -> (__m512i, __m512i) {
+        // SAFETY: the caller upholds the trait's contract; rows are padded to whole groups.
+        unsafe {
+            let quants = self.row_quants(row).as_ptr().add(group * GROUP_LEN);
+            (
+                _mm512_loadu_si512(quants.cast()),
+                _mm512_loadu_si512(quants.add(GROUP_LEN / 2).cast()),
+            )
+        }
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn decode_raw(first: __m512i, second: __m512i) -> (__m512i, __m512i) {
+        // q ^ 0x80 = q + 128 as an unsigned byte.
+        let sign = _mm512_set1_epi8(i8::MIN);
+        (
+            _mm512_xor_si512(first, sign),
+            _mm512_xor_si512(second, sign),
+        )
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn scale_columns(&self, first_row: usize, count: usize, group: usize) -> [__m512; 4] {
+        // SAFETY: the caller upholds the trait's contract (rows inside the matrix, count <= 16).
+        let bits =
+            unsafe { f16_scale_bits(self.scales.as_ptr(), self.groups, first_row, count, group) };
+        f16_scale_columns(&bits)
     }
 }
 
@@ -542,27 +722,29 @@ unsafe fn decode_tile<W: GroupSource>(
             .as_mut_ptr()
             .add(slot * tile_slot_scales(groups));
         for group in 0..groups {
-            let mut evens = [_mm512_setzero_si512(); GEMM_TILE_ROWS];
-            let mut odds = [_mm512_setzero_si512(); GEMM_TILE_ROWS];
-            let mut scales = [_mm512_setzero_si512(); GEMM_TILE_ROWS];
+            let mut first = [_mm512_setzero_si512(); GEMM_TILE_ROWS];
+            let mut second = [_mm512_setzero_si512(); GEMM_TILE_ROWS];
             for r in 0..count {
-                let (e, o, s) = w.load_group(first_row + r, group);
-                evens[r] = e;
-                odds[r] = o;
-                scales[r] = _mm512_castps_si512(s);
+                (first[r], second[r]) = w.raw_group(first_row + r, group);
             }
             let at = tile.add(group * GEMM_TILE_ROWS * GROUP_LEN);
-            for (q, column) in transpose_16x16(evens).into_iter().enumerate() {
-                _mm512_storeu_si512(at.add(q * 64).cast(), column);
+            // Decoding is byte-wise, so it can follow the transpose: the nibble formats need one
+            // transpose for evens and odds together.
+            let first = transpose_16x16(first);
+            let second = if W::FORMAT == FORMAT_Q8 {
+                transpose_16x16(second)
+            } else {
+                second
+            };
+            for q in 0..GROUP_DWORDS / 2 {
+                let (evens, odds) = W::decode_raw(first[q], second[q]);
+                _mm512_storeu_si512(at.add(q * 64).cast(), evens);
+                _mm512_storeu_si512(at.add((GROUP_DWORDS / 2 + q) * 64).cast(), odds);
             }
-            for (q, column) in transpose_16x16(odds).into_iter().enumerate() {
-                _mm512_storeu_si512(at.add((GROUP_DWORDS / 2 + q) * 64).cast(), column);
-            }
-            // Row scale lanes 4j..4j+3 all hold block j's scale; column 4j of the transpose is block j.
-            let columns = transpose_16x16(scales);
-            for j in 0..GROUP_BLOCKS {
+            let columns = w.scale_columns(first_row, count, group);
+            for (j, column) in columns.into_iter().enumerate() {
                 let to = tile_scales.add((group * GROUP_BLOCKS + j) * GEMM_TILE_ROWS);
-                _mm512_storeu_ps(to, _mm512_castsi512_ps(columns[4 * j]));
+                _mm512_storeu_ps(to, column);
             }
         }
     }
