@@ -113,7 +113,7 @@ fn mxfp4_gemv_and_gemm_match_scalar_on_every_path() {
     for (rows, cols) in QUANT_SHAPES {
         let data = Mxfp4Data::random(&mut rng, rows, cols, 118..=130);
         let w = data.matrix();
-        for tokens in [1usize, 2, 3, 4, 5, 7, 17] {
+        for tokens in [1usize, 2, 3, 4, 5, 7, 8, 17] {
             let x_values = random_f32(&mut rng, tokens * cols, 3.0);
             let mut x = Q8Activations::new();
             kernels()
@@ -226,7 +226,7 @@ fn q8_and_q4_gemv_and_gemm_match_scalar_on_every_path() {
         let weights = to_bf16(&random_f32(&mut rng, rows * cols, 0.2));
         let q8 = Q8Matrix::from_bf16(rows, cols, &weights).unwrap();
         let q4 = Q4Matrix::from_bf16(rows, cols, &weights).unwrap();
-        for tokens in [1usize, 2, 3, 6, 17] {
+        for tokens in [1usize, 2, 3, 6, 8, 17] {
             let mut x = Q8Activations::new();
             kernels()
                 .quantize_activation_rows(&random_f32(&mut rng, tokens * cols, 2.0), cols, &mut x)
@@ -263,8 +263,11 @@ fn q8_and_q4_gemv_and_gemm_match_scalar_on_every_path() {
                     .unwrap();
                 assert_close(&format!("Q4 GEMM {what}"), &got, &expected4, &bounds4);
                 if tokens <= MAX_GEMV_TOKENS {
+                    // NaN first, so an output the GEMV leaves unwritten fails.
+                    got.fill(f32::NAN);
                     k.q8_gemv(&q8, &x, range.clone(), &mut got).unwrap();
                     assert_close(&format!("Q8 GEMV {what}"), &got, &expected8, &bounds8);
+                    got.fill(f32::NAN);
                     k.q4_gemv(&q4, &x, range.clone(), &mut got).unwrap();
                     assert_close(&format!("Q4 GEMV {what}"), &got, &expected4, &bounds4);
                 }
