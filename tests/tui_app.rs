@@ -52,8 +52,9 @@ fn synthetic_load_reports_generation_and_conversion_and_matches_model_synthetic(
     let loaded = Arc::new(loaded.model);
     assert_eq!(loaded.options().weights, WeightFormat::Q8);
     let prompt = [6u32, 17, 4_242, 9, 31];
-    let mut ours = loaded.new_session_with_kv(64, KvCacheType::F16);
-    let mut theirs = reference.new_session_with_kv(64, KvCacheType::F16);
+    let pool = ossterm::engine::build_pool(2).unwrap();
+    let mut ours = loaded.new_session_with_kv(&pool, 64, KvCacheType::F16);
+    let mut theirs = reference.new_session_with_kv(&pool, 64, KvCacheType::F16);
     assert_eq!(
         ours.prefill(&prompt).unwrap(),
         theirs.prefill(&prompt).unwrap()

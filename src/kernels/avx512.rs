@@ -881,15 +881,16 @@ unsafe fn gemm_tile_pair<const T: usize>(
                     let q = block_dword(j, step);
                     let w0 = _mm512_loadu_si512(weights.add(q * 64).cast());
                     let w1 = _mm512_loadu_si512(weights.add(second + q * 64).cast());
-                    for t in 0..T {
+                    let [sums0, sums1] = &mut sums;
+                    for (t, (s0, s1)) in sums0.iter_mut().zip(sums1.iter_mut()).enumerate() {
                         let a = _mm512_set1_epi32(
                             quants
                                 .add(t * quant_stride + 4 * q)
                                 .cast::<i32>()
                                 .read_unaligned(),
                         );
-                        sums[0][t] = _mm512_dpbusd_epi32(sums[0][t], w0, a);
-                        sums[1][t] = _mm512_dpbusd_epi32(sums[1][t], w1, a);
+                        *s0 = _mm512_dpbusd_epi32(*s0, w0, a);
+                        *s1 = _mm512_dpbusd_epi32(*s1, w1, a);
                     }
                 }
                 let at = (group * GROUP_BLOCKS + j) * GEMM_TILE_ROWS;
@@ -911,13 +912,13 @@ unsafe fn gemm_tile_pair<const T: usize>(
         }
         let factor = _mm512_set1_ps(factor);
         let tail = ((1u32 << (rows - GEMM_TILE_ROWS)) - 1) as __mmask16;
-        for t in 0..T {
+        for (t, (a0, a1)) in acc[0].iter().zip(&acc[1]).enumerate() {
             let row_start = out.add(t * stride);
-            _mm512_storeu_ps(row_start, _mm512_mul_ps(acc[0][t], factor));
+            _mm512_storeu_ps(row_start, _mm512_mul_ps(*a0, factor));
             _mm512_mask_storeu_ps(
                 row_start.add(GEMM_TILE_ROWS),
                 tail,
-                _mm512_mul_ps(acc[1][t], factor),
+                _mm512_mul_ps(*a1, factor),
             );
         }
     }
