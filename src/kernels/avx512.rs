@@ -968,9 +968,12 @@ unsafe fn gemm<W: GroupSource>(
                     scratch,
                     1,
                 );
+                // Even batches: a short last batch would leave too few independent sums to
+                // cover the `vpdpbusd` latency (7 tokens run as 4 + 3, not 6 + 1).
+                let batch = tokens.div_ceil(tokens.div_ceil(GEMM_PAIR_TOKENS));
                 let mut token = 0;
                 while token < tokens {
-                    let t_count = (tokens - token).min(GEMM_PAIR_TOKENS);
+                    let t_count = (tokens - token).min(batch);
                     let o = out_column.add(token * stride);
                     let s = &*scratch;
                     macro_rules! pair_for {
@@ -989,9 +992,10 @@ unsafe fn gemm<W: GroupSource>(
             }
             let count = remaining;
             decode_tile(w, tile_start, count, scratch, 0);
+            let batch = tokens.div_ceil(tokens.div_ceil(GEMM_TOKENS));
             let mut token = 0;
             while token < tokens {
-                let t_count = (tokens - token).min(GEMM_TOKENS);
+                let t_count = (tokens - token).min(batch);
                 let o = out_column.add(token * stride);
                 let s = &*scratch;
                 macro_rules! tile_for {
