@@ -7,8 +7,8 @@ pub mod sampler;
 pub mod worker;
 
 pub use generate::{
-    common_prefix_len, generate, rewind_for_prompt, GenerateError, GenerateEvent, GenerateLimits,
-    GenerateResult, InferenceSession, ReplyParser, StopReason, TokenSampler,
+    check_logits, common_prefix_len, generate, rewind_for_prompt, GenerateError, GenerateEvent,
+    GenerateLimits, GenerateResult, InferenceSession, ReplyParser, StopReason, TokenSampler,
 };
 pub use sampler::{Sampler, SamplerError, SamplerSettings};
 

@@ -4,13 +4,13 @@
 
 use std::cell::RefCell;
 
-use super::super::kv::{KvElement, LayerKv};
-use super::super::ops::{attention_scale, visible_keys};
-use super::super::team::parallel_for;
-use super::super::weights::Layer;
 use super::jobs::SharedOut;
 use super::FastPass;
 use crate::kernels::attention::{attend_group, AttentionScratch, GroupQuery, KvHead};
+use crate::model::kv::{KvElement, LayerKv};
+use crate::model::ops::{attention_scale, visible_keys};
+use crate::model::team::parallel_for;
+use crate::model::weights::Layer;
 
 thread_local! {
     /// Each pool thread's attention tiles, with the (heads, head_dim) they were sized for.
