@@ -2,6 +2,7 @@
 //! the benchmark), and the engine thread with its protocol.
 
 pub mod generate;
+pub mod kv_tiers;
 pub mod protocol;
 pub mod sampler;
 pub mod worker;
