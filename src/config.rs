@@ -107,6 +107,49 @@ pub struct AppConfig {
     pub chats_dir: Option<PathBuf>,
     /// The file the values came from, if any (shown in the help overlay).
     pub loaded_from: Option<PathBuf>,
+    /// Where and how much the KV snapshot tiers keep.
+    pub cache: CacheConfig,
+}
+
+/// The KV snapshot tiers' settings: `paths.cache_dir`, `cache.max_disk_mb`, `cache.max_ram_mb`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CacheConfig {
+    /// `None` means the platform cache directory.
+    pub dir: Option<PathBuf>,
+    /// 0 keeps snapshots in RAM only.
+    pub max_disk_mb: u64,
+    /// 0 keeps no snapshots in RAM (disk snapshots are still read).
+    pub max_ram_mb: u64,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig {
+            dir: None,
+            max_disk_mb: crate::engine::kv_tiers::DEFAULT_DISK_MB,
+            max_ram_mb: crate::engine::kv_tiers::DEFAULT_RAM_MB,
+        }
+    }
+}
+
+impl CacheConfig {
+    /// The snapshot directory: the configured one or the platform cache directory.
+    pub fn resolved_dir(&self) -> Option<PathBuf> {
+        self.dir
+            .clone()
+            .or_else(crate::engine::kv_tiers::default_cache_dir)
+    }
+
+    /// What the engine's tiers run with.
+    pub fn tiers(&self) -> crate::engine::kv_tiers::TierConfig {
+        crate::engine::kv_tiers::TierConfig {
+            ram_budget_bytes: self.max_ram_mb << 20,
+            disk_dir: (self.max_disk_mb > 0)
+                .then(|| self.resolved_dir())
+                .flatten(),
+            disk_budget_bytes: self.max_disk_mb << 20,
+        }
+    }
 }
 
 impl Default for AppConfig {
@@ -116,6 +159,7 @@ impl Default for AppConfig {
             settings: Settings::default(),
             chats_dir: None,
             loaded_from: None,
+            cache: CacheConfig::default(),
         }
     }
 }
@@ -138,6 +182,7 @@ pub struct ConfigOverrides {
     pub seed: Option<u64>,
     pub reasoning_effort: Option<ReasoningEffort>,
     pub chats_dir: Option<PathBuf>,
+    pub cache_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -153,6 +198,15 @@ struct FileConfig {
     chat: ChatSection,
     #[serde(default)]
     paths: PathsSection,
+    #[serde(default)]
+    cache: CacheSection,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CacheSection {
+    max_disk_mb: Option<u64>,
+    max_ram_mb: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -196,6 +250,7 @@ struct ChatSection {
 #[serde(deny_unknown_fields)]
 struct PathsSection {
     chats_dir: Option<PathBuf>,
+    cache_dir: Option<PathBuf>,
 }
 
 /// The platform directories of the app (`~/.config/ossterm`, `~/.local/share/ossterm` on Linux).
@@ -293,6 +348,24 @@ pub fn parse(text: &str, path: &Path) -> Result<AppConfig, ConfigError> {
         .paths
         .chats_dir
         .filter(|dir| !dir.as_os_str().is_empty());
+    config.cache.dir = file
+        .paths
+        .cache_dir
+        .filter(|dir| !dir.as_os_str().is_empty());
+    set(&mut config.cache.max_disk_mb, file.cache.max_disk_mb);
+    set(&mut config.cache.max_ram_mb, file.cache.max_ram_mb);
+    for (key, value) in [
+        ("max_disk_mb", config.cache.max_disk_mb),
+        ("max_ram_mb", config.cache.max_ram_mb),
+    ] {
+        if value > 1 << 30 {
+            return Err(invalid(
+                "cache",
+                key,
+                format!("expected 0..=1073741824 MiB, got {value}"),
+            ));
+        }
+    }
 
     if let Err((key, message)) = validate_settings(&config.settings) {
         let (section, key) = key.split_once('.').unwrap_or(("", key));
@@ -380,6 +453,9 @@ fn apply_overrides(config: &mut AppConfig, overrides: &ConfigOverrides) -> Resul
     set(&mut settings.reasoning_effort, overrides.reasoning_effort);
     if overrides.chats_dir.is_some() {
         config.chats_dir.clone_from(&overrides.chats_dir);
+    }
+    if overrides.cache_dir.is_some() {
+        config.cache.dir.clone_from(&overrides.cache_dir);
     }
     validate_settings(settings).map_err(|(key, message)| ConfigError::InvalidFlag {
         flag: format!(

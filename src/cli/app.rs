@@ -81,6 +81,9 @@ pub struct AppArgs {
     /// Directory of saved chats (paths.chats_dir).
     #[arg(long, value_name = "DIR")]
     pub chats_dir: Option<PathBuf>,
+    /// Directory of KV snapshots (paths.cache_dir; default: the platform cache directory).
+    #[arg(long, value_name = "DIR")]
+    pub cache_dir: Option<PathBuf>,
 }
 
 fn parse_synthetic(text: &str) -> Result<SyntheticChoice, String> {
@@ -135,6 +138,7 @@ impl AppArgs {
             seed: self.seed,
             reasoning_effort: self.reasoning_effort,
             chats_dir: self.chats_dir.clone(),
+            cache_dir: self.cache_dir.clone(),
         };
         Ok(config::load(self.config.as_deref(), &overrides)?)
     }
@@ -456,6 +460,7 @@ pub fn run(args: AppArgs) -> anyhow::Result<()> {
 pub fn start_model_engine(config: &AppConfig, events: Sender<Event>) -> EngineHandle {
     use crate::engine::worker::{EngineParts, HarmonyCodec};
     let source = config.model.clone();
+    let kv_tiers = config.cache.tiers();
     EngineHandle::spawn(
         config.settings.clone(),
         events,
@@ -471,6 +476,7 @@ pub fn start_model_engine(config: &AppConfig, events: Sender<Event>) -> EngineHa
                 sampler,
                 model_label: loaded.label,
                 random_weights: loaded.random_weights,
+                kv_tiers,
             })
         },
     )

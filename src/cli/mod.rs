@@ -2,6 +2,7 @@
 
 pub mod app;
 mod bench_cmd;
+mod cache_cmd;
 mod chat_cmds;
 mod model_cmds;
 
@@ -49,6 +50,8 @@ pub enum Command {
     Render(chat_cmds::RenderArgs),
     /// Encode text to o200k_harmony ids, or decode ids with --decode.
     Tokenize(chat_cmds::TokenizeArgs),
+    /// List the KV snapshots on disk (chat, tokens, size, age), or `cache clear` to delete them.
+    Cache(cache_cmd::CacheArgs),
 }
 
 /// Where the weights come from: a checkpoint directory or a synthetic preset.
@@ -156,6 +159,7 @@ pub fn main() -> ExitCode {
         Some(Command::Run(args)) => chat_cmds::run(args),
         Some(Command::Render(args)) => chat_cmds::render(args),
         Some(Command::Tokenize(args)) => chat_cmds::tokenize(args),
+        Some(Command::Cache(args)) => cache_cmd::cache(args),
         None => app::run(cli.app),
     };
     match result {

@@ -939,8 +939,13 @@ impl KvTiers {
             .sum()
     }
 
-    pub fn usage(&mut self) -> TierUsage {
+    /// Applies finished background writes.
+    pub fn poll(&mut self) {
         self.collect_reports();
+    }
+
+    /// Use as of the last [`KvTiers::poll`] (or any other call).
+    pub fn usage(&self) -> TierUsage {
         TierUsage {
             ram_bytes: self.ram_bytes(),
             ram_snapshots: self.ram.len(),

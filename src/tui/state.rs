@@ -1042,6 +1042,7 @@ impl App {
                 }
                 self.engine_settings = Some(*applied);
             }
+            Event::Notice(message) => self.notice = Some(message),
             Event::Error {
                 id: Some(id),
                 message,
