@@ -379,6 +379,7 @@ fn start_gated(
             },
             model_label: "toy".to_string(),
             random_weights: true,
+            kv_tiers: Default::default(),
         })
     });
     let harness = Harness {
@@ -1186,6 +1187,7 @@ fn start_real(settings: Settings) -> Harness {
             },
             model_label: "synthetic tiny".to_string(),
             random_weights: true,
+            kv_tiers: Default::default(),
         })
     });
     let harness = Harness {

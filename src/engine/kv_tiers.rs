@@ -383,10 +383,14 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     result
 }
 
-/// The file name of a snapshot of `tokens`.
-pub fn file_name(tokens: &[u32]) -> String {
-    let mut bytes = Vec::with_capacity(4 * tokens.len());
-    tokens
+/// The file name of `snapshot`: a hash of what identifies it (the computation, the KV type,
+/// the tokens), so snapshots of one chat by two models never overwrite each other.
+pub fn file_name(snapshot: &KvSnapshot) -> String {
+    let mut bytes = Vec::with_capacity(9 + 4 * snapshot.len());
+    bytes.extend_from_slice(&snapshot.fingerprint.to_le_bytes());
+    bytes.push(format_code(snapshot.format()));
+    snapshot
+        .tokens
         .iter()
         .for_each(|t| bytes.extend_from_slice(&t.to_le_bytes()));
     format!("{:016x}.{EXTENSION}", xxhash_rust::xxh3::xxh3_64(&bytes))
@@ -568,7 +572,7 @@ impl Writer {
                 for job in job_receiver {
                     let started = Instant::now();
                     let bytes = encode(&job.snapshot, &job.label);
-                    let path = dir.join(file_name(&job.snapshot.tokens));
+                    let path = dir.join(file_name(&job.snapshot));
                     let report = match write_atomic(&path, &bytes) {
                         Ok(()) => {
                             let mut deleted = Vec::new();
