@@ -3,6 +3,7 @@
 pub mod app;
 mod bench_cmd;
 mod cache_cmd;
+mod resume_bench;
 mod chat_cmds;
 mod model_cmds;
 

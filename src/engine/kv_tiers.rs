@@ -12,7 +12,8 @@
 //! # File format (little-endian), version [`FORMAT_VERSION`]
 //! ```text
 //! magic "OSSTKV\r\n" | version u32 | header_len u32 | header (header_len bytes) |
-//! header checksum u64 (xxh3 of everything before) | payload (lz4 block) | payload checksum u64
+//! header checksum u64 (xxh3 of everything before) | payload | payload checksum u64
+//! payload: lz4 blocks of 1 MiB raw each, every block as u32 length + block
 //! header: fingerprint u64, kv format u8, layers u32, kv_heads u32, head_dim u32, vocab u32,
 //!         raw payload bytes u64, compressed bytes u64, label length u16 + UTF-8 label,
 //!         token count u32 + ids u32 each
@@ -25,6 +26,7 @@ use std::fs::{self, File};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
@@ -124,10 +126,52 @@ pub fn raw_payload(snapshot: &KvSnapshot) -> Vec<u8> {
     raw
 }
 
+/// Raw bytes per compressed block: small enough that a paused writer resumes or stops within a
+/// millisecond or two of work.
+pub const BLOCK_BYTES: usize = 1 << 20;
+
+/// The raw payload as lz4 blocks of [`BLOCK_BYTES`] raw bytes, each `[u32 length][block]`;
+/// `pause` runs before each block (the writer waits there while a turn computes).
+pub fn compress_payload(raw: &[u8], pause: &dyn Fn()) -> Vec<u8> {
+    let mut out = Vec::with_capacity(raw.len() + raw.len() / 200 + 64);
+    for chunk in raw.chunks(BLOCK_BYTES) {
+        pause();
+        let block = lz4_flex::block::compress(chunk);
+        out.extend_from_slice(&(block.len() as u32).to_le_bytes());
+        out.extend_from_slice(&block);
+    }
+    out
+}
+
+/// Inverse of [`compress_payload`] for a payload of `raw_len` raw bytes; `None` if the blocks do
+/// not decompress to exactly that.
+pub fn decompress_payload(payload: &[u8], raw_len: usize) -> Option<Vec<u8>> {
+    let mut raw = vec![0u8; raw_len];
+    let (mut at, mut filled) = (0, 0);
+    while filled < raw_len {
+        let len = u32::from_le_bytes(payload.get(at..at + 4)?.try_into().ok()?) as usize;
+        let block = payload.get(at + 4..at.checked_add(4 + len)?)?;
+        let want = (raw_len - filled).min(BLOCK_BYTES);
+        let got = lz4_flex::block::decompress_into(block, &mut raw[filled..filled + want]).ok()?;
+        if got != want {
+            return None;
+        }
+        at += 4 + len;
+        filled += want;
+    }
+    (at == payload.len()).then_some(raw)
+}
+
 /// The whole file for `snapshot`.
 pub fn encode(snapshot: &KvSnapshot, label: &str) -> Vec<u8> {
+    encode_pausing(snapshot, label, &|| {})
+}
+
+/// [`encode`], calling `pause` between blocks.
+pub fn encode_pausing(snapshot: &KvSnapshot, label: &str, pause: &dyn Fn()) -> Vec<u8> {
+    pause();
     let raw = raw_payload(snapshot);
-    let payload = lz4_flex::block::compress(&raw);
+    let payload = compress_payload(&raw, pause);
     let mut header = Vec::with_capacity(64 + 4 * snapshot.len() + label.len());
     header.extend_from_slice(&snapshot.fingerprint.to_le_bytes());
     header.push(format_code(snapshot.format()));
@@ -330,11 +374,8 @@ pub fn decode(path: &Path, bytes: &[u8]) -> Result<(KvSnapshot, String), Snapsho
             header.raw_bytes
         )));
     }
-    let raw = lz4_flex::block::decompress(payload, expected)
-        .map_err(|e| invalid(format!("cannot decompress the payload: {e}")))?;
-    if raw.len() != expected {
-        return Err(invalid("payload decompresses to the wrong size".into()));
-    }
+    let raw = decompress_payload(payload, expected)
+        .ok_or_else(|| invalid("the payload does not decompress to its size".into()))?;
     let tensors = Tensors::read_bytes(
         header.format,
         header.shape,
@@ -562,7 +603,7 @@ struct Writer {
 }
 
 impl Writer {
-    fn spawn(dir: PathBuf, budget: u64) -> std::io::Result<Writer> {
+    fn spawn(dir: PathBuf, budget: u64, busy: Arc<AtomicBool>) -> std::io::Result<Writer> {
         let (jobs, job_receiver) = mpsc::channel::<WriteJob>();
         let (report_sender, reports) = mpsc::channel();
         let thread = std::thread::Builder::new()
@@ -571,7 +612,15 @@ impl Writer {
                 lower_thread_priority();
                 for job in job_receiver {
                     let started = Instant::now();
-                    let bytes = encode(&job.snapshot, &job.label);
+                    // While a turn computes, the writer waits between blocks: it only uses the
+                    // time between turns (the user reading and typing).
+                    let pause = || {
+                        while busy.load(Ordering::Relaxed) {
+                            std::thread::sleep(Duration::from_millis(5));
+                        }
+                    };
+                    let bytes = encode_pausing(&job.snapshot, &job.label, &pause);
+                    pause();
                     let path = dir.join(file_name(&job.snapshot));
                     let report = match write_atomic(&path, &bytes) {
                         Ok(()) => {
@@ -634,7 +683,7 @@ impl Drop for Writer {
 
 /// Runs the calling thread at the lowest CPU priority: the snapshot writer only uses cycles the
 /// forward pass leaves idle.
-fn lower_thread_priority() {
+pub fn lower_thread_priority() {
     #[cfg(target_os = "linux")]
     // SAFETY: plain syscalls on the calling thread's own id.
     unsafe {
@@ -660,6 +709,8 @@ pub struct KvTiers {
     disk_limit: u64,
     disk: Vec<DiskEntry>,
     writer: Option<Writer>,
+    /// Set while a turn computes; the writer waits meanwhile.
+    busy: Arc<AtomicBool>,
     /// Lines for the user (files skipped, writes that failed), taken by [`KvTiers::take_notices`].
     notices: Vec<String>,
     hits: u64,
@@ -703,6 +754,7 @@ impl KvTiers {
             disk_limit: config.disk_budget_bytes,
             disk: Vec::new(),
             writer: None,
+            busy: Arc::new(AtomicBool::new(false)),
             notices: Vec::new(),
             hits: 0,
             last_write: None,
@@ -720,7 +772,7 @@ impl KvTiers {
                 tiers.skip(error);
             }
             tiers.disk = entries;
-            match Writer::spawn(dir.clone(), config.disk_budget_bytes) {
+            match Writer::spawn(dir.clone(), config.disk_budget_bytes, Arc::clone(&tiers.busy)) {
                 Ok(writer) => {
                     tiers.writer = Some(writer);
                     tiers.disk_dir = Some(dir);
@@ -778,15 +830,26 @@ impl KvTiers {
         }
     }
 
+    /// Marks a turn as computing (`true`) or done: background writes wait while it computes.
+    pub fn set_busy(&self, busy: bool) {
+        self.busy.store(busy, Ordering::Relaxed);
+    }
+
+    /// The flag [`KvTiers::set_busy`] sets, for a writer outside the tiers (the benchmark).
+    pub fn busy_flag(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.busy)
+    }
+
     /// Waits for every queued disk write (a command's exit, tests and the benchmark).
     pub fn flush(&mut self) {
+        self.set_busy(false);
         if let Some(writer) = &mut self.writer {
             writer.finish();
         }
         self.collect_reports();
         if let Some(dir) = self.disk_dir.clone() {
             // The writer is gone after finish; a new one serves later writes.
-            self.writer = Writer::spawn(dir, self.disk_limit).ok();
+            self.writer = Writer::spawn(dir, self.disk_limit, Arc::clone(&self.busy)).ok();
         }
     }
 

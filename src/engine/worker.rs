@@ -367,7 +367,10 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
         // The whole turn runs on the session's pool, so each forward call finds itself there
         // instead of handing its work over from this thread.
         let pool = Arc::clone(&self.pool);
-        match pool.install(|| self.generate(&request)) {
+        self.tiers.set_busy(true);
+        let outcome = pool.install(|| self.generate(&request));
+        self.tiers.set_busy(false);
+        match outcome {
             Ok(result) => {
                 self.send_stats();
                 let _ = self.events.send(Event::TurnDone {
