@@ -9,12 +9,12 @@ use anyhow::Context;
 use clap::Args;
 
 use super::ModelArgs;
-use crate::engine::kv_tiers::{conversation_label, KvTiers, TierConfig};
-use crate::engine::resume_from_tiers;
 use crate::chat::{
     render_for_completion, Channel, ChatMessage, Conversation, HarmonyParser, ParseEvent,
     ReasoningEffort, RenderOptions, Tokenizer,
 };
+use crate::engine::kv_tiers::{conversation_label, KvTiers, TierConfig};
+use crate::engine::resume_from_tiers;
 use crate::engine::{
     generate, GenerateEvent, GenerateLimits, GenerateResult, Sampler, SamplerSettings, StopReason,
 };

@@ -3,9 +3,9 @@
 pub mod app;
 mod bench_cmd;
 mod cache_cmd;
-mod resume_bench;
 mod chat_cmds;
 mod model_cmds;
+mod resume_bench;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

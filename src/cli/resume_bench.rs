@@ -107,7 +107,10 @@ pub fn run(model: &Arc<Model>, pool: &Arc<rayon::ThreadPool>, depth: usize) -> a
     pool.install(|| session.prefill(&prompt[resumed.tokens..]))?;
     let ram_ttft = started.elapsed();
     let ram_restore = resumed.took;
-    anyhow::ensure!(session.logits() == &want[..], "RAM resume changed the logits");
+    anyhow::ensure!(
+        session.logits() == &want[..],
+        "RAM resume changed the logits"
+    );
 
     // Disk: write, drop the page cache, a new tier reads the directory, restore + prefill.
     let dir = std::env::temp_dir().join(format!("ossterm-resume-bench-{}", std::process::id()));
@@ -132,7 +135,10 @@ pub fn run(model: &Arc<Model>, pool: &Arc<rayon::ThreadPool>, depth: usize) -> a
     pool.install(|| session.prefill(&prompt[resumed.tokens..]))?;
     let disk_ttft = started.elapsed();
     let disk_restore = resumed.took;
-    anyhow::ensure!(session.logits() == &want[..], "disk resume changed the logits");
+    anyhow::ensure!(
+        session.logits() == &want[..],
+        "disk resume changed the logits"
+    );
 
     let (lz4, lz4_c, lz4_d) = codec_figures(&raw, lz4_flex::block::compress, |p| {
         lz4_flex::block::decompress(p, raw.len()).expect("lz4 round trip")

@@ -25,8 +25,8 @@
 use std::fs::{self, File};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
@@ -224,10 +224,12 @@ impl<'a> Fields<'a> {
         self.take(2).map(|b| u16::from_le_bytes([b[0], b[1]]))
     }
     fn u32(&mut self) -> Option<u32> {
-        self.take(4).map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+        self.take(4)
+            .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
     }
     fn u64(&mut self) -> Option<u64> {
-        self.take(8).map(|b| u64::from_le_bytes(b.try_into().unwrap()))
+        self.take(8)
+            .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
     }
 }
 
@@ -275,7 +277,8 @@ fn decode_header(path: &Path, bytes: &[u8]) -> Result<(SnapshotHeader, usize), S
     let bad = || invalid("header fields do not fit the header length".into());
     let fingerprint = h.u64().ok_or_else(bad)?;
     let code = h.u8().ok_or_else(bad)?;
-    let format = format_from_code(code).ok_or_else(|| invalid(format!("unknown KV format {code}")))?;
+    let format =
+        format_from_code(code).ok_or_else(|| invalid(format!("unknown KV format {code}")))?;
     let shape = KvShape {
         layers: h.u32().ok_or_else(bad)? as usize,
         kv_heads: h.u32().ok_or_else(bad)? as usize,
@@ -287,7 +290,9 @@ fn decode_header(path: &Path, bytes: &[u8]) -> Result<(SnapshotHeader, usize), S
     let label_len = h.u16().ok_or_else(bad)? as usize;
     let label = String::from_utf8_lossy(h.take(label_len).ok_or_else(bad)?).into_owned();
     let count = h.u32().ok_or_else(bad)? as usize;
-    let ids = h.take(count.checked_mul(4).ok_or_else(bad)?).ok_or_else(bad)?;
+    let ids = h
+        .take(count.checked_mul(4).ok_or_else(bad)?)
+        .ok_or_else(bad)?;
     let tokens = ids
         .chunks_exact(4)
         .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
@@ -318,10 +323,11 @@ pub fn read_header(path: &Path) -> Result<SnapshotHeader, SnapshotFileError> {
     };
     let mut file = File::open(path).map_err(io)?;
     let mut start = vec![0u8; 16];
-    file.read_exact(&mut start).map_err(|_| SnapshotFileError::Truncated {
-        path: path.to_path_buf(),
-        what: "header",
-    })?;
+    file.read_exact(&mut start)
+        .map_err(|_| SnapshotFileError::Truncated {
+            path: path.to_path_buf(),
+            what: "header",
+        })?;
     if &start[..8] != MAGIC {
         return Err(SnapshotFileError::Magic {
             path: path.to_path_buf(),
@@ -344,7 +350,8 @@ pub fn decode(path: &Path, bytes: &[u8]) -> Result<(KvSnapshot, String), Snapsho
         path: path.to_path_buf(),
         what,
     };
-    let compressed = usize::try_from(header.compressed_bytes).map_err(|_| invalid("size".into()))?;
+    let compressed =
+        usize::try_from(header.compressed_bytes).map_err(|_| invalid("size".into()))?;
     let end = start
         .checked_add(compressed)
         .and_then(|e| e.checked_add(8))
@@ -356,7 +363,10 @@ pub fn decode(path: &Path, bytes: &[u8]) -> Result<(KvSnapshot, String), Snapsho
         });
     }
     if bytes.len() > end {
-        return Err(invalid(format!("{} bytes after the payload", bytes.len() - end)));
+        return Err(invalid(format!(
+            "{} bytes after the payload",
+            bytes.len() - end
+        )));
     }
     let payload = &bytes[start..start + compressed];
     let stored = u64::from_le_bytes(bytes[end - 8..end].try_into().unwrap());
@@ -772,14 +782,18 @@ impl KvTiers {
                 tiers.skip(error);
             }
             tiers.disk = entries;
-            match Writer::spawn(dir.clone(), config.disk_budget_bytes, Arc::clone(&tiers.busy)) {
+            match Writer::spawn(
+                dir.clone(),
+                config.disk_budget_bytes,
+                Arc::clone(&tiers.busy),
+            ) {
                 Ok(writer) => {
                     tiers.writer = Some(writer);
                     tiers.disk_dir = Some(dir);
                 }
-                Err(error) => tiers
-                    .notices
-                    .push(format!("KV snapshots stay in RAM: cannot start the writer: {error}")),
+                Err(error) => tiers.notices.push(format!(
+                    "KV snapshots stay in RAM: cannot start the writer: {error}"
+                )),
             }
         }
         tiers
@@ -861,7 +875,12 @@ impl KvTiers {
         self.store_disk(snapshot, label);
     }
 
-    fn covers(newer: &KvSnapshot, older_tokens: &[u32], fingerprint: u64, format: KvFormat) -> bool {
+    fn covers(
+        newer: &KvSnapshot,
+        older_tokens: &[u32],
+        fingerprint: u64,
+        format: KvFormat,
+    ) -> bool {
         fingerprint == newer.fingerprint
             && format == newer.format()
             && older_tokens.len() <= newer.len()
@@ -870,7 +889,12 @@ impl KvTiers {
 
     fn store_ram(&mut self, snapshot: Arc<KvSnapshot>, label: &str) {
         self.ram.retain(|e| {
-            !KvTiers::covers(&snapshot, &e.snapshot.tokens, e.snapshot.fingerprint, e.snapshot.format())
+            !KvTiers::covers(
+                &snapshot,
+                &e.snapshot.tokens,
+                e.snapshot.fingerprint,
+                e.snapshot.format(),
+            )
         });
         self.clock += 1;
         self.ram.push(RamEntry {
@@ -901,7 +925,12 @@ impl KvTiers {
             .disk
             .iter()
             .filter(|e| {
-                KvTiers::covers(&snapshot, &e.header.tokens, e.header.fingerprint, e.header.format)
+                KvTiers::covers(
+                    &snapshot,
+                    &e.header.tokens,
+                    e.header.fingerprint,
+                    e.header.format,
+                )
             })
             .map(|e| e.path.clone())
             .collect();
@@ -928,7 +957,8 @@ impl KvTiers {
     ) -> Option<Found> {
         self.collect_reports();
         // At least one prompt token is always prefilled (its logits pick the first token).
-        let usable = |tokens: &[u32]| common_prefix_len(tokens, prompt).min(prompt.len().saturating_sub(1));
+        let usable =
+            |tokens: &[u32]| common_prefix_len(tokens, prompt).min(prompt.len().saturating_sub(1));
         let ram = self
             .ram
             .iter_mut()

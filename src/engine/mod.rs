@@ -8,8 +8,9 @@ pub mod sampler;
 pub mod worker;
 
 pub use generate::{
-    common_prefix_len, generate, resume_from_tiers, rewind_for_prompt, Resumed, GenerateError, GenerateEvent, GenerateLimits,
-    GenerateResult, InferenceSession, ReplyParser, StopReason, TokenSampler,
+    common_prefix_len, generate, resume_from_tiers, rewind_for_prompt, GenerateError,
+    GenerateEvent, GenerateLimits, GenerateResult, InferenceSession, ReplyParser, Resumed,
+    StopReason, TokenSampler,
 };
 pub use sampler::{Sampler, SamplerError, SamplerSettings};
 

@@ -116,7 +116,10 @@ impl Tensors {
             (Tensors::F16(s), Tensors::F16(d)) => rows(s, from, d, to, len, heads, hd),
             (Tensors::F32(s), Tensors::F32(d)) => rows(s, from, d, to, len, heads, hd),
             (
-                Tensors::Q8 { rows: s, scales: ss },
+                Tensors::Q8 {
+                    rows: s,
+                    scales: ss,
+                },
                 Tensors::Q8 {
                     rows: d,
                     scales: ds,
@@ -271,7 +274,14 @@ impl KvStore {
     /// `positions` positions per head in this cache's format and shape (checked by the caller).
     pub fn restore(&mut self, tensors: &Tensors, positions: usize, len: usize) {
         let shape = self.shape();
-        Tensors::copy_rows(tensors, positions, &mut self.layers, self.positions, len, shape);
+        Tensors::copy_rows(
+            tensors,
+            positions,
+            &mut self.layers,
+            self.positions,
+            len,
+            shape,
+        );
     }
 
     /// Layer `l`'s keys and values, in the element type the cache holds.
@@ -384,8 +394,10 @@ impl LayerKvQ8<'_> {
         let hd = self.head_dim;
         for head in 0..self.kv_heads {
             let (src, row) = (head * hd, head * self.positions + position);
-            self.key_scales[row] =
-                quantize_row_q8(&keys[src..src + hd], &mut self.keys[row * hd..(row + 1) * hd]);
+            self.key_scales[row] = quantize_row_q8(
+                &keys[src..src + hd],
+                &mut self.keys[row * hd..(row + 1) * hd],
+            );
             self.value_scales[row] = quantize_row_q8(
                 &values[src..src + hd],
                 &mut self.values[row * hd..(row + 1) * hd],
@@ -526,7 +538,10 @@ mod tests {
                 for path in KernelPath::ALL {
                     let mut got = vec![f32::NAN; count * head_dim];
                     widen_q8_rows(path, &rows, &scales, head_dim, &mut got);
-                    let same = want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits());
+                    let same = want
+                        .iter()
+                        .zip(&got)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(same, "{path:?} head_dim {head_dim} count {count}");
                 }
             }

@@ -123,8 +123,20 @@ pub fn attend_q8(
             let span = rows.start * hd..rows.end * hd;
             let (keys, values) = (&mut keys[..rows.len() * hd], &mut values[..rows.len() * hd]);
             let path = k.path();
-            widen_q8_rows(path, &head.keys[span.clone()], &head.key_scales[rows.clone()], hd, keys);
-            widen_q8_rows(path, &head.values[span], &head.value_scales[rows.clone()], hd, values);
+            widen_q8_rows(
+                path,
+                &head.keys[span.clone()],
+                &head.key_scales[rows.clone()],
+                hd,
+                keys,
+            );
+            widen_q8_rows(
+                path,
+                &head.values[span],
+                &head.value_scales[rows.clone()],
+                hd,
+                values,
+            );
             let staged = KvHead {
                 keys,
                 values,
