@@ -485,7 +485,7 @@ pub fn list_dir(dir: &Path) -> (Vec<DiskEntry>, Vec<SnapshotFileError>) {
             Err(error) => bad.push(error),
         }
     }
-    entries.sort_by(|a, b| b.last_used.cmp(&a.last_used));
+    entries.sort_by_key(|e| std::cmp::Reverse(e.last_used));
     (entries, bad)
 }
 
@@ -517,7 +517,7 @@ pub fn enforce_budget(dir: &Path, budget: u64) -> Vec<PathBuf> {
             }
         }
     }
-    files.sort_by(|a, b| a.2.cmp(&b.2));
+    files.sort_by_key(|f| f.2);
     let mut total: u64 = files.iter().map(|f| f.1).sum();
     for (path, size, _) in files {
         if total <= budget {
@@ -1055,7 +1055,7 @@ impl KvTiers {
     /// Labels of the RAM snapshots, most recently used first (tests, diagnostics).
     pub fn ram_labels(&self) -> Vec<String> {
         let mut entries: Vec<&RamEntry> = self.ram.iter().collect();
-        entries.sort_by(|a, b| b.last_used.cmp(&a.last_used));
+        entries.sort_by_key(|e| std::cmp::Reverse(e.last_used));
         entries.iter().map(|e| e.label.clone()).collect()
     }
 
