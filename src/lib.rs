@@ -10,6 +10,8 @@ mod choice;
 pub mod cli;
 pub mod config;
 pub mod engine;
+pub mod fault;
 pub mod kernels;
 pub mod model;
+pub mod settings;
 pub mod tui;

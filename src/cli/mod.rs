@@ -1,10 +1,25 @@
 //! The command line: parses arguments and hands each command to the library.
 
+/// A clap value parser for a choice enum (`impl_choice!`): accepts exactly its names and lists
+/// them in `--help`.
+macro_rules! choice_parser {
+    ($ty:ty) => {
+        clap::builder::TypedValueParser::map(
+            clap::builder::PossibleValuesParser::new(<$ty>::ALL.iter().map(|value| value.name())),
+            |name: String| {
+                <$ty>::from_name(&name).expect("clap accepts only the names of the values")
+            },
+        )
+    };
+}
+
 pub mod app;
 mod bench_cmd;
 mod cache_cmd;
 mod chat_cmds;
+mod limits;
 mod model_cmds;
+pub mod output;
 mod resume_bench;
 
 use std::path::PathBuf;
@@ -56,26 +71,13 @@ pub enum Command {
 }
 
 /// Where the weights come from: a checkpoint directory or a synthetic preset.
-/// A clap value parser for a choice enum (`impl_choice!`): accepts exactly its names and lists
-/// them in `--help`.
-macro_rules! choice_parser {
-    ($ty:ty) => {
-        clap::builder::TypedValueParser::map(
-            clap::builder::PossibleValuesParser::new(<$ty>::ALL.iter().map(|value| value.name())),
-            |name: String| {
-                <$ty>::from_name(&name).expect("clap accepts only the names of the values")
-            },
-        )
-    };
-}
-
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
     /// Hugging Face gpt-oss checkpoint directory (config.json + *.safetensors).
     #[arg(long, value_name = "DIR", conflicts_with = "synthetic")]
     pub model: Option<PathBuf>,
     /// Use random weights of this shape instead of a checkpoint.
-    #[arg(long, value_name = "PRESET")]
+    #[arg(long, value_name = "PRESET", value_parser = choice_parser!(Preset))]
     pub synthetic: Option<Preset>,
     /// Seed of the synthetic weights.
     #[arg(long, default_value_t = 0, value_name = "N")]
@@ -117,6 +119,8 @@ impl ModelArgs {
             (None, Some(preset)) => Model::synthetic(preset, self.synthetic_seed, &opts)?,
             (None, None) => anyhow::bail!("name a model: --model DIR or --synthetic 20b|tiny"),
         };
+        // Converting the weights reads the mapping; a shard cut short meanwhile read zeros.
+        crate::fault::check()?;
         Ok(Arc::new(model))
     }
 
@@ -129,23 +133,37 @@ impl ModelArgs {
     }
 }
 
-/// `--threads`, or one per physical core.
+/// `--threads`, or one per physical core. More than the logical CPUs are capped to that count,
+/// as the app's setting is: they would only contend, and tens of thousands exhaust the OS.
 fn thread_count(threads: Option<usize>) -> anyhow::Result<usize> {
-    let count = threads.unwrap_or_else(crate::engine::default_threads);
-    if count == 0 {
+    static NOTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let asked = threads.unwrap_or_else(crate::engine::default_threads);
+    if asked == 0 {
         anyhow::bail!("--threads must be at least 1");
+    }
+    let available = std::thread::available_parallelism().map_or(1, |count| count.get());
+    let count = asked.min(available);
+    if count < asked && !NOTED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        output::note!("--threads {asked} is more than the {available} logical CPUs; using {count}");
     }
     Ok(count)
 }
 
-/// Sizes the global rayon pool, which loading and weight conversion use, once; later calls with
-/// the same count are fine.
+/// Sizes the global rayon pool, which loading and weight conversion use, once; later calls are
+/// fine. A pool the OS refuses is an error (rayon would panic at its first use).
 pub fn init_threads(threads: Option<usize>) -> anyhow::Result<()> {
+    static POOL_THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     let count = thread_count(threads)?;
-    // A second initialisation fails harmlessly when the pool already exists.
-    let _ = rayon::ThreadPoolBuilder::new()
+    if POOL_THREADS.get().is_some() {
+        return Ok(());
+    }
+    rayon::ThreadPoolBuilder::new()
         .num_threads(count)
-        .build_global();
+        .build_global()
+        .map_err(|error| {
+            anyhow::anyhow!("cannot start a pool of {count} worker threads: {error}")
+        })?;
+    let _ = POOL_THREADS.set(count);
     Ok(())
 }
 
@@ -163,11 +181,5 @@ pub fn main() -> ExitCode {
         Some(Command::Cache(args)) => cache_cmd::cache(args),
         None => app::run(cli.app),
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(err) => {
-            eprintln!("error: {err:#}");
-            ExitCode::FAILURE
-        }
-    }
+    output::exit_code(result)
 }

@@ -135,6 +135,16 @@ pub enum GenerateError {
     Sampler(#[from] SamplerError),
     #[error("the forward pass failed: {0}")]
     Forward(#[source] Box<dyn std::error::Error + Send + Sync>),
+    #[error("the logits after {position} tokens are not finite ({value} at token id {token}): the weights hold NaN or infinity (check with `ossterm info --check`)")]
+    NonFiniteLogits {
+        position: usize,
+        token: usize,
+        value: f32,
+    },
+    /// A checkpoint shard changed on disk mid-generation; the last step read zeros from it, so
+    /// its logits are discarded. Everything reported through the callback before is valid.
+    #[error(transparent)]
+    WeightsChanged(#[from] crate::fault::MappingChanged),
 }
 
 /// Why generation ended.
@@ -270,6 +280,8 @@ pub fn generate<S: InferenceSession + ?Sized>(
             context_limit,
         });
     }
+    // A shard rewritten since the last turn would give this one mixed weights: refuse up front.
+    crate::fault::verify_files()?;
     let mut result = GenerateResult {
         stop_reason: StopReason::Cancelled,
         prompt_tokens: prompt.len(),
@@ -296,8 +308,10 @@ pub fn generate<S: InferenceSession + ?Sized>(
             return Ok(result);
         }
         let logits = session.prefill(step).map_err(forward_error)?;
+        crate::fault::check()?;
         done += step.len();
         if done == prompt.len() {
+            check_logits(logits, done)?;
             token = Some(sampler.sample(logits)?);
         }
         on_event(GenerateEvent::PrefillProgress {
@@ -311,6 +325,10 @@ pub fn generate<S: InferenceSession + ?Sized>(
     let Some(mut token) = token else {
         return Ok(result);
     };
+    if limits.max_tokens == Some(0) {
+        result.stop_reason = StopReason::MaxTokens;
+        return Ok(result);
+    }
     result.time_to_first_token = started.elapsed();
     let first_token_at = Instant::now();
 
@@ -340,6 +358,8 @@ pub fn generate<S: InferenceSession + ?Sized>(
             break StopReason::ContextFull;
         }
         let logits = session.decode(token).map_err(forward_error)?;
+        crate::fault::check()?;
+        check_logits(logits, prompt.len() + result.generated_tokens)?;
         token = sampler.sample(logits)?;
     };
     if stop_token.is_none() {
@@ -347,7 +367,24 @@ pub fn generate<S: InferenceSession + ?Sized>(
     }
     result.stop_reason = stop_reason;
     result.decode_time = first_token_at.elapsed();
+    // Rewritten in place during this turn: what it streamed came partly from other weights.
+    crate::fault::verify_files()?;
     Ok(result)
+}
+
+/// Refuses logits holding NaN or infinity: they come from broken weights, and sampling around
+/// them would turn the damage into plausible-looking ids. `position` is the tokens processed.
+pub fn check_logits(logits: &[f32], position: usize) -> Result<(), GenerateError> {
+    // A branch-free OR over the whole row vectorizes; the slow search runs only on failure.
+    if logits.iter().fold(false, |bad, v| bad | !v.is_finite()) {
+        let token = logits.iter().position(|v| !v.is_finite()).unwrap_or(0);
+        return Err(GenerateError::NonFiniteLogits {
+            position,
+            token,
+            value: logits[token],
+        });
+    }
+    Ok(())
 }
 
 /// Rewinds `session` to the longest prefix it shares with `prompt` and returns how many tokens
@@ -422,4 +459,26 @@ pub fn group_thousands(n: u64) -> String {
         out.push(c);
     }
     out
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logits_with_any_nan_or_infinity_are_an_error_naming_the_first() {
+        let mut logits = vec![0.5f32; 1000];
+        assert!(check_logits(&logits, 4).is_ok());
+        logits[700] = f32::NEG_INFINITY;
+        logits[900] = f32::NAN;
+        let error = check_logits(&logits, 4).unwrap_err();
+        assert!(matches!(
+            error,
+            GenerateError::NonFiniteLogits {
+                position: 4,
+                token: 700,
+                ..
+            }
+        ));
+        assert!(error.to_string().contains("not finite"), "{error}");
+    }
 }

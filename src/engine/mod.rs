@@ -8,7 +8,7 @@ pub mod sampler;
 pub mod worker;
 
 pub use generate::{
-    common_prefix_len, generate, resume_from_tiers, rewind_for_prompt, GenerateError,
+    check_logits, common_prefix_len, generate, resume_from_tiers, rewind_for_prompt, GenerateError,
     GenerateEvent, GenerateLimits, GenerateResult, InferenceSession, ReplyParser, Resumed,
     StopReason, TokenSampler,
 };

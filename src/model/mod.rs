@@ -83,6 +83,16 @@ pub enum ModelError {
     Quantize(String),
     #[error("{0}")]
     Kernels(#[from] crate::kernels::KernelError),
+    #[error(transparent)]
+    Changed(#[from] crate::fault::MappingChanged),
+    #[error("tensor {tensor} holds {value} at element {index}: the checkpoint is corrupt (scan it all with `ossterm info --check`)")]
+    NonFinite {
+        tensor: String,
+        index: usize,
+        value: f32,
+    },
+    #[error("tensor {tensor} holds the MXFP4 scale byte 0xFF (E8M0's NaN) at element {index}: the checkpoint is corrupt (scan it all with `ossterm info --check`)")]
+    NanScale { tensor: String, index: usize },
 }
 
 /// What a model load is busy with, for progress reports (`done` and `total` in the stage's unit).

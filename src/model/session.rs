@@ -144,11 +144,6 @@ impl Session {
         self.sequence.context_limit()
     }
 
-    /// The element type the KV cache holds.
-    pub fn kv_format(&self) -> KvFormat {
-        self.sequence.kv.format()
-    }
-
     /// Rewinds the cache to its first `len` tokens. Later positions are simply overwritten, so
     /// this is free; the logits of the last token are stale until the next prefill or decode.
     pub fn truncate(&mut self, len: usize) {
@@ -168,6 +163,11 @@ impl Session {
             self.activations = format;
             self.truncate(0);
         }
+    }
+
+    /// The element type the KV cache holds.
+    pub fn kv_format(&self) -> KvFormat {
+        self.sequence.kv.format()
     }
 
     /// Identifies what computed this session's cache rows: the weights (the model's fingerprint),
@@ -314,19 +314,31 @@ impl Session {
         Ok(())
     }
 
-    /// Runs `tokens` chunk by chunk on the session's pool.
+    /// Runs `tokens` chunk by chunk on the session's pool; a single token of the fast path
+    /// (decode) on a team of its threads: a decode step is ~100 short parallel regions, and the
+    /// team keeps the pool awake through them. A prefill chunk's regions are long, and its
+    /// activation quantization uses rayon, as does the exact path.
     fn run(&mut self, tokens: &[u32], mut all_logits: Option<&mut Vec<f32>>) {
         let pool = Arc::clone(&self.pool);
-        let chunk_len = self.chunk_len();
-        pool.install(|| {
-            for chunk in tokens.chunks(chunk_len) {
-                self.forward_chunk(chunk, all_logits.as_deref_mut());
-            }
-        });
+        if let ([_], Scratch::Fast(_)) = (tokens, &self.scratch) {
+            with_team(&pool, |team| self.forward_chunk(tokens, all_logits, team));
+        } else {
+            let chunk_len = self.chunk_len();
+            pool.install(|| {
+                for chunk in tokens.chunks(chunk_len) {
+                    self.forward_chunk(chunk, all_logits.as_deref_mut(), None);
+                }
+            });
+        }
     }
 
-    /// One chunk of `sequence`, on the pool's current thread.
-    fn forward_chunk(&mut self, tokens: &[u32], all_logits: Option<&mut Vec<f32>>) {
+    /// One chunk of the sequence, on a thread of the pool.
+    fn forward_chunk(
+        &mut self,
+        tokens: &[u32],
+        all_logits: Option<&mut Vec<f32>>,
+        team: Option<&Team>,
+    ) {
         let model = &*self.model;
         let sequence = &mut self.sequence;
         let start = sequence.tokens.len();
@@ -342,30 +354,19 @@ impl Session {
                 all_logits,
             ),
             Scratch::Fast(scratch) => {
-                let activations = self.activations;
-                let run = |team: Option<&Team>| {
-                    let pass = FastPass {
-                        config: &model.config,
-                        weights: &model.weights,
-                        fast: model
-                            .fast
-                            .as_ref()
-                            .expect("a fast session has fast weights"),
-                        rope: &model.rope,
-                        kernels: model.kernels,
-                        activations,
-                        team,
-                    };
-                    pass.forward_chunk(tokens, start, &mut sequence.kv, scratch, logits, all_logits)
+                let pass = FastPass {
+                    config: &model.config,
+                    weights: &model.weights,
+                    fast: model
+                        .fast
+                        .as_ref()
+                        .expect("a fast session has fast weights"),
+                    rope: &model.rope,
+                    kernels: model.kernels,
+                    activations: self.activations,
+                    team,
                 };
-                // A decode step is ~100 short parallel regions: the team keeps the pool awake
-                // through it. A prefill chunk's regions are long, and its activation quantization
-                // uses rayon.
-                if tokens.len() == 1 {
-                    with_team(run)
-                } else {
-                    run(None)
-                }
+                pass.forward_chunk(tokens, start, &mut sequence.kv, scratch, logits, all_logits)
             }
         }
         sequence.tokens.extend_from_slice(tokens);

@@ -2,6 +2,8 @@
 
 use std::sync::Arc;
 
+use rayon::prelude::*;
+
 use super::checkpoint::{ByteOwner, Checkpoint, Dtype, TensorBytes};
 use super::config::{LayerKind, ModelConfig, MXFP4_BLOCK};
 use super::ModelError;
@@ -172,10 +174,37 @@ impl Weights {
         let layers = (0..config.num_hidden_layers)
             .map(|l| load_layer(config, source, l))
             .collect::<Result<Vec<_>, _>>()?;
+        // Every dense matrix is checked for NaN and infinity: the fast path quantizes them to
+        // int8, which would turn a NaN into a plausible weight. Memory-speed, in parallel.
+        let mut dense: Vec<(String, &Bf16Matrix)> =
+            vec![("model.embed_tokens.weight".into(), &embed)];
+        if !config.tie_word_embeddings {
+            dense.push(("lm_head.weight".into(), &lm_head));
+        }
+        for (l, layer) in layers.iter().enumerate() {
+            let a = &layer.attention;
+            for (name, linear) in [
+                ("q_proj", &a.q),
+                ("k_proj", &a.k),
+                ("v_proj", &a.v),
+                ("o_proj", &a.o),
+            ] {
+                dense.push((
+                    format!("model.layers.{l}.self_attn.{name}.weight"),
+                    &linear.weight,
+                ));
+            }
+        }
+        dense
+            .par_iter()
+            .try_for_each(|(name, matrix)| finite_bf16(name, matrix.values()))?;
+        let final_norm = vector(source, "model.norm.weight", h)?;
+        // Reading the tensors above may have hit a shard cut short on disk: it read as zeros.
+        crate::fault::check()?;
         Ok(Weights {
             embed,
             layers,
-            final_norm: vector(source, "model.norm.weight", h)?,
+            final_norm,
             lm_head,
         })
     }
@@ -212,7 +241,13 @@ fn load_layer(
             )?,
         },
         post_attention_norm: vector(source, &format!("{p}post_attention_layernorm.weight"), h)?,
-        router: linear("mlp.router", e, h)?,
+        router: {
+            let router = linear("mlp.router", e, h)?;
+            // The router is small and picks the experts: a NaN there silently routes every token
+            // to the same few experts in the fast path, so it is checked at load.
+            finite_bf16(&format!("{p}mlp.router.weight"), router.weight.values())?;
+            router
+        },
         gate_up: experts(source, &format!("{p}mlp.experts.gate_up_proj"), e, 2 * i, h)?,
         down: experts(source, &format!("{p}mlp.experts.down_proj"), e, h, i)?,
     })
@@ -228,10 +263,50 @@ fn matrix(
     Ok(Bf16Matrix::new(rows, cols, bytes))
 }
 
-/// A small tensor (norm, bias, sinks) widened to f32.
+/// A small tensor (norm, bias, sinks) widened to f32, checked to hold only finite values.
 fn vector(source: &impl TensorSource, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
-    let (dtype, bytes) = source.tensor(name, &[len], SMALL)?;
-    Ok(widen(dtype, bytes.as_slice()))
+    vector_of_shape(source, name, &[len])
+}
+
+fn finite(name: &str, values: &[f32]) -> Result<(), ModelError> {
+    match values.iter().position(|v| !v.is_finite()) {
+        Some(index) => Err(ModelError::NonFinite {
+            tensor: name.into(),
+            index,
+            value: values[index],
+        }),
+        None => Ok(()),
+    }
+}
+
+fn finite_bf16(name: &str, values: &[u16]) -> Result<(), ModelError> {
+    let not_finite = |v: &u16| v & 0x7f80 == 0x7f80;
+    // A branch-free OR per piece vectorizes; pieces go to the pool (the embedding is 1 GB).
+    let any_bad = values
+        .par_chunks(1 << 16)
+        .any(|piece| piece.iter().fold(false, |bad, v| bad | not_finite(v)));
+    if !any_bad {
+        return Ok(());
+    }
+    match values.iter().position(not_finite) {
+        Some(index) => Err(ModelError::NonFinite {
+            tensor: name.into(),
+            index,
+            value: bf16_to_f32(values[index]),
+        }),
+        None => Ok(()),
+    }
+}
+
+fn vector_of_shape(
+    source: &impl TensorSource,
+    name: &str,
+    shape: &[usize],
+) -> Result<Vec<f32>, ModelError> {
+    let (dtype, bytes) = source.tensor(name, shape, SMALL)?;
+    let values = widen(dtype, bytes.as_slice());
+    finite(name, &values)?;
+    Ok(values)
 }
 
 fn widen(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
@@ -265,15 +340,28 @@ fn experts(
         &[num_experts, rows, nblocks],
         &[Dtype::U8],
     )?;
-    let (bias_dtype, bias) =
-        source.tensor(&format!("{prefix}_bias"), &[num_experts, rows], SMALL)?;
+    // 0xFF is E8M0's NaN: every weight of its block would be NaN. The scales are 1/17 of the
+    // experts' bytes and `contains` runs at memory speed, so all of them are checked.
+    if scales.as_slice().contains(&0xff) {
+        let index = scales
+            .as_slice()
+            .iter()
+            .position(|&s| s == 0xff)
+            .unwrap_or(0);
+        return Err(ModelError::NanScale {
+            tensor: format!("{prefix}_scales"),
+            index,
+        });
+    }
+    let bias_name = format!("{prefix}_bias");
+    let bias = vector_of_shape(source, &bias_name, &[num_experts, rows])?;
     Ok(Mxfp4Experts {
         num_experts,
         rows,
         cols,
         blocks,
         scales,
-        bias: widen(bias_dtype, bias.as_slice()),
+        bias,
     })
 }
 

@@ -152,7 +152,7 @@ impl FastPass<'_> {
         kv: &mut KvStore,
         s: &mut Scratch,
         logits: &mut [f32],
-        all_logits: Option<&mut Vec<f32>>,
+        mut all_logits: Option<&mut Vec<f32>>,
     ) {
         let c = self.config;
         let n = tokens.len();
@@ -190,7 +190,6 @@ impl FastPass<'_> {
         );
         let vocab = c.vocab_size;
         let lm_head = &self.fast.lm_head;
-        let mut all_logits = all_logits;
         // Row by row, so the scratch never holds n x vocab (the logits tool asks for every row).
         for r in 0..rows {
             let x = &s.normed[r * h..(r + 1) * h];
@@ -232,7 +231,7 @@ impl FastPass<'_> {
                 for (i, (key, value)) in k.chunks_exact(kvw).zip(v.chunks_exact(kvw)).enumerate() {
                     cache.store(start + i, key, value);
                 }
-                attend::attend_q8(self.kernels, self.team, c, layer, start, n, q, &cache, attn);
+                self.attend_q8(layer, start, n, q, &cache, attn);
             }
         }
         self.project(&fast.o, attn, n, &mut s.attn_q, &mut s.work, &mut s.proj);
@@ -253,17 +252,7 @@ impl FastPass<'_> {
         for (i, (key, value)) in k.chunks_exact(kvw).zip(v.chunks_exact(kvw)).enumerate() {
             cache.store(self.kernels, start + i, key, value);
         }
-        attend::attend(
-            self.kernels,
-            self.team,
-            self.config,
-            layer,
-            start,
-            n,
-            q,
-            &cache,
-            out,
-        );
+        self.attend(layer, start, n, q, &cache, out);
     }
 
     /// The router's choices for each token, then the routed experts' outputs, weighted, summed
