@@ -4,6 +4,8 @@
 //! Modules follow the data flow: checkpoint files (`model`) and kernels feed the forward pass,
 //! the `engine` thread drives it, `chat` speaks harmony, and `tui`/`cli` face the user.
 
+#![deny(unsafe_op_in_unsafe_fn)]
+
 pub mod bench;
 pub mod chat;
 mod choice;

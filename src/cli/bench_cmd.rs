@@ -104,6 +104,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         depth: args.depth,
         repeat: args.repeat,
         cpu: String::new(),
+        cpu_info: Default::default(),
         load_seconds,
         convert_seconds: model
             .fast
@@ -127,12 +128,12 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
 
 fn kernel_bench(args: &BenchArgs) -> anyhow::Result<()> {
     let kernels = crate::kernels::Kernels::new(crate::kernels::init_kernel_path()?)?;
-    let config = crate::kernels::bench::KernelBenchConfig {
+    let config = crate::bench::kernels::KernelBenchConfig {
         repetitions: args.repeat.max(3),
-        ..crate::kernels::bench::KernelBenchConfig::standard()
+        ..crate::bench::kernels::KernelBenchConfig::standard()
     };
     note!("measuring the {} kernels ...", kernels.path());
-    let report = crate::kernels::bench::run_kernel_bench(kernels, &config)?;
+    let report = crate::bench::kernels::run_kernel_bench(kernels, &config)?;
     let mut out = output::stdout();
     if args.json {
         writeln!(out, "{}", serde_json::to_string(&report)?)?;

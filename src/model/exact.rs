@@ -309,11 +309,11 @@ trait DecodeRows: Sync {
 
 impl DecodeRows for Bf16Matrix {
     fn rows(&self) -> usize {
-        self.rows
+        self.rows()
     }
 
     fn cols(&self) -> usize {
-        self.cols
+        self.cols()
     }
 
     fn decode(&self, r: usize, start: usize, out: &mut [f32]) {
@@ -335,8 +335,8 @@ struct ExpertMatrix<'a> {
 impl<'a> ExpertMatrix<'a> {
     fn new(experts: &'a Mxfp4Experts, expert: usize) -> Self {
         ExpertMatrix {
-            rows: experts.rows,
-            cols: experts.cols,
+            rows: experts.rows(),
+            cols: experts.cols(),
             blocks: experts.blocks(expert),
             scales: experts.scales(expert),
         }

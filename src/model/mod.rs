@@ -66,6 +66,12 @@ pub enum ModelError {
         expected: String,
         found: String,
     },
+    #[error("tensor {tensor} holds {found} bytes; its shape needs {expected}")]
+    TensorBytes {
+        tensor: String,
+        expected: usize,
+        found: usize,
+    },
     #[error("tensor {tensor} has shape {found:?}; expected {expected:?}")]
     WrongShape {
         tensor: String,

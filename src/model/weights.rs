@@ -30,16 +30,24 @@ impl TensorSource for Checkpoint {
     }
 }
 
-/// A row-major [rows, cols] matrix of bfloat16 values, usually straight out of the mapping.
+/// A row-major [rows, cols] matrix of bfloat16 values, usually straight out of the mapping. The
+/// shape is fixed at construction, where it is checked against the bytes.
 #[derive(Clone)]
 pub struct Bf16Matrix {
-    pub rows: usize,
-    pub cols: usize,
+    rows: usize,
+    cols: usize,
     data: TensorBytes,
 }
 
 impl Bf16Matrix {
-    fn new(rows: usize, cols: usize, data: TensorBytes) -> Self {
+    /// The matrix `name` over `data`, which must hold exactly `rows x cols` bf16 values.
+    pub fn new(
+        name: &str,
+        rows: usize,
+        cols: usize,
+        data: TensorBytes,
+    ) -> Result<Self, ModelError> {
+        check_bytes(name, data.len(), rows * cols * 2)?;
         // A shard may place a tensor at an odd offset; then (only then) copy it to aligned memory.
         let data = if data.as_u16().is_some() {
             data
@@ -52,7 +60,15 @@ impl Bf16Matrix {
             let len = words.len() * 2;
             TensorBytes::new(Arc::new(AlignedWords(words)), 0..len)
         };
-        Bf16Matrix { rows, cols, data }
+        Ok(Bf16Matrix { rows, cols, data })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
     }
 
     /// All values as bf16 bit patterns.
@@ -101,16 +117,75 @@ pub struct Linear {
 /// 32-element input blocks are 16 bytes of FP4 codes plus one E8M0 scale byte.
 #[derive(Clone)]
 pub struct Mxfp4Experts {
-    pub num_experts: usize,
-    pub rows: usize,
-    pub cols: usize,
+    num_experts: usize,
+    rows: usize,
+    cols: usize,
     blocks: TensorBytes,
     scales: TensorBytes,
     /// [num_experts, rows]
-    pub bias: Vec<f32>,
+    bias: Vec<f32>,
 }
 
 impl Mxfp4Experts {
+    /// The experts of projection `name` (the tensors' common prefix): `cols` a multiple of 32,
+    /// `blocks` `num_experts x rows x cols / 2` bytes, `scales` one byte per block, `bias`
+    /// `num_experts x rows` values.
+    pub fn new(
+        name: &str,
+        shape: [usize; 3],
+        blocks: TensorBytes,
+        scales: TensorBytes,
+        bias: Vec<f32>,
+    ) -> Result<Self, ModelError> {
+        let [num_experts, rows, cols] = shape;
+        if !cols.is_multiple_of(MXFP4_BLOCK) {
+            return Err(ModelError::WrongShape {
+                tensor: format!("{name}_blocks"),
+                expected: vec![num_experts, rows, cols.div_ceil(MXFP4_BLOCK), 16],
+                found: vec![num_experts, rows, cols],
+            });
+        }
+        check_bytes(
+            &format!("{name}_blocks"),
+            blocks.len(),
+            num_experts * rows * cols / 2,
+        )?;
+        check_bytes(
+            &format!("{name}_scales"),
+            scales.len(),
+            num_experts * rows * cols / MXFP4_BLOCK,
+        )?;
+        if bias.len() != num_experts * rows {
+            return Err(ModelError::WrongShape {
+                tensor: format!("{name}_bias"),
+                expected: vec![num_experts, rows],
+                found: vec![bias.len()],
+            });
+        }
+        Ok(Mxfp4Experts {
+            num_experts,
+            rows,
+            cols,
+            blocks,
+            scales,
+            bias,
+        })
+    }
+
+    pub fn num_experts(&self) -> usize {
+        self.num_experts
+    }
+
+    /// Output rows of each expert's matrix.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input columns of each expert's matrix.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
     pub fn blocks(&self, expert: usize) -> &[u8] {
         let per_expert = self.rows * self.cols / 2;
         &self.blocks.as_slice()[expert * per_expert..(expert + 1) * per_expert]
@@ -260,7 +335,7 @@ fn matrix(
     cols: usize,
 ) -> Result<Bf16Matrix, ModelError> {
     let (_, bytes) = source.tensor(name, &[rows, cols], &[Dtype::Bf16])?;
-    Ok(Bf16Matrix::new(rows, cols, bytes))
+    Bf16Matrix::new(name, rows, cols, bytes)
 }
 
 /// A small tensor (norm, bias, sinks) widened to f32, checked to hold only finite values.
@@ -355,14 +430,19 @@ fn experts(
     }
     let bias_name = format!("{prefix}_bias");
     let bias = vector_of_shape(source, &bias_name, &[num_experts, rows])?;
-    Ok(Mxfp4Experts {
-        num_experts,
-        rows,
-        cols,
-        blocks,
-        scales,
-        bias,
-    })
+    Mxfp4Experts::new(prefix, [num_experts, rows, cols], blocks, scales, bias)
+}
+
+/// The bytes of tensor `name` against what its shape needs.
+fn check_bytes(name: &str, found: usize, expected: usize) -> Result<(), ModelError> {
+    if found != expected {
+        return Err(ModelError::TensorBytes {
+            tensor: name.to_string(),
+            expected,
+            found,
+        });
+    }
+    Ok(())
 }
 
 /// FP4 E2M1 values by nibble (bit 3 is the sign).
@@ -384,6 +464,79 @@ pub fn e8m0_to_f32(scale: u8) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Little-endian bytes of `values`, placed at byte `offset` of a fresh buffer.
+    fn bytes_at(offset: usize, values: &[u16]) -> TensorBytes {
+        let mut bytes = vec![0xEEu8; offset];
+        bytes.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+        bytes.push(0xEE);
+        let end = bytes.len() - 1;
+        TensorBytes::new(Arc::new(bytes), offset..end)
+    }
+
+    #[test]
+    fn a_matrix_at_an_odd_offset_is_copied_to_aligned_memory_value_for_value() {
+        let (rows, cols) = (3, 5);
+        // Distinct, byte-asymmetric values, so a swapped or shifted byte shows.
+        let values: Vec<u16> = (0..rows * cols)
+            .map(|i| 0x3F80 + 0x0101 * i as u16)
+            .collect();
+        let odd = bytes_at(1, &values);
+        assert!(odd.as_u16().is_none(), "the test needs a misaligned view");
+        let matrix = Bf16Matrix::new("odd", rows, cols, odd).unwrap();
+        assert_eq!(matrix.values(), &values[..]);
+        assert_eq!(matrix.row(2), &values[10..15]);
+        assert_eq!((matrix.rows(), matrix.cols()), (rows, cols));
+        assert_eq!(matrix.byte_len(), rows * cols * 2);
+        assert_eq!(bf16_to_f32(matrix.row(0)[0]), 1.0);
+    }
+
+    #[test]
+    fn an_aligned_matrix_is_borrowed_not_copied() {
+        let values: Vec<u16> = (0..8).collect();
+        let even = bytes_at(2, &values);
+        let start = even.as_slice().as_ptr();
+        let matrix = Bf16Matrix::new("even", 2, 4, even).unwrap();
+        assert_eq!(matrix.values().as_ptr().cast::<u8>(), start);
+        assert_eq!(matrix.values(), &values[..]);
+    }
+
+    #[test]
+    fn shapes_that_do_not_match_the_bytes_are_refused() {
+        let Err(err) = Bf16Matrix::new("short", 2, 4, bytes_at(0, &[0; 7])) else {
+            panic!("a short matrix was accepted")
+        };
+        assert!(err.to_string().contains("short"), "{err}");
+        let blocks = TensorBytes::from_vec(vec![0; 2 * 3 * 64 / 2]);
+        let scales = TensorBytes::from_vec(vec![127; 2 * 3 * 2]);
+        assert!(Mxfp4Experts::new(
+            "e",
+            [2, 3, 64],
+            blocks.clone(),
+            scales.clone(),
+            vec![0.0; 6]
+        )
+        .is_ok());
+        assert!(Mxfp4Experts::new(
+            "e",
+            [2, 3, 64],
+            blocks.clone(),
+            scales.clone(),
+            vec![0.0; 5]
+        )
+        .is_err());
+        assert!(Mxfp4Experts::new("e", [2, 4, 64], blocks.clone(), scales, vec![0.0; 8]).is_err());
+        let Err(err) = Mxfp4Experts::new(
+            "e",
+            [2, 3, 48],
+            blocks,
+            TensorBytes::from_vec(vec![]),
+            vec![0.0; 6],
+        ) else {
+            panic!("columns that are not whole blocks were accepted")
+        };
+        assert!(err.to_string().contains("e_blocks"), "{err}");
+    }
 
     #[test]
     fn e8m0_scales_are_powers_of_two() {

@@ -273,8 +273,13 @@ impl FastPass<'_> {
         }
 
         let split = self.activations.split(Product::ExpertGateUp);
-        s.work
-            .quantize(&s.normed[..n * h], h, split, &mut s.expert_in_q);
+        s.work.quantize(
+            self.kernels,
+            &s.normed[..n * h],
+            h,
+            split,
+            &mut s.expert_in_q,
+        );
         s.moe_out[..n * h].fill(0.0);
         if n == 1 {
             self.decode_experts(layer, s);
@@ -312,7 +317,13 @@ impl FastPass<'_> {
         let (h, qw, kvw) = (c.hidden_size, c.q_width(), c.kv_width());
         let matrices = [&fast.q, &fast.k, &fast.v];
         if matrices.iter().any(|m| m.needs_quantized_input()) {
-            work.quantize(x, h, self.activations.split(Product::Dense), xq);
+            work.quantize(
+                self.kernels,
+                x,
+                h,
+                self.activations.split(Product::Dense),
+                xq,
+            );
         }
         let (pq, pk, pv) = (
             self.rows_per_token(&fast.q),
@@ -348,7 +359,13 @@ impl FastPass<'_> {
         out: &mut [f32],
     ) {
         if w.needs_quantized_input() {
-            work.quantize(x, w.cols(), self.activations.split(Product::Dense), xq);
+            work.quantize(
+                self.kernels,
+                x,
+                w.cols(),
+                self.activations.split(Product::Dense),
+                xq,
+            );
         }
         let (per_token, rows) = (self.rows_per_token(w), w.rows());
         let job = Job::dense(w, xq, x, per_token * n, 0);
