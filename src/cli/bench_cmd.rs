@@ -33,6 +33,11 @@ pub struct BenchArgs {
     /// Print one JSON object on stdout instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Measure resuming a chat of --depth tokens (default 4096): time to first token of the next
+    /// turn cold, from a RAM snapshot and from a disk snapshot; snapshot size, compression, write
+    /// time and the cost of a background write to a running decode.
+    #[arg(long)]
+    pub resume: bool,
     /// Measure the kernels alone (GEMV GB/s, GEMM GMAC/s on the 20b expert shape) instead of a model.
     #[arg(long)]
     pub kernels: bool,
@@ -72,6 +77,11 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let model = args.model.load(args.exact)?;
     let pool = args.model.pool()?;
     let load_seconds = load_started.elapsed().as_secs_f64();
+    if args.resume {
+        progress.show("measuring resume", 0, 1);
+        let depth = if args.depth == 0 { 4096 } else { args.depth };
+        return super::resume_bench::run(&model, &pool, depth);
+    }
     limits::check_context(&model, context, &parts)?;
     let plan = BenchPlan {
         prompt_tokens: args.prompt_tokens,

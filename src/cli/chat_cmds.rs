@@ -14,6 +14,8 @@ use crate::chat::{
     render_for_completion, Channel, ChatMessage, Conversation, HarmonyParser, ParseEvent,
     ReasoningEffort, RenderOptions, Tokenizer,
 };
+use crate::engine::kv_tiers::{conversation_label, KvTiers, TierConfig};
+use crate::engine::resume_from_tiers;
 use crate::engine::{
     generate, GenerateEvent, GenerateLimits, GenerateResult, Sampler, SamplerSettings, StopReason,
 };
@@ -95,6 +97,17 @@ pub struct RunArgs {
     /// Seed for reproducible sampling.
     #[arg(long, value_name = "N")]
     pub seed: Option<u64>,
+    /// Directory of KV snapshots: with --conversation, the longest snapshot of the rendered
+    /// prompt is restored instead of prefilled, and the state after the reply is saved (default:
+    /// the platform cache directory).
+    #[arg(long, value_name = "DIR")]
+    pub cache_dir: Option<PathBuf>,
+    /// Disk budget of the snapshot directory in MiB (least recently used files go first).
+    #[arg(long, value_name = "MB", default_value_t = crate::engine::kv_tiers::DEFAULT_DISK_MB)]
+    pub max_disk_mb: u64,
+    /// Neither read nor write KV snapshots.
+    #[arg(long)]
+    pub no_snapshots: bool,
 }
 
 fn join_ids(ids: &[u32]) -> String {
@@ -225,6 +238,30 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     limits::check_context(&model, context, &[("--context", context)])?;
     let pool = args.model.pool()?;
     let mut session = model.new_session(&pool, context);
+    // A saved conversation is what a user reopens: resume it from its snapshot, save it after.
+    let mut tiers = match (&args.conversation, args.no_snapshots) {
+        (Some(_), false) => {
+            let dir = args
+                .cache_dir
+                .clone()
+                .or_else(crate::engine::kv_tiers::default_cache_dir);
+            Some(KvTiers::new(TierConfig {
+                ram_budget_bytes: 0,
+                disk_dir: dir,
+                disk_budget_bytes: args.max_disk_mb << 20,
+            }))
+        }
+        _ => None,
+    };
+    if let Some(tiers) = &mut tiers {
+        let resumed = pool.install(|| resume_from_tiers(&mut session, tiers, &prompt));
+        for notice in tiers.take_notices() {
+            eprintln!("[{notice}]");
+        }
+        if let Some(resumed) = resumed {
+            eprintln!("[{}]", resumed.describe());
+        }
+    }
 
     let stream = !args.json;
     let mut output = RunOutput::default();
@@ -286,6 +323,16 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             },
         )
     });
+    if let (Some(tiers), Ok(_)) = (&mut tiers, &result) {
+        // A failed forward pass may leave the cache half-written: only a finished run is kept.
+        if let Ok(snapshot) = session.snapshot() {
+            tiers.store(snapshot, &conversation_label(&conversation));
+            tiers.flush();
+        }
+        for notice in tiers.take_notices() {
+            eprintln!("[{notice}]");
+        }
+    }
     if let Some(error) = write_error {
         return Err(error).context("cannot write the reply");
     }

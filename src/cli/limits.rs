@@ -44,7 +44,7 @@ pub fn check_context(model: &Model, context: usize, parts: &[(&str, usize)]) -> 
 /// Bytes a session of `context` positions allocates: keys and values of every layer, and the ids.
 pub fn session_bytes(model: &Model, context: usize) -> Option<u64> {
     let c = &model.config;
-    let per_position = 2 * c.num_hidden_layers * c.kv_width() * model.kv_format.bytes_per_value()
+    let per_position = crate::model::kv::KvShape::of(c).bytes_per_position(model.kv_format)
         + std::mem::size_of::<u32>();
     (context as u64).checked_mul(per_position as u64)
 }

@@ -15,10 +15,12 @@ macro_rules! choice_parser {
 
 pub mod app;
 mod bench_cmd;
+mod cache_cmd;
 mod chat_cmds;
 mod limits;
 mod model_cmds;
 pub mod output;
+mod resume_bench;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -65,6 +67,8 @@ pub enum Command {
     Render(chat_cmds::RenderArgs),
     /// Encode text to o200k_harmony ids, or decode ids with --decode.
     Tokenize(chat_cmds::TokenizeArgs),
+    /// List the KV snapshots on disk (chat, tokens, size, age), or `cache clear` to delete them.
+    Cache(cache_cmd::CacheArgs),
 }
 
 /// Where the weights come from: a checkpoint directory or a synthetic preset.
@@ -194,6 +198,7 @@ pub fn main() -> ExitCode {
         Some(Command::Run(args)) => chat_cmds::run(args),
         Some(Command::Render(args)) => chat_cmds::render(args),
         Some(Command::Tokenize(args)) => chat_cmds::tokenize(args),
+        Some(Command::Cache(args)) => cache_cmd::cache(args),
         None => app::run(cli.app),
     };
     output::exit_code(result)

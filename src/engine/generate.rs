@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use crate::chat::{HarmonyParser, ParseEvent, StopToken};
-use crate::model::{ActivationFormat, ForwardError, Session};
+use crate::model::{ActivationFormat, ForwardError, KvFormat, KvSnapshot, Session, SnapshotError};
 
 use super::sampler::{Sampler, SamplerError, SamplerSettings};
 
@@ -35,6 +35,20 @@ pub trait InferenceSession {
     /// Switches the activation format; a change empties the cache, whose keys and values were
     /// computed the other way.
     fn set_activations(&mut self, format: ActivationFormat);
+    /// What computed the cache rows and their element type, for KV snapshots; `None` for a
+    /// session that cannot snapshot (then the engine keeps no tiers for it).
+    fn kv_identity(&self) -> Option<(u64, KvFormat)> {
+        None
+    }
+    /// The state after every cached token.
+    fn snapshot(&self) -> Result<KvSnapshot, SnapshotError> {
+        Err(SnapshotError::Empty)
+    }
+    /// Replaces the cache with the first `len` tokens of `snapshot`.
+    fn restore(&mut self, snapshot: &KvSnapshot, len: usize) -> Result<(), SnapshotError> {
+        let _ = (snapshot, len);
+        Err(SnapshotError::Empty)
+    }
 }
 
 /// The streaming parser of one reply (harmony's, or a test's toy format).
@@ -96,6 +110,15 @@ impl InferenceSession for Session {
     }
     fn set_activations(&mut self, format: ActivationFormat) {
         Session::set_activations(self, format)
+    }
+    fn kv_identity(&self) -> Option<(u64, KvFormat)> {
+        Some((Session::kv_fingerprint(self), Session::kv_format(self)))
+    }
+    fn snapshot(&self) -> Result<KvSnapshot, SnapshotError> {
+        Session::snapshot(self)
+    }
+    fn restore(&mut self, snapshot: &KvSnapshot, len: usize) -> Result<(), SnapshotError> {
+        Session::restore(self, snapshot, len)
     }
 }
 
@@ -378,6 +401,65 @@ pub fn common_prefix_len(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
+/// Restores into `session` the snapshot of `tiers` that covers the longest prefix of `prompt`,
+/// when it covers more than the live cache already does. Returns what was resumed (tokens, tier,
+/// time including the disk read). The caller then runs [`generate`], which keeps the restored
+/// prefix and prefills only the rest.
+pub fn resume_from_tiers<S: InferenceSession + ?Sized>(
+    session: &mut S,
+    tiers: &mut super::kv_tiers::KvTiers,
+    prompt: &[u32],
+) -> Option<Resumed> {
+    let (fingerprint, format) = session.kv_identity()?;
+    let started = Instant::now();
+    let live = common_prefix_len(session.tokens(), prompt).min(prompt.len().saturating_sub(1));
+    let found = tiers.best(fingerprint, format, prompt, live)?;
+    match session.restore(&found.snapshot, found.matched) {
+        Ok(()) => {
+            tiers.record_hit();
+            Some(Resumed {
+                tokens: found.matched,
+                tier: found.tier,
+                took: started.elapsed(),
+            })
+        }
+        // `best` matched the identity, so this is a shape or length problem: prefill instead.
+        Err(_) => None,
+    }
+}
+
+/// A prefix resumed from a snapshot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Resumed {
+    pub tokens: usize,
+    pub tier: super::kv_tiers::Tier,
+    pub took: Duration,
+}
+
+impl Resumed {
+    /// "resumed 4,096 tokens from disk in 0.3 s"
+    pub fn describe(&self) -> String {
+        format!(
+            "resumed {} tokens from {} in {:.1} s",
+            group_thousands(self.tokens as u64),
+            self.tier.name(),
+            self.took.as_secs_f64()
+        )
+    }
+}
+
+/// 4096 -> "4,096".
+pub fn group_thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
 #[cfg(test)]
 mod tests {
     use super::*;

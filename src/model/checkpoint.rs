@@ -289,6 +289,28 @@ impl Checkpoint {
         Ok(())
     }
 
+    /// A hash of every tensor's header entry (name, dtype, shape, shard, byte range): two
+    /// checkpoints with the same fingerprint and config lay out the same tensors. Weight bytes
+    /// are not read (that would take minutes for the 20b).
+    pub fn fingerprint(&self) -> u64 {
+        let mut names: Vec<&String> = self.tensors.keys().collect();
+        names.sort();
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        for name in names {
+            let info = &self.tensors[name];
+            hasher.update(name.as_bytes());
+            let entry = format!(
+                "|{:?}|{:?}|{}|{:?};",
+                info.dtype, info.shape, info.shard, info.range
+            );
+            hasher.update(entry.as_bytes());
+        }
+        for shard in &self.shards {
+            hasher.update(&(shard.map.bytes().len() as u64).to_le_bytes());
+        }
+        hasher.digest()
+    }
+
     pub fn dir(&self) -> &Path {
         &self.dir
     }

@@ -113,6 +113,7 @@ pub fn forward_chunk(
         match kv.layer(l) {
             LayerKvOf::F16(cache) => attention(model, layer, start, n, s, cache),
             LayerKvOf::F32(cache) => attention(model, layer, start, n, s, cache),
+            LayerKvOf::Q8(_) => unreachable!("an exact session keeps an f32 cache (Session::new)"),
         }
         add_into(&mut s.x[..n * h], &s.proj[..n * h]);
         rms_norm_rows(

@@ -218,6 +218,8 @@ pub struct GgufFile {
     metadata: HashMap<String, Value>,
     tensors: HashMap<String, GgufTensor>,
     pub alignment: usize,
+    /// Bytes before the tensor data: header, metadata and tensor table.
+    header_len: usize,
 }
 
 /// Walks the mapped bytes; every read checks the remaining length first.
@@ -527,6 +529,7 @@ impl GgufFile {
                 )));
             }
         }
+        let header_len = data_start.min(bytes.len());
         Ok(GgufFile {
             path: path.to_owned(),
             map,
@@ -534,11 +537,24 @@ impl GgufFile {
             metadata,
             tensors,
             alignment,
+            header_len,
         })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// A hash of everything before the tensor data (metadata, names, types, shapes, offsets) and
+    /// of the file's length: two files with the same fingerprint lay out the same tensors, as
+    /// [`Checkpoint::fingerprint`](super::checkpoint::Checkpoint::fingerprint) promises for
+    /// shards. Weight bytes are not read.
+    pub fn fingerprint(&self) -> u64 {
+        let bytes = self.map.bytes();
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        hasher.update(&bytes[..self.header_len]);
+        hasher.update(&(bytes.len() as u64).to_le_bytes());
+        hasher.digest()
     }
 
     pub fn tensor(&self, name: &str) -> Option<&GgufTensor> {

@@ -171,10 +171,12 @@ impl MemoryNeeds {
             (_, WeightFormat::Q8) => params * 34 / 32,
             (_, WeightFormat::Q4) => params * 18 / 32,
         };
-        let kv_bytes = match precision {
-            Precision::Exact => 4,
-            Precision::Fast => kv.bytes_per_value() as u64,
+        let kv_format = match precision {
+            Precision::Exact => KvFormat::F32,
+            Precision::Fast => kv,
         };
+        // Keys and values of every layer: one row per KV head and position.
+        let row_bytes = kv_format.row_bytes(config.head_dim) as u64;
         MemoryNeeds {
             weights: total,
             owned: loaded + converted,
@@ -183,8 +185,8 @@ impl MemoryNeeds {
             kv: 2
                 * config.num_hidden_layers as u64
                 * context as u64
-                * config.kv_width() as u64
-                * kv_bytes,
+                * config.num_key_value_heads as u64
+                * row_bytes,
             context,
         }
     }

@@ -227,6 +227,12 @@ impl FastPass<'_> {
         match cache {
             LayerKvOf::F16(cache) => self.store_and_attend(layer, start, n, (q, k, v), cache, attn),
             LayerKvOf::F32(cache) => self.store_and_attend(layer, start, n, (q, k, v), cache, attn),
+            LayerKvOf::Q8(mut cache) => {
+                for (i, (key, value)) in k.chunks_exact(kvw).zip(v.chunks_exact(kvw)).enumerate() {
+                    cache.store(start + i, key, value);
+                }
+                self.attend_q8(layer, start, n, q, &cache, attn);
+            }
         }
         self.project(&fast.o, attn, n, &mut s.attn_q, &mut s.work, &mut s.proj);
         add_bias_rows(&mut s.proj[..n * h], &a.o.bias);
