@@ -310,3 +310,13 @@ fn the_app_treats_gguf_files_and_ollama_names_as_models() {
     assert!(!looks_loadable(&fixtures().join("gguf/absent.gguf")));
     assert!(!looks_loadable(&fixtures().join("harmony")));
 }
+
+#[test]
+fn gguf_fingerprints_tell_files_apart() {
+    use ossterm::model::gguf::GgufFile;
+    let open = |name: &str| GgufFile::open(&fixtures().join("gguf").join(name)).unwrap();
+    let single = open("tiny_single.gguf").fingerprint();
+    assert_eq!(single, open("tiny_single.gguf").fingerprint());
+    assert_ne!(single, open("tiny_single_q8_0.gguf").fingerprint());
+    assert_ne!(single, open("tiny_gqa8.gguf").fingerprint());
+}
