@@ -147,7 +147,7 @@ pub struct TensorInfo {
 
 struct Shard {
     path: PathBuf,
-    map: Arc<Mmap>,
+    map: Arc<dyn ByteOwner>,
 }
 
 /// All shards of a checkpoint, mapped, with an index of their tensors.
@@ -187,6 +187,41 @@ impl Checkpoint {
         Ok(checkpoint)
     }
 
+    /// A checkpoint whose files (`model.safetensors.index.json`, shards) are held in memory, read
+    /// by the same parsing as [`Checkpoint::open`]; `dir` only names the files in messages. For
+    /// the fuzz targets, which cannot afford a directory per input.
+    pub fn from_memory(dir: &Path, files: &HashMap<String, Vec<u8>>) -> Result<Self, ModelError> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let shard_files: Vec<String> = match files.get("model.safetensors.index.json") {
+            Some(bytes) => {
+                let text = std::str::from_utf8(bytes).map_err(|error| ModelError::Io {
+                    path: index_path.clone(),
+                    source: std::io::Error::new(std::io::ErrorKind::InvalidData, error),
+                })?;
+                parse_index(text, &index_path)?
+            }
+            None if files.contains_key("model.safetensors") => vec!["model.safetensors".into()],
+            None => return Err(ModelError::NoWeights(dir.to_owned())),
+        };
+        let mut checkpoint = Checkpoint {
+            dir: dir.to_owned(),
+            shards: Vec::new(),
+            tensors: HashMap::new(),
+            unsupported: HashMap::new(),
+        };
+        for file in shard_files {
+            let path = dir.join(&file);
+            let Some(bytes) = files.get(&file) else {
+                return Err(ModelError::MissingShard {
+                    index: index_path,
+                    shard: path,
+                });
+            };
+            checkpoint.add_shard(path, Arc::new(bytes.clone()))?;
+        }
+        Ok(checkpoint)
+    }
+
     fn map_shard(&mut self, file: &str, index_path: &Path) -> Result<(), ModelError> {
         let path = self.dir.join(file);
         if !path.is_file() {
@@ -206,20 +241,26 @@ impl Checkpoint {
             path: path.clone(),
             source,
         })?;
+        self.add_shard(path, Arc::new(map))
+    }
+
+    /// Indexes the tensors of one shard's bytes (its file's mapping, or a buffer).
+    fn add_shard(&mut self, path: PathBuf, map: Arc<dyn ByteOwner>) -> Result<(), ModelError> {
         let shard_index = self.shards.len();
         let bad = |message: String| ModelError::BadShard {
             path: path.clone(),
             message,
         };
-        if map.len() < 8 {
+        let bytes = map.bytes();
+        if bytes.len() < 8 {
             return Err(bad(format!(
                 "the file is {} bytes; a safetensors file starts with an 8-byte header length",
-                map.len()
+                bytes.len()
             )));
         }
         let parsed =
-            SafeTensors::deserialize(&map).map_err(|e| bad(describe_safetensors_error(e)))?;
-        let base = map.as_ptr() as usize;
+            SafeTensors::deserialize(bytes).map_err(|e| bad(describe_safetensors_error(e)))?;
+        let base = bytes.as_ptr() as usize;
         for (name, view) in parsed.tensors() {
             let data = view.data();
             let start = data.as_ptr() as usize - base;
@@ -248,10 +289,7 @@ impl Checkpoint {
             );
         }
         drop(parsed);
-        self.shards.push(Shard {
-            path,
-            map: Arc::new(map),
-        });
+        self.shards.push(Shard { path, map });
         Ok(())
     }
 
@@ -331,11 +369,17 @@ fn read_index(path: &Path) -> Result<Vec<String>, ModelError> {
         path: path.to_owned(),
         source,
     })?;
+    parse_index(&text, path)
+}
+
+/// The shard file names of an index's `weight_map`, sorted, each once; `path` names the index in
+/// messages.
+fn parse_index(text: &str, path: &Path) -> Result<Vec<String>, ModelError> {
     let bad = |message: String| ModelError::BadIndex {
         path: path.to_owned(),
         message,
     };
-    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
     let map = value
         .get("weight_map")
         .and_then(|m| m.as_object())
