@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Writes the committed seed corpora of the fuzz targets (fuzz/seeds/TARGET/) from the test fixtures
-and hand-made cases. Deterministic: rerunning gives the same files. Run from the repository root:
+and hand-made cases, next to the `found-*` inputs that once crashed a target. Deterministic:
+rerunning gives the same files. Run from the repository root:
 
     python3 fuzz/make_seeds.py
 """
@@ -19,8 +20,10 @@ SEEDS = ROOT / "fuzz" / "seeds"
 def write(target, cases):
     folder = SEEDS / target
     folder.mkdir(parents=True, exist_ok=True)
+    # `found-*` files are inputs that once crashed a target (kept as regression seeds).
     for old in folder.iterdir():
-        old.unlink()
+        if not old.name.startswith("found-"):
+            old.unlink()
     for name, data in cases:
         if isinstance(data, str):
             data = data.encode()

@@ -14,8 +14,10 @@
 #                   checks (panics, aborts, timeouts, the RSS limit) and the targets' allocation
 #                   bound work either way. Overflow checks and debug assertions are always on.
 #   FUZZ_RSS_MB     libFuzzer's -rss_limit_mb (default 1024).
+#   FUZZ_RUNS       also stop a target after this many executions (libFuzzer's -runs).
 #   FUZZ_INSTALL=1  install cargo-fuzz with `cargo install` when it is missing.
 #   FUZZ_JOBS       targets fuzzed at once (default 1: the machine's builds keep priority).
+#   FUZZ_LOG_DIR    keep libFuzzer's log of each target there (default: a temporary directory).
 #   FUZZ_TARGET_DIR where the instrumented build goes (default fuzz/target); CI points it at a
 #                   cache outside the clone so that a machine builds the dependencies once.
 #
@@ -60,7 +62,7 @@ fi
 max_len() {
     case $1 in
         checkpoint) echo 65536 ;;
-        conversation_file | conversation_roundtrip) echo 16384 ;;
+        conversation_file) echo 8192 ;;
         *) echo 4096 ;;
     esac
 }
@@ -71,8 +73,13 @@ echo "fuzz: building ${#targets[@]} targets (sanitizer $sanitizer)"
 nice -n 10 cargo +nightly fuzz build --sanitizer "$sanitizer" --debug-assertions -O \
     --target-dir "$target_dir"
 
-logs=$(mktemp -d)
-trap 'rm -rf "$logs"' EXIT
+if [[ -n ${FUZZ_LOG_DIR:-} ]]; then
+    logs=$FUZZ_LOG_DIR
+    mkdir -p "$logs"
+else
+    logs=$(mktemp -d)
+    trap 'rm -rf "$logs"' EXIT
+fi
 
 run_target() {
     local target=$1
@@ -82,26 +89,21 @@ run_target() {
         "corpus/$target" "seeds/$target" \
         -artifact_prefix="artifacts/$target/" \
         -max_total_time="$seconds" -rss_limit_mb="$rss_mb" -max_len="$(max_len "$target")" \
-        -timeout=10 -print_final_stats=1 >"$logs/$target.log" 2>&1
+        ${FUZZ_RUNS:+-runs="$FUZZ_RUNS"} -timeout=10 -print_final_stats=1 >"$logs/$target.log" 2>&1
 }
 
 status=0
 passed=0
 failed=0
-pids=()
 names=()
 for target in "${targets[@]}"; do
+    while [[ $(jobs -rp | wc -l) -ge ${FUZZ_JOBS:-1} ]]; do
+        wait -n || true
+    done
     run_target "$target" &
-    pids+=($!)
     names+=("$target")
-    if [[ ${#pids[@]} -ge ${FUZZ_JOBS:-1} ]]; then
-        wait "${pids[0]}" || true
-        pids=("${pids[@]:1}")
-    fi
 done
-for pid in "${pids[@]}"; do
-    wait "$pid" || true
-done
+wait || true
 
 printf '%-24s %14s %10s %8s %s\n' target executions exec/s corpus result
 for target in "${names[@]}"; do

@@ -254,6 +254,22 @@ mod tests {
     use super::*;
 
     #[test]
+    fn id_lists_parse_with_spaces_and_name_what_is_not_an_id() {
+        assert_eq!(
+            parse_ids(" 200006, 1428 ,0").unwrap(),
+            vec![200006, 1428, 0]
+        );
+        for bad in ["", "1,,2", "1;2", "-1", "4294967296"] {
+            let error = parse_ids(bad).unwrap_err().to_string();
+            assert!(error.contains("is not a token id"), "{bad:?}: {error}");
+        }
+        assert!(parse_ids("7,x y")
+            .unwrap_err()
+            .to_string()
+            .contains("\"x y\""));
+    }
+
+    #[test]
     fn utf8_stream_holds_split_characters_back() {
         let mut stream = Utf8Stream::default();
         let snowman = "☃".as_bytes();
