@@ -83,7 +83,7 @@ fi
 
 run_target() {
     local target=$1
-    mkdir -p "corpus/$target" "artifacts/$target"
+    mkdir -p "corpus/$target" "artifacts/$target" "seeds/$target"
     # The binary is run directly (cargo fuzz run would rebuild and adds nothing here).
     nice -n 19 "$target_dir/x86_64-unknown-linux-gnu/release/$target" \
         "corpus/$target" "seeds/$target" \

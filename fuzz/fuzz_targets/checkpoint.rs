@@ -32,6 +32,9 @@ static ALLOC: LimitingAllocator = LimitingAllocator::with_limit_mib(64);
 
 const INDEX: &str = "model.safetensors.index.json";
 
+/// A checkpoint directory: file name -> bytes.
+type Files = HashMap<String, Vec<u8>>;
+
 /// One tensor as the header will describe it.
 struct Tensor {
     name: String,
@@ -275,27 +278,16 @@ fn tensors_for(
             skew: (0, 0),
         })
     };
-    let mut matrix = |push: &mut dyn FnMut(String, &str, &[usize], Vec<u8>),
-                      name: String,
-                      rows: usize,
-                      cols: usize| {
-        push(name, "BF16", &[rows, cols], filler.bf16(rows * cols));
-    };
     let h = config.hidden_size;
-    matrix(
-        &mut push,
-        "model.embed_tokens.weight".into(),
-        config.vocab_size,
-        h,
-    );
+    let mut matrices: Vec<(String, usize, usize)> =
+        vec![("model.embed_tokens.weight".into(), config.vocab_size, h)];
     if !config.tie_word_embeddings {
-        matrix(&mut push, "lm_head.weight".into(), config.vocab_size, h);
+        matrices.push(("lm_head.weight".into(), config.vocab_size, h));
     }
     let (q, kv) = (config.q_width(), config.kv_width());
     let e = config.num_local_experts;
     let i = config.intermediate_size;
     let mut vectors: Vec<(String, Vec<usize>)> = vec![("model.norm.weight".into(), vec![h])];
-    let mut matrices: Vec<(String, usize, usize)> = Vec::new();
     let mut experts: Vec<(String, usize, usize)> = Vec::new();
     for l in 0..config.num_hidden_layers {
         let p = format!("model.layers.{l}.");
@@ -319,7 +311,7 @@ fn tensors_for(
         experts.push((format!("{p}mlp.experts.down_proj"), h, i));
     }
     for (name, rows, cols) in matrices {
-        matrix(&mut push, name, rows, cols);
+        push(name, "BF16", &[rows, cols], filler.bf16(rows * cols));
     }
     for (name, rows, cols) in experts {
         let blocks = cols / 32;
@@ -383,7 +375,7 @@ fn assemble(header: &[u8], data: &[u8]) -> Vec<u8> {
 
 /// Builds a valid checkpoint, applies the edits, and returns the files and, when nothing was
 /// edited, the config the checkpoint must load as.
-fn built(u: &mut Unstructured<'_>) -> Result<(HashMap<String, Vec<u8>>, Option<ModelConfig>)> {
+fn built(u: &mut Unstructured<'_>) -> Result<(Files, Option<ModelConfig>)> {
     let config = small_config(u)?;
     let mut filler = Filler(u.arbitrary()?);
     let f32_mask: u64 = u.arbitrary()?;

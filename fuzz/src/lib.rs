@@ -50,10 +50,10 @@ impl LimitingAllocator {
 fn report_and_abort(request: usize, live: usize, limit: usize) -> ! {
     let mut buffer = [0u8; 160];
     let mut cursor = std::io::Cursor::new(&mut buffer[..]);
-    let _ = write!(
+    let _ = writeln!(
         cursor,
         "fuzz allocation limit: a request of {request} bytes makes {live} live heap bytes, \
-         over the bound of {limit}\n"
+         over the bound of {limit}"
     );
     let written = cursor.position() as usize;
     let _ = std::io::stderr().write_all(&buffer[..written]);
