@@ -222,9 +222,10 @@ fn a_following_turn_reuses_the_cached_prefix() {
 #[test]
 fn synthetic_tiny_model_generates_and_reuses_its_cache_exactly() {
     let model = Arc::new(Model::synthetic(Preset::Tiny, 0, &LoadOptions::default()).unwrap());
+    let pool = ossterm::engine::build_pool(2).unwrap();
     let prompt = prompt();
     let cold = |max_tokens| {
-        let mut session = model.new_session(512);
+        let mut session = model.new_session(&pool, 512);
         let mut sampler = Sampler::new(SamplerSettings {
             seed: Some(3),
             ..SamplerSettings::default()

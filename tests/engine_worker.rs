@@ -32,7 +32,7 @@ const TOY_PREFILL_CHUNK: usize = 128;
 struct Journal {
     prefill_chunks: Vec<usize>,
     decodes: usize,
-    /// Threads of the rayon pool each prefill ran on.
+    /// Threads of the pool each prefill ran on (the session's).
     prefill_threads: Vec<usize>,
     /// KV cache type of every session made.
     sessions: Vec<KvCacheType>,
@@ -52,6 +52,8 @@ struct ToyModel {
 }
 
 struct ToySession {
+    /// The pool the session computes on, as a real session holds it.
+    pool: Arc<rayon::ThreadPool>,
     activations: ActivationFormat,
     /// The state before any token; it depends on the activation format, so sessions of different
     /// formats give different logits, as the real forward pass does.
@@ -102,7 +104,9 @@ impl InferenceSession for ToySession {
         std::thread::sleep(self.step_delay);
         let mut journal = self.journal.lock().unwrap();
         journal.prefill_chunks.push(tokens.len());
-        journal.prefill_threads.push(rayon::current_num_threads());
+        journal
+            .prefill_threads
+            .push(self.pool.install(rayon::current_num_threads));
         drop(journal);
         for &token in tokens {
             self.append(token);
@@ -152,11 +156,17 @@ impl InferenceSession for ToySession {
     }
 }
 
+/// A pool for toy sessions made outside the engine.
+fn toy_pool() -> Arc<rayon::ThreadPool> {
+    ossterm::engine::build_pool(1).unwrap()
+}
+
 impl ModelBackend for ToyModel {
     type Session = ToySession;
 
     fn new_session(
         model: &Arc<Self>,
+        pool: &Arc<rayon::ThreadPool>,
         context_limit: usize,
         kv_cache: KvCacheType,
         activations: ActivationFormat,
@@ -165,6 +175,7 @@ impl ModelBackend for ToyModel {
         journal.sessions.push(kv_cache);
         journal.session_activations.push(activations);
         Ok(ToySession {
+            pool: Arc::clone(pool),
             activations,
             start: start_state(activations),
             tokens: Vec::new(),
@@ -174,6 +185,10 @@ impl ModelBackend for ToyModel {
             step_delay: model.step_delay,
             journal: Arc::clone(&model.journal),
         })
+    }
+
+    fn set_session_pool(session: &mut ToySession, pool: &Arc<rayon::ThreadPool>) {
+        session.pool = Arc::clone(pool);
     }
 
     fn requantized(
@@ -460,8 +475,14 @@ fn common_prefix_and_rewind_keep_one_token_to_prefill() {
         journal: Default::default(),
         requantize_gate: None,
     });
-    let mut session =
-        ToyModel::new_session(&model, 100, KvCacheType::F16, ActivationFormat::Mixed).unwrap();
+    let mut session = ToyModel::new_session(
+        &model,
+        &toy_pool(),
+        100,
+        KvCacheType::F16,
+        ActivationFormat::Mixed,
+    )
+    .unwrap();
     session.prefill(&[5, 6, 7, 8]).unwrap();
     assert_eq!(rewind_for_prompt(&mut session, &[5, 6, 9]), 2);
     assert_eq!(session.tokens(), &[5, 6]);
@@ -483,16 +504,28 @@ fn reused_prefix_gives_the_same_logits_as_a_cold_prefill() {
     let mut second = first[..30].to_vec();
     second.extend([3, 1, 4, 1, 5, 9, 2, 6]);
 
-    let mut warm =
-        ToyModel::new_session(&model, 100, KvCacheType::F16, ActivationFormat::Mixed).unwrap();
+    let mut warm = ToyModel::new_session(
+        &model,
+        &toy_pool(),
+        100,
+        KvCacheType::F16,
+        ActivationFormat::Mixed,
+    )
+    .unwrap();
     warm.prefill(&first).unwrap();
     warm.decode(7).unwrap();
     let reused = rewind_for_prompt(&mut warm, &second);
     assert_eq!(reused, 30);
     let warm_logits = warm.prefill(&second[reused..]).unwrap().to_vec();
 
-    let mut cold =
-        ToyModel::new_session(&model, 100, KvCacheType::F16, ActivationFormat::Mixed).unwrap();
+    let mut cold = ToyModel::new_session(
+        &model,
+        &toy_pool(),
+        100,
+        KvCacheType::F16,
+        ActivationFormat::Mixed,
+    )
+    .unwrap();
     let cold_logits = cold.prefill(&second).unwrap().to_vec();
     assert_eq!(warm_logits, cold_logits);
 }
@@ -575,11 +608,14 @@ fn cancel_stops_within_one_token() {
     );
     // The engine serves the next request normally.
     let next = harness.generate(2, conversation(&[(Role::User, None, "go")]));
+    let (reason, _, _) = turn_done(&next);
     assert!(
-        matches!(
-            turn_done(&next).0,
-            StopReason::MaxTokens | StopReason::Finished
-        ) || !streamed_text(&next).is_empty()
+        matches!(reason, StopReason::MaxTokens | StopReason::Finished),
+        "the next turn ended with {reason:?}"
+    );
+    assert!(
+        !streamed_text(&next).is_empty(),
+        "the next turn streamed no text"
     );
 }
 
@@ -738,8 +774,10 @@ fn real_model_reuse_gives_the_same_logits_as_a_cold_prefill() {
     let mut second = first[..35].to_vec();
     second.extend((0..9).map(|index| (index * 104_729 + 5) % vocab));
 
+    let pool = ossterm::engine::build_pool(2).unwrap();
     let mut warm = <Model as ModelBackend>::new_session(
         &model,
+        &pool,
         256,
         KvCacheType::F32,
         ActivationFormat::Mixed,
@@ -755,6 +793,7 @@ fn real_model_reuse_gives_the_same_logits_as_a_cold_prefill() {
 
     let mut cold = <Model as ModelBackend>::new_session(
         &model,
+        &pool,
         256,
         KvCacheType::F32,
         ActivationFormat::Mixed,
@@ -1068,8 +1107,10 @@ fn real_model_session_switch_computes_like_a_model_built_that_way() {
     let mixed_model = build(ActivationFormat::Mixed);
     let vocab = mixed_model.config.vocab_size as u32;
     let prompt: Vec<u32> = (0..40).map(|index| (index * 7919 + 11) % vocab).collect();
+    let pool = ossterm::engine::build_pool(2).unwrap();
     let new_session = |model: &Arc<Model>, activations| {
-        <Model as ModelBackend>::new_session(model, 128, KvCacheType::F16, activations).unwrap()
+        <Model as ModelBackend>::new_session(model, &pool, 128, KvCacheType::F16, activations)
+            .unwrap()
     };
 
     // Through the worker's traits: made as mixed, switched to q8 with a warm cache.

@@ -6,6 +6,11 @@ use std::sync::Arc;
 
 use ossterm::model::{ActivationFormat, LoadOptions, Model, Precision, WeightFormat};
 
+/// The pool sessions compute on, built as the app builds its own.
+fn pool() -> Arc<rayon::ThreadPool> {
+    ossterm::engine::build_pool(2).expect("a pool of two threads")
+}
+
 fn fixture_dirs() -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
@@ -31,7 +36,7 @@ fn tokens(dir: &Path) -> Vec<u32> {
 fn all_logits(dir: &Path, opts: &LoadOptions) -> (Vec<f32>, usize) {
     let model = Arc::new(Model::load(dir, opts).unwrap());
     let tokens = tokens(dir);
-    let mut session = model.new_session(tokens.len());
+    let mut session = model.new_session(&pool(), tokens.len());
     let mut logits = Vec::new();
     session.prefill_all_logits(&tokens, &mut logits).unwrap();
     (logits, model.config.vocab_size)
@@ -108,12 +113,13 @@ fn default_fast_path_agrees_with_the_exact_path() {
             r.top1,
             r.positions
         );
-        // Typical positions stay within a few percent; the few beyond are where a near-tied router
-        // choice flipped, which changes that token's path through the experts.
-        assert!(p90 < 0.06, "{}: p90 error {p90}", dir.display());
+        // README: median 1.4-1.8%, p90 2.3-3.2%, worst 44%. The worst positions are where a
+        // near-tied router choice flipped, which changes that token's path through the experts.
+        assert!(median < 0.022, "{}: median error {median}", dir.display());
+        assert!(p90 < 0.04, "{}: p90 error {p90}", dir.display());
         assert!(max < 0.5, "{}: max error {max}", dir.display());
         assert!(
-            r.top1 * 10 >= r.positions * 9,
+            r.top1 * 100 >= r.positions * 93,
             "{}: top-1 {}/{}",
             dir.display(),
             r.top1,
@@ -122,31 +128,82 @@ fn default_fast_path_agrees_with_the_exact_path() {
         agree += r.top1;
         total += r.positions;
     }
+    // README: 326/336.
     assert!(
-        agree * 100 >= total * 95,
-        "top-1 agreement {agree}/{total} is under 95%"
+        agree * 1000 >= total * 960,
+        "top-1 agreement {agree}/{total} is under 96%"
     );
 }
 
+/// What README's accuracy table measures for one format on small_wide (128 positions), with a
+/// small margin: at least `top1` positions agree, the 90th percentile and the worst position stay
+/// under `p90` and `max`. A format that computes like a worse one fails its row.
+struct Bound {
+    weights: WeightFormat,
+    activations: ActivationFormat,
+    top1: usize,
+    p90: f32,
+    max: f32,
+}
+
+const BOUNDS: [Bound; 9] = {
+    use ActivationFormat::{Mixed, Q8x2, Q8 as A8};
+    use WeightFormat::{Native, Q4, Q8};
+    const fn row(
+        weights: WeightFormat,
+        activations: ActivationFormat,
+        top1: usize,
+        p90: f32,
+        max: f32,
+    ) -> Bound {
+        Bound {
+            weights,
+            activations,
+            top1,
+            p90,
+            max,
+        }
+    }
+    [
+        row(Native, A8, 122, 0.035, 0.22),
+        row(Native, Mixed, 123, 0.025, 0.21),
+        row(Native, Q8x2, 127, 0.001, 0.002),
+        row(Q8, A8, 112, 0.06, 0.24),
+        row(Q8, Mixed, 122, 0.04, 0.22),
+        row(Q8, Q8x2, 123, 0.028, 0.22),
+        row(Q4, A8, 78, 0.45, 0.85),
+        row(Q4, Mixed, 78, 0.45, 0.85),
+        row(Q4, Q8x2, 76, 0.45, 0.85),
+    ]
+};
+
 #[test]
-fn every_format_runs_and_stays_bounded() {
-    let dir = &fixture_dirs()[0];
+fn every_format_stays_within_its_measured_accuracy() {
+    let dir = fixture_dirs()
+        .into_iter()
+        .find(|dir| dir.ends_with("small_wide"))
+        .expect("the small_wide fixture");
     for weights in WeightFormat::ALL {
         for activations in ActivationFormat::ALL {
+            let bound = BOUNDS
+                .iter()
+                .find(|b| b.weights == *weights && b.activations == *activations)
+                .unwrap_or_else(|| panic!("no bound for {weights}/{activations}"));
             let opts = LoadOptions {
                 weights: *weights,
                 activations: *activations,
                 ..LoadOptions::default()
             };
-            let r = compare(dir, &opts);
+            let r = compare(&dir, &opts);
             let (p90, max) = (r.quantile(0.9), r.quantile(1.0));
             eprintln!(
                 "{weights} weights, {activations} activations: top-1 {}/{}, p90 error {p90:.4}, max {max:.4}",
                 r.top1, r.positions
             );
-            assert!(max < 1.0, "{weights}/{activations}: error {max}");
+            assert!(p90 <= bound.p90, "{weights}/{activations}: p90 error {p90}");
+            assert!(max <= bound.max, "{weights}/{activations}: max error {max}");
             assert!(
-                r.top1 * 2 >= r.positions,
+                r.top1 >= bound.top1,
                 "{weights}/{activations}: top-1 {}/{}",
                 r.top1,
                 r.positions
@@ -161,10 +218,10 @@ fn fast_decode_agrees_with_fast_prefill() {
         let model = Arc::new(Model::load(&dir, &LoadOptions::default()).unwrap());
         let tokens = tokens(&dir);
         let vocab = model.config.vocab_size;
-        let mut batch = model.new_session(tokens.len());
+        let mut batch = model.new_session(&pool(), tokens.len());
         let mut want = Vec::new();
         batch.prefill_all_logits(&tokens, &mut want).unwrap();
-        let mut stepwise = model.new_session(tokens.len());
+        let mut stepwise = model.new_session(&pool(), tokens.len());
         let mut got = Vec::with_capacity(want.len());
         for &token in &tokens {
             got.extend_from_slice(stepwise.decode(token).unwrap());
@@ -255,7 +312,7 @@ fn switching_a_session_computes_like_a_session_built_with_that_format() {
     };
     for from in ActivationFormat::ALL.iter().copied() {
         let model = build(from);
-        let mut session = model.new_session(128);
+        let mut session = model.new_session(&pool(), 128);
         assert_eq!(
             session.activations(),
             from,
@@ -274,7 +331,7 @@ fn switching_a_session_computes_like_a_session_built_with_that_format() {
             assert_eq!(session.activations(), to);
             assert!(session.is_empty(), "{from} -> {to} kept the cache");
             let switched = run(&mut session);
-            let fresh = run(&mut build(to).new_session(128));
+            let fresh = run(&mut build(to).new_session(&pool(), 128));
             assert!(
                 switched == fresh,
                 "{from} -> {to} differs from a fresh {to} session"

@@ -6,8 +6,9 @@
 use std::sync::Arc;
 
 use ossterm::chat::{HarmonyParser, Tokenizer};
-use ossterm::engine::{generate, on_pool, GenerateLimits, Sampler, SamplerSettings};
+use ossterm::engine::{build_pool, generate, GenerateLimits, Sampler, SamplerSettings};
 use ossterm::model::{LoadOptions, Model, Precision, Preset};
+use rayon::ThreadPool;
 
 mod counting_alloc;
 use counting_alloc::allocations;
@@ -21,8 +22,8 @@ fn model(precision: Precision) -> Arc<Model> {
 }
 
 /// Allocations made while decoding `steps` tokens after a warm-up.
-fn decode_allocations(model: &Arc<Model>, steps: usize) -> usize {
-    let mut session = model.new_session(256);
+fn decode_allocations(model: &Arc<Model>, pool: &Arc<ThreadPool>, steps: usize) -> usize {
+    let mut session = model.new_session(pool, 256);
     let mut sampler = Sampler::new(SamplerSettings {
         seed: Some(1),
         ..SamplerSettings::default()
@@ -43,12 +44,12 @@ fn decode_allocations(model: &Arc<Model>, steps: usize) -> usize {
 }
 
 /// Allocations of a whole generation of `max_tokens` tokens (prefill included).
-fn generation_allocations(model: &Arc<Model>, max_tokens: usize) -> usize {
+fn generation_allocations(model: &Arc<Model>, pool: &Arc<ThreadPool>, max_tokens: usize) -> usize {
     let tokenizer = Tokenizer::shared().unwrap();
     let prompt = tokenizer
         .encode_with_special_tokens("<|start|>user<|message|>hi<|end|><|start|>assistant")
         .unwrap();
-    let mut session = model.new_session(512);
+    let mut session = model.new_session(pool, 512);
     let mut sampler = Sampler::new(SamplerSettings {
         seed: Some(2),
         ..SamplerSettings::default()
@@ -78,17 +79,19 @@ fn generation_allocations(model: &Arc<Model>, max_tokens: usize) -> usize {
 
 #[test]
 fn decoding_a_token_allocates_nothing() {
+    // Loops run on the session's pool, as the app's, every command's and the benchmark's do.
+    let pool = build_pool(2).unwrap();
     for precision in [Precision::Fast, Precision::Exact] {
         let model = model(precision);
         assert_eq!(
-            on_pool(|| decode_allocations(&model, 64)),
+            pool.install(|| decode_allocations(&model, &pool, 64)),
             0,
             "{precision:?} decode allocated"
         );
         // The generation loop: longer runs allocate no more than shorter ones.
-        on_pool(|| generation_allocations(&model, 8));
-        let short = on_pool(|| generation_allocations(&model, 8));
-        let long = on_pool(|| generation_allocations(&model, 72));
+        pool.install(|| generation_allocations(&model, &pool, 8));
+        let short = pool.install(|| generation_allocations(&model, &pool, 8));
+        let long = pool.install(|| generation_allocations(&model, &pool, 72));
         assert_eq!(
             long,
             short,
@@ -99,19 +102,18 @@ fn decoding_a_token_allocates_nothing() {
     first_decode_on_a_new_pool_allocates_nothing();
 }
 
-/// The app builds its own pool (and a new one when the thread count changes) and readies its
-/// threads with `prepare_pool_threads`: their very first decode then allocates nothing either.
+/// The app builds a new pool when the thread count changes and moves its session there, which
+/// readies the new pool's threads: their very first decode then allocates nothing either.
 fn first_decode_on_a_new_pool_allocates_nothing() {
     let model = model(Precision::Fast);
-    let mut session = model.new_session(256);
+    // Kept alive through the count: a dropped pool's threads wind down in the background.
+    let first_pool = build_pool(1).unwrap();
+    let mut session = model.new_session(&first_pool, 256);
     let mut next =
         ossterm::engine::sampler::argmax(session.prefill(&[200006, 17360, 200008]).unwrap())
             .unwrap();
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(2)
-        .build()
-        .unwrap();
-    pool.install(|| model.prepare_pool_threads());
+    let pool = build_pool(2).unwrap();
+    session.set_pool(Arc::clone(&pool));
     let used = pool.install(|| {
         let before = allocations();
         for _ in 0..4 {

@@ -52,8 +52,9 @@ fn synthetic_load_reports_generation_and_conversion_and_matches_model_synthetic(
     let loaded = Arc::new(loaded.model);
     assert_eq!(loaded.options().weights, WeightFormat::Q8);
     let prompt = [6u32, 17, 4_242, 9, 31];
-    let mut ours = loaded.new_session_with_kv(64, KvCacheType::F16);
-    let mut theirs = reference.new_session_with_kv(64, KvCacheType::F16);
+    let pool = ossterm::engine::build_pool(2).unwrap();
+    let mut ours = loaded.new_session_with_kv(&pool, 64, KvCacheType::F16);
+    let mut theirs = reference.new_session_with_kv(&pool, 64, KvCacheType::F16);
     assert_eq!(
         ours.prefill(&prompt).unwrap(),
         theirs.prefill(&prompt).unwrap()
@@ -163,4 +164,34 @@ fn activations_flag_overrides_the_config_file_which_overrides_the_default() {
         error.contains("line 3") && error.contains("engine.activations"),
         "{error}"
     );
+}
+
+#[test]
+fn every_setting_flag_reaches_its_field_and_a_bad_value_names_the_flag() {
+    use ossterm::settings::{Value, SETTINGS};
+    for setting in SETTINGS {
+        let Some(flag) = setting.flag else {
+            continue;
+        };
+        let mut expected = Settings::default();
+        setting.step(&mut expected, true, 4);
+        let text = match (setting.get)(&expected) {
+            Value::Count(count) => count.to_string(),
+            Value::Real(real) => real.to_string(),
+            Value::Choice(name) => name.to_string(),
+            Value::Switch(on) => on.to_string(),
+            Value::Text(text) => text,
+            Value::Seed(seed) => seed.unwrap().to_string(),
+        };
+        let flag = format!("--{flag}");
+        let settings = resolved("", &[&flag, &text]).unwrap();
+        assert_eq!((setting.get)(&settings), (setting.get)(&expected), "{flag}");
+        let error = resolved("", &[&flag, "nonsense"]).unwrap_err();
+        assert!(
+            error.contains(&flag) && error.contains("nonsense"),
+            "{error}"
+        );
+    }
+    let error = resolved("", &["--top-p", "1.5"]).unwrap_err();
+    assert!(error.contains("(0, 1]"), "{error}");
 }

@@ -4,7 +4,10 @@
 pub mod probe;
 pub mod stats;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use rayon::ThreadPool;
 
 use serde::Serialize;
 
@@ -113,80 +116,18 @@ fn argmax(logits: &[f32]) -> u32 {
     crate::engine::sampler::argmax(logits).unwrap_or(0)
 }
 
-/// Runs the plan on `model` and returns the report. `settings` describes the run for the record.
+/// Runs the plan on `model`, computing on `pool`, and returns the report. `settings` describes
+/// the run for the record.
 pub fn run(
-    model: &std::sync::Arc<Model>,
+    model: &Arc<Model>,
+    pool: &Arc<ThreadPool>,
     plan: &BenchPlan,
     mut settings: BenchSettings,
     progress: &mut Progress<'_>,
 ) -> anyhow::Result<BenchReport> {
-    let vocab = model.config.vocab_size;
-    let context = plan.depth + plan.prompt_tokens + plan.gen_tokens + 1;
-    let mut session = model.new_session(context);
-    let mut samples = Vec::with_capacity(plan.repeat);
-    for repeat in 0..plan.repeat {
-        let label = format!("repeat {}/{}", repeat + 1, plan.repeat);
-        samples.push(measure_once(
-            &mut session,
-            plan,
-            vocab,
-            repeat as u64,
-            &label,
-            progress,
-        )?);
-    }
-
-    let mut ttft = Vec::new();
-    if plan.ttft {
-        let tokenizer = Tokenizer::shared()?;
-        let mut sampler = Sampler::new(SamplerSettings::greedy())?;
-        let prompts = standard_prompts();
-        for (index, text) in prompts.iter().enumerate() {
-            let conversation = Conversation {
-                messages: vec![ChatMessage::user(text.clone())],
-                ..Conversation::default()
-            };
-            let ids = render_for_completion(tokenizer, &conversation, &RenderOptions::default())?;
-            let mut session = model.new_session(ids.len() + 1);
-            let mut times = Vec::with_capacity(plan.repeat);
-            for repeat in 0..plan.repeat {
-                progress(
-                    &format!(
-                        "time to first token, prompt {}/{} ({} tokens)",
-                        index + 1,
-                        prompts.len(),
-                        ids.len()
-                    ),
-                    repeat,
-                    plan.repeat,
-                );
-                // A fresh cache, and the app's own loop: what a first turn waits for.
-                session.truncate(0);
-                let mut parser = HarmonyParser::after_prompt(tokenizer, "assistant");
-                let first = GenerateLimits {
-                    max_tokens: Some(1),
-                };
-                let result = crate::engine::on_pool(|| {
-                    generate(
-                        &mut session,
-                        &mut parser,
-                        &ids,
-                        &mut sampler,
-                        first,
-                        || false,
-                        |_| {},
-                    )
-                })?;
-                times.push(result.time_to_first_token.as_secs_f64() * 1e3);
-            }
-            ttft.push(PromptTtft {
-                prompt: index + 1,
-                tokens: ids.len(),
-                ttft_ms: Summary::of(&times),
-            });
-        }
-    }
-
+    // Every run loops on the pool, as the app's generation does: decode then uses the pool's
+    // team, and no forward call hands its work over from another thread.
+    let (samples, ttft) = pool.install(|| measure(model, pool, plan, progress))?;
     let decode = Summary::of(&samples.iter().map(|s| s.decode_tps).collect::<Vec<_>>());
     let prefill = Summary::of(&samples.iter().map(|s| s.prefill_tps).collect::<Vec<_>>());
     // Read before the probe, whose buffer would otherwise count as the model's memory.
@@ -216,6 +157,82 @@ pub fn run(
         ttft,
         settings,
     })
+}
+
+/// The prefill and decode samples and the time-to-first-token runs, on the caller's thread (a
+/// thread of `pool`).
+fn measure(
+    model: &Arc<Model>,
+    pool: &Arc<ThreadPool>,
+    plan: &BenchPlan,
+    progress: &mut Progress<'_>,
+) -> anyhow::Result<(Vec<Sample>, Vec<PromptTtft>)> {
+    let vocab = model.config.vocab_size;
+    let context = plan.depth + plan.prompt_tokens + plan.gen_tokens + 1;
+    let mut session = model.new_session(pool, context);
+    let mut samples = Vec::with_capacity(plan.repeat);
+    for repeat in 0..plan.repeat {
+        let label = format!("repeat {}/{}", repeat + 1, plan.repeat);
+        samples.push(measure_once(
+            &mut session,
+            plan,
+            vocab,
+            repeat as u64,
+            &label,
+            progress,
+        )?);
+    }
+
+    let mut ttft = Vec::new();
+    if plan.ttft {
+        let tokenizer = Tokenizer::shared()?;
+        let mut sampler = Sampler::new(SamplerSettings::greedy())?;
+        let prompts = standard_prompts();
+        for (index, text) in prompts.iter().enumerate() {
+            let conversation = Conversation {
+                messages: vec![ChatMessage::user(text.clone())],
+                ..Conversation::default()
+            };
+            let ids = render_for_completion(tokenizer, &conversation, &RenderOptions::default())?;
+            let mut session = model.new_session(pool, ids.len() + 1);
+            let mut times = Vec::with_capacity(plan.repeat);
+            for repeat in 0..plan.repeat {
+                progress(
+                    &format!(
+                        "time to first token, prompt {}/{} ({} tokens)",
+                        index + 1,
+                        prompts.len(),
+                        ids.len()
+                    ),
+                    repeat,
+                    plan.repeat,
+                );
+                // A fresh cache, and the app's own loop: what a first turn waits for.
+                session.truncate(0);
+                let mut parser = HarmonyParser::after_prompt(tokenizer, "assistant");
+                let first = GenerateLimits {
+                    max_tokens: Some(1),
+                };
+                let result = generate(
+                    &mut session,
+                    &mut parser,
+                    &ids,
+                    &mut sampler,
+                    first,
+                    || false,
+                    |_| {},
+                )?;
+                times.push(result.time_to_first_token.as_secs_f64() * 1e3);
+            }
+            ttft.push(PromptTtft {
+                prompt: index + 1,
+                tokens: ids.len(),
+                ttft_ms: Summary::of(&times),
+            });
+        }
+    }
+
+    Ok((samples, ttft))
 }
 
 fn measure_once(

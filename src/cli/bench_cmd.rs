@@ -51,6 +51,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     progress.show("loading the model", 0, 1);
     let load_started = std::time::Instant::now();
     let model = args.model.load(args.exact)?;
+    let pool = args.model.pool()?;
     let load_seconds = load_started.elapsed().as_secs_f64();
     let plan = BenchPlan {
         prompt_tokens: args.prompt_tokens,
@@ -61,7 +62,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     };
     let settings = BenchSettings {
         model: model.source.clone(),
-        threads: rayon::current_num_threads(),
+        threads: pool.current_num_threads(),
         kernels: match model.precision {
             crate::model::Precision::Exact => "portable (exact)".into(),
             crate::model::Precision::Fast => model.kernels.path().name().into(),
@@ -80,7 +81,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
             .map_or(0.0, |f| f.convert_time.as_secs_f64()),
         converted_bytes: model.fast.as_ref().map_or(0, |f| f.owned_bytes as u64),
     };
-    let report = bench::run(&model, &plan, settings, &mut |what, done, total| {
+    let report = bench::run(&model, &pool, &plan, settings, &mut |what, done, total| {
         progress.show(what, done, total)
     })?;
     progress.clear();

@@ -208,13 +208,14 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     let model = args.model.load(false)?;
     let context = args.context.min(model.config.max_position_embeddings);
-    let mut session = model.new_session(context);
+    let pool = args.model.pool()?;
+    let mut session = model.new_session(&pool, context);
 
     let stream = !args.json;
     let mut output = RunOutput::default();
     let mut write_error = None;
-    // The loop runs on a pool thread (see engine::on_pool), so it takes stdout there.
-    let result = crate::engine::on_pool(|| {
+    // The loop runs on the session's pool, as the app's generation does, so it takes stdout there.
+    let result = pool.install(|| {
         let mut stdout = std::io::stdout().lock();
         let mut stderr = std::io::stderr();
         generate(

@@ -1,5 +1,18 @@
 //! The command line: parses arguments and hands each command to the library.
 
+/// A clap value parser for a choice enum (`impl_choice!`): accepts exactly its names and lists
+/// them in `--help`.
+macro_rules! choice_parser {
+    ($ty:ty) => {
+        clap::builder::TypedValueParser::map(
+            clap::builder::PossibleValuesParser::new(<$ty>::ALL.iter().map(|value| value.name())),
+            |name: String| {
+                <$ty>::from_name(&name).expect("clap accepts only the names of the values")
+            },
+        )
+    };
+}
+
 pub mod app;
 mod bench_cmd;
 mod chat_cmds;
@@ -58,7 +71,7 @@ pub struct ModelArgs {
     #[arg(long, value_name = "DIR", conflicts_with = "synthetic")]
     pub model: Option<PathBuf>,
     /// Use random weights of this shape instead of a checkpoint.
-    #[arg(long, value_name = "PRESET")]
+    #[arg(long, value_name = "PRESET", value_parser = choice_parser!(Preset))]
     pub synthetic: Option<Preset>,
     /// Seed of the synthetic weights.
     #[arg(long, default_value_t = 0, value_name = "N")]
@@ -67,14 +80,14 @@ pub struct ModelArgs {
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
     /// Format of attention and unembedding weights (experts stay MXFP4).
-    #[arg(long, value_name = "FORMAT", default_value = "q8")]
+    #[arg(long, value_name = "FORMAT", default_value = "q8", value_parser = choice_parser!(WeightFormat))]
     pub weights: WeightFormat,
     /// Element type of the KV cache.
-    #[arg(long, value_name = "TYPE", default_value = "f16")]
+    #[arg(long, value_name = "TYPE", default_value = "f16", value_parser = choice_parser!(KvFormat))]
     pub kv_cache: KvFormat,
     /// Int8 inputs of quantized products: q8 (one row, fastest), q8x2 (two rows, ~15 bits, every
     /// product) or mixed (two rows where one loses most: attention, unembedding, experts' down).
-    #[arg(long, value_name = "FORMAT", default_value = "mixed")]
+    #[arg(long, value_name = "FORMAT", default_value = "mixed", value_parser = choice_parser!(ActivationFormat))]
     pub activations: ActivationFormat,
 }
 
@@ -102,14 +115,29 @@ impl ModelArgs {
         };
         Ok(Arc::new(model))
     }
+
+    /// The pool the forward pass computes on: `--threads` workers, built as the app builds its
+    /// own.
+    pub fn pool(&self) -> anyhow::Result<Arc<rayon::ThreadPool>> {
+        let count = thread_count(self.threads)?;
+        crate::engine::build_pool(count)
+            .with_context(|| format!("cannot build a thread pool of {count} threads"))
+    }
 }
 
-/// Sizes the global rayon pool once; later calls with the same count are fine.
-pub fn init_threads(threads: Option<usize>) -> anyhow::Result<()> {
+/// `--threads`, or one per physical core.
+fn thread_count(threads: Option<usize>) -> anyhow::Result<usize> {
     let count = threads.unwrap_or_else(crate::engine::default_threads);
     if count == 0 {
         anyhow::bail!("--threads must be at least 1");
     }
+    Ok(count)
+}
+
+/// Sizes the global rayon pool, which loading and weight conversion use, once; later calls with
+/// the same count are fine.
+pub fn init_threads(threads: Option<usize>) -> anyhow::Result<()> {
+    let count = thread_count(threads)?;
     // A second initialisation fails harmlessly when the pool already exists.
     let _ = rayon::ThreadPoolBuilder::new()
         .num_threads(count)

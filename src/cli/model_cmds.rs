@@ -57,7 +57,7 @@ pub struct GenerateArgs {
 #[derive(Args, Debug)]
 pub struct SynthArgs {
     /// Shape of the checkpoint.
-    #[arg(long, value_name = "PRESET")]
+    #[arg(long, value_name = "PRESET", value_parser = choice_parser!(Preset))]
     pub preset: Preset,
     /// Output directory (created if needed).
     #[arg(long, value_name = "DIR")]
@@ -170,7 +170,7 @@ pub fn human_bytes(bytes: u64) -> String {
 
 pub fn logits(args: LogitsArgs) -> anyhow::Result<()> {
     let model = args.model.load(args.exact)?;
-    let mut session = model.new_session(args.tokens.len());
+    let mut session = model.new_session(&args.model.pool()?, args.tokens.len());
     let mut all = Vec::with_capacity(args.tokens.len() * model.config.vocab_size);
     session.prefill_all_logits(&args.tokens, &mut all)?;
     let mut bytes = Vec::with_capacity(all.len() * 4);
@@ -195,9 +195,11 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         );
     }
     let model = args.model.load(args.exact)?;
-    let mut session = model.new_session(args.tokens.len() + args.max_tokens);
+    let pool = args.model.pool()?;
+    let mut session = model.new_session(&pool, args.tokens.len() + args.max_tokens);
     let mut generated = Vec::with_capacity(args.max_tokens);
-    let (prefill_time, decode_time) = crate::engine::on_pool(|| -> anyhow::Result<_> {
+    // The loop runs on the session's pool, as the app's generation does.
+    let (prefill_time, decode_time) = pool.install(|| -> anyhow::Result<_> {
         let started = Instant::now();
         let mut logits = session.prefill(&args.tokens)?;
         let prefill_time = started.elapsed();

@@ -12,17 +12,16 @@ pub use generate::{
 };
 pub use sampler::{Sampler, SamplerError, SamplerSettings};
 
-/// Runs `work` on a thread of the global rayon pool and returns its result.
-///
-/// The forward pass opens a few parallel regions per layer. Opened from a thread outside the pool,
-/// each region is injected through rayon's global queue (which allocates a block every few dozen
-/// jobs) and the caller sleeps until a worker picks it up; opened from a pool thread, the caller
-/// works on the region itself and the other workers steal from its local queue. Generation loops
-/// therefore run in here.
-pub fn on_pool<T: Send>(work: impl FnOnce() -> T + Send) -> T {
-    let mut result = None;
-    rayon::scope(|_| result = Some(work()));
-    result.expect("rayon::scope runs its closure before returning")
+/// The thread pool the forward pass computes on, as the app, every command and the benchmark
+/// build it: `threads` named workers. A session holds it and runs its forward calls there.
+pub fn build_pool(
+    threads: usize,
+) -> Result<std::sync::Arc<rayon::ThreadPool>, rayon::ThreadPoolBuildError> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|index| format!("ossterm-compute-{index}"))
+        .build()
+        .map(std::sync::Arc::new)
 }
 
 /// Default worker threads: one per physical core. Hyperthread siblings share a core's load units

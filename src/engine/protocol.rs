@@ -11,7 +11,7 @@ use std::time::Duration;
 /// told apart from the current one. Ids only grow.
 pub type RequestId = u64;
 
-pub use crate::model::fast::{ActivationFormat, KvFormat as KvCacheType, WeightFormat};
+pub use crate::model::options::{ActivationFormat, KvFormat as KvCacheType, WeightFormat};
 
 /// The conversation types are the chat module's own, so a request carries exactly what is
 /// rendered and a saved chat is exactly the chat module's JSON file.

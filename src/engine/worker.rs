@@ -19,6 +19,7 @@ use crate::engine::protocol::{
     ActivationFormat, CacheHits, Channel, Command, Conversation, EngineInfo, Event,
     GenerateRequest, KvCacheType, RequestId, Settings, StatsSample, WeightFormat,
 };
+use rayon::ThreadPool;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
@@ -50,12 +51,17 @@ pub enum EngineError {
 pub trait ModelBackend: Send + Sync + 'static {
     type Session: InferenceSession + Send;
 
+    /// A session computing on `pool`.
     fn new_session(
         model: &Arc<Self>,
+        pool: &Arc<ThreadPool>,
         context_limit: usize,
         kv_cache: KvCacheType,
         activations: ActivationFormat,
     ) -> Result<Self::Session, EngineError>;
+
+    /// Moves `session`'s computation to `pool` (a new thread count), keeping its cache.
+    fn set_session_pool(session: &mut Self::Session, pool: &Arc<ThreadPool>);
 
     /// Builds the same model with attention/unembedding weights in `format`. Runs on a background
     /// thread while this one keeps serving; `progress(done, total)` reports how far it got.
@@ -68,10 +74,6 @@ pub trait ModelBackend: Send + Sync + 'static {
         Self: Sized;
 
     fn weight_format(&self) -> WeightFormat;
-
-    /// Readies the threads of the current pool for this model's forward pass (per-thread scratch
-    /// buffers), so a new pool does not allocate them during its first generation.
-    fn prepare_pool_threads(&self) {}
 
     /// The activation format the loader built the model with: the first session's.
     fn activations(&self) -> ActivationFormat;
@@ -269,7 +271,8 @@ pub struct Worker<M: ModelBackend, C, S> {
     codec: C,
     sampler: S,
     settings: Settings,
-    pool: Arc<rayon::ThreadPool>,
+    /// The pool the session computes on.
+    pool: Arc<ThreadPool>,
     events: Sender<Event>,
     cancel_mark: Arc<AtomicU64>,
     session_hits: CacheHits,
@@ -293,14 +296,14 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
             model_label,
             random_weights,
         } = parts;
+        let pool = build_pool(settings.threads)?;
         let session = M::new_session(
             &model,
+            &pool,
             settings.context_limit,
             settings.kv_cache,
             model.activations(),
         )?;
-        let pool = Arc::new(build_pool(settings.threads)?);
-        pool.install(|| model.prepare_pool_threads());
         let mut effective = settings;
         // The loader chose the formats; what it built is what the settings show from now on.
         effective.weight_format = model.weight_format();
@@ -353,6 +356,8 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
     fn run_turn(&mut self, request: GenerateRequest) {
         let id = request.id;
         self.timings = TurnTimings::default();
+        // The whole turn runs on the session's pool, so each forward call finds itself there
+        // instead of handing its work over from this thread.
         let pool = Arc::clone(&self.pool);
         match pool.install(|| self.generate(&request)) {
             Ok(result) => {
@@ -451,8 +456,8 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
         if next.threads != previous.threads {
             match build_pool(next.threads) {
                 Ok(pool) => {
-                    pool.install(|| self.model.prepare_pool_threads());
-                    self.pool = Arc::new(pool);
+                    M::set_session_pool(&mut self.session, &pool);
+                    self.pool = pool;
                 }
                 Err(error) => failure = Some(error),
             }
@@ -460,6 +465,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
         if next.context_limit != previous.context_limit || next.kv_cache != previous.kv_cache {
             match M::new_session(
                 &self.model,
+                &self.pool,
                 next.context_limit,
                 next.kv_cache,
                 next.activations,
@@ -556,6 +562,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
             let model = Arc::new(model);
             let session = M::new_session(
                 &model,
+                &self.pool,
                 self.settings.context_limit,
                 self.settings.kv_cache,
                 self.session.activations(),
@@ -607,12 +614,8 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
     }
 }
 
-fn build_pool(threads: usize) -> Result<rayon::ThreadPool, EngineError> {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .thread_name(|index| format!("ossterm-compute-{index}"))
-        .build()
-        .map_err(|source| EngineError::ThreadPool { threads, source })
+fn build_pool(threads: usize) -> Result<Arc<ThreadPool>, EngineError> {
+    super::build_pool(threads).map_err(|source| EngineError::ThreadPool { threads, source })
 }
 
 /// Resident memory of this process and total memory of the machine, where the OS tells.
@@ -659,13 +662,18 @@ impl ModelBackend for crate::model::Model {
 
     fn new_session(
         model: &Arc<Self>,
+        pool: &Arc<ThreadPool>,
         context_limit: usize,
         kv_cache: KvCacheType,
         activations: ActivationFormat,
     ) -> Result<Self::Session, EngineError> {
-        let mut session = model.new_session_with_kv(context_limit, kv_cache);
+        let mut session = model.new_session_with_kv(pool, context_limit, kv_cache);
         session.set_activations(activations);
         Ok(session)
+    }
+
+    fn set_session_pool(session: &mut Self::Session, pool: &Arc<ThreadPool>) {
+        session.set_pool(Arc::clone(pool));
     }
 
     fn requantized(
@@ -681,10 +689,6 @@ impl ModelBackend for crate::model::Model {
             progress(done as u64, total as u64)
         })
         .map_err(|error| EngineError::Model(Box::new(error)))
-    }
-
-    fn prepare_pool_threads(&self) {
-        crate::model::Model::prepare_pool_threads(self);
     }
 
     fn weight_format(&self) -> WeightFormat {

@@ -2,9 +2,14 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod convert;
+pub mod exact;
 pub mod fast;
-pub mod forward;
+pub mod kv;
+pub mod ops;
+pub mod options;
 pub mod rope;
+pub mod session;
 pub mod synthetic;
 pub mod team;
 pub mod weights;
@@ -12,9 +17,12 @@ pub mod weights;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use rayon::ThreadPool;
+
 pub use config::{LayerKind, ModelConfig, Preset, RopeScaling};
-pub use fast::{ActivationFormat, FastWeights, KvFormat, WeightFormat};
-pub use forward::{ForwardError, Session};
+pub use convert::FastWeights;
+pub use options::{ActivationFormat, KvFormat, LoadOptions, Precision, WeightFormat};
+pub use session::{ForwardError, Session};
 pub use weights::Weights;
 
 use checkpoint::Checkpoint;
@@ -73,31 +81,6 @@ pub enum ModelError {
     Quantize(String),
     #[error("{0}")]
     Kernels(#[from] crate::kernels::KernelError),
-}
-
-/// How the forward pass computes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Precision {
-    /// f32 activations against exactly dequantized weights, portable code, f32 KV cache: the
-    /// reference every faster path is checked against.
-    Exact,
-    /// SIMD kernels on int8-quantized activations, weights in the chosen [`WeightFormat`].
-    #[default]
-    Fast,
-}
-
-/// Options that shape a loaded model.
-#[derive(Debug, Clone, Default)]
-pub struct LoadOptions {
-    pub precision: Precision,
-    /// Format of attention and unembedding weights in the fast path.
-    pub weights: WeightFormat,
-    /// KV cache element type in the fast path.
-    pub kv: KvFormat,
-    /// How expert inputs are quantized in the fast path.
-    pub activations: ActivationFormat,
-    /// Kernel path to use instead of the process-wide one (tests compare paths this way).
-    pub kernels: Option<crate::kernels::KernelPath>,
 }
 
 /// What a model load is busy with, for progress reports (`done` and `total` in the stage's unit).
@@ -261,21 +244,20 @@ impl Model {
         }
     }
 
-    pub fn new_session(self: &Arc<Self>, context_limit: usize) -> Session {
-        Session::new(self.clone(), context_limit, self.kv_format)
-    }
-
-    /// Sizes the fast path's per-thread scratch on every thread of the current rayon pool, so that
-    /// a pool built for a new thread count does not allocate it in its first generation.
-    pub fn prepare_pool_threads(&self) {
-        if self.fast.is_some() {
-            fast::prepare_thread_scratch(&self.config);
-        }
+    /// A session with room for `context_limit` tokens and the model's KV format, computing on
+    /// `pool`.
+    pub fn new_session(self: &Arc<Self>, pool: &Arc<ThreadPool>, context_limit: usize) -> Session {
+        Session::new(self.clone(), pool.clone(), context_limit, self.kv_format)
     }
 
     /// A session whose KV cache holds `kv` elements (the exact path always keeps f32).
-    pub fn new_session_with_kv(self: &Arc<Self>, context_limit: usize, kv: KvFormat) -> Session {
-        Session::new(self.clone(), context_limit, kv)
+    pub fn new_session_with_kv(
+        self: &Arc<Self>,
+        pool: &Arc<ThreadPool>,
+        context_limit: usize,
+        kv: KvFormat,
+    ) -> Session {
+        Session::new(self.clone(), pool.clone(), context_limit, kv)
     }
 
     /// Bytes one decoded token reads from memory with `context` tokens in the cache: every dense

@@ -102,6 +102,19 @@ pub fn apply_rope(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
     }
 }
 
+/// Rotates every head of each `width`-wide token row of `rows`, row i by the i-th rows of `cos`
+/// and `sin` (head_dim / 2 each, from [`RopeTable::cos_sin_rows`]).
+pub fn apply_rope_rows(rows: &mut [f32], width: usize, head_dim: usize, cos: &[f32], sin: &[f32]) {
+    let half = head_dim / 2;
+    for ((row, cos), sin) in rows
+        .chunks_exact_mut(width)
+        .zip(cos.chunks_exact(half))
+        .zip(sin.chunks_exact(half))
+    {
+        apply_rope(row, head_dim, cos, sin);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

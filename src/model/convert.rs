@@ -1,0 +1,140 @@
+//! Weight conversion for the fast path: the attention projections and the unembedding in the
+//! chosen [`WeightFormat`], built once at load (and again when the setting changes). Experts stay
+//! MXFP4 in the mapping.
+
+use std::time::{Duration, Instant};
+
+use super::config::MXFP4_BLOCK;
+use super::options::WeightFormat;
+use super::weights::{Bf16Matrix, Weights};
+use super::ModelError;
+use crate::kernels::{Q4Matrix, Q8Matrix};
+
+/// A dense weight matrix in one of the [`WeightFormat`]s.
+pub enum DenseMatrix {
+    Bf16(Bf16Matrix),
+    Q8(Q8Matrix),
+    Q4(Q4Matrix),
+}
+
+impl DenseMatrix {
+    fn convert(matrix: &Bf16Matrix, format: WeightFormat) -> Result<Self, ModelError> {
+        // Quantized blocks need whole blocks of 32 inputs; other widths stay exact.
+        if format == WeightFormat::Native || !matrix.cols.is_multiple_of(MXFP4_BLOCK) {
+            return Ok(DenseMatrix::Bf16(matrix.clone()));
+        }
+        let quantized =
+            match format {
+                WeightFormat::Q8 => Q8Matrix::from_bf16(matrix.rows, matrix.cols, matrix.values())
+                    .map(DenseMatrix::Q8),
+                _ => Q4Matrix::from_bf16(matrix.rows, matrix.cols, matrix.values())
+                    .map(DenseMatrix::Q4),
+            };
+        quantized.map_err(|e| ModelError::Quantize(e.to_string()))
+    }
+
+    pub fn rows(&self) -> usize {
+        match self {
+            DenseMatrix::Bf16(m) => m.rows,
+            DenseMatrix::Q8(m) => m.rows(),
+            DenseMatrix::Q4(m) => m.rows(),
+        }
+    }
+
+    pub fn cols(&self) -> usize {
+        match self {
+            DenseMatrix::Bf16(m) => m.cols,
+            DenseMatrix::Q8(m) => m.cols(),
+            DenseMatrix::Q4(m) => m.cols(),
+        }
+    }
+
+    /// Bytes a full pass over the matrix reads.
+    pub fn byte_len(&self) -> usize {
+        match self {
+            DenseMatrix::Bf16(m) => m.byte_len(),
+            DenseMatrix::Q8(m) => m.size_bytes(),
+            DenseMatrix::Q4(m) => m.size_bytes(),
+        }
+    }
+
+    /// Bytes held outside the checkpoint mapping.
+    fn owned_bytes(&self) -> usize {
+        match self {
+            DenseMatrix::Bf16(_) => 0,
+            other => other.byte_len(),
+        }
+    }
+
+    /// Whether products with this matrix take int8 activations (bf16 ones take f32).
+    pub fn needs_quantized_input(&self) -> bool {
+        !matches!(self, DenseMatrix::Bf16(_))
+    }
+}
+
+/// One layer's attention projections in the chosen format.
+pub struct FastLayer {
+    pub q: DenseMatrix,
+    pub k: DenseMatrix,
+    pub v: DenseMatrix,
+    pub o: DenseMatrix,
+}
+
+/// The dense weights in the chosen format, built once at load (or again when the setting changes).
+pub struct FastWeights {
+    pub format: WeightFormat,
+    pub layers: Vec<FastLayer>,
+    pub lm_head: DenseMatrix,
+    /// Time the conversion took.
+    pub convert_time: Duration,
+    /// Memory the converted weights take outside the mapping.
+    pub owned_bytes: usize,
+}
+
+impl FastWeights {
+    /// Converts the attention projections and the unembedding to `format`. `progress` hears
+    /// (matrices done, matrices in all). Quantizing reads the bf16 source once; its pages of the
+    /// mapping are released afterwards so they do not count twice.
+    pub fn build(
+        weights: &Weights,
+        format: WeightFormat,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<FastWeights, ModelError> {
+        let started = Instant::now();
+        let total = weights.layers.len() * 4 + 1;
+        let mut done = 0;
+        let mut step = |m: &Bf16Matrix| -> Result<DenseMatrix, ModelError> {
+            let converted = DenseMatrix::convert(m, format)?;
+            if converted.needs_quantized_input() {
+                m.release_pages();
+            }
+            done += 1;
+            progress(done, total);
+            Ok(converted)
+        };
+        let mut layers = Vec::with_capacity(weights.layers.len());
+        for layer in &weights.layers {
+            let a = &layer.attention;
+            layers.push(FastLayer {
+                q: step(&a.q.weight)?,
+                k: step(&a.k.weight)?,
+                v: step(&a.v.weight)?,
+                o: step(&a.o.weight)?,
+            });
+        }
+        let lm_head = step(&weights.lm_head)?;
+        let owned_bytes = layers
+            .iter()
+            .flat_map(|l| [&l.q, &l.k, &l.v, &l.o])
+            .map(|m| m.owned_bytes())
+            .sum::<usize>()
+            + lm_head.owned_bytes();
+        Ok(FastWeights {
+            format,
+            layers,
+            lm_head,
+            convert_time: started.elapsed(),
+            owned_bytes,
+        })
+    }
+}

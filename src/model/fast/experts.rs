@@ -1,0 +1,121 @@
+//! The routed experts of the fast path: MXFP4 gate_up, the clamped SwiGLU, MXFP4 down, each
+//! expert's output weighted into its tokens' mixture.
+
+use super::jobs::{fold_rows, Job};
+use super::{FastPass, Scratch};
+use crate::model::ops::{add_bias_rows, add_weighted, swiglu, MAX_EXPERTS_PER_TOKEN};
+use crate::model::options::Product;
+use crate::model::weights::Layer;
+
+impl FastPass<'_> {
+    /// One token: the gate_up products of all its experts in one region, then all down products.
+    pub(super) fn decode_experts(&self, layer: &Layer, s: &mut Scratch) {
+        let c = self.config;
+        let (h, inter) = (c.hidden_size, c.intermediate_size);
+        let mut chosen = [(0usize, 0.0f32); MAX_EXPERTS_PER_TOKEN];
+        let mut count = 0;
+        for (expert, routes) in s.routes.iter().enumerate() {
+            if let Some(&(_, weight)) = routes.first() {
+                chosen[count] = (expert, weight);
+                count += 1;
+            }
+        }
+        let chosen = &chosen[..count];
+        let per_gate_up = self
+            .activations
+            .split(Product::ExpertGateUp)
+            .rows_per_token();
+        let down_split = self.activations.split(Product::ExpertDown);
+        let per_down = down_split.rows_per_token();
+
+        // Fixed arrays of jobs (slots past `count` repeat the first expert and are never run):
+        // no allocation per token.
+        let expert_in = &s.expert_in_q;
+        let jobs: [Job<'_>; MAX_EXPERTS_PER_TOKEN] = std::array::from_fn(|slot| {
+            let (expert, _) = chosen[if slot < count { slot } else { 0 }];
+            let at = slot * per_gate_up * 2 * inter;
+            Job::expert(&layer.gate_up, expert, expert_in, per_gate_up, at)
+        });
+        let gate_up = &mut s.gate_up[..count * per_gate_up * 2 * inter];
+        s.work.run(self.kernels, self.team, &jobs[..count], gate_up);
+        // Each slot's rows fold into one: slot k ends up at row k.
+        fold_rows(gate_up, count, per_gate_up, 2 * inter);
+        for (slot, &(expert, _)) in chosen.iter().enumerate() {
+            let gate_up = &mut s.gate_up[slot * 2 * inter..(slot + 1) * 2 * inter];
+            add_bias_rows(gate_up, layer.gate_up.bias(expert));
+            let activated = &mut s.activated[slot * inter..(slot + 1) * inter];
+            swiglu(c, gate_up, activated);
+            s.work
+                .quantize(activated, inter, down_split, &mut s.activated_q[slot]);
+        }
+
+        let activated_q = &s.activated_q;
+        let jobs: [Job<'_>; MAX_EXPERTS_PER_TOKEN] = std::array::from_fn(|slot| {
+            let slot = if slot < count { slot } else { 0 };
+            let at = slot * per_down * h;
+            Job::expert(
+                &layer.down,
+                chosen[slot].0,
+                &activated_q[slot],
+                per_down,
+                at,
+            )
+        });
+        let expert_out = &mut s.expert_out[..count * per_down * h];
+        s.work
+            .run(self.kernels, self.team, &jobs[..count], expert_out);
+        fold_rows(expert_out, count, per_down, h);
+        for (slot, &(expert, weight)) in chosen.iter().enumerate() {
+            let y = &mut s.expert_out[slot * h..(slot + 1) * h];
+            add_bias_rows(y, layer.down.bias(expert));
+            add_weighted(&mut s.moe_out[..h], weight, y);
+        }
+    }
+
+    /// The tokens of a chunk routed to `expert`, multiplied together so each weight tile is
+    /// decoded once for all of them.
+    pub(super) fn prefill_expert(&self, layer: &Layer, expert: usize, s: &mut Scratch) {
+        let c = self.config;
+        let (h, inter) = (c.hidden_size, c.intermediate_size);
+        let per_gate_up = self
+            .activations
+            .split(Product::ExpertGateUp)
+            .rows_per_token();
+        let down_split = self.activations.split(Product::ExpertDown);
+        let per_down = down_split.rows_per_token();
+        let routes = &s.routes[expert];
+        let m = routes.len();
+
+        s.route_rows.clear();
+        for &(i, _) in routes {
+            s.route_rows.extend(per_gate_up * i..per_gate_up * (i + 1));
+        }
+        s.gathered
+            .gather_rows(&s.expert_in_q, &s.route_rows)
+            .expect("routed rows are chunk rows");
+        let job = Job::expert(&layer.gate_up, expert, &s.gathered, per_gate_up * m, 0);
+        let gate_up = &mut s.gate_up[..per_gate_up * m * 2 * inter];
+        s.work.run(self.kernels, self.team, &[job], gate_up);
+        fold_rows(gate_up, m, per_gate_up, 2 * inter);
+        let gate_up = &mut gate_up[..m * 2 * inter];
+        add_bias_rows(gate_up, layer.gate_up.bias(expert));
+        let activated = &mut s.activated[..m * inter];
+        for (pair, out) in gate_up
+            .chunks_exact(2 * inter)
+            .zip(activated.chunks_exact_mut(inter))
+        {
+            swiglu(c, pair, out);
+        }
+
+        let activated_q = &mut s.activated_q[0];
+        s.work.quantize(activated, inter, down_split, activated_q);
+        let job = Job::expert(&layer.down, expert, activated_q, per_down * m, 0);
+        let expert_out = &mut s.expert_out[..per_down * m * h];
+        s.work.run(self.kernels, self.team, &[job], expert_out);
+        fold_rows(expert_out, m, per_down, h);
+        for (y, &(i, weight)) in expert_out.chunks_exact_mut(h).zip(routes) {
+            add_bias_rows(y, layer.down.bias(expert));
+            add_weighted(&mut s.moe_out[i * h..(i + 1) * h], weight, y);
+        }
+    }
+}

@@ -1,0 +1,311 @@
+//! Matrix products as jobs on the pool: each job's weight rows are cut into tasks of a few GEMM
+//! tiles, all tasks of a job set run in one parallel region (on the team when there is one), and
+//! their blocks are put back in token-major order. Also the activation quantization the products
+//! take and the folding of split rows.
+
+use std::cell::RefCell;
+use std::ops::Range;
+
+use crate::kernels::{
+    self, quantize_activation_rows, GemmScratch, Kernels, Mxfp4Matrix, Q8Activations,
+};
+use crate::model::convert::DenseMatrix;
+use crate::model::options::Split;
+use crate::model::team::{parallel_for, Team};
+use crate::model::weights::{Bf16Matrix, Mxfp4Experts};
+
+/// The weights one multiplication job reads.
+#[derive(Clone, Copy)]
+pub enum JobWeights<'a> {
+    Dense(&'a DenseMatrix),
+    Expert(Mxfp4Matrix<'a>),
+    /// Exact bf16 rows (the router): f32 activations.
+    Bf16(&'a Bf16Matrix),
+}
+
+impl JobWeights<'_> {
+    fn rows(&self) -> usize {
+        match self {
+            JobWeights::Dense(m) => m.rows(),
+            JobWeights::Expert(m) => m.rows(),
+            JobWeights::Bf16(m) => m.rows,
+        }
+    }
+
+    fn cols(&self) -> usize {
+        match self {
+            JobWeights::Dense(m) => m.cols(),
+            JobWeights::Expert(m) => m.cols(),
+            JobWeights::Bf16(m) => m.cols,
+        }
+    }
+}
+
+/// One matrix times a batch of activations, written token-major into the caller's buffer
+/// ([tokens x rows] at `out_offset`).
+#[derive(Clone, Copy)]
+pub struct Job<'a> {
+    pub weights: JobWeights<'a>,
+    pub quantized: Option<&'a Q8Activations>,
+    pub plain: &'a [f32],
+    /// Activation rows: tokens, or tokens x quantized rows per token.
+    pub tokens: usize,
+    pub out_offset: usize,
+}
+
+impl<'a> Job<'a> {
+    /// A job for a dense matrix; `quantized` is used only if the matrix's format needs it,
+    /// `plain` otherwise.
+    pub fn dense(
+        w: &'a DenseMatrix,
+        quantized: &'a Q8Activations,
+        plain: &'a [f32],
+        tokens: usize,
+        out_offset: usize,
+    ) -> Self {
+        Job {
+            weights: JobWeights::Dense(w),
+            quantized: w.needs_quantized_input().then_some(quantized),
+            plain,
+            tokens,
+            out_offset,
+        }
+    }
+
+    /// A job for one expert of an MXFP4 expert tensor on quantized rows.
+    pub fn expert(
+        experts: &'a Mxfp4Experts,
+        expert: usize,
+        quantized: &'a Q8Activations,
+        tokens: usize,
+        out_offset: usize,
+    ) -> Self {
+        let matrix = Mxfp4Matrix::new(
+            experts.rows,
+            experts.cols,
+            experts.blocks(expert),
+            experts.scales(expert),
+        )
+        .expect("expert tensor shapes are checked at load");
+        Job {
+            weights: JobWeights::Expert(matrix),
+            quantized: Some(quantized),
+            plain: &[],
+            tokens,
+            out_offset,
+        }
+    }
+
+    /// A job for exact bf16 rows on f32 activations.
+    pub fn bf16(w: &'a Bf16Matrix, plain: &'a [f32], tokens: usize) -> Self {
+        Job {
+            weights: JobWeights::Bf16(w),
+            quantized: None,
+            plain,
+            tokens,
+            out_offset: 0,
+        }
+    }
+}
+
+/// Multiply-accumulates below which a job set runs on the calling thread: waking the pool costs
+/// more than the work (the router's 32 x 2880 for one token, say).
+const INLINE_WORK: usize = 1 << 18;
+
+#[derive(Clone, Copy, Debug)]
+struct RowTask {
+    job: usize,
+    rows: (usize, usize),
+    /// Where the task's [tokens x rows] block goes in the blocked buffer.
+    block_offset: usize,
+}
+
+/// The buffers every product needs besides its input and output, sized once per session.
+pub struct Work {
+    tasks: Vec<RowTask>,
+    /// Kernel outputs in task blocks ([tokens x task rows] per task) before reordering.
+    blocked: Vec<f32>,
+    /// The f32 rows of a split quantization.
+    split_staging: Vec<f32>,
+}
+
+impl Work {
+    /// Room for job sets whose outputs total `blocked` floats and for split rows of up to
+    /// `split_values` floats.
+    pub fn new(blocked: usize, split_values: usize) -> Work {
+        Work {
+            tasks: Vec::with_capacity(1024),
+            blocked: vec![0.0; blocked],
+            split_staging: vec![0.0; 2 * split_values],
+        }
+    }
+
+    /// Quantizes the token rows of `x` (`cols` wide) for a quantized matrix: one int8 row per
+    /// token, or for [`Split::Double`] two, the second quantizing what the first missed.
+    pub fn quantize(&mut self, x: &[f32], cols: usize, split: Split, out: &mut Q8Activations) {
+        let widths = "quantized inputs are a multiple of 32 wide";
+        match split {
+            Split::Single => quantize_activation_rows(x, cols, out).expect(widths),
+            Split::Double => {
+                let staged = &mut self.split_staging[..2 * x.len()];
+                kernels::split_rows(x, cols, staged).expect(widths);
+                quantize_activation_rows(staged, cols, out).expect(widths);
+            }
+        }
+    }
+
+    /// Runs `jobs` in one parallel region and leaves each job's token-major output in `out` at
+    /// its `out_offset`.
+    pub fn run(&mut self, k: Kernels, team: Option<&Team>, jobs: &[Job<'_>], out: &mut [f32]) {
+        let tasks = &mut self.tasks;
+        tasks.clear();
+        let total_rows: usize = jobs.iter().map(|j| j.weights.rows()).sum();
+        let work: usize = jobs
+            .iter()
+            .map(|j| j.weights.rows() * j.weights.cols() * j.tokens)
+            .sum();
+        let inline = work < INLINE_WORK;
+        let per_task = if inline {
+            usize::MAX
+        } else {
+            task_rows(total_rows)
+        };
+        let mut block_offset = 0;
+        for (index, job) in jobs.iter().enumerate() {
+            let rows = job.weights.rows();
+            let mut start = 0;
+            while start < rows {
+                let end = start.saturating_add(per_task).min(rows);
+                tasks.push(RowTask {
+                    job: index,
+                    rows: (start, end),
+                    block_offset,
+                });
+                block_offset += (end - start) * job.tokens;
+                start = end;
+            }
+        }
+        assert!(
+            block_offset <= self.blocked.len(),
+            "scratch sized for the widest job set"
+        );
+        let shared = SharedOut(self.blocked.as_mut_ptr());
+        let run = |task: &RowTask| {
+            let job = &jobs[task.job];
+            let len = (task.rows.1 - task.rows.0) * job.tokens;
+            // SAFETY: see `SharedOut`: this task's block [block_offset, block_offset + len) is its
+            // own.
+            let block = unsafe { shared.slice(task.block_offset, len) };
+            run_task(k, job, task.rows.0..task.rows.1, block);
+        };
+        if inline {
+            tasks.iter().for_each(run);
+        } else {
+            parallel_for(team, tasks.len(), &|i| run(&tasks[i]));
+        }
+        // Reorder the [tokens x task rows] blocks into each job's [tokens x rows] output.
+        for task in tasks.iter() {
+            let job = &jobs[task.job];
+            let rows = job.weights.rows();
+            let width = task.rows.1 - task.rows.0;
+            for t in 0..job.tokens {
+                let src = task.block_offset + t * width;
+                let dst = job.out_offset + t * rows + task.rows.0;
+                out[dst..dst + width].copy_from_slice(&self.blocked[src..src + width]);
+            }
+        }
+    }
+}
+
+/// Sums each token's `per_token` consecutive output rows (`width` wide) into one, in place: row t
+/// of the result is rows per_token x t .. per_token x (t + 1) of the input.
+pub fn fold_rows(out: &mut [f32], tokens: usize, per_token: usize, width: usize) {
+    if per_token == 1 {
+        return;
+    }
+    for t in 0..tokens {
+        for k in 0..width {
+            let mut sum = 0.0;
+            for part in 0..per_token {
+                sum += out[(per_token * t + part) * width + k];
+            }
+            out[t * width + k] = sum;
+        }
+    }
+}
+
+thread_local! {
+    /// Each pool thread's GEMM tile, with the widest row it was sized for; grown on first use.
+    static GEMM_SCRATCH: RefCell<(usize, GemmScratch)> = RefCell::new((0, GemmScratch::new(0)));
+}
+
+/// Sizes the calling thread's GEMM tile for rows up to `widest` wide.
+pub fn prepare_gemm_scratch(widest: usize) {
+    GEMM_SCRATCH.with(|scratch| {
+        let mut guard = scratch.borrow_mut();
+        if guard.0 < widest {
+            *guard = (widest, GemmScratch::new(widest));
+        }
+    });
+}
+
+/// A raw pointer that may cross to pool threads; every task writes a disjoint range through it.
+#[derive(Clone, Copy)]
+pub struct SharedOut(pub *mut f32);
+// SAFETY: the tasks of one parallel region (`Work::run`'s row tasks, attention's (KV head, token)
+// tasks) cover disjoint ranges of the buffer, and the buffer outlives the region (it is borrowed
+// mutably for its whole duration).
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// The `len` floats at `offset`.
+    ///
+    /// # Safety
+    /// The range is inside the buffer and no other live slice overlaps it.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice(&self, offset: usize, len: usize) -> &mut [f32] {
+        // SAFETY: guaranteed by the caller, see above.
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(offset), len) }
+    }
+}
+
+/// Rows per task: a multiple of the GEMM tile, about four tasks per thread for balance.
+fn task_rows(total_rows: usize) -> usize {
+    let threads = rayon::current_num_threads().max(1);
+    let target = total_rows.div_ceil(threads * 4).max(1);
+    target.div_ceil(kernels::GEMM_TILE_ROWS) * kernels::GEMM_TILE_ROWS
+}
+
+fn run_task(k: Kernels, job: &Job<'_>, rows: Range<usize>, out: &mut [f32]) {
+    // A token and its split remainder (decode), or the few tokens an expert gets in a short
+    // prefill, stream the weights once through the GEMV.
+    let few = job.tokens <= kernels::MAX_GEMV_TOKENS;
+    let result = match (job.weights, job.quantized) {
+        (JobWeights::Bf16(m), _) => k.bf16_gemm(m.values(), m.cols, job.plain, rows, out),
+        (JobWeights::Dense(DenseMatrix::Bf16(m)), _) => {
+            k.bf16_gemm(m.values(), m.cols, job.plain, rows, out)
+        }
+        (JobWeights::Dense(DenseMatrix::Q8(m)), Some(x)) if few => k.q8_gemv(m, x, rows, out),
+        (JobWeights::Expert(m), Some(x)) if few => k.mxfp4_gemv(&m, x, rows, out),
+        (JobWeights::Dense(DenseMatrix::Q4(m)), Some(x)) if few => k.q4_gemv(m, x, rows, out),
+        (weights, Some(x)) => GEMM_SCRATCH.with(|scratch| {
+            let mut guard = scratch.borrow_mut();
+            if guard.0 < x.cols() {
+                *guard = (x.cols(), GemmScratch::new(x.cols()));
+            }
+            let scratch = &mut guard.1;
+            match weights {
+                JobWeights::Dense(DenseMatrix::Q8(m)) => k.q8_gemm(m, x, rows, out, scratch),
+                JobWeights::Dense(DenseMatrix::Q4(m)) => k.q4_gemm(m, x, rows, out, scratch),
+                JobWeights::Expert(m) => k.mxfp4_gemm(&m, x, rows, out, scratch),
+                _ => unreachable!("bf16 weights take the plain path above"),
+            }
+        }),
+        (_, None) => unreachable!("quantized weights are always given quantized activations"),
+    };
+    // Shapes are fixed by the model config and checked at load; a mismatch is a bug, not input.
+    if let Err(err) = result {
+        panic!("kernel shape mismatch: {err}");
+    }
+}

@@ -1,0 +1,353 @@
+//! The fast forward pass: quantized SIMD kernels on the session's thread pool.
+//!
+//! Same steps as the exact path in `exact.rs` (which it is checked against), computed with the
+//! `kernels` module: experts stay MXFP4 in the mapping and multiply int8-quantized activations;
+//! attention projections and the unembedding are held in the weight format the settings choose
+//! (`convert.rs`); the KV cache is f16 by default. Every multiplication splits its weight rows
+//! into tasks on the pool; several matrices that read the same activations (q, k and v; the routed
+//! experts of a token) run in one parallel region. A quantized product with split activations
+//! (see [`ActivationFormat`]) writes two rows per token, folded into one afterwards.
+
+mod attend;
+mod experts;
+mod jobs;
+
+use super::config::ModelConfig;
+use super::convert::{DenseMatrix, FastLayer, FastWeights};
+use super::kv::{KvElement, KvStore, LayerKv, LayerKvOf};
+use super::ops::{add_bias_rows, add_into, embed_tokens, rms_norm_rows, route_token};
+use super::options::{ActivationFormat, Product};
+use super::rope::{apply_rope_rows, RopeTable};
+use super::team::Team;
+use super::weights::{Layer, Weights};
+use crate::kernels::{Kernels, Q8Activations};
+use jobs::{fold_rows, Job, Work};
+
+/// Tokens per prefill chunk in the fast path: enough that each of 32 experts sees dozens of
+/// tokens, so a decoded weight tile is reused many times.
+pub const PREFILL_CHUNK: usize = 512;
+
+/// Activation buffers of the fast path for one chunk, sized once per session. Buffers a product
+/// writes hold two rows per token (split activations) until they are folded.
+pub struct Scratch {
+    /// The residual stream.
+    x: Vec<f32>,
+    normed: Vec<f32>,
+    normed_q: Q8Activations,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    /// q, k and v side by side: one parallel region writes all three.
+    qkv: Vec<f32>,
+    /// The attention heads' outputs, o_proj's input.
+    attn: Vec<f32>,
+    attn_q: Q8Activations,
+    /// o_proj's output.
+    proj: Vec<f32>,
+    router: Vec<f32>,
+    /// Per expert, the (token, weight) pairs routed to it.
+    routes: Vec<Vec<(usize, f32)>>,
+    /// The rows of `expert_in_q` routed to one expert (prefill).
+    route_rows: Vec<usize>,
+    gathered: Q8Activations,
+    /// The experts' input: one or two quantized rows per token (see [`ActivationFormat`]).
+    expert_in_q: Q8Activations,
+    gate_up: Vec<f32>,
+    activated: Vec<f32>,
+    /// The down products' inputs: one per routed expert of a decoded token, the first in prefill.
+    activated_q: Vec<Q8Activations>,
+    expert_out: Vec<f32>,
+    moe_out: Vec<f32>,
+    /// The unembedding's output.
+    logits: Vec<f32>,
+    work: Work,
+}
+
+impl Scratch {
+    pub fn new(c: &ModelConfig) -> Scratch {
+        let n = PREFILL_CHUNK;
+        let (h, qw, kv, e, i) = (
+            c.hidden_size,
+            c.q_width(),
+            c.kv_width(),
+            c.num_local_experts,
+            c.intermediate_size,
+        );
+        let top_k = c.num_experts_per_tok;
+        // Expert products hold up to two quantized rows per token, for a chunk's tokens in prefill
+        // or a token's routed experts in decode.
+        let expert_rows = 2 * n.max(top_k);
+        let blocked = [
+            2 * n * (qw + 2 * kv),
+            2 * n * h,
+            n * e,
+            2 * c.vocab_size,
+            expert_rows * 2 * i,
+            expert_rows * h,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0);
+        Scratch {
+            x: vec![0.0; n * h],
+            normed: vec![0.0; n * h],
+            normed_q: Q8Activations::with_capacity(2 * n, h),
+            cos: vec![0.0; n * c.head_dim / 2],
+            sin: vec![0.0; n * c.head_dim / 2],
+            qkv: vec![0.0; 2 * n * (qw + 2 * kv)],
+            attn: vec![0.0; n * qw],
+            attn_q: Q8Activations::with_capacity(2 * n, qw),
+            proj: vec![0.0; 2 * n * h],
+            router: vec![0.0; n * e],
+            routes: (0..e).map(|_| Vec::with_capacity(n)).collect(),
+            route_rows: Vec::with_capacity(2 * n),
+            gathered: Q8Activations::with_capacity(2 * n, h),
+            expert_in_q: Q8Activations::with_capacity(2 * n, h),
+            gate_up: vec![0.0; expert_rows * 2 * i],
+            activated: vec![0.0; n.max(top_k) * i],
+            activated_q: (0..top_k)
+                .map(|_| Q8Activations::with_capacity(2 * n, i))
+                .collect(),
+            expert_out: vec![0.0; expert_rows * h],
+            moe_out: vec![0.0; n * h],
+            logits: vec![0.0; 2 * c.vocab_size],
+            work: Work::new(blocked, n * h.max(i).max(qw)),
+        }
+    }
+}
+
+/// Sizes the calling thread's GEMM and attention scratch for `config`, so that no pool thread
+/// allocates the first time it picks up such a task in the middle of a generation. Run on every
+/// thread of a pool (`ThreadPool::broadcast`).
+pub fn prepare_thread_scratch(config: &ModelConfig) {
+    let widest = config
+        .hidden_size
+        .max(config.intermediate_size)
+        .max(config.q_width());
+    jobs::prepare_gemm_scratch(widest);
+    attend::prepare_attention_scratch(
+        config.num_attention_heads / config.num_key_value_heads,
+        config.head_dim,
+    );
+}
+
+/// What the fast forward pass reads for one call.
+pub struct FastPass<'a> {
+    pub config: &'a ModelConfig,
+    pub weights: &'a Weights,
+    pub fast: &'a FastWeights,
+    pub rope: &'a RopeTable,
+    pub kernels: Kernels,
+    pub activations: ActivationFormat,
+    /// Pool threads kept awake for this pass (decode), or `None` to use rayon.
+    pub team: Option<&'a Team>,
+}
+
+impl FastPass<'_> {
+    /// Runs `tokens` (at most [`PREFILL_CHUNK`]) at positions `start..` over `kv`, leaving the
+    /// last token's logits in `logits`, or every token's appended to `all_logits`.
+    pub fn forward_chunk(
+        &self,
+        tokens: &[u32],
+        start: usize,
+        kv: &mut KvStore,
+        s: &mut Scratch,
+        logits: &mut [f32],
+        mut all_logits: Option<&mut Vec<f32>>,
+    ) {
+        let c = self.config;
+        let n = tokens.len();
+        let h = c.hidden_size;
+        let eps = c.rms_norm_eps;
+        embed_tokens(self.weights, tokens, &mut s.x);
+        self.rope.cos_sin_rows(start, n, &mut s.cos, &mut s.sin);
+        let layers = self.weights.layers.iter().zip(&self.fast.layers);
+        for (l, (layer, fast)) in layers.enumerate() {
+            rms_norm_rows(
+                &s.x[..n * h],
+                &layer.input_norm,
+                eps,
+                &mut s.normed[..n * h],
+            );
+            self.attention(layer, fast, start, n, s, kv.layer(l));
+            add_into(&mut s.x[..n * h], &s.proj[..n * h]);
+            rms_norm_rows(
+                &s.x[..n * h],
+                &layer.post_attention_norm,
+                eps,
+                &mut s.normed[..n * h],
+            );
+            self.mixture_of_experts(layer, n, s);
+            add_into(&mut s.x[..n * h], &s.moe_out[..n * h]);
+        }
+
+        let first_row = if all_logits.is_some() { 0 } else { n - 1 };
+        let rows = n - first_row;
+        rms_norm_rows(
+            &s.x[first_row * h..n * h],
+            &self.weights.final_norm,
+            eps,
+            &mut s.normed[..rows * h],
+        );
+        let vocab = c.vocab_size;
+        let lm_head = &self.fast.lm_head;
+        // Row by row, so the scratch never holds n x vocab (the logits tool asks for every row).
+        for r in 0..rows {
+            let x = &s.normed[r * h..(r + 1) * h];
+            self.project(lm_head, x, 1, &mut s.normed_q, &mut s.work, &mut s.logits);
+            logits.copy_from_slice(&s.logits[..vocab]);
+            if let Some(out) = all_logits.as_mut() {
+                out.extend_from_slice(logits);
+            }
+        }
+    }
+
+    /// Self-attention of `n` new tokens at positions `start..start + n`; leaves o_proj's output
+    /// in `s.proj`.
+    fn attention(
+        &self,
+        layer: &Layer,
+        fast: &FastLayer,
+        start: usize,
+        n: usize,
+        s: &mut Scratch,
+        cache: LayerKvOf<'_>,
+    ) {
+        let c = self.config;
+        let (h, qw, kvw, hd) = (c.hidden_size, c.q_width(), c.kv_width(), c.head_dim);
+        let a = &layer.attention;
+        let normed = &s.normed[..n * h];
+
+        let (q, k, v) = self.project_qkv(fast, normed, n, &mut s.normed_q, &mut s.work, &mut s.qkv);
+        add_bias_rows(q, &a.q.bias);
+        add_bias_rows(k, &a.k.bias);
+        add_bias_rows(v, &a.v.bias);
+        apply_rope_rows(q, qw, hd, &s.cos, &s.sin);
+        apply_rope_rows(k, kvw, hd, &s.cos, &s.sin);
+        let attn = &mut s.attn[..n * qw];
+        match cache {
+            LayerKvOf::F16(cache) => self.store_and_attend(layer, start, n, (q, k, v), cache, attn),
+            LayerKvOf::F32(cache) => self.store_and_attend(layer, start, n, (q, k, v), cache, attn),
+        }
+        self.project(&fast.o, attn, n, &mut s.attn_q, &mut s.work, &mut s.proj);
+        add_bias_rows(&mut s.proj[..n * h], &a.o.bias);
+    }
+
+    /// Stores the chunk's keys and values, then attends with its queries.
+    fn store_and_attend<T: KvElement>(
+        &self,
+        layer: &Layer,
+        start: usize,
+        n: usize,
+        (q, k, v): (&[f32], &[f32], &[f32]),
+        mut cache: LayerKv<'_, T>,
+        out: &mut [f32],
+    ) {
+        let kvw = self.config.kv_width();
+        for (i, (key, value)) in k.chunks_exact(kvw).zip(v.chunks_exact(kvw)).enumerate() {
+            cache.store(self.kernels, start + i, key, value);
+        }
+        self.attend(layer, start, n, q, &cache, out);
+    }
+
+    /// The router's choices for each token, then the routed experts' outputs, weighted, summed
+    /// into `s.moe_out`.
+    fn mixture_of_experts(&self, layer: &Layer, n: usize, s: &mut Scratch) {
+        let c = self.config;
+        let (h, e, top_k) = (c.hidden_size, c.num_local_experts, c.num_experts_per_tok);
+        // The router stays exact: top-k choices are sensitive to small errors.
+        let job = Job::bf16(&layer.router.weight, &s.normed[..n * h], n);
+        s.work
+            .run(self.kernels, self.team, &[job], &mut s.router[..n * e]);
+        add_bias_rows(&mut s.router[..n * e], &layer.router.bias);
+        s.routes.iter_mut().for_each(Vec::clear);
+        for i in 0..n {
+            route_token(&s.router[i * e..(i + 1) * e], top_k, |expert, weight| {
+                s.routes[expert].push((i, weight))
+            });
+        }
+
+        let split = self.activations.split(Product::ExpertGateUp);
+        s.work
+            .quantize(&s.normed[..n * h], h, split, &mut s.expert_in_q);
+        s.moe_out[..n * h].fill(0.0);
+        if n == 1 {
+            self.decode_experts(layer, s);
+        } else {
+            for expert in 0..e {
+                if !s.routes[expert].is_empty() {
+                    self.prefill_expert(layer, expert, s);
+                }
+            }
+        }
+    }
+
+    /// Quantized rows per token of `w`'s input: two for split activations, one for a quantized
+    /// matrix otherwise, one for bf16 (f32 input).
+    fn rows_per_token(&self, w: &DenseMatrix) -> usize {
+        if w.needs_quantized_input() {
+            self.activations.split(Product::Dense).rows_per_token()
+        } else {
+            1
+        }
+    }
+
+    /// q, k and v of the `n` token rows of `x`, in one parallel region; returns them token-major
+    /// ([n x q_width], [n x kv_width] twice), without bias.
+    fn project_qkv<'o>(
+        &self,
+        fast: &FastLayer,
+        x: &[f32],
+        n: usize,
+        xq: &mut Q8Activations,
+        work: &mut Work,
+        qkv: &'o mut [f32],
+    ) -> (&'o mut [f32], &'o mut [f32], &'o mut [f32]) {
+        let c = self.config;
+        let (h, qw, kvw) = (c.hidden_size, c.q_width(), c.kv_width());
+        let matrices = [&fast.q, &fast.k, &fast.v];
+        if matrices.iter().any(|m| m.needs_quantized_input()) {
+            work.quantize(x, h, self.activations.split(Product::Dense), xq);
+        }
+        let (pq, pk, pv) = (
+            self.rows_per_token(&fast.q),
+            self.rows_per_token(&fast.k),
+            self.rows_per_token(&fast.v),
+        );
+        let at_k = pq * n * qw;
+        let at_v = at_k + pk * n * kvw;
+        let end = at_v + pv * n * kvw;
+        let jobs = [
+            Job::dense(&fast.q, xq, x, pq * n, 0),
+            Job::dense(&fast.k, xq, x, pk * n, at_k),
+            Job::dense(&fast.v, xq, x, pv * n, at_v),
+        ];
+        work.run(self.kernels, self.team, &jobs, &mut qkv[..end]);
+        let (q, rest) = qkv[..end].split_at_mut(at_k);
+        let (k, v) = rest.split_at_mut(at_v - at_k);
+        fold_rows(q, n, pq, qw);
+        fold_rows(k, n, pk, kvw);
+        fold_rows(v, n, pv, kvw);
+        (&mut q[..n * qw], &mut k[..n * kvw], &mut v[..n * kvw])
+    }
+
+    /// `out[..n * rows] = W x` for the `n` token rows of `x` (quantized into `xq` first when `w`
+    /// takes int8 input); `out` has room for two rows per token until they are folded.
+    fn project(
+        &self,
+        w: &DenseMatrix,
+        x: &[f32],
+        n: usize,
+        xq: &mut Q8Activations,
+        work: &mut Work,
+        out: &mut [f32],
+    ) {
+        if w.needs_quantized_input() {
+            work.quantize(x, w.cols(), self.activations.split(Product::Dense), xq);
+        }
+        let (per_token, rows) = (self.rows_per_token(w), w.rows());
+        let job = Job::dense(w, xq, x, per_token * n, 0);
+        let out = &mut out[..per_token * n * rows];
+        work.run(self.kernels, self.team, &[job], out);
+        fold_rows(out, n, per_token, rows);
+    }
+}

@@ -1,0 +1,121 @@
+//! The choices that shape a loaded model and its sessions: how the forward pass computes, the
+//! formats of weights, KV cache and activations. Plain data; the command line and the config file
+//! parse them by the names `impl_choice!` gives them.
+
+/// How the forward pass computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Precision {
+    /// f32 activations against exactly dequantized weights, portable code, f32 KV cache: the
+    /// reference every faster path is checked against.
+    Exact,
+    /// SIMD kernels on int8-quantized activations, weights in the chosen [`WeightFormat`].
+    #[default]
+    Fast,
+}
+
+/// How attention, embedding-free dense weights and the unembedding are held in the fast path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightFormat {
+    /// bfloat16 as in the checkpoint, zero-copy (exact weights, f32 math).
+    Native,
+    /// int8 blocks of 32 with an f16 scale (8.5 bits per weight).
+    #[default]
+    Q8,
+    /// 4-bit blocks of 32 with an f16 scale (4.5 bits per weight).
+    Q4,
+}
+
+crate::choice::impl_choice!(WeightFormat { Native => "native", Q8 => "q8", Q4 => "q4" });
+
+/// Element type of the KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvFormat {
+    #[default]
+    F16,
+    F32,
+}
+
+crate::choice::impl_choice!(KvFormat { F16 => "f16", F32 => "f32" });
+
+impl KvFormat {
+    pub fn bytes_per_value(self) -> usize {
+        match self {
+            KvFormat::F16 => 2,
+            KvFormat::F32 => 4,
+        }
+    }
+}
+
+/// How the inputs of quantized products (int8 blocks of 32) are made.
+///
+/// A plain int8 row loses about 1.5% of the logit range per position on the fixtures, enough to
+/// flip near-tied top tokens. A split row adds a second int8 row holding what the first missed
+/// (about 15 bits in all) at twice the integer work for that product; decode, bound by reading
+/// weights, hardly notices, prefill does. Measured trade-offs are in README.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ActivationFormat {
+    /// One int8 row for every product: fastest prefill.
+    Q8,
+    /// Split rows where int8 loses most: the experts' down input (the SwiGLU output, heavy-tailed),
+    /// attention projections and the unembedding; one row for the experts' gate_up input
+    /// (RMS-normed and smooth), the largest product.
+    #[default]
+    Mixed,
+    /// Split rows for every product.
+    Q8x2,
+}
+
+crate::choice::impl_choice!(ActivationFormat { Q8 => "q8", Mixed => "mixed", Q8x2 => "q8x2" });
+
+impl ActivationFormat {
+    pub fn split(self, product: Product) -> Split {
+        match (self, product) {
+            (ActivationFormat::Q8, _) => Split::Single,
+            (ActivationFormat::Mixed, Product::ExpertGateUp) => Split::Single,
+            (ActivationFormat::Mixed, _) | (ActivationFormat::Q8x2, _) => Split::Double,
+        }
+    }
+}
+
+/// Which product an activation row feeds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Product {
+    /// Attention projections and the unembedding.
+    Dense,
+    ExpertGateUp,
+    ExpertDown,
+}
+
+/// One int8 row per token, or two.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    Single,
+    Double,
+}
+
+impl Split {
+    /// Quantized rows per token.
+    pub fn rows_per_token(self) -> usize {
+        match self {
+            Split::Single => 1,
+            Split::Double => 2,
+        }
+    }
+}
+
+/// Options that shape a loaded model.
+#[derive(Debug, Clone, Default)]
+pub struct LoadOptions {
+    pub precision: Precision,
+    /// Format of attention and unembedding weights in the fast path.
+    pub weights: WeightFormat,
+    /// KV cache element type in the fast path.
+    pub kv: KvFormat,
+    /// How expert inputs are quantized in the fast path.
+    pub activations: ActivationFormat,
+    /// Kernel path to use instead of the process-wide one (tests compare paths this way).
+    pub kernels: Option<crate::kernels::KernelPath>,
+}
