@@ -103,6 +103,13 @@ impl ModelConfig {
             }
         }
         let num_hidden_layers = req_usize(obj, "num_hidden_layers")?;
+        // Checked before the default layer list of that length is built.
+        if num_hidden_layers > MAX_SIZE {
+            return Err(config_err(
+                "num_hidden_layers",
+                format!("must be at most {MAX_SIZE}, found {num_hidden_layers}"),
+            ));
+        }
         let hidden_size = req_usize(obj, "hidden_size")?;
         let num_attention_heads = req_usize(obj, "num_attention_heads")?;
         let num_key_value_heads =
@@ -722,6 +729,23 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(error.contains("parameters"), "{error}");
+    }
+
+    // Found by fuzzing (fuzz target `checkpoint`, under its 64 MiB allocation bound): without
+    // `layer_types`, a layer count of 4e12 made the loader allocate the default list of 4 TiB of
+    // layer kinds before validation saw the count.
+    #[test]
+    fn a_huge_layer_count_is_refused_before_anything_is_allocated_for_it() {
+        let mut json = ModelConfig::tiny().to_hf_json();
+        json["num_hidden_layers"] = serde_json::json!(4_398_046_511_104u64);
+        json["layer_types"] = Value::Null;
+        let error = ModelConfig::from_json_str(&json.to_string())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("num_hidden_layers") && error.contains("at most"),
+            "{error}"
+        );
     }
 
     #[test]
