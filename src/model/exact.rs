@@ -113,6 +113,7 @@ pub fn forward_chunk(
         match kv.layer(l) {
             LayerKvOf::F16(cache) => attention(model, layer, start, n, s, cache),
             LayerKvOf::F32(cache) => attention(model, layer, start, n, s, cache),
+            LayerKvOf::Q8(_) => unreachable!("an exact session keeps an f32 cache (Session::new)"),
         }
         add_into(&mut s.x[..n * h], &s.proj[..n * h]);
         rms_norm_rows(
@@ -308,11 +309,11 @@ trait DecodeRows: Sync {
 
 impl DecodeRows for Bf16Matrix {
     fn rows(&self) -> usize {
-        self.rows
+        self.rows()
     }
 
     fn cols(&self) -> usize {
-        self.cols
+        self.cols()
     }
 
     fn decode(&self, r: usize, start: usize, out: &mut [f32]) {
@@ -334,8 +335,8 @@ struct ExpertMatrix<'a> {
 impl<'a> ExpertMatrix<'a> {
     fn new(experts: &'a Mxfp4Experts, expert: usize) -> Self {
         ExpertMatrix {
-            rows: experts.rows,
-            cols: experts.cols,
+            rows: experts.rows(),
+            cols: experts.cols(),
             blocks: experts.blocks(expert),
             scales: experts.scales(expert),
         }
