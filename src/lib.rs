@@ -12,4 +12,5 @@ pub mod config;
 pub mod engine;
 pub mod kernels;
 pub mod model;
+pub mod server;
 pub mod tui;

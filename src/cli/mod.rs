@@ -4,6 +4,7 @@ pub mod app;
 mod bench_cmd;
 mod chat_cmds;
 mod model_cmds;
+mod serve_cmd;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -49,6 +50,8 @@ pub enum Command {
     Render(chat_cmds::RenderArgs),
     /// Encode text to o200k_harmony ids, or decode ids with --decode.
     Tokenize(chat_cmds::TokenizeArgs),
+    /// Serve an OpenAI-compatible API (chat completions, models, health, metrics) with batching.
+    Serve(serve_cmd::ServeArgs),
 }
 
 /// Where the weights come from: a checkpoint directory or a synthetic preset.
@@ -156,6 +159,7 @@ pub fn main() -> ExitCode {
         Some(Command::Run(args)) => chat_cmds::run(args),
         Some(Command::Render(args)) => chat_cmds::render(args),
         Some(Command::Tokenize(args)) => chat_cmds::tokenize(args),
+        Some(Command::Serve(args)) => serve_cmd::serve(args),
         None => app::run(cli.app),
     };
     match result {

@@ -56,6 +56,37 @@ impl KvStore {
         self.positions
     }
 
+    /// Copies the keys and values of positions `0..len` from `other` (same shape and element
+    /// type; `len` within both). Returns false, copying nothing, when the two do not match.
+    pub fn copy_prefix_from(&mut self, other: &KvStore, len: usize) -> bool {
+        if (self.kv_heads, self.head_dim) != (other.kv_heads, other.head_dim)
+            || len > self.positions.min(other.positions)
+        {
+            return false;
+        }
+        let (hd, heads) = (self.head_dim, self.kv_heads);
+        let (to_stride, from_stride) = (self.positions * hd, other.positions * hd);
+        fn copy<T: Copy>(to: &mut [Vec<T>], from: &[Vec<T>], heads: usize, strides: (usize, usize), span: usize) {
+            for (to, from) in to.iter_mut().zip(from) {
+                for head in 0..heads {
+                    let (t, f) = (head * strides.0, head * strides.1);
+                    to[t..t + span].copy_from_slice(&from[f..f + span]);
+                }
+            }
+        }
+        let strides = (to_stride, from_stride);
+        match (&mut self.layers, &other.layers) {
+            (Layers::F16(to), Layers::F16(from)) if to.len() == from.len() => {
+                copy(to, from, heads, strides, len * hd)
+            }
+            (Layers::F32(to), Layers::F32(from)) if to.len() == from.len() => {
+                copy(to, from, heads, strides, len * hd)
+            }
+            _ => return false,
+        }
+        true
+    }
+
     /// Layer `l`'s keys and values, in the element type the cache holds.
     pub fn layer(&mut self, l: usize) -> LayerKvOf<'_> {
         let (positions, kv_heads, head_dim) = (self.positions, self.kv_heads, self.head_dim);
