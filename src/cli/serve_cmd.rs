@@ -75,6 +75,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         },
         api_key,
         model_id: model_id.clone(),
+        max_body_bytes: crate::server::MAX_BODY_BYTES,
         handle_signals: true,
     };
     let server = crate::server::start(session, options, listener)?;

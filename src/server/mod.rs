@@ -43,6 +43,8 @@ pub struct ServeOptions {
     pub api_key: Option<String>,
     /// The id `/v1/models` lists and replies carry.
     pub model_id: String,
+    /// Largest request body accepted (413 beyond); [`MAX_BODY_BYTES`] by default.
+    pub max_body_bytes: usize,
     /// Stop on SIGTERM and Ctrl-C (the command does; tests stop the server themselves).
     pub handle_signals: bool,
 }
@@ -133,12 +135,13 @@ pub fn start(
         .build()
         .map_err(io_error)?;
     let handle_signals = options.handle_signals;
+    let max_body = options.max_body_bytes;
     let thread = std::thread::Builder::new()
         .name("ossterm-serve".into())
         .spawn(move || {
             runtime.block_on(async move {
                 let listener = tokio::net::TcpListener::from_std(listener).map_err(io_error)?;
-                let app = http::router(state.clone(), MAX_BODY_BYTES);
+                let app = http::router(state.clone(), max_body);
                 let shutdown_state = state.clone();
                 let shutdown = async move {
                     wait_for_stop(stopped, handle_signals).await;
