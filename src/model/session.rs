@@ -364,6 +364,10 @@ fn check_step(model: &Model, sequence: &Sequence, tokens: &[u32]) -> Result<(), 
     Ok(())
 }
 
+/// Most rows a pass runs on a team: their split activation rows (two per token) stay below the
+/// 16 rows from which the quantizer goes parallel on rayon.
+const TEAM_ROWS: usize = 7;
+
 /// One pass over `rows` tokens of `steps`, on the pool's current thread.
 fn forward(
     model: &Model,
@@ -393,9 +397,10 @@ fn forward(
                 pass.forward(steps, scratch, logits, all_logits)
             };
             // A decode step is ~100 short parallel regions: the team keeps the pool awake
-            // through it. A prefill chunk's or a batch's regions are long, and its activation
-            // quantization uses rayon.
-            if rows == 1 {
+            // through it, also for a batch of a few sequences. A prefill chunk's regions are
+            // long, and the activation quantization of 16 or more rows (split rows count twice)
+            // spreads over rayon, which the team's spinning threads would not serve.
+            if rows <= TEAM_ROWS {
                 with_team(run)
             } else {
                 run(None)

@@ -247,6 +247,23 @@ impl Reply {
     }
 }
 
+/// llama-server's `timings` object: prompt (queue and prefill, until the first token) and
+/// predicted (first to last token) times, which load tools read to measure TTFT and decode speed.
+fn timings_json(finish: &Finish) -> Value {
+    let usage = &finish.usage;
+    let prompt_ms = finish.time_to_first_token.as_secs_f64() * 1e3;
+    let predicted_ms = finish.decode_time.as_secs_f64() * 1e3;
+    let decoded = usage.completion_tokens.saturating_sub(1);
+    json!({
+        "prompt_n": usage.prompt_tokens - usage.cached_tokens,
+        "cache_n": usage.cached_tokens,
+        "prompt_ms": prompt_ms,
+        "predicted_n": usage.completion_tokens,
+        "predicted_ms": predicted_ms,
+        "predicted_per_second": if predicted_ms > 0.0 { decoded as f64 * 1e3 / predicted_ms } else { 0.0 },
+    })
+}
+
 fn usage_json(usage: &Usage) -> Value {
     json!({
         "prompt_tokens": usage.prompt_tokens,
@@ -280,7 +297,8 @@ async fn whole_reply(reply: Reply, mut events: mpsc::UnboundedReceiver<Event>) -
                 reasoning.push_str(&r);
                 content.push_str(&c);
             }
-            Some(Event::Done(Finish { reason, usage })) => {
+            Some(Event::Done(finish)) => {
+                let Finish { reason, usage, .. } = finish;
                 let mut message = json!({"role": "assistant", "content": content});
                 if !reasoning.is_empty() {
                     message["reasoning_content"] = json!(reasoning);
@@ -294,6 +312,7 @@ async fn whole_reply(reply: Reply, mut events: mpsc::UnboundedReceiver<Event>) -
                     "choices": [{"index": 0, "message": message, "logprobs": null,
                                  "finish_reason": reason.as_str()}],
                     "usage": usage_json(&usage),
+                    "timings": timings_json(&finish),
                 }))
                 .into_response();
             }
@@ -338,8 +357,11 @@ fn stream_reply(
                     out.push(data(reply.chunk(delta, None)));
                     false
                 }
-                Some(Event::Done(Finish { reason, usage })) => {
-                    out.push(data(reply.chunk(json!({}), Some(reason.as_str()))));
+                Some(Event::Done(finish)) => {
+                    let Finish { reason, usage, .. } = finish;
+                    let mut chunk = reply.chunk(json!({}), Some(reason.as_str()));
+                    chunk["timings"] = timings_json(&finish);
+                    out.push(data(chunk));
                     if reply.include_usage {
                         let mut chunk = reply.chunk(json!({}), None);
                         chunk["choices"] = json!([]);

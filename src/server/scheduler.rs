@@ -27,6 +27,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use rayon::prelude::*;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::metrics::Metrics;
@@ -87,6 +88,10 @@ pub struct Usage {
 pub struct Finish {
     pub reason: FinishReason,
     pub usage: Usage,
+    /// From the request's arrival to its first sampled token (queueing and prefill included).
+    pub time_to_first_token: Duration,
+    /// From the first sampled token to the last.
+    pub decode_time: Duration,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -202,6 +207,7 @@ struct Active {
     sampler: Sampler,
     parser: HarmonyParser<'static>,
     reply: ReplyText,
+    first_token_at: Option<Instant>,
 }
 
 struct Slot {
@@ -387,6 +393,7 @@ impl Worker {
                 sampler,
                 parser: HarmonyParser::after_prompt(tokenizer, "assistant"),
                 reply,
+                first_token_at: None,
             });
         }
     }
@@ -457,6 +464,36 @@ impl Worker {
         }
         self.record_step(seconds, decoding, prefill_rows);
 
+        // Sampling is a few passes over the vocabulary per sequence: the rows are sampled in
+        // parallel on the session's pool.
+        let mut samples = {
+            let Worker { session, slots, .. } = self;
+            let mut samplers: Vec<(usize, &mut Sampler)> = Vec::with_capacity(plan.len());
+            // `plan` lists slots in ascending order, as they were visited.
+            let mut rows = plan.iter().enumerate().filter(|(_, p)| p.samples).peekable();
+            for (index, slot) in slots.iter_mut().enumerate() {
+                if let Some(&(row, planned)) = rows.peek() {
+                    if planned.slot == index {
+                        rows.next();
+                        if let Some(active) = slot.active.as_mut() {
+                            samplers.push((row, &mut active.sampler));
+                        }
+                    }
+                }
+            }
+            let session = &*session;
+            let mut samples: Vec<Option<Result<u32, String>>> = (0..plan.len()).map(|_| None).collect();
+            let drawn: Vec<_> = session.pool().install(|| {
+                samplers
+                    .par_iter_mut()
+                    .map(|(row, sampler)| (*row, sampler.sample(session.batch_logits(*row))))
+                    .collect()
+            });
+            for (row, result) in drawn {
+                samples[row] = Some(result.map_err(|error| error.to_string()));
+            }
+            samples
+        };
         for (row, planned) in plan.iter().enumerate() {
             let slot = &mut self.slots[planned.slot];
             let Some(active) = slot.active.as_mut() else {
@@ -465,18 +502,19 @@ impl Worker {
             if active.next.is_none() {
                 active.prefilled += planned.tokens;
             }
-            if !planned.samples {
+            let Some(sampled) = samples[row].take() else {
                 continue;
-            }
-            let token = match active.sampler.sample(self.session.batch_logits(row)) {
+            };
+            let token = match sampled {
                 Ok(token) => token,
                 Err(error) => {
-                    let _ = active.job.events.send(Event::Failed(error.to_string()));
+                    let _ = active.job.events.send(Event::Failed(error));
                     slot.active = None;
                     continue;
                 }
             };
             if active.generated == 0 {
+                active.first_token_at = Some(Instant::now());
                 let m = &self.metrics;
                 let ttft = active.job.received.elapsed().as_secs_f64();
                 m.time_to_first_token_seconds_sum
@@ -496,7 +534,13 @@ impl Worker {
                     completion_tokens: active.generated,
                     reasoning_tokens: active.reply.reasoning_tokens,
                 };
-                let _ = active.job.events.send(Event::Done(Finish { reason, usage }));
+                let first = active.first_token_at.unwrap_or_else(Instant::now);
+                let _ = active.job.events.send(Event::Done(Finish {
+                    reason,
+                    usage,
+                    time_to_first_token: first.duration_since(active.job.received),
+                    decode_time: first.elapsed(),
+                }));
                 slot.active = None;
             }
         }
