@@ -41,7 +41,12 @@ fn argmax(values: &[f32]) -> u32 {
 
 /// Each prompt alone: the logits after the prompt and after each of `forced` (or, without
 /// `forced`, greedy) tokens; returns (tokens fed, logits per step).
-fn alone(session: &mut Session, prompt: &[u32], forced: Option<&[u32]>, steps: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
+fn alone(
+    session: &mut Session,
+    prompt: &[u32],
+    forced: Option<&[u32]>,
+    steps: usize,
+) -> (Vec<u32>, Vec<Vec<f32>>) {
     session.truncate(0);
     let mut logits = vec![session.prefill(prompt).unwrap().to_vec()];
     let mut fed = Vec::new();
@@ -59,7 +64,12 @@ fn alone(session: &mut Session, prompt: &[u32], forced: Option<&[u32]>, steps: u
 /// All prompts in one session: the first two prefilled together in one pass, the third joining
 /// while the others decode (its prompt rows in the same pass as their decode rows), then every
 /// sequence decoding one token per pass.
-fn batched(session: &mut Session, prompts: &[Vec<u32>], forced: Option<&[Vec<u32>]>, steps: usize) -> (Vec<Vec<u32>>, Vec<Vec<Vec<f32>>>) {
+fn batched(
+    session: &mut Session,
+    prompts: &[Vec<u32>],
+    forced: Option<&[Vec<u32>]>,
+    steps: usize,
+) -> (Vec<Vec<u32>>, Vec<Vec<Vec<f32>>>) {
     let mut sequences: Vec<_> = prompts.iter().map(|_| session.new_sequence(64)).collect();
     let mut logits: Vec<Vec<Vec<f32>>> = vec![Vec::new(); prompts.len()];
     let mut fed: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
@@ -114,7 +124,10 @@ fn batched_greedy_decode_equals_each_sequence_alone_on_the_exact_path() {
             .map(|prompt| alone(&mut session, prompt, None, 12).0)
             .collect();
         let (got, _) = batched(&mut session, &prompts, None, 12);
-        assert_eq!(got, want, "{fixture}: batched greedy ids differ from each sequence alone");
+        assert_eq!(
+            got, want,
+            "{fixture}: batched greedy ids differ from each sequence alone"
+        );
     }
 }
 
@@ -137,14 +150,20 @@ fn batched_logits_match_each_sequence_alone_on_the_fast_path() {
             assert_eq!(want.len(), got.len());
             for (w, g) in want.iter().zip(got) {
                 let scale = w.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                let error = w.iter().zip(g).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+                let error = w
+                    .iter()
+                    .zip(g)
+                    .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
                 worst = worst.max(error / scale);
             }
         }
         // The fast path's cross-path tolerance (tests/fast_path.rs bounds the 90th percentile of
         // fast against exact at 6%); batching changes only which kernel (GEMV or GEMM) sums the
         // same int8 products.
-        assert!(worst < 0.06, "{fixture}: batched logits differ by {worst} of the largest logit");
+        assert!(
+            worst < 0.06,
+            "{fixture}: batched logits differ by {worst} of the largest logit"
+        );
     }
 }
 
@@ -156,11 +175,17 @@ fn a_copied_prefix_continues_like_a_computed_one() {
     let (_, want) = alone(&mut session, prompt, None, 0);
     let mut source = session.new_sequence(64);
     let mut target = session.new_sequence(64);
-    let mut steps = [SequenceStep { sequence: &mut source, tokens: &prompt[..10] }];
+    let mut steps = [SequenceStep {
+        sequence: &mut source,
+        tokens: &prompt[..10],
+    }];
     session.forward_batch(&mut steps).unwrap();
     assert_eq!(target.copy_prefix_from(&source, 10), 10);
     assert_eq!(target.tokens(), &prompt[..10]);
-    let mut steps = [SequenceStep { sequence: &mut target, tokens: &prompt[10..] }];
+    let mut steps = [SequenceStep {
+        sequence: &mut target,
+        tokens: &prompt[10..],
+    }];
     session.forward_batch(&mut steps).unwrap();
     assert_eq!(session.batch_logits(0), &want[0][..]);
 }
@@ -173,18 +198,30 @@ fn a_batch_that_does_not_fit_is_refused_before_computing() {
     let mut other = session.new_sequence(4);
     let tokens = [1u32, 2, 3, 4, 5];
     let mut steps = [
-        SequenceStep { sequence: &mut other, tokens: &tokens[..2] },
-        SequenceStep { sequence: &mut small, tokens: &tokens },
+        SequenceStep {
+            sequence: &mut other,
+            tokens: &tokens[..2],
+        },
+        SequenceStep {
+            sequence: &mut small,
+            tokens: &tokens,
+        },
     ];
     assert_eq!(
         session.forward_batch(&mut steps),
-        Err(ForwardError::ContextFull { limit: 4, needed: 5 })
+        Err(ForwardError::ContextFull {
+            limit: 4,
+            needed: 5
+        })
     );
     assert!(other.is_empty(), "nothing was computed for the first step");
     let chunk = session.chunk_len();
     let long: Vec<u32> = (0..chunk as u32 + 1).map(|i| i % 50).collect();
     let mut big = session.new_sequence(chunk + 8);
-    let mut steps = [SequenceStep { sequence: &mut big, tokens: &long }];
+    let mut steps = [SequenceStep {
+        sequence: &mut big,
+        tokens: &long,
+    }];
     assert!(matches!(
         session.forward_batch(&mut steps),
         Err(ForwardError::BatchTooLarge { .. })

@@ -72,7 +72,12 @@ impl Server {
     }
 
     fn metric(&self, name: &str) -> f64 {
-        let text = agent().get(&self.url("/metrics")).call().unwrap().into_string().unwrap();
+        let text = agent()
+            .get(&self.url("/metrics"))
+            .call()
+            .unwrap()
+            .into_string()
+            .unwrap();
         text.lines()
             .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
             .unwrap_or_else(|| panic!("no {name} in {text}"))
@@ -176,7 +181,10 @@ fn health_models_metrics_and_unknown_paths() {
         "ossterm_kv_use_ratio",
         "ossterm_prefix_cache_hits_total",
     ] {
-        assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing:\n{text}");
+        assert!(
+            text.contains(&format!("# TYPE {name} ")),
+            "{name} missing:\n{text}"
+        );
     }
     assert_eq!(server.metric("ossterm_kv_capacity_tokens"), 4.0 * 4096.0);
     let (status, body) = read_json(agent().get(&server.url("/v1/nothing")).call());
@@ -190,7 +198,10 @@ fn a_chat_completion_has_the_openai_shape_and_is_repeatable_with_a_seed() {
     // The exact path: a reply must not depend on how much of the prompt came from the cache (the
     // fast path's int8 sums differ in the last bits between a prefill chunk and one token).
     let server = Server::start(Precision::Exact, options(4, 1024, 8), None);
-    let body = chat(user("hello"), json!({"max_tokens": 80, "seed": 7, "temperature": 0.8}));
+    let body = chat(
+        user("hello"),
+        json!({"max_tokens": 80, "seed": 7, "temperature": 0.8}),
+    );
     let (status, first) = server.post(&body);
     assert_eq!(status, 200, "{first}");
     assert_eq!(first["object"], "chat.completion");
@@ -206,7 +217,9 @@ fn a_chat_completion_has_the_openai_shape_and_is_repeatable_with_a_seed() {
     let (_, second) = server.post(&body);
     assert_eq!(second["choices"][0]["message"], choice["message"]);
     // The same system message and prompt: the second request reuses all but the last token.
-    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
     assert_eq!(cached, prompt - 1);
     assert!(server.metric("ossterm_prefix_cache_hits_total") >= 1.0);
     assert_eq!(server.metric("ossterm_tokens_generated_total"), 160.0);
@@ -225,7 +238,9 @@ fn streaming_sends_chunks_usage_and_done_with_the_same_text() {
         .map(|data| serde_json::from_str(data).unwrap())
         .collect();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
-    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    assert!(chunks
+        .iter()
+        .all(|c| c["object"] == "chat.completion.chunk"));
     let finish = &chunks[chunks.len() - 2];
     assert_eq!(finish["choices"][0]["finish_reason"], "length");
     let usage = &chunks[chunks.len() - 1];
@@ -237,7 +252,10 @@ fn streaming_sends_chunks_usage_and_done_with_the_same_text() {
             content.push_str(text);
         }
         let delta = &chunk["choices"][0]["delta"];
-        assert_eq!(delta["reasoning_content"], delta["reasoning"], "both names carry reasoning");
+        assert_eq!(
+            delta["reasoning_content"], delta["reasoning"],
+            "both names carry reasoning"
+        );
     }
     let mut whole = extra;
     whole["stream"] = json!(false);
@@ -251,7 +269,12 @@ fn concurrent_requests_get_the_replies_they_get_alone() {
     // The exact path computes a batch exactly as each sequence alone, so greedy replies match.
     let server = Server::start(Precision::Exact, options(4, 1024, 8), None);
     let bodies: Vec<String> = (0..4)
-        .map(|i| chat(user(&format!("question number {i}")), json!({"max_tokens": 70 + 3 * i, "temperature": 0})))
+        .map(|i| {
+            chat(
+                user(&format!("question number {i}")),
+                json!({"max_tokens": 70 + 3 * i, "temperature": 0}),
+            )
+        })
         .collect();
     let alone: Vec<Value> = bodies.iter().map(|body| server.post(body).1).collect();
     let together: Vec<Value> = std::thread::scope(|scope| {
@@ -263,7 +286,10 @@ fn concurrent_requests_get_the_replies_they_get_alone() {
     });
     for (a, t) in alone.iter().zip(&together) {
         assert_eq!(a["choices"][0]["message"], t["choices"][0]["message"]);
-        assert_eq!(a["usage"]["completion_tokens"], t["usage"]["completion_tokens"]);
+        assert_eq!(
+            a["usage"]["completion_tokens"],
+            t["usage"]["completion_tokens"]
+        );
     }
     server.stop();
 }
@@ -275,27 +301,60 @@ fn bad_requests_get_openai_errors_naming_the_problem() {
         ("{\"messages\": [", 400, "not valid JSON"),
         (r#"{"messages": "hi"}"#, 400, "messages"),
         (r#"{"messages": []}"#, 400, "empty"),
-        (r#"{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}"#, 400, "temperature"),
-        (r#"{"messages": [{"role": "user", "content": "x"}], "temperature": -1}"#, 400, "temperature"),
-        (r#"{"messages": [{"role": "tool", "content": "x"}]}"#, 400, "tool"),
-        (r#"{"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "extreme"}"#, 400, "extreme"),
-        (r#"{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}"#, 400, "max_tokens"),
-        (r#"{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}"#, 400, "image_url"),
+        (
+            r#"{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}"#,
+            400,
+            "temperature",
+        ),
+        (
+            r#"{"messages": [{"role": "user", "content": "x"}], "temperature": -1}"#,
+            400,
+            "temperature",
+        ),
+        (
+            r#"{"messages": [{"role": "tool", "content": "x"}]}"#,
+            400,
+            "tool",
+        ),
+        (
+            r#"{"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "extreme"}"#,
+            400,
+            "extreme",
+        ),
+        (
+            r#"{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}"#,
+            400,
+            "max_tokens",
+        ),
+        (
+            r#"{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}"#,
+            400,
+            "image_url",
+        ),
     ];
     for (body, want_status, needle) in cases {
         let (status, reply) = server.post(body);
         assert_eq!(status, want_status, "{body}: {reply}");
         let error = &reply["error"];
         assert_eq!(error["type"], "invalid_request_error", "{reply}");
-        assert!(error["message"].as_str().unwrap().contains(needle), "{body}: {reply}");
-        assert!(error.get("param").is_some() && error.get("code").is_some(), "{reply}");
+        assert!(
+            error["message"].as_str().unwrap().contains(needle),
+            "{body}: {reply}"
+        );
+        assert!(
+            error.get("param").is_some() && error.get("code").is_some(),
+            "{reply}"
+        );
     }
     let long = "many words ".repeat(200);
     let (status, reply) = server.post(&chat(user(&long), json!({})));
     assert_eq!(status, 400);
     assert_eq!(reply["error"]["code"], "context_length_exceeded");
     assert_eq!(reply["error"]["param"], "messages");
-    let huge = format!(r#"{{"messages": [{{"role": "user", "content": "{}"}}]}}"#, "a".repeat(300 << 10));
+    let huge = format!(
+        r#"{{"messages": [{{"role": "user", "content": "{}"}}]}}"#,
+        "a".repeat(300 << 10)
+    );
     let (status, reply) = server.post(&huge);
     assert_eq!(status, 413, "{reply}");
     assert!(server.metric("ossterm_requests_rejected_total") >= 11.0);
@@ -317,7 +376,10 @@ fn an_api_key_is_required_when_set_and_exposure_without_one_is_refused() {
         .set("Authorization", "Bearer sekrit")
         .send_string(&body);
     assert_eq!(read_json(ok).0, 200);
-    assert_eq!(agent().get(&server.url("/health")).call().unwrap().status(), 200);
+    assert_eq!(
+        agent().get(&server.url("/health")).call().unwrap().status(),
+        200
+    );
     server.stop();
     let error = check_exposure("0.0.0.0", None).unwrap_err().to_string();
     assert!(error.contains("API key"), "{error}");
@@ -374,5 +436,11 @@ fn stopping_the_server_ends_running_streams() {
     let events = reader.join().unwrap();
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     let error: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
-    assert!(error["error"]["message"].as_str().unwrap().contains("shutting down"), "{error}");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("shutting down"),
+        "{error}"
+    );
 }

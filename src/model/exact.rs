@@ -136,7 +136,11 @@ pub fn forward(
 
     let vocab = c.vocab_size;
     if let Some(out) = all_logits {
-        assert_eq!(steps.len(), 1, "every position's logits are asked of one sequence");
+        assert_eq!(
+            steps.len(),
+            1,
+            "every position's logits are asked of one sequence"
+        );
         rms_norm_rows(
             &s.x[..n * h],
             &weights.final_norm,

@@ -66,7 +66,13 @@ impl KvStore {
         }
         let (hd, heads) = (self.head_dim, self.kv_heads);
         let (to_stride, from_stride) = (self.positions * hd, other.positions * hd);
-        fn copy<T: Copy>(to: &mut [Vec<T>], from: &[Vec<T>], heads: usize, strides: (usize, usize), span: usize) {
+        fn copy<T: Copy>(
+            to: &mut [Vec<T>],
+            from: &[Vec<T>],
+            heads: usize,
+            strides: (usize, usize),
+            span: usize,
+        ) {
             for (to, from) in to.iter_mut().zip(from) {
                 for head in 0..heads {
                     let (t, f) = (head * strides.0, head * strides.1);

@@ -307,7 +307,15 @@ impl Session {
                 activations,
                 ..
             } = self;
-            forward(model, *activations, scratch, steps, rows, batch_logits, None);
+            forward(
+                model,
+                *activations,
+                scratch,
+                steps,
+                rows,
+                batch_logits,
+                None,
+            );
         });
         for step in steps.iter_mut() {
             step.sequence.tokens.extend_from_slice(step.tokens);
@@ -340,7 +348,15 @@ impl Session {
                     tokens: chunk,
                 }];
                 let all = all_logits.as_deref_mut();
-                forward(model, *activations, scratch, &mut steps, chunk.len(), logits, all);
+                forward(
+                    model,
+                    *activations,
+                    scratch,
+                    &mut steps,
+                    chunk.len(),
+                    logits,
+                    all,
+                );
                 sequence.tokens.extend_from_slice(chunk);
             }
         });

@@ -173,9 +173,9 @@ pub fn prepare_chat(
     }
     let reasoning = match request.reasoning_effort.as_deref() {
         None => ReasoningEffort::Medium,
-        Some(text) => text.parse().map_err(|message: String| {
-            ApiError::invalid(message, Some("reasoning_effort"))
-        })?,
+        Some(text) => text
+            .parse()
+            .map_err(|message: String| ApiError::invalid(message, Some("reasoning_effort")))?,
     };
     let mut developer: Vec<String> = Vec::new();
     let mut messages = Vec::new();
@@ -204,7 +204,12 @@ pub fn prepare_chat(
         extra: serde_json::Map::new(),
     };
     let prompt = render_for_completion(tokenizer, &conversation, &RenderOptions::default())
-        .map_err(|error| ApiError::invalid(format!("cannot encode the messages: {error}"), Some("messages")))?;
+        .map_err(|error| {
+            ApiError::invalid(
+                format!("cannot encode the messages: {error}"),
+                Some("messages"),
+            )
+        })?;
     if prompt.len() >= context {
         return Err(ApiError::invalid(
             format!(
@@ -251,7 +256,10 @@ pub fn prepare_chat(
     };
     if stop.len() > MAX_STOPS {
         return Err(ApiError::invalid(
-            format!("`stop` has {} strings; at most {MAX_STOPS} are allowed", stop.len()),
+            format!(
+                "`stop` has {} strings; at most {MAX_STOPS} are allowed",
+                stop.len()
+            ),
             Some("stop"),
         ));
     }
@@ -294,7 +302,11 @@ mod tests {
     #[test]
     fn wrong_types_name_the_field() {
         let error = parse_chat_request(br#"{"messages": [{"role": 5}]}"#).unwrap_err();
-        assert_eq!(error.param.as_deref(), Some("messages[0].role"), "{error:?}");
+        assert_eq!(
+            error.param.as_deref(),
+            Some("messages[0].role"),
+            "{error:?}"
+        );
         let error = parse_chat_request(br#"{"messages": [], "temperature": "hot"}"#).unwrap_err();
         assert_eq!(error.param.as_deref(), Some("temperature"), "{error:?}");
         let error = parse_chat_request(b"{\"messages\": [").unwrap_err();

@@ -157,7 +157,10 @@ async fn chat_completions(
     match start_chat(&state, &headers, body) {
         Ok((accepted, events)) => {
             let reply = Reply {
-                id: format!("chatcmpl-{:x}", state.next_id.fetch_add(1, Ordering::Relaxed)),
+                id: format!(
+                    "chatcmpl-{:x}",
+                    state.next_id.fetch_add(1, Ordering::Relaxed)
+                ),
                 created: unix_seconds(),
                 model: state.model_id.clone(),
                 include_usage: accepted.include_usage,
@@ -327,10 +330,7 @@ async fn whole_reply(reply: Reply, mut events: mpsc::UnboundedReceiver<Event>) -
 /// reason, the usage chunk when asked for, then `data: [DONE]`. A task forwards the scheduler's
 /// events and stops as soon as the client's stream is dropped, which closes the scheduler's
 /// channel and so cancels the sequence before its next step.
-fn stream_reply(
-    reply: Reply,
-    mut events: mpsc::UnboundedReceiver<Event>,
-) -> impl IntoResponse {
+fn stream_reply(reply: Reply, mut events: mpsc::UnboundedReceiver<Event>) -> impl IntoResponse {
     let (sender, receiver) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
     tokio::spawn(async move {
         let data = |value: Value| Ok(SseEvent::default().data(value.to_string()));

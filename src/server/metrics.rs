@@ -68,28 +68,129 @@ impl Metrics {
         let load = |value: &AtomicU64| value.load(Ordering::Relaxed) as f64;
         let load_usize = |value: &AtomicUsize| value.load(Ordering::Relaxed) as f64;
         let series: [(&str, &str, &str, f64); 19] = [
-            ("ossterm_requests_total", "counter", "Completion requests accepted.", load(&self.requests)),
-            ("ossterm_requests_rejected_total", "counter", "Requests refused with an error status.", load(&self.requests_rejected)),
-            ("ossterm_prompt_tokens_total", "counter", "Prompt tokens of accepted requests.", load(&self.prompt_tokens)),
-            ("ossterm_prompt_tokens_cached_total", "counter", "Prompt tokens served from the prefix cache.", load(&self.cached_prompt_tokens)),
-            ("ossterm_prefix_cache_hits_total", "counter", "Requests that reused cached prompt tokens.", load(&self.prefix_cache_hits)),
-            ("ossterm_prefill_tokens_total", "counter", "Prompt tokens computed.", load(&self.prefilled_tokens)),
-            ("ossterm_tokens_generated_total", "counter", "Tokens sampled.", load(&self.generated_tokens)),
-            ("ossterm_decode_tokens_per_second", "gauge", "Decode throughput of all sequences together, recent steps.", self.decode_tokens_per_second.get()),
-            ("ossterm_prefill_tokens_per_second", "gauge", "Prefill throughput, recent steps.", self.prefill_tokens_per_second.get()),
-            ("ossterm_queue_depth", "gauge", "Requests waiting for a sequence slot.", load_usize(&self.queue_depth)),
-            ("ossterm_active_sequences", "gauge", "Sequences being prefilled or decoded.", load_usize(&self.active_sequences)),
-            ("ossterm_kv_used_tokens", "gauge", "Tokens in the KV caches of active sequences.", load_usize(&self.kv_used_tokens)),
-            ("ossterm_kv_capacity_tokens", "gauge", "Tokens all sequence slots can hold.", load_usize(&self.kv_capacity_tokens)),
-            ("ossterm_kv_capacity_bytes", "gauge", "Bytes of KV cache reserved for all slots.", load(&self.kv_capacity_bytes)),
-            ("ossterm_kv_use_ratio", "gauge", "KV tokens in use over capacity.", ratio(load_usize(&self.kv_used_tokens), load_usize(&self.kv_capacity_tokens))),
-            ("ossterm_prefill_stall_seconds", "gauge", "Extra time of the last decode step that carried a prefill chunk.", self.prefill_stall_seconds.get()),
-            ("ossterm_prefill_stall_max_seconds", "gauge", "Largest extra time of a decode step that carried a prefill chunk.", self.prefill_stall_max_seconds.get()),
-            ("ossterm_time_to_first_token_seconds_sum", "counter", "Sum of times from request to first token.", self.time_to_first_token_seconds_sum.get()),
-            ("ossterm_time_to_first_token_seconds_count", "counter", "Requests that got a first token.", load(&self.time_to_first_token_count)),
+            (
+                "ossterm_requests_total",
+                "counter",
+                "Completion requests accepted.",
+                load(&self.requests),
+            ),
+            (
+                "ossterm_requests_rejected_total",
+                "counter",
+                "Requests refused with an error status.",
+                load(&self.requests_rejected),
+            ),
+            (
+                "ossterm_prompt_tokens_total",
+                "counter",
+                "Prompt tokens of accepted requests.",
+                load(&self.prompt_tokens),
+            ),
+            (
+                "ossterm_prompt_tokens_cached_total",
+                "counter",
+                "Prompt tokens served from the prefix cache.",
+                load(&self.cached_prompt_tokens),
+            ),
+            (
+                "ossterm_prefix_cache_hits_total",
+                "counter",
+                "Requests that reused cached prompt tokens.",
+                load(&self.prefix_cache_hits),
+            ),
+            (
+                "ossterm_prefill_tokens_total",
+                "counter",
+                "Prompt tokens computed.",
+                load(&self.prefilled_tokens),
+            ),
+            (
+                "ossterm_tokens_generated_total",
+                "counter",
+                "Tokens sampled.",
+                load(&self.generated_tokens),
+            ),
+            (
+                "ossterm_decode_tokens_per_second",
+                "gauge",
+                "Decode throughput of all sequences together, recent steps.",
+                self.decode_tokens_per_second.get(),
+            ),
+            (
+                "ossterm_prefill_tokens_per_second",
+                "gauge",
+                "Prefill throughput, recent steps.",
+                self.prefill_tokens_per_second.get(),
+            ),
+            (
+                "ossterm_queue_depth",
+                "gauge",
+                "Requests waiting for a sequence slot.",
+                load_usize(&self.queue_depth),
+            ),
+            (
+                "ossterm_active_sequences",
+                "gauge",
+                "Sequences being prefilled or decoded.",
+                load_usize(&self.active_sequences),
+            ),
+            (
+                "ossterm_kv_used_tokens",
+                "gauge",
+                "Tokens in the KV caches of active sequences.",
+                load_usize(&self.kv_used_tokens),
+            ),
+            (
+                "ossterm_kv_capacity_tokens",
+                "gauge",
+                "Tokens all sequence slots can hold.",
+                load_usize(&self.kv_capacity_tokens),
+            ),
+            (
+                "ossterm_kv_capacity_bytes",
+                "gauge",
+                "Bytes of KV cache reserved for all slots.",
+                load(&self.kv_capacity_bytes),
+            ),
+            (
+                "ossterm_kv_use_ratio",
+                "gauge",
+                "KV tokens in use over capacity.",
+                ratio(
+                    load_usize(&self.kv_used_tokens),
+                    load_usize(&self.kv_capacity_tokens),
+                ),
+            ),
+            (
+                "ossterm_prefill_stall_seconds",
+                "gauge",
+                "Extra time of the last decode step that carried a prefill chunk.",
+                self.prefill_stall_seconds.get(),
+            ),
+            (
+                "ossterm_prefill_stall_max_seconds",
+                "gauge",
+                "Largest extra time of a decode step that carried a prefill chunk.",
+                self.prefill_stall_max_seconds.get(),
+            ),
+            (
+                "ossterm_time_to_first_token_seconds_sum",
+                "counter",
+                "Sum of times from request to first token.",
+                self.time_to_first_token_seconds_sum.get(),
+            ),
+            (
+                "ossterm_time_to_first_token_seconds_count",
+                "counter",
+                "Requests that got a first token.",
+                load(&self.time_to_first_token_count),
+            ),
         ];
         for (name, kind, help, value) in series {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+            );
         }
         out
     }

@@ -147,10 +147,9 @@ pub fn start(
                     wait_for_stop(stopped, handle_signals).await;
                     // Streams end once the scheduler has cancelled their sequences; only then
                     // can the connections drain.
-                    let _ = tokio::task::spawn_blocking(move || {
-                        shutdown_state.scheduler.shutdown()
-                    })
-                    .await;
+                    let _ =
+                        tokio::task::spawn_blocking(move || shutdown_state.scheduler.shutdown())
+                            .await;
                 };
                 axum::serve(listener, app)
                     .with_graceful_shutdown(shutdown)

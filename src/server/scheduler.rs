@@ -55,7 +55,10 @@ pub struct Job {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     /// New text since the last delta.
-    Delta { reasoning: String, content: String },
+    Delta {
+        reasoning: String,
+        content: String,
+    },
     Done(Finish),
     /// The request could not be completed (the server is stopping, the forward pass failed).
     Failed(String),
@@ -301,7 +304,8 @@ impl Worker {
     fn publish_gauges(&self) {
         let m = &self.metrics;
         let active = self.slots.iter().filter(|s| s.active.is_some());
-        m.active_sequences.store(active.clone().count(), Ordering::Relaxed);
+        m.active_sequences
+            .store(active.clone().count(), Ordering::Relaxed);
         let used = active.map(|s| s.sequence.len()).sum();
         m.kv_used_tokens.store(used, Ordering::Relaxed);
     }
@@ -342,9 +346,18 @@ impl Worker {
                 self.cancel_all("the o200k_harmony tokenizer could not be built");
                 return;
             };
-            let free = self.slots.iter().enumerate().filter(|(_, s)| s.active.is_none());
+            let free = self
+                .slots
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.active.is_none());
             let Some((slot, own)) = free
-                .map(|(i, s)| (i, common_prefix_len(s.sequence.tokens(), &self.waiting[0].prompt)))
+                .map(|(i, s)| {
+                    (
+                        i,
+                        common_prefix_len(s.sequence.tokens(), &self.waiting[0].prompt),
+                    )
+                })
                 .max_by_key(|&(i, len)| (len, std::cmp::Reverse(i)))
             else {
                 return;
@@ -361,7 +374,12 @@ impl Worker {
                 .iter()
                 .enumerate()
                 .filter(|&(i, _)| i != slot)
-                .map(|(i, s)| (i, common_prefix_len(s.sequence.tokens(), &job.prompt).min(limit)))
+                .map(|(i, s)| {
+                    (
+                        i,
+                        common_prefix_len(s.sequence.tokens(), &job.prompt).min(limit),
+                    )
+                })
                 .max_by_key(|&(_, len)| len);
             if let Some((source, len)) = best_other {
                 if len >= reused + MIN_PREFIX_COPY {
@@ -408,7 +426,9 @@ impl Worker {
         let chunk = self.session.chunk_len();
         // With nothing decoding nobody waits: prefill takes whole chunks.
         let mut prefill_budget = if decoding > 0 {
-            self.options.prefill_chunk.min(chunk.saturating_sub(decoding))
+            self.options
+                .prefill_chunk
+                .min(chunk.saturating_sub(decoding))
         } else {
             chunk
         };
@@ -432,8 +452,8 @@ impl Worker {
                     rows
                 }
             };
-            let samples = active.next.is_some()
-                || active.prefilled + tokens.len() == active.job.prompt.len();
+            let samples =
+                active.next.is_some() || active.prefilled + tokens.len() == active.job.prompt.len();
             plan.push(Planned {
                 slot: index,
                 tokens: tokens.len(),
@@ -470,7 +490,11 @@ impl Worker {
             let Worker { session, slots, .. } = self;
             let mut samplers: Vec<(usize, &mut Sampler)> = Vec::with_capacity(plan.len());
             // `plan` lists slots in ascending order, as they were visited.
-            let mut rows = plan.iter().enumerate().filter(|(_, p)| p.samples).peekable();
+            let mut rows = plan
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| p.samples)
+                .peekable();
             for (index, slot) in slots.iter_mut().enumerate() {
                 if let Some(&(row, planned)) = rows.peek() {
                     if planned.slot == index {
@@ -482,7 +506,8 @@ impl Worker {
                 }
             }
             let session = &*session;
-            let mut samples: Vec<Option<Result<u32, String>>> = (0..plan.len()).map(|_| None).collect();
+            let mut samples: Vec<Option<Result<u32, String>>> =
+                (0..plan.len()).map(|_| None).collect();
             let drawn: Vec<_> = session.pool().install(|| {
                 samplers
                     .par_iter_mut()
@@ -556,7 +581,11 @@ impl Worker {
         }
         let smooth = |gauge: &super::metrics::Gauge, value: f64| {
             let old = gauge.get();
-            gauge.set(if old == 0.0 { value } else { 0.8 * old + 0.2 * value });
+            gauge.set(if old == 0.0 {
+                value
+            } else {
+                0.8 * old + 0.2 * value
+            });
         };
         if prefill_rows == 0 {
             smooth(&m.decode_tokens_per_second, decoding as f64 / seconds);
@@ -575,7 +604,12 @@ impl Worker {
 /// Feeds a sampled token to the request's parser and applies the stop rules: a harmony stop token
 /// or a stop string ends it (`stop`), the token budget or a full context (`length`). Otherwise
 /// the token is fed in the next step. `cached` is what the slot's cache holds now.
-fn take_token(active: &mut Active, token: u32, cached: usize, context: usize) -> Option<FinishReason> {
+fn take_token(
+    active: &mut Active,
+    token: u32,
+    cached: usize,
+    context: usize,
+) -> Option<FinishReason> {
     active.generated += 1;
     active.reply.count_token();
     let mut stopped = false;

@@ -195,7 +195,11 @@ impl FastPass<'_> {
         let vocab = c.vocab_size;
         let lm_head = &self.fast.lm_head;
         if let Some(out) = all_logits {
-            assert_eq!(steps.len(), 1, "every position's logits are asked of one sequence");
+            assert_eq!(
+                steps.len(),
+                1,
+                "every position's logits are asked of one sequence"
+            );
             rms_norm_rows(
                 &s.x[..n * h],
                 &self.weights.final_norm,
@@ -231,7 +235,14 @@ impl FastPass<'_> {
         }
         s.work.reserve_blocked(per_token * rows * vocab);
         let x = &s.normed[..rows * h];
-        self.project(lm_head, x, rows, &mut s.normed_q, &mut s.work, &mut s.logits);
+        self.project(
+            lm_head,
+            x,
+            rows,
+            &mut s.normed_q,
+            &mut s.work,
+            &mut s.logits,
+        );
         logits[..rows * vocab].copy_from_slice(&s.logits[..rows * vocab]);
     }
 
@@ -268,8 +279,12 @@ impl FastPass<'_> {
             );
             let attn = &mut s.attn[row * qw..(row + len) * qw];
             match step.sequence.kv.layer(l) {
-                LayerKvOf::F16(cache) => self.store_and_attend(layer, start, len, rows, cache, attn),
-                LayerKvOf::F32(cache) => self.store_and_attend(layer, start, len, rows, cache, attn),
+                LayerKvOf::F16(cache) => {
+                    self.store_and_attend(layer, start, len, rows, cache, attn)
+                }
+                LayerKvOf::F32(cache) => {
+                    self.store_and_attend(layer, start, len, rows, cache, attn)
+                }
             }
             row += len;
         }
