@@ -1,13 +1,16 @@
 //! Small closed sets of named values (weight formats, cache types, reasoning efforts) that the
 //! config file, the command line and the settings panel all name the same way.
 
-/// Gives a fieldless enum `ALL`, `name`, `from_name`, `cycle` and `Display` from one table of
+/// Gives a fieldless enum `ALL`, `NAMES`, `name`, `from_name`, `cycle` and `Display` from one table of
 /// variant names.
 macro_rules! impl_choice {
     ($ty:ident { $($variant:ident => $name:literal),+ $(,)? }) => {
         impl $ty {
             /// Every value, in the order the settings panel cycles through them.
             pub const ALL: &'static [$ty] = &[$($ty::$variant),+];
+
+            /// The names of [`Self::ALL`], in the same order.
+            pub const NAMES: &'static [&'static str] = &[$($name),+];
 
             /// The lower-case name used in the config file, on the command line and on screen.
             pub fn name(self) -> &'static str {

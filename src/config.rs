@@ -5,9 +5,8 @@
 //! optional; a key the app does not know is an error that names it and its line, so a typo never
 //! silently falls back to a default.
 
-use crate::engine::protocol::{
-    ActivationFormat, KvCacheType, ReasoningEffort, SamplingSettings, Settings, WeightFormat,
-};
+use crate::engine::protocol::Settings;
+use crate::settings::{self, Value, SETTINGS};
 use serde::Deserialize;
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -120,82 +119,36 @@ impl Default for AppConfig {
     }
 }
 
-/// Command-line values that override the file; `None` leaves the file's (or default) value.
+/// Command-line values that override the file; `None` (or no entry) leaves the file's (or the
+/// default) value.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ConfigOverrides {
     pub model_dir: Option<PathBuf>,
     pub synthetic: Option<SyntheticChoice>,
-    pub threads: Option<usize>,
-    pub weight_format: Option<WeightFormat>,
-    pub activations: Option<ActivationFormat>,
-    pub kv_cache: Option<KvCacheType>,
-    pub context_limit: Option<usize>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub top_k: Option<usize>,
-    pub min_p: Option<f32>,
-    pub max_tokens: Option<usize>,
-    pub seed: Option<u64>,
-    pub reasoning_effort: Option<ReasoningEffort>,
     pub chats_dir: Option<PathBuf>,
+    /// Settings given as flags, by config key, as parsed from the flag's text.
+    pub settings: Vec<(&'static str, Value)>,
 }
 
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileConfig {
-    #[serde(default)]
-    model: ModelSection,
-    #[serde(default)]
-    engine: EngineSection,
-    #[serde(default)]
-    sampling: SamplingSection,
-    #[serde(default)]
-    chat: ChatSection,
-    #[serde(default)]
-    paths: PathsSection,
+impl ConfigOverrides {
+    /// Adds the setting with config `key` (which must be one of [`SETTINGS`]).
+    pub fn with(mut self, key: &'static str, value: Value) -> ConfigOverrides {
+        self.settings.push((key, value));
+        self
+    }
 }
 
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ModelSection {
-    path: Option<PathBuf>,
-    synthetic: Option<SyntheticChoice>,
-}
+/// Keys of the file that are not live settings: where the model and the chats are.
+const MODEL_PATH_KEY: &str = "model.path";
+const MODEL_SYNTHETIC_KEY: &str = "model.synthetic";
+const CHATS_DIR_KEY: &str = "paths.chats_dir";
+const STARTUP_KEYS: [&str; 3] = [MODEL_PATH_KEY, MODEL_SYNTHETIC_KEY, CHATS_DIR_KEY];
 
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct EngineSection {
-    threads: Option<usize>,
-    weight_format: Option<WeightFormat>,
-    activations: Option<ActivationFormat>,
-    kv_cache: Option<KvCacheType>,
-    context_limit: Option<usize>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SamplingSection {
-    temperature: Option<f32>,
-    top_p: Option<f32>,
-    top_k: Option<usize>,
-    min_p: Option<f32>,
-    max_tokens: Option<usize>,
-    seed: Option<u64>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ChatSection {
-    reasoning_effort: Option<ReasoningEffort>,
-    keep_reasoning_in_context: Option<bool>,
-    system_prompt: Option<String>,
-    developer_instructions: Option<String>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct PathsSection {
-    chats_dir: Option<PathBuf>,
+/// Every key the file may hold: the startup keys and each setting's.
+fn known_keys() -> impl Iterator<Item = &'static str> {
+    STARTUP_KEYS
+        .into_iter()
+        .chain(SETTINGS.iter().map(|setting| setting.key))
 }
 
 /// The platform directories of the app (`~/.config/ossterm`, `~/.local/share/ossterm` on Linux).
@@ -243,116 +196,94 @@ pub fn load_file(path: &Path) -> Result<AppConfig, ConfigError> {
 
 /// Parses config text; `path` only labels errors.
 pub fn parse(text: &str, path: &Path) -> Result<AppConfig, ConfigError> {
-    let file: FileConfig =
-        toml::from_str(text).map_err(|error| describe_toml_error(&error, text, path))?;
+    // A UTF-8 byte order mark is not TOML, but editors write one.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    let file: toml::Table = text
+        .parse()
+        .map_err(|error| describe_toml_error(&error, text, path))?;
     let mut config = AppConfig::default();
-    let invalid = |section: &str, key: &str, message: String| ConfigError::InvalidKey {
-        path: path.to_path_buf(),
-        line: locate_key(text, section, key).unwrap_or(1),
-        key: format!("{section}.{key}"),
-        message,
+    let invalid = |key: &str, message: String| {
+        let (section, name) = key.split_once('.').unwrap_or(("", key));
+        let line = if name.is_empty() || section.is_empty() {
+            locate_section(text, key).or_else(|| locate_key(text, "", key))
+        } else {
+            locate_key(text, section, name)
+        };
+        ConfigError::InvalidKey {
+            path: path.to_path_buf(),
+            line: line.unwrap_or(1),
+            key: key.to_string(),
+            message,
+        }
     };
+    let mut sections: Vec<&str> = known_keys()
+        .filter_map(|key| key.split_once('.').map(|(section, _)| section))
+        .collect();
+    sections.sort_unstable();
+    sections.dedup();
 
-    if let Some(dir) = file.model.path.filter(|dir| !dir.as_os_str().is_empty()) {
-        config.model = ModelSource::Checkpoint(dir);
-    } else if let Some(choice) = file.model.synthetic {
-        config.model = ModelSource::Synthetic(choice);
-    }
-
-    let settings = &mut config.settings;
-    if let Some(threads) = file.engine.threads {
-        // 0 keeps the default: every available core.
-        if threads > 0 {
-            settings.threads = threads;
+    for (section, item) in &file {
+        if !sections.contains(&section.as_str()) {
+            return Err(invalid(
+                section,
+                format!(
+                    "unknown section `{section}`, expected one of {}",
+                    sections.join(", ")
+                ),
+            ));
+        }
+        let Some(entries) = item.as_table() else {
+            return Err(invalid(
+                section,
+                format!("expected a table ([{section}]), got {item}"),
+            ));
+        };
+        for (name, value) in entries {
+            let key = format!("{section}.{name}");
+            let invalid = |message: String| invalid(&key, message);
+            match key.as_str() {
+                MODEL_PATH_KEY | CHATS_DIR_KEY => {
+                    let Some(dir) = value.as_str() else {
+                        return Err(invalid(format!("expected a directory path, got {value}")));
+                    };
+                    let dir = (!dir.is_empty()).then(|| PathBuf::from(dir));
+                    if key == CHATS_DIR_KEY {
+                        config.chats_dir = dir;
+                    } else if let Some(dir) = dir {
+                        config.model = ModelSource::Checkpoint(dir);
+                    }
+                }
+                MODEL_SYNTHETIC_KEY => {
+                    let choice = value.as_str().and_then(SyntheticChoice::from_name);
+                    let Some(choice) = choice else {
+                        return Err(invalid(format!("expected auto, tiny or 20b, got {value}")));
+                    };
+                    // A checkpoint path wins over the synthetic choice.
+                    if !matches!(config.model, ModelSource::Checkpoint(_)) {
+                        config.model = ModelSource::Synthetic(choice);
+                    }
+                }
+                _ => {
+                    let Some(setting) = settings::by_key(&key) else {
+                        let expected: Vec<String> = known_keys()
+                            .filter_map(|known| known.strip_prefix(&format!("{section}.")))
+                            .map(|known| format!("`{known}`"))
+                            .collect();
+                        return Err(invalid(format!(
+                            "unknown field `{name}`, expected one of {}",
+                            expected.join(", ")
+                        )));
+                    };
+                    if let Some(value) = setting.parse_toml(value).map_err(invalid)? {
+                        setting
+                            .apply(&mut config.settings, value)
+                            .map_err(invalid)?;
+                    }
+                }
+            }
         }
     }
-    set(&mut settings.weight_format, file.engine.weight_format);
-    set(&mut settings.activations, file.engine.activations);
-    set(&mut settings.kv_cache, file.engine.kv_cache);
-    set(&mut settings.context_limit, file.engine.context_limit);
-    let sampling = &mut settings.sampling;
-    set(&mut sampling.temperature, file.sampling.temperature);
-    set(&mut sampling.top_p, file.sampling.top_p);
-    set(&mut sampling.top_k, file.sampling.top_k);
-    set(&mut sampling.min_p, file.sampling.min_p);
-    set(&mut sampling.max_tokens, file.sampling.max_tokens);
-    if file.sampling.seed.is_some() {
-        sampling.seed = file.sampling.seed;
-    }
-    set(&mut settings.reasoning_effort, file.chat.reasoning_effort);
-    set(
-        &mut settings.keep_reasoning_in_context,
-        file.chat.keep_reasoning_in_context,
-    );
-    set(&mut settings.system_prompt, file.chat.system_prompt);
-    set(
-        &mut settings.developer_instructions,
-        file.chat.developer_instructions,
-    );
-    config.chats_dir = file
-        .paths
-        .chats_dir
-        .filter(|dir| !dir.as_os_str().is_empty());
-
-    if let Err((key, message)) = validate_settings(&config.settings) {
-        let (section, key) = key.split_once('.').unwrap_or(("", key));
-        return Err(invalid(section, key, message));
-    }
     Ok(config)
-}
-
-fn set<T>(target: &mut T, value: Option<T>) {
-    if let Some(value) = value {
-        *target = value;
-    }
-}
-
-/// Checks value ranges; on failure returns the dotted config key and what was expected.
-pub fn validate_settings(settings: &Settings) -> Result<(), (&'static str, String)> {
-    let sampling: &SamplingSettings = &settings.sampling;
-    if settings.threads == 0 || settings.threads > 1024 {
-        return Err((
-            "engine.threads",
-            format!(
-                "expected 1..=1024 (0 = all cores), got {}",
-                settings.threads
-            ),
-        ));
-    }
-    if settings.context_limit < 256 || settings.context_limit > 131_072 {
-        return Err((
-            "engine.context_limit",
-            format!(
-                "expected 256..=131072 tokens, got {}",
-                settings.context_limit
-            ),
-        ));
-    }
-    if !(sampling.temperature.is_finite() && (0.0..=10.0).contains(&sampling.temperature)) {
-        return Err((
-            "sampling.temperature",
-            format!(
-                "expected 0.0..=10.0 (0 = greedy), got {}",
-                sampling.temperature
-            ),
-        ));
-    }
-    if !(sampling.top_p > 0.0 && sampling.top_p <= 1.0) {
-        return Err((
-            "sampling.top_p",
-            format!("expected a value in (0, 1], got {}", sampling.top_p),
-        ));
-    }
-    if !(0.0..1.0).contains(&sampling.min_p) {
-        return Err((
-            "sampling.min_p",
-            format!("expected a value in [0, 1), got {}", sampling.min_p),
-        ));
-    }
-    if sampling.max_tokens == 0 {
-        return Err(("sampling.max_tokens", "expected at least 1".to_string()));
-    }
-    Ok(())
 }
 
 fn apply_overrides(config: &mut AppConfig, overrides: &ConfigOverrides) -> Result<(), ConfigError> {
@@ -361,33 +292,23 @@ fn apply_overrides(config: &mut AppConfig, overrides: &ConfigOverrides) -> Resul
     } else if let Some(choice) = overrides.synthetic {
         config.model = ModelSource::Synthetic(choice);
     }
-    let settings = &mut config.settings;
-    if let Some(threads) = overrides.threads.filter(|threads| *threads > 0) {
-        settings.threads = threads;
+    for (key, value) in &overrides.settings {
+        let setting = settings::by_key(key).ok_or_else(|| ConfigError::InvalidFlag {
+            flag: (*key).to_string(),
+            message: "not a setting".to_string(),
+        })?;
+        let flag = setting.flag.unwrap_or(setting.key);
+        setting
+            .apply(&mut config.settings, value.clone())
+            .map_err(|message| ConfigError::InvalidFlag {
+                flag: format!("--{flag}"),
+                message,
+            })?;
     }
-    set(&mut settings.weight_format, overrides.weight_format);
-    set(&mut settings.activations, overrides.activations);
-    set(&mut settings.kv_cache, overrides.kv_cache);
-    set(&mut settings.context_limit, overrides.context_limit);
-    set(&mut settings.sampling.temperature, overrides.temperature);
-    set(&mut settings.sampling.top_p, overrides.top_p);
-    set(&mut settings.sampling.top_k, overrides.top_k);
-    set(&mut settings.sampling.min_p, overrides.min_p);
-    set(&mut settings.sampling.max_tokens, overrides.max_tokens);
-    if overrides.seed.is_some() {
-        settings.sampling.seed = overrides.seed;
-    }
-    set(&mut settings.reasoning_effort, overrides.reasoning_effort);
     if overrides.chats_dir.is_some() {
         config.chats_dir.clone_from(&overrides.chats_dir);
     }
-    validate_settings(settings).map_err(|(key, message)| ConfigError::InvalidFlag {
-        flag: format!(
-            "--{}",
-            key.rsplit('.').next().unwrap_or(key).replace('_', "-")
-        ),
-        message,
-    })
+    Ok(())
 }
 
 /// 1-based line of byte `offset` in `text`.
@@ -408,6 +329,13 @@ fn table_header(line: &str) -> Option<String> {
     let trimmed = line.trim();
     let inner = trimmed.strip_prefix('[')?.split(']').next()?;
     Some(inner.trim_matches(['[', ' ']).trim().to_string())
+}
+
+/// 1-based line of the `[section]` header.
+fn locate_section(text: &str, section: &str) -> Option<usize> {
+    text.lines()
+        .position(|line| table_header(line).as_deref() == Some(section))
+        .map(|index| index + 1)
 }
 
 /// 1-based line where `key` is assigned inside `[section]`.
@@ -472,6 +400,7 @@ fn describe_toml_error(error: &toml::de::Error, text: &str, path: &Path) -> Conf
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::protocol::{ActivationFormat, WeightFormat};
 
     fn parse_str(text: &str) -> Result<AppConfig, ConfigError> {
         parse(text, Path::new("test.toml"))
@@ -494,6 +423,16 @@ mod tests {
                 assert_eq!(line, 3);
                 assert_eq!(key, "sampling.top_q");
                 assert!(message.contains("unknown field"), "{message}");
+            }
+            other => panic!("expected InvalidKey, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_key_outside_any_section_is_named_with_its_line() {
+        match parse_str("# settings\n\nthreads = 2\n").unwrap_err() {
+            ConfigError::InvalidKey { line, key, .. } => {
+                assert_eq!((line, key.as_str()), (3, "threads"))
             }
             other => panic!("expected InvalidKey, got {other:?}"),
         }
@@ -555,10 +494,8 @@ mod tests {
         let mut config = parse_str("[engine]\nactivations = \"q8\"\n").unwrap();
         apply_overrides(&mut config, &ConfigOverrides::default()).unwrap();
         assert_eq!(config.settings.activations, ActivationFormat::Q8);
-        let overrides = ConfigOverrides {
-            activations: Some(ActivationFormat::Q8x2),
-            ..Default::default()
-        };
+        let overrides =
+            ConfigOverrides::default().with("engine.activations", Value::Choice("q8x2"));
         apply_overrides(&mut config, &overrides).unwrap();
         assert_eq!(config.settings.activations, ActivationFormat::Q8x2);
         assert_eq!(
@@ -581,10 +518,7 @@ mod tests {
     #[test]
     fn overrides_beat_the_file() {
         let mut config = parse_str("[sampling]\ntemperature = 0.5\ntop_k = 40\n").unwrap();
-        let overrides = ConfigOverrides {
-            temperature: Some(0.0),
-            ..Default::default()
-        };
+        let overrides = ConfigOverrides::default().with("sampling.temperature", Value::Real(0.0));
         apply_overrides(&mut config, &overrides).unwrap();
         assert_eq!(config.settings.sampling.temperature, 0.0);
         assert_eq!(config.settings.sampling.top_k, 40);
@@ -593,10 +527,7 @@ mod tests {
     #[test]
     fn bad_override_names_the_flag() {
         let mut config = AppConfig::default();
-        let overrides = ConfigOverrides {
-            top_p: Some(0.0),
-            ..Default::default()
-        };
+        let overrides = ConfigOverrides::default().with("sampling.top_p", Value::Real(0.0));
         let error = apply_overrides(&mut config, &overrides).unwrap_err();
         assert!(error.to_string().contains("--top-p"), "{error}");
     }
@@ -608,6 +539,62 @@ mod tests {
         assert_eq!(config.settings, Settings::default());
         assert_eq!(config.model, ModelSource::Synthetic(SyntheticChoice::Auto));
         assert_eq!(config.chats_dir, None);
+    }
+
+    #[test]
+    fn example_file_lists_every_setting_and_startup_key() {
+        let example = include_str!("../config.example.toml");
+        for key in known_keys() {
+            let (section, name) = key.split_once('.').unwrap();
+            let commented = example.contains(&format!("# {name} = "));
+            assert!(
+                locate_key(example, section, name).is_some() || commented,
+                "config.example.toml lacks {key}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_setting_value_round_trips_through_the_file() {
+        let mut text = String::new();
+        let mut changed = Settings::default();
+        for setting in SETTINGS {
+            setting.step(&mut changed, true, 8);
+        }
+        changed.system_prompt = "be \"terse\"".to_string();
+        for setting in SETTINGS {
+            let (section, name) = setting.key.split_once('.').unwrap();
+            let value = match (setting.get)(&changed) {
+                Value::Count(count) => count.to_string(),
+                Value::Real(real) => format!("{real:?}"),
+                Value::Choice(name) => format!("{name:?}"),
+                Value::Switch(on) => on.to_string(),
+                Value::Text(text) => format!("{text:?}"),
+                Value::Seed(seed) => seed.unwrap().to_string(),
+            };
+            text.push_str(&format!("[{section}]\n{name} = {value}\n"));
+        }
+        // Sections repeat above; TOML wants each once, so merge them.
+        let mut merged: std::collections::BTreeMap<&str, Vec<&str>> = Default::default();
+        let mut current = "";
+        for line in text.lines() {
+            match line.strip_prefix('[') {
+                Some(header) => current = header.trim_end_matches(']'),
+                None => merged.entry(current).or_default().push(line),
+            }
+        }
+        let file: String = merged
+            .iter()
+            .map(|(section, lines)| format!("[{section}]\n{}\n", lines.join("\n")))
+            .collect();
+        let config = parse_str(&file).unwrap_or_else(|error| panic!("{error}\n{file}"));
+        assert_eq!(config.settings, changed, "{file}");
+    }
+
+    #[test]
+    fn a_byte_order_mark_is_accepted() {
+        let config = parse_str("\u{feff}[engine]\nweight_format = \"q4\"\n").unwrap();
+        assert_eq!(config.settings.weight_format, WeightFormat::Q4);
     }
 
     #[test]

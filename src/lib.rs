@@ -13,4 +13,5 @@ pub mod engine;
 pub mod kernels;
 pub mod model;
 pub mod server;
+pub mod settings;
 pub mod tui;

@@ -113,12 +113,13 @@ fn default_fast_path_agrees_with_the_exact_path() {
             r.top1,
             r.positions
         );
-        // Typical positions stay within a few percent; the few beyond are where a near-tied router
-        // choice flipped, which changes that token's path through the experts.
-        assert!(p90 < 0.06, "{}: p90 error {p90}", dir.display());
+        // README: median 1.4-1.8%, p90 2.3-3.2%, worst 44%. The worst positions are where a
+        // near-tied router choice flipped, which changes that token's path through the experts.
+        assert!(median < 0.022, "{}: median error {median}", dir.display());
+        assert!(p90 < 0.04, "{}: p90 error {p90}", dir.display());
         assert!(max < 0.5, "{}: max error {max}", dir.display());
         assert!(
-            r.top1 * 10 >= r.positions * 9,
+            r.top1 * 100 >= r.positions * 93,
             "{}: top-1 {}/{}",
             dir.display(),
             r.top1,
@@ -127,31 +128,82 @@ fn default_fast_path_agrees_with_the_exact_path() {
         agree += r.top1;
         total += r.positions;
     }
+    // README: 326/336.
     assert!(
-        agree * 100 >= total * 95,
-        "top-1 agreement {agree}/{total} is under 95%"
+        agree * 1000 >= total * 960,
+        "top-1 agreement {agree}/{total} is under 96%"
     );
 }
 
+/// What README's accuracy table measures for one format on small_wide (128 positions), with a
+/// small margin: at least `top1` positions agree, the 90th percentile and the worst position stay
+/// under `p90` and `max`. A format that computes like a worse one fails its row.
+struct Bound {
+    weights: WeightFormat,
+    activations: ActivationFormat,
+    top1: usize,
+    p90: f32,
+    max: f32,
+}
+
+const BOUNDS: [Bound; 9] = {
+    use ActivationFormat::{Mixed, Q8x2, Q8 as A8};
+    use WeightFormat::{Native, Q4, Q8};
+    const fn row(
+        weights: WeightFormat,
+        activations: ActivationFormat,
+        top1: usize,
+        p90: f32,
+        max: f32,
+    ) -> Bound {
+        Bound {
+            weights,
+            activations,
+            top1,
+            p90,
+            max,
+        }
+    }
+    [
+        row(Native, A8, 122, 0.035, 0.22),
+        row(Native, Mixed, 123, 0.025, 0.21),
+        row(Native, Q8x2, 127, 0.001, 0.002),
+        row(Q8, A8, 112, 0.06, 0.24),
+        row(Q8, Mixed, 122, 0.04, 0.22),
+        row(Q8, Q8x2, 123, 0.028, 0.22),
+        row(Q4, A8, 78, 0.45, 0.85),
+        row(Q4, Mixed, 78, 0.45, 0.85),
+        row(Q4, Q8x2, 76, 0.45, 0.85),
+    ]
+};
+
 #[test]
-fn every_format_runs_and_stays_bounded() {
-    let dir = &fixture_dirs()[0];
+fn every_format_stays_within_its_measured_accuracy() {
+    let dir = fixture_dirs()
+        .into_iter()
+        .find(|dir| dir.ends_with("small_wide"))
+        .expect("the small_wide fixture");
     for weights in WeightFormat::ALL {
         for activations in ActivationFormat::ALL {
+            let bound = BOUNDS
+                .iter()
+                .find(|b| b.weights == *weights && b.activations == *activations)
+                .unwrap_or_else(|| panic!("no bound for {weights}/{activations}"));
             let opts = LoadOptions {
                 weights: *weights,
                 activations: *activations,
                 ..LoadOptions::default()
             };
-            let r = compare(dir, &opts);
+            let r = compare(&dir, &opts);
             let (p90, max) = (r.quantile(0.9), r.quantile(1.0));
             eprintln!(
                 "{weights} weights, {activations} activations: top-1 {}/{}, p90 error {p90:.4}, max {max:.4}",
                 r.top1, r.positions
             );
-            assert!(max < 1.0, "{weights}/{activations}: error {max}");
+            assert!(p90 <= bound.p90, "{weights}/{activations}: p90 error {p90}");
+            assert!(max <= bound.max, "{weights}/{activations}: max error {max}");
             assert!(
-                r.top1 * 2 >= r.positions,
+                r.top1 >= bound.top1,
                 "{weights}/{activations}: top-1 {}/{}",
                 r.top1,
                 r.positions

@@ -165,3 +165,33 @@ fn activations_flag_overrides_the_config_file_which_overrides_the_default() {
         "{error}"
     );
 }
+
+#[test]
+fn every_setting_flag_reaches_its_field_and_a_bad_value_names_the_flag() {
+    use ossterm::settings::{Value, SETTINGS};
+    for setting in SETTINGS {
+        let Some(flag) = setting.flag else {
+            continue;
+        };
+        let mut expected = Settings::default();
+        setting.step(&mut expected, true, 4);
+        let text = match (setting.get)(&expected) {
+            Value::Count(count) => count.to_string(),
+            Value::Real(real) => real.to_string(),
+            Value::Choice(name) => name.to_string(),
+            Value::Switch(on) => on.to_string(),
+            Value::Text(text) => text,
+            Value::Seed(seed) => seed.unwrap().to_string(),
+        };
+        let flag = format!("--{flag}");
+        let settings = resolved("", &[&flag, &text]).unwrap();
+        assert_eq!((setting.get)(&settings), (setting.get)(&expected), "{flag}");
+        let error = resolved("", &[&flag, "nonsense"]).unwrap_err();
+        assert!(
+            error.contains(&flag) && error.contains("nonsense"),
+            "{error}"
+        );
+    }
+    let error = resolved("", &["--top-p", "1.5"]).unwrap_err();
+    assert!(error.contains("(0, 1]"), "{error}");
+}

@@ -1,7 +1,7 @@
 //! The README's app sections stay true: every key binding, setting and config key is documented.
 
+use ossterm::settings::SETTINGS;
 use ossterm::tui::keys::KEY_BINDINGS;
-use ossterm::tui::settings_panel::SettingField;
 
 fn readme() -> String {
     std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap()
@@ -29,9 +29,22 @@ fn section(readme: &str, heading: &str) -> String {
 fn readme_lists_every_setting() {
     // Within the settings section: a label such as "activations" also heads columns elsewhere.
     let settings = section(&readme(), "### Settings");
-    for field in SettingField::ALL {
-        let row = format!("\n| {} |", field.label());
+    for setting in SETTINGS {
+        let row = format!("\n| {} |", setting.label);
         assert!(settings.contains(&row), "README lacks the setting {row}");
+    }
+}
+
+#[test]
+fn readme_lists_every_setting_flag_and_config_key() {
+    let config = section(&readme(), "### Config file and command line");
+    for setting in SETTINGS {
+        let key = format!("| `{}` |", setting.key);
+        assert!(config.contains(&key), "README lacks the config key {key}");
+        if let Some(flag) = setting.flag {
+            let flag = format!("`--{flag} ");
+            assert!(config.contains(&flag), "README lacks the flag {flag}");
+        }
     }
 }
 

@@ -7,15 +7,25 @@ use ossterm::engine::protocol::{
     Settings, StatsSample, StopReason, WeightFormat,
 };
 use ossterm::tui::store::ChatStore;
-use ossterm::tui::view::draw;
+use ossterm::tui::view::{conversation_viewport, draw};
 use ossterm::tui::{App, Effect, EngineStatus, Msg};
 use ratatui::backend::TestBackend;
+use ratatui::layout::Rect;
 use ratatui::Terminal;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+/// Draws `app` as the loop does: the layout message first, then the frame.
 fn screen(app: &mut App, width: u16, height: u16) -> String {
     let mut terminal = Terminal::new(TestBackend::new(width, height)).unwrap();
+    let (pane_width, pane_height) = conversation_viewport(Rect::new(0, 0, width, height), app);
+    app.update(
+        Msg::Layout {
+            width: pane_width,
+            height: pane_height,
+        },
+        Instant::now(),
+    );
     terminal.draw(|frame| draw(frame, app)).unwrap();
     let buffer = terminal.backend().buffer().clone();
     let mut text = String::new();
@@ -26,6 +36,27 @@ fn screen(app: &mut App, width: u16, height: u16) -> String {
         text.push('\n');
     }
     text
+}
+
+/// `App::update` with the file work carried out as the loop does, and generation requests built
+/// as the loop's engine thread builds them; returns the effects for the engine and the terminal.
+fn step(app: &mut App, message: Msg, now: Instant) -> Vec<Effect> {
+    let mut others = Vec::new();
+    let mut messages = vec![message];
+    while let Some(message) = messages.pop() {
+        for effect in app.update(message, now) {
+            match effect {
+                Effect::Store(request) => {
+                    messages.push(Msg::Stored(app.chat_file.store.clone().perform(request)))
+                }
+                Effect::Generate(job) => {
+                    others.push(Effect::Engine(Command::Generate(job.request())))
+                }
+                other => others.push(other),
+            }
+        }
+    }
+    others
 }
 
 fn key(code: KeyCode) -> Msg {
@@ -41,7 +72,7 @@ fn ctrl(character: char) -> Msg {
 
 fn type_text(app: &mut App, text: &str, now: Instant) {
     for character in text.chars() {
-        app.update(key(KeyCode::Char(character)), now);
+        step(app, key(KeyCode::Char(character)), now);
     }
 }
 
@@ -64,7 +95,7 @@ fn ready_app(dir: &std::path::Path) -> App {
         kernel_path: "avx512".to_string(),
         settings: Settings::default(),
     };
-    app.update(Msg::Engine(Event::Ready(info)), Instant::now());
+    step(&mut app, Msg::Engine(Event::Ready(info)), Instant::now());
     app
 }
 
@@ -154,11 +185,12 @@ fn streaming_then_collapsed_reasoning_then_expanded() {
     let mut app = ready_app(dir.path());
     let start = Instant::now();
     type_text(&mut app, "What is 2 + 2?", start);
-    let effects = app.update(key(KeyCode::Enter), start);
+    let effects = step(&mut app, key(KeyCode::Enter), start);
     let (id, kind, messages) = sent_request(&effects);
     assert_eq!((kind, messages), (RequestKind::NewTurn, 1));
 
-    app.update(
+    step(
+        &mut app,
         Msg::Engine(Event::PrefillProgress {
             id,
             done: 40,
@@ -170,12 +202,13 @@ fn streaming_then_collapsed_reasoning_then_expanded() {
     let text = screen(&mut app, 100, 30);
     assert!(text.contains("Reading the prompt… 40/80 tokens"), "{text}");
 
-    app.update(token(id, Channel::Analysis, "Simple "), start);
-    app.update(
+    step(&mut app, token(id, Channel::Analysis, "Simple "), start);
+    step(
+        &mut app,
         token(id, Channel::Analysis, "arithmetic."),
         start + Duration::from_millis(100),
     );
-    app.update(Msg::Engine(Event::Stats(stats(11.5))), start);
+    step(&mut app, Msg::Engine(Event::Stats(stats(11.5))), start);
     let text = screen(&mut app, 100, 30);
     assert!(text.contains("Thinking… (2 tokens)"), "{text}");
     assert!(text.contains("Simple arithmetic."), "{text}");
@@ -185,11 +218,13 @@ fn streaming_then_collapsed_reasoning_then_expanded() {
     assert!(text.contains("RANDOM WEIGHTS"), "{text}");
 
     let answer_at = start + Duration::from_millis(1500);
-    app.update(
+    step(
+        &mut app,
         token(id, Channel::Final, "**4**, as `2+2` shows.\n- a list item"),
         answer_at,
     );
-    app.update(
+    step(
+        &mut app,
         Msg::Engine(Event::TurnDone {
             id,
             reason: StopReason::Finished,
@@ -208,7 +243,7 @@ fn streaming_then_collapsed_reasoning_then_expanded() {
     assert!(text.contains("• a list item"), "{text}");
     assert!(!text.contains("<|"), "no harmony markup on screen:\n{text}");
 
-    app.update(ctrl('t'), answer_at);
+    step(&mut app, ctrl('t'), answer_at);
     let text = screen(&mut app, 100, 30);
     assert!(text.contains("▾ Thought (2 tokens, 1.5 s)"), "{text}");
     assert!(text.contains("Simple arithmetic."), "{text}");
@@ -219,8 +254,8 @@ fn settings_panel_and_help_overlay() {
     let dir = tempfile::tempdir().unwrap();
     let mut app = ready_app(dir.path());
     let now = Instant::now();
-    app.update(key(KeyCode::Tab), now);
-    app.update(key(KeyCode::Tab), now);
+    step(&mut app, key(KeyCode::Tab), now);
+    step(&mut app, key(KeyCode::Tab), now);
     let text = screen(&mut app, 110, 40);
     for label in [
         "threads",
@@ -241,8 +276,8 @@ fn settings_panel_and_help_overlay() {
         assert!(text.contains(label), "missing {label}:\n{text}");
     }
     // Down to weight format, step it: the engine is told, and the panel shows the new value.
-    app.update(key(KeyCode::Down), now);
-    let effects = app.update(key(KeyCode::Right), now);
+    step(&mut app, key(KeyCode::Down), now);
+    let effects = step(&mut app, key(KeyCode::Right), now);
     let applied = effects.iter().find_map(|effect| match effect {
         Effect::Engine(Command::ApplySettings(settings)) => Some(settings.weight_format),
         _ => None,
@@ -251,7 +286,7 @@ fn settings_panel_and_help_overlay() {
     let text = screen(&mut app, 110, 40);
     assert!(text.contains("›weight format     q4"), "{text}");
 
-    app.update(key(KeyCode::F(1)), now);
+    step(&mut app, key(KeyCode::F(1)), now);
     let text = screen(&mut app, 110, 40);
     assert!(text.contains("Keys (any key closes)"), "{text}");
     for keys in [
@@ -266,7 +301,7 @@ fn settings_panel_and_help_overlay() {
     ] {
         assert!(text.contains(keys), "help lacks {keys}:\n{text}");
     }
-    app.update(key(KeyCode::Char('x')), now);
+    step(&mut app, key(KeyCode::Char('x')), now);
     assert!(app.overlay.is_none());
 }
 
@@ -276,13 +311,14 @@ fn error_cancel_regenerate_edit_and_saved_chats() {
     let mut app = ready_app(dir.path());
     let now = Instant::now();
     type_text(&mut app, "hello", now);
-    let (id, _, _) = sent_request(&app.update(key(KeyCode::Enter), now));
-    app.update(token(id, Channel::Final, "partial answer"), now);
+    let (id, _, _) = sent_request(&step(&mut app, key(KeyCode::Enter), now));
+    step(&mut app, token(id, Channel::Final, "partial answer"), now);
 
     // Esc cancels: the engine is told, and the partial answer stays with a marker.
-    let effects = app.update(key(KeyCode::Esc), now);
+    let effects = step(&mut app, key(KeyCode::Esc), now);
     assert!(effects.contains(&Effect::Engine(Command::Cancel(id))));
-    app.update(
+    step(
+        &mut app,
         Msg::Engine(Event::TurnDone {
             id,
             reason: StopReason::Cancelled,
@@ -296,7 +332,7 @@ fn error_cancel_regenerate_edit_and_saved_chats() {
     assert!(text.contains("[stopped]"), "{text}");
 
     // The chat file was written as turns went by, atomically, in the conversation JSON shape.
-    let saved = app.chat_path.clone().expect("autosaved");
+    let saved = app.chat_file.path.clone().expect("autosaved");
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&saved).unwrap()).unwrap();
     assert_eq!(json["messages"][0]["content"], "hello");
@@ -304,9 +340,10 @@ fn error_cancel_regenerate_edit_and_saved_chats() {
     assert!(json["system"]["identity"].is_string());
 
     // Ctrl-R regenerates: a request for the same user message, the old reply gone.
-    let (regen_id, kind, messages) = sent_request(&app.update(ctrl('r'), now));
+    let (regen_id, kind, messages) = sent_request(&step(&mut app, ctrl('r'), now));
     assert_eq!((kind, messages), (RequestKind::Regenerate, 1));
-    app.update(
+    step(
+        &mut app,
         Msg::Engine(Event::Error {
             id: Some(regen_id),
             message: "forward pass failed".to_string(),
@@ -318,13 +355,14 @@ fn error_cancel_regenerate_edit_and_saved_chats() {
     assert!(!text.contains("partial answer"), "{text}");
 
     // Ctrl-E puts the last user message back in the input; Enter resends it as an edit.
-    app.update(ctrl('e'), now);
+    step(&mut app, ctrl('e'), now);
     assert_eq!(app.input.lines(), ["hello"]);
     type_text(&mut app, " again", now);
-    let (edit_id, kind, _) = sent_request(&app.update(key(KeyCode::Enter), now));
+    let (edit_id, kind, _) = sent_request(&step(&mut app, key(KeyCode::Enter), now));
     assert_eq!(kind, RequestKind::EditAndResend);
-    app.update(token(edit_id, Channel::Final, "fine"), now);
-    app.update(
+    step(&mut app, token(edit_id, Channel::Final, "fine"), now);
+    step(
+        &mut app,
         Msg::Engine(Event::TurnDone {
             id: edit_id,
             reason: StopReason::Finished,
@@ -334,21 +372,24 @@ fn error_cancel_regenerate_edit_and_saved_chats() {
         now,
     );
     assert_eq!(
-        app.update(ctrl('y'), now),
+        step(&mut app, ctrl('y'), now),
         vec![Effect::Copy("fine".to_string())]
     );
 
     // New chat, then open the saved one from the list.
-    app.update(ctrl('n'), now);
-    assert!(app.turns.is_empty());
-    app.update(ctrl('o'), now);
+    step(&mut app, ctrl('n'), now);
+    assert!(app.transcript.turns().is_empty());
+    step(&mut app, ctrl('o'), now);
     let text = screen(&mut app, 100, 30);
     assert!(text.contains("Open a saved chat"), "{text}");
     assert!(text.contains("hello again"), "{text}");
-    app.update(key(KeyCode::Enter), now);
-    assert_eq!(app.turns.len(), 1);
-    assert_eq!(app.turns[0].user, "hello again");
-    assert_eq!(app.turns[0].reply.as_ref().unwrap().answer, "fine");
+    step(&mut app, key(KeyCode::Enter), now);
+    assert_eq!(app.transcript.turns().len(), 1);
+    assert_eq!(app.transcript.turns()[0].user, "hello again");
+    assert_eq!(
+        app.transcript.turns()[0].reply.as_ref().unwrap().answer,
+        "fine"
+    );
 }
 
 #[test]
@@ -357,24 +398,28 @@ fn scrolling_up_stops_following_and_end_resumes() {
     let mut app = ready_app(dir.path());
     let now = Instant::now();
     type_text(&mut app, "count", now);
-    let (id, _, _) = sent_request(&app.update(key(KeyCode::Enter), now));
+    let (id, _, _) = sent_request(&step(&mut app, key(KeyCode::Enter), now));
     for number in 0..60 {
-        app.update(token(id, Channel::Final, &format!("line {number}\n")), now);
+        step(
+            &mut app,
+            token(id, Channel::Final, &format!("line {number}\n")),
+            now,
+        );
     }
     let text = screen(&mut app, 100, 30);
     assert!(text.contains("line 59"), "follows the stream:\n{text}");
-    app.update(key(KeyCode::PageUp), now);
+    step(&mut app, key(KeyCode::PageUp), now);
     let text = screen(&mut app, 100, 30);
     assert!(!text.contains("line 59"), "{text}");
     assert!(text.contains("scrolled"), "{text}");
-    app.update(token(id, Channel::Final, "line 60\n"), now);
+    step(&mut app, token(id, Channel::Final, "line 60\n"), now);
     let text = screen(&mut app, 100, 30);
     assert!(
         !text.contains("line 60"),
         "stays where the user scrolled:\n{text}"
     );
-    app.update(key(KeyCode::PageDown), now);
-    app.update(key(KeyCode::PageDown), now);
+    step(&mut app, key(KeyCode::PageDown), now);
+    step(&mut app, key(KeyCode::PageDown), now);
     let text = screen(&mut app, 100, 30);
     assert!(
         text.contains("line 60"),
@@ -388,8 +433,9 @@ fn history_recalls_sent_messages() {
     let mut app = ready_app(dir.path());
     let now = Instant::now();
     type_text(&mut app, "first", now);
-    let (id, _, _) = sent_request(&app.update(key(KeyCode::Enter), now));
-    app.update(
+    let (id, _, _) = sent_request(&step(&mut app, key(KeyCode::Enter), now));
+    step(
+        &mut app,
         Msg::Engine(Event::TurnDone {
             id,
             reason: StopReason::Finished,
@@ -398,13 +444,14 @@ fn history_recalls_sent_messages() {
         }),
         now,
     );
-    app.update(key(KeyCode::Up), now);
+    step(&mut app, key(KeyCode::Up), now);
     assert_eq!(app.input.lines(), ["first"]);
-    app.update(key(KeyCode::Down), now);
+    step(&mut app, key(KeyCode::Down), now);
     assert_eq!(app.input.lines(), [""]);
     // Alt-Enter adds a line instead of sending.
     type_text(&mut app, "a", now);
-    let effects = app.update(
+    let effects = step(
+        &mut app,
         Msg::Key(KeyEvent::new(KeyCode::Enter, KeyModifiers::ALT)),
         now,
     );
@@ -417,7 +464,7 @@ fn gauges_show_kernels_formats_and_a_running_conversion() {
     let dir = tempfile::tempdir().unwrap();
     let mut app = ready_app(dir.path());
     let now = Instant::now();
-    app.update(Msg::Engine(Event::Stats(stats(12.5))), now);
+    step(&mut app, Msg::Engine(Event::Stats(stats(12.5))), now);
     let text = screen(&mut app, 110, 40);
     for row in [
         "kernels     avx512",
@@ -429,11 +476,12 @@ fn gauges_show_kernels_formats_and_a_running_conversion() {
         assert!(text.contains(row), "missing {row}:\n{text}");
     }
     // Weight format q8 -> q4: the gauge shows the serving format, the target and the progress.
-    app.update(key(KeyCode::Tab), now);
-    app.update(key(KeyCode::Tab), now);
-    app.update(key(KeyCode::Down), now);
-    app.update(key(KeyCode::Right), now);
-    app.update(
+    step(&mut app, key(KeyCode::Tab), now);
+    step(&mut app, key(KeyCode::Tab), now);
+    step(&mut app, key(KeyCode::Down), now);
+    step(&mut app, key(KeyCode::Right), now);
+    step(
+        &mut app,
         Msg::Engine(Event::SettingsProgress {
             what: "re-quantizing weights to q4".to_string(),
             done: 8,
@@ -447,15 +495,14 @@ fn gauges_show_kernels_formats_and_a_running_conversion() {
 
 /// Focuses the settings panel and moves the cursor to `label`'s row.
 fn select_setting(app: &mut App, label: &str, now: Instant) {
-    use ossterm::tui::settings_panel::SettingField;
-    app.update(key(KeyCode::Tab), now);
-    app.update(key(KeyCode::Tab), now);
-    let row = SettingField::ALL
+    step(app, key(KeyCode::Tab), now);
+    step(app, key(KeyCode::Tab), now);
+    let row = ossterm::settings::SETTINGS
         .iter()
-        .position(|field| field.label() == label)
+        .position(|setting| setting.label == label)
         .expect("a settings row");
     for _ in 0..row {
-        app.update(key(KeyCode::Down), now);
+        step(app, key(KeyCode::Down), now);
     }
 }
 
@@ -464,10 +511,11 @@ fn activations_setting_is_sent_to_the_engine_and_the_gauge_follows_it() {
     let dir = tempfile::tempdir().unwrap();
     let mut app = ready_app(dir.path());
     let now = Instant::now();
-    app.update(Msg::Engine(Event::Stats(stats(12.5))), now);
+    step(&mut app, Msg::Engine(Event::Stats(stats(12.5))), now);
     type_text(&mut app, "hello", now);
-    let (id, _, _) = sent_request(&app.update(key(KeyCode::Enter), now));
-    app.update(
+    let (id, _, _) = sent_request(&step(&mut app, key(KeyCode::Enter), now));
+    step(
+        &mut app,
         Msg::Engine(Event::TurnDone {
             id,
             reason: StopReason::Finished,
@@ -481,7 +529,7 @@ fn activations_setting_is_sent_to_the_engine_and_the_gauge_follows_it() {
     assert!(text.contains("›activations       mixed"), "{text}");
 
     // Right steps mixed -> q8x2: the engine gets the whole settings with the new format.
-    let effects = app.update(key(KeyCode::Right), now);
+    let effects = step(&mut app, key(KeyCode::Right), now);
     let applied: Vec<&Settings> = effects
         .iter()
         .filter_map(|effect| match effect {
@@ -499,22 +547,25 @@ fn activations_setting_is_sent_to_the_engine_and_the_gauge_follows_it() {
     let text = screen(&mut app, 140, 40);
     assert!(text.contains("›activations       q8x2"), "{text}");
     assert!(
-        text.contains("Activations q8x2 keep the weights but need a new cache: the next turn re-prefills the whole conversation"),
+        text.contains(
+            "Activations q8x2 needs a new cache: the next turn re-prefills the whole conversation"
+        ),
         "{text}"
     );
     // Until the engine reports the switch, the gauge shows the serving format and the target.
     assert!(text.contains("activations mixed → q8x2"), "{text}");
 
     let switched = Box::new(applied[0].clone());
-    app.update(Msg::Engine(Event::SettingsApplied(switched)), now);
+    step(&mut app, Msg::Engine(Event::SettingsApplied(switched)), now);
     let mut sample = stats(12.5);
     sample.activations = ActivationFormat::Q8x2;
-    app.update(Msg::Engine(Event::Stats(sample)), now);
+    step(&mut app, Msg::Engine(Event::Stats(sample)), now);
     let text = screen(&mut app, 140, 40);
     assert!(text.contains("activations q8x2 "), "{text}");
     assert!(!text.contains("→ q8x2"), "{text}");
     assert_eq!(
-        app.engine_settings
+        app.settings
+            .engine
             .as_ref()
             .map(|settings| settings.activations),
         Some(ActivationFormat::Q8x2)
@@ -542,8 +593,8 @@ fn ready_shows_the_activation_format_the_engine_loaded() {
             ..Settings::default()
         },
     };
-    app.update(Msg::Engine(Event::Ready(info)), Instant::now());
-    assert_eq!(app.settings.activations, ActivationFormat::Q8);
+    step(&mut app, Msg::Engine(Event::Ready(info)), Instant::now());
+    assert_eq!(app.settings.current.activations, ActivationFormat::Q8);
 }
 
 #[test]
@@ -552,9 +603,10 @@ fn changing_reasoning_effort_warns_about_the_re_prefill() {
     let mut app = ready_app(dir.path());
     let now = Instant::now();
     type_text(&mut app, "hello", now);
-    let (id, _, _) = sent_request(&app.update(key(KeyCode::Enter), now));
-    app.update(token(id, Channel::Final, "hi"), now);
-    app.update(
+    let (id, _, _) = sent_request(&step(&mut app, key(KeyCode::Enter), now));
+    step(&mut app, token(id, Channel::Final, "hi"), now);
+    step(
+        &mut app,
         Msg::Engine(Event::TurnDone {
             id,
             reason: StopReason::Finished,
@@ -563,14 +615,14 @@ fn changing_reasoning_effort_warns_about_the_re_prefill() {
         }),
         now,
     );
-    app.update(key(KeyCode::Tab), now);
-    app.update(key(KeyCode::Tab), now);
+    step(&mut app, key(KeyCode::Tab), now);
+    step(&mut app, key(KeyCode::Tab), now);
     for _ in 0..4 {
-        app.update(key(KeyCode::Down), now);
+        step(&mut app, key(KeyCode::Down), now);
     }
     let text = screen(&mut app, 110, 40);
     assert!(text.contains("changing it re-prefills the chat"), "{text}");
-    let effects = app.update(key(KeyCode::Right), now);
+    let effects = step(&mut app, key(KeyCode::Right), now);
     let applied = effects.iter().find_map(|effect| match effect {
         Effect::Engine(Command::ApplySettings(settings)) => Some(settings.reasoning_effort),
         _ => None,
@@ -582,9 +634,9 @@ fn changing_reasoning_effort_warns_about_the_re_prefill() {
         "{text}"
     );
     // The next request carries the new effort in its system message.
-    app.update(key(KeyCode::Tab), now);
+    step(&mut app, key(KeyCode::Tab), now);
     type_text(&mut app, "again", now);
-    let effects = app.update(key(KeyCode::Enter), now);
+    let effects = step(&mut app, key(KeyCode::Enter), now);
     let effort = effects.iter().find_map(|effect| match effect {
         Effect::Engine(Command::Generate(request)) => request.conversation.system.reasoning,
         _ => None,
@@ -598,9 +650,10 @@ fn engine_thread_ending_mid_turn_fails_the_reply_and_says_so() {
     let mut app = ready_app(dir.path());
     let now = Instant::now();
     type_text(&mut app, "hello", now);
-    let (id, _, _) = sent_request(&app.update(key(KeyCode::Enter), now));
-    app.update(token(id, Channel::Final, "half an ans"), now);
-    app.update(
+    let (id, _, _) = sent_request(&step(&mut app, key(KeyCode::Enter), now));
+    step(&mut app, token(id, Channel::Final, "half an ans"), now);
+    step(
+        &mut app,
         Msg::EngineStopped("ossterm-engine panicked: index out of bounds".to_string()),
         now,
     );
@@ -613,7 +666,7 @@ fn engine_thread_ending_mid_turn_fails_the_reply_and_says_so() {
     );
     assert!(text.contains("restart ossterm"), "{text}");
     // What was received is in the chat file.
-    let saved = std::fs::read_to_string(app.chat_path.clone().unwrap()).unwrap();
+    let saved = std::fs::read_to_string(app.chat_file.path.clone().unwrap()).unwrap();
     assert!(saved.contains("half an ans"), "{saved}");
 }
 
@@ -623,9 +676,10 @@ fn control_characters_from_the_model_never_reach_the_terminal() {
     let mut app = ready_app(dir.path());
     let now = Instant::now();
     type_text(&mut app, "hi", now);
-    let (id, _, _) = sent_request(&app.update(key(KeyCode::Enter), now));
+    let (id, _, _) = sent_request(&step(&mut app, key(KeyCode::Enter), now));
     // The prompt is read but no text has come yet (a header, or a random model).
-    app.update(
+    step(
+        &mut app,
         Msg::Engine(Event::PrefillProgress {
             id,
             done: 40,
@@ -636,7 +690,8 @@ fn control_characters_from_the_model_never_reach_the_terminal() {
     );
     let text = screen(&mut app, 100, 30);
     assert!(text.contains("Generating… · Esc stops"), "{text}");
-    app.update(
+    step(
+        &mut app,
         token(
             id,
             Channel::Final,
@@ -645,7 +700,7 @@ fn control_characters_from_the_model_never_reach_the_terminal() {
         now,
     );
     let mut terminal = Terminal::new(TestBackend::new(100, 30)).unwrap();
-    terminal.draw(|frame| draw(frame, &mut app)).unwrap();
+    terminal.draw(|frame| draw(frame, &app)).unwrap();
     let buffer = terminal.backend().buffer().clone();
     for cell in buffer.content() {
         assert!(
@@ -665,15 +720,95 @@ fn a_finished_reply_and_ctrl_l_repaint_the_whole_screen() {
     let mut app = ready_app(dir.path());
     let now = Instant::now();
     type_text(&mut app, "hi", now);
-    let (id, _, _) = sent_request(&app.update(key(KeyCode::Enter), now));
+    let (id, _, _) = sent_request(&step(&mut app, key(KeyCode::Enter), now));
     let done = Msg::Engine(Event::TurnDone {
         id,
         reason: StopReason::Finished,
         hits: CacheHits::default(),
         generated_tokens: 3,
     });
-    assert_eq!(app.update(done.clone(), now), vec![Effect::Redraw]);
+    assert_eq!(step(&mut app, done.clone(), now), vec![Effect::Redraw]);
     // A late duplicate of an old request changes nothing.
-    assert!(app.update(done, now).is_empty());
-    assert_eq!(app.update(ctrl('l'), now), vec![Effect::Redraw]);
+    assert!(step(&mut app, done, now).is_empty());
+    assert_eq!(step(&mut app, ctrl('l'), now), vec![Effect::Redraw]);
+}
+
+/// Every cell of the screen is free of control characters.
+fn assert_no_control_cells(app: &mut App, width: u16, height: u16) {
+    let mut terminal = Terminal::new(TestBackend::new(width, height)).unwrap();
+    let (pane_width, pane_height) = conversation_viewport(Rect::new(0, 0, width, height), app);
+    app.update(
+        Msg::Layout {
+            width: pane_width,
+            height: pane_height,
+        },
+        Instant::now(),
+    );
+    terminal.draw(|frame| draw(frame, app)).unwrap();
+    for cell in terminal.backend().buffer().content() {
+        assert!(
+            !cell.symbol().chars().any(char::is_control),
+            "a control character reached a cell: {:?}",
+            cell.symbol()
+        );
+    }
+}
+
+#[test]
+fn a_paste_with_carriage_returns_is_sent_and_saved_with_line_feeds() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut app = ready_app(dir.path());
+    let now = Instant::now();
+    // What tmux, xterm and VTE send for a three-line paste, CRLF from Windows Terminal.
+    step(
+        &mut app,
+        Msg::Paste("first line\rsecond line\r\nthird\x1b[31m".to_string()),
+        now,
+    );
+    assert_eq!(
+        app.input.lines(),
+        ["first line", "second line", "third[31m"]
+    );
+    assert_no_control_cells(&mut app, 100, 30);
+    let text = screen(&mut app, 100, 30);
+    let border_rows = text
+        .lines()
+        .filter(|row| row.contains("│first line"))
+        .count();
+    assert_eq!(border_rows, 1, "the box keeps its left border:\n{text}");
+
+    // A paste the terminal sends key by key: CR as a typed character.
+    for character in ['\r', 'x', '\u{7}', 'y'] {
+        step(&mut app, key(KeyCode::Char(character)), now);
+    }
+    let effects = step(&mut app, key(KeyCode::Enter), now);
+    let sent = effects
+        .iter()
+        .find_map(|effect| match effect {
+            Effect::Engine(Command::Generate(request)) => {
+                Some(request.conversation.messages[0].content.clone())
+            }
+            _ => None,
+        })
+        .expect("a generate command");
+    assert_eq!(sent, "first line\nsecond line\nthird[31m\nxy");
+    let saved = std::fs::read_to_string(app.chat_file.path.clone().unwrap()).unwrap();
+    assert!(
+        !saved.contains("\\r") && saved.contains("first line\\nsecond line"),
+        "{saved}"
+    );
+    assert_no_control_cells(&mut app, 100, 30);
+}
+
+#[test]
+fn the_settings_editor_takes_pastes_without_carriage_returns() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut app = ready_app(dir.path());
+    let now = Instant::now();
+    select_setting(&mut app, "developer instr.", now);
+    step(&mut app, key(KeyCode::Enter), now);
+    step(&mut app, Msg::Paste("be\rbrief".to_string()), now);
+    assert_no_control_cells(&mut app, 110, 40);
+    step(&mut app, key(KeyCode::Enter), now);
+    assert_eq!(app.settings.current.developer_instructions, "be\nbrief");
 }

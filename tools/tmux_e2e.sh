@@ -3,7 +3,9 @@
 # watch tokens stream and the gauges move, change a setting, cancel a turn, regenerate, save, open the
 # help, measure key-to-screen latency while the engine generates, quit, and check that the terminal
 # is back to normal (cooked mode with echo, main screen, cursor visible, no mouse reporting). Then
-# the same check after a deliberate panic (OSSTERM_TEST_PANIC=1 arms F12 to panic the UI thread).
+# the same check after a deliberate panic (OSSTERM_TEST_PANIC=1 arms F12 to panic the UI thread),
+# after SIGTERM, SIGINT and SIGHUP (also: the chat saved, exit status 128 + signal), and a
+# multi-line paste with CR line breaks.
 #
 # Usage: tools/tmux_e2e.sh [BINARY]   (default: target/release/ossterm, built if missing)
 # Exits 0 when every check passes, 1 on the first failure (with the screen printed), and 0 with a
@@ -89,6 +91,8 @@ start_app() { # EXTRA_ENV
          $binary --synthetic tiny --max-tokens 64 --threads 2 --seed 7 --chats-dir $work/chats; \
          echo EXIT=\$?; echo MODE: \$(stty -a | tr ' ;' '\n\n' | grep -xE -- '-?(icanon|echo)'); \
          sleep 120"
+    # Killing the only session must not end the server while the next one starts.
+    tmux_ set-option -s exit-empty off
 }
 
 # The terminal after ossterm ended: cooked mode with echo, main screen, cursor shown, no mouse mode.
@@ -191,5 +195,54 @@ keys F12
 wait_for "EXIT=101" 10
 screen | grep -q "deliberate panic" || fail "the panic message is not on the main screen"
 check_restored "after a panic"
+
+# A signal (SIGTERM from `kill`, SIGINT, SIGHUP from a closed terminal) ends the app the orderly
+# way: terminal restored, the chat saved with what was not yet on disk, exit status 128 + signal.
+# The change of reasoning effort is not autosaved, so only the save on the signal can write it.
+app_pid() { ps -o pid= --ppid "$(pane_flag pane_pid)" | tr -d ' '; }
+signal_run() { # SIGNAL STATUS
+    rm -rf "$work/chats"
+    start_app ""
+    wait_for "Ready" 60
+    keys "hello there" Enter
+    wait_for "tokens in [0-9.]+ s" 30
+    keys Tab Tab Down Down Down Down Right Tab
+    wait_for "reasoning effort +high" 5
+    local pid
+    pid="$(app_pid)"
+    [[ -n "$pid" ]] || fail "no ossterm process in the pane"
+    kill "-$1" "$pid"
+    wait_for "EXIT=$2" 10
+    check_restored "after SIG$1"
+    local chat
+    chat="$(ls "$work"/chats/chat-*.json 2>/dev/null | head -1)"
+    [[ -n "$chat" ]] || fail "SIG$1: no chat file"
+    grep -q '"reasoning": "high"' "$chat" || fail "SIG$1: the chat was not saved on the signal: $(cat "$chat")"
+    grep -q '"content": "hello there"' "$chat" || fail "SIG$1: the chat file lost the message"
+    echo "tmux_e2e: SIG$1: exit status $2, chat saved"
+}
+signal_run TERM 143
+signal_run INT 130
+signal_run HUP 129
+
+# A multi-line paste with CR and CRLF line breaks (-r: sent as they are in the buffer): the lines land in
+# the box with its border intact, and the message is sent and saved with LF.
+start_app ""
+wait_for "Ready" 60
+tmux_ set-buffer -b crpaste "$(printf 'first pasted\rsecond pasted\r\nthird pasted')"
+tmux_ paste-buffer -p -r -b crpaste -t "$session"
+wait_for "│third pasted" 5
+screen | grep -q "│first pasted" || fail "the paste overwrote the box border"
+screen | grep -q "│second pasted" || fail "the paste overwrote the box border"
+keys Enter
+wait_for "tokens in [0-9.]+ s" 30
+keys C-s
+wait_for "Saved .*chat-[0-9-]+\.json" 5
+chat_file="$(ls -t "$work"/chats/chat-*.json | head -1)"
+grep -q 'first pasted\\nsecond pasted\\nthird pasted' "$chat_file" ||
+    fail "the pasted message was not saved with LF line breaks: $(cat "$chat_file")"
+echo "tmux_e2e: CR paste: box border intact, sent and saved with LF"
+keys C-q
+wait_for "EXIT=0" 10
 
 echo "tmux_e2e: ok in $((SECONDS - started)) s"

@@ -218,6 +218,8 @@ pub struct Conversation {
 impl Conversation {
     /// Parses the JSON format; `origin` names the source in error messages.
     pub fn from_json(json: &str, origin: &Path) -> Result<Conversation, ConversationError> {
+        // A UTF-8 byte order mark is not JSON, but some editors start every file with one.
+        let json = json.strip_prefix('\u{feff}').unwrap_or(json);
         serde_json::from_str(json).map_err(|source| ConversationError::Parse {
             path: origin.to_owned(),
             source,

@@ -1,14 +1,16 @@
-//! The interactive app (`ossterm` with no command): command-line flags, terminal setup and
-//! restore (also on panic), and the event loop that joins keys, engine events and redraws.
+//! The interactive app (`ossterm` with no command): command-line flags (derived from the settings
+//! table), terminal setup and restore (also on panic and on SIGTERM, SIGINT, SIGHUP), the threads
+//! around the UI (terminal input, engine events, engine requests, chat files, signals), and the
+//! event loop that feeds their messages to `App::update` and carries out its effects.
 
 use crate::config::{self, AppConfig, ConfigOverrides, ModelSource, SyntheticChoice};
-use crate::engine::protocol::{
-    ActivationFormat, Event, KvCacheType, ReasoningEffort, WeightFormat,
-};
+use crate::engine::protocol::{Command, Event};
 use crate::engine::worker::{EngineError, EngineHandle};
+use crate::settings::{Kind, Setting, Value, SETTINGS};
+use crate::tui::chat_file::GenerateJob;
 use crate::tui::clipboard::osc52_sequence;
-use crate::tui::store::ChatStore;
-use crate::tui::view::draw;
+use crate::tui::store::{ChatStore, StoreOutcome, StoreRequest};
+use crate::tui::view::{conversation_viewport, draw};
 use crate::tui::{App, Effect, EngineStatus, Msg};
 use anyhow::Context;
 use clap::Args;
@@ -42,45 +44,11 @@ pub struct AppArgs {
     /// Random-weight model when no checkpoint is given: auto, tiny or 20b (model.synthetic).
     #[arg(long, value_name = "PRESET", value_parser = parse_synthetic)]
     pub synthetic: Option<SyntheticChoice>,
-    /// Worker threads (engine.threads).
-    #[arg(long, value_name = "N")]
-    pub threads: Option<usize>,
-    /// native, q8 or q4 (engine.weight_format).
-    #[arg(long, value_name = "FORMAT", value_parser = parse_choice::<WeightFormat>)]
-    pub weight_format: Option<WeightFormat>,
-    /// Int8 inputs of quantized products: q8, mixed or q8x2 (engine.activations).
-    #[arg(long, value_name = "FORMAT", value_parser = parse_choice::<ActivationFormat>)]
-    pub activations: Option<ActivationFormat>,
-    /// f16 or f32 (engine.kv_cache).
-    #[arg(long, value_name = "TYPE", value_parser = parse_choice::<KvCacheType>)]
-    pub kv_cache: Option<KvCacheType>,
-    /// Context limit in tokens (engine.context_limit).
-    #[arg(long, value_name = "TOKENS")]
-    pub context_limit: Option<usize>,
-    /// Sampling temperature, 0 = greedy (sampling.temperature).
-    #[arg(long, value_name = "T")]
-    pub temperature: Option<f32>,
-    /// Nucleus sampling mass in (0, 1] (sampling.top_p).
-    #[arg(long, value_name = "P")]
-    pub top_p: Option<f32>,
-    /// Keep the K most likely tokens, 0 = off (sampling.top_k).
-    #[arg(long, value_name = "K")]
-    pub top_k: Option<usize>,
-    /// Drop tokens below this fraction of the top one's probability, 0 = off (sampling.min_p).
-    #[arg(long, value_name = "P")]
-    pub min_p: Option<f32>,
-    /// Most tokens one reply may generate, reasoning included (sampling.max_tokens).
-    #[arg(long, value_name = "N")]
-    pub max_tokens: Option<usize>,
-    /// Fixed sampling seed (sampling.seed; default: a fresh one every run).
-    #[arg(long, value_name = "N")]
-    pub seed: Option<u64>,
-    /// low, medium or high (chat.reasoning_effort).
-    #[arg(long, value_name = "EFFORT", value_parser = parse_choice::<ReasoningEffort>)]
-    pub reasoning_effort: Option<ReasoningEffort>,
     /// Directory of saved chats (paths.chats_dir).
     #[arg(long, value_name = "DIR")]
     pub chats_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub settings: SettingFlags,
 }
 
 fn parse_synthetic(text: &str) -> Result<SyntheticChoice, String> {
@@ -88,32 +56,58 @@ fn parse_synthetic(text: &str) -> Result<SyntheticChoice, String> {
         .ok_or_else(|| format!("expected auto, tiny or 20b, got {text:?}"))
 }
 
-trait NamedChoice: Sized + Copy + 'static {
-    const ALL: &'static [Self];
-    fn name(self) -> &'static str;
+/// The flags of every setting that has one in [`SETTINGS`], as given: (config key, value).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SettingFlags(pub Vec<(&'static str, Value)>);
+
+/// A flag's text as its setting's value, checked, so clap reports a bad one with its usage.
+fn parse_setting_flag(setting: &'static Setting, text: &str) -> Result<Option<Value>, String> {
+    let value = setting.parse_text(text)?;
+    if let Some(value) = &value {
+        setting.check(value)?;
+    }
+    Ok(value)
 }
 
-macro_rules! named_choice {
-    ($($ty:ty),*) => {$(
-        impl NamedChoice for $ty {
-            const ALL: &'static [Self] = <$ty>::ALL;
-            fn name(self) -> &'static str {
-                <$ty>::name(self)
-            }
-        }
-    )*};
-}
-named_choice!(WeightFormat, ActivationFormat, KvCacheType, ReasoningEffort);
+impl clap::FromArgMatches for SettingFlags {
+    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        let given = SETTINGS.iter().filter_map(|setting| {
+            let flag = setting.flag?;
+            let value = matches.get_one::<Option<Value>>(flag)?.clone()?;
+            Some((setting.key, value))
+        });
+        Ok(SettingFlags(given.collect()))
+    }
 
-fn parse_choice<T: NamedChoice>(text: &str) -> Result<T, String> {
-    T::ALL
-        .iter()
-        .copied()
-        .find(|value| value.name() == text)
-        .ok_or_else(|| {
-            let names: Vec<&str> = T::ALL.iter().map(|value| value.name()).collect();
-            format!("expected one of {}, got {text:?}", names.join(", "))
+    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(matches)?;
+        Ok(())
+    }
+}
+
+impl clap::Args for SettingFlags {
+    fn augment_args(command: clap::Command) -> clap::Command {
+        SETTINGS.iter().fold(command, |command, setting| {
+            let Some(flag) = setting.flag else {
+                return command;
+            };
+            let values = match setting.kind {
+                Kind::Choice { names } => format!(": {}", names.join(", ")),
+                _ => String::new(),
+            };
+            command.arg(
+                clap::Arg::new(flag)
+                    .long(flag)
+                    .value_name(setting.value_name)
+                    .help(format!("{}{values} ({})", setting.help, setting.key))
+                    .value_parser(move |text: &str| parse_setting_flag(setting, text)),
+            )
         })
+    }
+
+    fn augment_args_for_update(command: clap::Command) -> clap::Command {
+        Self::augment_args(command)
+    }
 }
 
 impl AppArgs {
@@ -122,19 +116,8 @@ impl AppArgs {
         let overrides = ConfigOverrides {
             model_dir: self.model.clone(),
             synthetic: self.synthetic,
-            threads: self.threads,
-            weight_format: self.weight_format,
-            activations: self.activations,
-            kv_cache: self.kv_cache,
-            context_limit: self.context_limit,
-            temperature: self.temperature,
-            top_p: self.top_p,
-            top_k: self.top_k,
-            min_p: self.min_p,
-            max_tokens: self.max_tokens,
-            seed: self.seed,
-            reasoning_effort: self.reasoning_effort,
             chats_dir: self.chats_dir.clone(),
+            settings: self.settings.0.clone(),
         };
         Ok(config::load(self.config.as_deref(), &overrides)?)
     }
@@ -252,13 +235,26 @@ fn setup_terminal() -> anyhow::Result<(Terminal<CrosstermBackend<std::io::Stdout
     Ok((terminal, guard))
 }
 
-/// What the loop receives: terminal input and engine events on one channel.
+/// What the loop receives: terminal input, engine events and finished file work on one channel.
 enum Input {
     Terminal(crossterm::event::Event, Instant),
     Engine(Event),
     /// The engine's event channel closed while the app was running.
     EngineGone,
+    Stored(StoreOutcome),
+    /// SIGTERM, SIGINT or SIGHUP arrived.
+    Signal(i32),
+    /// Something a helper thread could not do, for the status line.
+    Notice(String),
 }
+
+/// The signals that end the app the orderly way: terminal restored, chat saved, exit status
+/// 128 + the signal's number as a shell reports a process the signal killed.
+pub const EXIT_SIGNALS: [i32; 3] = [
+    signal_hook::consts::SIGTERM,
+    signal_hook::consts::SIGINT,
+    signal_hook::consts::SIGHUP,
+];
 
 /// Runs the app until the user quits. `start_engine` starts the engine thread sending its events
 /// to the given sender (the caller chooses the model and chat pieces, see `EngineHandle::spawn`).
@@ -272,13 +268,14 @@ pub fn run_app(
         .or_else(config::default_chats_dir)
         .context("no platform data directory for saved chats; set paths.chats_dir")?;
     let status = initial_engine_status(&config);
-    let mut app = App::new(
-        config.settings.clone(),
-        ChatStore::new(chats_dir),
-        status.clone(),
-    );
+    let store = ChatStore::new(chats_dir);
+    let mut app = App::new(config.settings.clone(), store.clone(), status.clone());
 
     let panic_notes = install_panic_hook(restore_terminal);
+    // From here on these signals no longer kill the process: the loop hears of them and ends.
+    let mut signals = signal_hook::iterator::Signals::new(EXIT_SIGNALS)
+        .context("cannot install the signal handlers")?;
+    let signals_handle = signals.handle();
     // Before the input thread starts: setting up asks the terminal about its keyboard protocol and
     // reads the answer, which the input thread would otherwise take (and hold the reader meanwhile).
     let (mut terminal, guard) = setup_terminal()?;
@@ -286,8 +283,28 @@ pub fn run_app(
     let (event_sender, engine_events) = mpsc::channel();
     let engine = match status {
         EngineStatus::ModelMissing { .. } => None,
-        _ => Some(start_engine(&config, event_sender)?),
+        _ => Some(Arc::new(start_engine(&config, event_sender)?)),
     };
+    // Requests for the engine are built (a copy of the whole chat) and sent here, in order with
+    // the other commands, so a long chat never holds up the screen.
+    let (engine_work, engine_inbox) = mpsc::channel::<EngineWork>();
+    let feeder_engine = engine.clone();
+    let feeder_notices = input_sender.clone();
+    let feeder = std::thread::Builder::new()
+        .name("ossterm-engine-requests".to_string())
+        .spawn(move || {
+            for work in engine_inbox {
+                let command = match work {
+                    EngineWork::Command(command) => command,
+                    EngineWork::Generate(job) => Command::Generate(job.request()),
+                };
+                if let Some(engine) = &feeder_engine {
+                    if let Err(error) = engine.send(command) {
+                        let _ = feeder_notices.send(Input::Notice(error.to_string()));
+                    }
+                }
+            }
+        })?;
     let forward = input_sender.clone();
     std::thread::Builder::new()
         .name("ossterm-engine-events".to_string())
@@ -298,6 +315,26 @@ pub fn run_app(
                 }
             }
             let _ = forward.send(Input::EngineGone);
+        })?;
+    // File work (saving a chat of any size, listing chats) off the UI thread, in order.
+    let (store_requests, store_inbox) = mpsc::channel::<StoreRequest>();
+    let stored = input_sender.clone();
+    let store_thread = std::thread::Builder::new()
+        .name("ossterm-chat-files".to_string())
+        .spawn(move || {
+            for request in store_inbox {
+                let _ = stored.send(Input::Stored(store.perform(request)));
+            }
+        })?;
+    let signalled = input_sender.clone();
+    std::thread::Builder::new()
+        .name("ossterm-signals".to_string())
+        .spawn(move || {
+            for signal in signals.forever() {
+                if signalled.send(Input::Signal(signal)).is_err() {
+                    return;
+                }
+            }
         })?;
     std::thread::Builder::new()
         .name("ossterm-terminal-input".to_string())
@@ -317,62 +354,129 @@ pub fn run_app(
         &mut terminal,
         &mut app,
         &inputs,
-        engine.as_ref(),
         &LoopHooks {
+            engine: engine.as_deref(),
+            engine_work: &engine_work,
+            store: &store_requests,
             panic_notes: &panic_notes,
             test_panic_armed,
         },
     );
+    // Saves already asked for (the last one on a signal) finish before the process ends.
+    drop(engine_work);
+    let _ = feeder.join();
+    drop(store_requests);
+    let _ = store_thread.join();
     drop(guard);
+    signals_handle.close();
     if let Ok(notes) = panic_notes.lock() {
         for note in notes.iter() {
             eprintln!("{note}");
         }
     }
-    if let Some(engine) = engine {
+    if let Ok(Some(signal)) = result {
+        // The engine is not waited for: it may be loading for minutes, and the chat is saved.
+        std::process::exit(128 + signal);
+    }
+    if let Some(engine) = engine.and_then(Arc::into_inner) {
         engine.shutdown();
     }
-    result
+    result.map(|_| ())
 }
 
-/// What the event loop needs besides the app and its channels.
+/// Work for the thread that sends to the engine.
+enum EngineWork {
+    Command(Command),
+    Generate(GenerateJob),
+}
+
+/// What the event loop needs besides the app and its input channel.
 struct LoopHooks<'a> {
+    engine: Option<&'a EngineHandle>,
+    engine_work: &'a Sender<EngineWork>,
+    store: &'a Sender<StoreRequest>,
     panic_notes: &'a PanicNotes,
     /// [`TEST_PANIC_ENV`] is set: [`TEST_PANIC_KEY`] panics.
     test_panic_armed: bool,
 }
 
+/// Whether the loop goes on after an effect.
+enum Flow {
+    Continue,
+    Quit,
+}
+
+/// Carries out one effect of `App::update`; what the app should hear about comes back as messages.
+fn perform(
+    effect: Effect,
+    hooks: &LoopHooks,
+    repaint_all: &mut bool,
+    replies: &mut Vec<Msg>,
+) -> anyhow::Result<Flow> {
+    let mut to_engine = |work: EngineWork| {
+        if hooks.engine_work.send(work).is_err() {
+            replies.push(Msg::Notice("the engine request thread ended".to_string()));
+        }
+    };
+    match effect {
+        // At once: the engine's cancel mark stops a request even before its command arrives.
+        Effect::Engine(Command::Cancel(id)) => {
+            if let Some(engine) = hooks.engine {
+                engine.cancel(id);
+            }
+        }
+        Effect::Engine(command) => to_engine(EngineWork::Command(command)),
+        Effect::Generate(job) => to_engine(EngineWork::Generate(job)),
+        Effect::Store(request) => {
+            if hooks.store.send(request).is_err() {
+                replies.push(Msg::Notice("the chat file thread ended".to_string()));
+            }
+        }
+        Effect::Copy(text) => {
+            let mut stdout = std::io::stdout();
+            stdout.write_all(osc52_sequence(&text).as_bytes())?;
+            stdout.flush()?;
+        }
+        Effect::Redraw => *repaint_all = true,
+        Effect::Quit => return Ok(Flow::Quit),
+    }
+    Ok(Flow::Continue)
+}
+
+/// Runs until the user quits (`None`) or a signal of [`EXIT_SIGNALS`] arrives (`Some(signal)`,
+/// after asking for the chat's last save).
 fn event_loop(
     terminal: &mut Terminal<CrosstermBackend<std::io::Stdout>>,
     app: &mut App,
     inputs: &mpsc::Receiver<Input>,
-    engine: Option<&EngineHandle>,
     hooks: &LoopHooks,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Option<i32>> {
     let mut dirty = true;
     let mut last_draw = Instant::now() - FRAME_INTERVAL;
     // Keys read since the last frame, timed until that frame is on screen.
     let mut pending_keys: Vec<Instant> = Vec::new();
     let mut repaint_all = false;
+    let mut replies: Vec<Msg> = Vec::new();
     loop {
         if dirty && (last_draw.elapsed() >= FRAME_INTERVAL || !pending_keys.is_empty()) {
             let size = terminal.size()?;
-            app.update(
-                Msg::Resize {
-                    conversation_height: size.height.saturating_sub(6),
-                },
-                Instant::now(),
+            let (width, height) = conversation_viewport(
+                ratatui::layout::Rect::from((ratatui::layout::Position::ORIGIN, size)),
+                app,
             );
+            app.update(Msg::Layout { width, height }, Instant::now());
             if std::mem::take(&mut repaint_all) {
                 terminal.clear()?;
             }
             terminal.draw(|frame| draw(frame, app))?;
             let drawn = Instant::now();
-            for read_at in pending_keys.drain(..) {
-                let latency = drawn.saturating_duration_since(read_at);
-                app.latency.last = latency;
-                app.latency.max = app.latency.max.max(latency);
-                app.latency.samples += 1;
+            if !pending_keys.is_empty() {
+                let latencies = pending_keys
+                    .drain(..)
+                    .map(|read_at| drawn.saturating_duration_since(read_at))
+                    .collect();
+                // Shown with the next frame, as the gauge always lags the frame it measures.
+                app.update(Msg::KeysDrawn(latencies), drawn);
             }
             last_draw = drawn;
             dirty = false;
@@ -385,13 +489,22 @@ fn event_loop(
         let first = match inputs.recv_timeout(wait) {
             Ok(input) => input,
             Err(RecvTimeoutError::Timeout) => continue,
-            Err(RecvTimeoutError::Disconnected) => return Ok(()),
+            Err(RecvTimeoutError::Disconnected) => return Ok(None),
         };
         // Drain everything already queued so a burst of tokens costs one frame.
         for input in std::iter::once(first).chain(inputs.try_iter()) {
-            let now = Instant::now();
             let message = match input {
                 Input::Engine(event) => Msg::Engine(event),
+                Input::Stored(outcome) => Msg::Stored(outcome),
+                Input::Notice(text) => Msg::Notice(text),
+                Input::Signal(signal) => {
+                    // Everything received so far (a reply as far as it streamed, settings not yet
+                    // written) goes to the chat file.
+                    if let Some(request) = app.save_request() {
+                        let _ = hooks.store.send(request);
+                    }
+                    return Ok(Some(signal));
+                }
                 Input::EngineGone => {
                     let failed_to_start = matches!(app.engine, EngineStatus::Failed(_));
                     match last_panic_note(hooks.panic_notes) {
@@ -419,22 +532,12 @@ fn event_loop(
                 },
             };
             dirty = true;
-            for effect in app.update(message, now) {
-                match effect {
-                    Effect::Engine(command) => {
-                        if let Some(engine) = engine {
-                            if let Err(error) = engine.send(command) {
-                                app.notice = Some(error.to_string());
-                            }
-                        }
+            replies.push(message);
+            while let Some(message) = replies.pop() {
+                for effect in app.update(message, Instant::now()) {
+                    if let Flow::Quit = perform(effect, hooks, &mut repaint_all, &mut replies)? {
+                        return Ok(None);
                     }
-                    Effect::Copy(text) => {
-                        let mut stdout = std::io::stdout();
-                        stdout.write_all(osc52_sequence(&text).as_bytes())?;
-                        stdout.flush()?;
-                    }
-                    Effect::Redraw => repaint_all = true,
-                    Effect::Quit => return Ok(()),
                 }
             }
         }

@@ -1,5 +1,18 @@
 //! The command line: parses arguments and hands each command to the library.
 
+/// A clap value parser for a choice enum (`impl_choice!`): accepts exactly its names and lists
+/// them in `--help`.
+macro_rules! choice_parser {
+    ($ty:ty) => {
+        clap::builder::TypedValueParser::map(
+            clap::builder::PossibleValuesParser::new(<$ty>::ALL.iter().map(|value| value.name())),
+            |name: String| {
+                <$ty>::from_name(&name).expect("clap accepts only the names of the values")
+            },
+        )
+    };
+}
+
 pub mod app;
 mod bench_cmd;
 mod chat_cmds;
@@ -55,26 +68,13 @@ pub enum Command {
 }
 
 /// Where the weights come from: a checkpoint directory or a synthetic preset.
-/// A clap value parser for a choice enum (`impl_choice!`): accepts exactly its names and lists
-/// them in `--help`.
-macro_rules! choice_parser {
-    ($ty:ty) => {
-        clap::builder::TypedValueParser::map(
-            clap::builder::PossibleValuesParser::new(<$ty>::ALL.iter().map(|value| value.name())),
-            |name: String| {
-                <$ty>::from_name(&name).expect("clap accepts only the names of the values")
-            },
-        )
-    };
-}
-
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
     /// Hugging Face gpt-oss checkpoint directory (config.json + *.safetensors).
     #[arg(long, value_name = "DIR", conflicts_with = "synthetic")]
     pub model: Option<PathBuf>,
     /// Use random weights of this shape instead of a checkpoint.
-    #[arg(long, value_name = "PRESET")]
+    #[arg(long, value_name = "PRESET", value_parser = choice_parser!(Preset))]
     pub synthetic: Option<Preset>,
     /// Seed of the synthetic weights.
     #[arg(long, default_value_t = 0, value_name = "N")]

@@ -57,7 +57,7 @@ pub struct GenerateArgs {
 #[derive(Args, Debug)]
 pub struct SynthArgs {
     /// Shape of the checkpoint.
-    #[arg(long, value_name = "PRESET")]
+    #[arg(long, value_name = "PRESET", value_parser = choice_parser!(Preset))]
     pub preset: Preset,
     /// Output directory (created if needed).
     #[arg(long, value_name = "DIR")]

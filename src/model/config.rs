@@ -7,6 +7,7 @@
 use serde_json::{Map, Value};
 use std::path::Path;
 
+use super::ops::MAX_EXPERTS_PER_TOKEN;
 use super::ModelError;
 
 /// Attention span of one layer.
@@ -215,6 +216,15 @@ impl ModelConfig {
                 format!(
                     "must be even and at most {MAX_HEAD_DIM}, found {}",
                     self.head_dim
+                ),
+            ));
+        }
+        if self.num_experts_per_tok > MAX_EXPERTS_PER_TOKEN {
+            return Err(config_err(
+                "num_experts_per_tok",
+                format!(
+                    "{} routed experts per token; routing supports at most {MAX_EXPERTS_PER_TOKEN}",
+                    self.num_experts_per_tok
                 ),
             ));
         }
@@ -472,10 +482,9 @@ fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>, ModelEr
 }
 
 /// The configurations `--synthetic` and `ossterm synth` can build.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Preset {
     /// The exact gpt-oss-20b shape (about 13 GB of weights).
-    #[value(name = "20b")]
     Gpt20b,
     /// A few MB, with the full 201,088-token vocabulary so chat plumbing works end to end.
     Tiny,
@@ -488,14 +497,9 @@ impl Preset {
             Preset::Tiny => ModelConfig::tiny(),
         }
     }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Preset::Gpt20b => "20b",
-            Preset::Tiny => "tiny",
-        }
-    }
 }
+
+crate::choice::impl_choice!(Preset { Gpt20b => "20b", Tiny => "tiny" });
 
 impl ModelConfig {
     /// gpt-oss-20b as published (spec section 1).
@@ -633,6 +637,18 @@ impl ModelConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn more_experts_per_token_than_routing_supports_are_refused() {
+        let mut c = ModelConfig::tiny();
+        c.num_local_experts = 64;
+        c.num_experts_per_tok = MAX_EXPERTS_PER_TOKEN + 1;
+        let message = c.validate().unwrap_err().to_string();
+        assert!(message.contains("\"num_experts_per_tok\""), "{message}");
+        assert!(message.contains("at most 32"), "{message}");
+        c.num_experts_per_tok = MAX_EXPERTS_PER_TOKEN;
+        c.validate().unwrap();
+    }
 
     #[test]
     fn parameter_counts_match_the_model_card() {

@@ -2,8 +2,8 @@
 //!
 //! Each layer's keys and values are [kv_heads x positions x head_dim]: head-major, so attention
 //! streams one head's rows contiguously (position-major rows put one head's 128 bytes every
-//! kv_width elements, which the prefetchers followed poorly: decode at depth 4096 spent 17% of
-//! its time widening them).
+//! kv_width elements, which the prefetchers followed poorly: deep-context decode spent a large
+//! share of its time widening them).
 
 use half::f16;
 

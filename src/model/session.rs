@@ -222,11 +222,6 @@ impl Session {
         }
     }
 
-    /// Logits of the last processed token.
-    pub fn logits(&self) -> &[f32] {
-        &self.logits
-    }
-
     /// Appends `tokens` to the context and returns the logits of the last one.
     pub fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], ForwardError> {
         self.check(tokens)?;
@@ -309,6 +304,7 @@ impl Session {
             } = self;
             forward(
                 model,
+                &pool,
                 *activations,
                 scratch,
                 steps,
@@ -350,6 +346,7 @@ impl Session {
                 let all = all_logits.as_deref_mut();
                 forward(
                     model,
+                    &pool,
                     *activations,
                     scratch,
                     &mut steps,
@@ -384,9 +381,11 @@ fn check_step(model: &Model, sequence: &Sequence, tokens: &[u32]) -> Result<(), 
 /// 16 rows from which the quantizer goes parallel on rayon.
 const TEAM_ROWS: usize = 7;
 
-/// One pass over `rows` tokens of `steps`, on the pool's current thread.
+/// One pass over `rows` tokens of `steps`, on a thread of `pool`.
+#[allow(clippy::too_many_arguments)]
 fn forward(
     model: &Model,
+    pool: &ThreadPool,
     activations: ActivationFormat,
     scratch: &mut Scratch,
     steps: &mut [SequenceStep<'_>],
@@ -417,7 +416,7 @@ fn forward(
             // long, and the activation quantization of 16 or more rows (split rows count twice)
             // spreads over rayon, which the team's spinning threads would not serve.
             if rows <= TEAM_ROWS {
-                with_team(run)
+                with_team(pool, run)
             } else {
                 run(None)
             }

@@ -2,12 +2,16 @@
 //! The terminal itself (raw mode, the event loop) lives in `cli::app`, so everything here can be
 //! driven by tests through ratatui's `TestBackend`.
 
+pub mod chat_file;
 pub mod clipboard;
+pub mod gauges;
+pub mod input;
 pub mod keys;
 pub mod markdown;
 pub mod settings_panel;
 pub mod state;
 pub mod store;
+pub mod transcript;
 pub mod view;
 
 pub use state::{App, Effect, EngineStatus, Focus, Msg};

@@ -1,27 +1,27 @@
 //! App state and the one function that changes it: [`App::update`] takes a [`Msg`] (a key, a mouse
-//! event, an engine event, a tick) and returns [`Effect`]s for the loop to carry out (commands for
-//! the engine, clipboard text, quit). Rendering is a pure function of this state (`view`).
+//! event, an engine event, the outcome of file work, a drawn frame) and returns [`Effect`]s for the
+//! loop to carry out (commands for the engine, file work, clipboard text, quit). Update does no
+//! input or output itself; rendering is a pure function of this state (`view`).
 
 use crate::engine::protocol::{
-    CacheHits, Channel, ChatMessage, Command, Conversation, EngineInfo, Event, GenerateRequest,
-    RequestId, RequestKind, Role, Settings, StatsSample, StopReason, SystemSettings,
+    Channel, Command, Conversation, Event, RequestId, RequestKind, Role, Settings,
 };
-use crate::tui::settings_panel::SettingField;
-use crate::tui::store::{date_utc, ChatStore, SavedChat};
+use crate::settings::change_notice;
+use crate::tui::chat_file::{
+    ChatFile, ChatFileExtras, ChatSnapshot, GenerateJob, STREAM_SAVE_INTERVAL,
+};
+use crate::tui::gauges::Gauges;
+use crate::tui::input::{self, InputBox};
+use crate::tui::settings_panel::SettingsPanel;
+use crate::tui::store::{ChatStore, SavedChat, StoreOutcome, StoreRequest};
+use crate::tui::transcript::{Reply, ReplyStatus, Transcript, Turn};
 use crossterm::event::{KeyCode, KeyEvent, KeyEventKind, KeyModifiers, MouseEvent, MouseEventKind};
-use std::collections::VecDeque;
 use std::path::PathBuf;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 use tui_textarea::TextArea;
 
-/// Harmony's default knowledge cutoff line.
-pub const KNOWLEDGE_CUTOFF: &str = crate::chat::conversation::DEFAULT_KNOWLEDGE_CUTOFF;
-
-/// Decode-rate samples kept for the sparkline.
-pub const SPARKLINE_SAMPLES: usize = 120;
-
-/// How often the chat file is rewritten while a reply streams.
-const STREAM_SAVE_INTERVAL: Duration = Duration::from_secs(2);
+pub use crate::tui::chat_file::KNOWLEDGE_CUTOFF;
+pub use crate::tui::gauges::{Latency, SPARKLINE_SAMPLES};
 
 /// Lines one mouse-wheel notch scrolls.
 const WHEEL_LINES: usize = 3;
@@ -33,18 +33,30 @@ pub enum Msg {
     Mouse(MouseEvent),
     Paste(String),
     Engine(Event),
-    /// The conversation pane's height changed (page size for PageUp/PageDown).
-    Resize {
-        conversation_height: u16,
+    /// The conversation pane's inner size for the frame about to be drawn.
+    Layout {
+        width: u16,
+        height: u16,
     },
     /// The engine thread ended without being asked to (it panicked); the text says why.
     EngineStopped(String),
+    /// A [`StoreRequest`] was carried out.
+    Stored(StoreOutcome),
+    /// A frame is on screen that shows keys read this long before it.
+    KeysDrawn(Vec<Duration>),
+    /// Something the loop could not do, for the status line.
+    Notice(String),
 }
 
 /// Work for the loop, outside the state.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Effect {
     Engine(Command),
+    /// Build the request's conversation and send it to the engine, in order with the commands
+    /// around it; building it copies the whole chat, which the UI thread does not wait for.
+    Generate(GenerateJob),
+    /// File work; the loop answers with [`Msg::Stored`].
+    Store(StoreRequest),
     /// Put this text on the clipboard (OSC 52).
     Copy(String),
     /// Repaint every cell of the screen, not only the ones that changed. Terminals disagree with
@@ -77,112 +89,6 @@ pub enum EngineStatus {
     Failed(String),
 }
 
-#[derive(Clone, Debug, PartialEq)]
-pub enum ReplyStatus {
-    Prefill {
-        done: usize,
-        total: usize,
-        reused: usize,
-    },
-    Streaming,
-    Done(StopReason),
-    Failed(String),
-}
-
-/// One assistant reply as shown.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Reply {
-    pub request_id: Option<RequestId>,
-    pub reasoning: String,
-    pub reasoning_tokens: usize,
-    pub reasoning_time: Option<Duration>,
-    pub answer: String,
-    pub answer_tokens: usize,
-    pub status: ReplyStatus,
-    /// Reasoning shown in full after the answer started (toggled per turn).
-    pub expanded: bool,
-    pub hits: Option<CacheHits>,
-    started: Option<Instant>,
-    first_reasoning_at: Option<Instant>,
-}
-
-impl Reply {
-    fn pending(request_id: RequestId, now: Instant) -> Reply {
-        Reply {
-            request_id: Some(request_id),
-            reasoning: String::new(),
-            reasoning_tokens: 0,
-            reasoning_time: None,
-            answer: String::new(),
-            answer_tokens: 0,
-            status: ReplyStatus::Prefill {
-                done: 0,
-                total: 0,
-                reused: 0,
-            },
-            expanded: false,
-            hits: None,
-            started: Some(now),
-            first_reasoning_at: None,
-        }
-    }
-
-    /// A finished reply loaded from a file.
-    pub fn finished(reasoning: String, answer: String) -> Reply {
-        Reply {
-            request_id: None,
-            reasoning_tokens: 0,
-            reasoning,
-            reasoning_time: None,
-            answer,
-            answer_tokens: 0,
-            status: ReplyStatus::Done(StopReason::Finished),
-            expanded: false,
-            hits: None,
-            started: None,
-            first_reasoning_at: None,
-        }
-    }
-
-    pub fn is_active(&self) -> bool {
-        matches!(
-            self.status,
-            ReplyStatus::Prefill { .. } | ReplyStatus::Streaming
-        )
-    }
-
-    /// Reasoning streams live until the answer begins; afterwards it collapses unless expanded.
-    pub fn reasoning_visible(&self) -> bool {
-        self.expanded || (self.is_active() && self.answer.is_empty())
-    }
-}
-
-/// The parts of a chat file the app shows no setting for, kept so a loaded chat is written back
-/// with them.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ChatFileExtras {
-    pub knowledge_cutoff: Option<String>,
-    pub system: serde_json::Map<String, serde_json::Value>,
-    pub conversation: serde_json::Map<String, serde_json::Value>,
-}
-
-impl Default for ChatFileExtras {
-    fn default() -> Self {
-        ChatFileExtras {
-            knowledge_cutoff: Some(KNOWLEDGE_CUTOFF.to_string()),
-            system: serde_json::Map::new(),
-            conversation: serde_json::Map::new(),
-        }
-    }
-}
-
-/// One exchange: what the user sent and the reply to it.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Turn {
-    pub user: String,
-    pub reply: Option<Reply>,
-}
-
 /// A modal layer over the main screen.
 #[derive(Debug)]
 pub enum Overlay {
@@ -192,176 +98,110 @@ pub enum Overlay {
         selected: usize,
     },
     EditSetting {
-        field: SettingField,
+        setting: &'static crate::settings::Setting,
         editor: Box<TextArea<'static>>,
     },
 }
 
-/// Key-to-screen latency, measured by the loop (time from reading a key to finishing the draw).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct Latency {
-    pub last: Duration,
-    pub max: Duration,
-    pub samples: u64,
+/// The requests sent to the engine.
+#[derive(Debug)]
+struct Requests {
+    active: Option<RequestId>,
+    next_id: RequestId,
+    /// What the next sent message is (an edit after Ctrl-E).
+    pending_kind: RequestKind,
 }
 
 pub struct App {
-    pub turns: Vec<Turn>,
-    pub input: TextArea<'static>,
+    pub transcript: Transcript,
+    pub input: InputBox,
+    pub gauges: Gauges,
+    pub chat_file: ChatFile,
+    pub settings: SettingsPanel,
     pub focus: Focus,
     pub overlay: Option<Overlay>,
-    /// The settings as the user chose them.
-    pub settings: Settings,
-    /// The settings the engine reported as applied.
-    pub engine_settings: Option<Settings>,
     pub engine: EngineStatus,
-    pub engine_info: Option<EngineInfo>,
-    pub stats: Option<StatsSample>,
-    pub decode_rates: VecDeque<u64>,
     /// Transient message for the status line (last action's result or a warning).
     pub notice: Option<String>,
-    pub settings_progress: Option<(String, u64, u64)>,
-    pub settings_cursor: usize,
-    pub selected_turn: Option<usize>,
-    /// First visible wrapped line; `None` follows the stream.
-    pub scroll_top: Option<usize>,
-    pub conversation_height: u16,
-    /// First line of the last screenful at the last draw (where "scroll up" starts when following).
-    last_bottom: usize,
-    pub latency: Latency,
-    pub store: ChatStore,
-    pub chat_path: Option<PathBuf>,
-    /// The date in this chat's system message; fixed so the prompt prefix (and its cache) stays
-    /// valid. `None` (a loaded chat without one) leaves the line out, as harmony does.
-    pub chat_date: Option<String>,
-    /// What a loaded chat file holds beyond the settings the app edits (its knowledge cutoff, fields
-    /// of other tools), written back unchanged.
-    pub chat_file_extras: ChatFileExtras,
-    pub max_threads: usize,
-    history: Vec<String>,
-    history_cursor: Option<usize>,
-    active: Option<RequestId>,
-    next_request_id: RequestId,
-    pending_kind: RequestKind,
-    last_stream_save: Option<Instant>,
-}
-
-fn new_input() -> TextArea<'static> {
-    let mut input = TextArea::default();
-    input.set_placeholder_text("Message (Enter sends, Alt-Enter new line, F1 help)");
-    input.set_cursor_line_style(ratatui::style::Style::default());
-    input
+    requests: Requests,
+    /// Effects of the message being handled, returned by [`App::update`].
+    effects: Vec<Effect>,
 }
 
 impl App {
     pub fn new(settings: Settings, store: ChatStore, engine: EngineStatus) -> App {
-        let available = std::thread::available_parallelism().map_or(1, |count| count.get());
         App {
-            turns: Vec::new(),
-            input: new_input(),
+            transcript: Transcript::default(),
+            input: InputBox::default(),
+            gauges: Gauges::default(),
+            chat_file: ChatFile::new(store),
+            settings: SettingsPanel::new(settings),
             focus: Focus::Input,
             overlay: None,
-            max_threads: available.max(settings.threads),
-            settings,
-            engine_settings: None,
             engine,
-            engine_info: None,
-            stats: None,
-            decode_rates: VecDeque::with_capacity(SPARKLINE_SAMPLES),
             notice: None,
-            settings_progress: None,
-            settings_cursor: 0,
-            selected_turn: None,
-            scroll_top: None,
-            conversation_height: 20,
-            last_bottom: 0,
-            latency: Latency::default(),
-            store,
-            chat_path: None,
-            chat_date: Some(date_utc(SystemTime::now())),
-            chat_file_extras: ChatFileExtras::default(),
-            history: Vec::new(),
-            history_cursor: None,
-            active: None,
-            next_request_id: 1,
-            pending_kind: RequestKind::NewTurn,
-            last_stream_save: None,
+            requests: Requests {
+                active: None,
+                next_id: 1,
+                pending_kind: RequestKind::NewTurn,
+            },
+            effects: Vec::new(),
         }
     }
 
     /// The request being generated, if any.
     pub fn active_request(&self) -> Option<RequestId> {
-        self.active
+        self.requests.active
     }
 
     pub fn is_generating(&self) -> bool {
-        self.active.is_some()
+        self.requests.active.is_some()
     }
 
-    /// The conversation in the chat file's shape. Replies still streaming are included as far as
-    /// they got, so a crash mid-reply keeps what was received.
+    /// The chat as it is now, for saving or for a request; shares the turns.
+    pub fn snapshot(&self) -> ChatSnapshot {
+        let settings = &self.settings.current;
+        ChatSnapshot {
+            turns: self.transcript.snapshot(),
+            system_prompt: settings.system_prompt.clone(),
+            reasoning_effort: settings.reasoning_effort,
+            developer_instructions: settings.developer_instructions.clone(),
+            date: self.chat_file.date.clone(),
+            extras: self.chat_file.extras.clone(),
+        }
+    }
+
+    /// The conversation in the chat file's shape (built from every turn: not for the UI thread
+    /// of a long chat).
     pub fn conversation(&self) -> Conversation {
-        let mut messages = Vec::new();
-        for turn in &self.turns {
-            messages.push(ChatMessage::user(turn.user.clone()));
-            if let Some(reply) = &turn.reply {
-                if !reply.reasoning.is_empty() {
-                    messages.push(ChatMessage::assistant(
-                        Channel::Analysis,
-                        reply.reasoning.clone(),
-                    ));
-                }
-                if !reply.answer.is_empty() {
-                    messages.push(ChatMessage::assistant(Channel::Final, reply.answer.clone()));
-                }
-            }
-        }
-        let extras = &self.chat_file_extras;
-        let identity = &self.settings.system_prompt;
-        Conversation {
-            system: SystemSettings {
-                // An empty identity leaves harmony's identity line out rather than writing it blank.
-                identity: (!identity.trim().is_empty()).then(|| identity.clone()),
-                reasoning: Some(self.settings.reasoning_effort),
-                date: self.chat_date.clone(),
-                knowledge_cutoff: extras.knowledge_cutoff.clone(),
-                extra: extras.system.clone(),
-            },
-            developer: (!self.settings.developer_instructions.trim().is_empty())
-                .then(|| self.settings.developer_instructions.clone()),
-            messages,
-            extra: extras.conversation.clone(),
-        }
+        self.snapshot().conversation()
     }
 
-    /// The conversation for the request that answers the last turn: every turn before it in full,
-    /// and the last one's user message only.
-    fn request_conversation(&self) -> Conversation {
-        let mut conversation = self.conversation();
-        if let Some(last) = self.turns.last() {
-            if let Some(reply) = &last.reply {
-                let reply_messages = usize::from(!reply.reasoning.is_empty())
-                    + usize::from(!reply.answer.is_empty());
-                conversation
-                    .messages
-                    .truncate(conversation.messages.len() - reply_messages);
-            }
+    /// The request to save the chat now, if there is anything to save (the loop's last save before
+    /// it exits on a signal).
+    pub fn save_request(&mut self) -> Option<StoreRequest> {
+        if self.transcript.is_empty() {
+            return None;
         }
-        conversation
+        Some(StoreRequest::Save {
+            path: self.chat_file.path_for_saving(),
+            chat: Box::new(self.snapshot()),
+            manual: false,
+        })
     }
 
     /// Replaces the chat with a loaded conversation; its system and developer text become settings.
-    pub fn load_conversation(&mut self, conversation: Conversation, path: PathBuf) -> Vec<Effect> {
-        let mut effects = self.cancel_active();
-        self.turns.clear();
+    fn load_conversation(&mut self, conversation: Conversation, path: PathBuf) {
+        self.cancel_active();
+        let mut turns: Vec<Turn> = Vec::new();
         for message in conversation.messages {
             match message.role {
-                Role::User => self.turns.push(Turn {
+                Role::User => turns.push(Turn {
                     user: message.content,
                     reply: None,
                 }),
                 Role::Assistant => {
-                    let Some(turn) = self.turns.last_mut() else {
+                    let Some(turn) = turns.last_mut() else {
                         continue;
                     };
                     let reply = turn
@@ -374,120 +214,152 @@ impl App {
                 }
             }
         }
+        self.transcript.replace(turns);
         let system = conversation.system;
-        let mut settings = self.settings.clone();
+        let mut settings = self.settings.current.clone();
         settings.system_prompt = system.identity.unwrap_or_default();
         // A file without a reasoning line keeps the current effort (the app always writes one).
         if let Some(effort) = system.reasoning {
             settings.reasoning_effort = effort;
         }
         settings.developer_instructions = conversation.developer.unwrap_or_default();
-        self.chat_date = system.date;
-        self.chat_file_extras = ChatFileExtras {
+        self.chat_file.date = system.date;
+        self.chat_file.extras = ChatFileExtras {
             knowledge_cutoff: system.knowledge_cutoff,
             system: system.extra,
             conversation: conversation.extra,
         };
-        effects.extend(self.change_settings(settings));
-        self.chat_path = Some(path);
-        self.scroll_top = None;
-        self.selected_turn = None;
-        effects
+        self.change_settings(settings);
+        self.chat_file.path = Some(path);
     }
 
     pub fn update(&mut self, message: Msg, now: Instant) -> Vec<Effect> {
         match message {
             Msg::Key(key) if key.kind != KeyEventKind::Release => self.on_key(key, now),
-            Msg::Key(_) => Vec::new(),
-            Msg::Mouse(mouse) => {
-                match mouse.kind {
-                    MouseEventKind::ScrollUp => self.scroll_by(-(WHEEL_LINES as isize)),
-                    MouseEventKind::ScrollDown => self.scroll_by(WHEEL_LINES as isize),
-                    _ => {}
+            Msg::Key(_) => {}
+            Msg::Mouse(mouse) => match mouse.kind {
+                MouseEventKind::ScrollUp => self.transcript.scroll_by(-(WHEEL_LINES as isize)),
+                MouseEventKind::ScrollDown => self.transcript.scroll_by(WHEEL_LINES as isize),
+                _ => {}
+            },
+            Msg::Paste(text) => match &mut self.overlay {
+                Some(Overlay::EditSetting { editor, .. }) => input::paste(editor, &text),
+                _ => {
+                    self.focus = Focus::Input;
+                    self.input.paste(&text);
                 }
-                Vec::new()
-            }
-            Msg::Paste(text) => {
-                match &mut self.overlay {
-                    Some(Overlay::EditSetting { editor, .. }) => {
-                        editor.insert_str(text);
-                    }
-                    _ => {
-                        self.focus = Focus::Input;
-                        self.input.insert_str(text);
-                    }
-                }
-                Vec::new()
-            }
+            },
             Msg::Engine(event) => self.on_engine_event(event, now),
-            Msg::EngineStopped(reason) => {
-                if let Some(id) = self.active.take() {
-                    let message = format!("the engine stopped: {reason}");
-                    if let Some(reply) = self
-                        .turns
-                        .last_mut()
-                        .and_then(|turn| turn.reply.as_mut())
-                        .filter(|reply| reply.request_id == Some(id))
-                    {
-                        reply.status = ReplyStatus::Failed(message);
-                    }
-                    self.autosave();
+            Msg::EngineStopped(reason) => self.on_engine_stopped(reason),
+            Msg::Layout { width, height } => {
+                self.transcript
+                    .layout(usize::from(width), usize::from(height));
+            }
+            Msg::Stored(outcome) => self.on_stored(outcome),
+            Msg::KeysDrawn(latencies) => {
+                for latency in latencies {
+                    self.gauges.latency.record(latency);
                 }
-                self.engine = EngineStatus::Failed(format!("The engine stopped: {reason}"));
-                self.notice = Some(format!(
-                    "The engine stopped ({reason}); the chat is saved, restart ossterm"
-                ));
-                Vec::new()
             }
-            Msg::Resize {
-                conversation_height,
+            Msg::Notice(text) => self.notice = Some(text),
+        }
+        std::mem::take(&mut self.effects)
+    }
+
+    fn on_engine_stopped(&mut self, reason: String) {
+        if let Some(id) = self.requests.active.take() {
+            let message = format!("the engine stopped: {reason}");
+            if let Some(reply) = self
+                .transcript
+                .last_mut()
+                .and_then(|turn| turn.reply.as_mut())
+                .filter(|reply| reply.request_id == Some(id))
+            {
+                reply.status = ReplyStatus::Failed(message);
+            }
+            self.autosave();
+        }
+        self.engine = EngineStatus::Failed(format!("The engine stopped: {reason}"));
+        self.notice = Some(format!(
+            "The engine stopped ({reason}); the chat is saved, restart ossterm"
+        ));
+    }
+
+    fn on_stored(&mut self, outcome: StoreOutcome) {
+        match outcome {
+            StoreOutcome::Saved {
+                path,
+                manual: true,
+                result,
             } => {
-                self.conversation_height = conversation_height.max(1);
-                Vec::new()
+                self.notice = Some(match result {
+                    Ok(()) => format!("Saved {}", path.display()),
+                    Err(error) => error,
+                })
             }
+            StoreOutcome::Saved {
+                result: Err(error), ..
+            } => self.notice = Some(format!("Autosave failed: {error}")),
+            StoreOutcome::Saved { .. } => {}
+            StoreOutcome::Listed(Ok((chats, _))) if chats.is_empty() => {
+                self.notice = Some(format!(
+                    "No saved chats in {}",
+                    self.chat_file.store.dir().display()
+                ));
+            }
+            StoreOutcome::Listed(Ok((chats, unreadable))) => {
+                if unreadable > 0 {
+                    self.notice = Some(format!("{unreadable} unreadable chat files skipped"));
+                }
+                self.overlay = Some(Overlay::OpenChat { chats, selected: 0 });
+            }
+            StoreOutcome::Listed(Err(error)) => self.notice = Some(error),
+            StoreOutcome::Opened {
+                path,
+                result: Ok(conversation),
+            } => {
+                self.load_conversation(*conversation, path.clone());
+                self.notice = Some(format!("Opened {}", path.display()));
+            }
+            StoreOutcome::Opened {
+                result: Err(error), ..
+            } => self.notice = Some(error),
         }
     }
 
-    fn on_key(&mut self, key: KeyEvent, now: Instant) -> Vec<Effect> {
+    fn on_key(&mut self, key: KeyEvent, now: Instant) {
         let control = key.modifiers.contains(KeyModifiers::CONTROL);
         if control && matches!(key.code, KeyCode::Char('c') | KeyCode::Char('q')) {
-            let mut effects = self.cancel_active();
-            effects.push(Effect::Quit);
-            return effects;
+            self.cancel_active();
+            self.effects.push(Effect::Quit);
+            return;
         }
         if self.overlay.is_some() {
             return self.on_overlay_key(key);
         }
-        let input_empty = self.input.lines().iter().all(|line| line.is_empty());
         let question_opens_help =
-            key.code == KeyCode::Char('?') && (self.focus != Focus::Input || input_empty);
+            key.code == KeyCode::Char('?') && (self.focus != Focus::Input || self.input.is_empty());
         if key.code == KeyCode::F(1) || question_opens_help {
             self.overlay = Some(Overlay::Help);
-            return Vec::new();
+            return;
         }
         if control {
             match key.code {
                 KeyCode::Char('r') => return self.regenerate(now),
                 KeyCode::Char('e') => return self.edit_last_user_message(),
                 KeyCode::Char('n') => return self.new_chat(),
-                KeyCode::Char('s') => {
-                    self.save_now();
-                    return Vec::new();
-                }
-                KeyCode::Char('o') => {
-                    self.open_chat_list();
-                    return Vec::new();
-                }
+                KeyCode::Char('s') => return self.save_now(),
+                KeyCode::Char('o') => return self.effects.push(Effect::Store(StoreRequest::List)),
                 KeyCode::Char('y') => return self.copy_last_answer(),
-                KeyCode::Char('l') => return vec![Effect::Redraw],
+                KeyCode::Char('l') => return self.effects.push(Effect::Redraw),
                 KeyCode::Char('t') => {
-                    self.toggle_reasoning(self.selected_turn.or(self.turns.len().checked_sub(1)));
-                    return Vec::new();
+                    let turn = self
+                        .transcript
+                        .selected()
+                        .or(self.transcript.len().checked_sub(1));
+                    return self.toggle_reasoning(turn);
                 }
-                KeyCode::End => {
-                    self.scroll_top = None;
-                    return Vec::new();
-                }
+                KeyCode::End => return self.transcript.follow(),
                 _ => {}
             }
         }
@@ -498,7 +370,7 @@ impl App {
                     return self.cancel_active();
                 }
                 self.focus = Focus::Input;
-                return Vec::new();
+                return;
             }
             KeyCode::Tab => {
                 self.focus = match self.focus {
@@ -506,7 +378,7 @@ impl App {
                     Focus::Conversation => Focus::Settings,
                     Focus::Settings => Focus::Input,
                 };
-                return Vec::new();
+                return;
             }
             KeyCode::BackTab => {
                 self.focus = match self.focus {
@@ -514,110 +386,63 @@ impl App {
                     Focus::Conversation => Focus::Input,
                     Focus::Settings => Focus::Conversation,
                 };
-                return Vec::new();
+                return;
             }
             KeyCode::PageUp => {
-                self.scroll_by(-(self.page() as isize));
-                return Vec::new();
+                return self
+                    .transcript
+                    .scroll_by(-(self.transcript.page() as isize))
             }
-            KeyCode::PageDown => {
-                self.scroll_by(self.page() as isize);
-                return Vec::new();
-            }
+            KeyCode::PageDown => return self.transcript.scroll_by(self.transcript.page() as isize),
             _ => {}
         }
         match self.focus {
             Focus::Input => self.on_input_key(key, now),
-            Focus::Conversation => {
-                self.on_conversation_key(key);
-                Vec::new()
-            }
+            Focus::Conversation => self.on_conversation_key(key),
             Focus::Settings => self.on_settings_key(key),
         }
     }
 
-    fn page(&self) -> usize {
-        usize::from(self.conversation_height)
-            .saturating_sub(2)
-            .max(1)
-    }
-
-    fn on_input_key(&mut self, key: KeyEvent, now: Instant) -> Vec<Effect> {
+    fn on_input_key(&mut self, key: KeyEvent, now: Instant) {
         let newline_modifier = key
             .modifiers
             .intersects(KeyModifiers::ALT | KeyModifiers::SHIFT);
         match key.code {
-            KeyCode::Enter if newline_modifier => {
-                self.input.insert_newline();
-                Vec::new()
-            }
+            KeyCode::Enter if newline_modifier => self.input.newline(),
             KeyCode::Enter => self.send_input(now),
-            KeyCode::Up if self.input.cursor().0 == 0 && !self.history.is_empty() => {
-                self.recall_history(-1);
-                Vec::new()
+            KeyCode::Up if self.input.cursor().0 == 0 && self.input.has_history() => {
+                self.input.recall(true)
             }
             KeyCode::Down
                 if self.input.cursor().0 + 1 >= self.input.lines().len()
-                    && self.history_cursor.is_some() =>
+                    && self.input.browsing_history() =>
             {
-                self.recall_history(1);
-                Vec::new()
+                self.input.recall(false)
             }
-            _ => {
-                self.input.input(key);
-                Vec::new()
-            }
+            _ => self.input.key(key),
         }
     }
 
-    fn recall_history(&mut self, direction: isize) {
-        let next = match (self.history_cursor, direction < 0) {
-            (None, true) => Some(self.history.len() - 1),
-            (None, false) => None,
-            (Some(0), true) => Some(0),
-            (Some(index), true) => Some(index - 1),
-            (Some(index), false) if index + 1 < self.history.len() => Some(index + 1),
-            (Some(_), false) => None,
-        };
-        self.history_cursor = next;
-        let text = next.map_or(String::new(), |index| self.history[index].clone());
-        self.set_input_text(&text);
-    }
-
-    fn set_input_text(&mut self, text: &str) {
-        let mut input = TextArea::new(text.split('\n').map(str::to_string).collect());
-        input.set_placeholder_text("Message (Enter sends, Alt-Enter new line, F1 help)");
-        input.set_cursor_line_style(ratatui::style::Style::default());
-        input.move_cursor(tui_textarea::CursorMove::Bottom);
-        input.move_cursor(tui_textarea::CursorMove::End);
-        self.input = input;
-    }
-
     fn on_conversation_key(&mut self, key: KeyEvent) {
-        let count = self.turns.len();
+        let count = self.transcript.len();
+        let selected = self.transcript.selected();
         match key.code {
-            KeyCode::Up if count > 0 => {
-                self.selected_turn = Some(
-                    self.selected_turn
-                        .map_or(count - 1, |index| index.saturating_sub(1)),
-                );
-            }
-            KeyCode::Down if count > 0 => {
-                self.selected_turn = Some(
-                    self.selected_turn
-                        .map_or(count - 1, |index| (index + 1).min(count - 1)),
-                );
-            }
-            KeyCode::Enter | KeyCode::Char(' ') => self.toggle_reasoning(self.selected_turn),
-            KeyCode::Home => self.scroll_top = Some(0),
-            KeyCode::End => self.scroll_top = None,
+            KeyCode::Up if count > 0 => self.transcript.select(Some(
+                selected.map_or(count - 1, |index| index.saturating_sub(1)),
+            )),
+            KeyCode::Down if count > 0 => self.transcript.select(Some(
+                selected.map_or(count - 1, |index| (index + 1).min(count - 1)),
+            )),
+            KeyCode::Enter | KeyCode::Char(' ') => self.toggle_reasoning(selected),
+            KeyCode::Home => self.transcript.scroll_to_top(),
+            KeyCode::End => self.transcript.follow(),
             _ => {}
         }
     }
 
     fn toggle_reasoning(&mut self, turn: Option<usize>) {
         let reply = turn
-            .and_then(|index| self.turns.get_mut(index))
+            .and_then(|index| self.transcript.turn_mut(index))
             .and_then(|turn| turn.reply.as_mut());
         match reply {
             Some(reply) if !reply.reasoning.is_empty() => reply.expanded = !reply.expanded,
@@ -625,49 +450,35 @@ impl App {
         }
     }
 
-    fn on_settings_key(&mut self, key: KeyEvent) -> Vec<Effect> {
-        let field = SettingField::ALL[self.settings_cursor];
+    fn on_settings_key(&mut self, key: KeyEvent) {
+        let setting = self.settings.selected();
         match key.code {
-            KeyCode::Up => {
-                self.settings_cursor = self.settings_cursor.saturating_sub(1);
-                Vec::new()
-            }
-            KeyCode::Down => {
-                self.settings_cursor = (self.settings_cursor + 1).min(SettingField::ALL.len() - 1);
-                Vec::new()
-            }
+            KeyCode::Up => self.settings.move_cursor(true),
+            KeyCode::Down => self.settings.move_cursor(false),
             KeyCode::Left | KeyCode::Right | KeyCode::Char('-') | KeyCode::Char('+')
-                if !field.is_text() =>
+                if !setting.is_text() =>
             {
-                let direction = if matches!(key.code, KeyCode::Right | KeyCode::Char('+')) {
-                    1
-                } else {
-                    -1
-                };
-                let mut next = self.settings.clone();
-                field.step(&mut next, direction, self.max_threads);
-                self.change_settings(next)
+                let up = matches!(key.code, KeyCode::Right | KeyCode::Char('+'));
+                let next = self.settings.stepped(up);
+                self.change_settings(next);
             }
-            KeyCode::Enter if field.is_text() => {
-                let text = field.text(&self.settings).unwrap_or_default();
-                let mut editor = TextArea::new(text.split('\n').map(str::to_string).collect());
-                editor.set_cursor_line_style(ratatui::style::Style::default());
+            KeyCode::Enter if setting.is_text() => {
+                let text = setting.text(&self.settings.current).unwrap_or_default();
                 self.overlay = Some(Overlay::EditSetting {
-                    field,
-                    editor: Box::new(editor),
+                    setting,
+                    editor: Box::new(input::editor(&text, None)),
                 });
-                Vec::new()
             }
-            _ => Vec::new(),
+            _ => {}
         }
     }
 
     /// Adopts `next` and tells the engine; warns when the change costs a full re-prefill.
-    fn change_settings(&mut self, next: Settings) -> Vec<Effect> {
-        if next == self.settings {
-            return Vec::new();
+    fn change_settings(&mut self, next: Settings) {
+        if next == self.settings.current {
+            return;
         }
-        let mut notice = settings_change_notice(&self.settings, &next, !self.turns.is_empty());
+        let mut notice = change_notice(&self.settings.current, &next, !self.transcript.is_empty());
         if self.is_generating() {
             notice = Some(match notice {
                 Some(text) => format!("{text} (after this turn)"),
@@ -677,75 +488,63 @@ impl App {
         if notice.is_some() {
             self.notice = notice;
         }
-        self.settings = next;
-        vec![Effect::Engine(Command::ApplySettings(Box::new(
-            self.settings.clone(),
-        )))]
+        self.settings.current = next;
+        self.effects
+            .push(Effect::Engine(Command::ApplySettings(Box::new(
+                self.settings.current.clone(),
+            ))));
     }
 
-    fn on_overlay_key(&mut self, key: KeyEvent) -> Vec<Effect> {
+    fn on_overlay_key(&mut self, key: KeyEvent) {
         let Some(overlay) = self.overlay.take() else {
-            return Vec::new();
+            return;
         };
         match overlay {
-            Overlay::Help => {
-                // Any key closes help; F1 and ? toggle.
-                Vec::new()
-            }
+            // Any key closes help; F1 and ? toggle.
+            Overlay::Help => {}
             Overlay::OpenChat {
                 chats,
                 mut selected,
             } => match key.code {
-                KeyCode::Esc => Vec::new(),
+                KeyCode::Esc => {}
                 KeyCode::Up => {
                     selected = selected.saturating_sub(1);
                     self.overlay = Some(Overlay::OpenChat { chats, selected });
-                    Vec::new()
                 }
                 KeyCode::Down => {
                     selected = (selected + 1).min(chats.len().saturating_sub(1));
                     self.overlay = Some(Overlay::OpenChat { chats, selected });
-                    Vec::new()
                 }
-                KeyCode::Enter => match chats.get(selected) {
-                    Some(chat) => match self.store.load(&chat.path) {
-                        Ok(conversation) => {
-                            let effects = self.load_conversation(conversation, chat.path.clone());
-                            self.notice = Some(format!("Opened {}", chat.path.display()));
-                            effects
-                        }
-                        Err(error) => {
-                            self.notice = Some(error.to_string());
-                            Vec::new()
-                        }
-                    },
-                    None => Vec::new(),
-                },
-                _ => {
-                    self.overlay = Some(Overlay::OpenChat { chats, selected });
-                    Vec::new()
+                KeyCode::Enter => {
+                    if let Some(chat) = chats.get(selected) {
+                        self.effects
+                            .push(Effect::Store(StoreRequest::Open(chat.path.clone())));
+                    }
                 }
+                _ => self.overlay = Some(Overlay::OpenChat { chats, selected }),
             },
-            Overlay::EditSetting { field, mut editor } => {
+            Overlay::EditSetting {
+                setting,
+                mut editor,
+            } => {
                 let newline = key
                     .modifiers
                     .intersects(KeyModifiers::ALT | KeyModifiers::SHIFT);
                 match key.code {
-                    KeyCode::Esc => Vec::new(),
+                    KeyCode::Esc => {}
                     KeyCode::Enter if !newline => {
-                        let mut next = self.settings.clone();
-                        field.set_text(&mut next, editor.lines().join("\n"));
-                        self.change_settings(next)
+                        let mut next = self.settings.current.clone();
+                        let text = crate::settings::Value::Text(editor.lines().join("\n"));
+                        (setting.set)(&mut next, text);
+                        self.change_settings(next);
                     }
                     KeyCode::Enter => {
                         editor.insert_newline();
-                        self.overlay = Some(Overlay::EditSetting { field, editor });
-                        Vec::new()
+                        self.overlay = Some(Overlay::EditSetting { setting, editor });
                     }
                     _ => {
-                        editor.input(key);
-                        self.overlay = Some(Overlay::EditSetting { field, editor });
-                        Vec::new()
+                        input::edit(&mut editor, key);
+                        self.overlay = Some(Overlay::EditSetting { setting, editor });
                     }
                 }
             }
@@ -756,97 +555,87 @@ impl App {
         self.engine == EngineStatus::Ready
     }
 
-    fn send_input(&mut self, now: Instant) -> Vec<Effect> {
-        let text = self.input.lines().join("\n");
+    fn send_input(&mut self, now: Instant) {
+        let text = self.input.text();
         if text.trim().is_empty() {
-            return Vec::new();
+            return;
         }
         if self.is_generating() {
             self.notice = Some("Still generating: Esc stops it".to_string());
-            return Vec::new();
+            return;
         }
         if !self.engine_ready() {
             self.notice = Some("The model is not ready yet".to_string());
-            return Vec::new();
+            return;
         }
-        self.history.push(text.clone());
-        self.history_cursor = None;
-        self.input = new_input();
-        self.turns.push(Turn {
+        self.input.sent(text.clone());
+        self.transcript.push(Turn {
             user: text,
             reply: None,
         });
-        let kind = std::mem::replace(&mut self.pending_kind, RequestKind::NewTurn);
-        self.start_request(kind, now)
+        let kind = std::mem::replace(&mut self.requests.pending_kind, RequestKind::NewTurn);
+        self.start_request(kind, now);
     }
 
-    fn start_request(&mut self, kind: RequestKind, now: Instant) -> Vec<Effect> {
-        let id = self.next_request_id;
-        self.next_request_id += 1;
-        let conversation = self.request_conversation();
-        if let Some(turn) = self.turns.last_mut() {
+    fn start_request(&mut self, kind: RequestKind, now: Instant) {
+        let id = self.requests.next_id;
+        self.requests.next_id += 1;
+        let chat = Box::new(self.snapshot());
+        if let Some(turn) = self.transcript.last_mut() {
             turn.reply = Some(Reply::pending(id, now));
         }
-        self.active = Some(id);
-        self.scroll_top = None;
-        self.selected_turn = None;
+        self.requests.active = Some(id);
+        self.transcript.follow();
+        self.transcript.select(None);
         self.notice = None;
         self.autosave();
-        vec![Effect::Engine(Command::Generate(GenerateRequest {
-            id,
-            kind,
-            conversation,
-        }))]
+        self.effects
+            .push(Effect::Generate(GenerateJob { id, kind, chat }));
     }
 
-    fn regenerate(&mut self, now: Instant) -> Vec<Effect> {
+    fn regenerate(&mut self, now: Instant) {
         if self.is_generating() {
             self.notice = Some("Still generating: Esc stops it first".to_string());
-            return Vec::new();
+            return;
         }
         if !self.engine_ready() {
             self.notice = Some("The model is not ready yet".to_string());
-            return Vec::new();
+            return;
         }
-        let Some(last) = self.turns.last_mut() else {
+        let Some(last) = self.transcript.last_mut() else {
             self.notice = Some("Nothing to regenerate".to_string());
-            return Vec::new();
+            return;
         };
         last.reply = None;
-        self.start_request(RequestKind::Regenerate, now)
+        self.start_request(RequestKind::Regenerate, now);
     }
 
-    fn edit_last_user_message(&mut self) -> Vec<Effect> {
-        let effects = self.cancel_active();
-        let Some(last) = self.turns.pop() else {
+    fn edit_last_user_message(&mut self) {
+        self.cancel_active();
+        let Some(last) = self.transcript.pop() else {
             self.notice = Some("No message to edit".to_string());
-            return effects;
+            return;
         };
-        self.set_input_text(&last.user);
+        self.input.set_text(&last.user);
         self.focus = Focus::Input;
-        self.pending_kind = RequestKind::EditAndResend;
+        self.requests.pending_kind = RequestKind::EditAndResend;
         self.notice = Some("Editing the last message: Enter resends it".to_string());
         self.autosave();
-        effects
     }
 
-    fn new_chat(&mut self) -> Vec<Effect> {
-        let effects = self.cancel_active();
+    fn new_chat(&mut self) {
+        self.cancel_active();
         self.autosave();
-        self.turns.clear();
-        self.chat_path = None;
-        self.chat_date = Some(date_utc(SystemTime::now()));
-        self.chat_file_extras = ChatFileExtras::default();
-        self.scroll_top = None;
-        self.selected_turn = None;
-        self.pending_kind = RequestKind::NewTurn;
+        self.transcript.replace(Vec::new());
+        self.chat_file.reset();
+        self.requests.pending_kind = RequestKind::NewTurn;
         self.notice = Some("New chat".to_string());
-        effects
     }
 
-    fn copy_last_answer(&mut self) -> Vec<Effect> {
+    fn copy_last_answer(&mut self) {
         let answer = self
-            .turns
+            .transcript
+            .turns()
             .iter()
             .rev()
             .filter_map(|turn| turn.reply.as_ref())
@@ -858,80 +647,51 @@ impl App {
                     "Copied the last answer ({} characters)",
                     text.chars().count()
                 ));
-                vec![Effect::Copy(text)]
+                self.effects.push(Effect::Copy(text));
             }
-            None => {
-                self.notice = Some("No answer to copy yet".to_string());
-                Vec::new()
-            }
+            None => self.notice = Some("No answer to copy yet".to_string()),
         }
     }
 
     /// Cancels the running request, if any; the reply keeps what it received.
-    fn cancel_active(&mut self) -> Vec<Effect> {
-        match self.active {
-            Some(id) => vec![Effect::Engine(Command::Cancel(id))],
-            None => Vec::new(),
+    fn cancel_active(&mut self) {
+        if let Some(id) = self.requests.active {
+            self.effects.push(Effect::Engine(Command::Cancel(id)));
         }
     }
 
-    fn open_chat_list(&mut self) {
-        match self.store.list() {
-            Ok((chats, _)) if chats.is_empty() => {
-                self.notice = Some(format!("No saved chats in {}", self.store.dir().display()));
+    /// Ctrl-S: writes the chat file now; the outcome says where.
+    fn save_now(&mut self) {
+        match self.save_request() {
+            Some(StoreRequest::Save { path, chat, .. }) => {
+                self.effects.push(Effect::Store(StoreRequest::Save {
+                    path,
+                    chat,
+                    manual: true,
+                }))
             }
-            Ok((chats, unreadable)) => {
-                if unreadable > 0 {
-                    self.notice = Some(format!("{unreadable} unreadable chat files skipped"));
-                }
-                self.overlay = Some(Overlay::OpenChat { chats, selected: 0 });
-            }
-            Err(error) => self.notice = Some(error.to_string()),
+            _ => self.notice = Some("Nothing to save yet".to_string()),
         }
-    }
-
-    /// Ctrl-S: writes the chat file now and says where.
-    pub fn save_now(&mut self) {
-        if self.turns.is_empty() {
-            self.notice = Some("Nothing to save yet".to_string());
-            return;
-        }
-        match self.write_chat_file() {
-            Ok(path) => self.notice = Some(format!("Saved {}", path.display())),
-            Err(error) => self.notice = Some(error.to_string()),
-        }
-    }
-
-    fn write_chat_file(&mut self) -> Result<PathBuf, crate::tui::store::StoreError> {
-        let path = self
-            .chat_path
-            .get_or_insert_with(|| self.store.new_chat_path(SystemTime::now()))
-            .clone();
-        self.store.save(&path, &self.conversation())?;
-        Ok(path)
     }
 
     fn autosave(&mut self) {
-        if self.turns.is_empty() {
-            return;
-        }
-        if let Err(error) = self.write_chat_file() {
-            self.notice = Some(format!("Autosave failed: {error}"));
+        if let Some(request) = self.save_request() {
+            self.effects.push(Effect::Store(request));
         }
     }
 
     fn active_reply(&mut self, id: RequestId) -> Option<&mut Reply> {
-        if self.active != Some(id) {
+        if self.requests.active != Some(id) {
             return None;
         }
-        self.turns
+        self.transcript
             .last_mut()?
             .reply
             .as_mut()
             .filter(|reply| reply.request_id == Some(id))
     }
 
-    fn on_engine_event(&mut self, event: Event, now: Instant) -> Vec<Effect> {
+    fn on_engine_event(&mut self, event: Event, now: Instant) {
         match event {
             Event::LoadProgress { stage, done, total } => {
                 self.engine = EngineStatus::Loading { stage, done, total }
@@ -939,11 +699,12 @@ impl App {
             Event::Ready(info) => {
                 self.engine = EngineStatus::Ready;
                 // Show what really runs: the model may not offer the configured formats.
-                self.settings.weight_format = info.settings.weight_format;
-                self.settings.activations = info.settings.activations;
-                self.settings.kv_cache = info.settings.kv_cache;
-                self.engine_settings = Some(info.settings.clone());
-                self.engine_info = Some(info);
+                let current = &mut self.settings.current;
+                current.weight_format = info.settings.weight_format;
+                current.activations = info.settings.activations;
+                current.kv_cache = info.settings.kv_cache;
+                self.settings.engine = Some(info.settings.clone());
+                self.gauges.engine_info = Some(info);
             }
             Event::PrefillProgress {
                 id,
@@ -961,7 +722,7 @@ impl App {
             }
             Event::Token { id, channel, text } => {
                 let Some(reply) = self.active_reply(id) else {
-                    return Vec::new();
+                    return;
                 };
                 reply.status = ReplyStatus::Streaming;
                 match channel {
@@ -981,23 +742,21 @@ impl App {
                     }
                 }
                 let due = self
+                    .chat_file
                     .last_stream_save
                     .is_none_or(|at| now.saturating_duration_since(at) >= STREAM_SAVE_INTERVAL);
                 if due {
-                    self.last_stream_save = Some(now);
+                    self.chat_file.last_stream_save = Some(now);
                     self.autosave();
                 }
             }
             Event::Stats(sample) => {
                 if self.is_generating() {
                     if let Some(rate) = sample.decode_tokens_per_second {
-                        if self.decode_rates.len() == SPARKLINE_SAMPLES {
-                            self.decode_rates.pop_front();
-                        }
-                        self.decode_rates.push_back((rate * 10.0).round() as u64);
+                        self.gauges.push_decode_rate(rate);
                     }
                 }
-                self.stats = Some(sample);
+                self.gauges.stats = Some(sample);
             }
             Event::TurnDone {
                 id,
@@ -1005,7 +764,7 @@ impl App {
                 hits,
                 generated_tokens,
             } => {
-                let was_active = self.active == Some(id);
+                let was_active = self.requests.active == Some(id);
                 if let Some(reply) = self.active_reply(id) {
                     if reply.reasoning_time.is_none() {
                         if let Some(start) = reply.first_reasoning_at {
@@ -1028,19 +787,19 @@ impl App {
                     self.autosave();
                 }
                 if was_active {
-                    self.active = None;
+                    self.requests.active = None;
                     // A streamed reply is the text most likely to have confused the terminal.
-                    return vec![Effect::Redraw];
+                    self.effects.push(Effect::Redraw);
                 }
             }
             Event::SettingsProgress { what, done, total } => {
-                self.settings_progress = Some((what, done, total))
+                self.gauges.settings_progress = Some((what, done, total))
             }
             Event::SettingsApplied(applied) => {
-                if applied.weight_format == self.settings.weight_format {
-                    self.settings_progress = None;
+                if applied.weight_format == self.settings.current.weight_format {
+                    self.gauges.settings_progress = None;
                 }
-                self.engine_settings = Some(*applied);
+                self.settings.engine = Some(*applied);
             }
             Event::Error {
                 id: Some(id),
@@ -1050,8 +809,8 @@ impl App {
                     reply.status = ReplyStatus::Failed(message.clone());
                     self.autosave();
                 }
-                if self.active == Some(id) {
-                    self.active = None;
+                if self.requests.active == Some(id) {
+                    self.requests.active = None;
                 }
                 self.notice = Some(format!("Error: {message}"));
             }
@@ -1059,93 +818,12 @@ impl App {
                 if matches!(self.engine, EngineStatus::Loading { .. }) {
                     self.engine = EngineStatus::Failed(message);
                 } else {
-                    self.settings_progress = None;
+                    self.gauges.settings_progress = None;
                     self.notice = Some(format!("Error: {message}"));
                 }
             }
         }
-        Vec::new()
     }
-
-    /// Scrolls by `lines` (negative = up). Scrolling to the bottom resumes following the stream.
-    /// The view clamps `scroll_top`; here only the intent is recorded.
-    pub fn scroll_by(&mut self, lines: isize) {
-        let current = self.scroll_top.unwrap_or(self.last_bottom);
-        let next = if lines < 0 {
-            current.saturating_sub(lines.unsigned_abs())
-        } else {
-            current.saturating_add(lines as usize)
-        };
-        self.scroll_top = Some(next);
-    }
-
-    /// Called by the view with the laid-out line count, so scroll state stays in range and reaching
-    /// the bottom resumes following.
-    pub fn settle_scroll(&mut self, total_lines: usize, height: usize) -> usize {
-        let bottom = total_lines.saturating_sub(height);
-        self.last_bottom = bottom;
-        match self.scroll_top {
-            Some(top) if top < bottom => top,
-            _ => {
-                self.scroll_top = None;
-                bottom
-            }
-        }
-    }
-}
-
-/// What the user should know about going from `previous` to `next`: the costly consequences first
-/// (a whole-conversation re-prefill, a background re-quantization, a pool rebuild).
-pub fn settings_change_notice(
-    previous: &Settings,
-    next: &Settings,
-    has_turns: bool,
-) -> Option<String> {
-    const REPREFILL: &str = "the next turn re-prefills the whole conversation";
-    let cause = if previous.reasoning_effort != next.reasoning_effort {
-        Some(format!(
-            "Reasoning effort {} changes the system message",
-            next.reasoning_effort
-        ))
-    } else if previous.system_prompt != next.system_prompt {
-        Some("The system prompt changed".to_string())
-    } else if previous.developer_instructions != next.developer_instructions {
-        Some("The developer instructions changed".to_string())
-    } else if previous.activations != next.activations {
-        Some(format!(
-            "Activations {} keep the weights but need a new cache",
-            next.activations
-        ))
-    } else if previous.kv_cache != next.kv_cache {
-        Some(format!("KV cache {} needs a new cache", next.kv_cache))
-    } else if previous.context_limit != next.context_limit {
-        Some(format!(
-            "Context limit {} needs a new cache",
-            next.context_limit
-        ))
-    } else {
-        None
-    };
-    if let Some(cause) = cause {
-        return Some(if has_turns {
-            format!("{cause}: {REPREFILL}")
-        } else {
-            cause
-        });
-    }
-    if previous.weight_format != next.weight_format {
-        return Some(format!(
-            "Re-quantizing to {} in the background; the old weights keep serving",
-            next.weight_format
-        ));
-    }
-    if previous.threads != next.threads {
-        return Some(format!(
-            "Threads {}: the thread pool is rebuilt between turns",
-            next.threads
-        ));
-    }
-    None
 }
 
 fn capitalize(text: &str) -> String {

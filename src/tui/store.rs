@@ -4,6 +4,7 @@
 //! JSON, so `ossterm run --conversation FILE` continues a chat the app saved.
 
 use crate::chat::{Conversation, ConversationError, Role};
+use crate::tui::chat_file::ChatSnapshot;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 use thiserror::Error;
@@ -44,6 +45,37 @@ pub struct SavedChat {
     pub messages: usize,
 }
 
+/// File work the app's update asks the loop for; [`ChatStore::perform`] carries it out.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StoreRequest {
+    /// Write the chat file. `manual`: the user asked (Ctrl-S), so success is reported too.
+    Save {
+        path: PathBuf,
+        chat: Box<ChatSnapshot>,
+        manual: bool,
+    },
+    /// List the saved chats.
+    List,
+    /// Read a saved chat.
+    Open(PathBuf),
+}
+
+/// How a [`StoreRequest`] went, errors as the text to show.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StoreOutcome {
+    Saved {
+        path: PathBuf,
+        manual: bool,
+        result: Result<(), String>,
+    },
+    /// The chats, newest first, and how many files could not be read.
+    Listed(Result<(Vec<SavedChat>, usize), String>),
+    Opened {
+        path: PathBuf,
+        result: Result<Box<Conversation>, String>,
+    },
+}
+
 /// The directory of saved chats.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ChatStore {
@@ -72,8 +104,10 @@ impl ChatStore {
         path
     }
 
-    /// Writes `conversation` to `path` atomically: a reader (or a crash) sees the old file or the new
-    /// one, never half of one.
+    /// Writes `conversation` to `path` atomically: a reader, a crash or a power loss sees the old
+    /// file or the new one, never half of one. The temporary file is flushed to disk before it
+    /// replaces the old one, and the directory after, so the rename itself survives a power loss;
+    /// when anything fails the temporary file is removed.
     pub fn save(&self, path: &Path, conversation: &Conversation) -> Result<(), StoreError> {
         std::fs::create_dir_all(&self.dir).map_err(|source| StoreError::CreateDir {
             path: self.dir.clone(),
@@ -81,15 +115,52 @@ impl ChatStore {
         })?;
         let json = conversation.to_json() + "\n";
         let temporary = path.with_extension("json.tmp");
-        let write = |target: &Path| std::fs::write(target, json.as_bytes());
-        write(&temporary).map_err(|source| StoreError::Write {
-            path: temporary.clone(),
-            source,
-        })?;
-        std::fs::rename(&temporary, path).map_err(|source| StoreError::Write {
-            path: path.to_path_buf(),
+        let written =
+            write_synced(&temporary, json.as_bytes()).map_err(|source| StoreError::Write {
+                path: temporary.clone(),
+                source,
+            });
+        let renamed = written.and_then(|()| {
+            std::fs::rename(&temporary, path).map_err(|source| StoreError::Write {
+                path: path.to_path_buf(),
+                source,
+            })
+        });
+        if let Err(error) = renamed {
+            let _ = std::fs::remove_file(&temporary);
+            return Err(error);
+        }
+        let directory = path.parent().unwrap_or(&self.dir);
+        sync_directory(directory).map_err(|source| StoreError::Write {
+            path: directory.to_path_buf(),
             source,
         })
+    }
+
+    /// Carries out `request`.
+    pub fn perform(&self, request: StoreRequest) -> StoreOutcome {
+        match request {
+            StoreRequest::Save { path, chat, manual } => {
+                let result = self
+                    .save(&path, &chat.conversation())
+                    .map_err(|error| error.to_string());
+                StoreOutcome::Saved {
+                    path,
+                    manual,
+                    result,
+                }
+            }
+            StoreRequest::List => {
+                StoreOutcome::Listed(self.list().map_err(|error| error.to_string()))
+            }
+            StoreRequest::Open(path) => {
+                let result = self
+                    .load(&path)
+                    .map(Box::new)
+                    .map_err(|error| error.to_string());
+                StoreOutcome::Opened { path, result }
+            }
+        }
     }
 
     pub fn load(&self, path: &Path) -> Result<Conversation, StoreError> {
@@ -143,6 +214,24 @@ impl ChatStore {
                 .then_with(|| right.path.cmp(&left.path))
         });
         Ok((chats, unreadable))
+    }
+}
+
+/// Writes `bytes` to a new file at `path` and flushes it to the disk.
+fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut file = std::fs::File::create(path)?;
+    file.write_all(bytes)?;
+    file.sync_all()
+}
+
+/// Flushes a directory's entries (a rename in it) to the disk. Windows cannot open a directory
+/// as a file; there the rename is as durable as the file system makes it.
+fn sync_directory(directory: &Path) -> std::io::Result<()> {
+    if cfg!(unix) {
+        std::fs::File::open(directory)?.sync_all()
+    } else {
+        Ok(())
     }
 }
 

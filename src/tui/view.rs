@@ -1,11 +1,10 @@
-//! Drawing: the whole screen from the app state. The only state it touches is the scroll clamp
-//! (which needs the laid-out line count).
+//! Drawing: the whole screen from the app state, which it only reads.
 
-use crate::engine::protocol::StopReason;
+use crate::settings::{Cost, SETTINGS};
 use crate::tui::keys::KEY_BINDINGS;
-use crate::tui::markdown::{render_markdown, terminal_safe, text_width, wrap_lines};
-use crate::tui::settings_panel::SettingField;
-use crate::tui::state::{App, EngineStatus, Focus, Overlay, Reply, ReplyStatus};
+use crate::tui::markdown::{terminal_safe, text_width};
+use crate::tui::state::{App, EngineStatus, Focus, Overlay};
+use crate::tui::transcript::{ReplyStatus, ERROR_STYLE};
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Modifier, Style};
 use ratatui::text::{Line, Span};
@@ -19,24 +18,24 @@ const SIDE_PANEL_MIN_TERMINAL_WIDTH: u16 = 90;
 /// The command the README gives for getting the real checkpoint.
 pub const DOWNLOAD_COMMAND: &str = "huggingface-cli download openai/gpt-oss-20b --include \"config.json\" \"*.safetensors\" \"model.safetensors.index.json\" --local-dir ~/models/gpt-oss-20b";
 
-const USER_STYLE: Style = Style::new().fg(Color::Cyan).add_modifier(Modifier::BOLD);
-const ASSISTANT_STYLE: Style = Style::new().fg(Color::Green).add_modifier(Modifier::BOLD);
-const REASONING_STYLE: Style = Style::new()
-    .fg(Color::DarkGray)
-    .add_modifier(Modifier::ITALIC);
-const ERROR_STYLE: Style = Style::new().fg(Color::Red);
+/// Where each part of the screen goes.
+struct ScreenLayout {
+    title: Rect,
+    conversation: Rect,
+    input: Rect,
+    /// `None` on a screen too narrow for the side panel.
+    side: Option<Rect>,
+    status: Rect,
+}
 
-/// Draws the whole screen.
-pub fn draw(frame: &mut Frame, app: &mut App) {
-    let [title_area, main_area, status_area] = Layout::vertical([
+fn screen_layout(area: Rect, app: &App) -> ScreenLayout {
+    let [title, main_area, status] = Layout::vertical([
         Constraint::Length(1),
         Constraint::Min(3),
         Constraint::Length(1),
     ])
-    .areas(frame.area());
-    frame.render_widget(Paragraph::new(title_line(app)), title_area);
-
-    let show_side = frame.area().width >= SIDE_PANEL_MIN_TERMINAL_WIDTH;
+    .areas(area);
+    let show_side = area.width >= SIDE_PANEL_MIN_TERMINAL_WIDTH;
     let [left_area, side_area] = if show_side {
         Layout::horizontal([Constraint::Min(20), Constraint::Length(SIDE_PANEL_WIDTH)])
             .areas(main_area)
@@ -44,12 +43,32 @@ pub fn draw(frame: &mut Frame, app: &mut App) {
         [main_area, Rect::default()]
     };
     let input_rows = (app.input.lines().len() as u16).clamp(1, 8) + 2;
-    let [conversation_area, input_area] =
+    let [conversation, input] =
         Layout::vertical([Constraint::Min(3), Constraint::Length(input_rows)]).areas(left_area);
+    ScreenLayout {
+        title,
+        conversation,
+        input,
+        side: show_side.then_some(side_area),
+        status,
+    }
+}
 
-    draw_conversation(frame, app, conversation_area);
-    draw_input(frame, app, input_area);
-    if show_side {
+/// The conversation pane's inner (width, height) on a screen of `area`: what the loop tells the
+/// app before each draw ([`crate::tui::Msg::Layout`]).
+pub fn conversation_viewport(area: Rect, app: &App) -> (u16, u16) {
+    let inner = focused_block("", false).inner(screen_layout(area, app).conversation);
+    (inner.width, inner.height)
+}
+
+/// Draws the whole screen.
+pub fn draw(frame: &mut Frame, app: &App) {
+    let layout = screen_layout(frame.area(), app);
+    frame.render_widget(Paragraph::new(title_line(app)), layout.title);
+    draw_conversation(frame, app, layout.conversation);
+    draw_input(frame, app, layout.input);
+    let status_area = layout.status;
+    if let Some(side_area) = layout.side {
         let [gauges_area, settings_area] =
             Layout::vertical([Constraint::Length(17), Constraint::Min(3)]).areas(side_area);
         draw_gauges(frame, app, gauges_area);
@@ -85,13 +104,13 @@ pub fn draw(frame: &mut Frame, app: &mut App) {
             let scroll = selected.saturating_sub(area.height.saturating_sub(3) as usize) as u16;
             frame.render_widget(Paragraph::new(lines).block(block).scroll((scroll, 0)), area);
         }
-        Some(Overlay::EditSetting { field, editor }) => {
+        Some(Overlay::EditSetting { setting, editor }) => {
             let area = centered(frame.area(), 70, 12);
             frame.render_widget(Clear, area);
             let mut editor = editor.as_ref().clone();
             editor.set_block(Block::bordered().title(format!(
                 " {} (Enter applies, Alt-Enter new line, Esc cancels) ",
-                field.label()
+                setting.label
             )));
             frame.render_widget(&editor, area);
         }
@@ -104,7 +123,7 @@ fn title_line(app: &App) -> Line<'static> {
         " ossterm ",
         Style::new().add_modifier(Modifier::BOLD | Modifier::REVERSED),
     )];
-    if let Some(info) = &app.engine_info {
+    if let Some(info) = &app.gauges.engine_info {
         spans.push(Span::raw(format!(" {} ", terminal_safe(&info.model_label))));
         if info.random_weights {
             spans.push(Span::styled(
@@ -113,7 +132,7 @@ fn title_line(app: &App) -> Line<'static> {
             ));
         }
     }
-    if let Some(path) = &app.chat_path {
+    if let Some(path) = &app.chat_file.path {
         if let Some(name) = path.file_name() {
             spans.push(Span::styled(
                 format!("  {}", terminal_safe(&name.to_string_lossy())),
@@ -136,9 +155,8 @@ fn focused_block(title: &str, focused: bool) -> Block<'static> {
         .title(format!(" {title} "))
 }
 
-fn draw_conversation(frame: &mut Frame, app: &mut App, area: Rect) {
-    let following = app.scroll_top.is_none();
-    let title = if following {
+fn draw_conversation(frame: &mut Frame, app: &App, area: Rect) {
+    let title = if app.transcript.following() {
         "Conversation"
     } else {
         "Conversation (scrolled: End follows)"
@@ -149,17 +167,17 @@ fn draw_conversation(frame: &mut Frame, app: &mut App, area: Rect) {
     if inner.height == 0 || inner.width == 0 {
         return;
     }
-    if app.turns.is_empty() && app.engine != EngineStatus::Ready {
+    if app.transcript.is_empty() && app.engine != EngineStatus::Ready {
         draw_engine_status(frame, app, inner);
         return;
     }
-    let lines = conversation_lines(app, inner.width as usize);
-    let top = app.settle_scroll(lines.len(), inner.height as usize);
-    let visible: Vec<Line> = lines
-        .into_iter()
-        .skip(top)
-        .take(inner.height as usize)
-        .collect();
+    let marked = app
+        .transcript
+        .selected()
+        .filter(|_| app.focus == Focus::Conversation);
+    let visible = app
+        .transcript
+        .visible_lines(inner.width as usize, inner.height as usize, marked);
     frame.render_widget(Paragraph::new(visible), inner);
 }
 
@@ -233,115 +251,8 @@ fn draw_engine_status(frame: &mut Frame, app: &App, area: Rect) {
     }
 }
 
-/// The conversation as wrapped lines for a pane `width` cells wide.
-pub fn conversation_lines(app: &App, width: usize) -> Vec<Line<'static>> {
-    let mut lines: Vec<Line<'static>> = Vec::new();
-    if app.turns.is_empty() {
-        lines.push(Line::styled(
-            "Type a message below and press Enter. F1 lists every key.",
-            REASONING_STYLE,
-        ));
-    }
-    for (index, turn) in app.turns.iter().enumerate() {
-        let selected = app.focus == Focus::Conversation && app.selected_turn == Some(index);
-        let marker = if selected {
-            Modifier::REVERSED
-        } else {
-            Modifier::empty()
-        };
-        lines.push(Line::styled("▌ You", USER_STYLE.add_modifier(marker)));
-        let user: Vec<Line<'static>> = turn
-            .user
-            .split('\n')
-            .map(|line| Line::raw(line.to_string()))
-            .collect();
-        lines.extend(wrap_lines(&user, width));
-        if let Some(reply) = &turn.reply {
-            lines.push(Line::raw(""));
-            lines.push(Line::styled(
-                "▌ Assistant",
-                ASSISTANT_STYLE.add_modifier(marker),
-            ));
-            lines.extend(reply_lines(reply, width));
-        }
-        lines.push(Line::raw(""));
-    }
-    lines
-}
-
-fn reply_lines(reply: &Reply, width: usize) -> Vec<Line<'static>> {
-    let mut lines = Vec::new();
-    if let ReplyStatus::Prefill {
-        done,
-        total,
-        reused,
-    } = reply.status
-    {
-        let text = if total == 0 {
-            "Reading the prompt…".to_string()
-        } else if done == total {
-            // Tokens are coming but none is text yet (a message header, or a random model that
-            // never writes one).
-            "Generating…".to_string()
-        } else {
-            format!("Reading the prompt… {done}/{total} tokens ({reused} reused from the cache)")
-        };
-        lines.push(Line::styled(text, REASONING_STYLE));
-    }
-    if !reply.reasoning.is_empty() {
-        let tokens = reply.reasoning_tokens;
-        let streaming_reasoning = reply.is_active() && reply.answer.is_empty();
-        let header = if streaming_reasoning {
-            format!("Thinking… ({tokens} tokens)")
-        } else {
-            let seconds = reply.reasoning_time.map_or(String::new(), |time| {
-                format!(", {:.1} s", time.as_secs_f64())
-            });
-            let count = if tokens > 0 {
-                format!("{tokens} tokens")
-            } else {
-                format!("{} characters", reply.reasoning.chars().count())
-            };
-            let arrow = if reply.expanded { "▾" } else { "▸" };
-            format!("{arrow} Thought ({count}{seconds})")
-        };
-        lines.push(Line::styled(
-            header,
-            REASONING_STYLE.remove_modifier(Modifier::ITALIC),
-        ));
-        if reply.reasoning_visible() {
-            let reasoning: Vec<Line<'static>> = reply
-                .reasoning
-                .split('\n')
-                .map(|line| Line::styled(format!("  {line}"), REASONING_STYLE))
-                .collect();
-            lines.extend(wrap_lines(&reasoning, width));
-        }
-    }
-    if !reply.answer.is_empty() {
-        lines.extend(wrap_lines(
-            &render_markdown(&reply.answer, Style::new()),
-            width,
-        ));
-    }
-    match &reply.status {
-        ReplyStatus::Done(StopReason::Finished)
-        | ReplyStatus::Prefill { .. }
-        | ReplyStatus::Streaming => {}
-        ReplyStatus::Done(reason) => lines.push(Line::styled(
-            format!("[{}]", reason.describe()),
-            Style::new().fg(Color::Yellow),
-        )),
-        ReplyStatus::Failed(message) => lines.extend(wrap_lines(
-            &[Line::styled(format!("[error: {message}]"), ERROR_STYLE)],
-            width,
-        )),
-    }
-    lines
-}
-
 fn draw_input(frame: &mut Frame, app: &App, area: Rect) {
-    let mut input = app.input.clone();
+    let mut input = app.input.editor().clone();
     let title = if app.is_generating() {
         "Message (generating: Esc stops)"
     } else {
@@ -378,7 +289,7 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
         Constraint::Min(0),
     ])
     .areas(inner);
-    let stats = app.stats.as_ref();
+    let stats = app.gauges.stats.as_ref();
     let decode = stats.and_then(|stats| stats.decode_tokens_per_second);
     frame.render_widget(
         Paragraph::new(gauge_row(
@@ -387,7 +298,7 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
         )),
         first,
     );
-    let samples: Vec<u64> = app.decode_rates.iter().copied().collect();
+    let samples: Vec<u64> = app.gauges.decode_rates.iter().copied().collect();
     let visible = samples.len().saturating_sub(spark.width as usize);
     frame.render_widget(
         Sparkline::default()
@@ -460,7 +371,8 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
         stats.map_or("-".to_string(), |stats| stats.threads.to_string()),
     ));
     let kernel = stats.map(|stats| stats.kernel_path.clone()).or_else(|| {
-        app.engine_info
+        app.gauges
+            .engine_info
             .as_ref()
             .map(|info| info.kernel_path.clone())
     });
@@ -469,10 +381,10 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
         kernel.unwrap_or_else(|| "-".to_string()),
     ));
     let serving = stats.map(|stats| stats.weight_format);
-    let weights = match (serving, &app.settings_progress) {
+    let weights = match (serving, &app.gauges.settings_progress) {
         (Some(format), Some((_, done, total))) => format!(
             "{format} → {} {}%",
-            app.settings.weight_format,
+            app.settings.current.weight_format,
             done * 100 / (*total).max(1)
         ),
         (Some(format), None) => format.to_string(),
@@ -481,14 +393,14 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
     rows.push(gauge_row("weights", weights));
     // Until the engine answers a change, the serving format lags the setting.
     let activations = match stats.map(|stats| stats.activations) {
-        Some(serving) if serving != app.settings.activations => {
-            format!("{serving} → {}", app.settings.activations)
+        Some(serving) if serving != app.settings.current.activations => {
+            format!("{serving} → {}", app.settings.current.activations)
         }
         Some(serving) => serving.to_string(),
         None => "-".to_string(),
     };
     rows.push(gauge_row("activations", activations));
-    let latency = &app.latency;
+    let latency = &app.gauges.latency;
     let ui = if latency.samples > 0 {
         format!(
             "{} ms (max {} ms)",
@@ -515,11 +427,11 @@ fn draw_settings(frame: &mut Frame, app: &App, area: Rect) {
     let inner = block.inner(area);
     frame.render_widget(block, area);
     let value_width = (inner.width as usize).saturating_sub(19);
-    let mut lines: Vec<Line> = SettingField::ALL
+    let mut lines: Vec<Line> = SETTINGS
         .iter()
         .enumerate()
-        .map(|(index, field)| {
-            let mut value = terminal_safe(&field.value(&app.settings)).into_owned();
+        .map(|(index, setting)| {
+            let mut value = terminal_safe(&setting.display(&app.settings.current)).into_owned();
             if text_width(&value) > value_width {
                 value = value
                     .chars()
@@ -527,19 +439,19 @@ fn draw_settings(frame: &mut Frame, app: &App, area: Rect) {
                     .collect::<String>()
                     + "…";
             }
-            let selected = focused && index == app.settings_cursor;
+            let selected = focused && index == app.settings.cursor;
             let style = if selected {
                 Style::new().add_modifier(Modifier::REVERSED)
             } else {
                 Style::new()
             };
             let cursor = if selected { "›" } else { " " };
-            Line::styled(format!("{cursor}{:<17} {value}", field.label()), style)
+            Line::styled(format!("{cursor}{:<17} {value}", setting.label), style)
         })
         .collect();
     if focused {
-        let field = SettingField::ALL[app.settings_cursor];
-        let hint = if field.is_text() {
+        let setting = app.settings.selected();
+        let hint = if setting.is_text() {
             "Enter edits"
         } else {
             "←/→ change"
@@ -548,14 +460,14 @@ fn draw_settings(frame: &mut Frame, app: &App, area: Rect) {
             format!(" {hint}"),
             Style::new().fg(Color::DarkGray),
         ));
-        if field == SettingField::ReasoningEffort {
+        if setting.cost == Cost::PromptPrefix && !setting.is_text() {
             lines.push(Line::styled(
                 " changing it re-prefills the chat",
                 Style::new().fg(Color::Yellow),
             ));
         }
     }
-    let scroll = (app.settings_cursor + 2).saturating_sub(inner.height as usize) as u16;
+    let scroll = (app.settings.cursor + 2).saturating_sub(inner.height as usize) as u16;
     frame.render_widget(
         Paragraph::new(lines).scroll((if focused { scroll } else { 0 }, 0)),
         inner,
@@ -565,7 +477,7 @@ fn draw_settings(frame: &mut Frame, app: &App, area: Rect) {
 /// What is happening now, for the status line.
 pub fn status_text(app: &App) -> String {
     if let Some(reply) = app
-        .turns
+        .transcript
         .last()
         .and_then(|turn| turn.reply.as_ref())
         .filter(|reply| reply.is_active())
@@ -583,6 +495,7 @@ pub fn status_text(app: &App) -> String {
             }
             _ => {
                 let rate = app
+                    .gauges
                     .stats
                     .as_ref()
                     .and_then(|stats| stats.decode_tokens_per_second);
@@ -597,7 +510,7 @@ pub fn status_text(app: &App) -> String {
     if let Some(notice) = &app.notice {
         return notice.clone();
     }
-    if let Some((what, done, total)) = &app.settings_progress {
+    if let Some((what, done, total)) = &app.gauges.settings_progress {
         return format!("{what}: {}%", done * 100 / (*total).max(1));
     }
     match &app.engine {
@@ -634,7 +547,7 @@ fn draw_help(frame: &mut Frame, app: &App) {
         })
         .collect();
     lines.push(Line::raw(""));
-    let location = app.store.dir().display();
+    let location = app.chat_file.store.dir().display();
     lines.push(Line::styled(
         format!(" Chats are saved in {location}"),
         Style::new().fg(Color::DarkGray),

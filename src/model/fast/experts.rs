@@ -1,11 +1,11 @@
 //! The routed experts of the fast path: MXFP4 gate_up, the clamped SwiGLU, MXFP4 down, each
 //! expert's output weighted into its tokens' mixture.
 
-use super::super::ops::{add_bias_rows, add_weighted, swiglu, MAX_EXPERTS_PER_TOKEN};
-use super::super::options::Product;
-use super::super::weights::Layer;
 use super::jobs::{fold_rows, Job};
 use super::{FastPass, Scratch};
+use crate::model::ops::{add_bias_rows, add_weighted, swiglu, MAX_EXPERTS_PER_TOKEN};
+use crate::model::options::Product;
+use crate::model::weights::Layer;
 
 impl FastPass<'_> {
     /// One token: the gate_up products of all its experts in one region, then all down products.

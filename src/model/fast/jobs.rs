@@ -6,13 +6,13 @@
 use std::cell::RefCell;
 use std::ops::Range;
 
-use super::super::convert::DenseMatrix;
-use super::super::options::Split;
-use super::super::team::{parallel_for, Team};
-use super::super::weights::{Bf16Matrix, Mxfp4Experts};
 use crate::kernels::{
     self, quantize_activation_rows, GemmScratch, Kernels, Mxfp4Matrix, Q8Activations,
 };
+use crate::model::convert::DenseMatrix;
+use crate::model::options::Split;
+use crate::model::team::{parallel_for, Team};
+use crate::model::weights::{Bf16Matrix, Mxfp4Experts};
 
 /// The weights one multiplication job reads.
 #[derive(Clone, Copy)]

@@ -307,17 +307,7 @@ impl FastPass<'_> {
         for (i, (key, value)) in k.chunks_exact(kvw).zip(v.chunks_exact(kvw)).enumerate() {
             cache.store(self.kernels, start + i, key, value);
         }
-        attend::attend(
-            self.kernels,
-            self.team,
-            self.config,
-            layer,
-            start,
-            n,
-            q,
-            &cache,
-            out,
-        );
+        self.attend(layer, start, n, q, &cache, out);
     }
 
     /// The router's choices for each token, then the routed experts' outputs, weighted, summed
