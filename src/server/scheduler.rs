@@ -143,6 +143,17 @@ impl Scheduler {
             prefill_chunk: options.prefill_chunk.max(1),
             ..options
         };
+        // Published before the thread starts, so the first /metrics already shows the budget.
+        let c = &session.model().config;
+        let bytes_per_token =
+            2 * c.num_hidden_layers * c.kv_width() * session.kv_format().bytes_per_value();
+        let capacity = options.parallel * options.context;
+        metrics
+            .kv_capacity_tokens
+            .store(capacity, Ordering::Relaxed);
+        metrics
+            .kv_capacity_bytes
+            .store((capacity * bytes_per_token) as u64, Ordering::Relaxed);
         let thread = {
             let metrics = metrics.clone();
             std::thread::Builder::new()
@@ -245,16 +256,6 @@ impl Worker {
                 active: None,
             })
             .collect();
-        let c = &session.model().config;
-        let bytes_per_token =
-            2 * c.num_hidden_layers * c.kv_width() * session.kv_format().bytes_per_value();
-        let capacity = options.parallel * options.context;
-        metrics
-            .kv_capacity_tokens
-            .store(capacity, Ordering::Relaxed);
-        metrics
-            .kv_capacity_bytes
-            .store((capacity * bytes_per_token) as u64, Ordering::Relaxed);
         Worker {
             session,
             slots,
