@@ -106,6 +106,49 @@ pub struct AppConfig {
     pub chats_dir: Option<PathBuf>,
     /// The file the values came from, if any (shown in the help overlay).
     pub loaded_from: Option<PathBuf>,
+    /// Where and how much the KV snapshot tiers keep.
+    pub cache: CacheConfig,
+}
+
+/// The KV snapshot tiers' settings: `paths.cache_dir`, `cache.max_disk_mb`, `cache.max_ram_mb`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CacheConfig {
+    /// `None` means the platform cache directory.
+    pub dir: Option<PathBuf>,
+    /// 0 keeps snapshots in RAM only.
+    pub max_disk_mb: u64,
+    /// 0 keeps no snapshots in RAM (disk snapshots are still read).
+    pub max_ram_mb: u64,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig {
+            dir: None,
+            max_disk_mb: crate::engine::kv_tiers::DEFAULT_DISK_MB,
+            max_ram_mb: crate::engine::kv_tiers::DEFAULT_RAM_MB,
+        }
+    }
+}
+
+impl CacheConfig {
+    /// The snapshot directory: the configured one or the platform cache directory.
+    pub fn resolved_dir(&self) -> Option<PathBuf> {
+        self.dir
+            .clone()
+            .or_else(crate::engine::kv_tiers::default_cache_dir)
+    }
+
+    /// What the engine's tiers run with.
+    pub fn tiers(&self) -> crate::engine::kv_tiers::TierConfig {
+        crate::engine::kv_tiers::TierConfig {
+            ram_budget_bytes: self.max_ram_mb << 20,
+            disk_dir: (self.max_disk_mb > 0)
+                .then(|| self.resolved_dir())
+                .flatten(),
+            disk_budget_bytes: self.max_disk_mb << 20,
+        }
+    }
 }
 
 impl Default for AppConfig {
@@ -115,6 +158,7 @@ impl Default for AppConfig {
             settings: Settings::default(),
             chats_dir: None,
             loaded_from: None,
+            cache: CacheConfig::default(),
         }
     }
 }
@@ -126,6 +170,7 @@ pub struct ConfigOverrides {
     pub model_dir: Option<PathBuf>,
     pub synthetic: Option<SyntheticChoice>,
     pub chats_dir: Option<PathBuf>,
+    pub cache_dir: Option<PathBuf>,
     /// Settings given as flags, by config key, as parsed from the flag's text.
     pub settings: Vec<(&'static str, Value)>,
 }
@@ -142,7 +187,19 @@ impl ConfigOverrides {
 const MODEL_PATH_KEY: &str = "model.path";
 const MODEL_SYNTHETIC_KEY: &str = "model.synthetic";
 const CHATS_DIR_KEY: &str = "paths.chats_dir";
-const STARTUP_KEYS: [&str; 3] = [MODEL_PATH_KEY, MODEL_SYNTHETIC_KEY, CHATS_DIR_KEY];
+const CACHE_DIR_KEY: &str = "paths.cache_dir";
+const MAX_DISK_KEY: &str = "cache.max_disk_mb";
+const MAX_RAM_KEY: &str = "cache.max_ram_mb";
+const STARTUP_KEYS: [&str; 6] = [
+    MODEL_PATH_KEY,
+    MODEL_SYNTHETIC_KEY,
+    CHATS_DIR_KEY,
+    CACHE_DIR_KEY,
+    MAX_DISK_KEY,
+    MAX_RAM_KEY,
+];
+/// Largest snapshot budget a key accepts, in MiB (1 PiB).
+const MAX_BUDGET_MB: u64 = 1 << 30;
 
 /// Every key the file may hold: the startup keys and each setting's.
 fn known_keys() -> impl Iterator<Item = &'static str> {
@@ -242,13 +299,31 @@ pub fn parse(text: &str, path: &Path) -> Result<AppConfig, ConfigError> {
             let key = format!("{section}.{name}");
             let invalid = |message: String| invalid(&key, message);
             match key.as_str() {
-                MODEL_PATH_KEY | CHATS_DIR_KEY => {
+                MAX_DISK_KEY | MAX_RAM_KEY => {
+                    let budget = value
+                        .as_integer()
+                        .and_then(|v| u64::try_from(v).ok())
+                        .filter(|v| *v <= MAX_BUDGET_MB);
+                    let Some(budget) = budget else {
+                        return Err(invalid(format!(
+                            "expected 0..={MAX_BUDGET_MB} MiB, got {value}"
+                        )));
+                    };
+                    if key == MAX_DISK_KEY {
+                        config.cache.max_disk_mb = budget;
+                    } else {
+                        config.cache.max_ram_mb = budget;
+                    }
+                }
+                MODEL_PATH_KEY | CHATS_DIR_KEY | CACHE_DIR_KEY => {
                     let Some(dir) = value.as_str() else {
                         return Err(invalid(format!("expected a directory path, got {value}")));
                     };
                     let dir = (!dir.is_empty()).then(|| PathBuf::from(dir));
                     if key == CHATS_DIR_KEY {
                         config.chats_dir = dir;
+                    } else if key == CACHE_DIR_KEY {
+                        config.cache.dir = dir;
                     } else if let Some(dir) = dir {
                         config.model = ModelSource::Checkpoint(dir);
                     }
@@ -307,6 +382,9 @@ fn apply_overrides(config: &mut AppConfig, overrides: &ConfigOverrides) -> Resul
     }
     if overrides.chats_dir.is_some() {
         config.chats_dir.clone_from(&overrides.chats_dir);
+    }
+    if overrides.cache_dir.is_some() {
+        config.cache.dir.clone_from(&overrides.cache_dir);
     }
     Ok(())
 }

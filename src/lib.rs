@@ -4,12 +4,15 @@
 //! Modules follow the data flow: checkpoint files (`model`) and kernels feed the forward pass,
 //! the `engine` thread drives it, `chat` speaks harmony, and `tui`/`cli` face the user.
 
+#![deny(unsafe_op_in_unsafe_fn)]
+
 pub mod bench;
 pub mod chat;
 mod choice;
 pub mod cli;
 pub mod config;
 pub mod engine;
+pub mod fault;
 pub mod kernels;
 pub mod model;
 pub mod server;

@@ -7,9 +7,9 @@
 //! order plus the <= 2 ulp exp give errors up to about 4e-7 there (measured); we allow 2e-6.
 
 use half::f16;
+use ossterm::bench::attention::{bench_attention_with, AttentionBenchConfig};
 use ossterm::kernels::attention::{
-    attend_group, bench_attention_with, fast_exp, AttentionBenchConfig, AttentionError,
-    AttentionScratch, GroupQuery, KvElem, KvHead, TILE_KEYS,
+    attend_group, fast_exp, AttentionError, AttentionScratch, GroupQuery, KvElem, KvHead, TILE_KEYS,
 };
 use ossterm::kernels::{KernelPath, Kernels};
 use rand::{Rng, SeedableRng};
@@ -478,7 +478,7 @@ fn benchmark_agrees_with_the_per_key_loop() {
 #[ignore = "benchmark: a few seconds, prints its report"]
 fn benchmark_report() {
     for k in Kernels::all_supported() {
-        let report = ossterm::kernels::attention::bench_attention(k).expect("benchmark");
+        let report = ossterm::bench::attention::bench_attention(k).expect("benchmark");
         println!("{report}");
     }
 }

@@ -165,16 +165,25 @@ fn run_errors_name_the_numbers_and_files() {
 fn run_continues_a_saved_conversation() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/harmony");
     let conversation = dir.join("spec_two_turns.conversation.json");
-    let result = run_json(
-        &[
-            "--conversation",
-            conversation.to_str().unwrap(),
-            "--max-tokens",
-            "2",
-        ],
-        None,
-    );
-    assert_eq!(result["prompt_tokens"], 103);
+    let cache = tempfile::tempdir().unwrap();
+    let args = [
+        "--conversation",
+        conversation.to_str().unwrap(),
+        "--max-tokens",
+        "2",
+        "--temperature",
+        "0",
+        "--cache-dir",
+        cache.path().to_str().unwrap(),
+    ];
+    let first = run_json(&args, None);
+    assert_eq!(first["prompt_tokens"], 103);
+    assert_eq!(first["reused_tokens"], 0);
+    // The second run resumes the saved conversation from the snapshot the first one wrote.
+    let second = run_json(&args, None);
+    assert_eq!(second["reused_tokens"], 102);
+    assert_eq!(second["answer"], first["answer"]);
+    assert_eq!(second["reasoning"], first["reasoning"]);
 }
 
 #[test]

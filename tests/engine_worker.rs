@@ -379,6 +379,7 @@ fn start_gated(
             },
             model_label: "toy".to_string(),
             random_weights: true,
+            kv_tiers: Default::default(),
         })
     });
     let harness = Harness {
@@ -1162,6 +1163,13 @@ fn reasoning_effort_change_re_prefills_from_the_system_message() {
 
 /// The real fast forward pass (synthetic tiny model) behind the engine, with the toy chat format.
 fn start_real(settings: Settings) -> Harness {
+    start_real_with_tiers(settings, Default::default())
+}
+
+fn start_real_with_tiers(
+    settings: Settings,
+    kv_tiers: ossterm::engine::kv_tiers::TierConfig,
+) -> Harness {
     use ossterm::model::{LoadOptions, Model, Precision, Preset};
     let journal = Arc::new(Mutex::new(Journal::default()));
     let sampler_configs = Arc::new(Mutex::new(Vec::new()));
@@ -1186,6 +1194,7 @@ fn start_real(settings: Settings) -> Harness {
             },
             model_label: "synthetic tiny".to_string(),
             random_weights: true,
+            kv_tiers,
         })
     });
     let harness = Harness {
@@ -1196,6 +1205,60 @@ fn start_real(settings: Settings) -> Harness {
     };
     harness.wait_for(|event| matches!(event, Event::Ready(_)));
     harness
+}
+
+fn notices(events: &[Event]) -> Vec<String> {
+    events
+        .iter()
+        .filter_map(|event| match event {
+            Event::Notice(message) => Some(message.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn switching_chats_and_back_resumes_from_snapshots_with_the_same_reply() {
+    let dir = std::env::temp_dir().join(format!("ossterm-engine-tiers-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let tiers = ossterm::engine::kv_tiers::TierConfig {
+        disk_dir: Some(dir.clone()),
+        ..Default::default()
+    };
+    let harness = start_real_with_tiers(test_settings(6), tiers.clone());
+    let chat_a = conversation(&[(Role::User, None, "tell me about the sea")]);
+    let chat_b = conversation(&[(Role::User, None, "and now the mountains")]);
+    let first_a = harness.generate(1, chat_a.clone());
+    harness.generate(2, chat_b.clone());
+    // Back to A: its prefix comes from the RAM snapshot, the reply is the one a cold run gives.
+    let again_a = harness.generate(3, chat_a.clone());
+    let (_, reused, prompt) = turn_done(&again_a);
+    assert_eq!(reused, prompt - 1);
+    assert!(
+        notices(&again_a)
+            .iter()
+            .any(|n| n.starts_with("Resumed") && n.contains("RAM")),
+        "{:?}",
+        notices(&again_a)
+    );
+    assert_eq!(streamed_text(&again_a), streamed_text(&first_a));
+    let stats = last_stats(&again_a);
+    assert_eq!(stats.kv_tiers.snapshot_hits, 1);
+    assert!(stats.kv_tiers.ram_snapshots >= 2);
+    drop(harness);
+
+    // A new engine (an app restart) resumes chat B from disk.
+    let harness = start_real_with_tiers(test_settings(6), tiers);
+    let again_b = harness.generate(1, chat_b.clone());
+    let (_, reused, prompt) = turn_done(&again_b);
+    assert_eq!(reused, prompt - 1);
+    assert!(
+        notices(&again_b).iter().any(|n| n.contains("from disk")),
+        "{:?}",
+        notices(&again_b)
+    );
+    drop(harness);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use ossterm::model::{ActivationFormat, LoadOptions, Model, Precision, WeightFormat};
+use ossterm::model::{ActivationFormat, KvFormat, LoadOptions, Model, Precision, WeightFormat};
 
 /// The pool sessions compute on, built as the app builds its own.
 fn pool() -> Arc<rayon::ThreadPool> {
@@ -340,4 +340,38 @@ fn switching_a_session_computes_like_a_session_built_with_that_format() {
             session.set_activations(from);
         }
     }
+}
+
+/// The KV cache types against the exact path (default weights and activations): the int8 cache
+/// must stay as close as the default f16 one, within a small margin.
+#[test]
+fn every_kv_cache_type_stays_close_to_the_exact_path() {
+    let mut top1 = Vec::new();
+    for kv in [KvFormat::F16, KvFormat::F32, KvFormat::Q8] {
+        let opts = LoadOptions {
+            kv,
+            ..LoadOptions::default()
+        };
+        let (mut agree, mut total) = (0, 0);
+        for dir in fixture_dirs() {
+            let r = compare(&dir, &opts);
+            let (p90, max) = (r.quantile(0.9), r.quantile(1.0));
+            eprintln!(
+                "{} kv {kv}: top-1 {}/{}, p90 error {p90:.4}, max {max:.4}",
+                dir.display(),
+                r.top1,
+                r.positions
+            );
+            assert!(p90 < 0.06, "{} kv {kv}: p90 error {p90}", dir.display());
+            agree += r.top1;
+            total += r.positions;
+        }
+        eprintln!("kv {kv}: top-1 {agree}/{total}");
+        top1.push((agree, total));
+    }
+    let ((f16, total), (q8, _)) = (top1[0], top1[2]);
+    assert!(
+        q8 * 100 >= total * 90 && q8 + total / 20 >= f16,
+        "int8 KV top-1 {q8}/{total} against f16 {f16}/{total}"
+    );
 }

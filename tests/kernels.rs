@@ -3,9 +3,8 @@
 
 use half::f16;
 use ossterm::kernels::{
-    e8m0_scale, parse_kernel_path, quantize_activation_rows, quantize_activations,
-    select_kernel_path, GemmScratch, KernelError, KernelPath, Kernels, Mxfp4Matrix, Q4Matrix,
-    Q8Activations, Q8Matrix, FP4_E2M1, MAX_GEMV_TOKENS,
+    e8m0_scale, kernels, parse_kernel_path, select_kernel_path, GemmScratch, KernelError,
+    KernelPath, Kernels, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, FP4_E2M1, MAX_GEMV_TOKENS,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -102,7 +101,9 @@ fn assert_close(what: &str, got: &[f32], expected: &[f32], bounds: &[f32]) {
 }
 
 /// Shapes: columns hit every MXFP4 tail (1, 2, 3 blocks past the last full group of 4) and the
-/// model's 2880; row counts are not multiples of the 4-row or 16-row tiles.
+/// model's 2880; row counts are not multiples of the 4-row or 16-row tiles, and the GEMM's ranges
+/// (all rows but the first and last) give pairs of tiles with 1-16 rows in the second (17, 35
+/// and 19 rows).
 const QUANT_SHAPES: [(usize, usize); 6] =
     [(1, 32), (5, 64), (7, 96), (19, 160), (37, 512), (21, 2880)];
 
@@ -112,10 +113,12 @@ fn mxfp4_gemv_and_gemm_match_scalar_on_every_path() {
     for (rows, cols) in QUANT_SHAPES {
         let data = Mxfp4Data::random(&mut rng, rows, cols, 118..=130);
         let w = data.matrix();
-        for tokens in [1usize, 2, 3, 4, 5, 7, 17] {
+        for tokens in [1usize, 2, 3, 4, 5, 7, 8, 17] {
             let x_values = random_f32(&mut rng, tokens * cols, 3.0);
             let mut x = Q8Activations::new();
-            quantize_activation_rows(&x_values, cols, &mut x).unwrap();
+            kernels()
+                .quantize_activation_rows(&x_values, cols, &mut x)
+                .unwrap();
             let range = if rows > 4 { 1..rows - 1 } else { 0..rows };
             let n = range.len();
             let mut scratch = GemmScratch::new(cols);
@@ -170,11 +173,13 @@ fn exact_activations(rng: &mut ChaCha8Rng, tokens: usize, cols: usize) -> Vec<f3
 #[test]
 fn integer_exact_inputs_give_identical_results_on_every_path() {
     let mut rng = rng(2);
-    for (rows, cols) in [(9, 96), (13, 2880)] {
+    // 35 rows: a pair of tiles (32 rows) and a 3-row tile; 13 tokens: two batches of 6 and one.
+    for (rows, cols) in [(9, 96), (13, 2880), (35, 160)] {
         let data = Mxfp4Data::random(&mut rng, rows, cols, 126..=128);
         let mut x = Q8Activations::new();
-        for tokens in [1, 5] {
-            quantize_activation_rows(&exact_activations(&mut rng, tokens, cols), cols, &mut x)
+        for tokens in [1, 5, 13] {
+            kernels()
+                .quantize_activation_rows(&exact_activations(&mut rng, tokens, cols), cols, &mut x)
                 .unwrap();
             // Q8 weights: +-127 in each block and small integers, so the f16 scale is exactly 1.
             let mut q8_values: Vec<f32> = (0..rows * cols)
@@ -221,9 +226,10 @@ fn q8_and_q4_gemv_and_gemm_match_scalar_on_every_path() {
         let weights = to_bf16(&random_f32(&mut rng, rows * cols, 0.2));
         let q8 = Q8Matrix::from_bf16(rows, cols, &weights).unwrap();
         let q4 = Q4Matrix::from_bf16(rows, cols, &weights).unwrap();
-        for tokens in [1usize, 2, 3, 6, 17] {
+        for tokens in [1usize, 2, 3, 6, 8, 17] {
             let mut x = Q8Activations::new();
-            quantize_activation_rows(&random_f32(&mut rng, tokens * cols, 2.0), cols, &mut x)
+            kernels()
+                .quantize_activation_rows(&random_f32(&mut rng, tokens * cols, 2.0), cols, &mut x)
                 .unwrap();
             let range = if rows > 2 { 2..rows } else { 0..rows };
             let n = range.len();
@@ -257,8 +263,11 @@ fn q8_and_q4_gemv_and_gemm_match_scalar_on_every_path() {
                     .unwrap();
                 assert_close(&format!("Q4 GEMM {what}"), &got, &expected4, &bounds4);
                 if tokens <= MAX_GEMV_TOKENS {
+                    // NaN first, so an output the GEMV leaves unwritten fails.
+                    got.fill(f32::NAN);
                     k.q8_gemv(&q8, &x, range.clone(), &mut got).unwrap();
                     assert_close(&format!("Q8 GEMV {what}"), &got, &expected8, &bounds8);
+                    got.fill(f32::NAN);
                     k.q4_gemv(&q4, &x, range.clone(), &mut got).unwrap();
                     assert_close(&format!("Q4 GEMV {what}"), &got, &expected4, &bounds4);
                 }
@@ -443,7 +452,7 @@ fn mxfp4_dequantization_follows_the_table() {
             let mut x = vec![0.0f32; 32];
             x[pick] = 1.0;
             let mut q = Q8Activations::new();
-            quantize_activations(&x, &mut q).unwrap();
+            kernels().quantize_activations(&x, &mut q).unwrap();
             let mut out = [0.0f32; 2];
             k.mxfp4_gemv(&w, &q, 0..2, &mut out).unwrap();
             let (mut r0, mut r1) = (vec![0.0; 32], vec![0.0; 32]);
@@ -462,7 +471,7 @@ fn quantized_dot_approximates_the_exact_dot_within_quantization_error() {
     let w = data.matrix();
     let x_values = random_f32(&mut rng, cols, 1.5);
     let mut x = Q8Activations::new();
-    quantize_activations(&x_values, &mut x).unwrap();
+    kernels().quantize_activations(&x_values, &mut x).unwrap();
     let mut weight_row = vec![0.0; cols];
     for k in Kernels::all_supported() {
         let mut out = vec![0.0; rows];
@@ -592,15 +601,19 @@ fn bad_shapes_are_errors_not_panics() {
     assert!(Q8Matrix::from_bf16(2, 64, &[0u16; 100]).is_err());
     assert!(Q4Matrix::from_bf16(2, 30, &[0u16; 60]).is_err());
     let mut x = Q8Activations::new();
-    assert!(quantize_activations(&[0.0; 33], &mut x).is_err());
-    quantize_activation_rows(&[0.5; 128], 64, &mut x).unwrap();
+    assert!(kernels().quantize_activations(&[0.0; 33], &mut x).is_err());
+    kernels()
+        .quantize_activation_rows(&[0.5; 128], 64, &mut x)
+        .unwrap();
     let w = data.matrix();
     let mut scratch = GemmScratch::new(32);
     for k in Kernels::all_supported() {
         let mut out = vec![0.0; 8];
         // Too many tokens for a GEMV, rows past the end, short output, too small scratch.
         let mut five = Q8Activations::new();
-        quantize_activation_rows(&[0.5; 320], 64, &mut five).unwrap();
+        kernels()
+            .quantize_activation_rows(&[0.5; 320], 64, &mut five)
+            .unwrap();
         assert!(matches!(
             k.mxfp4_gemv(&w, &five, 0..2, &mut out[..8]),
             Err(KernelError::TooManyGemvTokens { .. })
@@ -637,7 +650,9 @@ fn gathered_activation_rows_equal_quantizing_those_tokens() {
     let cols = 96;
     let all = random_f32(&mut rng, 5 * cols, 1.0);
     let mut x = Q8Activations::new();
-    quantize_activation_rows(&all, cols, &mut x).unwrap();
+    kernels()
+        .quantize_activation_rows(&all, cols, &mut x)
+        .unwrap();
     let mut gathered = Q8Activations::new();
     gathered.gather_rows(&x, &[4, 1]).unwrap();
     let mut direct = Q8Activations::new();
@@ -646,7 +661,9 @@ fn gathered_activation_rows_equal_quantizing_those_tokens() {
         .chain(&all[cols..2 * cols])
         .copied()
         .collect();
-    quantize_activation_rows(&picked, cols, &mut direct).unwrap();
+    kernels()
+        .quantize_activation_rows(&picked, cols, &mut direct)
+        .unwrap();
     let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
     for t in 0..2 {
         gathered.dequantize_row(t, &mut a).unwrap();
@@ -658,8 +675,8 @@ fn gathered_activation_rows_equal_quantizing_those_tokens() {
 
 #[test]
 fn kernel_bench_reports_every_kernel_with_positive_rates() {
-    let config = ossterm::kernels::KernelBenchConfig::quick();
-    let report = ossterm::kernels::run_kernel_bench(ossterm::kernels::kernels(), &config).unwrap();
+    let config = ossterm::bench::kernels::KernelBenchConfig::quick();
+    let report = ossterm::bench::kernels::run_kernel_bench(kernels(), &config).unwrap();
     // Per thread count and format: a GEMV of each token count it takes (the quick config's
     // largest token count is above that), plus one GEMM per token count.
     let max_gemv = ossterm::kernels::MAX_GEMV_TOKENS;
@@ -696,6 +713,46 @@ fn kernel_bench_reports_every_kernel_with_positive_rates() {
         );
     }
     assert!(report.to_string().contains("mxfp4_gemm"));
+    // Every report names its CPU; SIMD paths measure the int8 peak per thread count and relate
+    // every GEMM (and only the GEMMs) to it.
+    let text = report.to_string();
+    assert!(text.starts_with("cpu "), "{text}");
+    assert!(!report.cpu.name.is_empty());
+    if kernels().path() == KernelPath::Scalar {
+        assert!(report.int8_peak.is_empty());
+    } else {
+        let threads: Vec<usize> = report.int8_peak.iter().map(|p| p.threads).collect();
+        assert_eq!(threads, config.thread_counts);
+        assert!(report.int8_peak.iter().all(|p| p.gmac_per_s > 0.0));
+        assert!(text.contains("int8 MAC peak"), "{text}");
+        for r in &report.results {
+            assert_eq!(
+                r.peak_fraction.is_some(),
+                r.kernel.ends_with("gemm"),
+                "{r:?}"
+            );
+        }
+    }
+    let json = serde_json::to_value(&report).unwrap();
+    assert!(json["cpu"]["flags"].is_array() && json["int8_peak"].is_array());
+}
+
+#[test]
+fn the_int8_peak_probe_computes_the_same_products_on_every_path() {
+    use ossterm::kernels::PROBE_ROUND_MACS;
+    // Chain g multiplies (1 + g % 3) by (g % 5 - 2); a round is 64 of each of 16 chains.
+    let per_round: i64 = (0..16).map(|g| 64 * (1 + g % 3) * (g % 5 - 2)).sum();
+    assert_eq!(PROBE_ROUND_MACS, 16 * 64);
+    for rounds in [0usize, 1, 7, 1000] {
+        for k in Kernels::all_supported() {
+            assert_eq!(
+                k.int8_mac_probe(rounds),
+                per_round * rounds as i64,
+                "{} with {rounds} rounds",
+                k.path()
+            );
+        }
+    }
 }
 
 #[test]
@@ -705,9 +762,11 @@ fn split_rows_hold_exactly_what_int8_missed() {
         let rows = 3;
         let x = random_f32(&mut rng, rows * cols, 4.0);
         let mut staged = vec![f32::NAN; 2 * rows * cols];
-        ossterm::kernels::split_rows(&x, cols, &mut staged).unwrap();
+        kernels().split_rows(&x, cols, &mut staged).unwrap();
         let mut first = Q8Activations::new();
-        quantize_activation_rows(&x, cols, &mut first).unwrap();
+        kernels()
+            .quantize_activation_rows(&x, cols, &mut first)
+            .unwrap();
         let mut dequantized = vec![0.0; cols];
         for r in 0..rows {
             first.dequantize_row(r, &mut dequantized).unwrap();
@@ -724,7 +783,9 @@ fn split_rows_hold_exactly_what_int8_missed() {
         }
         // Two int8 rows carry the value to within the second row's rounding.
         let mut both = Q8Activations::new();
-        quantize_activation_rows(&staged, cols, &mut both).unwrap();
+        kernels()
+            .quantize_activation_rows(&staged, cols, &mut both)
+            .unwrap();
         let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
         both.dequantize_row(0, &mut a).unwrap();
         both.dequantize_row(1, &mut b).unwrap();
@@ -737,5 +798,5 @@ fn split_rows_hold_exactly_what_int8_missed() {
         }
     }
     let mut small = vec![0.0; 10];
-    assert!(ossterm::kernels::split_rows(&[0.0; 32], 32, &mut small).is_err());
+    assert!(kernels().split_rows(&[0.0; 32], 32, &mut small).is_err());
 }

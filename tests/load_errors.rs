@@ -322,3 +322,145 @@ fn cli_reports_errors_without_panicking() {
     assert_eq!(output.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("outside the vocabulary"), "{stderr}");
 }
+
+#[test]
+fn a_shard_that_is_a_directory_is_called_one() {
+    let dir = copy_of("tiny_sharded");
+    let shard = dir.path().join("model-00001-of-00002.safetensors");
+    std::fs::remove_file(&shard).unwrap();
+    std::fs::create_dir(&shard).unwrap();
+    let message = load_err(dir.path());
+    assert!(message.contains("is a directory"), "{message}");
+    assert!(!message.contains("does not exist"), "{message}");
+}
+
+/// Overwrites element `index` of `tensor` in a safetensors file with `bytes`.
+fn poke(file: &Path, tensor: &str, index: usize, bytes: &[u8]) {
+    let mut data = std::fs::read(file).unwrap();
+    let n = u64::from_le_bytes(data[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&data[8..8 + n]).unwrap();
+    let start = header[tensor]["data_offsets"][0].as_u64().unwrap() as usize;
+    let at = 8 + n + start + index * bytes.len();
+    data[at..at + bytes.len()].copy_from_slice(bytes);
+    std::fs::write(file, data).unwrap();
+}
+
+const BF16_NAN: [u8; 2] = [0xc0, 0x7f];
+const BF16_INFINITY: [u8; 2] = [0x80, 0x7f];
+
+#[test]
+fn non_finite_weights_are_refused_naming_the_tensor() {
+    for tensor in [
+        "model.norm.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.1.post_attention_layernorm.weight",
+        "model.layers.0.self_attn.q_proj.bias",
+        "model.layers.0.self_attn.sinks",
+        "model.layers.1.mlp.router.weight",
+        "model.layers.1.mlp.router.bias",
+        "model.layers.0.mlp.experts.down_proj_bias",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.o_proj.weight",
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+    ] {
+        for value in [BF16_NAN, BF16_INFINITY] {
+            let dir = copy_of("tiny_single");
+            poke(&dir.path().join("model.safetensors"), tensor, 3, &value);
+            let message = load_err(dir.path());
+            assert!(
+                message.contains(&format!("tensor {tensor} holds")),
+                "{message}"
+            );
+            assert!(message.contains("element 3"), "{message}");
+        }
+    }
+}
+
+#[test]
+fn nan_mxfp4_scales_are_refused_naming_the_tensor() {
+    let dir = copy_of("tiny_single");
+    let tensor = "model.layers.1.mlp.experts.gate_up_proj_scales";
+    poke(&dir.path().join("model.safetensors"), tensor, 17, &[0xff]);
+    let message = load_err(dir.path());
+    assert!(message.contains(tensor), "{message}");
+    assert!(
+        message.contains("0xFF") && message.contains("element 17"),
+        "{message}"
+    );
+}
+
+fn ossterm(args: &[&str], dir: &Path) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_ossterm"))
+        .args(args)
+        .arg(dir)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn generate_refuses_nan_weights_instead_of_printing_token_zero() {
+    let dir = copy_of("tiny_single");
+    poke(
+        &dir.path().join("model.safetensors"),
+        "model.layers.0.self_attn.q_proj.weight",
+        0,
+        &BF16_NAN,
+    );
+    for exact in [&["--exact"][..], &[][..]] {
+        let mut args = vec!["generate", "--greedy", "--tokens", "1,2"];
+        args.extend_from_slice(exact);
+        args.push("--model");
+        let output = ossterm(&args, dir.path());
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(output.stdout.is_empty(), "{args:?}: printed ids");
+        assert!(
+            stderr.contains("model.layers.0.self_attn.q_proj.weight holds NaN"),
+            "{stderr}"
+        );
+    }
+}
+
+#[test]
+fn info_check_reports_every_bad_tensor() {
+    let dir = copy_of("tiny_single");
+    let file = dir.path().join("model.safetensors");
+    poke(
+        &file,
+        "model.layers.0.self_attn.k_proj.weight",
+        5,
+        &BF16_NAN,
+    );
+    poke(&file, "model.embed_tokens.weight", 7, &BF16_INFINITY);
+    poke(&file, "model.embed_tokens.weight", 9, &BF16_NAN);
+    poke(
+        &file,
+        "model.layers.1.mlp.experts.down_proj_scales",
+        2,
+        &[0xff],
+    );
+    let output = ossterm(&["info", "--check", "--model"], dir.path());
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    for line in [
+        "bad tensor model.embed_tokens.weight: 2 NaN or infinite values, the first at element 7",
+        "bad tensor model.layers.0.self_attn.k_proj.weight: 1 NaN or infinite values, the first at element 5",
+        "bad tensor model.layers.1.mlp.experts.down_proj_scales: 1 scale bytes 0xFF (E8M0 NaN), the first at element 2",
+    ] {
+        assert!(stdout.contains(line), "{line}\n{stdout}");
+    }
+    assert_eq!(stdout.matches("bad tensor").count(), 3, "{stdout}");
+    assert!(stderr.contains("3 of 79 tensors"), "{stderr}");
+
+    let clean = ossterm(&["info", "--check", "--model"], &fixture("tiny_single"));
+    let stdout = String::from_utf8_lossy(&clean.stdout);
+    assert!(
+        clean.status.success(),
+        "{}",
+        String::from_utf8_lossy(&clean.stderr)
+    );
+    assert!(stdout.contains("all 79 tensors finite"), "{stdout}");
+    assert!(stdout.contains("vocab_size:"), "{stdout}");
+}

@@ -145,6 +145,7 @@ fn stats(decode: f64) -> StatsSample {
         kernel_path: "avx512".to_string(),
         weight_format: WeightFormat::Q8,
         activations: ActivationFormat::Mixed,
+        kv_tiers: Default::default(),
     }
 }
 

@@ -73,6 +73,10 @@ alive() {
     return 0
 }
 
+# The KV snapshot tiers are a bounded cache, not a leak: a small RAM budget keeps their growth
+# inside the RSS bound (the default of 2048 MB would be filled slowly by a long soak).
+mkdir -p "$work/config/ossterm"
+printf '[cache]\nmax_ram_mb = 8\n' >"$work/config/ossterm/config.toml"
 tmux_ new-session -d -s "$session" -x 130 -y 42 \
     "env TERM=xterm-256color XDG_CONFIG_HOME=$work/config XDG_DATA_HOME=$work/data HOME=$work \
      $binary --synthetic tiny --max-tokens 48 --threads 2 --chats-dir $work/chats; \

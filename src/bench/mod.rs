@@ -1,6 +1,8 @@
 //! `ossterm bench`: prefill and decode speed, time to first token on the standard prompts, peak
 //! memory, and how close decode comes to this machine's memory-bandwidth roofline.
 
+pub mod attention;
+pub mod kernels;
 pub mod probe;
 pub mod stats;
 
@@ -74,6 +76,8 @@ pub struct BenchSettings {
     pub depth: usize,
     pub repeat: usize,
     pub cpu: String,
+    /// The CPU's family/model numbers and the SIMD flags that decide the kernels' speed.
+    pub cpu_info: probe::CpuInfo,
     /// Seconds from start to a ready model (mapping, conversion).
     pub load_seconds: f64,
     /// Seconds spent converting weights to the chosen format, and the memory they took.
@@ -139,6 +143,7 @@ pub fn run(
     let roofline_tps = bandwidth_gbps * 1e9 / bytes_per_token as f64;
     let all_ttft: Vec<f64> = ttft.iter().map(|t| t.ttft_ms.median).collect();
     settings.cpu = probe::cpu_name();
+    settings.cpu_info = probe::CpuInfo::current();
     Ok(BenchReport {
         decode_tps: decode.median,
         prefill_tps: prefill.median,
@@ -309,10 +314,11 @@ pub fn render_table(report: &BenchReport) -> String {
     line(
         &mut out,
         format!(
-            "settings   threads {}, kernels {}, weights {}, kv cache {}, cpu {}",
-            s.threads, s.kernels, s.weights, s.kv_cache, s.cpu
+            "settings   threads {}, kernels {}, weights {}, kv cache {}",
+            s.threads, s.kernels, s.weights, s.kv_cache
         ),
     );
+    line(&mut out, format!("cpu        {}", s.cpu_info));
     line(
         &mut out,
         format!(

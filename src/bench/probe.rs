@@ -51,6 +51,86 @@ pub fn peak_rss_bytes() -> u64 {
     crate::engine::worker::kib_field_bytes(&status, "VmHWM:").unwrap_or(0)
 }
 
+/// CPU flags that decide which kernels run and how fast: the vector and int8/bf16 dot-product
+/// extensions and AMX, named as /proc/cpuinfo names them.
+pub const RELEVANT_FLAGS: [&str; 16] = [
+    "avx2",
+    "fma",
+    "f16c",
+    "avx_vnni",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_vbmi",
+    "avx512_vbmi2",
+    "avx512_bf16",
+    "avx512_fp16",
+    "gfni",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+];
+
+/// The CPU a report was measured on: model name, family/model numbers (which tell e.g. Zen 4 from
+/// Zen 5 where the name does not) and the relevant flags it has.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct CpuInfo {
+    pub name: String,
+    pub family: Option<u32>,
+    pub model: Option<u32>,
+    pub flags: Vec<String>,
+}
+
+impl CpuInfo {
+    /// Parses the first processor of /proc/cpuinfo text.
+    pub fn parse(cpuinfo: &str) -> Self {
+        let field = |key: &str| {
+            cpuinfo
+                .lines()
+                .find(|line| line.split(':').next().map(str::trim) == Some(key))
+                .and_then(|line| line.split_once(':'))
+                .map(|(_, value)| value.trim().to_owned())
+        };
+        let present: Vec<&str> = field("flags")
+            .map(|f| f.split_whitespace().map(str::to_owned).collect::<Vec<_>>())
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|f| RELEVANT_FLAGS.iter().find(|r| **r == f).copied())
+            .collect();
+        CpuInfo {
+            name: field("model name").unwrap_or_else(|| std::env::consts::ARCH.to_owned()),
+            family: field("cpu family").and_then(|v| v.parse().ok()),
+            model: field("model").and_then(|v| v.parse().ok()),
+            // In RELEVANT_FLAGS' order, so reports compare line by line.
+            flags: RELEVANT_FLAGS
+                .iter()
+                .filter(|r| present.contains(r))
+                .map(|r| (*r).to_owned())
+                .collect(),
+        }
+    }
+
+    /// This machine's CPU; the architecture name alone where /proc is unavailable.
+    pub fn current() -> Self {
+        Self::parse(&std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default())
+    }
+}
+
+impl std::fmt::Display for CpuInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.name)?;
+        if let (Some(family), Some(model)) = (self.family, self.model) {
+            write!(f, " (family {family} model {model})")?;
+        }
+        if self.flags.is_empty() {
+            write!(f, "; none of the SIMD flags the kernels use")
+        } else {
+            write!(f, "; {}", self.flags.join(" "))
+        }
+    }
+}
+
 /// The CPU's model name, for the record.
 pub fn cpu_name() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
@@ -67,6 +147,27 @@ pub fn cpu_name() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cpu_info_keeps_the_relevant_flags_in_a_fixed_order() {
+        let text = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n\
+                    model name\t: AMD EPYC\nflags\t\t: fpu avx512_vnni sse avx2 avx512f fma \
+                    avx512_vbmi\n\nprocessor\t: 1\nmodel name\t: other\n";
+        let info = CpuInfo::parse(text);
+        assert_eq!(info.name, "AMD EPYC");
+        assert_eq!((info.family, info.model), (Some(26), Some(2)));
+        assert_eq!(
+            info.flags,
+            ["avx2", "fma", "avx512f", "avx512_vnni", "avx512_vbmi"]
+        );
+        assert_eq!(
+            info.to_string(),
+            "AMD EPYC (family 26 model 2); avx2 fma avx512f avx512_vnni avx512_vbmi"
+        );
+        let bare = CpuInfo::parse("");
+        assert!(bare.flags.is_empty() && bare.family.is_none());
+        assert!(bare.to_string().contains("none of the SIMD flags"));
+    }
 
     #[test]
     fn peak_memory_is_at_least_the_current() {

@@ -47,6 +47,9 @@ pub struct AppArgs {
     /// Directory of saved chats (paths.chats_dir).
     #[arg(long, value_name = "DIR")]
     pub chats_dir: Option<PathBuf>,
+    /// Directory of KV snapshots (paths.cache_dir; default: the platform cache directory).
+    #[arg(long, value_name = "DIR")]
+    pub cache_dir: Option<PathBuf>,
     #[command(flatten)]
     pub settings: SettingFlags,
 }
@@ -117,6 +120,7 @@ impl AppArgs {
             model_dir: self.model.clone(),
             synthetic: self.synthetic,
             chats_dir: self.chats_dir.clone(),
+            cache_dir: self.cache_dir.clone(),
             settings: self.settings.0.clone(),
         };
         Ok(config::load(self.config.as_deref(), &overrides)?)
@@ -559,6 +563,7 @@ pub fn run(args: AppArgs) -> anyhow::Result<()> {
 pub fn start_model_engine(config: &AppConfig, events: Sender<Event>) -> EngineHandle {
     use crate::engine::worker::{EngineParts, HarmonyCodec};
     let source = config.model.clone();
+    let kv_tiers = config.cache.tiers();
     EngineHandle::spawn(
         config.settings.clone(),
         events,
@@ -574,6 +579,7 @@ pub fn start_model_engine(config: &AppConfig, events: Sender<Event>) -> EngineHa
                 sampler,
                 model_label: loaded.label,
                 random_weights: loaded.random_weights,
+                kv_tiers,
             })
         },
     )

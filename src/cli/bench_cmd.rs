@@ -4,7 +4,8 @@ use std::io::{IsTerminal, Write};
 
 use clap::Args;
 
-use super::ModelArgs;
+use super::output::{self, note};
+use super::{limits, ModelArgs};
 use crate::bench::{self, BenchPlan, BenchSettings};
 
 #[derive(Args, Debug)]
@@ -32,14 +33,28 @@ pub struct BenchArgs {
     /// Print one JSON object on stdout instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Measure resuming a chat of --depth tokens (default 4096): time to first token of the next
+    /// turn cold, from a RAM snapshot and from a disk snapshot; snapshot size, compression, write
+    /// time and the cost of a background write to a running decode.
+    #[arg(long)]
+    pub resume: bool,
     /// Measure the kernels alone (GEMV GB/s, GEMM GMAC/s on the 20b expert shape) instead of a model.
     #[arg(long)]
     pub kernels: bool,
 }
 
+/// Most repeats of a measurement: more tells nothing new, and each one is a full run.
+const MAX_REPEAT: usize = 1000;
+
 pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     if args.repeat == 0 {
         anyhow::bail!("--repeat must be at least 1");
+    }
+    if args.repeat > MAX_REPEAT {
+        anyhow::bail!(
+            "--repeat {} is more than the {MAX_REPEAT} repeats the benchmark runs",
+            args.repeat
+        );
     }
     if args.kernels {
         return kernel_bench(&args);
@@ -50,9 +65,24 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let mut progress = ProgressLine::new();
     progress.show("loading the model", 0, 1);
     let load_started = std::time::Instant::now();
+    // Checked before the model loads, so a typo costs no load: the sum the session is sized for
+    // (see bench::run) must not wrap.
+    let parts = [
+        ("--depth", args.depth),
+        ("--prompt-tokens", args.prompt_tokens),
+        ("--gen-tokens", args.gen_tokens),
+        ("position for the first token", 1),
+    ];
+    let context = limits::positions(&parts)?;
     let model = args.model.load(args.exact)?;
     let pool = args.model.pool()?;
     let load_seconds = load_started.elapsed().as_secs_f64();
+    if args.resume {
+        progress.show("measuring resume", 0, 1);
+        let depth = if args.depth == 0 { 4096 } else { args.depth };
+        return super::resume_bench::run(&model, &pool, depth);
+    }
+    limits::check_context(&model, context, &parts)?;
     let plan = BenchPlan {
         prompt_tokens: args.prompt_tokens,
         gen_tokens: args.gen_tokens,
@@ -74,6 +104,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         depth: args.depth,
         repeat: args.repeat,
         cpu: String::new(),
+        cpu_info: Default::default(),
         load_seconds,
         convert_seconds: model
             .fast
@@ -85,27 +116,31 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         progress.show(what, done, total)
     })?;
     progress.clear();
+    let mut out = output::stdout();
     if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+        writeln!(out, "{}", serde_json::to_string(&report)?)?;
     } else {
-        print!("{}", bench::render_table(&report));
+        write!(out, "{}", bench::render_table(&report))?;
     }
+    out.flush()?;
     Ok(())
 }
 
 fn kernel_bench(args: &BenchArgs) -> anyhow::Result<()> {
     let kernels = crate::kernels::Kernels::new(crate::kernels::init_kernel_path()?)?;
-    let config = crate::kernels::bench::KernelBenchConfig {
+    let config = crate::bench::kernels::KernelBenchConfig {
         repetitions: args.repeat.max(3),
-        ..crate::kernels::bench::KernelBenchConfig::standard()
+        ..crate::bench::kernels::KernelBenchConfig::standard()
     };
-    eprintln!("measuring the {} kernels ...", kernels.path());
-    let report = crate::kernels::bench::run_kernel_bench(kernels, &config)?;
+    note!("measuring the {} kernels ...", kernels.path());
+    let report = crate::bench::kernels::run_kernel_bench(kernels, &config)?;
+    let mut out = output::stdout();
     if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+        writeln!(out, "{}", serde_json::to_string(&report)?)?;
     } else {
-        print!("{report}");
+        write!(out, "{report}")?;
     }
+    out.flush()?;
     Ok(())
 }
 

@@ -8,11 +8,14 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::Args;
 
-use super::ModelArgs;
+use super::output::{self, note};
+use super::{limits, ModelArgs};
 use crate::chat::{
     render_for_completion, Channel, ChatMessage, Conversation, HarmonyParser, ParseEvent,
     ReasoningEffort, RenderOptions, Tokenizer,
 };
+use crate::engine::kv_tiers::{conversation_label, KvTiers, TierConfig};
+use crate::engine::resume_from_tiers;
 use crate::engine::{
     generate, GenerateEvent, GenerateLimits, GenerateResult, Sampler, SamplerSettings, StopReason,
 };
@@ -94,6 +97,17 @@ pub struct RunArgs {
     /// Seed for reproducible sampling.
     #[arg(long, value_name = "N")]
     pub seed: Option<u64>,
+    /// Directory of KV snapshots: with --conversation, the longest snapshot of the rendered
+    /// prompt is restored instead of prefilled, and the state after the reply is saved (default:
+    /// the platform cache directory).
+    #[arg(long, value_name = "DIR")]
+    pub cache_dir: Option<PathBuf>,
+    /// Disk budget of the snapshot directory in MiB (least recently used files go first).
+    #[arg(long, value_name = "MB", default_value_t = crate::engine::kv_tiers::DEFAULT_DISK_MB)]
+    pub max_disk_mb: u64,
+    /// Neither read nor write KV snapshots.
+    #[arg(long)]
+    pub no_snapshots: bool,
 }
 
 fn join_ids(ids: &[u32]) -> String {
@@ -107,15 +121,18 @@ pub fn render(args: RenderArgs) -> anyhow::Result<()> {
         keep_reasoning: args.keep_reasoning,
     };
     let ids = render_for_completion(tokenizer, &conversation, &options)?;
+    let mut out = output::stdout();
     if args.show_text {
-        println!("{}", tokenizer.decode(&ids)?);
+        writeln!(out, "{}", tokenizer.decode(&ids)?)?;
     }
-    println!("{}", join_ids(&ids));
+    writeln!(out, "{}", join_ids(&ids))?;
+    out.flush()?;
     Ok(())
 }
 
 pub fn tokenize(args: TokenizeArgs) -> anyhow::Result<()> {
     let tokenizer = Tokenizer::shared()?;
+    let mut out = output::stdout();
     if args.decode {
         let ids = args
             .text
@@ -126,15 +143,17 @@ pub fn tokenize(args: TokenizeArgs) -> anyhow::Result<()> {
                 })
             })
             .collect::<anyhow::Result<Vec<u32>>>()?;
-        println!("{}", tokenizer.decode(&ids)?);
+        let text = tokenizer.decode(&ids)?;
+        writeln!(out, "{text}")?;
     } else {
         let ids = if args.special {
             tokenizer.encode_with_special_tokens(&args.text)?
         } else {
             tokenizer.encode_text(&args.text)?
         };
-        println!("{}", join_ids(&ids));
+        writeln!(out, "{}", join_ids(&ids))?;
     }
+    out.flush()?;
     Ok(())
 }
 
@@ -216,8 +235,33 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     let model = args.model.load(false)?;
     let context = args.context.min(model.config.max_position_embeddings);
+    limits::check_context(&model, context, &[("--context", context)])?;
     let pool = args.model.pool()?;
     let mut session = model.new_session(&pool, context);
+    // A saved conversation is what a user reopens: resume it from its snapshot, save it after.
+    let mut tiers = match (&args.conversation, args.no_snapshots) {
+        (Some(_), false) => {
+            let dir = args
+                .cache_dir
+                .clone()
+                .or_else(crate::engine::kv_tiers::default_cache_dir);
+            Some(KvTiers::new(TierConfig {
+                ram_budget_bytes: 0,
+                disk_dir: dir,
+                disk_budget_bytes: args.max_disk_mb << 20,
+            }))
+        }
+        _ => None,
+    };
+    if let Some(tiers) = &mut tiers {
+        let resumed = pool.install(|| resume_from_tiers(&mut session, tiers, &prompt));
+        for notice in tiers.take_notices() {
+            eprintln!("[{notice}]");
+        }
+        if let Some(resumed) = resumed {
+            eprintln!("[{}]", resumed.describe());
+        }
+    }
 
     let stream = !args.json;
     let mut output = RunOutput::default();
@@ -273,16 +317,44 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 };
                 if let Err(error) = written {
                     write_error.get_or_insert(error);
+                    // Nobody reads the rest: stop generating it.
+                    cancel.store(true, Ordering::Relaxed);
                 }
             },
         )
-    })?;
-    let mut stdout = std::io::stdout().lock();
+    });
+    if let (Some(tiers), Ok(_)) = (&mut tiers, &result) {
+        // A failed forward pass may leave the cache half-written: only a finished run is kept.
+        if let Ok(snapshot) = session.snapshot() {
+            tiers.store(snapshot, &conversation_label(&conversation));
+            tiers.flush();
+        }
+        for notice in tiers.take_notices() {
+            eprintln!("[{notice}]");
+        }
+    }
     if let Some(error) = write_error {
         return Err(error).context("cannot write the reply");
     }
+    let mut stdout = output::stdout();
+    let result = match result {
+        Ok(result) => result,
+        Err(error) => {
+            // What was generated before the failure is the user's: it was streamed already, or
+            // goes into the JSON object with the error beside it.
+            if args.json {
+                let mut json = run_json(&output, None);
+                json["error"] = error.to_string().into();
+                writeln!(stdout, "{json}")?;
+            } else if !output.answer.is_empty() && !output.answer.ends_with('\n') {
+                writeln!(stdout)?;
+            }
+            stdout.flush()?;
+            return Err(error.into());
+        }
+    };
     if args.json {
-        let json = run_json(&output, &result);
+        let json = run_json(&output, Some(&result));
         writeln!(stdout, "{json}")?;
     } else {
         if !output.answer.ends_with('\n') {
@@ -290,22 +362,27 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         }
         report_run(&output, &result);
     }
+    stdout.flush()?;
     Ok(())
 }
 
-fn run_json(output: &RunOutput, result: &GenerateResult) -> serde_json::Value {
-    serde_json::json!({
+/// The JSON object of `run --json`; without a result (the run failed) only the text so far.
+fn run_json(output: &RunOutput, result: Option<&GenerateResult>) -> serde_json::Value {
+    let mut json = serde_json::json!({
         "answer": output.answer,
         "reasoning": output.reasoning,
-        "prompt_tokens": result.prompt_tokens,
-        "generated_tokens": result.generated_tokens,
-        "stop_reason": result.stop_reason,
-        "ttft_ms": result.time_to_first_token.as_secs_f64() * 1e3,
-        "prefill_tps": result.prefill_tokens_per_second(),
-        "decode_tps": result.decode_tokens_per_second(),
-        "reused_tokens": result.reused_tokens,
         "malformed": output.malformed,
-    })
+    });
+    if let Some(result) = result {
+        json["prompt_tokens"] = result.prompt_tokens.into();
+        json["generated_tokens"] = result.generated_tokens.into();
+        json["stop_reason"] = result.stop_reason.as_str().into();
+        json["ttft_ms"] = (result.time_to_first_token.as_secs_f64() * 1e3).into();
+        json["prefill_tps"] = result.prefill_tokens_per_second().into();
+        json["decode_tps"] = result.decode_tokens_per_second().into();
+        json["reused_tokens"] = result.reused_tokens.into();
+    }
+    json
 }
 
 /// One stderr line on how the run ended, so stdout holds only the answer.
@@ -318,7 +395,7 @@ fn report_run(output: &RunOutput, result: &GenerateResult) {
         StopReason::ContextFull => "the context is full (raise --context)",
         StopReason::Cancelled => "cancelled",
     };
-    eprintln!(
+    note!(
         "[{why}: {} prompt tokens, {} generated; first token after {:.0} ms, prefill {:.1} tokens/s, decode {:.1} tokens/s]",
         result.prompt_tokens,
         result.generated_tokens,
@@ -327,7 +404,7 @@ fn report_run(output: &RunOutput, result: &GenerateResult) {
         result.decode_tokens_per_second(),
     );
     if !output.malformed.is_empty() {
-        eprintln!(
+        note!(
             "[the output did not follow harmony {} times; first: {}]",
             output.malformed.len(),
             output.malformed[0]

@@ -15,8 +15,12 @@ macro_rules! choice_parser {
 
 pub mod app;
 mod bench_cmd;
+mod cache_cmd;
 mod chat_cmds;
+mod limits;
 mod model_cmds;
+pub mod output;
+mod resume_bench;
 mod serve_cmd;
 
 use std::path::PathBuf;
@@ -65,6 +69,8 @@ pub enum Command {
     Tokenize(chat_cmds::TokenizeArgs),
     /// Serve an OpenAI-compatible API (chat completions, models, health, metrics) with batching.
     Serve(serve_cmd::ServeArgs),
+    /// List the KV snapshots on disk (chat, tokens, size, age), or `cache clear` to delete them.
+    Cache(cache_cmd::CacheArgs),
 }
 
 /// Where the weights come from: a checkpoint directory or a synthetic preset.
@@ -116,6 +122,8 @@ impl ModelArgs {
             (None, Some(preset)) => Model::synthetic(preset, self.synthetic_seed, &opts)?,
             (None, None) => anyhow::bail!("name a model: --model DIR or --synthetic 20b|tiny"),
         };
+        // Converting the weights reads the mapping; a shard cut short meanwhile read zeros.
+        crate::fault::check()?;
         Ok(Arc::new(model))
     }
 
@@ -128,23 +136,37 @@ impl ModelArgs {
     }
 }
 
-/// `--threads`, or one per physical core.
+/// `--threads`, or one per physical core. More than the logical CPUs are capped to that count,
+/// as the app's setting is: they would only contend, and tens of thousands exhaust the OS.
 fn thread_count(threads: Option<usize>) -> anyhow::Result<usize> {
-    let count = threads.unwrap_or_else(crate::engine::default_threads);
-    if count == 0 {
+    static NOTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let asked = threads.unwrap_or_else(crate::engine::default_threads);
+    if asked == 0 {
         anyhow::bail!("--threads must be at least 1");
+    }
+    let available = std::thread::available_parallelism().map_or(1, |count| count.get());
+    let count = asked.min(available);
+    if count < asked && !NOTED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        output::note!("--threads {asked} is more than the {available} logical CPUs; using {count}");
     }
     Ok(count)
 }
 
-/// Sizes the global rayon pool, which loading and weight conversion use, once; later calls with
-/// the same count are fine.
+/// Sizes the global rayon pool, which loading and weight conversion use, once; later calls are
+/// fine. A pool the OS refuses is an error (rayon would panic at its first use).
 pub fn init_threads(threads: Option<usize>) -> anyhow::Result<()> {
+    static POOL_THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     let count = thread_count(threads)?;
-    // A second initialisation fails harmlessly when the pool already exists.
-    let _ = rayon::ThreadPoolBuilder::new()
+    if POOL_THREADS.get().is_some() {
+        return Ok(());
+    }
+    rayon::ThreadPoolBuilder::new()
         .num_threads(count)
-        .build_global();
+        .build_global()
+        .map_err(|error| {
+            anyhow::anyhow!("cannot start a pool of {count} worker threads: {error}")
+        })?;
+    let _ = POOL_THREADS.set(count);
     Ok(())
 }
 
@@ -160,13 +182,8 @@ pub fn main() -> ExitCode {
         Some(Command::Render(args)) => chat_cmds::render(args),
         Some(Command::Tokenize(args)) => chat_cmds::tokenize(args),
         Some(Command::Serve(args)) => serve_cmd::serve(args),
+        Some(Command::Cache(args)) => cache_cmd::cache(args),
         None => app::run(cli.app),
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(err) => {
-            eprintln!("error: {err:#}");
-            ExitCode::FAILURE
-        }
-    }
+    output::exit_code(result)
 }

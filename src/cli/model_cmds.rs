@@ -1,13 +1,14 @@
 //! Commands that work on checkpoints and raw token ids: info, logits, generate, synth.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
 
-use super::ModelArgs;
+use super::output::{self, note, Out};
+use super::{limits, ModelArgs};
 use crate::model::checkpoint::{Checkpoint, Dtype};
 use crate::model::{synthetic, ModelConfig, Preset, RopeScaling};
 
@@ -16,6 +17,10 @@ pub struct InfoArgs {
     /// Checkpoint directory.
     #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
+    /// Also read every value of every tensor and report each one holding NaN or infinity (or an
+    /// MXFP4 scale of 0xFF, E8M0's NaN). Reads the whole checkpoint.
+    #[arg(long)]
+    pub check: bool,
 }
 
 #[derive(Args, Debug)]
@@ -72,12 +77,20 @@ pub struct SynthArgs {
 
 pub fn info(args: InfoArgs) -> anyhow::Result<()> {
     let dir = &args.model;
+    if !dir.is_dir() {
+        return Err(crate::model::ModelError::MissingDir(dir.clone()).into());
+    }
     let config = ModelConfig::from_file(&dir.join("config.json"))?;
     let checkpoint = Checkpoint::open(dir)?;
+    let mut out = output::stdout();
+    // The scan comes first: loading stops at the first bad tensor, the scan lists them all.
+    if args.check {
+        check_values(&mut out, &checkpoint)?;
+    }
     // Build the typed views too, so `info` reports any tensor the engine would refuse.
     crate::model::Weights::load(&config, &checkpoint)
         .with_context(|| format!("the checkpoint in {} is not usable", dir.display()))?;
-    print_config(&config);
+    print_config(&mut out, &config)?;
     let mut by_dtype: Vec<(Dtype, u64, usize)> = Vec::new();
     for (dtype, bytes) in checkpoint.tensor_sizes() {
         match by_dtype.iter_mut().find(|(d, _, _)| *d == dtype) {
@@ -91,68 +104,136 @@ pub fn info(args: InfoArgs) -> anyhow::Result<()> {
     by_dtype.sort_by_key(|(d, _, _)| d.name());
     let tensors: usize = by_dtype.iter().map(|(_, _, n)| n).sum();
     let total_bytes: u64 = by_dtype.iter().map(|(_, b, _)| b).sum();
-    println!("shards:             {}", checkpoint.shard_paths().count());
-    println!("tensors:            {tensors}");
+    writeln!(
+        out,
+        "shards:             {}",
+        checkpoint.shard_paths().count()
+    )?;
+    writeln!(out, "tensors:            {tensors}")?;
     for (dtype, bytes, count) in &by_dtype {
-        println!(
+        writeln!(
+            out,
             "  {:<5} {:>5} tensors {:>16} bytes ({})",
             dtype.name(),
             count,
             bytes,
             human_bytes(*bytes)
-        );
+        )?;
     }
-    println!(
+    writeln!(
+        out,
         "tensor bytes:       {total_bytes} ({})",
         human_bytes(total_bytes)
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "parameters:         {} total, {} active per token",
         billions(config.total_parameters()),
         billions(config.active_parameters())
-    );
+    )?;
+    out.flush()?;
     Ok(())
 }
 
-fn print_config(c: &ModelConfig) {
-    println!("vocab_size:         {}", c.vocab_size);
-    println!("hidden_size:        {}", c.hidden_size);
-    println!("layers:             {}", c.num_hidden_layers);
-    println!(
+/// `info --check`: every value of every tensor, one line per bad tensor on stdout, progress on
+/// stderr; an error when any tensor is bad.
+fn check_values(out: &mut Out, checkpoint: &Checkpoint) -> anyhow::Result<()> {
+    let mut names: Vec<&str> = checkpoint.tensor_names().collect();
+    names.sort_unstable();
+    let total_bytes: u64 = checkpoint.tensor_sizes().map(|(_, b)| b as u64).sum();
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let mut done_bytes = 0u64;
+    let mut bad = 0usize;
+    let mut last_percent = None;
+    for (index, name) in names.iter().enumerate() {
+        let percent = (done_bytes * 100).checked_div(total_bytes).unwrap_or(100);
+        if tty && last_percent != Some(percent) {
+            let mut err = std::io::stderr().lock();
+            let _ = write!(
+                err,
+                "\r\x1b[2Kchecking values: {percent}% (tensor {}/{})",
+                index + 1,
+                names.len()
+            );
+            let _ = err.flush();
+            last_percent = Some(percent);
+        }
+        let report = checkpoint.scan_values(name)?;
+        crate::fault::check()?;
+        done_bytes += report.bytes as u64;
+        if let Some(found) = report.bad {
+            if tty {
+                let _ = write!(std::io::stderr(), "\r\x1b[2K");
+            }
+            bad += 1;
+            writeln!(out, "bad tensor {name}: {found}")?;
+            out.flush()?;
+        }
+    }
+    if tty {
+        let _ = write!(std::io::stderr(), "\r\x1b[2K");
+    }
+    if bad > 0 {
+        anyhow::bail!(
+            "{bad} of {} tensors hold NaN, infinity or NaN scales: the checkpoint in {} is corrupt",
+            names.len(),
+            checkpoint.dir().display()
+        );
+    }
+    writeln!(
+        out,
+        "values:             all {} tensors finite ({})",
+        names.len(),
+        human_bytes(done_bytes)
+    )?;
+    out.flush()?;
+    Ok(())
+}
+
+fn print_config(out: &mut Out, c: &ModelConfig) -> Result<(), output::OutputError> {
+    writeln!(out, "vocab_size:         {}", c.vocab_size)?;
+    writeln!(out, "hidden_size:        {}", c.hidden_size)?;
+    writeln!(out, "layers:             {}", c.num_hidden_layers)?;
+    writeln!(
+        out,
         "attention:          {} query heads, {} KV heads, head_dim {}",
         c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    );
+    )?;
     let sliding = c
         .layer_kinds
         .iter()
         .filter(|k| **k == crate::model::LayerKind::Sliding)
         .count();
-    println!(
+    writeln!(
+        out,
         "layer types:        {} sliding (window {}), {} full",
         sliding,
         c.sliding_window,
         c.num_hidden_layers - sliding
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "experts:            {} per layer, {} per token, intermediate {}",
         c.num_local_experts, c.num_experts_per_tok, c.intermediate_size
-    );
+    )?;
     match &c.rope_scaling {
-        RopeScaling::None => println!("rope:               theta {}", c.rope_theta),
+        RopeScaling::None => writeln!(out, "rope:               theta {}", c.rope_theta)?,
         RopeScaling::Yarn {
             factor,
             original_max_position_embeddings,
             attention_factor,
             ..
-        } => println!(
+        } => writeln!(
+            out,
             "rope:               yarn, theta {}, factor {}, original context {}, attention factor {:.6}",
             c.rope_theta, factor, original_max_position_embeddings, attention_factor
-        ),
+        )?,
     }
-    println!(
+    writeln!(
+        out,
         "context:            {} positions",
         c.max_position_embeddings
-    );
+    )
 }
 
 fn billions(n: u64) -> String {
@@ -170,21 +251,55 @@ pub fn human_bytes(bytes: u64) -> String {
 
 pub fn logits(args: LogitsArgs) -> anyhow::Result<()> {
     let model = args.model.load(args.exact)?;
-    let mut session = model.new_session(&args.model.pool()?, args.tokens.len());
-    let mut all = Vec::with_capacity(args.tokens.len() * model.config.vocab_size);
-    session.prefill_all_logits(&args.tokens, &mut all)?;
-    let mut bytes = Vec::with_capacity(all.len() * 4);
-    for value in &all {
-        bytes.extend_from_slice(&value.to_le_bytes());
+    let context = args.tokens.len();
+    limits::check_context(&model, context, &[("token ids of --tokens", context)])?;
+    let pool = args.model.pool()?;
+    let written = write_logits(&model, &pool, &args.tokens, &args.out);
+    if written.is_err() {
+        // A partial file would pass for the logits of fewer tokens.
+        let _ = std::fs::remove_file(&args.out);
     }
-    std::fs::write(&args.out, bytes)
-        .with_context(|| format!("cannot write {}", args.out.display()))?;
-    eprintln!(
+    written?;
+    note!(
         "wrote {} x {} logits to {}",
         args.tokens.len(),
         model.config.vocab_size,
         args.out.display()
     );
+    Ok(())
+}
+
+/// Streams the logits to `path` one prefill chunk at a time, so memory stays at one chunk's rows
+/// however many tokens there are.
+fn write_logits(
+    model: &std::sync::Arc<crate::model::Model>,
+    pool: &std::sync::Arc<rayon::ThreadPool>,
+    tokens: &[u32],
+    path: &Path,
+) -> anyhow::Result<()> {
+    let write_error = |source| anyhow::anyhow!("cannot write {}: {source}", path.display());
+    let file = std::fs::File::create(path).map_err(write_error)?;
+    let mut file = std::io::BufWriter::with_capacity(1 << 20, file);
+    let mut session = model.new_session(pool, tokens.len());
+    let vocab = model.config.vocab_size;
+    let chunk = session.chunk_len().max(1);
+    let mut rows = Vec::new();
+    let mut bytes = Vec::new();
+    for (chunk_index, part) in tokens.chunks(chunk).enumerate() {
+        rows.clear();
+        pool.install(|| session.prefill_all_logits(part, &mut rows))?;
+        crate::fault::check()?;
+        for (row, logits) in rows.chunks(vocab).enumerate() {
+            crate::engine::check_logits(logits, chunk_index * chunk + row + 1)?;
+        }
+        bytes.clear();
+        for value in &rows {
+            bytes.extend_from_slice(&value.to_le_bytes());
+        }
+        file.write_all(&bytes).map_err(write_error)?;
+    }
+    file.flush().map_err(write_error)?;
+    crate::fault::verify_files()?;
     Ok(())
 }
 
@@ -195,35 +310,66 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         );
     }
     let model = args.model.load(args.exact)?;
+    let parts = [
+        ("prompt tokens", args.tokens.len()),
+        ("--max-tokens", args.max_tokens),
+    ];
+    let context = limits::positions(&parts)?;
+    limits::check_context(&model, context, &parts)?;
     let pool = args.model.pool()?;
-    let mut session = model.new_session(&pool, args.tokens.len() + args.max_tokens);
-    let mut generated = Vec::with_capacity(args.max_tokens);
+    let mut session = model.new_session(&pool, context);
+    let mut sampler = crate::engine::Sampler::new(crate::engine::SamplerSettings::greedy())?;
+    // Each id is written and flushed as soon as it is chosen: whatever stops the run (an error,
+    // a signal, a closed pipe), the ids made so far are already out.
     // The loop runs on the session's pool, as the app's generation does.
-    let (prefill_time, decode_time) = pool.install(|| -> anyhow::Result<_> {
-        let started = Instant::now();
-        let mut logits = session.prefill(&args.tokens)?;
-        let prefill_time = started.elapsed();
-        let decode_start = Instant::now();
-        while generated.len() < args.max_tokens {
-            let next = crate::engine::sampler::argmax(logits).unwrap_or(0);
-            generated.push(next);
-            if args.stop.contains(&next) || generated.len() == args.max_tokens {
-                break;
+    let (generated, timings) = pool.install(|| {
+        let mut out = output::stdout();
+        let mut generated = 0usize;
+        let timings = (|| -> anyhow::Result<_> {
+            let started = Instant::now();
+            crate::fault::verify_files()?;
+            let mut logits = session.prefill(&args.tokens)?;
+            crate::fault::check()?;
+            crate::engine::check_logits(logits, args.tokens.len())?;
+            let prefill_time = started.elapsed();
+            let decode_start = Instant::now();
+            while generated < args.max_tokens {
+                let next = sampler.sample(logits)?;
+                let separator = if generated == 0 { "" } else { "," };
+                write!(out, "{separator}{next}")?;
+                out.flush()?;
+                generated += 1;
+                if args.stop.contains(&next) || generated == args.max_tokens {
+                    break;
+                }
+                logits = session.decode(next)?;
+                // A stat per shard (microseconds) also catches a shard rewritten in place.
+                crate::fault::verify_files()?;
+                crate::engine::check_logits(logits, args.tokens.len() + generated)?;
             }
-            logits = session.decode(next)?;
+            crate::fault::verify_files()?;
+            Ok((prefill_time, decode_start.elapsed()))
+        })();
+        // End the line of ids, also when the run failed after printing some.
+        let ended = if timings.is_ok() || generated > 0 {
+            writeln!(out).and_then(|()| out.flush())
+        } else {
+            Ok(())
+        };
+        match (timings, ended) {
+            (Err(error), _) => (generated, Err(error)),
+            (Ok(_), Err(error)) => (generated, Err(error.into())),
+            (Ok(timings), Ok(())) => (generated, Ok(timings)),
         }
-        Ok((prefill_time, decode_start.elapsed()))
-    })?;
-    eprintln!(
+    });
+    let (prefill_time, decode_time) = timings?;
+    note!(
         "prefill {} tokens in {:.2} s, generated {} tokens in {:.2} s",
         args.tokens.len(),
         prefill_time.as_secs_f64(),
-        generated.len(),
+        generated,
         decode_time.as_secs_f64()
     );
-    let line: Vec<String> = generated.iter().map(u32::to_string).collect();
-    let mut stdout = std::io::stdout().lock();
-    writeln!(stdout, "{}", line.join(","))?;
     Ok(())
 }
 
@@ -236,18 +382,23 @@ pub fn synth(args: SynthArgs) -> anyhow::Result<()> {
         &args.out,
         args.layers_per_shard,
         |done, total| {
-            eprint!("\rwriting shard {done}/{total}");
-            let _ = std::io::stderr().flush();
+            let mut err = std::io::stderr().lock();
+            let _ = write!(err, "\rwriting shard {done}/{total}");
+            let _ = err.flush();
         },
-    )?;
-    eprintln!();
-    println!(
+    );
+    note!("");
+    let written = written?;
+    let mut out = output::stdout();
+    writeln!(
+        out,
         "wrote {} tensors in {} shards ({}) to {} in {:.1} s",
         written.tensors,
         written.shards,
         human_bytes(written.bytes),
         args.out.display(),
         started.elapsed().as_secs_f64()
-    );
+    )?;
+    out.flush()?;
     Ok(())
 }

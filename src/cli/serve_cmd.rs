@@ -59,13 +59,9 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         (None, None) => "gpt-oss".into(),
     };
     let session = model.new_session(&pool, 1);
-    let c = &model.config;
     let kv_bytes = args.parallel
         * args.context
-        * 2
-        * c.num_hidden_layers
-        * c.kv_width()
-        * session.kv_format().bytes_per_value();
+        * crate::model::kv::KvShape::of(&model.config).bytes_per_position(session.kv_format());
     let options = ServeOptions {
         scheduler: SchedulerOptions {
             parallel: args.parallel,

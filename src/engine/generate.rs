@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use crate::chat::{HarmonyParser, ParseEvent, StopToken};
-use crate::model::{ActivationFormat, ForwardError, Session};
+use crate::model::{ActivationFormat, ForwardError, KvFormat, KvSnapshot, Session, SnapshotError};
 
 use super::sampler::{Sampler, SamplerError, SamplerSettings};
 
@@ -35,6 +35,20 @@ pub trait InferenceSession {
     /// Switches the activation format; a change empties the cache, whose keys and values were
     /// computed the other way.
     fn set_activations(&mut self, format: ActivationFormat);
+    /// What computed the cache rows and their element type, for KV snapshots; `None` for a
+    /// session that cannot snapshot (then the engine keeps no tiers for it).
+    fn kv_identity(&self) -> Option<(u64, KvFormat)> {
+        None
+    }
+    /// The state after every cached token.
+    fn snapshot(&self) -> Result<KvSnapshot, SnapshotError> {
+        Err(SnapshotError::Empty)
+    }
+    /// Replaces the cache with the first `len` tokens of `snapshot`.
+    fn restore(&mut self, snapshot: &KvSnapshot, len: usize) -> Result<(), SnapshotError> {
+        let _ = (snapshot, len);
+        Err(SnapshotError::Empty)
+    }
 }
 
 /// The streaming parser of one reply (harmony's, or a test's toy format).
@@ -97,6 +111,15 @@ impl InferenceSession for Session {
     fn set_activations(&mut self, format: ActivationFormat) {
         Session::set_activations(self, format)
     }
+    fn kv_identity(&self) -> Option<(u64, KvFormat)> {
+        Some((Session::kv_fingerprint(self), Session::kv_format(self)))
+    }
+    fn snapshot(&self) -> Result<KvSnapshot, SnapshotError> {
+        Session::snapshot(self)
+    }
+    fn restore(&mut self, snapshot: &KvSnapshot, len: usize) -> Result<(), SnapshotError> {
+        Session::restore(self, snapshot, len)
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -112,6 +135,16 @@ pub enum GenerateError {
     Sampler(#[from] SamplerError),
     #[error("the forward pass failed: {0}")]
     Forward(#[source] Box<dyn std::error::Error + Send + Sync>),
+    #[error("the logits after {position} tokens are not finite ({value} at token id {token}): the weights hold NaN or infinity (check with `ossterm info --check`)")]
+    NonFiniteLogits {
+        position: usize,
+        token: usize,
+        value: f32,
+    },
+    /// A checkpoint shard changed on disk mid-generation; the last step read zeros from it, so
+    /// its logits are discarded. Everything reported through the callback before is valid.
+    #[error(transparent)]
+    WeightsChanged(#[from] crate::fault::MappingChanged),
 }
 
 /// Why generation ended.
@@ -247,6 +280,8 @@ pub fn generate<S: InferenceSession + ?Sized>(
             context_limit,
         });
     }
+    // A shard rewritten since the last turn would give this one mixed weights: refuse up front.
+    crate::fault::verify_files()?;
     let mut result = GenerateResult {
         stop_reason: StopReason::Cancelled,
         prompt_tokens: prompt.len(),
@@ -273,8 +308,10 @@ pub fn generate<S: InferenceSession + ?Sized>(
             return Ok(result);
         }
         let logits = session.prefill(step).map_err(forward_error)?;
+        crate::fault::check()?;
         done += step.len();
         if done == prompt.len() {
+            check_logits(logits, done)?;
             token = Some(sampler.sample(logits)?);
         }
         on_event(GenerateEvent::PrefillProgress {
@@ -288,6 +325,10 @@ pub fn generate<S: InferenceSession + ?Sized>(
     let Some(mut token) = token else {
         return Ok(result);
     };
+    if limits.max_tokens == Some(0) {
+        result.stop_reason = StopReason::MaxTokens;
+        return Ok(result);
+    }
     result.time_to_first_token = started.elapsed();
     let first_token_at = Instant::now();
 
@@ -317,6 +358,8 @@ pub fn generate<S: InferenceSession + ?Sized>(
             break StopReason::ContextFull;
         }
         let logits = session.decode(token).map_err(forward_error)?;
+        crate::fault::check()?;
+        check_logits(logits, prompt.len() + result.generated_tokens)?;
         token = sampler.sample(logits)?;
     };
     if stop_token.is_none() {
@@ -324,7 +367,24 @@ pub fn generate<S: InferenceSession + ?Sized>(
     }
     result.stop_reason = stop_reason;
     result.decode_time = first_token_at.elapsed();
+    // Rewritten in place during this turn: what it streamed came partly from other weights.
+    crate::fault::verify_files()?;
     Ok(result)
+}
+
+/// Refuses logits holding NaN or infinity: they come from broken weights, and sampling around
+/// them would turn the damage into plausible-looking ids. `position` is the tokens processed.
+pub fn check_logits(logits: &[f32], position: usize) -> Result<(), GenerateError> {
+    // A branch-free OR over the whole row vectorizes; the slow search runs only on failure.
+    if logits.iter().fold(false, |bad, v| bad | !v.is_finite()) {
+        let token = logits.iter().position(|v| !v.is_finite()).unwrap_or(0);
+        return Err(GenerateError::NonFiniteLogits {
+            position,
+            token,
+            value: logits[token],
+        });
+    }
+    Ok(())
 }
 
 /// Rewinds `session` to the longest prefix it shares with `prompt` and returns how many tokens
@@ -339,4 +399,86 @@ pub fn rewind_for_prompt<S: InferenceSession + ?Sized>(session: &mut S, prompt: 
 /// Length of the longest common prefix of two id sequences.
 pub fn common_prefix_len(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// Restores into `session` the snapshot of `tiers` that covers the longest prefix of `prompt`,
+/// when it covers more than the live cache already does. Returns what was resumed (tokens, tier,
+/// time including the disk read). The caller then runs [`generate`], which keeps the restored
+/// prefix and prefills only the rest.
+pub fn resume_from_tiers<S: InferenceSession + ?Sized>(
+    session: &mut S,
+    tiers: &mut super::kv_tiers::KvTiers,
+    prompt: &[u32],
+) -> Option<Resumed> {
+    let (fingerprint, format) = session.kv_identity()?;
+    let started = Instant::now();
+    let live = common_prefix_len(session.tokens(), prompt).min(prompt.len().saturating_sub(1));
+    let found = tiers.best(fingerprint, format, prompt, live)?;
+    match session.restore(&found.snapshot, found.matched) {
+        Ok(()) => {
+            tiers.record_hit();
+            Some(Resumed {
+                tokens: found.matched,
+                tier: found.tier,
+                took: started.elapsed(),
+            })
+        }
+        // `best` matched the identity, so this is a shape or length problem: prefill instead.
+        Err(_) => None,
+    }
+}
+
+/// A prefix resumed from a snapshot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Resumed {
+    pub tokens: usize,
+    pub tier: super::kv_tiers::Tier,
+    pub took: Duration,
+}
+
+impl Resumed {
+    /// "resumed 4,096 tokens from disk in 0.3 s"
+    pub fn describe(&self) -> String {
+        format!(
+            "resumed {} tokens from {} in {:.1} s",
+            group_thousands(self.tokens as u64),
+            self.tier.name(),
+            self.took.as_secs_f64()
+        )
+    }
+}
+
+/// 4096 -> "4,096".
+pub fn group_thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logits_with_any_nan_or_infinity_are_an_error_naming_the_first() {
+        let mut logits = vec![0.5f32; 1000];
+        assert!(check_logits(&logits, 4).is_ok());
+        logits[700] = f32::NEG_INFINITY;
+        logits[900] = f32::NAN;
+        let error = check_logits(&logits, 4).unwrap_err();
+        assert!(matches!(
+            error,
+            GenerateError::NonFiniteLogits {
+                position: 4,
+                token: 700,
+                ..
+            }
+        ));
+        assert!(error.to_string().contains("not finite"), "{error}");
+    }
 }

@@ -2,13 +2,15 @@
 //! the benchmark), and the engine thread with its protocol.
 
 pub mod generate;
+pub mod kv_tiers;
 pub mod protocol;
 pub mod sampler;
 pub mod worker;
 
 pub use generate::{
-    common_prefix_len, generate, rewind_for_prompt, GenerateError, GenerateEvent, GenerateLimits,
-    GenerateResult, InferenceSession, ReplyParser, StopReason, TokenSampler,
+    check_logits, common_prefix_len, generate, resume_from_tiers, rewind_for_prompt, GenerateError,
+    GenerateEvent, GenerateLimits, GenerateResult, InferenceSession, ReplyParser, Resumed,
+    StopReason, TokenSampler,
 };
 pub use sampler::{Sampler, SamplerError, SamplerSettings};
 

@@ -209,6 +209,8 @@ pub struct StatsSample {
     pub weight_format: WeightFormat,
     /// The activation format the serving session computes with.
     pub activations: ActivationFormat,
+    /// Use of the KV snapshot tiers (RAM and disk) and turns resumed from them.
+    pub kv_tiers: crate::engine::kv_tiers::TierUsage,
 }
 
 /// What the engine runs, sent once the model is ready.
@@ -256,6 +258,9 @@ pub enum Event {
         total: u64,
     },
     SettingsApplied(Box<Settings>),
+    /// A one-line message for the status line: a prefix resumed from a KV snapshot ("resumed
+    /// 4,096 tokens from disk in 0.3 s"), a snapshot file skipped.
+    Notice(String),
     Error {
         id: Option<RequestId>,
         message: String,

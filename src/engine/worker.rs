@@ -12,9 +12,10 @@
 
 use crate::chat::{HarmonyParser, ParseEvent};
 use crate::engine::generate::{
-    generate, GenerateError, GenerateEvent, GenerateLimits, GenerateResult, InferenceSession,
-    ReplyParser, TokenSampler,
+    generate, resume_from_tiers, GenerateError, GenerateEvent, GenerateLimits, GenerateResult,
+    InferenceSession, ReplyParser, TokenSampler,
 };
+use crate::engine::kv_tiers::{conversation_label, KvTiers, TierConfig};
 use crate::engine::protocol::{
     ActivationFormat, CacheHits, Channel, Command, Conversation, EngineInfo, Event,
     GenerateRequest, KvCacheType, RequestId, Settings, StatsSample, WeightFormat,
@@ -108,6 +109,8 @@ pub struct EngineParts<M, C, S> {
     pub sampler: S,
     pub model_label: String,
     pub random_weights: bool,
+    /// Budgets and directory of the KV snapshot tiers.
+    pub kv_tiers: TierConfig,
 }
 
 /// How often a stats sample goes out while the engine works.
@@ -280,6 +283,8 @@ pub struct Worker<M: ModelBackend, C, S> {
     last_stats: Instant,
     /// A re-quantized model being built in the background, with the format it will have.
     pending_model: Option<(WeightFormat, Receiver<Result<M, EngineError>>)>,
+    /// Snapshots of earlier prefixes, in RAM and on disk.
+    tiers: KvTiers,
 }
 
 impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
@@ -295,6 +300,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
             sampler,
             model_label,
             random_weights,
+            kv_tiers,
         } = parts;
         let pool = build_pool(settings.threads)?;
         let session = M::new_session(
@@ -328,7 +334,9 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
             timings: TurnTimings::default(),
             last_stats: Instant::now(),
             pending_model: None,
+            tiers: KvTiers::new(kv_tiers),
         };
+        worker.send_notices();
         worker.send_stats();
         Ok(worker)
     }
@@ -359,7 +367,10 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
         // The whole turn runs on the session's pool, so each forward call finds itself there
         // instead of handing its work over from this thread.
         let pool = Arc::clone(&self.pool);
-        match pool.install(|| self.generate(&request)) {
+        self.tiers.set_busy(true);
+        let outcome = pool.install(|| self.generate(&request));
+        self.tiers.set_busy(false);
+        match outcome {
             Ok(result) => {
                 self.send_stats();
                 let _ = self.events.send(Event::TurnDone {
@@ -368,6 +379,14 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
                     hits: self.timings.hits,
                     generated_tokens: result.generated_tokens,
                 });
+                // After TurnDone, so the copy never delays the reply; the disk write runs on the
+                // tiers' own thread.
+                if let Ok(snapshot) = self.session.snapshot() {
+                    self.tiers
+                        .store(snapshot, &conversation_label(&request.conversation));
+                }
+                self.send_notices();
+                self.send_stats();
             }
             Err(error) => {
                 // A failed forward pass may leave the cache half-written: forget it.
@@ -390,6 +409,12 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
             &request.conversation,
             self.settings.keep_reasoning_in_context,
         )?;
+        if let Some(resumed) = resume_from_tiers(&mut self.session, &mut self.tiers, &prompt) {
+            let mut message = resumed.describe();
+            message[..1].make_ascii_uppercase();
+            let _ = self.events.send(Event::Notice(message));
+        }
+        self.send_notices();
         let mut parser = self.codec.parser();
         // What stays fixed through the turn; the callback refreshes the rest.
         let mut sample = self.stats_sample();
@@ -584,7 +609,15 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
         }
     }
 
+    /// Passes the tiers' notices (skipped snapshot files, failed writes) to the status line.
+    fn send_notices(&mut self) {
+        for message in self.tiers.take_notices() {
+            let _ = self.events.send(Event::Notice(message));
+        }
+    }
+
     fn send_stats(&mut self) {
+        self.tiers.poll();
         self.last_stats = Instant::now();
         let _ = self.events.send(Event::Stats(self.stats_sample()));
     }
@@ -608,6 +641,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
             kernel_path: self.model.kernel_path(),
             weight_format: self.model.weight_format(),
             activations: self.session.activations(),
+            kv_tiers: self.tiers.usage(),
         };
         self.timings.fill(&mut sample);
         sample

@@ -21,16 +21,10 @@
 //!
 //! Everything is single-threaded and allocation-free; [`AttentionScratch`] holds the buffers.
 
-use std::fmt;
 use std::ops::Range;
-use std::time::Duration;
 
+use super::{dispatch, KernelError, Kernels};
 use half::f16;
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
-
-use super::bench::time_runs;
-use super::{KernelError, KernelPath, Kernels};
 
 /// Keys per tile: a widened f16 tile of keys plus one of values (2 x 64 x 64 x 4 bytes for
 /// head_dim 64) stays in L1 while every head of the group uses it.
@@ -186,22 +180,16 @@ impl sealed::Sealed for f16 {
         let count = rows.len();
         let first = rows.start * layout.row_stride + layout.offset;
         let tile = &mut tile[..count * layout.padded];
-        match k.path() {
-            // SAFETY: a Kernels value holding Avx512 exists only after its features were detected
-            // (Kernels::new); the caller checked that rows `rows` lie inside `cache`, so every
-            // source row read (head_dim elements from `first + t * row_stride`) is in bounds, and
-            // `tile` holds count x padded elements.
-            #[cfg(target_arch = "x86_64")]
-            KernelPath::Avx512 => unsafe {
-                avx512::widen_f16_rows(cache[first..].as_ptr(), layout, count, tile.as_mut_ptr())
-            },
-            // SAFETY: as above, for the AVX2 features.
-            #[cfg(target_arch = "x86_64")]
-            KernelPath::Avx2 => unsafe {
-                avx2::widen_f16_rows(cache[first..].as_ptr(), layout, count, tile.as_mut_ptr())
-            },
-            _ => widen_rows_scalar(&cache[first..], layout, count, tile),
-        }
+        let (src, dst) = (cache[first..].as_ptr(), tile.as_mut_ptr());
+        // The caller checked that rows `rows` lie inside `cache`, so every source row read
+        // (head_dim elements from `first + t * row_stride`) is in bounds, and `tile` holds
+        // count x padded elements: the SIMD arms' contract.
+        dispatch!(
+            k,
+            avx512: avx512::widen_f16_rows(src, layout, count, dst),
+            avx2: avx2::widen_f16_rows(src, layout, count, dst),
+            scalar: widen_rows_scalar(&cache[first..], layout, count, tile),
+        );
         (tile, layout.padded)
     }
 }
@@ -383,21 +371,13 @@ pub fn attend_group<T: KvElem>(
 ) -> Result<(), AttentionError> {
     let heads = check_shapes(query, kv, &positions, out)?;
     scratch.check(heads, query.head_dim)?;
-    match k.path() {
-        // SAFETY: a Kernels value holding Avx512 exists only after its features were detected
-        // (Kernels::new), and check_shapes / scratch.check validated every shape attend_tiled
-        // relies on.
-        #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx512 => unsafe {
-            attend_tiled::<avx512::Tiles, T>(k, query, kv, positions, out, scratch)
-        },
-        // SAFETY: as above, for the AVX2 features.
-        #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx2 => unsafe {
-            attend_tiled::<avx2::Tiles, T>(k, query, kv, positions, out, scratch)
-        },
-        _ => attend_scalar(query, kv, positions, out, scratch),
-    }
+    // check_shapes and scratch.check validated every shape attend_tiled relies on.
+    dispatch!(
+        k,
+        avx512: attend_tiled::<avx512::Tiles, T>(k, query, kv, positions, out, scratch),
+        avx2: attend_tiled::<avx2::Tiles, T>(k, query, kv, positions, out, scratch),
+        scalar: attend_scalar(query, kv, positions, out, scratch),
+    );
     Ok(())
 }
 
@@ -642,17 +622,23 @@ mod avx512 {
         count: usize,
         dst: *mut f32,
     ) {
-        for t in 0..count {
-            let from = src.add(t * layout.row_stride);
-            super::prefetch_row_of_next_tile(from, layout);
-            let to = dst.add(t * layout.padded);
-            let mut c = 0;
-            while c < layout.padded {
-                let len = layout.head_dim.saturating_sub(c).min(W);
-                // Masked-off lanes are neither read nor faulted on, and load as zero: the padding.
-                let bits = _mm512_maskz_loadu_epi16((1u32 << len) - 1, from.add(c).cast());
-                _mm512_storeu_ps(to.add(c), _mm512_cvtph_ps(_mm512_castsi512_si256(bits)));
-                c += W;
+        // SAFETY: the caller upholds this function's contract (The CPU has AVX-512 F/BW and F16C;
+        // `src` has `count` rows `row_stride` apart with `head_dim` readable elements each; `dst`
+        // has `count * padded` writable elements), which is what every pointer access and
+        // target-feature call below relies on.
+        unsafe {
+            for t in 0..count {
+                let from = src.add(t * layout.row_stride);
+                super::prefetch_row_of_next_tile(from, layout);
+                let to = dst.add(t * layout.padded);
+                let mut c = 0;
+                while c < layout.padded {
+                    let len = layout.head_dim.saturating_sub(c).min(W);
+                    // Masked-off lanes are neither read nor faulted on, and load as zero: the padding.
+                    let bits = _mm512_maskz_loadu_epi16((1u32 << len) - 1, from.add(c).cast());
+                    _mm512_storeu_ps(to.add(c), _mm512_cvtph_ps(_mm512_castsi512_si256(bits)));
+                    c += W;
+                }
             }
         }
     }
@@ -727,56 +713,66 @@ mod avx512 {
         zero_row: *const f32,
         logits: *mut f32,
     ) {
-        let mut block = 0;
-        while block < count {
-            let valid = (count - block).min(W);
-            let mut row = [zero_row; W];
-            for (t, r) in row.iter_mut().enumerate().take(valid) {
-                *r = rows.add((block + t) * stride);
-            }
-            for g in 0..heads {
-                let q = queries.add(g * padded);
-                let mut partial = [_mm512_setzero_ps(); W];
-                let mut c = 0;
-                while c < padded {
-                    let qc = _mm512_loadu_ps(q.add(c));
-                    for t in 0..W {
-                        partial[t] =
-                            _mm512_fmadd_ps(qc, _mm512_loadu_ps(row[t].add(c)), partial[t]);
-                    }
-                    c += W;
+        // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this path's
+        // features; every buffer is as large as the trait's doc says), which is all the code below
+        // relies on.
+        unsafe {
+            let mut block = 0;
+            while block < count {
+                let valid = (count - block).min(W);
+                let mut row = [zero_row; W];
+                for (t, r) in row.iter_mut().enumerate().take(valid) {
+                    *r = rows.add((block + t) * stride);
                 }
-                let keep = ((1u32 << valid) - 1) as u16;
-                let sums = _mm512_mask_blend_ps(
-                    keep,
-                    _mm512_set1_ps(f32::NEG_INFINITY),
-                    transpose_sum(partial),
-                );
-                _mm512_storeu_ps(logits.add(g * TILE_KEYS + block), sums);
+                for g in 0..heads {
+                    let q = queries.add(g * padded);
+                    let mut partial = [_mm512_setzero_ps(); W];
+                    let mut c = 0;
+                    while c < padded {
+                        let qc = _mm512_loadu_ps(q.add(c));
+                        for t in 0..W {
+                            partial[t] =
+                                _mm512_fmadd_ps(qc, _mm512_loadu_ps(row[t].add(c)), partial[t]);
+                        }
+                        c += W;
+                    }
+                    let keep = ((1u32 << valid) - 1) as u16;
+                    let sums = _mm512_mask_blend_ps(
+                        keep,
+                        _mm512_set1_ps(f32::NEG_INFINITY),
+                        transpose_sum(partial),
+                    );
+                    _mm512_storeu_ps(logits.add(g * TILE_KEYS + block), sums);
+                }
+                block += W;
             }
-            block += W;
         }
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     unsafe fn softmax(logits: *mut f32, count: usize, max: &mut f32, sum: &mut f32) -> f32 {
-        let blocks = count.div_ceil(W);
-        let mut tile_max = _mm512_set1_ps(f32::NEG_INFINITY);
-        for b in 0..blocks {
-            tile_max = _mm512_max_ps(tile_max, _mm512_loadu_ps(logits.add(b * W)));
+        // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this path's
+        // features; every buffer is as large as the trait's doc says), which is all the code below
+        // relies on.
+        unsafe {
+            let blocks = count.div_ceil(W);
+            let mut tile_max = _mm512_set1_ps(f32::NEG_INFINITY);
+            for b in 0..blocks {
+                tile_max = _mm512_max_ps(tile_max, _mm512_loadu_ps(logits.add(b * W)));
+            }
+            let new_max = max.max(_mm512_reduce_max_ps(tile_max));
+            let rescale = (*max - new_max).exp();
+            let shift = _mm512_set1_ps(new_max);
+            let mut total = _mm512_setzero_ps();
+            for b in 0..blocks {
+                let p = exp(_mm512_sub_ps(_mm512_loadu_ps(logits.add(b * W)), shift));
+                _mm512_storeu_ps(logits.add(b * W), p);
+                total = _mm512_add_ps(total, p);
+            }
+            *sum = *sum * rescale + _mm512_reduce_add_ps(total);
+            *max = new_max;
+            rescale
         }
-        let new_max = max.max(_mm512_reduce_max_ps(tile_max));
-        let rescale = (*max - new_max).exp();
-        let shift = _mm512_set1_ps(new_max);
-        let mut total = _mm512_setzero_ps();
-        for b in 0..blocks {
-            let p = exp(_mm512_sub_ps(_mm512_loadu_ps(logits.add(b * W)), shift));
-            _mm512_storeu_ps(logits.add(b * W), p);
-            total = _mm512_add_ps(total, p);
-        }
-        *sum = *sum * rescale + _mm512_reduce_add_ps(total);
-        *max = new_max;
-        rescale
     }
 
     /// HEADS heads x CHUNKS x 16 columns, held in registers across the tile.
@@ -792,29 +788,34 @@ mod avx512 {
         acc: *mut f32,
         padded: usize,
     ) {
-        let mut sums = [[_mm512_setzero_ps(); CHUNKS]; HEADS];
-        for (h, row) in sums.iter_mut().enumerate() {
-            let factor = _mm512_set1_ps(*rescale.add(h));
-            for (c, s) in row.iter_mut().enumerate() {
-                *s = _mm512_mul_ps(_mm512_loadu_ps(acc.add(h * padded + c * W)), factor);
-            }
-        }
-        for t in 0..count {
-            let v = values.add(t * stride);
-            let mut value = [_mm512_setzero_ps(); CHUNKS];
-            for (c, x) in value.iter_mut().enumerate() {
-                *x = _mm512_loadu_ps(v.add(c * W));
-            }
+        // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this path's
+        // features; every buffer is as large as the trait's doc says), which is all the code below
+        // relies on.
+        unsafe {
+            let mut sums = [[_mm512_setzero_ps(); CHUNKS]; HEADS];
             for (h, row) in sums.iter_mut().enumerate() {
-                let p = _mm512_set1_ps(*probs.add(h * TILE_KEYS + t));
-                for (s, x) in row.iter_mut().zip(&value) {
-                    *s = _mm512_fmadd_ps(p, *x, *s);
+                let factor = _mm512_set1_ps(*rescale.add(h));
+                for (c, s) in row.iter_mut().enumerate() {
+                    *s = _mm512_mul_ps(_mm512_loadu_ps(acc.add(h * padded + c * W)), factor);
                 }
             }
-        }
-        for (h, row) in sums.iter().enumerate() {
-            for (c, s) in row.iter().enumerate() {
-                _mm512_storeu_ps(acc.add(h * padded + c * W), *s);
+            for t in 0..count {
+                let v = values.add(t * stride);
+                let mut value = [_mm512_setzero_ps(); CHUNKS];
+                for (c, x) in value.iter_mut().enumerate() {
+                    *x = _mm512_loadu_ps(v.add(c * W));
+                }
+                for (h, row) in sums.iter_mut().enumerate() {
+                    let p = _mm512_set1_ps(*probs.add(h * TILE_KEYS + t));
+                    for (s, x) in row.iter_mut().zip(&value) {
+                        *s = _mm512_fmadd_ps(p, *x, *s);
+                    }
+                }
+            }
+            for (h, row) in sums.iter().enumerate() {
+                for (c, s) in row.iter().enumerate() {
+                    _mm512_storeu_ps(acc.add(h * padded + c * W), *s);
+                }
             }
         }
     }
@@ -831,61 +832,66 @@ mod avx512 {
         acc: *mut f32,
         padded: usize,
     ) {
-        let mut column = 0;
-        while column < padded {
-            let chunks = match (padded - column) / W {
-                1 => 1,
-                2 | 3 => 2,
-                _ => 4,
-            };
-            let mut g = 0;
-            while g < heads {
-                let block = match heads - g {
+        // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this path's
+        // features; every buffer is as large as the trait's doc says), which is all the code below
+        // relies on.
+        unsafe {
+            let mut column = 0;
+            while column < padded {
+                let chunks = match (padded - column) / W {
                     1 => 1,
                     2 | 3 => 2,
                     _ => 4,
                 };
-                let args = (
-                    probs.add(g * TILE_KEYS),
-                    rescale.add(g),
-                    values.add(column),
-                    stride,
-                    count,
-                    acc.add(g * padded + column),
-                    padded,
-                );
-                match (block, chunks) {
-                    (4, 4) => accumulate_block::<4, 4>(
-                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                    ),
-                    (4, 2) => accumulate_block::<4, 2>(
-                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                    ),
-                    (4, _) => accumulate_block::<4, 1>(
-                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                    ),
-                    (2, 4) => accumulate_block::<2, 4>(
-                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                    ),
-                    (2, 2) => accumulate_block::<2, 2>(
-                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                    ),
-                    (2, _) => accumulate_block::<2, 1>(
-                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                    ),
-                    (_, 4) => accumulate_block::<1, 4>(
-                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                    ),
-                    (_, 2) => accumulate_block::<1, 2>(
-                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                    ),
-                    _ => accumulate_block::<1, 1>(
-                        args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                    ),
+                let mut g = 0;
+                while g < heads {
+                    let block = match heads - g {
+                        1 => 1,
+                        2 | 3 => 2,
+                        _ => 4,
+                    };
+                    let args = (
+                        probs.add(g * TILE_KEYS),
+                        rescale.add(g),
+                        values.add(column),
+                        stride,
+                        count,
+                        acc.add(g * padded + column),
+                        padded,
+                    );
+                    match (block, chunks) {
+                        (4, 4) => accumulate_block::<4, 4>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                        (4, 2) => accumulate_block::<4, 2>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                        (4, _) => accumulate_block::<4, 1>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                        (2, 4) => accumulate_block::<2, 4>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                        (2, 2) => accumulate_block::<2, 2>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                        (2, _) => accumulate_block::<2, 1>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                        (_, 4) => accumulate_block::<1, 4>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                        (_, 2) => accumulate_block::<1, 2>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                        _ => accumulate_block::<1, 1>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                    }
+                    g += block;
                 }
-                g += block;
+                column += chunks * W;
             }
-            column += chunks * W;
         }
     }
 
@@ -901,11 +907,17 @@ mod avx512 {
             zero_row: *const f32,
             out: *mut f32,
         ) {
-            logits(queries, heads, padded, rows, stride, count, zero_row, out)
+            // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this
+            // path's features; every buffer is as large as the trait's doc says), which is all the
+            // code below relies on.
+            unsafe { logits(queries, heads, padded, rows, stride, count, zero_row, out) }
         }
 
         unsafe fn softmax(logits: *mut f32, count: usize, max: &mut f32, sum: &mut f32) -> f32 {
-            softmax(logits, count, max, sum)
+            // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this
+            // path's features; every buffer is as large as the trait's doc says), which is all the
+            // code below relies on.
+            unsafe { softmax(logits, count, max, sum) }
         }
 
         unsafe fn accumulate(
@@ -918,7 +930,10 @@ mod avx512 {
             acc: *mut f32,
             padded: usize,
         ) {
-            accumulate(probs, heads, rescale, values, stride, count, acc, padded)
+            // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this
+            // path's features; every buffer is as large as the trait's doc says), which is all the
+            // code below relies on.
+            unsafe { accumulate(probs, heads, rescale, values, stride, count, acc, padded) }
         }
     }
 }
@@ -950,24 +965,30 @@ mod avx2 {
         count: usize,
         dst: *mut f32,
     ) {
-        for t in 0..count {
-            let from = src.add(t * layout.row_stride);
-            super::prefetch_row_of_next_tile(from, layout);
-            let to = dst.add(t * layout.padded);
-            let mut c = 0;
-            while c + W <= layout.head_dim {
-                let bits = _mm_loadu_si128(from.add(c).cast());
-                _mm256_storeu_ps(to.add(c), _mm256_cvtph_ps(bits));
-                c += W;
-            }
-            // A whole-register load here could read past the end of the cache.
-            while c < layout.head_dim {
-                *to.add(c) = (*from.add(c)).to_f32();
-                c += 1;
-            }
-            while c < layout.padded {
-                *to.add(c) = 0.0;
-                c += 1;
+        // SAFETY: the caller upholds this function's contract (The CPU has AVX2 and F16C; `src` has
+        // `count` rows `row_stride` apart with `head_dim` readable elements each; `dst` has `count
+        // * padded` writable elements), which is what every pointer access and target-feature call
+        // below relies on.
+        unsafe {
+            for t in 0..count {
+                let from = src.add(t * layout.row_stride);
+                super::prefetch_row_of_next_tile(from, layout);
+                let to = dst.add(t * layout.padded);
+                let mut c = 0;
+                while c + W <= layout.head_dim {
+                    let bits = _mm_loadu_si128(from.add(c).cast());
+                    _mm256_storeu_ps(to.add(c), _mm256_cvtph_ps(bits));
+                    c += W;
+                }
+                // A whole-register load here could read past the end of the cache.
+                while c < layout.head_dim {
+                    *to.add(c) = (*from.add(c)).to_f32();
+                    c += 1;
+                }
+                while c < layout.padded {
+                    *to.add(c) = 0.0;
+                    c += 1;
+                }
             }
         }
     }
@@ -1048,55 +1069,65 @@ mod avx2 {
         zero_row: *const f32,
         logits: *mut f32,
     ) {
-        let mut block = 0;
-        while block < count {
-            let valid = (count - block).min(W);
-            let mut row = [zero_row; W];
-            for (t, r) in row.iter_mut().enumerate().take(valid) {
-                *r = rows.add((block + t) * stride);
-            }
-            for g in 0..heads {
-                let q = queries.add(g * padded);
-                let mut partial = [_mm256_setzero_ps(); W];
-                let mut c = 0;
-                while c < padded {
-                    let qc = _mm256_loadu_ps(q.add(c));
-                    for t in 0..W {
-                        partial[t] =
-                            _mm256_fmadd_ps(qc, _mm256_loadu_ps(row[t].add(c)), partial[t]);
+        // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this path's
+        // features; every buffer is as large as the trait's doc says), which is all the code below
+        // relies on.
+        unsafe {
+            let mut block = 0;
+            while block < count {
+                let valid = (count - block).min(W);
+                let mut row = [zero_row; W];
+                for (t, r) in row.iter_mut().enumerate().take(valid) {
+                    *r = rows.add((block + t) * stride);
+                }
+                for g in 0..heads {
+                    let q = queries.add(g * padded);
+                    let mut partial = [_mm256_setzero_ps(); W];
+                    let mut c = 0;
+                    while c < padded {
+                        let qc = _mm256_loadu_ps(q.add(c));
+                        for t in 0..W {
+                            partial[t] =
+                                _mm256_fmadd_ps(qc, _mm256_loadu_ps(row[t].add(c)), partial[t]);
+                        }
+                        c += W;
                     }
-                    c += W;
+                    let out = logits.add(g * TILE_KEYS + block);
+                    _mm256_storeu_ps(out, transpose_sum(partial));
+                    // Softmax reads whole vectors: past the tile's end the logits must be -inf.
+                    for t in valid..W {
+                        *out.add(t) = f32::NEG_INFINITY;
+                    }
                 }
-                let out = logits.add(g * TILE_KEYS + block);
-                _mm256_storeu_ps(out, transpose_sum(partial));
-                // Softmax reads whole vectors: past the tile's end the logits must be -inf.
-                for t in valid..W {
-                    *out.add(t) = f32::NEG_INFINITY;
-                }
+                block += W;
             }
-            block += W;
         }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn softmax(logits: *mut f32, count: usize, max: &mut f32, sum: &mut f32) -> f32 {
-        let blocks = count.div_ceil(W);
-        let mut tile_max = _mm256_set1_ps(f32::NEG_INFINITY);
-        for b in 0..blocks {
-            tile_max = _mm256_max_ps(tile_max, _mm256_loadu_ps(logits.add(b * W)));
+        // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this path's
+        // features; every buffer is as large as the trait's doc says), which is all the code below
+        // relies on.
+        unsafe {
+            let blocks = count.div_ceil(W);
+            let mut tile_max = _mm256_set1_ps(f32::NEG_INFINITY);
+            for b in 0..blocks {
+                tile_max = _mm256_max_ps(tile_max, _mm256_loadu_ps(logits.add(b * W)));
+            }
+            let new_max = max.max(horizontal_max(tile_max));
+            let rescale = (*max - new_max).exp();
+            let shift = _mm256_set1_ps(new_max);
+            let mut total = _mm256_setzero_ps();
+            for b in 0..blocks {
+                let p = exp(_mm256_sub_ps(_mm256_loadu_ps(logits.add(b * W)), shift));
+                _mm256_storeu_ps(logits.add(b * W), p);
+                total = _mm256_add_ps(total, p);
+            }
+            *sum = *sum * rescale + horizontal_sum(total);
+            *max = new_max;
+            rescale
         }
-        let new_max = max.max(horizontal_max(tile_max));
-        let rescale = (*max - new_max).exp();
-        let shift = _mm256_set1_ps(new_max);
-        let mut total = _mm256_setzero_ps();
-        for b in 0..blocks {
-            let p = exp(_mm256_sub_ps(_mm256_loadu_ps(logits.add(b * W)), shift));
-            _mm256_storeu_ps(logits.add(b * W), p);
-            total = _mm256_add_ps(total, p);
-        }
-        *sum = *sum * rescale + horizontal_sum(total);
-        *max = new_max;
-        rescale
     }
 
     /// HEADS heads x 16 columns, held in registers across the tile.
@@ -1111,26 +1142,31 @@ mod avx2 {
         acc: *mut f32,
         padded: usize,
     ) {
-        let mut sums = [[_mm256_setzero_ps(); 2]; HEADS];
-        for (h, row) in sums.iter_mut().enumerate() {
-            let factor = _mm256_set1_ps(*rescale.add(h));
-            for (c, s) in row.iter_mut().enumerate() {
-                *s = _mm256_mul_ps(_mm256_loadu_ps(acc.add(h * padded + c * W)), factor);
-            }
-        }
-        for t in 0..count {
-            let v = values.add(t * stride);
-            let value = [_mm256_loadu_ps(v), _mm256_loadu_ps(v.add(W))];
+        // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this path's
+        // features; every buffer is as large as the trait's doc says), which is all the code below
+        // relies on.
+        unsafe {
+            let mut sums = [[_mm256_setzero_ps(); 2]; HEADS];
             for (h, row) in sums.iter_mut().enumerate() {
-                let p = _mm256_set1_ps(*probs.add(h * TILE_KEYS + t));
-                for (s, x) in row.iter_mut().zip(&value) {
-                    *s = _mm256_fmadd_ps(p, *x, *s);
+                let factor = _mm256_set1_ps(*rescale.add(h));
+                for (c, s) in row.iter_mut().enumerate() {
+                    *s = _mm256_mul_ps(_mm256_loadu_ps(acc.add(h * padded + c * W)), factor);
                 }
             }
-        }
-        for (h, row) in sums.iter().enumerate() {
-            for (c, s) in row.iter().enumerate() {
-                _mm256_storeu_ps(acc.add(h * padded + c * W), *s);
+            for t in 0..count {
+                let v = values.add(t * stride);
+                let value = [_mm256_loadu_ps(v), _mm256_loadu_ps(v.add(W))];
+                for (h, row) in sums.iter_mut().enumerate() {
+                    let p = _mm256_set1_ps(*probs.add(h * TILE_KEYS + t));
+                    for (s, x) in row.iter_mut().zip(&value) {
+                        *s = _mm256_fmadd_ps(p, *x, *s);
+                    }
+                }
+            }
+            for (h, row) in sums.iter().enumerate() {
+                for (c, s) in row.iter().enumerate() {
+                    _mm256_storeu_ps(acc.add(h * padded + c * W), *s);
+                }
             }
         }
     }
@@ -1147,33 +1183,38 @@ mod avx2 {
         acc: *mut f32,
         padded: usize,
     ) {
-        let mut column = 0;
-        while column < padded {
-            let mut g = 0;
-            while g < heads {
-                let (p, r, v, a) = (
-                    probs.add(g * TILE_KEYS),
-                    rescale.add(g),
-                    values.add(column),
-                    acc.add(g * padded + column),
-                );
-                let block = match heads - g {
-                    1 => {
-                        accumulate_block::<1>(p, r, v, stride, count, a, padded);
-                        1
-                    }
-                    2 | 3 => {
-                        accumulate_block::<2>(p, r, v, stride, count, a, padded);
-                        2
-                    }
-                    _ => {
-                        accumulate_block::<4>(p, r, v, stride, count, a, padded);
-                        4
-                    }
-                };
-                g += block;
+        // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this path's
+        // features; every buffer is as large as the trait's doc says), which is all the code below
+        // relies on.
+        unsafe {
+            let mut column = 0;
+            while column < padded {
+                let mut g = 0;
+                while g < heads {
+                    let (p, r, v, a) = (
+                        probs.add(g * TILE_KEYS),
+                        rescale.add(g),
+                        values.add(column),
+                        acc.add(g * padded + column),
+                    );
+                    let block = match heads - g {
+                        1 => {
+                            accumulate_block::<1>(p, r, v, stride, count, a, padded);
+                            1
+                        }
+                        2 | 3 => {
+                            accumulate_block::<2>(p, r, v, stride, count, a, padded);
+                            2
+                        }
+                        _ => {
+                            accumulate_block::<4>(p, r, v, stride, count, a, padded);
+                            4
+                        }
+                    };
+                    g += block;
+                }
+                column += COLUMNS;
             }
-            column += COLUMNS;
         }
     }
 
@@ -1189,11 +1230,17 @@ mod avx2 {
             zero_row: *const f32,
             out: *mut f32,
         ) {
-            logits(queries, heads, padded, rows, stride, count, zero_row, out)
+            // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this
+            // path's features; every buffer is as large as the trait's doc says), which is all the
+            // code below relies on.
+            unsafe { logits(queries, heads, padded, rows, stride, count, zero_row, out) }
         }
 
         unsafe fn softmax(logits: *mut f32, count: usize, max: &mut f32, sum: &mut f32) -> f32 {
-            softmax(logits, count, max, sum)
+            // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this
+            // path's features; every buffer is as large as the trait's doc says), which is all the
+            // code below relies on.
+            unsafe { softmax(logits, count, max, sum) }
         }
 
         unsafe fn accumulate(
@@ -1206,226 +1253,10 @@ mod avx2 {
             acc: *mut f32,
             padded: usize,
         ) {
-            accumulate(probs, heads, rescale, values, stride, count, acc, padded)
+            // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this
+            // path's features; every buffer is as large as the trait's doc says), which is all the
+            // code below relies on.
+            unsafe { accumulate(probs, heads, rescale, values, stride, count, acc, padded) }
         }
     }
-}
-
-/// What [`bench_attention_with`] measures.
-#[derive(Clone, Debug)]
-pub struct AttentionBenchConfig {
-    /// Key counts (context depths) to measure.
-    pub depths: Vec<usize>,
-    /// Query heads per KV head.
-    pub group: usize,
-    pub head_dim: usize,
-    /// KV heads in a cache row; one measured call covers all of them, as a decoded token does.
-    pub kv_heads: usize,
-    /// Timed runs per measurement; the report gives the best and the median.
-    pub repetitions: usize,
-    /// Each timed run repeats the work until it lasts at least this long.
-    pub min_run_time: Duration,
-}
-
-impl AttentionBenchConfig {
-    /// gpt-oss-20b: 8 query heads per KV head, head_dim 64, 8 KV heads; a sliding window (128 keys)
-    /// and a full layer at depth 4096.
-    pub fn standard() -> Self {
-        Self {
-            depths: vec![128, 4096],
-            group: 8,
-            head_dim: 64,
-            kv_heads: 8,
-            repetitions: 5,
-            min_run_time: Duration::from_millis(30),
-        }
-    }
-
-    /// A shape small enough for tests.
-    pub fn quick() -> Self {
-        Self {
-            depths: vec![5, 100],
-            group: 8,
-            head_dim: 64,
-            kv_heads: 2,
-            repetitions: 2,
-            min_run_time: Duration::from_micros(200),
-        }
-    }
-}
-
-/// One context depth: nanoseconds per (query head, key), best and median of the runs.
-#[derive(Clone, Debug)]
-pub struct AttentionBenchRow {
-    pub keys: usize,
-    pub tiled_best_ns: f64,
-    pub tiled_median_ns: f64,
-    /// The per-key loop the forward pass used before this kernel: per key and head one
-    /// `dot_f16`, a scalar online-softmax step and one `axpy_f16`.
-    pub per_key_best_ns: f64,
-    pub per_key_median_ns: f64,
-}
-
-/// All depths of one run (f16 cache, one thread).
-#[derive(Clone, Debug)]
-pub struct AttentionBenchReport {
-    pub path: KernelPath,
-    pub group: usize,
-    pub head_dim: usize,
-    pub rows: Vec<AttentionBenchRow>,
-}
-
-impl fmt::Display for AttentionBenchReport {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(
-            f,
-            "attention, kernel path {}, {} query heads per KV head, head_dim {}, f16 cache, one \
-             thread; ns per (query head, key)",
-            self.path, self.group, self.head_dim
-        )?;
-        writeln!(
-            f,
-            "{:>6} {:>11} {:>11} {:>13} {:>13} {:>8}",
-            "keys", "tiled best", "tiled med", "per-key best", "per-key med", "speedup"
-        )?;
-        for r in &self.rows {
-            writeln!(
-                f,
-                "{:>6} {:>11.2} {:>11.2} {:>13.2} {:>13.2} {:>7.1}x",
-                r.keys,
-                r.tiled_best_ns,
-                r.tiled_median_ns,
-                r.per_key_best_ns,
-                r.per_key_median_ns,
-                r.per_key_best_ns / r.tiled_best_ns
-            )?;
-        }
-        Ok(())
-    }
-}
-
-/// [`bench_attention_with`] on the standard gpt-oss-20b shape.
-pub fn bench_attention(k: Kernels) -> Result<AttentionBenchReport, AttentionError> {
-    bench_attention_with(k, &AttentionBenchConfig::standard())
-}
-
-/// Time [`attend_group`] against the per-key loop on random data (an f16 cache of the deepest
-/// depth, all KV heads of one token per run), after checking that both give the same result.
-pub fn bench_attention_with(
-    k: Kernels,
-    config: &AttentionBenchConfig,
-) -> Result<AttentionBenchReport, AttentionError> {
-    let (group, d, kv_heads) = (config.group, config.head_dim, config.kv_heads.max(1));
-    let row_stride = kv_heads * d;
-    let depth = config.depths.iter().copied().max().unwrap_or(1).max(1);
-    let mut rng = ChaCha8Rng::seed_from_u64(0xa77e);
-    let mut random = |n: usize, spread: f32| -> Vec<f32> {
-        (0..n).map(|_| rng.gen_range(-spread..spread)).collect()
-    };
-    let keys: Vec<f16> = random(depth * row_stride, 1.0)
-        .into_iter()
-        .map(f16::from_f32)
-        .collect();
-    let values: Vec<f16> = random(depth * row_stride, 1.0)
-        .into_iter()
-        .map(f16::from_f32)
-        .collect();
-    let queries = random(kv_heads * group * d, 1.0);
-    let sinks = random(kv_heads * group, 2.0);
-    let scale = 1.0 / (d as f32).sqrt();
-    let mut scratch = AttentionScratch::new(group, d);
-    let mut tiled_out = vec![0.0f32; kv_heads * group * d];
-    let mut per_key_out = vec![0.0f32; kv_heads * group * d];
-    let mut per_key_state = vec![(0.0f32, 0.0f32); group];
-
-    let mut rows = Vec::with_capacity(config.depths.len());
-    for &keys_visible in &config.depths {
-        let positions = depth - keys_visible.min(depth)..depth;
-        let mut tiled = || -> Result<(), AttentionError> {
-            for h in 0..kv_heads {
-                let query = GroupQuery {
-                    queries: &queries[h * group * d..(h + 1) * group * d],
-                    sinks: &sinks[h * group..(h + 1) * group],
-                    head_dim: d,
-                    scale,
-                };
-                let kv = KvHead {
-                    keys: &keys,
-                    values: &values,
-                    row_stride,
-                    offset: h * d,
-                };
-                let out = &mut tiled_out[h * group * d..(h + 1) * group * d];
-                attend_group(k, &query, &kv, positions.clone(), out, &mut scratch)?;
-            }
-            Ok(())
-        };
-        tiled()?;
-        let (tiled_best, tiled_median) =
-            time_runs(config.repetitions, config.min_run_time, &mut tiled)?;
-
-        let mut per_key = || -> Result<(), AttentionError> {
-            for h in 0..kv_heads {
-                let q = &queries[h * group * d..(h + 1) * group * d];
-                let out = &mut per_key_out[h * group * d..(h + 1) * group * d];
-                out.fill(0.0);
-                for (g, state) in per_key_state.iter_mut().enumerate() {
-                    *state = (sinks[h * group + g], 0.0);
-                }
-                for j in positions.clone() {
-                    let at = j * row_stride + h * d;
-                    let (key, value) = (&keys[at..at + d], &values[at..at + d]);
-                    for (g, (max, sum)) in per_key_state.iter_mut().enumerate() {
-                        let logit = k.dot_f16(&q[g * d..(g + 1) * d], key)? * scale;
-                        let acc = &mut out[g * d..(g + 1) * d];
-                        if logit > *max {
-                            let rescale = (*max - logit).exp();
-                            *sum *= rescale;
-                            acc.iter_mut().for_each(|o| *o *= rescale);
-                            *max = logit;
-                        }
-                        let weight = (logit - *max).exp();
-                        *sum += weight;
-                        k.axpy_f16(weight, value, acc)?;
-                    }
-                }
-                for (g, (max, sum)) in per_key_state.iter().enumerate() {
-                    let denominator = sum + (sinks[h * group + g] - max).exp();
-                    out[g * d..(g + 1) * d]
-                        .iter_mut()
-                        .for_each(|o| *o /= denominator);
-                }
-            }
-            Ok(())
-        };
-        per_key()?;
-        let (per_key_best, per_key_median) =
-            time_runs(config.repetitions, config.min_run_time, &mut per_key)?;
-
-        let difference = tiled_out
-            .iter()
-            .zip(&per_key_out)
-            .map(|(a, b)| (a - b).abs() / b.abs().max(1e-3))
-            .fold(0.0f32, f32::max);
-        if difference.is_nan() || difference > 1e-3 {
-            return Err(AttentionError::BenchMismatch {
-                keys: keys_visible,
-                difference,
-            });
-        }
-        let per_pair = 1e9 / (kv_heads * group * positions.len().max(1)) as f64;
-        rows.push(AttentionBenchRow {
-            keys: positions.len(),
-            tiled_best_ns: tiled_best * per_pair,
-            tiled_median_ns: tiled_median * per_pair,
-            per_key_best_ns: per_key_best * per_pair,
-            per_key_median_ns: per_key_median * per_pair,
-        });
-    }
-    Ok(AttentionBenchReport {
-        path: k.path(),
-        group,
-        head_dim: d,
-        rows,
-    })
 }

@@ -81,17 +81,22 @@ impl ActPair {
         pair: usize,
         offset: i32,
     ) -> Self {
-        let quants = x
-            .row_quants(token)
-            .as_ptr()
-            .add(group * GROUP_LEN + pair * PAIR_LEN / 2);
-        let lanes = group * GROUP_LANES + pair * PAIR_LANES;
-        let sums = _mm256_loadu_si256(x.row_sum_lanes(token).as_ptr().add(lanes).cast());
-        Self {
-            evens: _mm256_loadu_si256(quants.cast()),
-            odds: _mm256_loadu_si256(quants.add(GROUP_LEN / 2).cast()),
-            correction: _mm256_mullo_epi32(sums, _mm256_set1_epi32(-offset)),
-            scales: _mm256_loadu_ps(x.row_scale_lanes(token).as_ptr().add(lanes)),
+        // SAFETY: the caller upholds this function's contract (`group < x.groups()`, `pair < 2`,
+        // `token < x.rows()`; the CPU has the module's features), which is what every pointer
+        // access and target-feature call below relies on.
+        unsafe {
+            let quants = x
+                .row_quants(token)
+                .as_ptr()
+                .add(group * GROUP_LEN + pair * PAIR_LEN / 2);
+            let lanes = group * GROUP_LANES + pair * PAIR_LANES;
+            let sums = _mm256_loadu_si256(x.row_sum_lanes(token).as_ptr().add(lanes).cast());
+            Self {
+                evens: _mm256_loadu_si256(quants.cast()),
+                odds: _mm256_loadu_si256(quants.add(GROUP_LEN / 2).cast()),
+                correction: _mm256_mullo_epi32(sums, _mm256_set1_epi32(-offset)),
+                scales: _mm256_loadu_ps(x.row_scale_lanes(token).as_ptr().add(lanes)),
+            }
         }
     }
 }
@@ -184,30 +189,34 @@ impl PairSource for Mxfp4Matrix<'_> {
         group: usize,
         pair: usize,
     ) -> Option<(__m256i, __m256i, __m256)> {
-        let blocks_per_row = self.cols / BLOCK_LEN;
-        let first_block = group * GROUP_BLOCKS + pair * 2;
-        if first_block >= blocks_per_row {
-            return None;
+        // SAFETY: the caller upholds the trait's contract for this method (row and group inside the
+        // matrix; the CPU has this module's features), so every load below stays inside the row.
+        unsafe {
+            let blocks_per_row = self.cols / BLOCK_LEN;
+            let first_block = group * GROUP_BLOCKS + pair * 2;
+            if first_block >= blocks_per_row {
+                return None;
+            }
+            let bytes = self
+                .blocks
+                .as_ptr()
+                .add(row * (self.cols / 2) + first_block * BLOCK_LEN / 2);
+            let scales = self.scales.as_ptr().add(row * blocks_per_row + first_block);
+            let (nibbles, scale_bytes) = if first_block + 1 < blocks_per_row {
+                (
+                    _mm256_loadu_si256(bytes.cast()),
+                    scales.cast::<u16>().read_unaligned() as u32,
+                )
+            } else {
+                // The row's last block: read only its 16 bytes; the zero upper half meets zero padding.
+                (
+                    _mm256_zextsi128_si256(_mm_loadu_si128(bytes.cast())),
+                    *scales as u32,
+                )
+            };
+            let (evens, odds) = split_nibbles(nibbles, true);
+            Some((evens, odds, e8m0_lanes(scale_bytes)))
         }
-        let bytes = self
-            .blocks
-            .as_ptr()
-            .add(row * (self.cols / 2) + first_block * BLOCK_LEN / 2);
-        let scales = self.scales.as_ptr().add(row * blocks_per_row + first_block);
-        let (nibbles, scale_bytes) = if first_block + 1 < blocks_per_row {
-            (
-                _mm256_loadu_si256(bytes.cast()),
-                scales.cast::<u16>().read_unaligned() as u32,
-            )
-        } else {
-            // The row's last block: read only its 16 bytes; the zero upper half meets zero padding.
-            (
-                _mm256_zextsi128_si256(_mm_loadu_si128(bytes.cast())),
-                *scales as u32,
-            )
-        };
-        let (evens, odds) = split_nibbles(nibbles, true);
-        Some((evens, odds, e8m0_lanes(scale_bytes)))
     }
 }
 
@@ -226,20 +235,24 @@ impl PairSource for Q4Matrix {
         group: usize,
         pair: usize,
     ) -> Option<(__m256i, __m256i, __m256)> {
-        let nibbles = _mm256_loadu_si256(
-            self.row_nibbles(row)
+        // SAFETY: the caller upholds the trait's contract for this method (row and group inside the
+        // matrix; the CPU has this module's features), so every load below stays inside the row.
+        unsafe {
+            let nibbles = _mm256_loadu_si256(
+                self.row_nibbles(row)
+                    .as_ptr()
+                    .add(group * GROUP_LEN / 2 + pair * 32)
+                    .cast(),
+            );
+            let scale_bits = self
+                .row_scales(row)
                 .as_ptr()
-                .add(group * GROUP_LEN / 2 + pair * 32)
-                .cast(),
-        );
-        let scale_bits = self
-            .row_scales(row)
-            .as_ptr()
-            .add(group * GROUP_BLOCKS + pair * 2)
-            .cast::<u32>()
-            .read_unaligned();
-        let (evens, odds) = split_nibbles(nibbles, false);
-        Some((evens, odds, f16_lanes(scale_bits)))
+                .add(group * GROUP_BLOCKS + pair * 2)
+                .cast::<u32>()
+                .read_unaligned();
+            let (evens, odds) = split_nibbles(nibbles, false);
+            Some((evens, odds, f16_lanes(scale_bits)))
+        }
     }
 }
 
@@ -258,19 +271,23 @@ impl PairSource for Q8Matrix {
         group: usize,
         pair: usize,
     ) -> Option<(__m256i, __m256i, __m256)> {
-        let quants = self
-            .row_quants(row)
-            .as_ptr()
-            .add(group * GROUP_LEN + pair * PAIR_LEN / 2);
-        let evens = _mm256_loadu_si256(quants.cast());
-        let odds = _mm256_loadu_si256(quants.add(GROUP_LEN / 2).cast());
-        let scale_bits = self
-            .row_scales(row)
-            .as_ptr()
-            .add(group * GROUP_BLOCKS + pair * 2)
-            .cast::<u32>()
-            .read_unaligned();
-        Some((evens, odds, f16_lanes(scale_bits)))
+        // SAFETY: the caller upholds the trait's contract for this method (row and group inside the
+        // matrix; the CPU has this module's features), so every load below stays inside the row.
+        unsafe {
+            let quants = self
+                .row_quants(row)
+                .as_ptr()
+                .add(group * GROUP_LEN + pair * PAIR_LEN / 2);
+            let evens = _mm256_loadu_si256(quants.cast());
+            let odds = _mm256_loadu_si256(quants.add(GROUP_LEN / 2).cast());
+            let scale_bits = self
+                .row_scales(row)
+                .as_ptr()
+                .add(group * GROUP_BLOCKS + pair * 2)
+                .cast::<u32>()
+                .read_unaligned();
+            Some((evens, odds, f16_lanes(scale_bits)))
+        }
     }
 }
 
@@ -318,26 +335,31 @@ unsafe fn gemv_rows<W: PairSource, const R: usize, const T: usize>(
     stride: usize,
     at: usize,
 ) {
-    let mut acc = [[_mm256_setzero_ps(); T]; R];
-    let groups = w.groups();
-    let spans = w.byte_spans(prefetch);
-    for group in 0..groups {
-        prefetch_share(&spans, group, groups);
-        for pair in 0..2 {
-            let a: [ActPair; T] =
-                std::array::from_fn(|t| ActPair::load(x, t, group, pair, W::OFFSET));
-            for (i, acc_row) in acc.iter_mut().enumerate() {
-                if let Some((evens, odds, scales)) = w.load_pair(first_row + i, group, pair) {
-                    for (acc_t, a_t) in acc_row.iter_mut().zip(&a) {
-                        *acc_t = pair_fma(W::SIGNED, *acc_t, evens, odds, scales, a_t);
+    // SAFETY: the caller upholds this function's contract (`first_row + R` rows exist, `x` has `T`
+    // tokens of the matrix's columns, writes in bounds), which is what every pointer access and
+    // target-feature call below relies on.
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        let groups = w.groups();
+        let spans = w.byte_spans(prefetch);
+        for group in 0..groups {
+            prefetch_share(&spans, group, groups);
+            for pair in 0..2 {
+                let a: [ActPair; T] =
+                    std::array::from_fn(|t| ActPair::load(x, t, group, pair, W::OFFSET));
+                for (i, acc_row) in acc.iter_mut().enumerate() {
+                    if let Some((evens, odds, scales)) = w.load_pair(first_row + i, group, pair) {
+                        for (acc_t, a_t) in acc_row.iter_mut().zip(&a) {
+                            *acc_t = pair_fma(W::SIGNED, *acc_t, evens, odds, scales, a_t);
+                        }
                     }
                 }
             }
         }
-    }
-    for (i, acc_row) in acc.iter().enumerate() {
-        for (t, acc_t) in acc_row.iter().enumerate() {
-            out[t * stride + at + i] = W::FACTOR * reduce_add(*acc_t);
+        for (i, acc_row) in acc.iter().enumerate() {
+            for (t, acc_t) in acc_row.iter().enumerate() {
+                out[t * stride + at + i] = W::FACTOR * reduce_add(*acc_t);
+            }
         }
     }
 }
@@ -346,11 +368,16 @@ unsafe fn gemv_rows<W: PairSource, const R: usize, const T: usize>(
 /// The CPU has the module's features; shapes were checked by `Kernels`.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn gemv<W: PairSource>(w: &W, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
-    match x.rows() {
-        1 => gemv_tokens::<W, 1>(w, x, rows, out),
-        2 => gemv_tokens::<W, 2>(w, x, rows, out),
-        3 => gemv_tokens::<W, 3>(w, x, rows, out),
-        _ => gemv_tokens::<W, 4>(w, x, rows, out),
+    // SAFETY: the caller upholds this function's contract (The CPU has the module's features;
+    // shapes were checked by `Kernels`), which is what every pointer access and target-feature
+    // call below relies on.
+    unsafe {
+        match x.rows() {
+            1 => gemv_tokens::<W, 1>(w, x, rows, out),
+            2 => gemv_tokens::<W, 2>(w, x, rows, out),
+            3 => gemv_tokens::<W, 3>(w, x, rows, out),
+            _ => gemv_tokens::<W, 4>(w, x, rows, out),
+        }
     }
 }
 
@@ -364,11 +391,15 @@ unsafe fn gemv_tokens<W: PairSource, const T: usize>(
     rows: Range<usize>,
     out: &mut [f32],
 ) {
-    // Past two tokens, four rows' accumulators and the tokens' operands outgrow the 16 registers.
-    if T > 2 {
-        gemv_row_blocks::<W, 2, T>(w, x, rows, out)
-    } else {
-        gemv_row_blocks::<W, 4, T>(w, x, rows, out)
+    // SAFETY: the caller upholds this function's contract (As [`gemv`], with `x` holding exactly
+    // `T` tokens), which is what every pointer access and target-feature call below relies on.
+    unsafe {
+        // Past two tokens, four rows' accumulators and the tokens' operands outgrow the 16 registers.
+        if T > 2 {
+            gemv_row_blocks::<W, 2, T>(w, x, rows, out)
+        } else {
+            gemv_row_blocks::<W, 4, T>(w, x, rows, out)
+        }
     }
 }
 
@@ -382,20 +413,24 @@ unsafe fn gemv_row_blocks<W: PairSource, const R: usize, const T: usize>(
     rows: Range<usize>,
     out: &mut [f32],
 ) {
-    let prefetch_ahead = 8;
-    let stride = rows.len();
-    let ahead = |row: usize, count: usize| {
-        (row + prefetch_ahead).min(rows.end)..(row + prefetch_ahead + count).min(rows.end)
-    };
-    let mut at = 0;
-    while at < stride {
-        let row = rows.start + at;
-        if stride - at >= R {
-            gemv_rows::<W, R, T>(w, x, row, ahead(row, R), out, stride, at);
-            at += R;
-        } else {
-            gemv_rows::<W, 1, T>(w, x, row, ahead(row, 0), out, stride, at);
-            at += 1;
+    // SAFETY: the caller upholds this function's contract (As [`gemv_tokens`]), which is what
+    // every pointer access and target-feature call below relies on.
+    unsafe {
+        let prefetch_ahead = 8;
+        let stride = rows.len();
+        let ahead = |row: usize, count: usize| {
+            (row + prefetch_ahead).min(rows.end)..(row + prefetch_ahead + count).min(rows.end)
+        };
+        let mut at = 0;
+        while at < stride {
+            let row = rows.start + at;
+            if stride - at >= R {
+                gemv_rows::<W, R, T>(w, x, row, ahead(row, R), out, stride, at);
+                at += R;
+            } else {
+                gemv_rows::<W, 1, T>(w, x, row, ahead(row, 0), out, stride, at);
+                at += 1;
+            }
         }
     }
 }
@@ -406,15 +441,24 @@ pub(crate) unsafe fn mxfp4_gemv(
     rows: Range<usize>,
     out: &mut [f32],
 ) {
-    gemv(w, x, rows, out)
+    // SAFETY: the module's contract holds: the dispatcher runs this only on a CPU with every
+    // feature in `REQUIRED`, and the safe `Kernels` method checked the shapes, which is all the
+    // code below relies on.
+    unsafe { gemv(w, x, rows, out) }
 }
 
 pub(crate) unsafe fn q4_gemv(w: &Q4Matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
-    gemv(w, x, rows, out)
+    // SAFETY: the module's contract holds: the dispatcher runs this only on a CPU with every
+    // feature in `REQUIRED`, and the safe `Kernels` method checked the shapes, which is all the
+    // code below relies on.
+    unsafe { gemv(w, x, rows, out) }
 }
 
 pub(crate) unsafe fn q8_gemv(w: &Q8Matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
-    gemv(w, x, rows, out)
+    // SAFETY: the module's contract holds: the dispatcher runs this only on a CPU with every
+    // feature in `REQUIRED`, and the safe `Kernels` method checked the shapes, which is all the
+    // code below relies on.
+    unsafe { gemv(w, x, rows, out) }
 }
 
 /// Decode rows into the scratch tile (weights in activation order, scales as lanes); pairs past a
@@ -429,24 +473,30 @@ unsafe fn decode_tile<W: PairSource>(
     count: usize,
     scratch: &mut GemmScratch,
 ) {
-    let groups = w.groups();
-    let tile = scratch.tile.as_mut_ptr();
-    let tile_scales = scratch.tile_scales.as_mut_ptr();
-    for i in 0..count {
-        for group in 0..groups {
-            for pair in 0..2 {
-                let (evens, odds, scales) = w.load_pair(first_row + i, group, pair).unwrap_or((
-                    _mm256_setzero_si256(),
-                    _mm256_setzero_si256(),
-                    _mm256_setzero_ps(),
-                ));
-                let at = tile.add((i * groups + group) * GROUP_LEN + pair * PAIR_LEN / 2);
-                _mm256_storeu_si256(at.cast(), evens);
-                _mm256_storeu_si256(at.add(GROUP_LEN / 2).cast(), odds);
-                _mm256_storeu_ps(
-                    tile_scales.add((i * groups + group) * GROUP_LANES + pair * PAIR_LANES),
-                    scales,
-                );
+    // SAFETY: the caller upholds this function's contract (Rows inside the matrix, `count <=
+    // GEMM_TILE_ROWS`, scratch sized for the matrix's columns), which is what every pointer access
+    // and target-feature call below relies on.
+    unsafe {
+        let groups = w.groups();
+        let tile = scratch.tile.as_mut_ptr();
+        let tile_scales = scratch.tile_scales.as_mut_ptr();
+        for i in 0..count {
+            for group in 0..groups {
+                for pair in 0..2 {
+                    let (evens, odds, scales) =
+                        w.load_pair(first_row + i, group, pair).unwrap_or((
+                            _mm256_setzero_si256(),
+                            _mm256_setzero_si256(),
+                            _mm256_setzero_ps(),
+                        ));
+                    let at = tile.add((i * groups + group) * GROUP_LEN + pair * PAIR_LEN / 2);
+                    _mm256_storeu_si256(at.cast(), evens);
+                    _mm256_storeu_si256(at.add(GROUP_LEN / 2).cast(), odds);
+                    _mm256_storeu_ps(
+                        tile_scales.add((i * groups + group) * GROUP_LANES + pair * PAIR_LANES),
+                        scales,
+                    );
+                }
             }
         }
     }
@@ -469,37 +519,42 @@ unsafe fn gemm_micro<W: PairSource, const R: usize, const T: usize>(
     out: *mut f32,
     stride: usize,
 ) {
-    let mut acc = [[_mm256_setzero_ps(); T]; R];
-    let tile = scratch.tile.as_ptr();
-    let tile_scales = scratch.tile_scales.as_ptr();
-    for group in 0..groups {
-        for pair in 0..2 {
-            let mut a = [ActPair {
-                evens: _mm256_setzero_si256(),
-                odds: _mm256_setzero_si256(),
-                correction: _mm256_setzero_si256(),
-                scales: _mm256_setzero_ps(),
-            }; T];
-            for (t, a_t) in a.iter_mut().enumerate() {
-                *a_t = ActPair::load(x, first_token + t, group, pair, W::OFFSET);
-            }
-            for (i, acc_row) in acc.iter_mut().enumerate() {
-                let at = ((tile_row + i) * groups + group) * GROUP_LEN + pair * PAIR_LEN / 2;
-                let evens = _mm256_loadu_si256(tile.add(at).cast());
-                let odds = _mm256_loadu_si256(tile.add(at + GROUP_LEN / 2).cast());
-                let scales = _mm256_loadu_ps(
-                    tile_scales
-                        .add(((tile_row + i) * groups + group) * GROUP_LANES + pair * PAIR_LANES),
-                );
-                for (acc_cell, a_t) in acc_row.iter_mut().zip(&a) {
-                    *acc_cell = pair_fma(W::SIGNED, *acc_cell, evens, odds, scales, a_t);
+    // SAFETY: the caller upholds this function's contract (Tile rows `tile_row..+R` decoded for
+    // `groups` groups; tokens `first_token..+T` exist in `x`; `out[t * stride + i]` in bounds for t
+    // < T, i < R), which is what every pointer access and target-feature call below relies on.
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        let tile = scratch.tile.as_ptr();
+        let tile_scales = scratch.tile_scales.as_ptr();
+        for group in 0..groups {
+            for pair in 0..2 {
+                let mut a = [ActPair {
+                    evens: _mm256_setzero_si256(),
+                    odds: _mm256_setzero_si256(),
+                    correction: _mm256_setzero_si256(),
+                    scales: _mm256_setzero_ps(),
+                }; T];
+                for (t, a_t) in a.iter_mut().enumerate() {
+                    *a_t = ActPair::load(x, first_token + t, group, pair, W::OFFSET);
+                }
+                for (i, acc_row) in acc.iter_mut().enumerate() {
+                    let at = ((tile_row + i) * groups + group) * GROUP_LEN + pair * PAIR_LEN / 2;
+                    let evens = _mm256_loadu_si256(tile.add(at).cast());
+                    let odds = _mm256_loadu_si256(tile.add(at + GROUP_LEN / 2).cast());
+                    let scales =
+                        _mm256_loadu_ps(tile_scales.add(
+                            ((tile_row + i) * groups + group) * GROUP_LANES + pair * PAIR_LANES,
+                        ));
+                    for (acc_cell, a_t) in acc_row.iter_mut().zip(&a) {
+                        *acc_cell = pair_fma(W::SIGNED, *acc_cell, evens, odds, scales, a_t);
+                    }
                 }
             }
         }
-    }
-    for (i, acc_row) in acc.iter().enumerate() {
-        for (t, acc_cell) in acc_row.iter().enumerate() {
-            *out.add(t * stride + i) = W::FACTOR * reduce_add(*acc_cell);
+        for (i, acc_row) in acc.iter().enumerate() {
+            for (t, acc_cell) in acc_row.iter().enumerate() {
+                *out.add(t * stride + i) = W::FACTOR * reduce_add(*acc_cell);
+            }
         }
     }
 }
@@ -514,35 +569,40 @@ unsafe fn gemm<W: PairSource>(
     out: &mut [f32],
     scratch: &mut GemmScratch,
 ) {
-    if x.rows() == 1 {
-        return gemv(w, x, rows, out);
-    }
-    let groups = w.groups();
-    let stride = rows.len();
-    let tokens = x.rows();
-    let mut tile_start = rows.start;
-    while tile_start < rows.end {
-        let count = (rows.end - tile_start).min(GEMM_TILE_ROWS);
-        decode_tile(w, tile_start, count, scratch);
-        let out_column = out.as_mut_ptr().add(tile_start - rows.start);
-        let mut token = 0;
-        while token < tokens {
-            let t_count = (tokens - token).min(2);
-            let mut i = 0;
-            while i < count {
-                let r_count = if count - i >= 2 { 2 } else { 1 };
-                let o = out_column.add(token * stride + i);
-                match (r_count, t_count) {
-                    (2, 2) => gemm_micro::<W, 2, 2>(scratch, groups, i, x, token, o, stride),
-                    (2, _) => gemm_micro::<W, 2, 1>(scratch, groups, i, x, token, o, stride),
-                    (_, 2) => gemm_micro::<W, 1, 2>(scratch, groups, i, x, token, o, stride),
-                    _ => gemm_micro::<W, 1, 1>(scratch, groups, i, x, token, o, stride),
-                }
-                i += r_count;
-            }
-            token += t_count;
+    // SAFETY: the caller upholds this function's contract (The CPU has the module's features;
+    // shapes and scratch size were checked by `Kernels`), which is what every pointer access and
+    // target-feature call below relies on.
+    unsafe {
+        if x.rows() == 1 {
+            return gemv(w, x, rows, out);
         }
-        tile_start += count;
+        let groups = w.groups();
+        let stride = rows.len();
+        let tokens = x.rows();
+        let mut tile_start = rows.start;
+        while tile_start < rows.end {
+            let count = (rows.end - tile_start).min(GEMM_TILE_ROWS);
+            decode_tile(w, tile_start, count, scratch);
+            let out_column = out.as_mut_ptr().add(tile_start - rows.start);
+            let mut token = 0;
+            while token < tokens {
+                let t_count = (tokens - token).min(2);
+                let mut i = 0;
+                while i < count {
+                    let r_count = if count - i >= 2 { 2 } else { 1 };
+                    let o = out_column.add(token * stride + i);
+                    match (r_count, t_count) {
+                        (2, 2) => gemm_micro::<W, 2, 2>(scratch, groups, i, x, token, o, stride),
+                        (2, _) => gemm_micro::<W, 2, 1>(scratch, groups, i, x, token, o, stride),
+                        (_, 2) => gemm_micro::<W, 1, 2>(scratch, groups, i, x, token, o, stride),
+                        _ => gemm_micro::<W, 1, 1>(scratch, groups, i, x, token, o, stride),
+                    }
+                    i += r_count;
+                }
+                token += t_count;
+            }
+            tile_start += count;
+        }
     }
 }
 
@@ -553,7 +613,10 @@ pub(crate) unsafe fn mxfp4_gemm(
     out: &mut [f32],
     scratch: &mut GemmScratch,
 ) {
-    gemm(w, x, rows, out, scratch)
+    // SAFETY: the module's contract holds: the dispatcher runs this only on a CPU with every
+    // feature in `REQUIRED`, and the safe `Kernels` method checked the shapes, which is all the
+    // code below relies on.
+    unsafe { gemm(w, x, rows, out, scratch) }
 }
 
 pub(crate) unsafe fn q4_gemm(
@@ -563,7 +626,10 @@ pub(crate) unsafe fn q4_gemm(
     out: &mut [f32],
     scratch: &mut GemmScratch,
 ) {
-    gemm(w, x, rows, out, scratch)
+    // SAFETY: the module's contract holds: the dispatcher runs this only on a CPU with every
+    // feature in `REQUIRED`, and the safe `Kernels` method checked the shapes, which is all the
+    // code below relies on.
+    unsafe { gemm(w, x, rows, out, scratch) }
 }
 
 pub(crate) unsafe fn q8_gemm(
@@ -573,7 +639,10 @@ pub(crate) unsafe fn q8_gemm(
     out: &mut [f32],
     scratch: &mut GemmScratch,
 ) {
-    gemm(w, x, rows, out, scratch)
+    // SAFETY: the module's contract holds: the dispatcher runs this only on a CPU with every
+    // feature in `REQUIRED`, and the safe `Kernels` method checked the shapes, which is all the
+    // code below relies on.
+    unsafe { gemm(w, x, rows, out, scratch) }
 }
 
 /// `R` bf16 rows x `T` tokens over the columns that fill whole vectors; the rest in scalar FMA.
@@ -591,31 +660,36 @@ unsafe fn bf16_micro<const R: usize, const T: usize>(
     out: *mut f32,
     stride: usize,
 ) {
-    let mut acc = [[_mm256_setzero_ps(); T]; R];
-    let whole = cols / 8 * 8;
-    let mut c = 0;
-    while c < whole {
-        let mut xs = [_mm256_setzero_ps(); T];
-        for (t, xv) in xs.iter_mut().enumerate() {
-            *xv = _mm256_loadu_ps(x.as_ptr().add((token + t) * cols + c));
-        }
-        for (i, acc_row) in acc.iter_mut().enumerate() {
-            let bits = _mm_loadu_si128(w.as_ptr().add((row + i) * cols + c).cast());
-            let wv = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(bits)));
-            for (acc_cell, xv) in acc_row.iter_mut().zip(&xs) {
-                *acc_cell = _mm256_fmadd_ps(wv, *xv, *acc_cell);
+    // SAFETY: the caller upholds this function's contract (Rows `row..+R`, tokens `token..+T`
+    // exist; `out[t * stride + i]` in bounds), which is what every pointer access and
+    // target-feature call below relies on.
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        let whole = cols / 8 * 8;
+        let mut c = 0;
+        while c < whole {
+            let mut xs = [_mm256_setzero_ps(); T];
+            for (t, xv) in xs.iter_mut().enumerate() {
+                *xv = _mm256_loadu_ps(x.as_ptr().add((token + t) * cols + c));
             }
-        }
-        c += 8;
-    }
-    for (i, acc_row) in acc.iter().enumerate() {
-        for (t, acc_cell) in acc_row.iter().enumerate() {
-            let mut sum = reduce_add(*acc_cell);
-            for k in whole..cols {
-                let wv = f32::from_bits((*w.get_unchecked((row + i) * cols + k) as u32) << 16);
-                sum = wv.mul_add(*x.get_unchecked((token + t) * cols + k), sum);
+            for (i, acc_row) in acc.iter_mut().enumerate() {
+                let bits = _mm_loadu_si128(w.as_ptr().add((row + i) * cols + c).cast());
+                let wv = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(bits)));
+                for (acc_cell, xv) in acc_row.iter_mut().zip(&xs) {
+                    *acc_cell = _mm256_fmadd_ps(wv, *xv, *acc_cell);
+                }
             }
-            *out.add(t * stride + i) = sum;
+            c += 8;
+        }
+        for (i, acc_row) in acc.iter().enumerate() {
+            for (t, acc_cell) in acc_row.iter().enumerate() {
+                let mut sum = reduce_add(*acc_cell);
+                for k in whole..cols {
+                    let wv = f32::from_bits((*w.get_unchecked((row + i) * cols + k) as u32) << 16);
+                    sum = wv.mul_add(*x.get_unchecked((token + t) * cols + k), sum);
+                }
+                *out.add(t * stride + i) = sum;
+            }
         }
     }
 }
@@ -630,32 +704,37 @@ pub(crate) unsafe fn bf16_gemm(
     rows: Range<usize>,
     out: &mut [f32],
 ) {
-    let tokens = x.len() / cols;
-    let stride = rows.len();
-    let mut tile_start = rows.start;
-    while tile_start < rows.end {
-        let count = (rows.end - tile_start).min(GEMM_TILE_ROWS);
-        let mut token = 0;
-        while token < tokens {
-            let t_count = (tokens - token).min(3);
-            let mut i = 0;
-            while i < count {
-                let r_count = if count - i >= 2 { 2 } else { 1 };
-                let row = tile_start + i;
-                let o = out.as_mut_ptr().add(token * stride + row - rows.start);
-                match (r_count, t_count) {
-                    (2, 3) => bf16_micro::<2, 3>(w, cols, x, row, token, o, stride),
-                    (2, 2) => bf16_micro::<2, 2>(w, cols, x, row, token, o, stride),
-                    (2, _) => bf16_micro::<2, 1>(w, cols, x, row, token, o, stride),
-                    (_, 3) => bf16_micro::<1, 3>(w, cols, x, row, token, o, stride),
-                    (_, 2) => bf16_micro::<1, 2>(w, cols, x, row, token, o, stride),
-                    _ => bf16_micro::<1, 1>(w, cols, x, row, token, o, stride),
+    // SAFETY: the caller upholds this function's contract (The CPU has the module's features;
+    // shapes were checked by `Kernels`), which is what every pointer access and target-feature
+    // call below relies on.
+    unsafe {
+        let tokens = x.len() / cols;
+        let stride = rows.len();
+        let mut tile_start = rows.start;
+        while tile_start < rows.end {
+            let count = (rows.end - tile_start).min(GEMM_TILE_ROWS);
+            let mut token = 0;
+            while token < tokens {
+                let t_count = (tokens - token).min(3);
+                let mut i = 0;
+                while i < count {
+                    let r_count = if count - i >= 2 { 2 } else { 1 };
+                    let row = tile_start + i;
+                    let o = out.as_mut_ptr().add(token * stride + row - rows.start);
+                    match (r_count, t_count) {
+                        (2, 3) => bf16_micro::<2, 3>(w, cols, x, row, token, o, stride),
+                        (2, 2) => bf16_micro::<2, 2>(w, cols, x, row, token, o, stride),
+                        (2, _) => bf16_micro::<2, 1>(w, cols, x, row, token, o, stride),
+                        (_, 3) => bf16_micro::<1, 3>(w, cols, x, row, token, o, stride),
+                        (_, 2) => bf16_micro::<1, 2>(w, cols, x, row, token, o, stride),
+                        _ => bf16_micro::<1, 1>(w, cols, x, row, token, o, stride),
+                    }
+                    i += r_count;
                 }
-                i += r_count;
+                token += t_count;
             }
-            token += t_count;
+            tile_start += count;
         }
-        tile_start += count;
     }
 }
 
@@ -663,42 +742,52 @@ pub(crate) unsafe fn bf16_gemm(
 /// The CPU has the module's features; `a.len() == b.len()`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [_mm256_setzero_ps(); 2];
-    let whole = a.len() / 8 * 8;
-    let mut i = 0;
-    while i < whole {
-        let lane = (i / 8) % 2;
-        acc[lane] = _mm256_fmadd_ps(
-            _mm256_loadu_ps(a.as_ptr().add(i)),
-            _mm256_loadu_ps(b.as_ptr().add(i)),
-            acc[lane],
-        );
-        i += 8;
+    // SAFETY: the caller upholds this function's contract (The CPU has the module's features;
+    // `a.len() == b.len()`), which is what every pointer access and target-feature call below
+    // relies on.
+    unsafe {
+        let mut acc = [_mm256_setzero_ps(); 2];
+        let whole = a.len() / 8 * 8;
+        let mut i = 0;
+        while i < whole {
+            let lane = (i / 8) % 2;
+            acc[lane] = _mm256_fmadd_ps(
+                _mm256_loadu_ps(a.as_ptr().add(i)),
+                _mm256_loadu_ps(b.as_ptr().add(i)),
+                acc[lane],
+            );
+            i += 8;
+        }
+        let mut sum = reduce_add(_mm256_add_ps(acc[0], acc[1]));
+        for k in whole..a.len() {
+            sum = a[k].mul_add(b[k], sum);
+        }
+        sum
     }
-    let mut sum = reduce_add(_mm256_add_ps(acc[0], acc[1]));
-    for k in whole..a.len() {
-        sum = a[k].mul_add(b[k], sum);
-    }
-    sum
 }
 
 /// # Safety
 /// The CPU has the module's features; `x.len() == y.len()`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
-    let a = _mm256_set1_ps(alpha);
-    let whole = x.len() / 8 * 8;
-    let mut i = 0;
-    while i < whole {
-        let yp = y.as_mut_ptr().add(i);
-        _mm256_storeu_ps(
-            yp,
-            _mm256_fmadd_ps(a, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(yp)),
-        );
-        i += 8;
-    }
-    for k in whole..x.len() {
-        y[k] = alpha.mul_add(x[k], y[k]);
+    // SAFETY: the caller upholds this function's contract (The CPU has the module's features;
+    // `x.len() == y.len()`), which is what every pointer access and target-feature call below
+    // relies on.
+    unsafe {
+        let a = _mm256_set1_ps(alpha);
+        let whole = x.len() / 8 * 8;
+        let mut i = 0;
+        while i < whole {
+            let yp = y.as_mut_ptr().add(i);
+            _mm256_storeu_ps(
+                yp,
+                _mm256_fmadd_ps(a, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(yp)),
+            );
+            i += 8;
+        }
+        for k in whole..x.len() {
+            y[k] = alpha.mul_add(x[k], y[k]);
+        }
     }
 }
 
@@ -706,37 +795,47 @@ pub(crate) unsafe fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
 /// The CPU has the module's features; `a.len() == b.len()`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dot_f16(a: &[f32], b: &[f16]) -> f32 {
-    let mut acc = [_mm256_setzero_ps(); 2];
-    let whole = a.len() / 8 * 8;
-    let mut i = 0;
-    while i < whole {
-        let lane = (i / 8) % 2;
-        let bv = _mm256_cvtph_ps(_mm_loadu_si128(b.as_ptr().add(i).cast()));
-        acc[lane] = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), bv, acc[lane]);
-        i += 8;
+    // SAFETY: the caller upholds this function's contract (The CPU has the module's features;
+    // `a.len() == b.len()`), which is what every pointer access and target-feature call below
+    // relies on.
+    unsafe {
+        let mut acc = [_mm256_setzero_ps(); 2];
+        let whole = a.len() / 8 * 8;
+        let mut i = 0;
+        while i < whole {
+            let lane = (i / 8) % 2;
+            let bv = _mm256_cvtph_ps(_mm_loadu_si128(b.as_ptr().add(i).cast()));
+            acc[lane] = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), bv, acc[lane]);
+            i += 8;
+        }
+        let mut sum = reduce_add(_mm256_add_ps(acc[0], acc[1]));
+        for k in whole..a.len() {
+            sum = a[k].mul_add(b[k].to_f32(), sum);
+        }
+        sum
     }
-    let mut sum = reduce_add(_mm256_add_ps(acc[0], acc[1]));
-    for k in whole..a.len() {
-        sum = a[k].mul_add(b[k].to_f32(), sum);
-    }
-    sum
 }
 
 /// # Safety
 /// The CPU has the module's features; `x.len() == y.len()`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn axpy_f16(alpha: f32, x: &[f16], y: &mut [f32]) {
-    let a = _mm256_set1_ps(alpha);
-    let whole = x.len() / 8 * 8;
-    let mut i = 0;
-    while i < whole {
-        let yp = y.as_mut_ptr().add(i);
-        let xv = _mm256_cvtph_ps(_mm_loadu_si128(x.as_ptr().add(i).cast()));
-        _mm256_storeu_ps(yp, _mm256_fmadd_ps(a, xv, _mm256_loadu_ps(yp)));
-        i += 8;
-    }
-    for k in whole..x.len() {
-        y[k] = alpha.mul_add(x[k].to_f32(), y[k]);
+    // SAFETY: the caller upholds this function's contract (The CPU has the module's features;
+    // `x.len() == y.len()`), which is what every pointer access and target-feature call below
+    // relies on.
+    unsafe {
+        let a = _mm256_set1_ps(alpha);
+        let whole = x.len() / 8 * 8;
+        let mut i = 0;
+        while i < whole {
+            let yp = y.as_mut_ptr().add(i);
+            let xv = _mm256_cvtph_ps(_mm_loadu_si128(x.as_ptr().add(i).cast()));
+            _mm256_storeu_ps(yp, _mm256_fmadd_ps(a, xv, _mm256_loadu_ps(yp)));
+            i += 8;
+        }
+        for k in whole..x.len() {
+            y[k] = alpha.mul_add(x[k].to_f32(), y[k]);
+        }
     }
 }
 
@@ -744,16 +843,21 @@ pub(crate) unsafe fn axpy_f16(alpha: f32, x: &[f16], y: &mut [f32]) {
 /// The CPU has the module's features; `src.len() == dst.len()`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn f32_to_f16(src: &[f32], dst: &mut [f16]) {
-    let whole = src.len() / 8 * 8;
-    let mut i = 0;
-    while i < whole {
-        let halves =
-            _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(src.as_ptr().add(i)));
-        _mm_storeu_si128(dst.as_mut_ptr().add(i).cast(), halves);
-        i += 8;
-    }
-    for k in whole..src.len() {
-        dst[k] = f16::from_f32(src[k]);
+    // SAFETY: the caller upholds this function's contract (The CPU has the module's features;
+    // `src.len() == dst.len()`), which is what every pointer access and target-feature call below
+    // relies on.
+    unsafe {
+        let whole = src.len() / 8 * 8;
+        let mut i = 0;
+        while i < whole {
+            let halves =
+                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(src.as_ptr().add(i)));
+            _mm_storeu_si128(dst.as_mut_ptr().add(i).cast(), halves);
+            i += 8;
+        }
+        for k in whole..src.len() {
+            dst[k] = f16::from_f32(src[k]);
+        }
     }
 }
 
@@ -761,16 +865,55 @@ pub(crate) unsafe fn f32_to_f16(src: &[f32], dst: &mut [f16]) {
 /// The CPU has the module's features; `src.len() == dst.len()`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
-    let whole = src.len() / 8 * 8;
-    let mut i = 0;
-    while i < whole {
-        _mm256_storeu_ps(
-            dst.as_mut_ptr().add(i),
-            _mm256_cvtph_ps(_mm_loadu_si128(src.as_ptr().add(i).cast())),
-        );
-        i += 8;
+    // SAFETY: the caller upholds this function's contract (The CPU has the module's features;
+    // `src.len() == dst.len()`), which is what every pointer access and target-feature call below
+    // relies on.
+    unsafe {
+        let whole = src.len() / 8 * 8;
+        let mut i = 0;
+        while i < whole {
+            _mm256_storeu_ps(
+                dst.as_mut_ptr().add(i),
+                _mm256_cvtph_ps(_mm_loadu_si128(src.as_ptr().add(i).cast())),
+            );
+            i += 8;
+        }
+        for k in whole..src.len() {
+            dst[k] = src[k].to_f32();
+        }
     }
-    for k in whole..src.len() {
-        dst[k] = src[k].to_f32();
+}
+
+/// The `vpmaddubsw` + `vpmaddwd` + `vpaddd` peak (the AVX2 GEMM's instructions): eight accumulator
+/// chains, each round's operands passed through an empty `asm!` so the compiler cannot hoist the
+/// loop-invariant products out of the loop.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn int8_mac_probe(rounds: usize) -> i64 {
+    use super::{probe_operands, PROBE_GROUPS};
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_si256(); 8];
+    for _ in 0..rounds {
+        let mut unsigned: [__m256i; 3] =
+            std::array::from_fn(|g| _mm256_set1_epi8(probe_operands(g).0 as i8));
+        let mut signed: [__m256i; 5] =
+            std::array::from_fn(|g| _mm256_set1_epi8(probe_operands(g).1));
+        for v in unsigned.iter_mut().chain(signed.iter_mut()) {
+            // SAFETY: an empty template: it only tells the compiler the value may have changed.
+            unsafe { std::arch::asm!("/* {0} */", inout(ymm_reg) * v, options(nomem, nostack)) };
+        }
+        for g in 0..PROBE_GROUPS {
+            // A group is 64 multiply-accumulates: two 32-byte products.
+            let pairs = _mm256_maddubs_epi16(unsigned[g % 3], signed[g % 5]);
+            let quads = _mm256_madd_epi16(pairs, ones);
+            acc[g % 8] = _mm256_add_epi32(acc[g % 8], _mm256_add_epi32(quads, quads));
+        }
     }
+    let mut total = 0i64;
+    for acc in acc {
+        let mut lanes = [0i32; 8];
+        // SAFETY: `lanes` is 32 writable bytes; storeu has no alignment requirement.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), acc) };
+        total += lanes.iter().map(|&l| l as i64).sum::<i64>();
+    }
+    total
 }

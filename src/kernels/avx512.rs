@@ -14,7 +14,7 @@ use super::formats::{
     ByteSpans, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN, CORRECTION_LANE_MXFP4,
     CORRECTION_LANE_Q4, CORRECTION_LANE_Q8, GROUP_BLOCKS, GROUP_LANES, GROUP_LEN,
 };
-use super::{GemmScratch, GEMM_TILE_ROWS};
+use super::{GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
 
 const REQUIRED: [&str; 6] = ["avx512f", "avx512bw", "avx512vnni", "avx2", "fma", "f16c"];
 
@@ -102,18 +102,23 @@ impl ActGroup {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     unsafe fn load(x: &Q8Activations, token: usize, group: usize, mask: __mmask16) -> Self {
-        // Tokens are stored back to back, so (token, group) indexes whole groups; raw offsets keep
-        // bounds checks out of the inner loops (the caller guarantees both indices are in range).
-        let at = token * x.groups + group;
-        let quants = x.quants.as_ptr().add(at * GROUP_LEN);
-        Self {
-            evens: _mm512_loadu_si512(quants.cast()),
-            odds: _mm512_loadu_si512(quants.add(GROUP_LEN / 2).cast()),
-            correction: _mm512_maskz_loadu_epi32(
-                mask,
-                x.corrections.as_ptr().add(at * GROUP_LANES),
-            ),
-            scales: _mm512_loadu_ps(x.scale_lanes.as_ptr().add(at * GROUP_LANES)),
+        // SAFETY: the caller upholds this function's contract (`group < x.groups()` and `token <
+        // x.rows()`; the CPU has the module's features), which is what every pointer access and
+        // target-feature call below relies on.
+        unsafe {
+            // Tokens are stored back to back, so (token, group) indexes whole groups; raw offsets keep
+            // bounds checks out of the inner loops (the caller guarantees both indices are in range).
+            let at = token * x.groups + group;
+            let quants = x.quants.as_ptr().add(at * GROUP_LEN);
+            Self {
+                evens: _mm512_loadu_si512(quants.cast()),
+                odds: _mm512_loadu_si512(quants.add(GROUP_LEN / 2).cast()),
+                correction: _mm512_maskz_loadu_epi32(
+                    mask,
+                    x.corrections.as_ptr().add(at * GROUP_LANES),
+                ),
+                scales: _mm512_loadu_ps(x.scale_lanes.as_ptr().add(at * GROUP_LANES)),
+            }
         }
     }
 }
@@ -167,33 +172,38 @@ fn split_nibbles<const FORMAT: u8>(bytes: __m512i) -> (__m512i, __m512i) {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn mxfp4_group(w: &Mxfp4Matrix, row: usize, group: usize) -> (__m512i, __m512i, __m512) {
-    let blocks_per_row = w.cols / BLOCK_LEN;
-    let blocks_here = (blocks_per_row - group * GROUP_BLOCKS).min(GROUP_BLOCKS);
-    let bytes = w
-        .blocks
-        .as_ptr()
-        .add(row * (w.cols / 2) + group * GROUP_LEN / 2);
-    let scales = w
-        .scales
-        .as_ptr()
-        .add(row * blocks_per_row + group * GROUP_BLOCKS);
-    let (nibbles, scale_bytes) = if blocks_here == GROUP_BLOCKS {
-        (
-            _mm512_loadu_si512(bytes.cast()),
-            scales.cast::<u32>().read_unaligned(),
-        )
-    } else {
-        // A row's last group may hold 1-3 blocks; masked-off bytes are not read (no fault) and
-        // become nibble 0, whose weight meets zero padding activations.
-        let mask = (1u64 << (blocks_here * 16)) - 1;
-        let mut scale_bytes = 0u32;
-        for j in 0..blocks_here {
-            scale_bytes |= (*scales.add(j) as u32) << (8 * j);
-        }
-        (_mm512_maskz_loadu_epi8(mask, bytes.cast()), scale_bytes)
-    };
-    let (evens, odds) = split_nibbles::<FORMAT_MXFP4>(nibbles);
-    (evens, odds, e8m0_lanes(scale_bytes))
+    // SAFETY: the caller upholds this function's contract (`row < rows` of the matrix, `group <
+    // ceil(cols / 128)`; the CPU has the module's features), which is what every pointer access
+    // and target-feature call below relies on.
+    unsafe {
+        let blocks_per_row = w.cols / BLOCK_LEN;
+        let blocks_here = (blocks_per_row - group * GROUP_BLOCKS).min(GROUP_BLOCKS);
+        let bytes = w
+            .blocks
+            .as_ptr()
+            .add(row * (w.cols / 2) + group * GROUP_LEN / 2);
+        let scales = w
+            .scales
+            .as_ptr()
+            .add(row * blocks_per_row + group * GROUP_BLOCKS);
+        let (nibbles, scale_bytes) = if blocks_here == GROUP_BLOCKS {
+            (
+                _mm512_loadu_si512(bytes.cast()),
+                scales.cast::<u32>().read_unaligned(),
+            )
+        } else {
+            // A row's last group may hold 1-3 blocks; masked-off bytes are not read (no fault) and
+            // become nibble 0, whose weight meets zero padding activations.
+            let mask = (1u64 << (blocks_here * 16)) - 1;
+            let mut scale_bytes = 0u32;
+            for j in 0..blocks_here {
+                scale_bytes |= (*scales.add(j) as u32) << (8 * j);
+            }
+            (_mm512_maskz_loadu_epi8(mask, bytes.cast()), scale_bytes)
+        };
+        let (evens, odds) = split_nibbles::<FORMAT_MXFP4>(nibbles);
+        (evens, odds, e8m0_lanes(scale_bytes))
+    }
 }
 
 /// # Safety
@@ -201,20 +211,24 @@ unsafe fn mxfp4_group(w: &Mxfp4Matrix, row: usize, group: usize) -> (__m512i, __
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn q4_group(w: &Q4Matrix, row: usize, group: usize) -> (__m512i, __m512i, __m512) {
-    let nibbles = _mm512_loadu_si512(
-        w.row_nibbles(row)
+    // SAFETY: the caller upholds this function's contract (as `mxfp4_group`, for a Q4 matrix),
+    // which is what every pointer access and target-feature call below relies on.
+    unsafe {
+        let nibbles = _mm512_loadu_si512(
+            w.row_nibbles(row)
+                .as_ptr()
+                .add(group * GROUP_LEN / 2)
+                .cast(),
+        );
+        let scale_bits = w
+            .row_scales(row)
             .as_ptr()
-            .add(group * GROUP_LEN / 2)
-            .cast(),
-    );
-    let scale_bits = w
-        .row_scales(row)
-        .as_ptr()
-        .add(group * GROUP_BLOCKS)
-        .cast::<u64>()
-        .read_unaligned();
-    let (evens, odds) = split_nibbles::<FORMAT_Q4>(nibbles);
-    (evens, odds, f16_lanes(scale_bits))
+            .add(group * GROUP_BLOCKS)
+            .cast::<u64>()
+            .read_unaligned();
+        let (evens, odds) = split_nibbles::<FORMAT_Q4>(nibbles);
+        (evens, odds, f16_lanes(scale_bits))
+    }
 }
 
 /// # Safety
@@ -222,18 +236,22 @@ unsafe fn q4_group(w: &Q4Matrix, row: usize, group: usize) -> (__m512i, __m512i,
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn q8_group(w: &Q8Matrix, row: usize, group: usize) -> (__m512i, __m512i, __m512) {
-    let quants = w.row_quants(row).as_ptr().add(group * GROUP_LEN);
-    let sign = _mm512_set1_epi8(i8::MIN);
-    // q ^ 0x80 = q + 128 as an unsigned byte.
-    let evens = _mm512_xor_si512(_mm512_loadu_si512(quants.cast()), sign);
-    let odds = _mm512_xor_si512(_mm512_loadu_si512(quants.add(GROUP_LEN / 2).cast()), sign);
-    let scale_bits = w
-        .row_scales(row)
-        .as_ptr()
-        .add(group * GROUP_BLOCKS)
-        .cast::<u64>()
-        .read_unaligned();
-    (evens, odds, f16_lanes(scale_bits))
+    // SAFETY: the caller upholds this function's contract (as `mxfp4_group`, for a Q8 matrix),
+    // which is what every pointer access and target-feature call below relies on.
+    unsafe {
+        let quants = w.row_quants(row).as_ptr().add(group * GROUP_LEN);
+        let sign = _mm512_set1_epi8(i8::MIN);
+        // q ^ 0x80 = q + 128 as an unsigned byte.
+        let evens = _mm512_xor_si512(_mm512_loadu_si512(quants.cast()), sign);
+        let odds = _mm512_xor_si512(_mm512_loadu_si512(quants.add(GROUP_LEN / 2).cast()), sign);
+        let scale_bits = w
+            .row_scales(row)
+            .as_ptr()
+            .add(group * GROUP_BLOCKS)
+            .cast::<u64>()
+            .read_unaligned();
+        (evens, odds, f16_lanes(scale_bits))
+    }
 }
 
 /// A matrix whose groups decode to unsigned weights (evens, odds) and scale lanes.
@@ -243,6 +261,76 @@ trait GroupSource: ByteSpans {
     /// # Safety
     /// `row < rows()`, `group < groups()`; the CPU has the module's features.
     unsafe fn load_group(&self, row: usize, group: usize) -> (__m512i, __m512i, __m512);
+
+    /// The group's weight bytes as stored, not yet decoded: the 64 nibble bytes (and zeros) for
+    /// MXFP4 and Q4, the evens and the odds for Q8. Bytes past a short last group are zero.
+    ///
+    /// # Safety
+    /// As [`GroupSource::load_group`].
+    unsafe fn raw_group(&self, row: usize, group: usize) -> (__m512i, __m512i);
+
+    /// Unsigned (evens, odds) from [`GroupSource::raw_group`]'s vectors. Byte-wise, so it gives
+    /// the same bytes when applied after any permutation of dwords: the GEMM transposes the raw
+    /// bytes (one transpose for the nibble formats) and decodes afterwards.
+    ///
+    /// # Safety
+    /// The CPU has the module's features.
+    unsafe fn decode_raw(first: __m512i, second: __m512i) -> (__m512i, __m512i);
+
+    /// Block j's scale of rows `first_row..first_row + count` in lane r of vector j, 0 in the
+    /// lanes past `count`: the GEMM tile's scale columns, built without a transpose.
+    ///
+    /// # Safety
+    /// Rows inside the matrix, `count <= 16`, `group < groups()`; the CPU has the module's features.
+    unsafe fn scale_columns(&self, first_row: usize, count: usize, group: usize) -> [__m512; 4];
+}
+
+/// Block j's f16 scale of each of 16 rows (four per row in `bits[r]`) as f32 in lane r of
+/// vector j.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+fn f16_scale_columns(bits: &[u64; 16]) -> [__m512; 4] {
+    // SAFETY: `bits` is 16 readable u64 (two vectors); loadu has no alignment requirement.
+    let (low, high) = unsafe {
+        (
+            _mm512_loadu_si512(bits.as_ptr().cast()),
+            _mm512_loadu_si512(bits.as_ptr().add(8).cast()),
+        )
+    };
+    std::array::from_fn(|j| {
+        let shift = _mm512_set1_epi64(16 * j as i64);
+        let words = _mm256_set_m128i(
+            _mm512_cvtepi64_epi16(_mm512_srlv_epi64(high, shift)),
+            _mm512_cvtepi64_epi16(_mm512_srlv_epi64(low, shift)),
+        );
+        _mm512_cvtph_ps(words)
+    })
+}
+
+/// The four f16 scales of `group` in rows `first_row..+count` of a Q8 or Q4 matrix (zeros past
+/// `count`), as `f16_scale_columns` takes them.
+///
+/// # Safety
+/// `scales` holds `groups * 4` f16 per row for the rows asked; `count <= 16`.
+#[inline]
+unsafe fn f16_scale_bits(
+    scales: *const f16,
+    groups: usize,
+    first_row: usize,
+    count: usize,
+    group: usize,
+) -> [u64; 16] {
+    let mut bits = [0u64; 16];
+    for (r, bits) in bits.iter_mut().enumerate().take(count) {
+        // SAFETY: row `first_row + r` exists and its group `group` has four scales.
+        *bits = unsafe {
+            scales
+                .add((first_row + r) * groups * GROUP_BLOCKS + group * GROUP_BLOCKS)
+                .cast::<u64>()
+                .read_unaligned()
+        };
+    }
+    bits
 }
 
 impl GroupSource for Mxfp4Matrix<'_> {
@@ -253,7 +341,62 @@ impl GroupSource for Mxfp4Matrix<'_> {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     unsafe fn load_group(&self, row: usize, group: usize) -> (__m512i, __m512i, __m512) {
-        mxfp4_group(self, row, group)
+        // SAFETY: the caller upholds the trait's contract for this method (row and group inside the
+        // matrix; the CPU has this module's features), so every load below stays inside the row.
+        unsafe { mxfp4_group(self, row, group) }
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn raw_group(&self, row: usize, group: usize) -> (__m512i, __m512i) {
+        let blocks_here = (self.cols / BLOCK_LEN - group * GROUP_BLOCKS).min(GROUP_BLOCKS);
+        // A short last group: masked-off bytes are not read (no fault) and stay zero.
+        let mask = u64::MAX >> (64 - 16 * blocks_here);
+        // SAFETY: the caller upholds the trait's contract (row and group inside the matrix); the
+        // mask keeps the load inside the row's bytes.
+        let nibbles = unsafe {
+            _mm512_maskz_loadu_epi8(
+                mask,
+                self.blocks
+                    .as_ptr()
+                    .add(row * (self.cols / 2) + group * GROUP_LEN / 2)
+                    .cast(),
+            )
+        };
+        (nibbles, _mm512_setzero_si512())
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn decode_raw(first: __m512i, _: __m512i) -> (__m512i, __m512i) {
+        split_nibbles::<FORMAT_MXFP4>(first)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn scale_columns(&self, first_row: usize, count: usize, group: usize) -> [__m512; 4] {
+        let blocks_per_row = self.cols / BLOCK_LEN;
+        let blocks_here = (blocks_per_row - group * GROUP_BLOCKS).min(GROUP_BLOCKS);
+        let mut bytes = [0u32; 16];
+        let scales = self.scales.as_ptr();
+        for (r, word) in bytes.iter_mut().enumerate().take(count) {
+            let at = (first_row + r) * blocks_per_row + group * GROUP_BLOCKS;
+            // SAFETY: the caller upholds the trait's contract (row `first_row + r` and `group`
+            // inside the matrix), so the group's `blocks_here` scale bytes exist.
+            *word = unsafe {
+                if blocks_here == GROUP_BLOCKS {
+                    scales.add(at).cast::<u32>().read_unaligned()
+                } else {
+                    (0..blocks_here)
+                        .fold(0, |word, j| word | (*scales.add(at + j) as u32) << (8 * j))
+                }
+            };
+        }
+        // SAFETY: `bytes` is 64 readable bytes; loadu has no alignment requirement.
+        let v = unsafe { _mm512_loadu_si512(bytes.as_ptr().cast()) };
+        let byte = _mm512_set1_epi32(0xFF);
+        std::array::from_fn(|j| {
+            let e = _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(8 * j as i32)), byte);
+            // 2^(s - 127) as f32 bits, s = 0 flushing to 0: as `e8m0_lanes`.
+            _mm512_castsi512_ps(_mm512_slli_epi32::<23>(e))
+        })
     }
 }
 
@@ -265,7 +408,36 @@ impl GroupSource for Q4Matrix {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     unsafe fn load_group(&self, row: usize, group: usize) -> (__m512i, __m512i, __m512) {
-        q4_group(self, row, group)
+        // SAFETY: the caller upholds the trait's contract for this method (row and group inside the
+        // matrix; the CPU has this module's features), so every load below stays inside the row.
+        unsafe { q4_group(self, row, group) }
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn raw_group(&self, row: usize, group: usize) -> (__m512i, __m512i) {
+        // SAFETY: the caller upholds the trait's contract; rows are padded to whole groups.
+        let nibbles = unsafe {
+            _mm512_loadu_si512(
+                self.row_nibbles(row)
+                    .as_ptr()
+                    .add(group * GROUP_LEN / 2)
+                    .cast(),
+            )
+        };
+        (nibbles, _mm512_setzero_si512())
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn decode_raw(first: __m512i, _: __m512i) -> (__m512i, __m512i) {
+        split_nibbles::<FORMAT_Q4>(first)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn scale_columns(&self, first_row: usize, count: usize, group: usize) -> [__m512; 4] {
+        // SAFETY: the caller upholds the trait's contract (rows inside the matrix, count <= 16).
+        let bits =
+            unsafe { f16_scale_bits(self.scales.as_ptr(), self.groups, first_row, count, group) };
+        f16_scale_columns(&bits)
     }
 }
 
@@ -277,7 +449,39 @@ impl GroupSource for Q8Matrix {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     unsafe fn load_group(&self, row: usize, group: usize) -> (__m512i, __m512i, __m512) {
-        q8_group(self, row, group)
+        // SAFETY: the caller upholds the trait's contract for this method (row and group inside the
+        // matrix; the CPU has this module's features), so every load below stays inside the row.
+        unsafe { q8_group(self, row, group) }
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn raw_group(&self, row: usize, group: usize) -> (__m512i, __m512i) {
+        // SAFETY: the caller upholds the trait's contract; rows are padded to whole groups.
+        unsafe {
+            let quants = self.row_quants(row).as_ptr().add(group * GROUP_LEN);
+            (
+                _mm512_loadu_si512(quants.cast()),
+                _mm512_loadu_si512(quants.add(GROUP_LEN / 2).cast()),
+            )
+        }
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn decode_raw(first: __m512i, second: __m512i) -> (__m512i, __m512i) {
+        // q ^ 0x80 = q + 128 as an unsigned byte.
+        let sign = _mm512_set1_epi8(i8::MIN);
+        (
+            _mm512_xor_si512(first, sign),
+            _mm512_xor_si512(second, sign),
+        )
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn scale_columns(&self, first_row: usize, count: usize, group: usize) -> [__m512; 4] {
+        // SAFETY: the caller upholds the trait's contract (rows inside the matrix, count <= 16).
+        let bits =
+            unsafe { f16_scale_bits(self.scales.as_ptr(), self.groups, first_row, count, group) };
+        f16_scale_columns(&bits)
     }
 }
 
@@ -299,23 +503,28 @@ unsafe fn gemv_rows<W: GroupSource, const R: usize, const T: usize>(
     stride: usize,
     at: usize,
 ) {
-    let mut acc = [[_mm512_setzero_ps(); T]; R];
-    let groups = w.groups();
-    let spans = w.byte_spans(prefetch);
-    for group in 0..groups {
-        prefetch_share(&spans, group, groups);
-        let a: [ActGroup; T] =
-            std::array::from_fn(|t| ActGroup::load(x, t, group, correction_mask(W::FORMAT)));
-        for (i, acc_row) in acc.iter_mut().enumerate() {
-            let (evens, odds, scales) = w.load_group(first_row + i, group);
-            for (acc_t, a_t) in acc_row.iter_mut().zip(&a) {
-                *acc_t = group_fma(*acc_t, evens, odds, scales, a_t);
+    // SAFETY: the caller upholds this function's contract (`first_row + R <= w.rows()`, `x` has `T`
+    // tokens of `w`'s columns, the writes are in bounds), which is what every pointer access and
+    // target-feature call below relies on.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); T]; R];
+        let groups = w.groups();
+        let spans = w.byte_spans(prefetch);
+        for group in 0..groups {
+            prefetch_share(&spans, group, groups);
+            let a: [ActGroup; T] =
+                std::array::from_fn(|t| ActGroup::load(x, t, group, correction_mask(W::FORMAT)));
+            for (i, acc_row) in acc.iter_mut().enumerate() {
+                let (evens, odds, scales) = w.load_group(first_row + i, group);
+                for (acc_t, a_t) in acc_row.iter_mut().zip(&a) {
+                    *acc_t = group_fma(*acc_t, evens, odds, scales, a_t);
+                }
             }
         }
-    }
-    for (i, acc_row) in acc.iter().enumerate() {
-        for (t, acc_t) in acc_row.iter().enumerate() {
-            out[t * stride + at + i] = format_factor(W::FORMAT) * _mm512_reduce_add_ps(*acc_t);
+        for (i, acc_row) in acc.iter().enumerate() {
+            for (t, acc_t) in acc_row.iter().enumerate() {
+                out[t * stride + at + i] = format_factor(W::FORMAT) * _mm512_reduce_add_ps(*acc_t);
+            }
         }
     }
 }
@@ -325,11 +534,17 @@ unsafe fn gemv_rows<W: GroupSource, const R: usize, const T: usize>(
 /// `rows` inside the matrix, `out.len() == rows.len()`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn gemv<W: GroupSource>(w: &W, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
-    match x.rows() {
-        1 => gemv_tokens::<W, 1>(w, x, rows, out),
-        2 => gemv_tokens::<W, 2>(w, x, rows, out),
-        3 => gemv_tokens::<W, 3>(w, x, rows, out),
-        _ => gemv_tokens::<W, 4>(w, x, rows, out),
+    // SAFETY: the caller upholds this function's contract (The CPU has the module's features;
+    // shapes were checked by `Kernels` (one token of `w`'s columns, `rows` inside the matrix,
+    // `out.len() == rows.len()`)), which is what every pointer access and target-feature call
+    // below relies on.
+    unsafe {
+        match x.rows() {
+            1 => gemv_tokens::<W, 1>(w, x, rows, out),
+            2 => gemv_tokens::<W, 2>(w, x, rows, out),
+            3 => gemv_tokens::<W, 3>(w, x, rows, out),
+            _ => gemv_tokens::<W, 4>(w, x, rows, out),
+        }
     }
 }
 
@@ -343,12 +558,16 @@ unsafe fn gemv_tokens<W: GroupSource, const T: usize>(
     rows: Range<usize>,
     out: &mut [f32],
 ) {
-    // Four rows share each activation load; with four tokens their accumulators and activation
-    // operands would not fit the 32 registers, so two rows at a time.
-    if T > 3 {
-        gemv_row_blocks::<W, 2, T>(w, x, rows, out)
-    } else {
-        gemv_row_blocks::<W, 4, T>(w, x, rows, out)
+    // SAFETY: the caller upholds this function's contract (As [`gemv`], with `x` holding exactly
+    // `T` tokens), which is what every pointer access and target-feature call below relies on.
+    unsafe {
+        // Four rows share each activation load; with four tokens their accumulators and activation
+        // operands would not fit the 32 registers, so two rows at a time.
+        if T > 3 {
+            gemv_row_blocks::<W, 2, T>(w, x, rows, out)
+        } else {
+            gemv_row_blocks::<W, 4, T>(w, x, rows, out)
+        }
     }
 }
 
@@ -362,21 +581,25 @@ unsafe fn gemv_row_blocks<W: GroupSource, const R: usize, const T: usize>(
     rows: Range<usize>,
     out: &mut [f32],
 ) {
-    // About eight rows ahead measured best (4 and 16 were slower in decode).
-    let prefetch_ahead = 8;
-    let stride = rows.len();
-    let ahead = |row: usize, count: usize| {
-        (row + prefetch_ahead).min(rows.end)..(row + prefetch_ahead + count).min(rows.end)
-    };
-    let mut at = 0;
-    while at < stride {
-        let row = rows.start + at;
-        if stride - at >= R {
-            gemv_rows::<W, R, T>(w, x, row, ahead(row, R), out, stride, at);
-            at += R;
-        } else {
-            gemv_rows::<W, 1, T>(w, x, row, ahead(row, 0), out, stride, at);
-            at += 1;
+    // SAFETY: the caller upholds this function's contract (As [`gemv_tokens`]), which is what
+    // every pointer access and target-feature call below relies on.
+    unsafe {
+        // About eight rows ahead measured best (4 and 16 were slower in decode).
+        let prefetch_ahead = 8;
+        let stride = rows.len();
+        let ahead = |row: usize, count: usize| {
+            (row + prefetch_ahead).min(rows.end)..(row + prefetch_ahead + count).min(rows.end)
+        };
+        let mut at = 0;
+        while at < stride {
+            let row = rows.start + at;
+            if stride - at >= R {
+                gemv_rows::<W, R, T>(w, x, row, ahead(row, R), out, stride, at);
+                at += R;
+            } else {
+                gemv_rows::<W, 1, T>(w, x, row, ahead(row, 0), out, stride, at);
+                at += 1;
+            }
         }
     }
 }
@@ -387,15 +610,24 @@ pub(crate) unsafe fn mxfp4_gemv(
     rows: Range<usize>,
     out: &mut [f32],
 ) {
-    gemv(w, x, rows, out)
+    // SAFETY: the module's contract holds: the dispatcher runs this only on a CPU with every
+    // feature in `REQUIRED`, and the safe `Kernels` method checked the shapes, which is all the
+    // code below relies on.
+    unsafe { gemv(w, x, rows, out) }
 }
 
 pub(crate) unsafe fn q4_gemv(w: &Q4Matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
-    gemv(w, x, rows, out)
+    // SAFETY: the module's contract holds: the dispatcher runs this only on a CPU with every
+    // feature in `REQUIRED`, and the safe `Kernels` method checked the shapes, which is all the
+    // code below relies on.
+    unsafe { gemv(w, x, rows, out) }
 }
 
 pub(crate) unsafe fn q8_gemv(w: &Q8Matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
-    gemv(w, x, rows, out)
+    // SAFETY: the module's contract holds: the dispatcher runs this only on a CPU with every
+    // feature in `REQUIRED`, and the safe `Kernels` method checked the shapes, which is all the
+    // code below relies on.
+    unsafe { gemv(w, x, rows, out) }
 }
 
 /// Transpose a 16 x 16 matrix of 32-bit values held as 16 row vectors.
@@ -447,45 +679,73 @@ fn block_dword(j: usize, step: usize) -> usize {
     }
 }
 
-/// Decode rows `first_row..first_row + count` into the scratch tile transposed: for each group
+/// Bytes of one decoded tile of a matrix with `groups` groups per row: the scratch holds
+/// [`GEMM_TILE_SLOTS`] tiles this far apart.
+#[inline(always)]
+fn tile_slot_bytes(groups: usize) -> usize {
+    groups * GEMM_TILE_ROWS * GROUP_LEN
+}
+
+/// Scale lanes of one decoded tile, likewise.
+#[inline(always)]
+fn tile_slot_scales(groups: usize) -> usize {
+    groups * GROUP_BLOCKS * GEMM_TILE_ROWS
+}
+
+/// Decode rows `first_row..first_row + count` into tile `slot` of the scratch, transposed: for each group
 /// and dword position q (four weights of one block), one vector whose lane r holds those four
 /// unsigned weights of row r. Scales likewise: per group and block j, lane r = row r's scale.
 /// Rows past `count` are zero with scale 0.
 ///
 /// # Safety
-/// Rows inside the matrix, `count <= GEMM_TILE_ROWS` (16), scratch sized for the matrix's columns.
+/// Rows inside the matrix, `count <= GEMM_TILE_ROWS` (16), `slot < GEMM_TILE_SLOTS`, scratch sized
+/// for the matrix's columns.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn decode_tile<W: GroupSource>(
     w: &W,
     first_row: usize,
     count: usize,
     scratch: &mut GemmScratch,
+    slot: usize,
 ) {
-    let groups = w.groups();
-    let tile = scratch.tile.as_mut_ptr();
-    let tile_scales = scratch.tile_scales.as_mut_ptr();
-    for group in 0..groups {
-        let mut evens = [_mm512_setzero_si512(); GEMM_TILE_ROWS];
-        let mut odds = [_mm512_setzero_si512(); GEMM_TILE_ROWS];
-        let mut scales = [_mm512_setzero_si512(); GEMM_TILE_ROWS];
-        for r in 0..count {
-            let (e, o, s) = w.load_group(first_row + r, group);
-            evens[r] = e;
-            odds[r] = o;
-            scales[r] = _mm512_castps_si512(s);
-        }
-        let at = tile.add(group * GEMM_TILE_ROWS * GROUP_LEN);
-        for (q, column) in transpose_16x16(evens).into_iter().enumerate() {
-            _mm512_storeu_si512(at.add(q * 64).cast(), column);
-        }
-        for (q, column) in transpose_16x16(odds).into_iter().enumerate() {
-            _mm512_storeu_si512(at.add((GROUP_DWORDS / 2 + q) * 64).cast(), column);
-        }
-        // Row scale lanes 4j..4j+3 all hold block j's scale; column 4j of the transpose is block j.
-        let columns = transpose_16x16(scales);
-        for j in 0..GROUP_BLOCKS {
-            let to = tile_scales.add((group * GROUP_BLOCKS + j) * GEMM_TILE_ROWS);
-            _mm512_storeu_ps(to, _mm512_castsi512_ps(columns[4 * j]));
+    // SAFETY: the caller upholds this function's contract (rows inside the matrix, `count <=
+    // GEMM_TILE_ROWS` (16), `slot < GEMM_TILE_SLOTS`, scratch sized for the matrix's columns),
+    // which is what every pointer access and target-feature call below relies on.
+    unsafe {
+        let groups = w.groups();
+        let tile = scratch
+            .tile
+            .as_mut_ptr()
+            .add(slot * tile_slot_bytes(groups));
+        let tile_scales = scratch
+            .tile_scales
+            .as_mut_ptr()
+            .add(slot * tile_slot_scales(groups));
+        for group in 0..groups {
+            let mut first = [_mm512_setzero_si512(); GEMM_TILE_ROWS];
+            let mut second = [_mm512_setzero_si512(); GEMM_TILE_ROWS];
+            for r in 0..count {
+                (first[r], second[r]) = w.raw_group(first_row + r, group);
+            }
+            let at = tile.add(group * GEMM_TILE_ROWS * GROUP_LEN);
+            // Decoding is byte-wise, so it can follow the transpose: the nibble formats need one
+            // transpose for evens and odds together.
+            let first = transpose_16x16(first);
+            let second = if W::FORMAT == FORMAT_Q8 {
+                transpose_16x16(second)
+            } else {
+                second
+            };
+            for q in 0..GROUP_DWORDS / 2 {
+                let (evens, odds) = W::decode_raw(first[q], second[q]);
+                _mm512_storeu_si512(at.add(q * 64).cast(), evens);
+                _mm512_storeu_si512(at.add((GROUP_DWORDS / 2 + q) * 64).cast(), odds);
+            }
+            let columns = w.scale_columns(first_row, count, group);
+            for (j, column) in columns.into_iter().enumerate() {
+                let to = tile_scales.add((group * GROUP_BLOCKS + j) * GEMM_TILE_ROWS);
+                _mm512_storeu_ps(to, column);
+            }
         }
     }
 }
@@ -512,56 +772,160 @@ unsafe fn gemm_tile<const T: usize>(
     stride: usize,
     rows: usize,
 ) {
-    let mut acc = [_mm512_setzero_ps(); T];
-    let tile = scratch.tile.as_ptr();
-    let tile_scales = scratch.tile_scales.as_ptr();
-    let token_quants = x.quants.as_ptr().add(first_token * x.groups * GROUP_LEN);
-    let token_lanes = first_token * x.groups * GROUP_LANES;
-    let corrections = x.corrections.as_ptr().add(token_lanes);
-    let act_scales = x.scale_lanes.as_ptr().add(token_lanes);
-    let (quant_stride, lane_stride) = (x.groups * GROUP_LEN, x.groups * GROUP_LANES);
-    for group in 0..groups {
-        let weights = tile.add(group * GEMM_TILE_ROWS * GROUP_LEN);
-        let quants = token_quants.add(group * GROUP_LEN);
-        let lanes = group * GROUP_LANES;
-        for j in 0..GROUP_BLOCKS {
-            let mut sums: [__m512i; T] = std::array::from_fn(|t| {
-                _mm512_set1_epi32(
-                    *corrections.add(t * lane_stride + lanes + 4 * j + correction_lane),
-                )
-            });
-            for step in 0..8 {
-                let q = block_dword(j, step);
-                let w = _mm512_loadu_si512(weights.add(q * 64).cast());
-                for (t, sum) in sums.iter_mut().enumerate() {
-                    let a = quants
-                        .add(t * quant_stride + 4 * q)
-                        .cast::<i32>()
-                        .read_unaligned();
-                    *sum = _mm512_dpbusd_epi32(*sum, w, _mm512_set1_epi32(a));
+    // SAFETY: the caller upholds this function's contract (The tile was decoded into `scratch` for
+    // `groups` groups; tokens `first_token..+T` exist in `x`; `out[t * stride + r]` is in bounds
+    // for t < T, r < `rows`; `rows <= 16`), which is what every pointer access and target-feature
+    // call below relies on.
+    unsafe {
+        let mut acc = [_mm512_setzero_ps(); T];
+        let tile = scratch.tile.as_ptr();
+        let tile_scales = scratch.tile_scales.as_ptr();
+        let token_quants = x.quants.as_ptr().add(first_token * x.groups * GROUP_LEN);
+        let token_lanes = first_token * x.groups * GROUP_LANES;
+        let corrections = x.corrections.as_ptr().add(token_lanes);
+        let act_scales = x.scale_lanes.as_ptr().add(token_lanes);
+        let (quant_stride, lane_stride) = (x.groups * GROUP_LEN, x.groups * GROUP_LANES);
+        for group in 0..groups {
+            let weights = tile.add(group * GEMM_TILE_ROWS * GROUP_LEN);
+            let quants = token_quants.add(group * GROUP_LEN);
+            let lanes = group * GROUP_LANES;
+            for j in 0..GROUP_BLOCKS {
+                let mut sums: [__m512i; T] = std::array::from_fn(|t| {
+                    _mm512_set1_epi32(
+                        *corrections.add(t * lane_stride + lanes + 4 * j + correction_lane),
+                    )
+                });
+                for step in 0..8 {
+                    let q = block_dword(j, step);
+                    let w = _mm512_loadu_si512(weights.add(q * 64).cast());
+                    for (t, sum) in sums.iter_mut().enumerate() {
+                        let a = quants
+                            .add(t * quant_stride + 4 * q)
+                            .cast::<i32>()
+                            .read_unaligned();
+                        *sum = _mm512_dpbusd_epi32(*sum, w, _mm512_set1_epi32(a));
+                    }
+                }
+                let w_scales =
+                    _mm512_loadu_ps(tile_scales.add((group * GROUP_BLOCKS + j) * GEMM_TILE_ROWS));
+                for (t, (acc_t, sum)) in acc.iter_mut().zip(sums).enumerate() {
+                    let a_scale = _mm512_set1_ps(*act_scales.add(t * lane_stride + lanes + 4 * j));
+                    *acc_t = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(sum),
+                        _mm512_mul_ps(w_scales, a_scale),
+                        *acc_t,
+                    );
                 }
             }
-            let w_scales =
-                _mm512_loadu_ps(tile_scales.add((group * GROUP_BLOCKS + j) * GEMM_TILE_ROWS));
-            for (t, (acc_t, sum)) in acc.iter_mut().zip(sums).enumerate() {
-                let a_scale = _mm512_set1_ps(*act_scales.add(t * lane_stride + lanes + 4 * j));
-                *acc_t = _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(sum),
-                    _mm512_mul_ps(w_scales, a_scale),
-                    *acc_t,
-                );
-            }
+        }
+        let mask = ((1u32 << rows) - 1) as __mmask16;
+        for (t, acc_t) in acc.iter().enumerate() {
+            _mm512_mask_storeu_ps(
+                out.add(t * stride),
+                mask,
+                _mm512_mul_ps(*acc_t, _mm512_set1_ps(factor)),
+            );
         }
     }
-    let mask = ((1u32 << rows) - 1) as __mmask16;
-    for (t, acc_t) in acc.iter().enumerate() {
-        _mm512_mask_storeu_ps(
-            out.add(t * stride),
-            mask,
-            _mm512_mul_ps(*acc_t, _mm512_set1_ps(factor)),
-        );
+}
+
+/// Two decoded tiles (32 rows) x `T` tokens: each broadcast activation dword feeds two
+/// `vpdpbusd` (one per tile), so a step loads two weight vectors and `T` dwords for `2 T`
+/// products, and the `2 T` independent sums cover the instruction's latency on every core. With
+/// `T` = [`GEMM_PAIR_TOKENS`] the sums and accumulators take 24 of the 32 zmm registers.
+///
+/// # Safety
+/// Both tiles were decoded into `scratch` (slots 0 and 1) for `groups` groups; tokens
+/// `first_token..+T` exist in `x`; `out[t * stride + r]` is in bounds for t < T, r < `rows`;
+/// `16 < rows <= 32`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_tile_pair<const T: usize>(
+    scratch: &GemmScratch,
+    groups: usize,
+    x: &Q8Activations,
+    first_token: usize,
+    correction_lane: usize,
+    factor: f32,
+    out: *mut f32,
+    stride: usize,
+    rows: usize,
+) {
+    // SAFETY: the caller upholds this function's contract (both tiles decoded for `groups`
+    // groups, tokens `first_token..+T` in `x`, `out[t * stride + r]` in bounds for t < T,
+    // r < rows <= 32), which is what every pointer access below relies on.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); T]; 2];
+        let tile = scratch.tile.as_ptr();
+        let second = tile_slot_bytes(groups);
+        let tile_scales = scratch.tile_scales.as_ptr();
+        let second_scales = tile_slot_scales(groups);
+        let token_quants = x.quants.as_ptr().add(first_token * x.groups * GROUP_LEN);
+        let token_lanes = first_token * x.groups * GROUP_LANES;
+        let corrections = x.corrections.as_ptr().add(token_lanes);
+        let act_scales = x.scale_lanes.as_ptr().add(token_lanes);
+        let (quant_stride, lane_stride) = (x.groups * GROUP_LEN, x.groups * GROUP_LANES);
+        for group in 0..groups {
+            let weights = tile.add(group * GEMM_TILE_ROWS * GROUP_LEN);
+            let quants = token_quants.add(group * GROUP_LEN);
+            let lanes = group * GROUP_LANES;
+            for j in 0..GROUP_BLOCKS {
+                let start: [__m512i; T] = std::array::from_fn(|t| {
+                    _mm512_set1_epi32(
+                        *corrections.add(t * lane_stride + lanes + 4 * j + correction_lane),
+                    )
+                });
+                let mut sums = [start, start];
+                for step in 0..8 {
+                    let q = block_dword(j, step);
+                    let w0 = _mm512_loadu_si512(weights.add(q * 64).cast());
+                    let w1 = _mm512_loadu_si512(weights.add(second + q * 64).cast());
+                    let [sums0, sums1] = &mut sums;
+                    for (t, (s0, s1)) in sums0.iter_mut().zip(sums1.iter_mut()).enumerate() {
+                        let a = _mm512_set1_epi32(
+                            quants
+                                .add(t * quant_stride + 4 * q)
+                                .cast::<i32>()
+                                .read_unaligned(),
+                        );
+                        *s0 = _mm512_dpbusd_epi32(*s0, w0, a);
+                        *s1 = _mm512_dpbusd_epi32(*s1, w1, a);
+                    }
+                }
+                let at = (group * GROUP_BLOCKS + j) * GEMM_TILE_ROWS;
+                let w_scales = [
+                    _mm512_loadu_ps(tile_scales.add(at)),
+                    _mm512_loadu_ps(tile_scales.add(second_scales + at)),
+                ];
+                for t in 0..T {
+                    let a_scale = _mm512_set1_ps(*act_scales.add(t * lane_stride + lanes + 4 * j));
+                    for half in 0..2 {
+                        acc[half][t] = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(sums[half][t]),
+                            _mm512_mul_ps(w_scales[half], a_scale),
+                            acc[half][t],
+                        );
+                    }
+                }
+            }
+        }
+        let factor = _mm512_set1_ps(factor);
+        let tail = ((1u32 << (rows - GEMM_TILE_ROWS)) - 1) as __mmask16;
+        for (t, (a0, a1)) in acc[0].iter().zip(&acc[1]).enumerate() {
+            let row_start = out.add(t * stride);
+            _mm512_storeu_ps(row_start, _mm512_mul_ps(*a0, factor));
+            _mm512_mask_storeu_ps(
+                row_start.add(GEMM_TILE_ROWS),
+                tail,
+                _mm512_mul_ps(*a1, factor),
+            );
+        }
     }
 }
+
+/// Tokens per call of [`gemm_tile_pair`].
+const GEMM_PAIR_TOKENS: usize = 6;
 
 /// Tokens per micro-kernel call: enough independent `vpdpbusd` chains to hide its latency, with
 /// the sums and accumulators (2 x 8 registers) well inside the 32 zmm registers.
@@ -578,24 +942,63 @@ unsafe fn gemm<W: GroupSource>(
     out: &mut [f32],
     scratch: &mut GemmScratch,
 ) {
-    if x.rows() == 1 {
-        return gemv(w, x, rows, out);
-    }
-    let (lane, factor) = (correction_lane(W::FORMAT), format_factor(W::FORMAT));
-    let groups = w.groups();
-    let stride = rows.len();
-    let tokens = x.rows();
-    let mut tile_start = rows.start;
-    while tile_start < rows.end {
-        let count = (rows.end - tile_start).min(GEMM_TILE_ROWS);
-        decode_tile(w, tile_start, count, scratch);
-        let out_column = out.as_mut_ptr().add(tile_start - rows.start);
-        let mut token = 0;
-        while token < tokens {
-            let t_count = (tokens - token).min(GEMM_TOKENS);
-            let o = out_column.add(token * stride);
-            let s = &*scratch;
-            macro_rules! tile_for {
+    // SAFETY: the caller upholds this function's contract (The CPU has the module's features;
+    // shapes and scratch size were checked by `Kernels` (`out.len() == x.rows() * rows.len()`)),
+    // which is what every pointer access and target-feature call below relies on.
+    unsafe {
+        if x.rows() == 1 {
+            return gemv(w, x, rows, out);
+        }
+        let (lane, factor) = (correction_lane(W::FORMAT), format_factor(W::FORMAT));
+        let groups = w.groups();
+        let stride = rows.len();
+        let tokens = x.rows();
+        let mut tile_start = rows.start;
+        while tile_start < rows.end {
+            let remaining = rows.end - tile_start;
+            let out_column = out.as_mut_ptr().add(tile_start - rows.start);
+            if remaining > GEMM_TILE_ROWS {
+                // Two tiles at once: 17 to 32 rows.
+                let count = remaining.min(GEMM_TILE_SLOTS * GEMM_TILE_ROWS);
+                decode_tile(w, tile_start, GEMM_TILE_ROWS, scratch, 0);
+                decode_tile(
+                    w,
+                    tile_start + GEMM_TILE_ROWS,
+                    count - GEMM_TILE_ROWS,
+                    scratch,
+                    1,
+                );
+                // Even batches: a short last batch would leave too few independent sums to
+                // cover the `vpdpbusd` latency (7 tokens run as 4 + 3, not 6 + 1).
+                let batch = tokens.div_ceil(tokens.div_ceil(GEMM_PAIR_TOKENS));
+                let mut token = 0;
+                while token < tokens {
+                    let t_count = (tokens - token).min(batch);
+                    let o = out_column.add(token * stride);
+                    let s = &*scratch;
+                    macro_rules! pair_for {
+                        ($($n:literal)*) => {
+                            match t_count {
+                                $($n => gemm_tile_pair::<$n>(s, groups, x, token, lane, factor, o, stride, count),)*
+                                _ => gemm_tile_pair::<1>(s, groups, x, token, lane, factor, o, stride, count),
+                            }
+                        };
+                    }
+                    pair_for!(6 5 4 3 2);
+                    token += t_count;
+                }
+                tile_start += count;
+                continue;
+            }
+            let count = remaining;
+            decode_tile(w, tile_start, count, scratch, 0);
+            let batch = tokens.div_ceil(tokens.div_ceil(GEMM_TOKENS));
+            let mut token = 0;
+            while token < tokens {
+                let t_count = (tokens - token).min(batch);
+                let o = out_column.add(token * stride);
+                let s = &*scratch;
+                macro_rules! tile_for {
                 ($($n:literal)*) => {
                     match t_count {
                         $($n => gemm_tile::<$n>(s, groups, x, token, lane, factor, o, stride, count),)*
@@ -603,10 +1006,11 @@ unsafe fn gemm<W: GroupSource>(
                     }
                 };
             }
-            tile_for!(8 7 6 5 4 3 2);
-            token += t_count;
+                tile_for!(8 7 6 5 4 3 2);
+                token += t_count;
+            }
+            tile_start += count;
         }
-        tile_start += count;
     }
 }
 
@@ -617,7 +1021,10 @@ pub(crate) unsafe fn mxfp4_gemm(
     out: &mut [f32],
     scratch: &mut GemmScratch,
 ) {
-    gemm(w, x, rows, out, scratch)
+    // SAFETY: the module's contract holds: the dispatcher runs this only on a CPU with every
+    // feature in `REQUIRED`, and the safe `Kernels` method checked the shapes, which is all the
+    // code below relies on.
+    unsafe { gemm(w, x, rows, out, scratch) }
 }
 
 pub(crate) unsafe fn q4_gemm(
@@ -627,7 +1034,10 @@ pub(crate) unsafe fn q4_gemm(
     out: &mut [f32],
     scratch: &mut GemmScratch,
 ) {
-    gemm(w, x, rows, out, scratch)
+    // SAFETY: the module's contract holds: the dispatcher runs this only on a CPU with every
+    // feature in `REQUIRED`, and the safe `Kernels` method checked the shapes, which is all the
+    // code below relies on.
+    unsafe { gemm(w, x, rows, out, scratch) }
 }
 
 pub(crate) unsafe fn q8_gemm(
@@ -637,7 +1047,10 @@ pub(crate) unsafe fn q8_gemm(
     out: &mut [f32],
     scratch: &mut GemmScratch,
 ) {
-    gemm(w, x, rows, out, scratch)
+    // SAFETY: the module's contract holds: the dispatcher runs this only on a CPU with every
+    // feature in `REQUIRED`, and the safe `Kernels` method checked the shapes, which is all the
+    // code below relies on.
+    unsafe { gemm(w, x, rows, out, scratch) }
 }
 
 /// Sixteen bf16 weights at `ptr` (only the first `len` when `len < 16`) widened to f32.
@@ -647,12 +1060,16 @@ pub(crate) unsafe fn q8_gemm(
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn load_bf16(ptr: *const u16, len: usize) -> __m512 {
-    let bits = if len >= 16 {
-        _mm256_loadu_si256(ptr.cast())
-    } else {
-        _mm256_maskz_loadu_epi16(((1u32 << len) - 1) as u16, ptr.cast())
-    };
-    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(bits)))
+    // SAFETY: the caller upholds this function's contract (`ptr..ptr + min(len, 16)` is readable),
+    // which is what every pointer access and target-feature call below relies on.
+    unsafe {
+        let bits = if len >= 16 {
+            _mm256_loadu_si256(ptr.cast())
+        } else {
+            _mm256_maskz_loadu_epi16(((1u32 << len) - 1) as u16, ptr.cast())
+        };
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(bits)))
+    }
 }
 
 /// # Safety
@@ -660,10 +1077,14 @@ unsafe fn load_bf16(ptr: *const u16, len: usize) -> __m512 {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn load_f32(ptr: *const f32, len: usize) -> __m512 {
-    if len >= 16 {
-        _mm512_loadu_ps(ptr)
-    } else {
-        _mm512_maskz_loadu_ps(((1u32 << len) - 1) as u16, ptr)
+    // SAFETY: the caller upholds this function's contract (`ptr..ptr + min(len, 16)` is readable),
+    // which is what every pointer access and target-feature call below relies on.
+    unsafe {
+        if len >= 16 {
+            _mm512_loadu_ps(ptr)
+        } else {
+            _mm512_maskz_loadu_ps(((1u32 << len) - 1) as u16, ptr)
+        }
     }
 }
 
@@ -682,25 +1103,30 @@ unsafe fn bf16_micro<const R: usize, const T: usize>(
     out: *mut f32,
     stride: usize,
 ) {
-    let mut acc = [[_mm512_setzero_ps(); T]; R];
-    let mut c = 0;
-    while c < cols {
-        let len = cols - c;
-        let mut xs = [_mm512_setzero_ps(); T];
-        for (t, xv) in xs.iter_mut().enumerate() {
-            *xv = load_f32(x.as_ptr().add((token + t) * cols + c), len);
-        }
-        for (i, acc_row) in acc.iter_mut().enumerate() {
-            let wv = load_bf16(w.as_ptr().add((row + i) * cols + c), len);
-            for (acc_cell, xv) in acc_row.iter_mut().zip(&xs) {
-                *acc_cell = _mm512_fmadd_ps(wv, *xv, *acc_cell);
+    // SAFETY: the caller upholds this function's contract (Rows `row..row + R` and tokens
+    // `token..token + T` exist; `out[t * stride + i]` in bounds), which is what every pointer
+    // access and target-feature call below relies on.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); T]; R];
+        let mut c = 0;
+        while c < cols {
+            let len = cols - c;
+            let mut xs = [_mm512_setzero_ps(); T];
+            for (t, xv) in xs.iter_mut().enumerate() {
+                *xv = load_f32(x.as_ptr().add((token + t) * cols + c), len);
             }
+            for (i, acc_row) in acc.iter_mut().enumerate() {
+                let wv = load_bf16(w.as_ptr().add((row + i) * cols + c), len);
+                for (acc_cell, xv) in acc_row.iter_mut().zip(&xs) {
+                    *acc_cell = _mm512_fmadd_ps(wv, *xv, *acc_cell);
+                }
+            }
+            c += 16;
         }
-        c += 16;
-    }
-    for (i, acc_row) in acc.iter().enumerate() {
-        for (t, acc_cell) in acc_row.iter().enumerate() {
-            *out.add(t * stride + i) = _mm512_reduce_add_ps(*acc_cell);
+        for (i, acc_row) in acc.iter().enumerate() {
+            for (t, acc_cell) in acc_row.iter().enumerate() {
+                *out.add(t * stride + i) = _mm512_reduce_add_ps(*acc_cell);
+            }
         }
     }
 }
@@ -715,32 +1141,37 @@ pub(crate) unsafe fn bf16_gemm(
     rows: Range<usize>,
     out: &mut [f32],
 ) {
-    let tokens = x.len() / cols;
-    let stride = rows.len();
-    let mut tile_start = rows.start;
-    while tile_start < rows.end {
-        let count = (rows.end - tile_start).min(GEMM_TILE_ROWS);
-        let mut token = 0;
-        while token < tokens {
-            let t_count = (tokens - token).min(3);
-            let mut i = 0;
-            while i < count {
-                let r_count = if count - i >= 4 { 4 } else { 1 };
-                let row = tile_start + i;
-                let o = out.as_mut_ptr().add(token * stride + row - rows.start);
-                match (r_count, t_count) {
-                    (4, 3) => bf16_micro::<4, 3>(w, cols, x, row, token, o, stride),
-                    (4, 2) => bf16_micro::<4, 2>(w, cols, x, row, token, o, stride),
-                    (4, _) => bf16_micro::<4, 1>(w, cols, x, row, token, o, stride),
-                    (_, 3) => bf16_micro::<1, 3>(w, cols, x, row, token, o, stride),
-                    (_, 2) => bf16_micro::<1, 2>(w, cols, x, row, token, o, stride),
-                    _ => bf16_micro::<1, 1>(w, cols, x, row, token, o, stride),
+    // SAFETY: the caller upholds this function's contract (The CPU has the module's features;
+    // shapes were checked by `Kernels`), which is what every pointer access and target-feature
+    // call below relies on.
+    unsafe {
+        let tokens = x.len() / cols;
+        let stride = rows.len();
+        let mut tile_start = rows.start;
+        while tile_start < rows.end {
+            let count = (rows.end - tile_start).min(GEMM_TILE_ROWS);
+            let mut token = 0;
+            while token < tokens {
+                let t_count = (tokens - token).min(3);
+                let mut i = 0;
+                while i < count {
+                    let r_count = if count - i >= 4 { 4 } else { 1 };
+                    let row = tile_start + i;
+                    let o = out.as_mut_ptr().add(token * stride + row - rows.start);
+                    match (r_count, t_count) {
+                        (4, 3) => bf16_micro::<4, 3>(w, cols, x, row, token, o, stride),
+                        (4, 2) => bf16_micro::<4, 2>(w, cols, x, row, token, o, stride),
+                        (4, _) => bf16_micro::<4, 1>(w, cols, x, row, token, o, stride),
+                        (_, 3) => bf16_micro::<1, 3>(w, cols, x, row, token, o, stride),
+                        (_, 2) => bf16_micro::<1, 2>(w, cols, x, row, token, o, stride),
+                        _ => bf16_micro::<1, 1>(w, cols, x, row, token, o, stride),
+                    }
+                    i += r_count;
                 }
-                i += r_count;
+                token += t_count;
             }
-            token += t_count;
+            tile_start += count;
         }
-        tile_start += count;
     }
 }
 
@@ -748,38 +1179,48 @@ pub(crate) unsafe fn bf16_gemm(
 /// The CPU has the module's features; `a.len() == b.len()`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [_mm512_setzero_ps(); 2];
-    let mut i = 0;
-    while i < a.len() {
-        let len = a.len() - i;
-        let lane = (i / 16) % 2;
-        acc[lane] = _mm512_fmadd_ps(
-            load_f32(a.as_ptr().add(i), len),
-            load_f32(b.as_ptr().add(i), len),
-            acc[lane],
-        );
-        i += 16;
+    // SAFETY: the caller upholds this function's contract (The CPU has the module's features;
+    // `a.len() == b.len()`), which is what every pointer access and target-feature call below
+    // relies on.
+    unsafe {
+        let mut acc = [_mm512_setzero_ps(); 2];
+        let mut i = 0;
+        while i < a.len() {
+            let len = a.len() - i;
+            let lane = (i / 16) % 2;
+            acc[lane] = _mm512_fmadd_ps(
+                load_f32(a.as_ptr().add(i), len),
+                load_f32(b.as_ptr().add(i), len),
+                acc[lane],
+            );
+            i += 16;
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]))
     }
-    _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]))
 }
 
 /// # Safety
 /// The CPU has the module's features; `x.len() == y.len()`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
-    let a = _mm512_set1_ps(alpha);
-    let mut i = 0;
-    while i < x.len() {
-        let len = x.len() - i;
-        let mask = if len >= 16 {
-            u16::MAX
-        } else {
-            ((1u32 << len) - 1) as u16
-        };
-        let yp = y.as_mut_ptr().add(i);
-        let result = _mm512_fmadd_ps(a, load_f32(x.as_ptr().add(i), len), load_f32(yp, len));
-        _mm512_mask_storeu_ps(yp, mask, result);
-        i += 16;
+    // SAFETY: the caller upholds this function's contract (The CPU has the module's features;
+    // `x.len() == y.len()`), which is what every pointer access and target-feature call below
+    // relies on.
+    unsafe {
+        let a = _mm512_set1_ps(alpha);
+        let mut i = 0;
+        while i < x.len() {
+            let len = x.len() - i;
+            let mask = if len >= 16 {
+                u16::MAX
+            } else {
+                ((1u32 << len) - 1) as u16
+            };
+            let yp = y.as_mut_ptr().add(i);
+            let result = _mm512_fmadd_ps(a, load_f32(x.as_ptr().add(i), len), load_f32(yp, len));
+            _mm512_mask_storeu_ps(yp, mask, result);
+            i += 16;
+        }
     }
 }
 
@@ -790,50 +1231,64 @@ pub(crate) unsafe fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn load_f16(ptr: *const f16, len: usize) -> __m512 {
-    let bits = if len >= 16 {
-        _mm256_loadu_si256(ptr.cast())
-    } else {
-        _mm256_maskz_loadu_epi16(((1u32 << len) - 1) as u16, ptr.cast())
-    };
-    _mm512_cvtph_ps(bits)
+    // SAFETY: the caller upholds this function's contract (`ptr..ptr + min(len, 16)` is readable),
+    // which is what every pointer access and target-feature call below relies on.
+    unsafe {
+        let bits = if len >= 16 {
+            _mm256_loadu_si256(ptr.cast())
+        } else {
+            _mm256_maskz_loadu_epi16(((1u32 << len) - 1) as u16, ptr.cast())
+        };
+        _mm512_cvtph_ps(bits)
+    }
 }
 
 /// # Safety
 /// The CPU has the module's features; `a.len() == b.len()`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn dot_f16(a: &[f32], b: &[f16]) -> f32 {
-    let mut acc = [_mm512_setzero_ps(); 2];
-    let mut i = 0;
-    while i < a.len() {
-        let len = a.len() - i;
-        let lane = (i / 16) % 2;
-        acc[lane] = _mm512_fmadd_ps(
-            load_f32(a.as_ptr().add(i), len),
-            load_f16(b.as_ptr().add(i), len),
-            acc[lane],
-        );
-        i += 16;
+    // SAFETY: the caller upholds this function's contract (The CPU has the module's features;
+    // `a.len() == b.len()`), which is what every pointer access and target-feature call below
+    // relies on.
+    unsafe {
+        let mut acc = [_mm512_setzero_ps(); 2];
+        let mut i = 0;
+        while i < a.len() {
+            let len = a.len() - i;
+            let lane = (i / 16) % 2;
+            acc[lane] = _mm512_fmadd_ps(
+                load_f32(a.as_ptr().add(i), len),
+                load_f16(b.as_ptr().add(i), len),
+                acc[lane],
+            );
+            i += 16;
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]))
     }
-    _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]))
 }
 
 /// # Safety
 /// The CPU has the module's features; `x.len() == y.len()`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn axpy_f16(alpha: f32, x: &[f16], y: &mut [f32]) {
-    let a = _mm512_set1_ps(alpha);
-    let mut i = 0;
-    while i < x.len() {
-        let len = x.len() - i;
-        let mask = if len >= 16 {
-            u16::MAX
-        } else {
-            ((1u32 << len) - 1) as u16
-        };
-        let yp = y.as_mut_ptr().add(i);
-        let result = _mm512_fmadd_ps(a, load_f16(x.as_ptr().add(i), len), load_f32(yp, len));
-        _mm512_mask_storeu_ps(yp, mask, result);
-        i += 16;
+    // SAFETY: the caller upholds this function's contract (The CPU has the module's features;
+    // `x.len() == y.len()`), which is what every pointer access and target-feature call below
+    // relies on.
+    unsafe {
+        let a = _mm512_set1_ps(alpha);
+        let mut i = 0;
+        while i < x.len() {
+            let len = x.len() - i;
+            let mask = if len >= 16 {
+                u16::MAX
+            } else {
+                ((1u32 << len) - 1) as u16
+            };
+            let yp = y.as_mut_ptr().add(i);
+            let result = _mm512_fmadd_ps(a, load_f16(x.as_ptr().add(i), len), load_f32(yp, len));
+            _mm512_mask_storeu_ps(yp, mask, result);
+            i += 16;
+        }
     }
 }
 
@@ -841,18 +1296,23 @@ pub(crate) unsafe fn axpy_f16(alpha: f32, x: &[f16], y: &mut [f32]) {
 /// The CPU has the module's features; `src.len() == dst.len()`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn f32_to_f16(src: &[f32], dst: &mut [f16]) {
-    let mut i = 0;
-    while i < src.len() {
-        let len = src.len() - i;
-        let mask = if len >= 16 {
-            u16::MAX
-        } else {
-            ((1u32 << len) - 1) as u16
-        };
-        let halves =
-            _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(load_f32(src.as_ptr().add(i), len));
-        _mm256_mask_storeu_epi16(dst.as_mut_ptr().add(i).cast(), mask, halves);
-        i += 16;
+    // SAFETY: the caller upholds this function's contract (The CPU has the module's features;
+    // `src.len() == dst.len()`), which is what every pointer access and target-feature call below
+    // relies on.
+    unsafe {
+        let mut i = 0;
+        while i < src.len() {
+            let len = src.len() - i;
+            let mask = if len >= 16 {
+                u16::MAX
+            } else {
+                ((1u32 << len) - 1) as u16
+            };
+            let halves =
+                _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(load_f32(src.as_ptr().add(i), len));
+            _mm256_mask_storeu_epi16(dst.as_mut_ptr().add(i).cast(), mask, halves);
+            i += 16;
+        }
     }
 }
 
@@ -860,19 +1320,49 @@ pub(crate) unsafe fn f32_to_f16(src: &[f32], dst: &mut [f16]) {
 /// The CPU has the module's features; `src.len() == dst.len()`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
-    let mut i = 0;
-    while i < src.len() {
-        let len = src.len() - i;
-        let mask = if len >= 16 {
-            u16::MAX
-        } else {
-            ((1u32 << len) - 1) as u16
-        };
-        _mm512_mask_storeu_ps(
-            dst.as_mut_ptr().add(i),
-            mask,
-            load_f16(src.as_ptr().add(i), len),
-        );
-        i += 16;
+    // SAFETY: the caller upholds this function's contract (The CPU has the module's features;
+    // `src.len() == dst.len()`), which is what every pointer access and target-feature call below
+    // relies on.
+    unsafe {
+        let mut i = 0;
+        while i < src.len() {
+            let len = src.len() - i;
+            let mask = if len >= 16 {
+                u16::MAX
+            } else {
+                ((1u32 << len) - 1) as u16
+            };
+            _mm512_mask_storeu_ps(
+                dst.as_mut_ptr().add(i),
+                mask,
+                load_f16(src.as_ptr().add(i), len),
+            );
+            i += 16;
+        }
     }
+}
+
+/// The `vpdpbusd` peak: [`super::PROBE_GROUPS`] independent accumulator chains (enough to hide
+/// the instruction's latency on every core so far), no memory traffic.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+pub(crate) fn int8_mac_probe(rounds: usize) -> i64 {
+    use super::{probe_operands, PROBE_GROUPS};
+    // Three unsigned and five signed operand vectors: with the sixteen chains, 24 registers.
+    let unsigned: [__m512i; 3] =
+        std::array::from_fn(|g| _mm512_set1_epi8(probe_operands(g).0 as i8));
+    let signed: [__m512i; 5] = std::array::from_fn(|g| _mm512_set1_epi8(probe_operands(g).1));
+    let mut acc = [_mm512_setzero_si512(); PROBE_GROUPS];
+    for _ in 0..rounds {
+        for (g, acc) in acc.iter_mut().enumerate() {
+            *acc = _mm512_dpbusd_epi32(*acc, unsigned[g % 3], signed[g % 5]);
+        }
+    }
+    let mut total = 0i64;
+    for acc in acc {
+        let mut lanes = [0i32; 16];
+        // SAFETY: `lanes` is 64 writable bytes; storeu has no alignment requirement.
+        unsafe { _mm512_storeu_si512(lanes.as_mut_ptr().cast(), acc) };
+        total += lanes.iter().map(|&l| l as i64).sum::<i64>();
+    }
+    total
 }

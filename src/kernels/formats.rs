@@ -9,7 +9,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::aligned::AlignedVec;
-use super::{KernelError, KernelPath, Kernels};
+use super::{KernelError, Kernels};
 
 /// Elements per quantization block (one scale each).
 pub const BLOCK_LEN: usize = 32;
@@ -178,19 +178,19 @@ fn groups_for(cols: usize) -> usize {
 pub struct Q8Activations {
     rows: usize,
     cols: usize,
-    pub(crate) groups: usize,
+    pub(super) groups: usize,
     /// `rows x groups x 128` int8 values, group-interleaved (evens of 4 blocks, then odds).
-    pub(crate) quants: AlignedVec<i8>,
+    pub(super) quants: AlignedVec<i8>,
     /// `rows x groups x 16`: lanes 4j..4j+3 hold the scale of block j of the group.
-    pub(crate) scale_lanes: AlignedVec<f32>,
+    pub(super) scale_lanes: AlignedVec<f32>,
     /// `rows x groups x 16`: lane 4j holds the sum of block j's int8 values, the other lanes 0.
     /// The offset trick subtracts `offset x sum` from each block's unsigned-by-signed dot product.
-    pub(crate) sum_lanes: AlignedVec<i32>,
+    pub(super) sum_lanes: AlignedVec<i32>,
     /// `rows x groups x 16`: each format's `-offset x block sum`, ready to start a block's integer
     /// sum: lane `4j + CORRECTION_LANE_*` holds block j's correction for that format, lane 4j + 3
     /// is 0. Only the total of a block's four lanes matters to the kernels, so the AVX-512 path
     /// loads this with one lane per block unmasked instead of multiplying `sum_lanes` each time.
-    pub(crate) corrections: AlignedVec<i32>,
+    pub(super) corrections: AlignedVec<i32>,
 }
 
 impl Q8Activations {
@@ -316,17 +316,10 @@ pub(crate) fn check_len(what: &str, got: usize, expected: usize) -> Result<(), K
     Ok(())
 }
 
-/// Quantize one token (`x.len()` elements, a multiple of 32) into `out`, reusing its buffers.
-pub fn quantize_activations(x: &[f32], out: &mut Q8Activations) -> Result<(), KernelError> {
-    quantize_activation_rows(x, x.len(), out)
-}
-
-/// Quantize `x.len() / cols` tokens of `cols` elements each into `out`, reusing its buffers.
-///
-/// Scale `d = max|x| / 127`, `q = round_half_even(x * (127 / max|x|))`, on the process-wide kernel
-/// path; every path writes the same bits (decode and prefill results, and the paths' products,
-/// are compared closely).
-pub fn quantize_activation_rows(
+/// [`Kernels::quantize_activation_rows`]: checks the shape, then quantizes on `kernels`' path,
+/// spreading a prefill chunk's rows over the current pool.
+pub(super) fn quantize_activation_rows(
+    kernels: Kernels,
     x: &[f32],
     cols: usize,
     out: &mut Q8Activations,
@@ -343,10 +336,8 @@ pub fn quantize_activation_rows(
     out.resize(rows, cols);
     let (quant_stride, lane_stride) = (out.groups * GROUP_LEN, out.groups * GROUP_LANES);
     let q = &mut *out;
-    let kernels = super::kernels();
     if rows < PARALLEL_QUANTIZE_ROWS {
-        quantize_rows_with(
-            kernels,
+        kernels.quantize_rows(
             x,
             cols,
             &mut q.quants,
@@ -364,7 +355,7 @@ pub fn quantize_activation_rows(
         .zip(q.sum_lanes.par_chunks_mut(step * lane_stride))
         .zip(q.corrections.par_chunks_mut(step * lane_stride))
         .for_each(|((((x, quants), scales), sums), corrections)| {
-            quantize_rows_with(kernels, x, cols, quants, scales, sums, corrections)
+            kernels.quantize_rows(x, cols, quants, scales, sums, corrections)
         });
     Ok(())
 }
@@ -373,35 +364,8 @@ pub fn quantize_activation_rows(
 const PARALLEL_QUANTIZE_ROWS: usize = 16;
 const QUANTIZE_TASK_ROWS: usize = 8;
 
-/// Quantizes the rows of `x` into the given slices of a [`Q8Activations`] (whole rows each) on the
-/// path of `kernels`. Every path gives the bits of [`quantize_rows_portable`].
-fn quantize_rows_with(
-    kernels: Kernels,
-    x: &[f32],
-    cols: usize,
-    quants: &mut [i8],
-    scales: &mut [f32],
-    sums: &mut [i32],
-    corrections: &mut [i32],
-) {
-    match kernels.path() {
-        // SAFETY: a `Kernels` holds a SIMD path only after its CPU features were detected, and
-        // both paths' features include the ones these functions enable.
-        #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx512 => unsafe {
-            x86::quantize_rows_avx512(x, cols, quants, scales, sums, corrections)
-        },
-        // SAFETY: as above.
-        #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx2 => unsafe {
-            x86::quantize_rows_avx2(x, cols, quants, scales, sums, corrections)
-        },
-        _ => quantize_rows_portable(x, cols, quants, scales, sums, corrections),
-    }
-}
-
 /// The reference quantizer: the SIMD paths must reproduce its every output bit.
-fn quantize_rows_portable(
+pub(super) fn quantize_rows_portable(
     x: &[f32],
     cols: usize,
     all_quants: &mut [i8],
@@ -450,10 +414,8 @@ fn quantize_rows_portable(
     }
 }
 
-/// The f32 rows of a split quantization: each row of `x` followed by what its int8 quantization
-/// misses (`x - scale * q`, rounded exactly as [`quantize_activation_rows`] rounds). Quantizing
-/// `out` then gives each token two int8 rows whose products sum to about 15 bits of precision.
-pub fn split_rows(x: &[f32], cols: usize, out: &mut [f32]) -> Result<(), KernelError> {
+/// [`Kernels::split_rows`]' shape check.
+pub(super) fn check_split_rows(x: &[f32], cols: usize, out: &[f32]) -> Result<(), KernelError> {
     check_block_cols("activation row", cols)?;
     if !x.len().is_multiple_of(cols) || out.len() < 2 * x.len() {
         return Err(KernelError::Length {
@@ -462,25 +424,11 @@ pub fn split_rows(x: &[f32], cols: usize, out: &mut [f32]) -> Result<(), KernelE
             got: out.len(),
         });
     }
-    split_rows_with(super::kernels(), x, cols, out);
     Ok(())
 }
 
-/// [`split_rows`] on the path of `kernels`; every path gives the bits of [`split_rows_portable`]
-/// (NaN payloads aside).
-fn split_rows_with(kernels: Kernels, x: &[f32], cols: usize, out: &mut [f32]) {
-    match kernels.path() {
-        // SAFETY: a `Kernels` holds a SIMD path only after its CPU features were detected.
-        #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx512 => unsafe { x86::split_rows_avx512(x, cols, out) },
-        // SAFETY: as above.
-        #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx2 => unsafe { x86::split_rows_avx2(x, cols, out) },
-        _ => split_rows_portable(x, cols, out),
-    }
-}
-
-fn split_rows_portable(x: &[f32], cols: usize, out: &mut [f32]) {
+/// The reference `split_rows`: the SIMD paths give its bits (NaN payloads aside).
+pub(super) fn split_rows_portable(x: &[f32], cols: usize, out: &mut [f32]) {
     for (row, pair) in x.chunks_exact(cols).zip(out.chunks_exact_mut(2 * cols)) {
         let (exact, missed) = pair.split_at_mut(cols);
         exact.copy_from_slice(row);
@@ -518,7 +466,7 @@ fn split_rows_portable(x: &[f32], cols: usize, out: &mut [f32]) {
 ///   `p` is NaN (a NaN input, `inf x 0` when the maximum is infinite, `0 x inf` when it is so
 ///   small that `127 / amax` overflows) the SIMD code writes 0.
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use std::arch::x86_64::*;
 
     use super::{
@@ -576,19 +524,24 @@ mod x86 {
     #[inline]
     #[target_feature(enable = "avx512f")]
     unsafe fn load_group_512(src: *const f32, blocks: usize) -> [__m512; 8] {
-        let mut v = [_mm512_setzero_ps(); 8];
-        if blocks == GROUP_BLOCKS {
-            for (i, v) in v.iter_mut().enumerate() {
-                *v = _mm512_loadu_ps(src.add(16 * i));
+        // SAFETY: the caller upholds this function's contract (`src` points at `blocks * BLOCK_LEN`
+        // readable values, `1 <= blocks <= GROUP_BLOCKS`), which is what every pointer access and
+        // target-feature call below relies on.
+        unsafe {
+            let mut v = [_mm512_setzero_ps(); 8];
+            if blocks == GROUP_BLOCKS {
+                for (i, v) in v.iter_mut().enumerate() {
+                    *v = _mm512_loadu_ps(src.add(16 * i));
+                }
+            } else {
+                for (i, v) in v.iter_mut().enumerate() {
+                    // Masked-off lanes are not read, so the pointer may run past the row.
+                    let mask: __mmask16 = if i < 2 * blocks { 0xFFFF } else { 0 };
+                    *v = _mm512_maskz_loadu_ps(mask, src.wrapping_add(16 * i));
+                }
             }
-        } else {
-            for (i, v) in v.iter_mut().enumerate() {
-                // Masked-off lanes are not read, so the pointer may run past the row.
-                let mask: __mmask16 = if i < 2 * blocks { 0xFFFF } else { 0 };
-                *v = _mm512_maskz_loadu_ps(mask, src.wrapping_add(16 * i));
-            }
+            v
         }
-        v
     }
 
     /// Block j's scale in lanes 4j..4j+3 and its inverse, each 0 where the block's largest
@@ -675,45 +628,51 @@ mod x86 {
         sums: *mut i32,
         corrections: *mut i32,
     ) {
-        let v = load_group_512(src, blocks);
-        let (scale, inverse) = scales_512(&v);
-        let inverses = per_block_512(inverse);
-        let evens_index =
-            _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        let odds_index =
-            _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-        let evens = pack_bytes_512(std::array::from_fn(|j| {
-            let e = _mm512_permutex2var_ps(v[2 * j], evens_index, v[2 * j + 1]);
-            quantize_16(e, inverses[j])
-        }));
-        let odds = pack_bytes_512(std::array::from_fn(|j| {
-            let o = _mm512_permutex2var_ps(v[2 * j], odds_index, v[2 * j + 1]);
-            quantize_16(o, inverses[j])
-        }));
-        // Block j's 16 evens and 16 odds are 128-bit lane j of each: sum them as unsigned bytes.
-        let flip = _mm512_set1_epi8(i8::MIN);
-        let zero = _mm512_setzero_si512();
-        let partial = _mm512_add_epi64(
-            _mm512_sad_epu8(_mm512_xor_si512(evens, flip), zero),
-            _mm512_sad_epu8(_mm512_xor_si512(odds, flip), zero),
-        );
-        let total = _mm512_add_epi64(partial, _mm512_shuffle_epi32::<0b01_00_11_10>(partial));
-        // Lanes 4j and 4j + 2 now hold block j's sum (the others garbage).
-        let sum = _mm512_sub_epi32(total, _mm512_set1_epi32(SUM_BIAS));
-        let factors = _mm512_loadu_si512(CORRECTION_FACTORS.as_ptr().cast());
-        _mm512_storeu_si512(quants.cast(), evens);
-        _mm512_storeu_si512(quants.add(GROUP_LEN / 2).cast(), odds);
-        _mm512_storeu_ps(scales, scale);
-        _mm512_storeu_si512(sums.cast(), _mm512_maskz_mov_epi32(0x1111, sum));
-        _mm512_storeu_si512(
-            corrections.cast(),
-            _mm512_mullo_epi32(_mm512_shuffle_epi32::<0>(sum), factors),
-        );
+        // SAFETY: the caller upholds this function's contract (`src` as for [`load_group_512`];
+        // `quants` points at `GROUP_LEN` writable bytes and `scales`, `sums`, `corrections` at
+        // `GROUP_LANES` writable lanes each), which is what every pointer access and
+        // target-feature call below relies on.
+        unsafe {
+            let v = load_group_512(src, blocks);
+            let (scale, inverse) = scales_512(&v);
+            let inverses = per_block_512(inverse);
+            let evens_index =
+                _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+            let odds_index =
+                _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+            let evens = pack_bytes_512(std::array::from_fn(|j| {
+                let e = _mm512_permutex2var_ps(v[2 * j], evens_index, v[2 * j + 1]);
+                quantize_16(e, inverses[j])
+            }));
+            let odds = pack_bytes_512(std::array::from_fn(|j| {
+                let o = _mm512_permutex2var_ps(v[2 * j], odds_index, v[2 * j + 1]);
+                quantize_16(o, inverses[j])
+            }));
+            // Block j's 16 evens and 16 odds are 128-bit lane j of each: sum them as unsigned bytes.
+            let flip = _mm512_set1_epi8(i8::MIN);
+            let zero = _mm512_setzero_si512();
+            let partial = _mm512_add_epi64(
+                _mm512_sad_epu8(_mm512_xor_si512(evens, flip), zero),
+                _mm512_sad_epu8(_mm512_xor_si512(odds, flip), zero),
+            );
+            let total = _mm512_add_epi64(partial, _mm512_shuffle_epi32::<0b01_00_11_10>(partial));
+            // Lanes 4j and 4j + 2 now hold block j's sum (the others garbage).
+            let sum = _mm512_sub_epi32(total, _mm512_set1_epi32(SUM_BIAS));
+            let factors = _mm512_loadu_si512(CORRECTION_FACTORS.as_ptr().cast());
+            _mm512_storeu_si512(quants.cast(), evens);
+            _mm512_storeu_si512(quants.add(GROUP_LEN / 2).cast(), odds);
+            _mm512_storeu_ps(scales, scale);
+            _mm512_storeu_si512(sums.cast(), _mm512_maskz_mov_epi32(0x1111, sum));
+            _mm512_storeu_si512(
+                corrections.cast(),
+                _mm512_mullo_epi32(_mm512_shuffle_epi32::<0>(sum), factors),
+            );
+        }
     }
 
     /// The AVX-512 quantizer: same contract and bits as `quantize_rows_portable`.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) fn quantize_rows_avx512(
+    pub(in crate::kernels) fn quantize_rows_avx512(
         x: &[f32],
         cols: usize,
         quants: &mut [i8],
@@ -759,7 +718,7 @@ mod x86 {
 
     /// The AVX-512 `split_rows`: same contract and bits as `split_rows_portable`.
     #[target_feature(enable = "avx512f")]
-    pub(super) fn split_rows_avx512(x: &[f32], cols: usize, out: &mut [f32]) {
+    pub(in crate::kernels) fn split_rows_avx512(x: &[f32], cols: usize, out: &mut [f32]) {
         let rows = x.len() / cols;
         let blocks = cols / BLOCK_LEN;
         assert!(out.len() >= 2 * rows * cols, "split rows output too small");
@@ -797,13 +756,18 @@ mod x86 {
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn load_pair_256(src: *const f32, blocks: usize) -> [__m256; 8] {
-        let mut v = [_mm256_setzero_ps(); 8];
-        for (i, v) in v.iter_mut().enumerate() {
-            if i < 4 * blocks {
-                *v = _mm256_loadu_ps(src.add(8 * i));
+        // SAFETY: the caller upholds this function's contract (`src` points at `blocks * BLOCK_LEN`
+        // readable values, `blocks <= 2`), which is what every pointer access and target-feature
+        // call below relies on.
+        unsafe {
+            let mut v = [_mm256_setzero_ps(); 8];
+            for (i, v) in v.iter_mut().enumerate() {
+                if i < 4 * blocks {
+                    *v = _mm256_loadu_ps(src.add(8 * i));
+                }
             }
+            v
         }
-        v
     }
 
     /// Block j (of two) scale in lanes 4j..4j+3 and its inverse, 0 where the block is all zeros.
@@ -868,46 +832,52 @@ mod x86 {
         sums: *mut i32,
         corrections: *mut i32,
     ) {
-        let v = load_pair_256(src, blocks);
-        let (scale, inverse) = scales_256(&v);
-        let inverses = per_block_256(inverse);
-        // Each vector's evens to its low half, odds to its high half; after the in-lane packs,
-        // block j's 16 evens fill the low 128 bits and its 16 odds the high 128 bits.
-        let split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-        let q: [__m256i; 8] = std::array::from_fn(|i| {
-            quantize_8(_mm256_permutevar8x32_ps(v[i], split), inverses[i / 4])
-        });
-        let block: [__m256i; 2] = std::array::from_fn(|j| {
-            _mm256_packs_epi16(
-                _mm256_packs_epi32(q[4 * j], q[4 * j + 1]),
-                _mm256_packs_epi32(q[4 * j + 2], q[4 * j + 3]),
-            )
-        });
-        let even_bytes = _mm256_permute2x128_si256::<0x20>(block[0], block[1]);
-        let odd_bytes = _mm256_permute2x128_si256::<0x31>(block[0], block[1]);
-        let flip = _mm256_set1_epi8(i8::MIN);
-        let zero = _mm256_setzero_si256();
-        let partial = _mm256_add_epi64(
-            _mm256_sad_epu8(_mm256_xor_si256(even_bytes, flip), zero),
-            _mm256_sad_epu8(_mm256_xor_si256(odd_bytes, flip), zero),
-        );
-        let total = _mm256_add_epi64(partial, _mm256_shuffle_epi32::<0b01_00_11_10>(partial));
-        // Lanes 4j and 4j + 2 now hold block j's sum (the others garbage).
-        let sum = _mm256_sub_epi32(total, _mm256_set1_epi32(SUM_BIAS));
-        let factors = _mm256_loadu_si256(CORRECTION_FACTORS.as_ptr().cast());
-        _mm256_storeu_si256(evens.cast(), even_bytes);
-        _mm256_storeu_si256(odds.cast(), odd_bytes);
-        _mm256_storeu_ps(scales, scale);
-        _mm256_storeu_si256(sums.cast(), _mm256_blend_epi32::<0x11>(zero, sum));
-        _mm256_storeu_si256(
-            corrections.cast(),
-            _mm256_mullo_epi32(_mm256_shuffle_epi32::<0>(sum), factors),
-        );
+        // SAFETY: the caller upholds this function's contract (`src` as for [`load_pair_256`];
+        // `evens` and `odds` point at 32 writable bytes each, `scales`, `sums` and `corrections` at
+        // 8 writable lanes each), which is what every pointer access and target-feature call below
+        // relies on.
+        unsafe {
+            let v = load_pair_256(src, blocks);
+            let (scale, inverse) = scales_256(&v);
+            let inverses = per_block_256(inverse);
+            // Each vector's evens to its low half, odds to its high half; after the in-lane packs,
+            // block j's 16 evens fill the low 128 bits and its 16 odds the high 128 bits.
+            let split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+            let q: [__m256i; 8] = std::array::from_fn(|i| {
+                quantize_8(_mm256_permutevar8x32_ps(v[i], split), inverses[i / 4])
+            });
+            let block: [__m256i; 2] = std::array::from_fn(|j| {
+                _mm256_packs_epi16(
+                    _mm256_packs_epi32(q[4 * j], q[4 * j + 1]),
+                    _mm256_packs_epi32(q[4 * j + 2], q[4 * j + 3]),
+                )
+            });
+            let even_bytes = _mm256_permute2x128_si256::<0x20>(block[0], block[1]);
+            let odd_bytes = _mm256_permute2x128_si256::<0x31>(block[0], block[1]);
+            let flip = _mm256_set1_epi8(i8::MIN);
+            let zero = _mm256_setzero_si256();
+            let partial = _mm256_add_epi64(
+                _mm256_sad_epu8(_mm256_xor_si256(even_bytes, flip), zero),
+                _mm256_sad_epu8(_mm256_xor_si256(odd_bytes, flip), zero),
+            );
+            let total = _mm256_add_epi64(partial, _mm256_shuffle_epi32::<0b01_00_11_10>(partial));
+            // Lanes 4j and 4j + 2 now hold block j's sum (the others garbage).
+            let sum = _mm256_sub_epi32(total, _mm256_set1_epi32(SUM_BIAS));
+            let factors = _mm256_loadu_si256(CORRECTION_FACTORS.as_ptr().cast());
+            _mm256_storeu_si256(evens.cast(), even_bytes);
+            _mm256_storeu_si256(odds.cast(), odd_bytes);
+            _mm256_storeu_ps(scales, scale);
+            _mm256_storeu_si256(sums.cast(), _mm256_blend_epi32::<0x11>(zero, sum));
+            _mm256_storeu_si256(
+                corrections.cast(),
+                _mm256_mullo_epi32(_mm256_shuffle_epi32::<0>(sum), factors),
+            );
+        }
     }
 
     /// The AVX2 quantizer: same contract and bits as `quantize_rows_portable`.
     #[target_feature(enable = "avx2")]
-    pub(super) fn quantize_rows_avx2(
+    pub(in crate::kernels) fn quantize_rows_avx2(
         x: &[f32],
         cols: usize,
         quants: &mut [i8],
@@ -958,7 +928,7 @@ mod x86 {
 
     /// The AVX2 `split_rows`: same contract and bits as `split_rows_portable`.
     #[target_feature(enable = "avx2")]
-    pub(super) fn split_rows_avx2(x: &[f32], cols: usize, out: &mut [f32]) {
+    pub(in crate::kernels) fn split_rows_avx2(x: &[f32], cols: usize, out: &mut [f32]) {
         let rows = x.len() / cols;
         let blocks = cols / BLOCK_LEN;
         assert!(out.len() >= 2 * rows * cols, "split rows output too small");
@@ -993,10 +963,10 @@ mod x86 {
 /// for even k. `scales`: `rows x cols/32` E8M0 bytes.
 #[derive(Clone, Copy, Debug)]
 pub struct Mxfp4Matrix<'a> {
-    pub(crate) rows: usize,
-    pub(crate) cols: usize,
-    pub(crate) blocks: &'a [u8],
-    pub(crate) scales: &'a [u8],
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+    pub(super) blocks: &'a [u8],
+    pub(super) scales: &'a [u8],
 }
 
 impl<'a> Mxfp4Matrix<'a> {
@@ -1079,13 +1049,13 @@ fn bf16_to_f32(bits: u16) -> f32 {
 /// ragged tail.
 #[derive(Clone, Debug)]
 pub struct Q8Matrix {
-    pub(crate) rows: usize,
-    pub(crate) cols: usize,
-    pub(crate) groups: usize,
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+    pub(super) groups: usize,
     /// `rows x groups x 128`.
-    pub(crate) quants: AlignedVec<i8>,
+    pub(super) quants: AlignedVec<i8>,
     /// `rows x groups x 4`; padding blocks have scale 0.
-    pub(crate) scales: Vec<f16>,
+    pub(super) scales: Vec<f16>,
 }
 
 /// Weights quantized to 4-bit blocks of 32 with an f16 scale per block (4.5 bits per weight).
@@ -1095,13 +1065,13 @@ pub struct Q8Matrix {
 /// (16 bytes per block, low nibble = even element); rows are padded to whole groups.
 #[derive(Clone, Debug)]
 pub struct Q4Matrix {
-    pub(crate) rows: usize,
-    pub(crate) cols: usize,
-    pub(crate) groups: usize,
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+    pub(super) groups: usize,
     /// `rows x groups x 64`.
-    pub(crate) nibbles: AlignedVec<u8>,
+    pub(super) nibbles: AlignedVec<u8>,
     /// `rows x groups x 4`; padding blocks have scale 0.
-    pub(crate) scales: Vec<f16>,
+    pub(super) scales: Vec<f16>,
 }
 
 fn check_bf16_input(what: &str, rows: usize, cols: usize, len: usize) -> Result<(), KernelError> {
@@ -1110,6 +1080,36 @@ fn check_bf16_input(what: &str, rows: usize, cols: usize, len: usize) -> Result<
 }
 
 impl Q8Matrix {
+    /// A matrix from its stored form: `quants` group-interleaved int8 rows padded to whole groups
+    /// (`rows x ceil(cols / 128) x 128`), `scales` one f16 per block of those rows. The lengths are
+    /// checked against the shape, since the kernels read whole groups of every row.
+    pub fn from_parts(
+        rows: usize,
+        cols: usize,
+        quants: &[i8],
+        scales: Vec<f16>,
+    ) -> Result<Self, KernelError> {
+        check_block_cols("Q8 matrix", cols)?;
+        let groups = groups_for(cols);
+        check_len(
+            "Q8 quants (rows x groups x 128)",
+            quants.len(),
+            rows * groups * GROUP_LEN,
+        )?;
+        check_len(
+            "Q8 scales (rows x groups x 4)",
+            scales.len(),
+            rows * groups * GROUP_BLOCKS,
+        )?;
+        Ok(Self {
+            rows,
+            cols,
+            groups,
+            quants: AlignedVec::from_slice(quants),
+            scales,
+        })
+    }
+
     /// Quantize a row-major bf16 matrix (raw bits); rows are quantized in parallel on the rayon pool.
     pub fn from_bf16(rows: usize, cols: usize, data: &[u16]) -> Result<Self, KernelError> {
         check_bf16_input("Q8 matrix", rows, cols, data.len())?;
@@ -1188,6 +1188,36 @@ impl Q8Matrix {
 }
 
 impl Q4Matrix {
+    /// A matrix from its stored form: `nibbles` rows padded to whole groups
+    /// (`rows x ceil(cols / 128) x 64` bytes, nibble `q + 8`), `scales` one f16 per block of those
+    /// rows. The lengths are checked against the shape, since the kernels read whole groups.
+    pub fn from_parts(
+        rows: usize,
+        cols: usize,
+        nibbles: &[u8],
+        scales: Vec<f16>,
+    ) -> Result<Self, KernelError> {
+        check_block_cols("Q4 matrix", cols)?;
+        let groups = groups_for(cols);
+        check_len(
+            "Q4 nibbles (rows x groups x 64)",
+            nibbles.len(),
+            rows * groups * GROUP_LEN / 2,
+        )?;
+        check_len(
+            "Q4 scales (rows x groups x 4)",
+            scales.len(),
+            rows * groups * GROUP_BLOCKS,
+        )?;
+        Ok(Self {
+            rows,
+            cols,
+            groups,
+            nibbles: AlignedVec::from_slice(nibbles),
+            scales,
+        })
+    }
+
     /// Quantize a row-major bf16 matrix (raw bits); rows are quantized in parallel on the rayon pool.
     pub fn from_bf16(rows: usize, cols: usize, data: &[u16]) -> Result<Self, KernelError> {
         check_bf16_input("Q4 matrix", rows, cols, data.len())?;
@@ -1289,6 +1319,7 @@ impl Q4Matrix {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::KernelPath;
 
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
@@ -1397,7 +1428,7 @@ mod tests {
             &mut p.corrections[..],
         );
         match kernels {
-            Some(k) => quantize_rows_with(k, x, cols, quants, scales, sums, corrections),
+            Some(k) => k.quantize_rows(x, cols, quants, scales, sums, corrections),
             None => quantize_rows_portable(x, cols, quants, scales, sums, corrections),
         }
         q
@@ -1469,7 +1500,7 @@ mod tests {
                     split_rows_portable(&x, cols, &mut expected);
                     for k in simd_kernels() {
                         let mut got = vec![-3.0f32; 2 * x.len() + cols];
-                        split_rows_with(k, &x, cols, &mut got);
+                        k.split_rows_unchecked(&x, cols, &mut got);
                         for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
                             // Rust leaves NaN payloads unspecified; NaN must stay NaN.
                             assert!(
@@ -1544,8 +1575,9 @@ mod tests {
             x.sum_lanes.as_ptr(),
         );
         let values: Vec<f32> = (0..4 * 2880).map(|i| (i % 97) as f32 - 48.0).collect();
-        quantize_activation_rows(&values, 2880, &mut x).unwrap();
-        quantize_activations(&values[..2880], &mut x).unwrap();
+        let k = crate::kernels::kernels();
+        k.quantize_activation_rows(&values, 2880, &mut x).unwrap();
+        k.quantize_activations(&values[..2880], &mut x).unwrap();
         assert_eq!(
             pointers,
             (
@@ -1562,7 +1594,9 @@ mod tests {
         let mut x = Q8Activations::new();
         // Block j of the single group holds the constant j + 1: every value quantizes to 127.
         let values: Vec<f32> = (0..96).map(|k| (k / 32 + 1) as f32).collect();
-        quantize_activations(&values, &mut x).unwrap();
+        crate::kernels::kernels()
+            .quantize_activations(&values, &mut x)
+            .unwrap();
         for j in 0..3 {
             assert_eq!(x.sum_lanes[4 * j], 127 * 32);
             assert_eq!(
@@ -1604,8 +1638,7 @@ mod tests {
             for k in Kernels::all_supported() {
                 let quantize = best_ns(&mut || {
                     let p = &mut q;
-                    quantize_rows_with(
-                        k,
+                    k.quantize_rows(
                         &x,
                         cols,
                         &mut p.quants,
@@ -1616,7 +1649,7 @@ mod tests {
                     std::hint::black_box(&q.quants[..]);
                 });
                 let split = best_ns(&mut || {
-                    split_rows_with(k, &x, cols, &mut split);
+                    k.split_rows_unchecked(&x, cols, &mut split);
                     std::hint::black_box(&split[..]);
                 });
                 println!(

@@ -17,7 +17,7 @@
 //!
 //! # Integer formats and the forward pass
 //! ```text
-//! quantize_activation_rows(x, cols, &mut acts)      once per token (batch), reused by every matrix
+//! k.quantize_activation_rows(x, cols, &mut acts)    once per token (batch), reused by every matrix
 //! k.mxfp4_gemv(&expert, &acts, rows, &mut out)       one token; `rows` splits the work across threads
 //! k.mxfp4_gemm(&expert, &acts, rows, &mut out, &mut scratch)   M tokens: out is [M x rows.len()]
 //! k.q8_gemv / q8_gemm / q4_gemv / q4_gemm            same shape, for Q8Matrix / Q4Matrix
@@ -44,7 +44,6 @@
 
 mod aligned;
 pub mod attention;
-pub mod bench;
 mod formats;
 mod scalar;
 
@@ -60,11 +59,9 @@ use std::sync::OnceLock;
 use half::f16;
 
 pub use formats::{
-    e8m0_scale, quantize_activation_rows, quantize_activations, split_rows, Mxfp4Matrix, Q4Matrix,
-    Q8Activations, Q8Matrix, BLOCK_LEN, FP4_E2M1, GROUP_BLOCKS, GROUP_LEN,
+    e8m0_scale, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN, FP4_E2M1, GROUP_BLOCKS,
+    GROUP_LEN,
 };
-
-pub use bench::{run_kernel_bench, KernelBenchConfig, KernelBenchReport, KernelBenchResult};
 
 use aligned::AlignedVec;
 use formats::{check_len, GROUP_LANES};
@@ -250,17 +247,36 @@ pub fn kernels() -> Kernels {
     }
 }
 
-/// Scratch space for the GEMMs: one decoded tile of [`GEMM_TILE_ROWS`] weight rows.
+/// Accumulator chains of the int8 peak probe ([`Kernels::int8_mac_probe`]): one `vpdpbusd`
+/// each per round on AVX-512, enough independent chains to cover its latency.
+pub(crate) const PROBE_GROUPS: usize = 16;
+/// Multiply-accumulates per chain and round: one 512-bit `vpdpbusd` (16 lanes x 4 products).
+pub(crate) const PROBE_GROUP_MACS: usize = 64;
+/// Multiply-accumulates of one probe round, on every path.
+pub const PROBE_ROUND_MACS: usize = PROBE_GROUPS * PROBE_GROUP_MACS;
+
+/// The operands of chain `g` of the probe: every product of the chain is `u x s`. Small enough
+/// that the AVX2 path's 16-bit pair sums cannot saturate.
+#[inline(always)]
+pub(crate) fn probe_operands(g: usize) -> (u8, i8) {
+    (1 + (g % 3) as u8, (g % 5) as i8 - 2)
+}
+
+/// Decoded tiles the GEMM scratch holds: the AVX-512 GEMM multiplies two at once (32 rows), so
+/// each activation load feeds two products.
+pub(crate) const GEMM_TILE_SLOTS: usize = 2;
+
+/// Scratch space for the GEMMs: [`GEMM_TILE_SLOTS`] decoded tiles of [`GEMM_TILE_ROWS`] weight rows.
 #[derive(Clone, Debug)]
 // Only the SIMD paths decode tiles; the scalar reference leaves the scratch untouched.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub struct GemmScratch {
     cols: usize,
     /// Unsigned int8 weights, group-interleaved like the activations, `GEMM_TILE_ROWS x groups x 128`.
-    pub(crate) tile: AlignedVec<u8>,
+    tile: AlignedVec<u8>,
     /// Weight block scales as lanes, `GEMM_TILE_ROWS x groups x 16` at most, in the layout of the
     /// path that decoded the tile (AVX-512: one vector per quad of rows, AVX2: per row).
-    pub(crate) tile_scales: AlignedVec<f32>,
+    tile_scales: AlignedVec<f32>,
 }
 
 impl GemmScratch {
@@ -269,8 +285,11 @@ impl GemmScratch {
         let groups = max_cols.div_ceil(GROUP_LEN);
         Self {
             cols: max_cols,
-            tile: AlignedVec::filled(GEMM_TILE_ROWS * groups * GROUP_LEN, 0),
-            tile_scales: AlignedVec::filled(GEMM_TILE_ROWS * groups * GROUP_LANES, 0.0),
+            tile: AlignedVec::filled(GEMM_TILE_SLOTS * GEMM_TILE_ROWS * groups * GROUP_LEN, 0),
+            tile_scales: AlignedVec::filled(
+                GEMM_TILE_SLOTS * GEMM_TILE_ROWS * groups * GROUP_LANES,
+                0.0,
+            ),
         }
     }
 
@@ -364,22 +383,35 @@ fn check_bf16(
     Ok(tokens)
 }
 
-/// Runs a kernel on the path held by `$kernels`. Each SIMD arm is sound because a [`Kernels`] value
-/// holding that path is only built (in [`Kernels::new`]) after every CPU feature the path's
-/// `#[target_feature]` functions enable was detected at run time.
+/// Runs an operation on the path held by `$kernels`: the one place that maps a path to its code.
+/// Every operation dispatches exactly once, through this macro: the products and the activation
+/// quantizers in [`Kernels`]' methods, attention and its tile widening in [`attention`].
+///
+/// Each SIMD arm is sound because a [`Kernels`] value holding that path is only built (in
+/// [`Kernels::new`]) after every CPU feature the path's `#[target_feature]` functions enable was
+/// detected at run time; the caller has checked the shapes the arm's function documents.
 macro_rules! dispatch {
-    ($kernels:expr, $name:ident ( $($arg:expr),* )) => {
-        match $kernels.path {
+    ($kernels:expr, avx512: $avx512:expr, avx2: $avx2:expr, scalar: $scalar:expr $(,)?) => {
+        match $kernels.path() {
             // SAFETY: see the macro's doc: Avx512 is only held after detecting its features.
             #[cfg(target_arch = "x86_64")]
-            KernelPath::Avx512 => unsafe { avx512::$name($($arg),*) },
+            $crate::kernels::KernelPath::Avx512 => unsafe { $avx512 },
             // SAFETY: see the macro's doc: Avx2 is only held after detecting its features.
             #[cfg(target_arch = "x86_64")]
-            KernelPath::Avx2 => unsafe { avx2::$name($($arg),*) },
-            _ => scalar::$name($($arg),*),
+            $crate::kernels::KernelPath::Avx2 => unsafe { $avx2 },
+            _ => $scalar,
         }
     };
+    ($kernels:expr, $name:ident ( $($arg:expr),* )) => {
+        dispatch!(
+            $kernels,
+            avx512: avx512::$name($($arg),*),
+            avx2: avx2::$name($($arg),*),
+            scalar: scalar::$name($($arg),*),
+        )
+    };
 }
+pub(crate) use dispatch;
 
 /// The kernels of one path. Cheap to copy; hold one in the forward pass.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -410,6 +442,79 @@ impl Kernels {
 
     pub fn path(&self) -> KernelPath {
         self.path
+    }
+
+    /// Quantize `x.len() / cols` tokens of `cols` elements each (a multiple of 32) into `out`,
+    /// reusing its buffers; from 16 tokens on, the rows are spread over the current pool.
+    ///
+    /// Scale `d = max|x| / 127`, `q = round_half_even(x * (127 / max|x|))`; every path writes the
+    /// same bits (decode and prefill results, and the paths' products, are compared closely).
+    pub fn quantize_activation_rows(
+        &self,
+        x: &[f32],
+        cols: usize,
+        out: &mut Q8Activations,
+    ) -> Result<(), KernelError> {
+        formats::quantize_activation_rows(*self, x, cols, out)
+    }
+
+    /// Quantize one token (`x.len()` elements, a multiple of 32) into `out`, reusing its buffers.
+    pub fn quantize_activations(
+        &self,
+        x: &[f32],
+        out: &mut Q8Activations,
+    ) -> Result<(), KernelError> {
+        self.quantize_activation_rows(x, x.len(), out)
+    }
+
+    /// Quantizes whole rows of `x` into the matching slices of a [`Q8Activations`]; every path
+    /// gives the bits of `formats::quantize_rows_portable`. The SIMD paths assert that every
+    /// buffer holds whole groups for every row.
+    pub(crate) fn quantize_rows(
+        &self,
+        x: &[f32],
+        cols: usize,
+        quants: &mut [i8],
+        scales: &mut [f32],
+        sums: &mut [i32],
+        corrections: &mut [i32],
+    ) {
+        dispatch!(
+            self,
+            avx512: formats::x86::quantize_rows_avx512(x, cols, quants, scales, sums, corrections),
+            avx2: formats::x86::quantize_rows_avx2(x, cols, quants, scales, sums, corrections),
+            scalar: formats::quantize_rows_portable(x, cols, quants, scales, sums, corrections),
+        )
+    }
+
+    /// The f32 rows of a split quantization: each row of `x` followed by what its int8
+    /// quantization misses (`x - scale * q`, rounded exactly as
+    /// [`Kernels::quantize_activation_rows`] rounds). Quantizing `out` then gives each token two
+    /// int8 rows whose products sum to about 15 bits of precision.
+    pub fn split_rows(&self, x: &[f32], cols: usize, out: &mut [f32]) -> Result<(), KernelError> {
+        formats::check_split_rows(x, cols, out)?;
+        self.split_rows_unchecked(x, cols, out);
+        Ok(())
+    }
+
+    /// [`Kernels::split_rows`] after its check; every path gives the bits of
+    /// `formats::split_rows_portable` (NaN payloads aside).
+    pub(crate) fn split_rows_unchecked(&self, x: &[f32], cols: usize, out: &mut [f32]) {
+        dispatch!(
+            self,
+            avx512: formats::x86::split_rows_avx512(x, cols, out),
+            avx2: formats::x86::split_rows_avx2(x, cols, out),
+            scalar: formats::split_rows_portable(x, cols, out),
+        )
+    }
+
+    /// `rounds` rounds of [`PROBE_ROUND_MACS`] int8 multiply-accumulates each, in the
+    /// instructions the path's GEMMs use (AVX-512: `vpdpbusd` on 16 independent chains; AVX2:
+    /// `vpmaddubsw`, `vpmaddwd`, `vpaddd`), with no memory traffic: the arithmetic peak the GEMMs
+    /// are measured against. Returns the sum of all products, the same on every path. Keep
+    /// `rounds` below 2^24 so no 32-bit lane overflows.
+    pub fn int8_mac_probe(&self, rounds: usize) -> i64 {
+        dispatch!(self, int8_mac_probe(rounds))
     }
 
     /// `out[t * rows.len() + i] = W[rows.start + i] . x[t]` for the one or two tokens in `x`,

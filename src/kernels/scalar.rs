@@ -166,3 +166,17 @@ pub(crate) fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
         *d = s.to_f32();
     }
 }
+
+/// The reference of the int8 peak probe: the same products, summed plainly.
+pub(crate) fn int8_mac_probe(rounds: usize) -> i64 {
+    let mut total = 0i64;
+    for _ in 0..rounds {
+        for g in 0..super::PROBE_GROUPS {
+            let (u, s) = std::hint::black_box(super::probe_operands(g));
+            total += (0..super::PROBE_GROUP_MACS)
+                .map(|_| u as i64 * s as i64)
+                .sum::<i64>();
+        }
+    }
+    total
+}

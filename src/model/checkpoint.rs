@@ -61,9 +61,26 @@ pub trait ByteOwner: Send + Sync {
     fn release(&self, _range: Range<usize>) {}
 }
 
-impl ByteOwner for Mmap {
+/// A read-only mapping of a shard, watched by [`crate::fault`] for as long as it is mapped, so a
+/// shard truncated on disk turns into an error naming it instead of a fatal SIGBUS.
+pub struct WatchedMap {
+    // Declared first so it drops first: the range stops being watched before it is unmapped.
+    _watch: crate::fault::Registration,
+    map: Mmap,
+}
+
+impl WatchedMap {
+    fn new(map: Mmap, path: &Path) -> Self {
+        WatchedMap {
+            _watch: crate::fault::register(map.as_ptr(), map.len(), path),
+            map,
+        }
+    }
+}
+
+impl ByteOwner for WatchedMap {
     fn bytes(&self) -> &[u8] {
-        self
+        &self.map
     }
 
     fn release(&self, range: Range<usize>) {
@@ -76,7 +93,11 @@ impl ByteOwner for Mmap {
             // clean pages that the kernel re-reads from the file on the next access; no data the
             // process wrote can be lost, and outstanding slices stay valid.
             let _ = unsafe {
-                self.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+                self.map.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    start,
+                    end - start,
+                )
             };
         }
     }
@@ -147,7 +168,7 @@ pub struct TensorInfo {
 
 struct Shard {
     path: PathBuf,
-    map: Arc<Mmap>,
+    map: Arc<WatchedMap>,
 }
 
 /// All shards of a checkpoint, mapped, with an index of their tensors.
@@ -189,6 +210,15 @@ impl Checkpoint {
 
     fn map_shard(&mut self, file: &str, index_path: &Path) -> Result<(), ModelError> {
         let path = self.dir.join(file);
+        if path.is_dir() {
+            return Err(ModelError::BadShard {
+                path,
+                message: format!(
+                    "is a directory, but {} names it as a shard file",
+                    index_path.display()
+                ),
+            });
+        }
         if !path.is_file() {
             return Err(ModelError::MissingShard {
                 index: index_path.to_owned(),
@@ -199,27 +229,31 @@ impl Checkpoint {
             path: path.clone(),
             source,
         })?;
-        // SAFETY: the mapping is read-only and private to this process. If another process
-        // truncates the file while we run, reads past the new end fault; that is the documented
-        // contract of every mmap-based loader (llama.cpp, candle) and is accepted for model files.
+        // SAFETY: the mapping is read-only. If another process truncates the file while we run,
+        // reads past the new end raise SIGBUS; `WatchedMap` registers the range with
+        // `crate::fault`, whose handler turns that into zeros plus an error naming the file.
         let map = unsafe { Mmap::map(&handle) }.map_err(|source| ModelError::Io {
             path: path.clone(),
             source,
         })?;
+        let map = WatchedMap::new(map, &path);
         let shard_index = self.shards.len();
         let bad = |message: String| ModelError::BadShard {
             path: path.clone(),
             message,
         };
-        if map.len() < 8 {
+        if map.bytes().len() < 8 {
             return Err(bad(format!(
                 "the file is {} bytes; a safetensors file starts with an 8-byte header length",
-                map.len()
+                map.bytes().len()
             )));
         }
-        let parsed =
-            SafeTensors::deserialize(&map).map_err(|e| bad(describe_safetensors_error(e)))?;
-        let base = map.as_ptr() as usize;
+        let parsed = SafeTensors::deserialize(map.bytes());
+        // A shard cut short while its header was read has read zeros: report that, not the
+        // header those zeros make.
+        crate::fault::check()?;
+        let parsed = parsed.map_err(|e| bad(describe_safetensors_error(e)))?;
+        let base = map.bytes().as_ptr() as usize;
         for (name, view) in parsed.tensors() {
             let data = view.data();
             let start = data.as_ptr() as usize - base;
@@ -253,6 +287,28 @@ impl Checkpoint {
             map: Arc::new(map),
         });
         Ok(())
+    }
+
+    /// A hash of every tensor's header entry (name, dtype, shape, shard, byte range): two
+    /// checkpoints with the same fingerprint and config lay out the same tensors. Weight bytes
+    /// are not read (that would take minutes for the 20b).
+    pub fn fingerprint(&self) -> u64 {
+        let mut names: Vec<&String> = self.tensors.keys().collect();
+        names.sort();
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        for name in names {
+            let info = &self.tensors[name];
+            hasher.update(name.as_bytes());
+            let entry = format!(
+                "|{:?}|{:?}|{}|{:?};",
+                info.dtype, info.shape, info.shard, info.range
+            );
+            hasher.update(entry.as_bytes());
+        }
+        for shard in &self.shards {
+            hasher.update(&(shard.map.bytes().len() as u64).to_le_bytes());
+        }
+        hasher.digest()
     }
 
     pub fn dir(&self) -> &Path {
@@ -315,6 +371,86 @@ impl Checkpoint {
             info.dtype,
             TensorBytes::new(shard.map.clone(), info.range.clone()),
         ))
+    }
+}
+
+/// What [`Checkpoint::scan_values`] found in one tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValueScan {
+    pub bytes: usize,
+    pub bad: Option<BadValues>,
+}
+
+/// Values that are not numbers: NaN or infinity, or (in MXFP4 scale tensors) the NaN scale 0xFF.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BadValues {
+    pub count: usize,
+    /// Index of the first bad element.
+    pub first: usize,
+    pub nan_scales: bool,
+}
+
+impl std::fmt::Display for BadValues {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let what = if self.nan_scales {
+            "scale bytes 0xFF (E8M0 NaN)"
+        } else {
+            "NaN or infinite values"
+        };
+        write!(
+            f,
+            "{} {what}, the first at element {}",
+            self.count, self.first
+        )
+    }
+}
+
+impl Checkpoint {
+    /// Reads every element of tensor `name` and counts those that are not numbers. MXFP4 scale
+    /// tensors (U8, named `*_scales`) are checked for 0xFF; other U8 tensors hold FP4 codes,
+    /// every value of which is valid.
+    pub fn scan_values(&self, name: &str) -> Result<ValueScan, ModelError> {
+        use rayon::prelude::*;
+        let Some(info) = self.tensors.get(name) else {
+            return Err(ModelError::MissingTensor {
+                tensor: name.into(),
+                dir: self.dir.clone(),
+            });
+        };
+        let bytes = &self.shards[info.shard].map.bytes()[info.range.clone()];
+        let width = info.dtype.size();
+        let is_bad: fn(&[u8]) -> bool = match info.dtype {
+            Dtype::Bf16 => |e| u16::from_le_bytes([e[0], e[1]]) & 0x7f80 == 0x7f80,
+            Dtype::F16 => |e| u16::from_le_bytes([e[0], e[1]]) & 0x7c00 == 0x7c00,
+            Dtype::F32 => |e| !f32::from_le_bytes([e[0], e[1], e[2], e[3]]).is_finite(),
+            Dtype::U8 if name.ends_with("_scales") => |e| e[0] == 0xff,
+            Dtype::U8 => |_| false,
+        };
+        // Pieces of 64k elements, counted in parallel: the largest tensors are a gigabyte.
+        const PIECE: usize = 1 << 16;
+        let (count, first) = bytes
+            .par_chunks(PIECE * width)
+            .enumerate()
+            .map(|(piece, part)| {
+                let mut count = 0usize;
+                let mut first = usize::MAX;
+                for (i, element) in part.chunks_exact(width).enumerate() {
+                    if is_bad(element) {
+                        count += 1;
+                        first = first.min(piece * PIECE + i);
+                    }
+                }
+                (count, first)
+            })
+            .reduce(|| (0, usize::MAX), |a, b| (a.0 + b.0, a.1.min(b.1)));
+        Ok(ValueScan {
+            bytes: bytes.len(),
+            bad: (count > 0).then_some(BadValues {
+                count,
+                first,
+                nan_scales: info.dtype == Dtype::U8,
+            }),
+        })
     }
 }
 

@@ -20,22 +20,21 @@ pub enum DenseMatrix {
 impl DenseMatrix {
     fn convert(matrix: &Bf16Matrix, format: WeightFormat) -> Result<Self, ModelError> {
         // Quantized blocks need whole blocks of 32 inputs; other widths stay exact.
-        if format == WeightFormat::Native || !matrix.cols.is_multiple_of(MXFP4_BLOCK) {
+        if format == WeightFormat::Native || !matrix.cols().is_multiple_of(MXFP4_BLOCK) {
             return Ok(DenseMatrix::Bf16(matrix.clone()));
         }
-        let quantized =
-            match format {
-                WeightFormat::Q8 => Q8Matrix::from_bf16(matrix.rows, matrix.cols, matrix.values())
-                    .map(DenseMatrix::Q8),
-                _ => Q4Matrix::from_bf16(matrix.rows, matrix.cols, matrix.values())
-                    .map(DenseMatrix::Q4),
-            };
+        let quantized = match format {
+            WeightFormat::Q8 => Q8Matrix::from_bf16(matrix.rows(), matrix.cols(), matrix.values())
+                .map(DenseMatrix::Q8),
+            _ => Q4Matrix::from_bf16(matrix.rows(), matrix.cols(), matrix.values())
+                .map(DenseMatrix::Q4),
+        };
         quantized.map_err(|e| ModelError::Quantize(e.to_string()))
     }
 
     pub fn rows(&self) -> usize {
         match self {
-            DenseMatrix::Bf16(m) => m.rows,
+            DenseMatrix::Bf16(m) => m.rows(),
             DenseMatrix::Q8(m) => m.rows(),
             DenseMatrix::Q4(m) => m.rows(),
         }
@@ -43,7 +42,7 @@ impl DenseMatrix {
 
     pub fn cols(&self) -> usize {
         match self {
-            DenseMatrix::Bf16(m) => m.cols,
+            DenseMatrix::Bf16(m) => m.cols(),
             DenseMatrix::Q8(m) => m.cols(),
             DenseMatrix::Q4(m) => m.cols(),
         }

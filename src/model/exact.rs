@@ -209,6 +209,7 @@ fn attention(
         match step.sequence.kv.layer(l) {
             LayerKvOf::F16(cache) => attend_rows(model, layer, start, rows, cache, out),
             LayerKvOf::F32(cache) => attend_rows(model, layer, start, rows, cache, out),
+            LayerKvOf::Q8(_) => unreachable!("an exact session keeps an f32 cache (Session::new)"),
         }
         row += len;
     }
@@ -357,11 +358,11 @@ trait DecodeRows: Sync {
 
 impl DecodeRows for Bf16Matrix {
     fn rows(&self) -> usize {
-        self.rows
+        self.rows()
     }
 
     fn cols(&self) -> usize {
-        self.cols
+        self.cols()
     }
 
     fn decode(&self, r: usize, start: usize, out: &mut [f32]) {
@@ -383,8 +384,8 @@ struct ExpertMatrix<'a> {
 impl<'a> ExpertMatrix<'a> {
     fn new(experts: &'a Mxfp4Experts, expert: usize) -> Self {
         ExpertMatrix {
-            rows: experts.rows,
-            cols: experts.cols,
+            rows: experts.rows(),
+            cols: experts.cols(),
             blocks: experts.blocks(expert),
             scales: experts.scales(expert),
         }

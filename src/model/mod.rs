@@ -10,6 +10,7 @@ pub mod ops;
 pub mod options;
 pub mod rope;
 pub mod session;
+pub mod snapshot;
 pub mod synthetic;
 pub mod team;
 pub mod weights;
@@ -23,6 +24,7 @@ pub use config::{LayerKind, ModelConfig, Preset, RopeScaling};
 pub use convert::FastWeights;
 pub use options::{ActivationFormat, KvFormat, LoadOptions, Precision, WeightFormat};
 pub use session::{ForwardError, Sequence, SequenceStep, Session};
+pub use snapshot::{KvSnapshot, SnapshotError};
 pub use weights::Weights;
 
 use checkpoint::Checkpoint;
@@ -64,6 +66,12 @@ pub enum ModelError {
         expected: String,
         found: String,
     },
+    #[error("tensor {tensor} holds {found} bytes; its shape needs {expected}")]
+    TensorBytes {
+        tensor: String,
+        expected: usize,
+        found: usize,
+    },
     #[error("tensor {tensor} has shape {found:?}; expected {expected:?}")]
     WrongShape {
         tensor: String,
@@ -81,6 +89,16 @@ pub enum ModelError {
     Quantize(String),
     #[error("{0}")]
     Kernels(#[from] crate::kernels::KernelError),
+    #[error(transparent)]
+    Changed(#[from] crate::fault::MappingChanged),
+    #[error("tensor {tensor} holds {value} at element {index}: the checkpoint is corrupt (scan it all with `ossterm info --check`)")]
+    NonFinite {
+        tensor: String,
+        index: usize,
+        value: f32,
+    },
+    #[error("tensor {tensor} holds the MXFP4 scale byte 0xFF (E8M0's NaN) at element {index}: the checkpoint is corrupt (scan it all with `ossterm info --check`)")]
+    NanScale { tensor: String, index: usize },
 }
 
 /// What a model load is busy with, for progress reports (`done` and `total` in the stage's unit).
@@ -111,6 +129,9 @@ pub struct Model {
     pub kernels: crate::kernels::Kernels,
     /// Where the weights came from, for display ("synthetic 20b (random weights)" or a path).
     pub source: String,
+    /// Identifies the weights: a hash of config.json and the tensor headers, or of the synthetic
+    /// preset and seed. KV snapshots carry it (with the formats) so one never meets other weights.
+    pub fingerprint: u64,
 }
 
 impl Model {
@@ -139,11 +160,18 @@ impl Model {
         let config = ModelConfig::from_file(&config_path)?;
         let checkpoint = Checkpoint::open(dir)?;
         let weights = Weights::load(&config, &checkpoint)?;
+        let config_bytes = std::fs::read(&config_path).map_err(|source| ModelError::Io {
+            path: config_path.clone(),
+            source,
+        })?;
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        hasher.update(&config_bytes);
+        hasher.update(&checkpoint.fingerprint().to_le_bytes());
         Model::from_parts(
             config,
             weights,
             opts,
-            dir.display().to_string(),
+            (dir.display().to_string(), hasher.digest()),
             &mut |_, _| {},
         )
     }
@@ -167,11 +195,17 @@ impl Model {
             let reporting = synthetic::Reporting::new(&source, &mut generated);
             Weights::load(&config, &reporting)?
         };
+        let fingerprint = xxhash_rust::xxh3::xxh3_64(
+            format!("synthetic {} seed {seed}: {config:?}", preset.name()).as_bytes(),
+        );
         Model::from_parts(
             config,
             weights,
             opts,
-            format!("synthetic {} (random weights)", preset.name()),
+            (
+                format!("synthetic {} (random weights)", preset.name()),
+                fingerprint,
+            ),
             &mut |done, total| progress(LoadStage::Converting, done as u64, total as u64),
         )
     }
@@ -180,7 +214,7 @@ impl Model {
         config: ModelConfig,
         weights: Weights,
         opts: &LoadOptions,
-        source: String,
+        (source, fingerprint): (String, u64),
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Model, ModelError> {
         let rope = RopeTable::new(&config);
@@ -203,6 +237,7 @@ impl Model {
             activations: opts.activations,
             kernels,
             source,
+            fingerprint,
         })
     }
 
@@ -214,7 +249,8 @@ impl Model {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Model, ModelError> {
         let (config, weights) = (self.config.clone(), self.weights.clone());
-        Model::from_parts(config, weights, opts, self.source.clone(), progress)
+        let identity = (self.source.clone(), self.fingerprint);
+        Model::from_parts(config, weights, opts, identity, progress)
     }
 
     /// The options this model was built with.
@@ -266,7 +302,8 @@ impl Model {
     pub fn decode_bytes_per_token(&self, context: usize) -> u64 {
         let c = &self.config;
         let w = &self.weights;
-        let kv_bytes_per_position = 2 * c.kv_width() * self.kv_format.bytes_per_value();
+        let kv_bytes_per_position =
+            2 * c.num_key_value_heads * self.kv_format.row_bytes(c.head_dim);
         let lm_head = match &self.fast {
             Some(fast) => fast.lm_head.byte_len(),
             None => w.lm_head.byte_len(),

@@ -11,7 +11,7 @@ pub const MAX_EXPERTS_PER_TOKEN: usize = 32;
 
 /// The embedding rows of `tokens`, widened to f32, into the first rows of `x`.
 pub fn embed_tokens(weights: &Weights, tokens: &[u32], x: &mut [f32]) {
-    let h = weights.embed.cols;
+    let h = weights.embed.cols();
     for (row, &token) in x.chunks_exact_mut(h).zip(tokens) {
         for (out, &bits) in row.iter_mut().zip(weights.embed.row(token as usize)) {
             *out = bf16_to_f32(bits);

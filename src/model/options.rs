@@ -35,15 +35,19 @@ pub enum KvFormat {
     #[default]
     F16,
     F32,
+    /// int8 with one f32 scale per head row: about half of f16's memory (fast path only).
+    Q8,
 }
 
-crate::choice::impl_choice!(KvFormat { F16 => "f16", F32 => "f32" });
+crate::choice::impl_choice!(KvFormat { F16 => "f16", F32 => "f32", Q8 => "q8" });
 
 impl KvFormat {
-    pub fn bytes_per_value(self) -> usize {
+    /// Bytes of one head row of `head_dim` values (an int8 row carries its f32 scale).
+    pub fn row_bytes(self, head_dim: usize) -> usize {
         match self {
-            KvFormat::F16 => 2,
-            KvFormat::F32 => 4,
+            KvFormat::F16 => 2 * head_dim,
+            KvFormat::F32 => 4 * head_dim,
+            KvFormat::Q8 => head_dim + 4,
         }
     }
 }

@@ -15,8 +15,9 @@ use rayon::ThreadPool;
 
 use super::exact;
 use super::fast::{self, FastPass};
-use super::kv::KvStore;
-use super::options::{ActivationFormat, KvFormat};
+use super::kv::{KvShape, KvStore};
+use super::options::{ActivationFormat, KvFormat, Precision};
+use super::snapshot::{KvSnapshot, SnapshotError};
 use super::team::{with_team, Team};
 use super::Model;
 
@@ -196,11 +197,6 @@ impl Session {
         self.sequence.context_limit()
     }
 
-    /// The element type the KV cache holds.
-    pub fn kv_format(&self) -> KvFormat {
-        self.sequence.kv.format()
-    }
-
     /// Rewinds the cache to its first `len` tokens. Later positions are simply overwritten, so
     /// this is free; the logits of the last token are stale until the next prefill or decode.
     pub fn truncate(&mut self, len: usize) {
@@ -220,6 +216,106 @@ impl Session {
             self.activations = format;
             self.truncate(0);
         }
+    }
+
+    /// The element type the KV cache holds.
+    pub fn kv_format(&self) -> KvFormat {
+        self.sequence.kv.format()
+    }
+
+    /// Identifies what computed this session's cache rows: the weights (the model's fingerprint),
+    /// the path, the weight and activation formats and the kernels. A snapshot restores only into
+    /// a session with the same value, so its rows are exactly what this session would compute.
+    pub fn kv_fingerprint(&self) -> u64 {
+        let model = &*self.model;
+        let options = model.options();
+        let path = match model.precision {
+            Precision::Exact => "exact",
+            Precision::Fast => model.kernels.path().name(),
+        };
+        let identity = format!(
+            "{:016x} {:?} {} {} {path}",
+            model.fingerprint,
+            model.precision,
+            options.weights.name(),
+            self.activations.name(),
+        );
+        xxhash_rust::xxh3::xxh3_64(identity.as_bytes())
+    }
+
+    /// The state after every token the cache holds, with the last token's logits.
+    pub fn snapshot(&self) -> Result<KvSnapshot, SnapshotError> {
+        if self.is_empty() {
+            return Err(SnapshotError::Empty);
+        }
+        let len = self.len();
+        KvSnapshot::new(
+            self.kv_fingerprint(),
+            self.sequence.kv.shape(),
+            self.sequence.tokens.clone(),
+            self.logits.clone(),
+            self.sequence.kv.capture(len),
+        )
+    }
+
+    /// Replaces the cache with the first `len` tokens of `snapshot`. With all of them the logits
+    /// are the snapshot's (the last token's); with fewer they are stale, as after
+    /// [`Session::truncate`], until the next prefill or decode. Nothing changes on an error.
+    pub fn restore(&mut self, snapshot: &KvSnapshot, len: usize) -> Result<(), SnapshotError> {
+        let expected = self.kv_fingerprint();
+        if snapshot.fingerprint != expected {
+            return Err(SnapshotError::Fingerprint {
+                expected,
+                found: snapshot.fingerprint,
+            });
+        }
+        if snapshot.format() != self.kv_format() {
+            return Err(SnapshotError::Format {
+                expected: self.kv_format(),
+                found: snapshot.format(),
+            });
+        }
+        let shape = KvShape::of(&self.model.config);
+        if snapshot.shape != shape {
+            return Err(SnapshotError::Shape {
+                expected: shape,
+                found: snapshot.shape,
+            });
+        }
+        let limit = self.context_limit();
+        if len == 0 || len > snapshot.len() || len > limit {
+            return Err(SnapshotError::Length {
+                len,
+                tokens: snapshot.len(),
+                limit,
+            });
+        }
+        let vocab = self.model.config.vocab_size;
+        if let Some(&token) = snapshot.tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(SnapshotError::TokenOutOfRange { token, vocab });
+        }
+        if snapshot.logits.len() != vocab {
+            return Err(SnapshotError::Logits {
+                expected: vocab,
+                found: snapshot.logits.len(),
+            });
+        }
+        self.sequence
+            .kv
+            .restore(&snapshot.tensors, snapshot.len(), len);
+        self.sequence.tokens.clear();
+        self.sequence
+            .tokens
+            .extend_from_slice(&snapshot.tokens[..len]);
+        if len == snapshot.len() {
+            self.logits.copy_from_slice(&snapshot.logits);
+        }
+        Ok(())
+    }
+
+    /// Logits of the last processed token.
+    pub fn logits(&self) -> &[f32] {
+        &self.logits
     }
 
     /// Appends `tokens` to the context and returns the logits of the last one.

@@ -348,22 +348,92 @@ pub struct WrittenCheckpoint {
 /// Writes a checkpoint directory in the Hugging Face layout: config.json, shards of about
 /// `layers_per_shard` layers each, and model.safetensors.index.json. Each tensor is generated
 /// just before it is written, so memory stays at one tensor.
+///
+/// The files are written to a hidden directory beside `dir` and moved into place only when all
+/// of them are complete, so a full disk or an interrupted run leaves no half checkpoint at `dir`;
+/// on error the staging directory is removed.
 pub fn write_checkpoint(
     config: &ModelConfig,
     seed: u64,
     dir: &Path,
     layers_per_shard: usize,
-    mut progress: impl FnMut(usize, usize),
+    progress: impl FnMut(usize, usize),
 ) -> Result<WrittenCheckpoint, ModelError> {
+    let staging = staging_dir(dir);
+    let create = std::fs::create_dir_all(&staging).map_err(|source| ModelError::Write {
+        path: staging.clone(),
+        source,
+    });
+    let written = create
+        .and_then(|()| write_files(config, seed, &staging, layers_per_shard, progress))
+        .and_then(|(written, files)| {
+            move_into_place(&staging, dir, &files)?;
+            Ok(written)
+        });
+    let _ = std::fs::remove_dir_all(&staging);
+    written
+}
+
+/// `.NAME.partial-PID` beside `dir`.
+fn staging_dir(dir: &Path) -> std::path::PathBuf {
+    let name = dir
+        .file_name()
+        .map_or_else(|| "checkpoint".into(), |n| n.to_string_lossy().into_owned());
+    let parent = dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    parent.join(format!(".{name}.partial-{}", std::process::id()))
+}
+
+/// Moves the finished `files` from `staging` to `dir`: the whole directory at once when `dir`
+/// does not exist yet, else file by file with the index last (it is what makes a checkpoint).
+fn move_into_place(staging: &Path, dir: &Path, files: &[String]) -> Result<(), ModelError> {
+    let rename = |from: &Path, to: &Path| {
+        std::fs::rename(from, to).map_err(|source| ModelError::Write {
+            path: to.to_owned(),
+            source,
+        })
+    };
+    if !dir.exists() {
+        if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(|source| ModelError::Write {
+                path: parent.to_owned(),
+                source,
+            })?;
+        }
+        return rename(staging, dir);
+    }
+    if !dir.is_dir() {
+        return Err(ModelError::Write {
+            path: dir.to_owned(),
+            source: std::io::Error::new(std::io::ErrorKind::AlreadyExists, "not a directory"),
+        });
+    }
+    for file in files {
+        rename(&staging.join(file), &dir.join(file))?;
+    }
+    Ok(())
+}
+
+/// Writes every file into `dir` (which exists) and returns the summary and the file names,
+/// index last.
+fn write_files(
+    config: &ModelConfig,
+    seed: u64,
+    dir: &Path,
+    layers_per_shard: usize,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<(WrittenCheckpoint, Vec<String>), ModelError> {
     let io_err = |path: &Path| {
         let path = path.to_owned();
         move |source| ModelError::Write { path, source }
     };
-    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
     let config_path = dir.join("config.json");
     let config_text =
         serde_json::to_string_pretty(&config.to_hf_json()).expect("JSON values serialize");
     std::fs::write(&config_path, config_text).map_err(io_err(&config_path))?;
+    let mut files = vec!["config.json".to_string()];
 
     let specs = tensor_specs(config);
     let layers_per_shard = layers_per_shard.max(1);
@@ -391,10 +461,17 @@ pub fn write_checkpoint(
         let views = members
             .iter()
             .map(|spec| (spec.name.clone(), GeneratedView { spec, seed }));
-        safetensors::serialize_to_file(views, &None, &path).map_err(|e| ModelError::Serialize {
-            path: path.clone(),
-            message: e.to_string(),
+        safetensors::serialize_to_file(views, &None, &path).map_err(|e| match e {
+            safetensors::SafeTensorError::IoError(source) => ModelError::Write {
+                path: path.clone(),
+                source,
+            },
+            other => ModelError::Serialize {
+                path: path.clone(),
+                message: format!("{other:?}"),
+            },
         })?;
+        files.push(file_name(shard));
         for spec in &members {
             weight_map.insert(spec.name.clone(), file_name(shard).into());
             total += spec.byte_len() as u64;
@@ -408,9 +485,11 @@ pub fn write_checkpoint(
         serde_json::to_string_pretty(&index).expect("JSON values serialize"),
     )
     .map_err(io_err(&index_path))?;
-    Ok(WrittenCheckpoint {
+    files.push("model.safetensors.index.json".into());
+    let written = WrittenCheckpoint {
         shards: num_shards,
         tensors: specs.len(),
         bytes: total,
-    })
+    };
+    Ok((written, files))
 }

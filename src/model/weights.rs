@@ -2,6 +2,8 @@
 
 use std::sync::Arc;
 
+use rayon::prelude::*;
+
 use super::checkpoint::{ByteOwner, Checkpoint, Dtype, TensorBytes};
 use super::config::{LayerKind, ModelConfig, MXFP4_BLOCK};
 use super::ModelError;
@@ -28,16 +30,24 @@ impl TensorSource for Checkpoint {
     }
 }
 
-/// A row-major [rows, cols] matrix of bfloat16 values, usually straight out of the mapping.
+/// A row-major [rows, cols] matrix of bfloat16 values, usually straight out of the mapping. The
+/// shape is fixed at construction, where it is checked against the bytes.
 #[derive(Clone)]
 pub struct Bf16Matrix {
-    pub rows: usize,
-    pub cols: usize,
+    rows: usize,
+    cols: usize,
     data: TensorBytes,
 }
 
 impl Bf16Matrix {
-    fn new(rows: usize, cols: usize, data: TensorBytes) -> Self {
+    /// The matrix `name` over `data`, which must hold exactly `rows x cols` bf16 values.
+    pub fn new(
+        name: &str,
+        rows: usize,
+        cols: usize,
+        data: TensorBytes,
+    ) -> Result<Self, ModelError> {
+        check_bytes(name, data.len(), rows * cols * 2)?;
         // A shard may place a tensor at an odd offset; then (only then) copy it to aligned memory.
         let data = if data.as_u16().is_some() {
             data
@@ -50,7 +60,15 @@ impl Bf16Matrix {
             let len = words.len() * 2;
             TensorBytes::new(Arc::new(AlignedWords(words)), 0..len)
         };
-        Bf16Matrix { rows, cols, data }
+        Ok(Bf16Matrix { rows, cols, data })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
     }
 
     /// All values as bf16 bit patterns.
@@ -99,16 +117,75 @@ pub struct Linear {
 /// 32-element input blocks are 16 bytes of FP4 codes plus one E8M0 scale byte.
 #[derive(Clone)]
 pub struct Mxfp4Experts {
-    pub num_experts: usize,
-    pub rows: usize,
-    pub cols: usize,
+    num_experts: usize,
+    rows: usize,
+    cols: usize,
     blocks: TensorBytes,
     scales: TensorBytes,
     /// [num_experts, rows]
-    pub bias: Vec<f32>,
+    bias: Vec<f32>,
 }
 
 impl Mxfp4Experts {
+    /// The experts of projection `name` (the tensors' common prefix): `cols` a multiple of 32,
+    /// `blocks` `num_experts x rows x cols / 2` bytes, `scales` one byte per block, `bias`
+    /// `num_experts x rows` values.
+    pub fn new(
+        name: &str,
+        shape: [usize; 3],
+        blocks: TensorBytes,
+        scales: TensorBytes,
+        bias: Vec<f32>,
+    ) -> Result<Self, ModelError> {
+        let [num_experts, rows, cols] = shape;
+        if !cols.is_multiple_of(MXFP4_BLOCK) {
+            return Err(ModelError::WrongShape {
+                tensor: format!("{name}_blocks"),
+                expected: vec![num_experts, rows, cols.div_ceil(MXFP4_BLOCK), 16],
+                found: vec![num_experts, rows, cols],
+            });
+        }
+        check_bytes(
+            &format!("{name}_blocks"),
+            blocks.len(),
+            num_experts * rows * cols / 2,
+        )?;
+        check_bytes(
+            &format!("{name}_scales"),
+            scales.len(),
+            num_experts * rows * cols / MXFP4_BLOCK,
+        )?;
+        if bias.len() != num_experts * rows {
+            return Err(ModelError::WrongShape {
+                tensor: format!("{name}_bias"),
+                expected: vec![num_experts, rows],
+                found: vec![bias.len()],
+            });
+        }
+        Ok(Mxfp4Experts {
+            num_experts,
+            rows,
+            cols,
+            blocks,
+            scales,
+            bias,
+        })
+    }
+
+    pub fn num_experts(&self) -> usize {
+        self.num_experts
+    }
+
+    /// Output rows of each expert's matrix.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input columns of each expert's matrix.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
     pub fn blocks(&self, expert: usize) -> &[u8] {
         let per_expert = self.rows * self.cols / 2;
         &self.blocks.as_slice()[expert * per_expert..(expert + 1) * per_expert]
@@ -172,10 +249,37 @@ impl Weights {
         let layers = (0..config.num_hidden_layers)
             .map(|l| load_layer(config, source, l))
             .collect::<Result<Vec<_>, _>>()?;
+        // Every dense matrix is checked for NaN and infinity: the fast path quantizes them to
+        // int8, which would turn a NaN into a plausible weight. Memory-speed, in parallel.
+        let mut dense: Vec<(String, &Bf16Matrix)> =
+            vec![("model.embed_tokens.weight".into(), &embed)];
+        if !config.tie_word_embeddings {
+            dense.push(("lm_head.weight".into(), &lm_head));
+        }
+        for (l, layer) in layers.iter().enumerate() {
+            let a = &layer.attention;
+            for (name, linear) in [
+                ("q_proj", &a.q),
+                ("k_proj", &a.k),
+                ("v_proj", &a.v),
+                ("o_proj", &a.o),
+            ] {
+                dense.push((
+                    format!("model.layers.{l}.self_attn.{name}.weight"),
+                    &linear.weight,
+                ));
+            }
+        }
+        dense
+            .par_iter()
+            .try_for_each(|(name, matrix)| finite_bf16(name, matrix.values()))?;
+        let final_norm = vector(source, "model.norm.weight", h)?;
+        // Reading the tensors above may have hit a shard cut short on disk: it read as zeros.
+        crate::fault::check()?;
         Ok(Weights {
             embed,
             layers,
-            final_norm: vector(source, "model.norm.weight", h)?,
+            final_norm,
             lm_head,
         })
     }
@@ -212,7 +316,13 @@ fn load_layer(
             )?,
         },
         post_attention_norm: vector(source, &format!("{p}post_attention_layernorm.weight"), h)?,
-        router: linear("mlp.router", e, h)?,
+        router: {
+            let router = linear("mlp.router", e, h)?;
+            // The router is small and picks the experts: a NaN there silently routes every token
+            // to the same few experts in the fast path, so it is checked at load.
+            finite_bf16(&format!("{p}mlp.router.weight"), router.weight.values())?;
+            router
+        },
         gate_up: experts(source, &format!("{p}mlp.experts.gate_up_proj"), e, 2 * i, h)?,
         down: experts(source, &format!("{p}mlp.experts.down_proj"), e, h, i)?,
     })
@@ -225,13 +335,53 @@ fn matrix(
     cols: usize,
 ) -> Result<Bf16Matrix, ModelError> {
     let (_, bytes) = source.tensor(name, &[rows, cols], &[Dtype::Bf16])?;
-    Ok(Bf16Matrix::new(rows, cols, bytes))
+    Bf16Matrix::new(name, rows, cols, bytes)
 }
 
-/// A small tensor (norm, bias, sinks) widened to f32.
+/// A small tensor (norm, bias, sinks) widened to f32, checked to hold only finite values.
 fn vector(source: &impl TensorSource, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
-    let (dtype, bytes) = source.tensor(name, &[len], SMALL)?;
-    Ok(widen(dtype, bytes.as_slice()))
+    vector_of_shape(source, name, &[len])
+}
+
+fn finite(name: &str, values: &[f32]) -> Result<(), ModelError> {
+    match values.iter().position(|v| !v.is_finite()) {
+        Some(index) => Err(ModelError::NonFinite {
+            tensor: name.into(),
+            index,
+            value: values[index],
+        }),
+        None => Ok(()),
+    }
+}
+
+fn finite_bf16(name: &str, values: &[u16]) -> Result<(), ModelError> {
+    let not_finite = |v: &u16| v & 0x7f80 == 0x7f80;
+    // A branch-free OR per piece vectorizes; pieces go to the pool (the embedding is 1 GB).
+    let any_bad = values
+        .par_chunks(1 << 16)
+        .any(|piece| piece.iter().fold(false, |bad, v| bad | not_finite(v)));
+    if !any_bad {
+        return Ok(());
+    }
+    match values.iter().position(not_finite) {
+        Some(index) => Err(ModelError::NonFinite {
+            tensor: name.into(),
+            index,
+            value: bf16_to_f32(values[index]),
+        }),
+        None => Ok(()),
+    }
+}
+
+fn vector_of_shape(
+    source: &impl TensorSource,
+    name: &str,
+    shape: &[usize],
+) -> Result<Vec<f32>, ModelError> {
+    let (dtype, bytes) = source.tensor(name, shape, SMALL)?;
+    let values = widen(dtype, bytes.as_slice());
+    finite(name, &values)?;
+    Ok(values)
 }
 
 fn widen(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
@@ -265,16 +415,34 @@ fn experts(
         &[num_experts, rows, nblocks],
         &[Dtype::U8],
     )?;
-    let (bias_dtype, bias) =
-        source.tensor(&format!("{prefix}_bias"), &[num_experts, rows], SMALL)?;
-    Ok(Mxfp4Experts {
-        num_experts,
-        rows,
-        cols,
-        blocks,
-        scales,
-        bias: widen(bias_dtype, bias.as_slice()),
-    })
+    // 0xFF is E8M0's NaN: every weight of its block would be NaN. The scales are 1/17 of the
+    // experts' bytes and `contains` runs at memory speed, so all of them are checked.
+    if scales.as_slice().contains(&0xff) {
+        let index = scales
+            .as_slice()
+            .iter()
+            .position(|&s| s == 0xff)
+            .unwrap_or(0);
+        return Err(ModelError::NanScale {
+            tensor: format!("{prefix}_scales"),
+            index,
+        });
+    }
+    let bias_name = format!("{prefix}_bias");
+    let bias = vector_of_shape(source, &bias_name, &[num_experts, rows])?;
+    Mxfp4Experts::new(prefix, [num_experts, rows, cols], blocks, scales, bias)
+}
+
+/// The bytes of tensor `name` against what its shape needs.
+fn check_bytes(name: &str, found: usize, expected: usize) -> Result<(), ModelError> {
+    if found != expected {
+        return Err(ModelError::TensorBytes {
+            tensor: name.to_string(),
+            expected,
+            found,
+        });
+    }
+    Ok(())
 }
 
 /// FP4 E2M1 values by nibble (bit 3 is the sign).
@@ -296,6 +464,79 @@ pub fn e8m0_to_f32(scale: u8) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Little-endian bytes of `values`, placed at byte `offset` of a fresh buffer.
+    fn bytes_at(offset: usize, values: &[u16]) -> TensorBytes {
+        let mut bytes = vec![0xEEu8; offset];
+        bytes.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+        bytes.push(0xEE);
+        let end = bytes.len() - 1;
+        TensorBytes::new(Arc::new(bytes), offset..end)
+    }
+
+    #[test]
+    fn a_matrix_at_an_odd_offset_is_copied_to_aligned_memory_value_for_value() {
+        let (rows, cols) = (3, 5);
+        // Distinct, byte-asymmetric values, so a swapped or shifted byte shows.
+        let values: Vec<u16> = (0..rows * cols)
+            .map(|i| 0x3F80 + 0x0101 * i as u16)
+            .collect();
+        let odd = bytes_at(1, &values);
+        assert!(odd.as_u16().is_none(), "the test needs a misaligned view");
+        let matrix = Bf16Matrix::new("odd", rows, cols, odd).unwrap();
+        assert_eq!(matrix.values(), &values[..]);
+        assert_eq!(matrix.row(2), &values[10..15]);
+        assert_eq!((matrix.rows(), matrix.cols()), (rows, cols));
+        assert_eq!(matrix.byte_len(), rows * cols * 2);
+        assert_eq!(bf16_to_f32(matrix.row(0)[0]), 1.0);
+    }
+
+    #[test]
+    fn an_aligned_matrix_is_borrowed_not_copied() {
+        let values: Vec<u16> = (0..8).collect();
+        let even = bytes_at(2, &values);
+        let start = even.as_slice().as_ptr();
+        let matrix = Bf16Matrix::new("even", 2, 4, even).unwrap();
+        assert_eq!(matrix.values().as_ptr().cast::<u8>(), start);
+        assert_eq!(matrix.values(), &values[..]);
+    }
+
+    #[test]
+    fn shapes_that_do_not_match_the_bytes_are_refused() {
+        let Err(err) = Bf16Matrix::new("short", 2, 4, bytes_at(0, &[0; 7])) else {
+            panic!("a short matrix was accepted")
+        };
+        assert!(err.to_string().contains("short"), "{err}");
+        let blocks = TensorBytes::from_vec(vec![0; 2 * 3 * 64 / 2]);
+        let scales = TensorBytes::from_vec(vec![127; 2 * 3 * 2]);
+        assert!(Mxfp4Experts::new(
+            "e",
+            [2, 3, 64],
+            blocks.clone(),
+            scales.clone(),
+            vec![0.0; 6]
+        )
+        .is_ok());
+        assert!(Mxfp4Experts::new(
+            "e",
+            [2, 3, 64],
+            blocks.clone(),
+            scales.clone(),
+            vec![0.0; 5]
+        )
+        .is_err());
+        assert!(Mxfp4Experts::new("e", [2, 4, 64], blocks.clone(), scales, vec![0.0; 8]).is_err());
+        let Err(err) = Mxfp4Experts::new(
+            "e",
+            [2, 3, 48],
+            blocks,
+            TensorBytes::from_vec(vec![]),
+            vec![0.0; 6],
+        ) else {
+            panic!("columns that are not whole blocks were accepted")
+        };
+        assert!(err.to_string().contains("e_blocks"), "{err}");
+    }
 
     #[test]
     fn e8m0_scales_are_powers_of_two() {

@@ -144,9 +144,8 @@ impl Scheduler {
             ..options
         };
         // Published before the thread starts, so the first /metrics already shows the budget.
-        let c = &session.model().config;
-        let bytes_per_token =
-            2 * c.num_hidden_layers * c.kv_width() * session.kv_format().bytes_per_value();
+        let bytes_per_token = crate::model::kv::KvShape::of(&session.model().config)
+            .bytes_per_position(session.kv_format());
         let capacity = options.parallel * options.context;
         metrics
             .kv_capacity_tokens

@@ -801,6 +801,7 @@ impl App {
                 }
                 self.settings.engine = Some(*applied);
             }
+            Event::Notice(message) => self.notice = Some(message),
             Event::Error {
                 id: Some(id),
                 message,

@@ -360,9 +360,23 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
         "cache hit",
         stats.map_or("-".to_string(), |stats| {
             format!(
-                "turn {} · chat {}",
+                "turn {} · chat {} · {} resumed",
                 percent(stats.turn_hits.rate()),
-                percent(stats.session_hits.rate())
+                percent(stats.session_hits.rate()),
+                stats.kv_tiers.snapshot_hits
+            )
+        }),
+    ));
+    rows.push(gauge_row(
+        "KV tiers",
+        stats.map_or("-".to_string(), |stats| {
+            let tiers = stats.kv_tiers;
+            format!(
+                "RAM {} GiB ({}) · disk {} GiB ({})",
+                gib(tiers.ram_bytes),
+                tiers.ram_snapshots,
+                gib(tiers.disk_bytes),
+                tiers.disk_snapshots
             )
         }),
     ));

@@ -45,8 +45,13 @@ impl FastPass<'_> {
             add_bias_rows(gate_up, layer.gate_up.bias(expert));
             let activated = &mut s.activated[slot * inter..(slot + 1) * inter];
             swiglu(c, gate_up, activated);
-            s.work
-                .quantize(activated, inter, down_split, &mut s.activated_q[slot]);
+            s.work.quantize(
+                self.kernels,
+                activated,
+                inter,
+                down_split,
+                &mut s.activated_q[slot],
+            );
         }
 
         let activated_q = &s.activated_q;
@@ -108,7 +113,8 @@ impl FastPass<'_> {
         }
 
         let activated_q = &mut s.activated_q[0];
-        s.work.quantize(activated, inter, down_split, activated_q);
+        s.work
+            .quantize(self.kernels, activated, inter, down_split, activated_q);
         let job = Job::expert(&layer.down, expert, activated_q, per_down * m, 0);
         let expert_out = &mut s.expert_out[..per_down * m * h];
         s.work.run(self.kernels, self.team, &[job], expert_out);

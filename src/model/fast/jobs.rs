@@ -6,9 +6,7 @@
 use std::cell::RefCell;
 use std::ops::Range;
 
-use crate::kernels::{
-    self, quantize_activation_rows, GemmScratch, Kernels, Mxfp4Matrix, Q8Activations,
-};
+use crate::kernels::{self, GemmScratch, Kernels, Mxfp4Matrix, Q8Activations};
 use crate::model::convert::DenseMatrix;
 use crate::model::options::Split;
 use crate::model::team::{parallel_for, Team};
@@ -28,7 +26,7 @@ impl JobWeights<'_> {
         match self {
             JobWeights::Dense(m) => m.rows(),
             JobWeights::Expert(m) => m.rows(),
-            JobWeights::Bf16(m) => m.rows,
+            JobWeights::Bf16(m) => m.rows(),
         }
     }
 
@@ -36,7 +34,7 @@ impl JobWeights<'_> {
         match self {
             JobWeights::Dense(m) => m.cols(),
             JobWeights::Expert(m) => m.cols(),
-            JobWeights::Bf16(m) => m.cols,
+            JobWeights::Bf16(m) => m.cols(),
         }
     }
 }
@@ -81,8 +79,8 @@ impl<'a> Job<'a> {
         out_offset: usize,
     ) -> Self {
         let matrix = Mxfp4Matrix::new(
-            experts.rows,
-            experts.cols,
+            experts.rows(),
+            experts.cols(),
             experts.blocks(expert),
             experts.scales(expert),
         )
@@ -150,14 +148,21 @@ impl Work {
 
     /// Quantizes the token rows of `x` (`cols` wide) for a quantized matrix: one int8 row per
     /// token, or for [`Split::Double`] two, the second quantizing what the first missed.
-    pub fn quantize(&mut self, x: &[f32], cols: usize, split: Split, out: &mut Q8Activations) {
+    pub fn quantize(
+        &mut self,
+        k: Kernels,
+        x: &[f32],
+        cols: usize,
+        split: Split,
+        out: &mut Q8Activations,
+    ) {
         let widths = "quantized inputs are a multiple of 32 wide";
         match split {
-            Split::Single => quantize_activation_rows(x, cols, out).expect(widths),
+            Split::Single => k.quantize_activation_rows(x, cols, out).expect(widths),
             Split::Double => {
                 let staged = &mut self.split_staging[..2 * x.len()];
-                kernels::split_rows(x, cols, staged).expect(widths);
-                quantize_activation_rows(staged, cols, out).expect(widths);
+                k.split_rows(x, cols, staged).expect(widths);
+                k.quantize_activation_rows(staged, cols, out).expect(widths);
             }
         }
     }
@@ -290,9 +295,9 @@ fn run_task(k: Kernels, job: &Job<'_>, rows: Range<usize>, out: &mut [f32]) {
     // prefill, stream the weights once through the GEMV.
     let few = job.tokens <= kernels::MAX_GEMV_TOKENS;
     let result = match (job.weights, job.quantized) {
-        (JobWeights::Bf16(m), _) => k.bf16_gemm(m.values(), m.cols, job.plain, rows, out),
+        (JobWeights::Bf16(m), _) => k.bf16_gemm(m.values(), m.cols(), job.plain, rows, out),
         (JobWeights::Dense(DenseMatrix::Bf16(m)), _) => {
-            k.bf16_gemm(m.values(), m.cols, job.plain, rows, out)
+            k.bf16_gemm(m.values(), m.cols(), job.plain, rows, out)
         }
         (JobWeights::Dense(DenseMatrix::Q8(m)), Some(x)) if few => k.q8_gemv(m, x, rows, out),
         (JobWeights::Expert(m), Some(x)) if few => k.mxfp4_gemv(&m, x, rows, out),

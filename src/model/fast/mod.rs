@@ -272,7 +272,7 @@ impl FastPass<'_> {
         for step in steps.iter_mut() {
             let len = step.tokens.len();
             let start = step.sequence.len();
-            let rows = (
+            let (q, k, v) = (
                 &q[row * qw..(row + len) * qw],
                 &k[row * kvw..(row + len) * kvw],
                 &v[row * kvw..(row + len) * kvw],
@@ -280,10 +280,18 @@ impl FastPass<'_> {
             let attn = &mut s.attn[row * qw..(row + len) * qw];
             match step.sequence.kv.layer(l) {
                 LayerKvOf::F16(cache) => {
-                    self.store_and_attend(layer, start, len, rows, cache, attn)
+                    self.store_and_attend(layer, start, len, (q, k, v), cache, attn)
                 }
                 LayerKvOf::F32(cache) => {
-                    self.store_and_attend(layer, start, len, rows, cache, attn)
+                    self.store_and_attend(layer, start, len, (q, k, v), cache, attn)
+                }
+                LayerKvOf::Q8(mut cache) => {
+                    for (i, (key, value)) in
+                        k.chunks_exact(kvw).zip(v.chunks_exact(kvw)).enumerate()
+                    {
+                        cache.store(start + i, key, value);
+                    }
+                    self.attend_q8(layer, start, len, q, &cache, attn);
                 }
             }
             row += len;
@@ -328,8 +336,13 @@ impl FastPass<'_> {
         }
 
         let split = self.activations.split(Product::ExpertGateUp);
-        s.work
-            .quantize(&s.normed[..n * h], h, split, &mut s.expert_in_q);
+        s.work.quantize(
+            self.kernels,
+            &s.normed[..n * h],
+            h,
+            split,
+            &mut s.expert_in_q,
+        );
         s.moe_out[..n * h].fill(0.0);
         if n == 1 {
             self.decode_experts(layer, s);
@@ -367,7 +380,13 @@ impl FastPass<'_> {
         let (h, qw, kvw) = (c.hidden_size, c.q_width(), c.kv_width());
         let matrices = [&fast.q, &fast.k, &fast.v];
         if matrices.iter().any(|m| m.needs_quantized_input()) {
-            work.quantize(x, h, self.activations.split(Product::Dense), xq);
+            work.quantize(
+                self.kernels,
+                x,
+                h,
+                self.activations.split(Product::Dense),
+                xq,
+            );
         }
         let (pq, pk, pv) = (
             self.rows_per_token(&fast.q),
@@ -403,7 +422,13 @@ impl FastPass<'_> {
         out: &mut [f32],
     ) {
         if w.needs_quantized_input() {
-            work.quantize(x, w.cols(), self.activations.split(Product::Dense), xq);
+            work.quantize(
+                self.kernels,
+                x,
+                w.cols(),
+                self.activations.split(Product::Dense),
+                xq,
+            );
         }
         let (per_token, rows) = (self.rows_per_token(w), w.rows());
         let job = Job::dense(w, xq, x, per_token * n, 0);

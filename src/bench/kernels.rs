@@ -11,12 +11,11 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 use serde::Serialize;
 
-use super::aligned::AlignedVec;
-use super::formats::{
-    quantize_activation_rows, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, GROUP_BLOCKS,
-    GROUP_LEN,
+use super::probe::CpuInfo;
+use crate::kernels::{
+    GemmScratch, KernelError, KernelPath, Kernels, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix,
+    GROUP_BLOCKS, GROUP_LEN, MAX_GEMV_TOKENS, PROBE_ROUND_MACS,
 };
-use super::{GemmScratch, KernelError, Kernels};
 
 /// What to measure.
 #[derive(Clone, Debug)]
@@ -80,12 +79,25 @@ pub struct KernelBenchResult {
     pub best_gb_per_s: f64,
     /// Multiply-accumulates per second at the best run, in 1e9.
     pub best_gmac_per_s: f64,
+    /// GEMMs: `best_gmac_per_s` over the int8 peak measured with the same thread count.
+    pub peak_fraction: Option<f64>,
+}
+
+/// The int8 arithmetic peak on some threads ([`Kernels::int8_mac_probe`] on each at once).
+#[derive(Clone, Debug, Serialize)]
+pub struct PeakResult {
+    pub threads: usize,
+    /// Multiply-accumulates per second of all threads together at the best run, in 1e9.
+    pub gmac_per_s: f64,
 }
 
 /// All measurements of one run.
 #[derive(Clone, Debug, Serialize)]
 pub struct KernelBenchReport {
     pub path: String,
+    pub cpu: CpuInfo,
+    /// The int8 peak per thread count (empty on the scalar path, which has no such instruction).
+    pub int8_peak: Vec<PeakResult>,
     pub experts: usize,
     pub rows: usize,
     pub cols: usize,
@@ -94,31 +106,80 @@ pub struct KernelBenchReport {
 
 impl fmt::Display for KernelBenchReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "cpu {}", self.cpu)?;
         writeln!(
             f,
             "kernel path {}; GEMV over {} matrices of {}x{}, GEMM on one",
             self.path, self.experts, self.rows, self.cols
         )?;
-        writeln!(
-            f,
-            "{:<12} {:>7} {:>6} {:>11} {:>11} {:>9} {:>9}",
-            "kernel", "threads", "M", "best ms", "median ms", "GB/s", "GMAC/s"
-        )?;
-        for r in &self.results {
+        for p in &self.int8_peak {
             writeln!(
                 f,
-                "{:<12} {:>7} {:>6} {:>11.3} {:>11.3} {:>9.1} {:>9.1}",
+                "int8 MAC peak ({}) on {} thread{}: {:.1} GMAC/s ({:.1} per thread)",
+                peak_instructions(&self.path),
+                p.threads,
+                if p.threads == 1 { "" } else { "s" },
+                p.gmac_per_s,
+                p.gmac_per_s / p.threads.max(1) as f64
+            )?;
+        }
+        writeln!(
+            f,
+            "{:<12} {:>7} {:>6} {:>11} {:>11} {:>9} {:>9} {:>7}",
+            "kernel", "threads", "M", "best ms", "median ms", "GB/s", "GMAC/s", "% peak"
+        )?;
+        for r in &self.results {
+            let peak = r
+                .peak_fraction
+                .map_or(String::new(), |p| format!("{:.0}%", 100.0 * p));
+            writeln!(
+                f,
+                "{:<12} {:>7} {:>6} {:>11.3} {:>11.3} {:>9.1} {:>9.1} {:>7}",
                 r.kernel,
                 r.threads,
                 r.tokens,
                 r.best_seconds * 1e3,
                 r.median_seconds * 1e3,
                 r.best_gb_per_s,
-                r.best_gmac_per_s
+                r.best_gmac_per_s,
+                peak
             )?;
         }
         Ok(())
     }
+}
+
+/// What the probe of `path` runs, for the report.
+fn peak_instructions(path: &str) -> &'static str {
+    match path {
+        "avx512" => "vpdpbusd, 16 chains",
+        "avx2" => "vpmaddubsw + vpmaddwd",
+        _ => "scalar",
+    }
+}
+
+/// Probe rounds per call: about a millisecond at the AVX-512 peak, far below the 2^24 rounds
+/// at which a lane could overflow.
+const PROBE_ROUNDS: usize = 1 << 19;
+
+/// The int8 peak of `kernels` on `pool`: every thread runs the probe at the same time, as the
+/// GEMM's threads do.
+fn measure_peak(
+    kernels: Kernels,
+    pool: &rayon::ThreadPool,
+    config: &KernelBenchConfig,
+) -> Result<PeakResult, KernelError> {
+    let threads = pool.current_num_threads();
+    // The best of many short runs: on a shared machine a neighbour's burst lowers single runs,
+    // and a low peak would overstate every GEMM's ratio to it.
+    let (best, _) = time_runs(config.repetitions.max(10), config.min_run_time, || {
+        pool.broadcast(|_| std::hint::black_box(kernels.int8_mac_probe(PROBE_ROUNDS)));
+        Ok::<(), KernelError>(())
+    })?;
+    Ok(PeakResult {
+        threads,
+        gmac_per_s: (threads * PROBE_ROUNDS * PROBE_ROUND_MACS) as f64 / best / 1e9,
+    })
 }
 
 /// Random weights in the three integer formats, built directly (no bf16 round trip) to keep
@@ -133,7 +194,12 @@ struct BenchWeights {
 }
 
 impl BenchWeights {
-    fn random(rng: &mut ChaCha8Rng, experts: usize, rows: usize, cols: usize) -> Self {
+    fn random(
+        rng: &mut ChaCha8Rng,
+        experts: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self, KernelError> {
         let groups = cols.div_ceil(GROUP_LEN);
         let blocks = cols / 32;
         let mut bytes = |n: usize| -> Vec<u8> {
@@ -156,46 +222,30 @@ impl BenchWeights {
         for _ in 0..experts {
             let mut quants = vec![0u8; rows * groups * GROUP_LEN];
             rng.fill(&mut quants[..]);
-            q8.push(Q8Matrix {
-                rows,
-                cols,
-                groups,
-                quants: AlignedVec::from_slice(
-                    &quants
-                        .into_iter()
-                        .map(|b| (b as i8).max(-127))
-                        .collect::<Vec<i8>>(),
-                ),
-                scales: scales(rng),
-            });
+            let quants: Vec<i8> = quants.into_iter().map(|b| (b as i8).max(-127)).collect();
+            q8.push(Q8Matrix::from_parts(rows, cols, &quants, scales(rng))?);
             let mut nibbles = vec![0u8; rows * groups * GROUP_LEN / 2];
             rng.fill(&mut nibbles[..]);
-            q4.push(Q4Matrix {
-                rows,
-                cols,
-                groups,
-                nibbles: AlignedVec::from_slice(&nibbles),
-                scales: scales(rng),
-            });
+            q4.push(Q4Matrix::from_parts(rows, cols, &nibbles, scales(rng))?);
         }
-        Self {
+        Ok(Self {
             rows,
             cols,
             mxfp4_blocks,
             mxfp4_scales,
             q8,
             q4,
-        }
+        })
     }
 
-    fn mxfp4(&self, expert: usize) -> Mxfp4Matrix<'_> {
+    fn mxfp4(&self, expert: usize) -> Result<Mxfp4Matrix<'_>, KernelError> {
         let (block_bytes, scale_bytes) = (self.rows * self.cols / 2, self.rows * self.cols / 32);
-        Mxfp4Matrix {
-            rows: self.rows,
-            cols: self.cols,
-            blocks: &self.mxfp4_blocks[expert * block_bytes..(expert + 1) * block_bytes],
-            scales: &self.mxfp4_scales[expert * scale_bytes..(expert + 1) * scale_bytes],
-        }
+        Mxfp4Matrix::new(
+            self.rows,
+            self.cols,
+            &self.mxfp4_blocks[expert * block_bytes..(expert + 1) * block_bytes],
+            &self.mxfp4_scales[expert * scale_bytes..(expert + 1) * scale_bytes],
+        )
     }
 }
 
@@ -285,24 +335,29 @@ pub fn run_kernel_bench(
         });
     }
     let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
-    let weights = BenchWeights::random(&mut rng, config.experts, config.rows, config.cols);
+    let weights = BenchWeights::random(&mut rng, config.experts, config.rows, config.cols)?;
     let max_tokens = config.gemm_tokens.iter().copied().max().unwrap_or(1).max(1);
     let activations: Vec<f32> = (0..max_tokens * config.cols)
         .map(|_| rng.gen_range(-2.0..2.0))
         .collect();
     let mut results = Vec::new();
+    let mut int8_peak = Vec::new();
     for &threads in &config.thread_counts {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads.max(1))
             .build()
             .map_err(|e| KernelError::ThreadPool(e.to_string()))?;
+        let peak = (kernels.path() != KernelPath::Scalar)
+            .then(|| measure_peak(kernels, &pool, config))
+            .transpose()?;
+        let first_result = results.len();
         let ranges = split_rows(config.rows, threads.max(1));
         for format in [Format::Mxfp4, Format::Q8, Format::Q4] {
             // GEMV: one token (or a token and its split remainder, as decode with split
             // activations runs) against every expert matrix, each thread on its rows of each.
-            for gemv_tokens in 1..=super::MAX_GEMV_TOKENS.min(max_tokens) {
+            for gemv_tokens in 1..=MAX_GEMV_TOKENS.min(max_tokens) {
                 let mut x = Q8Activations::with_capacity(gemv_tokens, config.cols);
-                quantize_activation_rows(
+                kernels.quantize_activation_rows(
                     &activations[..gemv_tokens * config.cols],
                     config.cols,
                     &mut x,
@@ -314,7 +369,7 @@ pub fn run_kernel_bench(
                             for e in 0..config.experts {
                                 match format {
                                     Format::Mxfp4 => kernels.mxfp4_gemv(
-                                        &weights.mxfp4(e),
+                                        &weights.mxfp4(e)?,
                                         &x,
                                         s.rows.clone(),
                                         &mut s.out,
@@ -353,7 +408,7 @@ pub fn run_kernel_bench(
             for &tokens in &config.gemm_tokens {
                 let tokens = tokens.max(1);
                 let mut x = Q8Activations::with_capacity(tokens, config.cols);
-                quantize_activation_rows(
+                kernels.quantize_activation_rows(
                     &activations[..tokens * config.cols],
                     config.cols,
                     &mut x,
@@ -365,7 +420,7 @@ pub fn run_kernel_bench(
                             let (rows, out, scratch) = (s.rows.clone(), &mut s.out, &mut s.scratch);
                             match format {
                                 Format::Mxfp4 => {
-                                    kernels.mxfp4_gemm(&weights.mxfp4(0), &x, rows, out, scratch)
+                                    kernels.mxfp4_gemm(&weights.mxfp4(0)?, &x, rows, out, scratch)
                                 }
                                 Format::Q8 => {
                                     kernels.q8_gemm(&weights.q8[0], &x, rows, out, scratch)
@@ -388,9 +443,19 @@ pub fn run_kernel_bench(
                 ));
             }
         }
+        if let Some(peak) = peak {
+            for r in &mut results[first_result..] {
+                if r.kernel.ends_with("gemm") {
+                    r.peak_fraction = Some(r.best_gmac_per_s / peak.gmac_per_s);
+                }
+            }
+            int8_peak.push(peak);
+        }
     }
     Ok(KernelBenchReport {
         path: kernels.path().name().to_string(),
+        cpu: CpuInfo::current(),
+        int8_peak,
         experts: config.experts,
         rows: config.rows,
         cols: config.cols,
@@ -439,6 +504,7 @@ fn result(
         median_seconds: median,
         best_gb_per_s: bytes as f64 / best / 1e9,
         best_gmac_per_s: macs as f64 / best / 1e9,
+        peak_fraction: None,
     }
 }
 

@@ -1,0 +1,234 @@
+//! The attention benchmark: the tiled kernel against the per-key loop it replaced, on random data
+//! of the gpt-oss-20b shape.
+
+use std::fmt;
+use std::time::Duration;
+
+use half::f16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::kernels::time_runs;
+use crate::kernels::attention::{
+    attend_group, AttentionError, AttentionScratch, GroupQuery, KvHead,
+};
+use crate::kernels::{KernelPath, Kernels};
+
+/// What [`bench_attention_with`] measures.
+#[derive(Clone, Debug)]
+pub struct AttentionBenchConfig {
+    /// Key counts (context depths) to measure.
+    pub depths: Vec<usize>,
+    /// Query heads per KV head.
+    pub group: usize,
+    pub head_dim: usize,
+    /// KV heads in a cache row; one measured call covers all of them, as a decoded token does.
+    pub kv_heads: usize,
+    /// Timed runs per measurement; the report gives the best and the median.
+    pub repetitions: usize,
+    /// Each timed run repeats the work until it lasts at least this long.
+    pub min_run_time: Duration,
+}
+
+impl AttentionBenchConfig {
+    /// gpt-oss-20b: 8 query heads per KV head, head_dim 64, 8 KV heads; a sliding window (128 keys)
+    /// and a full layer at depth 4096.
+    pub fn standard() -> Self {
+        Self {
+            depths: vec![128, 4096],
+            group: 8,
+            head_dim: 64,
+            kv_heads: 8,
+            repetitions: 5,
+            min_run_time: Duration::from_millis(30),
+        }
+    }
+
+    /// A shape small enough for tests.
+    pub fn quick() -> Self {
+        Self {
+            depths: vec![5, 100],
+            group: 8,
+            head_dim: 64,
+            kv_heads: 2,
+            repetitions: 2,
+            min_run_time: Duration::from_micros(200),
+        }
+    }
+}
+
+/// One context depth: nanoseconds per (query head, key), best and median of the runs.
+#[derive(Clone, Debug)]
+pub struct AttentionBenchRow {
+    pub keys: usize,
+    pub tiled_best_ns: f64,
+    pub tiled_median_ns: f64,
+    /// The per-key loop the forward pass used before this kernel: per key and head one
+    /// `dot_f16`, a scalar online-softmax step and one `axpy_f16`.
+    pub per_key_best_ns: f64,
+    pub per_key_median_ns: f64,
+}
+
+/// All depths of one run (f16 cache, one thread).
+#[derive(Clone, Debug)]
+pub struct AttentionBenchReport {
+    pub path: KernelPath,
+    pub group: usize,
+    pub head_dim: usize,
+    pub rows: Vec<AttentionBenchRow>,
+}
+
+impl fmt::Display for AttentionBenchReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "attention, kernel path {}, {} query heads per KV head, head_dim {}, f16 cache, one \
+             thread; ns per (query head, key)",
+            self.path, self.group, self.head_dim
+        )?;
+        writeln!(
+            f,
+            "{:>6} {:>11} {:>11} {:>13} {:>13} {:>8}",
+            "keys", "tiled best", "tiled med", "per-key best", "per-key med", "speedup"
+        )?;
+        for r in &self.rows {
+            writeln!(
+                f,
+                "{:>6} {:>11.2} {:>11.2} {:>13.2} {:>13.2} {:>7.1}x",
+                r.keys,
+                r.tiled_best_ns,
+                r.tiled_median_ns,
+                r.per_key_best_ns,
+                r.per_key_median_ns,
+                r.per_key_best_ns / r.tiled_best_ns
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// [`bench_attention_with`] on the standard gpt-oss-20b shape.
+pub fn bench_attention(k: Kernels) -> Result<AttentionBenchReport, AttentionError> {
+    bench_attention_with(k, &AttentionBenchConfig::standard())
+}
+
+/// Time [`attend_group`] against the per-key loop on random data (an f16 cache of the deepest
+/// depth, all KV heads of one token per run), after checking that both give the same result.
+pub fn bench_attention_with(
+    k: Kernels,
+    config: &AttentionBenchConfig,
+) -> Result<AttentionBenchReport, AttentionError> {
+    let (group, d, kv_heads) = (config.group, config.head_dim, config.kv_heads.max(1));
+    let row_stride = kv_heads * d;
+    let depth = config.depths.iter().copied().max().unwrap_or(1).max(1);
+    let mut rng = ChaCha8Rng::seed_from_u64(0xa77e);
+    let mut random = |n: usize, spread: f32| -> Vec<f32> {
+        (0..n).map(|_| rng.gen_range(-spread..spread)).collect()
+    };
+    let keys: Vec<f16> = random(depth * row_stride, 1.0)
+        .into_iter()
+        .map(f16::from_f32)
+        .collect();
+    let values: Vec<f16> = random(depth * row_stride, 1.0)
+        .into_iter()
+        .map(f16::from_f32)
+        .collect();
+    let queries = random(kv_heads * group * d, 1.0);
+    let sinks = random(kv_heads * group, 2.0);
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut scratch = AttentionScratch::new(group, d);
+    let mut tiled_out = vec![0.0f32; kv_heads * group * d];
+    let mut per_key_out = vec![0.0f32; kv_heads * group * d];
+    let mut per_key_state = vec![(0.0f32, 0.0f32); group];
+
+    let mut rows = Vec::with_capacity(config.depths.len());
+    for &keys_visible in &config.depths {
+        let positions = depth - keys_visible.min(depth)..depth;
+        let mut tiled = || -> Result<(), AttentionError> {
+            for h in 0..kv_heads {
+                let query = GroupQuery {
+                    queries: &queries[h * group * d..(h + 1) * group * d],
+                    sinks: &sinks[h * group..(h + 1) * group],
+                    head_dim: d,
+                    scale,
+                };
+                let kv = KvHead {
+                    keys: &keys,
+                    values: &values,
+                    row_stride,
+                    offset: h * d,
+                };
+                let out = &mut tiled_out[h * group * d..(h + 1) * group * d];
+                attend_group(k, &query, &kv, positions.clone(), out, &mut scratch)?;
+            }
+            Ok(())
+        };
+        tiled()?;
+        let (tiled_best, tiled_median) =
+            time_runs(config.repetitions, config.min_run_time, &mut tiled)?;
+
+        let mut per_key = || -> Result<(), AttentionError> {
+            for h in 0..kv_heads {
+                let q = &queries[h * group * d..(h + 1) * group * d];
+                let out = &mut per_key_out[h * group * d..(h + 1) * group * d];
+                out.fill(0.0);
+                for (g, state) in per_key_state.iter_mut().enumerate() {
+                    *state = (sinks[h * group + g], 0.0);
+                }
+                for j in positions.clone() {
+                    let at = j * row_stride + h * d;
+                    let (key, value) = (&keys[at..at + d], &values[at..at + d]);
+                    for (g, (max, sum)) in per_key_state.iter_mut().enumerate() {
+                        let logit = k.dot_f16(&q[g * d..(g + 1) * d], key)? * scale;
+                        let acc = &mut out[g * d..(g + 1) * d];
+                        if logit > *max {
+                            let rescale = (*max - logit).exp();
+                            *sum *= rescale;
+                            acc.iter_mut().for_each(|o| *o *= rescale);
+                            *max = logit;
+                        }
+                        let weight = (logit - *max).exp();
+                        *sum += weight;
+                        k.axpy_f16(weight, value, acc)?;
+                    }
+                }
+                for (g, (max, sum)) in per_key_state.iter().enumerate() {
+                    let denominator = sum + (sinks[h * group + g] - max).exp();
+                    out[g * d..(g + 1) * d]
+                        .iter_mut()
+                        .for_each(|o| *o /= denominator);
+                }
+            }
+            Ok(())
+        };
+        per_key()?;
+        let (per_key_best, per_key_median) =
+            time_runs(config.repetitions, config.min_run_time, &mut per_key)?;
+
+        let difference = tiled_out
+            .iter()
+            .zip(&per_key_out)
+            .map(|(a, b)| (a - b).abs() / b.abs().max(1e-3))
+            .fold(0.0f32, f32::max);
+        if difference.is_nan() || difference > 1e-3 {
+            return Err(AttentionError::BenchMismatch {
+                keys: keys_visible,
+                difference,
+            });
+        }
+        let per_pair = 1e9 / (kv_heads * group * positions.len().max(1)) as f64;
+        rows.push(AttentionBenchRow {
+            keys: positions.len(),
+            tiled_best_ns: tiled_best * per_pair,
+            tiled_median_ns: tiled_median * per_pair,
+            per_key_best_ns: per_key_best * per_pair,
+            per_key_median_ns: per_key_median * per_pair,
+        });
+    }
+    Ok(AttentionBenchReport {
+        path: k.path(),
+        group,
+        head_dim: d,
+        rows,
+    })
+}

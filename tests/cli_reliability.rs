@@ -1,0 +1,505 @@
+//! The command line under faults and hostile input: a shard truncated while mapped, stdout
+//! closed or full, sizes past every limit, too many threads, a full disk. Every case ends in a
+//! message and a status, never a panic or a signal, and output made before a failure is kept.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn ossterm() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_ossterm"))
+}
+
+fn run(args: &[&str]) -> Output {
+    ossterm()
+        .args(args)
+        .output()
+        .expect("the ossterm binary runs")
+}
+
+fn stderr_of(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+fn conversation() -> String {
+    fixture("harmony/spec_two_turns.conversation.json")
+        .display()
+        .to_string()
+}
+
+fn assert_no_panic(what: &str, output: &Output) {
+    let stderr = stderr_of(output);
+    assert!(!stderr.contains("panicked"), "{what}: {stderr}");
+    assert!(
+        output.status.code().is_some(),
+        "{what}: killed by a signal: {:?}",
+        output.status
+    );
+}
+
+/// A tiny synthetic checkpoint written by `ossterm synth`, as a user would make one.
+fn synth_tiny(parent: &Path) -> PathBuf {
+    let dir = parent.join("tiny");
+    let output = run(&["synth", "--preset", "tiny", "--out", dir.to_str().unwrap()]);
+    assert!(output.status.success(), "{}", stderr_of(&output));
+    dir
+}
+
+fn wait_with_deadline(mut child: Child, limit: Duration) -> Output {
+    let deadline = Instant::now() + limit;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let output = child.wait_with_output().unwrap();
+            panic!(
+                "still running after {limit:?}; stderr: {}",
+                stderr_of(&output)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn a_shard_truncated_mid_run_is_an_error_naming_it_and_the_ids_so_far_are_kept() {
+    let parent = tempfile::tempdir().unwrap();
+    for exact in [false, true] {
+        let dir = synth_tiny(parent.path());
+        let shard = dir.join("model-00001-of-00001.safetensors");
+        let mut command = ossterm();
+        command.args([
+            "generate",
+            "--greedy",
+            "--tokens",
+            "1,2,3",
+            "--max-tokens",
+            "100000",
+        ]);
+        command.arg("--model").arg(&dir);
+        if exact {
+            command.arg("--exact");
+        }
+        let mut child = command
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdout = child.stdout.take().unwrap();
+        // Wait for the first ids, then cut the shard to a tenth: the next forward pass reads
+        // pages that are no longer in the file.
+        let mut seen = Vec::new();
+        let mut byte = [0u8; 1];
+        while !seen.contains(&b',') {
+            assert_eq!(stdout.read(&mut byte).unwrap(), 1, "generate ended early");
+            seen.push(byte[0]);
+        }
+        let length = std::fs::metadata(&shard).unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&shard)
+            .unwrap()
+            .set_len(length / 10)
+            .unwrap();
+        stdout.read_to_end(&mut seen).unwrap();
+        let output = wait_with_deadline(child, Duration::from_secs(120));
+        let stderr = stderr_of(&output);
+        assert_eq!(output.status.code(), Some(1), "exact {exact}: {stderr}");
+        assert!(
+            stderr.contains("model-00001-of-00001.safetensors changed on disk while in use"),
+            "exact {exact}: {stderr}"
+        );
+        let printed = String::from_utf8(seen).unwrap();
+        assert!(printed.ends_with('\n'), "{printed:?}");
+        let ids: Vec<u32> = printed
+            .trim_end()
+            .split(',')
+            .map(|id| id.parse().expect("only whole ids"))
+            .collect();
+        assert!(ids.len() >= 2, "{printed:?}");
+        assert!(ids.len() < 100000, "the run went on after the fault");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[test]
+fn a_shard_overwritten_in_place_mid_run_is_an_error_naming_it() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = synth_tiny(parent.path());
+    let shard = dir.join("model-00001-of-00001.safetensors");
+    let mut child = ossterm()
+        .args([
+            "generate",
+            "--greedy",
+            "--tokens",
+            "1,2,3",
+            "--max-tokens",
+            "100000",
+            "--model",
+        ])
+        .arg(&dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let mut seen = Vec::new();
+    let mut byte = [0u8; 1];
+    while !seen.contains(&b',') {
+        assert_eq!(stdout.read(&mut byte).unwrap(), 1, "generate ended early");
+        seen.push(byte[0]);
+    }
+    // Same length, other bytes in the middle: nothing faults, but the weights changed.
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&shard)
+        .unwrap();
+    let middle = file.metadata().unwrap().len() / 2;
+    std::os::unix::fs::FileExt::write_all_at(&file, &[0x55; 4096], middle).unwrap();
+    file.set_modified(std::time::SystemTime::now() + Duration::from_secs(5))
+        .unwrap();
+    drop(file);
+    stdout.read_to_end(&mut seen).unwrap();
+    let output = wait_with_deadline(child, Duration::from_secs(120));
+    let stderr = stderr_of(&output);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("model-00001-of-00001.safetensors changed on disk while in use"),
+        "{stderr}"
+    );
+    let printed = String::from_utf8(seen).unwrap();
+    assert!(
+        printed.ends_with('\n') && printed.split(',').count() >= 2,
+        "{printed:?}"
+    );
+}
+
+#[test]
+fn a_closed_stdout_ends_quietly_with_status_141() {
+    let model = fixture("tiny_single");
+    let model = model.to_str().unwrap();
+    let conversation = conversation();
+    let cases: Vec<Vec<&str>> = vec![
+        vec!["render", "--conversation", &conversation, "--show-text"],
+        vec!["tokenize", "hello world"],
+        vec!["tokenize", "--decode", "24912,2375"],
+        vec!["info", "--model", model],
+        vec!["generate", "--greedy", "--tokens", "1,2", "--model", model],
+    ];
+    for args in cases {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let output = ossterm()
+            .args(&args)
+            .stdout(writer)
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        assert_no_panic(&format!("{args:?}"), &output);
+        assert_eq!(
+            output.status.code(),
+            Some(141),
+            "{args:?}: {}",
+            stderr_of(&output)
+        );
+        assert_eq!(
+            stderr_of(&output)
+                .lines()
+                .filter(|l| l.starts_with("error"))
+                .count(),
+            0
+        );
+    }
+}
+
+#[test]
+fn a_full_stdout_is_an_error_message() {
+    let model = fixture("tiny_single");
+    let model = model.to_str().unwrap();
+    let conversation = conversation();
+    let cases: Vec<Vec<&str>> = vec![
+        vec!["render", "--conversation", &conversation],
+        vec!["tokenize", "hello world"],
+        vec!["info", "--model", model],
+        vec!["generate", "--greedy", "--tokens", "1,2", "--model", model],
+    ];
+    for args in cases {
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap();
+        let output = ossterm()
+            .args(&args)
+            .stdout(full)
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        assert_no_panic(&format!("{args:?}"), &output);
+        let stderr = stderr_of(&output);
+        assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("cannot write to standard output: No space left on device"),
+            "{args:?}: {stderr}"
+        );
+    }
+}
+
+#[test]
+fn sizes_past_the_context_or_the_machine_are_refused_with_the_numbers() {
+    let model = fixture("tiny_single");
+    let model = model.to_str().unwrap();
+    let generate = |max: &str| {
+        run(&[
+            "generate",
+            "--greedy",
+            "--tokens",
+            "1,2,3",
+            "--max-tokens",
+            max,
+            "--model",
+            model,
+        ])
+    };
+    for (output, wanted) in [
+        (
+            generate("18446744073709551615"),
+            "--max-tokens 18446744073709551615 add up to more than any context holds",
+        ),
+        (
+            generate("1000000000000"),
+            "need 1000000000003 positions, but the model's context holds",
+        ),
+        (
+            run(&[
+                "bench",
+                "--synthetic",
+                "tiny",
+                "--no-ttft",
+                "--depth",
+                "18446744073709551615",
+            ]),
+            "--depth 18446744073709551615",
+        ),
+        (
+            run(&[
+                "bench",
+                "--synthetic",
+                "tiny",
+                "--no-ttft",
+                "--prompt-tokens",
+                "4000000000",
+            ]),
+            "need 4000000129 positions",
+        ),
+        (
+            run(&[
+                "bench",
+                "--synthetic",
+                "tiny",
+                "--no-ttft",
+                "--gen-tokens",
+                "18446744073709551615",
+            ]),
+            "add up to more than any context holds",
+        ),
+        (
+            run(&[
+                "bench",
+                "--synthetic",
+                "tiny",
+                "--repeat",
+                "18446744073709551615",
+            ]),
+            "--repeat 18446744073709551615 is more than",
+        ),
+    ] {
+        assert_no_panic(wanted, &output);
+        let stderr = stderr_of(&output);
+        assert_eq!(output.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains(wanted), "{wanted}: {stderr}");
+    }
+    // More ids than the context (64 positions in this fixture) are refused before anything
+    // is allocated; the logits themselves are streamed to the file a chunk at a time.
+    let ids = vec!["1"; 100].join(",");
+    let out = tempfile::tempdir().unwrap();
+    let file = out.path().join("logits.bin");
+    let output = run(&[
+        "logits",
+        "--tokens",
+        &ids,
+        "--out",
+        file.to_str().unwrap(),
+        "--model",
+        model,
+    ]);
+    assert_no_panic("logits", &output);
+    let stderr = stderr_of(&output);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(
+            "the 100 token ids of --tokens need 100 positions, but the model's context holds 64"
+        ),
+        "{stderr}"
+    );
+    assert!(!file.exists());
+}
+
+#[test]
+fn a_huge_context_is_checked_against_the_machines_memory() {
+    // The tiny model's context is 131072 positions of 4 KB each in f32: fits. A config with a
+    // context of 2^40 positions would need petabytes, which no machine has.
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture("tiny_single")).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+    }
+    let config_path = dir.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config["max_position_embeddings"] = (1u64 << 40).into();
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let output = run(&[
+        "generate",
+        "--greedy",
+        "--tokens",
+        "1",
+        "--max-tokens",
+        "1000000000000",
+        "--model",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert_no_panic("huge context", &output);
+    let stderr = stderr_of(&output);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("but this machine has"), "{stderr}");
+    assert!(
+        stderr.contains("KV cache of 1000000000001 positions"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn run_with_max_tokens_zero_generates_nothing() {
+    let output = run(&[
+        "run",
+        "--synthetic",
+        "tiny",
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "0",
+        "--json",
+        "--seed",
+        "1",
+    ]);
+    let stderr = stderr_of(&output);
+    assert!(output.status.success(), "{stderr}");
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(json["generated_tokens"], 0, "{json}");
+    assert_eq!(json["answer"], "", "{json}");
+    assert_eq!(json["stop_reason"], "max_tokens", "{json}");
+}
+
+#[test]
+fn more_threads_than_the_os_allows_are_capped_not_a_panic() {
+    let model = fixture("tiny_single");
+    for command in [
+        vec![
+            "generate",
+            "--greedy",
+            "--tokens",
+            "1,2",
+            "--max-tokens",
+            "2",
+        ],
+        vec!["logits", "--tokens", "1,2", "--out", "/dev/null"],
+    ] {
+        let child = ossterm()
+            .args(&command)
+            .args(["--threads", "1000000", "--model"])
+            .arg(&model)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let output = wait_with_deadline(child, Duration::from_secs(60));
+        assert_no_panic("--threads 1000000", &output);
+        let stderr = stderr_of(&output);
+        assert!(output.status.success(), "{command:?}: {stderr}");
+        assert!(
+            stderr.contains("--threads 1000000 is more than the"),
+            "{stderr}"
+        );
+    }
+}
+
+#[test]
+fn error_causes_are_printed_once() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        fixture("tiny_single").join("model.safetensors"),
+        dir.path().join("model.safetensors"),
+    )
+    .unwrap();
+    for args in [
+        vec!["info", "--model"],
+        vec!["generate", "--greedy", "--tokens", "1", "--model"],
+    ] {
+        let output = ossterm().args(&args).arg(dir.path()).output().unwrap();
+        let stderr = stderr_of(&output);
+        assert_eq!(output.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains("config.json"), "{stderr}");
+        let causes = stderr.matches("No such file or directory").count()
+            + stderr.matches("not found").count();
+        assert_eq!(causes, 1, "{args:?}: {stderr}");
+    }
+    let output = run(&[
+        "render",
+        "--conversation",
+        fixture("README.md").to_str().unwrap(),
+    ]);
+    let stderr = stderr_of(&output);
+    assert_eq!(
+        stderr.matches("expected value at line 1").count(),
+        1,
+        "{stderr}"
+    );
+}
+
+/// `synth` into a file system that runs out of room (RLIMIT_FSIZE through `ulimit -f`, with
+/// SIGXFSZ ignored so the write fails instead of killing the process) leaves no checkpoint and
+/// no staging files behind, and says what failed in plain words.
+#[test]
+fn synth_on_a_full_disk_leaves_nothing_and_says_why() {
+    let parent = tempfile::tempdir().unwrap();
+    let out = parent.path().join("ckpt");
+    let script = format!(
+        "trap '' XFSZ; ulimit -f 20000; exec '{}' synth --preset tiny --out '{}'",
+        env!("CARGO_BIN_EXE_ossterm"),
+        out.display()
+    );
+    let output = Command::new("sh").args(["-c", &script]).output().unwrap();
+    assert_no_panic("synth", &output);
+    let stderr = stderr_of(&output);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("cannot write"), "{stderr}");
+    assert!(stderr.contains("File too large"), "{stderr}");
+    assert!(!stderr.contains("IoError("), "Debug-formatted: {stderr}");
+    let left: Vec<_> = std::fs::read_dir(parent.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    // And an ordinary run still writes the checkpoint where asked.
+    let output = run(&["synth", "--preset", "tiny", "--out", out.to_str().unwrap()]);
+    assert!(output.status.success(), "{}", stderr_of(&output));
+    assert!(out.join("model.safetensors.index.json").is_file());
+    assert!(out.join("config.json").is_file());
+}

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Faults in the interactive app, under tmux. A checkpoint shard truncated while the app streams a
+# reply (SIGBUS on the mapped pages): the app must stay up, say which file changed on disk, keep
+# the conversation on screen, and on Ctrl-Q restore the terminal (cooked mode with echo, main
+# screen, cursor visible, no mouse reporting) and exit 0.
+#
+# Usage: tools/tmux_faults.sh [BINARY]   (default: target/release/ossterm, built if missing)
+# Exits 0 when every check passes, 1 on the first failure (with the screen printed), and 0 with a
+# "skipping" line when tmux is not installed. Needs no TTY: tmux runs on a private socket.
+set -euo pipefail
+export LC_ALL=C.UTF-8
+
+if ! command -v tmux >/dev/null 2>&1; then
+    echo "tmux_faults: tmux not found, skipping"
+    exit 0
+fi
+
+root="$(cd "$(dirname "$0")/.." && pwd)"
+if [[ $# -ge 1 ]]; then
+    binary="$1"
+else
+    binary="$root/target/release/ossterm"
+    (cd "$root" && cargo build --release --quiet --bin ossterm)
+fi
+[[ -x "$binary" ]] || { echo "tmux_faults: FAIL: no executable at $binary"; exit 1; }
+
+work="$(mktemp -d)"
+socket="ossterm-faults-$$"
+session="app"
+started=$SECONDS
+tmux_() { tmux -L "$socket" -f /dev/null "$@"; }
+cleanup() { tmux_ kill-server 2>/dev/null || true; rm -rf "$work"; }
+trap cleanup EXIT
+
+screen() { tmux_ capture-pane -p -J -t "$session"; }
+fail() {
+    echo "tmux_faults: FAIL: $*"
+    echo "---- screen ----"
+    screen || true
+    exit 1
+}
+wait_for() { # PATTERN SECONDS
+    local deadline=$((SECONDS + $2))
+    while ((SECONDS <= deadline)); do
+        if screen | grep -Eq -- "$1"; then return 0; fi
+        sleep 0.1
+    done
+    fail "did not see /$1/ within $2 s"
+}
+keys() { tmux_ send-keys -t "$session" "$@"; }
+pane_flag() { tmux_ display-message -p -t "$session" "#{$1}"; }
+
+"$binary" synth --preset tiny --out "$work/m" >/dev/null 2>&1 || fail "ossterm synth failed"
+shard="$work/m/model-00001-of-00001.safetensors"
+[[ -f "$shard" ]] || fail "synth wrote no $shard"
+
+tmux_ new-session -d -s "$session" -x 160 -y 42 \
+    "env TERM=xterm-256color XDG_CONFIG_HOME=$work/config XDG_DATA_HOME=$work/data HOME=$work \
+     $binary --model $work/m --max-tokens 8000 --threads 2 --seed 7 --chats-dir $work/chats; \
+     echo EXIT=\$?; echo MODE: \$(stty -a | tr ' ;' '\n\n' | grep -xE -- '-?(icanon|echo)'); \
+     sleep 120"
+
+wait_for "Ready" 60
+keys "a long one" Enter
+wait_for "(Thinking|Answering)… [0-9]+ tokens" 20
+# Cut the shard to a tenth while tokens stream: the next forward pass reads pages past the end.
+truncate -s $(($(stat -c %s "$shard") / 10)) "$shard"
+echo "tmux_faults: truncated $shard while the reply streamed"
+wait_for "changed on disk" 20
+screen | grep -q "EXIT=" && fail "the app ended after the fault"
+screen | grep -q "a long one" || fail "the conversation is gone from the screen"
+echo "tmux_faults: the app reports: $(screen | grep -o 'model-00001-of-00001.safetensors changed on disk[^│]*' | head -1 | sed 's/ *$//')"
+
+keys C-q
+wait_for "EXIT=0" 10
+wait_for "MODE: " 10
+screen | grep -q -- "MODE: icanon echo" || fail "terminal not in cooked mode with echo"
+[[ "$(pane_flag alternate_on)" == 0 ]] || fail "still on the alternate screen"
+[[ "$(pane_flag cursor_flag)" == 1 ]] || fail "cursor hidden"
+[[ "$(pane_flag mouse_any_flag)$(pane_flag mouse_button_flag)$(pane_flag mouse_standard_flag)" == 000 ]] ||
+    fail "mouse reporting left on"
+echo "tmux_faults: terminal restored after the fault (cooked mode, echo, main screen, cursor visible, no mouse mode)"
+echo "tmux_faults: ok in $((SECONDS - started)) s"
