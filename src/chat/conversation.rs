@@ -273,6 +273,26 @@ mod tests {
         assert_eq!(again, conversation);
     }
 
+    // Found by fuzzing (fuzz targets `conversation_file`, `conversation_roundtrip`): without
+    // serde_json's exact float parsing a number in an extra field came back one unit in the last
+    // place off after a save and a load.
+    #[test]
+    fn numbers_in_extra_fields_survive_save_and_load_exactly() {
+        let path = Path::new("chat.json");
+        let text = r#"{"messages": [], "x": [1.8446744073702038e+25, 2.8477033034374123e-197]}"#;
+        let conversation = Conversation::from_json(text, path).unwrap();
+        assert_eq!(
+            conversation.extra["x"][0].as_f64(),
+            Some(1.8446744073702038e25)
+        );
+        assert_eq!(
+            conversation.extra["x"][1].as_f64(),
+            Some(2.8477033034374123e-197)
+        );
+        let again = Conversation::from_json(&conversation.to_json(), path).unwrap();
+        assert_eq!(again, conversation);
+    }
+
     #[test]
     fn bad_values_name_the_file_and_the_problem() {
         let error = Conversation::from_json(

@@ -37,6 +37,22 @@ pub enum TokenizerError {
     Encode { message: String },
     #[error("could not build the o200k_harmony tokenizer from the vocabulary embedded in tiktoken-rs: {message}")]
     Build { message: String },
+    #[error("{text:?} is not a token id (expected comma-separated ids, e.g. 200006,1428)")]
+    NotAnId { text: String },
+}
+
+/// Parses comma-separated token ids (`tokenize --decode`'s argument); spaces around ids are
+/// allowed. Only the syntax is checked here: [`Tokenizer::decode`] checks the range.
+pub fn parse_ids(text: &str) -> Result<Vec<u32>, TokenizerError> {
+    text.split(',')
+        .map(|id| {
+            id.trim()
+                .parse::<u32>()
+                .map_err(|_| TokenizerError::NotAnId {
+                    text: id.to_owned(),
+                })
+        })
+        .collect()
 }
 
 /// o200k_harmony with a flat id -> bytes table, so decoding one token allocates nothing.
@@ -236,6 +252,22 @@ impl Utf8Stream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn id_lists_parse_with_spaces_and_name_what_is_not_an_id() {
+        assert_eq!(
+            parse_ids(" 200006, 1428 ,0").unwrap(),
+            vec![200006, 1428, 0]
+        );
+        for bad in ["", "1,,2", "1;2", "-1", "4294967296"] {
+            let error = parse_ids(bad).unwrap_err().to_string();
+            assert!(error.contains("is not a token id"), "{bad:?}: {error}");
+        }
+        assert!(parse_ids("7,x y")
+            .unwrap_err()
+            .to_string()
+            .contains("\"x y\""));
+    }
 
     #[test]
     fn utf8_stream_holds_split_characters_back() {

@@ -134,15 +134,7 @@ pub fn tokenize(args: TokenizeArgs) -> anyhow::Result<()> {
     let tokenizer = Tokenizer::shared()?;
     let mut out = output::stdout();
     if args.decode {
-        let ids = args
-            .text
-            .split(',')
-            .map(|id| {
-                id.trim().parse::<u32>().with_context(|| {
-                    format!("{id:?} is not a token id (expected e.g. 200006,1428)")
-                })
-            })
-            .collect::<anyhow::Result<Vec<u32>>>()?;
+        let ids = crate::chat::tokenizer::parse_ids(&args.text)?;
         let text = tokenizer.decode(&ids)?;
         writeln!(out, "{text}")?;
     } else {

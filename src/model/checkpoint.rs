@@ -168,7 +168,7 @@ pub struct TensorInfo {
 
 struct Shard {
     path: PathBuf,
-    map: Arc<WatchedMap>,
+    map: Arc<dyn ByteOwner>,
 }
 
 /// All shards of a checkpoint, mapped, with an index of their tensors.
@@ -208,6 +208,41 @@ impl Checkpoint {
         Ok(checkpoint)
     }
 
+    /// A checkpoint whose files (`model.safetensors.index.json`, shards) are held in memory, read
+    /// by the same parsing as [`Checkpoint::open`]; `dir` only names the files in messages. For
+    /// the fuzz targets, which cannot afford a directory per input.
+    pub fn from_memory(dir: &Path, files: &HashMap<String, Vec<u8>>) -> Result<Self, ModelError> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let shard_files: Vec<String> = match files.get("model.safetensors.index.json") {
+            Some(bytes) => {
+                let text = std::str::from_utf8(bytes).map_err(|error| ModelError::Io {
+                    path: index_path.clone(),
+                    source: std::io::Error::new(std::io::ErrorKind::InvalidData, error),
+                })?;
+                parse_index(text, &index_path)?
+            }
+            None if files.contains_key("model.safetensors") => vec!["model.safetensors".into()],
+            None => return Err(ModelError::NoWeights(dir.to_owned())),
+        };
+        let mut checkpoint = Checkpoint {
+            dir: dir.to_owned(),
+            shards: Vec::new(),
+            tensors: HashMap::new(),
+            unsupported: HashMap::new(),
+        };
+        for file in shard_files {
+            let path = dir.join(&file);
+            let Some(bytes) = files.get(&file) else {
+                return Err(ModelError::MissingShard {
+                    index: index_path,
+                    shard: path,
+                });
+            };
+            checkpoint.add_shard(path, Arc::new(bytes.clone()))?;
+        }
+        Ok(checkpoint)
+    }
+
     fn map_shard(&mut self, file: &str, index_path: &Path) -> Result<(), ModelError> {
         let path = self.dir.join(file);
         if path.is_dir() {
@@ -237,6 +272,11 @@ impl Checkpoint {
             source,
         })?;
         let map = WatchedMap::new(map, &path);
+        self.add_shard(path, Arc::new(map))
+    }
+
+    /// Indexes the tensors of one shard's bytes (its file's mapping, or a buffer).
+    fn add_shard(&mut self, path: PathBuf, map: Arc<dyn ByteOwner>) -> Result<(), ModelError> {
         let shard_index = self.shards.len();
         let bad = |message: String| ModelError::BadShard {
             path: path.clone(),
@@ -282,10 +322,7 @@ impl Checkpoint {
             );
         }
         drop(parsed);
-        self.shards.push(Shard {
-            path,
-            map: Arc::new(map),
-        });
+        self.shards.push(Shard { path, map });
         Ok(())
     }
 
@@ -467,11 +504,17 @@ fn read_index(path: &Path) -> Result<Vec<String>, ModelError> {
         path: path.to_owned(),
         source,
     })?;
+    parse_index(&text, path)
+}
+
+/// The shard file names of an index's `weight_map`, sorted, each once; `path` names the index in
+/// messages.
+fn parse_index(text: &str, path: &Path) -> Result<Vec<String>, ModelError> {
     let bad = |message: String| ModelError::BadIndex {
         path: path.to_owned(),
         message,
     };
-    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
     let map = value
         .get("weight_map")
         .and_then(|m| m.as_object())

@@ -61,6 +61,12 @@ pub struct ModelConfig {
 pub const MAX_HEAD_DIM: usize = 256;
 /// Expert weights are MXFP4: inputs come in blocks of 32.
 pub const MXFP4_BLOCK: usize = 32;
+/// Largest value any size in config.json may have: far above any model a CPU can hold, and low
+/// enough that products of a few sizes cannot overflow (128-bit) arithmetic.
+pub const MAX_SIZE: usize = 1 << 24;
+/// Most parameters a config may describe (2^48): every element and byte count derived from the
+/// sizes then fits a 64-bit integer with room to spare.
+pub const MAX_PARAMETERS: u64 = 1 << 48;
 
 impl ModelConfig {
     /// Reads and validates `config.json` from a checkpoint directory.
@@ -97,6 +103,13 @@ impl ModelConfig {
             }
         }
         let num_hidden_layers = req_usize(obj, "num_hidden_layers")?;
+        // Checked before the default layer list of that length is built.
+        if num_hidden_layers > MAX_SIZE {
+            return Err(config_err(
+                "num_hidden_layers",
+                format!("must be at most {MAX_SIZE}, found {num_hidden_layers}"),
+            ));
+        }
         let hidden_size = req_usize(obj, "hidden_size")?;
         let num_attention_heads = req_usize(obj, "num_attention_heads")?;
         let num_key_value_heads =
@@ -197,6 +210,22 @@ impl ModelConfig {
             if value == 0 {
                 return Err(config_err(key, "must be greater than 0".into()));
             }
+            if value > MAX_SIZE {
+                return Err(config_err(
+                    key,
+                    format!("must be at most {MAX_SIZE}, found {value}"),
+                ));
+            }
+        }
+        let (total, _) = self.parameter_counts();
+        if total > u128::from(MAX_PARAMETERS) {
+            return Err(config_err(
+                "num_hidden_layers",
+                format!(
+                    "the sizes describe {total} parameters, more than the {MAX_PARAMETERS} this \
+                     loader can address"
+                ),
+            ));
         }
         if !self
             .num_attention_heads
@@ -273,6 +302,12 @@ impl ModelConfig {
         if !(self.rope_theta.is_finite() && self.rope_theta > 1.0) {
             return Err(config_err("rope_theta", "must be a number above 1".into()));
         }
+        if !self.swiglu_alpha.is_finite() {
+            return Err(config_err(
+                "swiglu_alpha",
+                format!("must be a finite number, found {}", self.swiglu_alpha),
+            ));
+        }
         if !(self.swiglu_limit.is_finite() && self.swiglu_limit > 0.0) {
             return Err(config_err(
                 "swiglu_limit",
@@ -292,37 +327,40 @@ impl ModelConfig {
 
     /// Parameters stored in the checkpoint (each MXFP4 value counts as one).
     pub fn total_parameters(&self) -> u64 {
-        let (per_layer_dense, per_expert) = self.layer_parameter_counts();
-        let embeddings = (self.vocab_size * self.hidden_size) as u64;
+        u64::try_from(self.parameter_counts().0).unwrap_or(u64::MAX)
+    }
+
+    /// Parameters one token touches: routed experts only, one embedding matrix (as the model card counts).
+    pub fn active_parameters(&self) -> u64 {
+        u64::try_from(self.parameter_counts().1).unwrap_or(u64::MAX)
+    }
+
+    /// (total, active) parameters, in 128 bits: with every size at most [`MAX_SIZE`] no product
+    /// here overflows, so validation can compare the count before anything multiplies in 64 bits.
+    fn parameter_counts(&self) -> (u128, u128) {
+        let h = self.hidden_size as u128;
+        let q = self.num_attention_heads as u128 * self.head_dim as u128;
+        let kv = self.num_key_value_heads as u128 * self.head_dim as u128;
+        let e = self.num_local_experts as u128;
+        let i = self.intermediate_size as u128;
+        let layers = self.num_hidden_layers as u128;
+        let attention =
+            h * q + q + 2 * (h * kv + kv) + q * h + h + self.num_attention_heads as u128;
+        let norms = 2 * h;
+        let router = e * h + e;
+        let per_layer_dense = attention + norms + router;
+        let per_expert = h * 2 * i + 2 * i + i * h + h;
+        let embeddings = self.vocab_size as u128 * h;
         let lm_head = if self.tie_word_embeddings {
             0
         } else {
             embeddings
         };
-        let per_layer = per_layer_dense + per_expert * self.num_local_experts as u64;
-        embeddings + lm_head + self.num_hidden_layers as u64 * per_layer + self.hidden_size as u64
-    }
-
-    /// Parameters one token touches: routed experts only, one embedding matrix (as the model card counts).
-    pub fn active_parameters(&self) -> u64 {
-        let (per_layer_dense, per_expert) = self.layer_parameter_counts();
-        let embeddings = (self.vocab_size * self.hidden_size) as u64;
-        let per_layer = per_layer_dense + per_expert * self.num_experts_per_tok as u64;
-        embeddings + self.num_hidden_layers as u64 * per_layer + self.hidden_size as u64
-    }
-
-    /// (dense parameters of one layer incl. router, parameters of one expert).
-    fn layer_parameter_counts(&self) -> (u64, u64) {
-        let h = self.hidden_size as u64;
-        let q = self.q_width() as u64;
-        let kv = self.kv_width() as u64;
-        let e = self.num_local_experts as u64;
-        let i = self.intermediate_size as u64;
-        let attention = h * q + q + 2 * (h * kv + kv) + q * h + h + self.num_attention_heads as u64;
-        let norms = 2 * h;
-        let router = e * h + e;
-        let expert = h * 2 * i + 2 * i + i * h + h;
-        (attention + norms + router, expert)
+        let total = embeddings + lm_head + layers * (per_layer_dense + per_expert * e) + h;
+        let active = embeddings
+            + layers * (per_layer_dense + per_expert * self.num_experts_per_tok as u128)
+            + h;
+        (total, active)
     }
 }
 
@@ -406,6 +444,13 @@ fn parse_rope(obj: &Map<String, Value>) -> Result<(f64, RopeScaling), ModelError
                 return Err(config_err(
                     &sub("factor"),
                     format!("must be positive, found {factor}"),
+                ));
+            }
+            // The RoPE table holds it as f32.
+            if !(attention_factor as f32).is_finite() {
+                return Err(config_err(
+                    &sub("attention_factor"),
+                    format!("must be a finite number, found {attention_factor} (from mscale)"),
                 ));
             }
             Ok((
@@ -656,6 +701,66 @@ mod tests {
         assert_eq!(c.total_parameters(), 20_914_757_184);
         let active = c.active_parameters() as f64 / 1e9;
         assert!((active - 3.61).abs() < 0.005, "active {active}");
+    }
+
+    /// tiny's config.json with `key` set to `value`, parsed.
+    fn tiny_with(key: &str, value: Value) -> Result<ModelConfig, ModelError> {
+        let mut json = ModelConfig::tiny().to_hf_json();
+        json[key] = value;
+        ModelConfig::from_json_str(&json.to_string())
+    }
+
+    // Found by fuzzing (fuzz target `checkpoint`): a vocabulary of 8e18 was accepted and
+    // `vocab_size * hidden_size` overflowed where the parameter count is taken.
+    #[test]
+    fn sizes_past_the_limit_are_refused_by_name() {
+        let error = tiny_with("vocab_size", serde_json::json!(8205201379295389049u64))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("vocab_size") && error.contains("at most"),
+            "{error}"
+        );
+        let mut json = ModelConfig::tiny().to_hf_json();
+        json["num_hidden_layers"] = serde_json::json!(MAX_SIZE);
+        json["layer_types"] = Value::Null;
+        json["num_local_experts"] = serde_json::json!(MAX_SIZE);
+        let error = ModelConfig::from_json_str(&json.to_string())
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("parameters"), "{error}");
+    }
+
+    // Found by fuzzing (fuzz target `checkpoint`, under its 64 MiB allocation bound): without
+    // `layer_types`, a layer count of 4e12 made the loader allocate the default list of 4 TiB of
+    // layer kinds before validation saw the count.
+    #[test]
+    fn a_huge_layer_count_is_refused_before_anything_is_allocated_for_it() {
+        let mut json = ModelConfig::tiny().to_hf_json();
+        json["num_hidden_layers"] = serde_json::json!(4_398_046_511_104u64);
+        json["layer_types"] = Value::Null;
+        let error = ModelConfig::from_json_str(&json.to_string())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("num_hidden_layers") && error.contains("at most"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn numbers_that_overflow_f32_or_yarn_are_refused() {
+        let error = tiny_with("swiglu_alpha", serde_json::json!(1e300))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("swiglu_alpha"), "{error}");
+        let mut json = ModelConfig::tiny().to_hf_json();
+        json["rope_scaling"]["mscale"] = serde_json::json!(1e308);
+        json["rope_scaling"]["mscale_all_dim"] = serde_json::json!(1e-308);
+        let error = ModelConfig::from_json_str(&json.to_string())
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("attention_factor"), "{error}");
     }
 
     #[test]
