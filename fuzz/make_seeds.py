@@ -156,6 +156,20 @@ def checkpoint():
     write("checkpoint", cases)
 
 
+def gguf():
+    gguf_dir = FIXTURES / "gguf"
+    # Raw form (odd first byte): a whole small GGUF written by tools/make_gguf.py, and the head of
+    # another (header, metadata and tensor table, data cut off).
+    cases = [
+        ("raw_tiny_single_q8_0", b"\x01" + (gguf_dir / "tiny_single_q8_0.gguf").read_bytes()),
+        ("raw_tiny_single_head", b"\x01" + (gguf_dir / "tiny_single.gguf").read_bytes()[:16384]),
+    ]
+    # Built form (even first byte): the bytes drive the shape and the edits.
+    cases.append(("built_minimal", b"\x00"))
+    cases += [(name.replace("random", "built"), b"\x00" + data) for name, data in arbitrary_bytes(8, 10)]
+    write("gguf", cases)
+
+
 def main():
     app_config()
     conversation_file()
@@ -163,6 +177,7 @@ def main():
     harmony_parser()
     tokenize_decode()
     checkpoint()
+    gguf()
     total = sum(1 for _ in SEEDS.rglob("*") if _.is_file())
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(SEEDS.rglob("*")) if p.is_file()))
     print(f"{total} seed files, sha256 {digest.hexdigest()[:16]}")

@@ -38,8 +38,8 @@ pub struct AppArgs {
     /// Config file to read instead of the one in the platform config directory.
     #[arg(long, value_name = "PATH")]
     pub config: Option<PathBuf>,
-    /// Checkpoint directory (model.path).
-    #[arg(long, value_name = "DIR")]
+    /// Checkpoint directory, GGUF file or ollama:NAME:TAG (model.path).
+    #[arg(long, value_name = "PATH")]
     pub model: Option<PathBuf>,
     /// Random-weight model when no checkpoint is given: auto, tiny or 20b (model.synthetic).
     #[arg(long, value_name = "PRESET", value_parser = parse_synthetic)]
@@ -131,7 +131,7 @@ impl AppArgs {
 /// screen (download command, demo) instead of failing with an error dump.
 pub fn initial_engine_status(config: &AppConfig) -> EngineStatus {
     match &config.model {
-        ModelSource::Checkpoint(dir) if !dir.join("config.json").is_file() => {
+        ModelSource::Checkpoint(dir) if !crate::model::looks_loadable(dir) => {
             EngineStatus::ModelMissing { path: dir.clone() }
         }
         _ => EngineStatus::Loading {
@@ -634,6 +634,10 @@ pub fn load_model(
     let converting = format!("converting weights to {}", settings.weight_format);
     let (model, label, random_weights) = match source {
         ModelSource::Checkpoint(dir) => {
+            let planned = crate::model::memory::Planned::Path(dir);
+            let warning =
+                crate::model::memory::check_before_load(planned, &options, settings.context_limit)
+                    .map_err(model_error)?;
             let model = Model::load_with_progress(dir, &options, &mut |stage, done, total| {
                 let what = match stage {
                     LoadStage::Converting => converting.as_str(),
@@ -642,7 +646,11 @@ pub fn load_model(
                 progress(what, done, total)
             })
             .map_err(model_error)?;
-            (model, format!("gpt-oss ({})", dir.display()), false)
+            let label = match warning {
+                Some(_) => format!("gpt-oss ({}; weights paged from disk)", dir.display()),
+                None => format!("gpt-oss ({})", dir.display()),
+            };
+            (model, label, false)
         }
         ModelSource::Synthetic(choice) => {
             let available = crate::engine::worker::available_memory_bytes();

@@ -225,7 +225,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             args.context
         );
     }
-    let model = args.model.load(false)?;
+    let model = args.model.load_for_context(false, args.context)?;
     let context = args.context.min(model.config.max_position_embeddings);
     limits::check_context(&model, context, &[("--context", context)])?;
     let pool = args.model.pool()?;

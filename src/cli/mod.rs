@@ -30,6 +30,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
+use crate::model::memory::{check_before_load, Planned};
 use crate::model::{
     ActivationFormat, KvFormat, LoadOptions, Model, Precision, Preset, WeightFormat,
 };
@@ -76,8 +77,9 @@ pub enum Command {
 /// Where the weights come from: a checkpoint directory or a synthetic preset.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// Hugging Face gpt-oss checkpoint directory (config.json + *.safetensors).
-    #[arg(long, value_name = "DIR", conflicts_with = "synthetic")]
+    /// Hugging Face gpt-oss checkpoint directory (config.json + *.safetensors), a GGUF file
+    /// (llama.cpp / LM Studio / ollama) or an ollama model name: ollama:NAME:TAG.
+    #[arg(long, value_name = "PATH", conflicts_with = "synthetic")]
     pub model: Option<PathBuf>,
     /// Use random weights of this shape instead of a checkpoint.
     #[arg(long, value_name = "PRESET", value_parser = choice_parser!(Preset))]
@@ -103,6 +105,12 @@ pub struct ModelArgs {
 impl ModelArgs {
     /// Loads the model the arguments name. `exact` selects the f32 reference path.
     pub fn load(&self, exact: bool) -> anyhow::Result<Arc<Model>> {
+        self.load_for_context(exact, 0)
+    }
+
+    /// [`ModelArgs::load`], first checking that the weights and a KV cache of `context` tokens
+    /// fit this machine's memory (a warning on stderr when the weights will be paged from disk).
+    pub fn load_for_context(&self, exact: bool, context: usize) -> anyhow::Result<Arc<Model>> {
         init_threads(self.threads)?;
         crate::kernels::init_kernel_path()?;
         let opts = LoadOptions {
@@ -116,11 +124,23 @@ impl ModelArgs {
             activations: self.activations,
             kernels: None,
         };
+        let planned = match (&self.model, self.synthetic) {
+            (Some(path), _) => Some(Planned::Path(path)),
+            (None, Some(preset)) => Some(Planned::Synthetic(preset)),
+            (None, None) => None,
+        };
+        if let Some(planned) = planned {
+            if let Some(warning) = check_before_load(planned, &opts, context)? {
+                eprintln!("warning: {warning}");
+            }
+        }
         let model = match (&self.model, self.synthetic) {
             (Some(dir), _) => Model::load(dir, &opts)
-                .with_context(|| format!("cannot load the model in {}", dir.display()))?,
+                .with_context(|| format!("cannot load the model {}", dir.display()))?,
             (None, Some(preset)) => Model::synthetic(preset, self.synthetic_seed, &opts)?,
-            (None, None) => anyhow::bail!("name a model: --model DIR or --synthetic 20b|tiny"),
+            (None, None) => anyhow::bail!(
+                "name a model: --model DIR|FILE.gguf|ollama:NAME:TAG or --synthetic 20b|120b|tiny"
+            ),
         };
         // Converting the weights reads the mapping; a shard cut short meanwhile read zeros.
         crate::fault::check()?;

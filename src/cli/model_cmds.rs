@@ -9,16 +9,26 @@ use clap::Args;
 
 use super::output::{self, note, Out};
 use super::{limits, ModelArgs};
-use crate::model::checkpoint::{Checkpoint, Dtype};
-use crate::model::{synthetic, ModelConfig, Preset, RopeScaling};
+use crate::model::checkpoint::Checkpoint;
+use crate::model::gguf;
+use crate::model::memory::{MemoryNeeds, SystemMemory, WeightSource};
+use crate::model::{
+    synthetic, KvFormat, ModelConfig, Precision, Preset, RopeScaling, WeightFormat,
+};
 
 #[derive(Args, Debug)]
 pub struct InfoArgs {
-    /// Checkpoint directory.
-    #[arg(long, value_name = "DIR")]
-    pub model: PathBuf,
+    /// Checkpoint directory, GGUF file or ollama:NAME:TAG.
+    #[arg(long, value_name = "PATH", required_unless_present = "synthetic")]
+    pub model: Option<PathBuf>,
+    /// Describe a preset's layout instead (nothing is built).
+    #[arg(long, value_name = "PRESET", conflicts_with = "model", value_parser = choice_parser!(Preset))]
+    pub synthetic: Option<Preset>,
+    /// Context for the KV cache estimate (default: the model's longest).
+    #[arg(long, value_name = "TOKENS")]
+    pub context: Option<usize>,
     /// Also read every value of every tensor and report each one holding NaN or infinity (or an
-    /// MXFP4 scale of 0xFF, E8M0's NaN). Reads the whole checkpoint.
+    /// MXFP4 scale of 0xFF, E8M0's NaN). Reads the whole checkpoint (safetensors only).
     #[arg(long)]
     pub check: bool,
 }
@@ -76,63 +86,141 @@ pub struct SynthArgs {
 }
 
 pub fn info(args: InfoArgs) -> anyhow::Result<()> {
-    let dir = &args.model;
-    if !dir.is_dir() {
-        return Err(crate::model::ModelError::MissingDir(dir.clone()).into());
-    }
-    let config = ModelConfig::from_file(&dir.join("config.json"))?;
-    let checkpoint = Checkpoint::open(dir)?;
     let mut out = output::stdout();
-    // The scan comes first: loading stops at the first bad tensor, the scan lists them all.
-    if args.check {
-        check_values(&mut out, &checkpoint)?;
-    }
-    // Build the typed views too, so `info` reports any tensor the engine would refuse.
-    crate::model::Weights::load(&config, &checkpoint)
-        .with_context(|| format!("the checkpoint in {} is not usable", dir.display()))?;
-    print_config(&mut out, &config)?;
-    let mut by_dtype: Vec<(Dtype, u64, usize)> = Vec::new();
-    for (dtype, bytes) in checkpoint.tensor_sizes() {
-        match by_dtype.iter_mut().find(|(d, _, _)| *d == dtype) {
-            Some(entry) => {
-                entry.1 += bytes as u64;
-                entry.2 += 1;
+    let (config, source, mut by_type) = match (&args.model, args.synthetic) {
+        (Some(spec), _) => {
+            let path = crate::model::resolve_model_path(spec)?;
+            if gguf::is_gguf(&path) {
+                if args.check {
+                    anyhow::bail!("info --check reads safetensors checkpoints, not GGUF files");
+                }
+                let file = gguf::GgufFile::open(&path)?;
+                let config = file.config()?;
+                writeln!(
+                    out,
+                    "file:               {} (GGUF v{})",
+                    path.display(),
+                    file.version
+                )?;
+                let mut by_type: Vec<(String, u64, usize)> = Vec::new();
+                for (_, tensor) in file.tensors() {
+                    add_size(&mut by_type, tensor.type_name(), tensor.byte_len());
+                }
+                (config, WeightSource::Gguf, by_type)
+            } else {
+                if !path.is_dir() {
+                    return Err(crate::model::ModelError::MissingDir(path).into());
+                }
+                let config = ModelConfig::from_file(&path.join("config.json"))?;
+                let checkpoint = Checkpoint::open(&path)?;
+                // The scan comes first: loading stops at the first bad tensor, the scan lists them all.
+                if args.check {
+                    check_values(&mut out, &checkpoint)?;
+                }
+                // Build the typed views too, so `info` reports any tensor the engine would refuse.
+                crate::model::Weights::load(&config, &checkpoint).with_context(|| {
+                    format!("the checkpoint in {} is not usable", path.display())
+                })?;
+                writeln!(
+                    out,
+                    "shards:             {}",
+                    checkpoint.shard_paths().count()
+                )?;
+                let mut by_type = Vec::new();
+                for (dtype, bytes) in checkpoint.tensor_sizes() {
+                    add_size(&mut by_type, dtype.name(), bytes);
+                }
+                (config, WeightSource::Mapped, by_type)
             }
-            None => by_dtype.push((dtype, bytes as u64, 1)),
         }
-    }
-    by_dtype.sort_by_key(|(d, _, _)| d.name());
-    let tensors: usize = by_dtype.iter().map(|(_, _, n)| n).sum();
-    let total_bytes: u64 = by_dtype.iter().map(|(_, b, _)| b).sum();
-    writeln!(
-        out,
-        "shards:             {}",
-        checkpoint.shard_paths().count()
-    )?;
-    writeln!(out, "tensors:            {tensors}")?;
-    for (dtype, bytes, count) in &by_dtype {
+        (None, Some(preset)) => {
+            writeln!(
+                out,
+                "preset:             {} (layout only, no weights)",
+                preset.name()
+            )?;
+            (preset.config(), WeightSource::Mapped, Vec::new())
+        }
+        (None, None) => anyhow::bail!("name a model: --model PATH or --synthetic PRESET"),
+    };
+    print_config(&mut out, &config)?;
+    if !by_type.is_empty() {
+        by_type.sort();
+        let tensors: usize = by_type.iter().map(|(_, _, n)| n).sum();
+        let total_bytes: u64 = by_type.iter().map(|(_, b, _)| b).sum();
+        writeln!(out, "tensors:            {tensors}")?;
+        for (name, bytes, count) in &by_type {
+            writeln!(
+                out,
+                "  {:<5} {:>5} tensors {:>16} bytes ({})",
+                name,
+                count,
+                bytes,
+                human_bytes(*bytes)
+            )?;
+        }
         writeln!(
             out,
-            "  {:<5} {:>5} tensors {:>16} bytes ({})",
-            dtype.name(),
-            count,
-            bytes,
-            human_bytes(*bytes)
+            "tensor bytes:       {total_bytes} ({})",
+            human_bytes(total_bytes)
         )?;
     }
-    writeln!(
-        out,
-        "tensor bytes:       {total_bytes} ({})",
-        human_bytes(total_bytes)
-    )?;
     writeln!(
         out,
         "parameters:         {} total, {} active per token",
         billions(config.total_parameters()),
         billions(config.active_parameters())
     )?;
+    let context = args
+        .context
+        .unwrap_or(config.max_position_embeddings)
+        .min(config.max_position_embeddings);
+    let needs = MemoryNeeds::estimate(
+        &config,
+        source,
+        Precision::Fast,
+        WeightFormat::Q8,
+        KvFormat::F16,
+        context,
+    );
+    writeln!(
+        out,
+        "memory:             weights {} (bf16 dense, MXFP4 experts), held in memory {} (q8 \
+         attention/unembedding{}), f16 KV cache at {context} tokens {}",
+        human_bytes(needs.weights),
+        human_bytes(needs.owned),
+        if source == WeightSource::Gguf {
+            ", repacked GGUF experts"
+        } else {
+            ""
+        },
+        human_bytes(needs.kv)
+    )?;
+    if let Some(machine) = SystemMemory::read() {
+        let verdict = match needs.check(machine) {
+            Ok(None) => "fits".to_string(),
+            Ok(Some(warning)) => format!("loads, but {warning}"),
+            Err(err) => err.to_string(),
+        };
+        writeln!(
+            out,
+            "this machine:       {} RAM, {} available: {verdict}",
+            human_bytes(machine.total),
+            human_bytes(machine.available)
+        )?;
+    }
     out.flush()?;
     Ok(())
+}
+
+fn add_size(by_type: &mut Vec<(String, u64, usize)>, name: &str, bytes: usize) {
+    match by_type.iter_mut().find(|(n, _, _)| n == name) {
+        Some(entry) => {
+            entry.1 += bytes as u64;
+            entry.2 += 1;
+        }
+        None => by_type.push((name.to_string(), bytes as u64, 1)),
+    }
 }
 
 /// `info --check`: every value of every tensor, one line per bad tensor on stdout, progress on

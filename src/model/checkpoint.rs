@@ -70,7 +70,7 @@ pub struct WatchedMap {
 }
 
 impl WatchedMap {
-    fn new(map: Mmap, path: &Path) -> Self {
+    pub(crate) fn new(map: Mmap, path: &Path) -> Self {
         WatchedMap {
             _watch: crate::fault::register(map.as_ptr(), map.len(), path),
             map,

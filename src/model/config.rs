@@ -531,6 +531,8 @@ fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>, ModelEr
 pub enum Preset {
     /// The exact gpt-oss-20b shape (about 13 GB of weights).
     Gpt20b,
+    /// The exact gpt-oss-120b shape (about 61 GiB of weights).
+    Gpt120b,
     /// A few MB, with the full 201,088-token vocabulary so chat plumbing works end to end.
     Tiny,
 }
@@ -539,12 +541,13 @@ impl Preset {
     pub fn config(self) -> ModelConfig {
         match self {
             Preset::Gpt20b => ModelConfig::gpt_oss_20b(),
+            Preset::Gpt120b => ModelConfig::gpt_oss_120b(),
             Preset::Tiny => ModelConfig::tiny(),
         }
     }
 }
 
-crate::choice::impl_choice!(Preset { Gpt20b => "20b", Tiny => "tiny" });
+crate::choice::impl_choice!(Preset { Gpt20b => "20b", Gpt120b => "120b", Tiny => "tiny" });
 
 impl ModelConfig {
     /// gpt-oss-20b as published (spec section 1).
@@ -583,6 +586,24 @@ impl ModelConfig {
             },
             max_position_embeddings: 131072,
             tie_word_embeddings: false,
+        }
+    }
+
+    /// gpt-oss-120b as published: the 20b design with 36 layers and 128 experts (spec section 1).
+    pub fn gpt_oss_120b() -> Self {
+        ModelConfig {
+            num_hidden_layers: 36,
+            num_local_experts: 128,
+            layer_kinds: (0..36)
+                .map(|i| {
+                    if i % 2 == 0 {
+                        LayerKind::Sliding
+                    } else {
+                        LayerKind::Full
+                    }
+                })
+                .collect(),
+            ..ModelConfig::gpt_oss_20b()
         }
     }
 
@@ -764,8 +785,21 @@ mod tests {
     }
 
     #[test]
+    fn parameter_counts_of_120b_match_the_model_card() {
+        let c = ModelConfig::gpt_oss_120b();
+        let total = c.total_parameters() as f64 / 1e9;
+        let active = c.active_parameters() as f64 / 1e9;
+        assert!((total - 116.83).abs() < 0.005, "total {total}");
+        assert!((active - 5.13).abs() < 0.005, "active {active}");
+    }
+
+    #[test]
     fn hf_json_round_trips() {
-        for c in [ModelConfig::gpt_oss_20b(), ModelConfig::tiny()] {
+        for c in [
+            ModelConfig::gpt_oss_20b(),
+            ModelConfig::gpt_oss_120b(),
+            ModelConfig::tiny(),
+        ] {
             let parsed = ModelConfig::from_json_str(&c.to_hf_json().to_string()).unwrap();
             assert_eq!(parsed, c);
         }

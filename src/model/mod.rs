@@ -5,7 +5,10 @@ pub mod config;
 pub mod convert;
 pub mod exact;
 pub mod fast;
+pub mod gguf;
 pub mod kv;
+pub mod memory;
+pub mod ollama;
 pub mod ops;
 pub mod options;
 pub mod rope;
@@ -85,6 +88,12 @@ pub enum ModelError {
     },
     #[error("cannot write {path}: {message}")]
     Serialize { path: PathBuf, message: String },
+    #[error("{path}: {message}")]
+    BadGguf { path: PathBuf, message: String },
+    #[error("{name}: {message}")]
+    Ollama { name: String, message: String },
+    #[error("{0}")]
+    Memory(String),
     #[error("cannot convert the weights: {0}")]
     Quantize(String),
     #[error("{0}")]
@@ -115,6 +124,30 @@ pub enum LoadStage {
 /// Receives (stage, done, total).
 pub type LoadProgress<'a> = dyn FnMut(LoadStage, u64, u64) + 'a;
 
+/// The file or directory a `--model` value names: `ollama:NAME:TAG` becomes the GGUF blob in
+/// ollama's store; any other value is a path, returned as is.
+pub fn resolve_model_path(spec: &Path) -> Result<PathBuf, ModelError> {
+    match spec.to_str() {
+        Some(s) if s.starts_with(ollama::PREFIX) && !spec.exists() => {
+            let models = ollama::models_dir().ok_or_else(|| ModelError::Ollama {
+                name: s.to_owned(),
+                message: "neither OLLAMA_MODELS nor HOME is set".into(),
+            })?;
+            ollama::resolve(s, &models)
+        }
+        _ => Ok(spec.to_owned()),
+    }
+}
+
+/// Whether `spec` names something [`Model::load`] can try: a checkpoint directory with its
+/// config.json, a GGUF file, or an `ollama:` name (whose resolution reports its own errors).
+pub fn looks_loadable(spec: &Path) -> bool {
+    let ollama_name = spec
+        .to_str()
+        .is_some_and(|s| s.starts_with(ollama::PREFIX) && !spec.exists());
+    ollama_name || (spec.is_file() && gguf::is_gguf(spec)) || spec.join("config.json").is_file()
+}
+
 /// A loaded model: configuration, weights and the tables every session shares.
 pub struct Model {
     pub config: ModelConfig,
@@ -135,7 +168,8 @@ pub struct Model {
 }
 
 impl Model {
-    /// Loads a Hugging Face gpt-oss checkpoint directory (config.json + safetensors shards).
+    /// Loads a Hugging Face gpt-oss checkpoint directory (config.json + safetensors shards), a GGUF
+    /// file, or an `ollama:NAME:TAG` model (see [`resolve_model_path`]).
     pub fn load(dir: &Path, opts: &LoadOptions) -> Result<Model, ModelError> {
         Model::load_with_progress(dir, opts, &mut |_, _, _| {})
     }
@@ -147,6 +181,21 @@ impl Model {
         progress: &mut LoadProgress<'_>,
     ) -> Result<Model, ModelError> {
         progress(LoadStage::Mapping, 0, 1);
+        let resolved = resolve_model_path(dir)?;
+        if gguf::is_gguf(&resolved) {
+            let source = gguf::GgufSource::new(gguf::GgufFile::open(&resolved)?);
+            let config = source.file.config()?;
+            let weights = Weights::load(&config, &source)?;
+            let name = if resolved == dir {
+                dir.display().to_string()
+            } else {
+                format!("{} ({})", dir.display(), resolved.display())
+            };
+            let identity = (name, source.file.fingerprint());
+            return Model::from_parts(config, weights, opts, identity, &mut |done, total| {
+                progress(LoadStage::Converting, done as u64, total as u64)
+            });
+        }
         if !dir.is_dir() {
             return Err(ModelError::MissingDir(dir.to_owned()));
         }

@@ -1,0 +1,342 @@
+//! What a model needs in memory against what the machine has, checked before loading.
+//!
+//! Mapped checkpoint weights are file-backed: when they exceed RAM the OS reads them from disk as
+//! tokens touch them, slow but working, so that only warns. Memory the process must own (converted
+//! weights, GGUF experts repacked to the kernels' layout, the KV cache at the chosen context) cannot
+//! be paged back from a file; if it does not fit the load is refused with the numbers.
+
+use std::path::Path;
+
+use super::config::{ModelConfig, Preset, MXFP4_BLOCK};
+use super::{gguf, resolve_model_path, KvFormat, LoadOptions, ModelError, Precision, WeightFormat};
+
+/// What to load, for [`check_before_load`].
+#[derive(Debug, Clone, Copy)]
+pub enum Planned<'a> {
+    /// A `--model` value: checkpoint directory, GGUF file or `ollama:NAME:TAG`.
+    Path(&'a Path),
+    Synthetic(Preset),
+}
+
+/// Compares what loading `planned` with `opts` and a KV cache of `context` tokens needs with this
+/// machine's memory, reading only the configuration. `Ok(Some(warning))` when the weights will be
+/// paged from disk; an error when owned memory cannot fit. A model whose configuration cannot be
+/// read passes: the load itself reports why.
+pub fn check_before_load(
+    planned: Planned<'_>,
+    opts: &LoadOptions,
+    context: usize,
+) -> Result<Option<String>, ModelError> {
+    let Some(memory) = SystemMemory::read() else {
+        return Ok(None);
+    };
+    let (config, source) = match planned {
+        Planned::Synthetic(preset) => (preset.config(), WeightSource::Synthetic),
+        Planned::Path(spec) => {
+            let path = resolve_model_path(spec)?;
+            let read = if gguf::is_gguf(&path) {
+                gguf::GgufFile::open(&path)
+                    .and_then(|f| f.config())
+                    .map(|c| (c, WeightSource::Gguf))
+            } else {
+                ModelConfig::from_file(&path.join("config.json")).map(|c| (c, WeightSource::Mapped))
+            };
+            match read {
+                Ok(found) => found,
+                Err(_) => return Ok(None),
+            }
+        }
+    };
+    let context = context.min(config.max_position_embeddings);
+    MemoryNeeds::estimate(
+        &config,
+        source,
+        opts.precision,
+        opts.weights,
+        opts.kv,
+        context,
+    )
+    .check(memory)
+}
+
+/// Bytes of RAM: installed and available now (free plus reclaimable cache), from /proc/meminfo.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SystemMemory {
+    pub total: u64,
+    pub available: u64,
+}
+
+impl SystemMemory {
+    pub fn read() -> Option<SystemMemory> {
+        let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+        Self::parse(&text)
+    }
+
+    pub fn parse(meminfo: &str) -> Option<SystemMemory> {
+        let field = |name: &str| {
+            meminfo.lines().find_map(|line| {
+                let rest = line.strip_prefix(name)?.strip_prefix(':')?;
+                let kib: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
+                Some(kib * 1024)
+            })
+        };
+        Some(SystemMemory {
+            total: field("MemTotal")?,
+            available: field("MemAvailable")?,
+        })
+    }
+}
+
+/// Where a model's weights come from, for the memory estimate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightSource {
+    /// Safetensors: every tensor stays in the mapping.
+    Mapped,
+    /// GGUF: experts are repacked into owned memory; dense tensors other than BF16 are converted.
+    Gguf,
+    /// Generated in memory.
+    Synthetic,
+}
+
+/// A model's memory needs, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryNeeds {
+    /// All weights as stored (bf16 dense, MXFP4 experts).
+    pub weights: u64,
+    /// Of those or in addition, bytes the process must own (not backed by a file).
+    pub owned: u64,
+    /// Of `owned`, the fast path's converted attention and unembedding matrices.
+    pub converted: u64,
+    /// The KV cache when the context is full.
+    pub kv: u64,
+    pub context: usize,
+    pub source: WeightSource,
+}
+
+impl ModelConfig {
+    /// Bytes of the expert weights (MXFP4 blocks and scales, biases as bf16).
+    pub fn expert_bytes(&self) -> u64 {
+        let (h, i, e) = (
+            self.hidden_size as u64,
+            self.intermediate_size as u64,
+            self.num_local_experts as u64,
+        );
+        let values = e * (h * 2 * i + i * h);
+        let mxfp4 = values / 2 + values / MXFP4_BLOCK as u64;
+        let biases = 2 * e * (2 * i + h);
+        self.num_hidden_layers as u64 * (mxfp4 + biases)
+    }
+
+    /// Bytes of a Hugging Face checkpoint of this shape: dense parameters in bf16, experts MXFP4.
+    pub fn checkpoint_bytes(&self) -> u64 {
+        let expert_params = self.num_hidden_layers as u64
+            * self.num_local_experts as u64
+            * (self.hidden_size as u64 * 2 * self.intermediate_size as u64
+                + 2 * self.intermediate_size as u64
+                + self.intermediate_size as u64 * self.hidden_size as u64
+                + self.hidden_size as u64);
+        2 * (self.total_parameters() - expert_params) + self.expert_bytes()
+    }
+
+    /// Parameters of the matrices the fast path converts (attention projections, unembedding).
+    fn converted_parameters(&self) -> u64 {
+        let (h, q, kv) = (
+            self.hidden_size as u64,
+            self.q_width() as u64,
+            self.kv_width() as u64,
+        );
+        self.num_hidden_layers as u64 * (2 * h * q + 2 * h * kv) + self.vocab_size as u64 * h
+    }
+}
+
+impl MemoryNeeds {
+    pub fn estimate(
+        config: &ModelConfig,
+        source: WeightSource,
+        precision: Precision,
+        weights: WeightFormat,
+        kv: KvFormat,
+        context: usize,
+    ) -> MemoryNeeds {
+        let total = config.checkpoint_bytes();
+        let loaded = match source {
+            WeightSource::Mapped => 0,
+            WeightSource::Gguf => config.expert_bytes(),
+            WeightSource::Synthetic => total,
+        };
+        // Q8 keeps 34 bytes per 32 weights, Q4 18; converted pages of the mapping are released.
+        let params = config.converted_parameters();
+        let converted = match (precision, weights) {
+            (Precision::Exact, _) | (_, WeightFormat::Native) => 0,
+            (_, WeightFormat::Q8) => params * 34 / 32,
+            (_, WeightFormat::Q4) => params * 18 / 32,
+        };
+        let kv_format = match precision {
+            Precision::Exact => KvFormat::F32,
+            Precision::Fast => kv,
+        };
+        // Keys and values of every layer: one row per KV head and position.
+        let row_bytes = kv_format.row_bytes(config.head_dim) as u64;
+        MemoryNeeds {
+            weights: total,
+            owned: loaded + converted,
+            converted,
+            source,
+            kv: 2
+                * config.num_hidden_layers as u64
+                * context as u64
+                * config.num_key_value_heads as u64
+                * row_bytes,
+            context,
+        }
+    }
+
+    /// What would lower the owned memory, for the refusal message.
+    fn advice(&self) -> String {
+        let mut ways = Vec::new();
+        if self.kv > 0 {
+            ways.push("lower the context (--context / engine.context_limit)".to_string());
+        }
+        match self.source {
+            WeightSource::Synthetic => ways.push(
+                "pick a smaller synthetic preset: random weights are generated in memory".into(),
+            ),
+            WeightSource::Gguf => ways.push(
+                "use the Hugging Face safetensors checkpoint, which stays mapped (a GGUF's \
+                 experts are repacked into memory)"
+                    .into(),
+            ),
+            WeightSource::Mapped => {}
+        }
+        if self.converted > 0 && self.source != WeightSource::Synthetic {
+            ways.push("--weights native keeps attention and unembedding in the mapping".into());
+        }
+        ways.join("; or ")
+    }
+
+    /// Refuses what cannot fit in `memory`; returns a warning when the mapped weights do not fit
+    /// beside it (they will be read from disk as needed).
+    pub fn check(&self, memory: SystemMemory) -> Result<Option<String>, ModelError> {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let anonymous = self.owned + self.kv;
+        if anonymous > memory.available {
+            let kv = if self.context > 0 {
+                format!(
+                    "the KV cache for {} tokens needs {:.1} GiB and ",
+                    self.context,
+                    gib(self.kv)
+                )
+            } else {
+                String::new()
+            };
+            return Err(ModelError::Memory(format!(
+                "not enough memory: {kv}weights held in memory ({}) need {:.1} GiB, {:.1} GiB in \
+                 all, but {:.1} GiB of {:.1} GiB are available: {}",
+                match self.source {
+                    WeightSource::Synthetic => "generated",
+                    WeightSource::Gguf => "repacked experts, converted matrices",
+                    WeightSource::Mapped => "converted matrices",
+                },
+                gib(self.owned),
+                gib(anonymous),
+                gib(memory.available),
+                gib(memory.total),
+                self.advice()
+            )));
+        }
+        let mapped = self.weights.saturating_sub(self.owned.min(self.weights));
+        if mapped + anonymous > memory.total {
+            return Ok(Some(format!(
+                "the weights ({:.1} GiB) and KV cache ({:.1} GiB) exceed this machine's {:.1} GiB of \
+                 RAM: loading from the mapping anyway; the OS will read weights from disk as tokens \
+                 need them, so generation will be slow",
+                gib(self.weights),
+                gib(self.kv),
+                gib(memory.total)
+            )));
+        }
+        Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn meminfo_parses() {
+        let m = SystemMemory::parse(
+            "MemTotal:       24000000 kB\nMemFree: 1 kB\nMemAvailable:   20000000 kB\n",
+        )
+        .unwrap();
+        assert_eq!(m.total, 24_000_000 * 1024);
+        assert_eq!(m.available, 20_000_000 * 1024);
+        assert!(SystemMemory::parse("MemTotal: 5 kB\n").is_none());
+    }
+
+    #[test]
+    fn checkpoint_bytes_match_the_published_sizes() {
+        // openai/gpt-oss-20b's safetensors hold 13,761,300,984 bytes of tensors (12.8 GiB).
+        let b20 = ModelConfig::gpt_oss_20b().checkpoint_bytes() as f64 / GIB as f64;
+        assert!((b20 - 12.8).abs() < 0.1, "20b {b20} GiB");
+        let b120 = ModelConfig::gpt_oss_120b().checkpoint_bytes() as f64 / GIB as f64;
+        assert!((b120 - 60.8).abs() < 0.5, "120b {b120} GiB");
+    }
+
+    #[test]
+    fn kv_that_cannot_fit_is_refused_and_big_weights_warn() {
+        let c = ModelConfig::gpt_oss_120b();
+        let machine = SystemMemory {
+            total: 24 * GIB,
+            available: 20 * GIB,
+        };
+        let needs = |context| {
+            MemoryNeeds::estimate(
+                &c,
+                WeightSource::Mapped,
+                Precision::Fast,
+                WeightFormat::Native,
+                KvFormat::F16,
+                context,
+            )
+        };
+        // 120b: 36 layers x 2 x 512 values x 2 bytes = 72 KiB per token.
+        assert_eq!(needs(1).kv, 36 * 2 * 512 * 2);
+        let warning = needs(4096)
+            .check(machine)
+            .unwrap()
+            .expect("60 GiB of weights on 24 GiB warns");
+        assert!(warning.contains("exceed"), "{warning}");
+        let small_machine = SystemMemory {
+            total: 16 * GIB,
+            available: 8 * GIB,
+        };
+        let err = needs(131072).check(small_machine).unwrap_err().to_string();
+        assert!(
+            err.contains("131072 tokens needs 9.0 GiB") && err.contains("--context"),
+            "{err}"
+        );
+        let small = MemoryNeeds::estimate(
+            &ModelConfig::tiny(),
+            WeightSource::Mapped,
+            Precision::Fast,
+            WeightFormat::Q8,
+            KvFormat::F16,
+            4096,
+        );
+        assert_eq!(small.check(machine).unwrap(), None);
+        // A GGUF 120b's repacked experts must be owned: refused on 24 GiB, with the way out named.
+        let gguf = MemoryNeeds::estimate(
+            &c,
+            WeightSource::Gguf,
+            Precision::Fast,
+            WeightFormat::Q8,
+            KvFormat::F16,
+            4096,
+        );
+        let err = gguf.check(machine).unwrap_err().to_string();
+        assert!(err.contains("safetensors"), "{err}");
+    }
+}
