@@ -15,5 +15,6 @@ pub mod engine;
 pub mod fault;
 pub mod kernels;
 pub mod model;
+pub mod server;
 pub mod settings;
 pub mod tui;

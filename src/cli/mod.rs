@@ -21,6 +21,7 @@ mod limits;
 mod model_cmds;
 pub mod output;
 mod resume_bench;
+mod serve_cmd;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -66,6 +67,8 @@ pub enum Command {
     Render(chat_cmds::RenderArgs),
     /// Encode text to o200k_harmony ids, or decode ids with --decode.
     Tokenize(chat_cmds::TokenizeArgs),
+    /// Serve an OpenAI-compatible API (chat completions, models, health, metrics) with batching.
+    Serve(serve_cmd::ServeArgs),
     /// List the KV snapshots on disk (chat, tokens, size, age), or `cache clear` to delete them.
     Cache(cache_cmd::CacheArgs),
 }
@@ -178,6 +181,7 @@ pub fn main() -> ExitCode {
         Some(Command::Run(args)) => chat_cmds::run(args),
         Some(Command::Render(args)) => chat_cmds::render(args),
         Some(Command::Tokenize(args)) => chat_cmds::tokenize(args),
+        Some(Command::Serve(args)) => serve_cmd::serve(args),
         Some(Command::Cache(args)) => cache_cmd::cache(args),
         None => app::run(cli.app),
     };

@@ -10,12 +10,13 @@
 use rayon::prelude::*;
 
 use super::config::ModelConfig;
-use super::kv::{KvElement, KvStore, LayerKv, LayerKvOf};
+use super::kv::{KvElement, LayerKv, LayerKvOf};
 use super::ops::{
     add_bias_rows, add_into, add_weighted, attention_scale, embed_tokens, rms_norm_rows,
     route_token, swiglu, visible_keys,
 };
 use super::rope::apply_rope_rows;
+use super::session::SequenceStep;
 use super::weights::{
     bf16_to_f32, e8m0_to_f32, Bf16Matrix, Layer, Linear, Mxfp4Experts, FP4_VALUES,
 };
@@ -84,25 +85,36 @@ impl Scratch {
     }
 }
 
-/// Runs `tokens` (at most [`PREFILL_CHUNK`]) at positions `start..` over `kv`, leaving the last
-/// token's logits in `logits`, or every token's appended to `all_logits`.
-pub fn forward_chunk(
+/// Runs the new tokens of every step (at most [`PREFILL_CHUNK`] in all) as the rows of one pass,
+/// each step's tokens at its sequence's next positions over its own cache. Leaves the logits of
+/// each step's last token in `logits` ([steps x vocab]), or, for a single step, every token's
+/// appended to `all_logits`. The caller appends the tokens to the sequences.
+pub fn forward(
     model: &Model,
-    tokens: &[u32],
-    start: usize,
-    kv: &mut KvStore,
+    steps: &mut [SequenceStep<'_>],
     s: &mut Scratch,
     logits: &mut [f32],
     all_logits: Option<&mut Vec<f32>>,
 ) {
     let c = &model.config;
     let weights = &model.weights;
-    let n = tokens.len();
     let h = c.hidden_size;
+    let half = c.head_dim / 2;
     let eps = c.rms_norm_eps;
 
-    embed_tokens(weights, tokens, &mut s.x);
-    model.rope.cos_sin_rows(start, n, &mut s.cos, &mut s.sin);
+    let mut n = 0;
+    for step in steps.iter() {
+        let len = step.tokens.len();
+        embed_tokens(weights, step.tokens, &mut s.x[n * h..(n + len) * h]);
+        model.rope.cos_sin_rows(
+            step.sequence.len(),
+            len,
+            &mut s.cos[n * half..],
+            &mut s.sin[n * half..],
+        );
+        n += len;
+    }
+    assert!(n <= PREFILL_CHUNK, "callers split work into chunks");
     for (l, layer) in weights.layers.iter().enumerate() {
         rms_norm_rows(
             &s.x[..n * h],
@@ -110,11 +122,7 @@ pub fn forward_chunk(
             eps,
             &mut s.normed[..n * h],
         );
-        match kv.layer(l) {
-            LayerKvOf::F16(cache) => attention(model, layer, start, n, s, cache),
-            LayerKvOf::F32(cache) => attention(model, layer, start, n, s, cache),
-            LayerKvOf::Q8(_) => unreachable!("an exact session keeps an f32 cache (Session::new)"),
-        }
+        attention(model, layer, l, steps, n, s);
         add_into(&mut s.x[..n * h], &s.proj[..n * h]);
         rms_norm_rows(
             &s.x[..n * h],
@@ -126,44 +134,56 @@ pub fn forward_chunk(
         add_into(&mut s.x[..n * h], &s.moe_out[..n * h]);
     }
 
-    // Only the rows whose logits are wanted go through the final norm and the unembedding.
-    let first_row = if all_logits.is_some() { 0 } else { n - 1 };
-    let rows = n - first_row;
-    rms_norm_rows(
-        &s.x[first_row * h..n * h],
-        &weights.final_norm,
-        eps,
-        &mut s.normed[..rows * h],
-    );
     let vocab = c.vocab_size;
-    match all_logits {
-        None => matmul(&weights.lm_head, &s.normed[..h], 1, logits),
-        Some(out) => {
-            let at = out.len();
-            out.resize(at + rows * vocab, 0.0);
-            // The logits tool's path: [vocab x rows] is too large for the scratch.
-            let mut transposed = vec![0.0; rows * vocab];
-            matmul(
-                &weights.lm_head,
-                &s.normed[..rows * h],
-                rows,
-                &mut transposed,
-            );
-            transpose(&transposed, vocab, rows, &mut out[at..]);
-            logits.copy_from_slice(&out[out.len() - vocab..]);
-        }
+    if let Some(out) = all_logits {
+        assert_eq!(
+            steps.len(),
+            1,
+            "every position's logits are asked of one sequence"
+        );
+        rms_norm_rows(
+            &s.x[..n * h],
+            &weights.final_norm,
+            eps,
+            &mut s.normed[..n * h],
+        );
+        let at = out.len();
+        out.resize(at + n * vocab, 0.0);
+        // The logits tool's path: [vocab x rows] is too large for the scratch.
+        let mut transposed = vec![0.0; n * vocab];
+        matmul(&weights.lm_head, &s.normed[..n * h], n, &mut transposed);
+        transpose(&transposed, vocab, n, &mut out[at..]);
+        logits[..vocab].copy_from_slice(&out[out.len() - vocab..]);
+        return;
+    }
+    // Only each step's last row goes through the final norm and the unembedding.
+    let mut last = 0;
+    for (r, step) in steps.iter().enumerate() {
+        last += step.tokens.len();
+        rms_norm_rows(
+            &s.x[(last - 1) * h..last * h],
+            &weights.final_norm,
+            eps,
+            &mut s.normed[..h],
+        );
+        matmul(
+            &weights.lm_head,
+            &s.normed[..h],
+            1,
+            &mut logits[r * vocab..(r + 1) * vocab],
+        );
     }
 }
 
-/// Self-attention of `n` new tokens at positions `start..start + n`; leaves o_proj's output in
-/// `s.proj`.
-fn attention<T: KvElement>(
+/// Self-attention of the `n` rows of `steps`, each step's rows over its own cache of layer `l`;
+/// leaves o_proj's output in `s.proj`.
+fn attention(
     model: &Model,
     layer: &Layer,
-    start: usize,
+    l: usize,
+    steps: &mut [SequenceStep<'_>],
     n: usize,
     s: &mut Scratch,
-    mut cache: LayerKv<'_, T>,
 ) {
     let c = &model.config;
     let (h, qw, kvw, hd) = (c.hidden_size, c.q_width(), c.kv_width(), c.head_dim);
@@ -176,16 +196,53 @@ fn attention<T: KvElement>(
     linear(&a.v, normed, n, v, &mut s.transposed);
     apply_rope_rows(q, qw, hd, &s.cos, &s.sin);
     apply_rope_rows(k, kvw, hd, &s.cos, &s.sin);
+    let mut row = 0;
+    for step in steps.iter_mut() {
+        let len = step.tokens.len();
+        let start = step.sequence.len();
+        let rows = (
+            &q[row * qw..(row + len) * qw],
+            &k[row * kvw..(row + len) * kvw],
+            &v[row * kvw..(row + len) * kvw],
+        );
+        let out = &mut s.attn[row * qw..(row + len) * qw];
+        match step.sequence.kv.layer(l) {
+            LayerKvOf::F16(cache) => attend_rows(model, layer, start, rows, cache, out),
+            LayerKvOf::F32(cache) => attend_rows(model, layer, start, rows, cache, out),
+            LayerKvOf::Q8(_) => unreachable!("an exact session keeps an f32 cache (Session::new)"),
+        }
+        row += len;
+    }
+
+    linear(
+        &a.o,
+        &s.attn[..n * qw],
+        n,
+        &mut s.proj[..n * h],
+        &mut s.transposed,
+    );
+}
+
+/// Stores one sequence's new keys and values at positions `start..`, then attends with its
+/// queries.
+fn attend_rows<T: KvElement>(
+    model: &Model,
+    layer: &Layer,
+    start: usize,
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    mut cache: LayerKv<'_, T>,
+    out: &mut [f32],
+) {
+    let c = &model.config;
+    let (qw, kvw, hd) = (c.q_width(), c.kv_width(), c.head_dim);
     for (i, (key, value)) in k.chunks_exact(kvw).zip(v.chunks_exact(kvw)).enumerate() {
         cache.store(model.kernels, start + i, key, value);
     }
-
     let heads = c.num_attention_heads;
     let group = heads / c.num_key_value_heads;
     let scale = attention_scale(c);
-    let (q, cache) = (&*q, &cache);
-    s.attn[..n * qw]
-        .par_chunks_mut(hd)
+    let cache = &cache;
+    out.par_chunks_mut(hd)
         .enumerate()
         .with_min_len(4)
         .for_each(|(index, out)| {
@@ -196,16 +253,8 @@ fn attention<T: KvElement>(
                 let row = j * hd..(j + 1) * hd;
                 (&keys[row.clone()], &values[row])
             });
-            attend_one_head(query, visible, a.sinks[head], scale, out);
+            attend_one_head(query, visible, layer.attention.sinks[head], scale, out);
         });
-
-    linear(
-        &a.o,
-        &s.attn[..n * qw],
-        n,
-        &mut s.proj[..n * h],
-        &mut s.transposed,
-    );
 }
 
 /// Softmax attention of one query over `keys_values` with a sink logit in the denominator, in

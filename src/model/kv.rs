@@ -284,6 +284,29 @@ impl KvStore {
         );
     }
 
+    /// Copies the keys and values of positions `0..len` from `other` (same format and shape; `len`
+    /// within both): a prefix computed for one sequence serves another. Returns false, copying
+    /// nothing, when the two do not match.
+    pub fn copy_prefix_from(&mut self, other: &KvStore, len: usize) -> bool {
+        let shape = self.shape();
+        if self.format() != other.format()
+            || (shape.layers, shape.kv_heads, shape.head_dim)
+                != (other.shape().layers, other.kv_heads, other.head_dim)
+            || len > self.positions.min(other.positions)
+        {
+            return false;
+        }
+        Tensors::copy_rows(
+            &other.layers,
+            other.positions,
+            &mut self.layers,
+            self.positions,
+            len,
+            shape,
+        );
+        true
+    }
+
     /// Layer `l`'s keys and values, in the element type the cache holds.
     pub fn layer(&mut self, l: usize) -> LayerKvOf<'_> {
         let (positions, kv_heads, head_dim) = (self.positions, self.kv_heads, self.head_dim);

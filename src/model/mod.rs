@@ -23,7 +23,7 @@ use rayon::ThreadPool;
 pub use config::{LayerKind, ModelConfig, Preset, RopeScaling};
 pub use convert::FastWeights;
 pub use options::{ActivationFormat, KvFormat, LoadOptions, Precision, WeightFormat};
-pub use session::{ForwardError, Session};
+pub use session::{ForwardError, Sequence, SequenceStep, Session};
 pub use snapshot::{KvSnapshot, SnapshotError};
 pub use weights::Weights;
 

@@ -5,7 +5,9 @@
 //! (`ThreadPool::install`, which costs nothing when the caller already runs on that pool, as a
 //! generation loop does); a decoded token runs on a team of that pool's threads. What belongs to
 //! the sequence (its ids and cache, [`Sequence`]) is kept apart from what one call needs (scratch
-//! buffers, logits), so a call can later serve several sequences.
+//! buffers, logits), so one call can serve several sequences: [`Session::forward_batch`] runs the
+//! new tokens of many sequences (a server's streams) as the rows of one pass, each attending to
+//! its own cache, so the weights are read once for all of them.
 
 use std::sync::Arc;
 
@@ -27,15 +29,62 @@ pub enum ForwardError {
     TokenOutOfRange { token: u32, vocab: usize },
     #[error("nothing to process: the token list is empty")]
     Empty,
+    #[error("a batch holds at most {limit} tokens; {rows} were asked for")]
+    BatchTooLarge { limit: usize, rows: usize },
+    #[error("the sequence's cache holds {found} elements; this session computes with {expected}")]
+    KvFormatMismatch {
+        expected: &'static str,
+        found: &'static str,
+    },
 }
 
 /// One sequence's state: the ids its cache holds and the cache.
 pub struct Sequence {
     tokens: Vec<u32>,
-    kv: KvStore,
+    pub(super) kv: KvStore,
+}
+
+/// One sequence's part of a batched forward call: the tokens to append to it.
+pub struct SequenceStep<'a> {
+    pub sequence: &'a mut Sequence,
+    pub tokens: &'a [u32],
 }
 
 impl Sequence {
+    /// Tokens in the cache: the position of the next token.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// The ids the cache holds, for prefix reuse.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Rewinds the cache to its first `len` tokens (later positions are overwritten, so this is
+    /// free).
+    pub fn truncate(&mut self, len: usize) {
+        self.tokens.truncate(len);
+    }
+
+    /// Makes this sequence hold the first `len` tokens of `other` (at most what `other` holds and
+    /// this cache has room for), copying their keys and values: a prefix computed once serves
+    /// another sequence. Both caches must have the same element type; returns the tokens copied.
+    pub fn copy_prefix_from(&mut self, other: &Sequence, len: usize) -> usize {
+        let len = len.min(other.len()).min(self.context_limit());
+        if self.kv.copy_prefix_from(&other.kv, len) {
+            self.tokens.clear();
+            self.tokens.extend_from_slice(&other.tokens[..len]);
+            len
+        } else {
+            0
+        }
+    }
+
     fn new(model: &Model, context_limit: usize, kv: KvFormat) -> Sequence {
         Sequence {
             tokens: Vec::with_capacity(context_limit),
@@ -67,6 +116,9 @@ pub struct Session {
     activations: ActivationFormat,
     scratch: Scratch,
     logits: Vec<f32>,
+    /// The logits of each step of the last batched call, [steps x vocab]; grows to the largest
+    /// batch once.
+    batch_logits: Vec<f32>,
 }
 
 impl Session {
@@ -90,6 +142,7 @@ impl Session {
         let session = Session {
             sequence: Sequence::new(&model, context_limit, kv),
             logits: vec![0.0; c.vocab_size],
+            batch_logits: Vec::new(),
             activations: model.activations,
             scratch,
             pool,
@@ -299,61 +352,147 @@ impl Session {
     }
 
     fn check(&self, tokens: &[u32]) -> Result<(), ForwardError> {
-        if tokens.is_empty() {
+        check_step(&self.model, &self.sequence, tokens)
+    }
+
+    /// A sequence of its own (not the session's) with room for `context_limit` tokens and the
+    /// session's cache format, for [`Session::forward_batch`].
+    pub fn new_sequence(&self, context_limit: usize) -> Sequence {
+        Sequence::new(&self.model, context_limit.max(1), self.kv_format())
+    }
+
+    /// Appends each step's tokens to its sequence in one forward pass: the steps' tokens are the
+    /// rows of one batch (at most [`Session::chunk_len`] in all), each attending to its own
+    /// sequence's cache, and the experts multiply the rows routed to them together whichever
+    /// sequence they belong to. Afterwards [`Session::batch_logits`] holds each step's logits
+    /// after its last token. Checks every step before computing anything.
+    pub fn forward_batch(&mut self, steps: &mut [SequenceStep<'_>]) -> Result<(), ForwardError> {
+        let mut rows = 0;
+        for step in steps.iter() {
+            check_step(&self.model, step.sequence, step.tokens)?;
+            if step.sequence.kv.format() != self.kv_format() {
+                return Err(ForwardError::KvFormatMismatch {
+                    expected: self.kv_format().name(),
+                    found: step.sequence.kv.format().name(),
+                });
+            }
+            rows += step.tokens.len();
+        }
+        if rows == 0 {
             return Err(ForwardError::Empty);
         }
-        let needed = self.len() + tokens.len();
-        let limit = self.context_limit();
-        if needed > limit {
-            return Err(ForwardError::ContextFull { limit, needed });
+        let limit = self.chunk_len();
+        if rows > limit {
+            return Err(ForwardError::BatchTooLarge { limit, rows });
         }
         let vocab = self.model.config.vocab_size;
-        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(ForwardError::TokenOutOfRange { token, vocab });
+        if self.batch_logits.len() < steps.len() * vocab {
+            self.batch_logits.resize(steps.len() * vocab, 0.0);
+        }
+        let pool = Arc::clone(&self.pool);
+        pool.install(|| {
+            let Session {
+                model,
+                scratch,
+                batch_logits,
+                activations,
+                ..
+            } = self;
+            forward(
+                model,
+                &pool,
+                *activations,
+                scratch,
+                steps,
+                rows,
+                batch_logits,
+                None,
+            );
+        });
+        for step in steps.iter_mut() {
+            step.sequence.tokens.extend_from_slice(step.tokens);
         }
         Ok(())
     }
 
-    /// Runs `tokens` chunk by chunk on the session's pool; a single token of the fast path
-    /// (decode) on a team of its threads: a decode step is ~100 short parallel regions, and the
-    /// team keeps the pool awake through them. A prefill chunk's regions are long, and its
-    /// activation quantization uses rayon, as does the exact path.
-    fn run(&mut self, tokens: &[u32], mut all_logits: Option<&mut Vec<f32>>) {
-        let pool = Arc::clone(&self.pool);
-        if let ([_], Scratch::Fast(_)) = (tokens, &self.scratch) {
-            with_team(&pool, |team| self.forward_chunk(tokens, all_logits, team));
-        } else {
-            let chunk_len = self.chunk_len();
-            pool.install(|| {
-                for chunk in tokens.chunks(chunk_len) {
-                    self.forward_chunk(chunk, all_logits.as_deref_mut(), None);
-                }
-            });
-        }
+    /// The logits after the last token of step `index` of the last [`Session::forward_batch`].
+    pub fn batch_logits(&self, index: usize) -> &[f32] {
+        let vocab = self.model.config.vocab_size;
+        &self.batch_logits[index * vocab..(index + 1) * vocab]
     }
 
-    /// One chunk of the sequence, on a thread of the pool.
-    fn forward_chunk(
-        &mut self,
-        tokens: &[u32],
-        all_logits: Option<&mut Vec<f32>>,
-        team: Option<&Team>,
-    ) {
-        let model = &*self.model;
-        let sequence = &mut self.sequence;
-        let start = sequence.tokens.len();
-        let logits = &mut self.logits;
-        match &mut self.scratch {
-            Scratch::Exact(scratch) => exact::forward_chunk(
-                model,
-                tokens,
-                start,
-                &mut sequence.kv,
-                scratch,
-                logits,
-                all_logits,
-            ),
-            Scratch::Fast(scratch) => {
+    /// Runs `tokens` chunk by chunk on the session's pool.
+    fn run(&mut self, tokens: &[u32], mut all_logits: Option<&mut Vec<f32>>) {
+        let pool = Arc::clone(&self.pool);
+        let chunk_len = self.chunk_len();
+        pool.install(|| {
+            for chunk in tokens.chunks(chunk_len) {
+                let Session {
+                    model,
+                    sequence,
+                    scratch,
+                    logits,
+                    activations,
+                    ..
+                } = self;
+                let mut steps = [SequenceStep {
+                    sequence,
+                    tokens: chunk,
+                }];
+                let all = all_logits.as_deref_mut();
+                forward(
+                    model,
+                    &pool,
+                    *activations,
+                    scratch,
+                    &mut steps,
+                    chunk.len(),
+                    logits,
+                    all,
+                );
+                sequence.tokens.extend_from_slice(chunk);
+            }
+        });
+    }
+}
+
+/// Refuses a step that would not fit its sequence or names a token outside the vocabulary.
+fn check_step(model: &Model, sequence: &Sequence, tokens: &[u32]) -> Result<(), ForwardError> {
+    if tokens.is_empty() {
+        return Err(ForwardError::Empty);
+    }
+    let needed = sequence.len() + tokens.len();
+    let limit = sequence.context_limit();
+    if needed > limit {
+        return Err(ForwardError::ContextFull { limit, needed });
+    }
+    let vocab = model.config.vocab_size;
+    if let Some(&token) = tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ForwardError::TokenOutOfRange { token, vocab });
+    }
+    Ok(())
+}
+
+/// Most rows a pass runs on a team: their split activation rows (two per token) stay below the
+/// 16 rows from which the quantizer goes parallel on rayon.
+const TEAM_ROWS: usize = 7;
+
+/// One pass over `rows` tokens of `steps`, on a thread of `pool`.
+#[allow(clippy::too_many_arguments)]
+fn forward(
+    model: &Model,
+    pool: &ThreadPool,
+    activations: ActivationFormat,
+    scratch: &mut Scratch,
+    steps: &mut [SequenceStep<'_>],
+    rows: usize,
+    logits: &mut [f32],
+    all_logits: Option<&mut Vec<f32>>,
+) {
+    match scratch {
+        Scratch::Exact(scratch) => exact::forward(model, steps, scratch, logits, all_logits),
+        Scratch::Fast(scratch) => {
+            let run = |team: Option<&Team>| {
                 let pass = FastPass {
                     config: &model.config,
                     weights: &model.weights,
@@ -363,12 +502,20 @@ impl Session {
                         .expect("a fast session has fast weights"),
                     rope: &model.rope,
                     kernels: model.kernels,
-                    activations: self.activations,
+                    activations,
                     team,
                 };
-                pass.forward_chunk(tokens, start, &mut sequence.kv, scratch, logits, all_logits)
+                pass.forward(steps, scratch, logits, all_logits)
+            };
+            // A decode step is ~100 short parallel regions: the team keeps the pool awake
+            // through it, also for a batch of a few sequences. A prefill chunk's regions are
+            // long, and the activation quantization of 16 or more rows (split rows count twice)
+            // spreads over rayon, which the team's spinning threads would not serve.
+            if rows <= TEAM_ROWS {
+                with_team(pool, run)
+            } else {
+                run(None)
             }
         }
-        sequence.tokens.extend_from_slice(tokens);
     }
 }

@@ -138,6 +138,14 @@ impl Work {
         }
     }
 
+    /// Makes room for job sets whose outputs total `values` floats (a batch's unembedding);
+    /// grows once, to the largest batch.
+    pub fn reserve_blocked(&mut self, values: usize) {
+        if self.blocked.len() < values {
+            self.blocked.resize(values, 0.0);
+        }
+    }
+
     /// Quantizes the token rows of `x` (`cols` wide) for a quantized matrix: one int8 row per
     /// token, or for [`Split::Double`] two, the second quantizing what the first missed.
     pub fn quantize(

@@ -14,10 +14,11 @@ mod jobs;
 
 use super::config::ModelConfig;
 use super::convert::{DenseMatrix, FastLayer, FastWeights};
-use super::kv::{KvElement, KvStore, LayerKv, LayerKvOf};
+use super::kv::{KvElement, LayerKv, LayerKvOf};
 use super::ops::{add_bias_rows, add_into, embed_tokens, rms_norm_rows, route_token};
 use super::options::{ActivationFormat, Product};
 use super::rope::{apply_rope_rows, RopeTable};
+use super::session::SequenceStep;
 use super::team::Team;
 use super::weights::{Layer, Weights};
 use crate::kernels::{Kernels, Q8Activations};
@@ -143,23 +144,34 @@ pub struct FastPass<'a> {
 }
 
 impl FastPass<'_> {
-    /// Runs `tokens` (at most [`PREFILL_CHUNK`]) at positions `start..` over `kv`, leaving the
-    /// last token's logits in `logits`, or every token's appended to `all_logits`.
-    pub fn forward_chunk(
+    /// Runs the new tokens of every step (at most [`PREFILL_CHUNK`] in all) as the rows of one
+    /// pass, each step's tokens at its sequence's next positions over its own cache. Leaves the
+    /// logits of each step's last token in `logits` ([steps x vocab]), or, for a single step, every
+    /// token's appended to `all_logits`. The caller appends the tokens to the sequences.
+    pub fn forward(
         &self,
-        tokens: &[u32],
-        start: usize,
-        kv: &mut KvStore,
+        steps: &mut [SequenceStep<'_>],
         s: &mut Scratch,
         logits: &mut [f32],
-        mut all_logits: Option<&mut Vec<f32>>,
+        all_logits: Option<&mut Vec<f32>>,
     ) {
         let c = self.config;
-        let n = tokens.len();
         let h = c.hidden_size;
+        let half = c.head_dim / 2;
         let eps = c.rms_norm_eps;
-        embed_tokens(self.weights, tokens, &mut s.x);
-        self.rope.cos_sin_rows(start, n, &mut s.cos, &mut s.sin);
+        let mut n = 0;
+        for step in steps.iter() {
+            let len = step.tokens.len();
+            embed_tokens(self.weights, step.tokens, &mut s.x[n * h..(n + len) * h]);
+            self.rope.cos_sin_rows(
+                step.sequence.len(),
+                len,
+                &mut s.cos[n * half..],
+                &mut s.sin[n * half..],
+            );
+            n += len;
+        }
+        assert!(n <= PREFILL_CHUNK, "callers split work into chunks");
         let layers = self.weights.layers.iter().zip(&self.fast.layers);
         for (l, (layer, fast)) in layers.enumerate() {
             rms_norm_rows(
@@ -168,7 +180,7 @@ impl FastPass<'_> {
                 eps,
                 &mut s.normed[..n * h],
             );
-            self.attention(layer, fast, start, n, s, kv.layer(l));
+            self.attention(layer, fast, l, steps, n, s);
             add_into(&mut s.x[..n * h], &s.proj[..n * h]);
             rms_norm_rows(
                 &s.x[..n * h],
@@ -180,37 +192,70 @@ impl FastPass<'_> {
             add_into(&mut s.x[..n * h], &s.moe_out[..n * h]);
         }
 
-        let first_row = if all_logits.is_some() { 0 } else { n - 1 };
-        let rows = n - first_row;
-        rms_norm_rows(
-            &s.x[first_row * h..n * h],
-            &self.weights.final_norm,
-            eps,
-            &mut s.normed[..rows * h],
-        );
         let vocab = c.vocab_size;
         let lm_head = &self.fast.lm_head;
-        // Row by row, so the scratch never holds n x vocab (the logits tool asks for every row).
-        for r in 0..rows {
-            let x = &s.normed[r * h..(r + 1) * h];
-            self.project(lm_head, x, 1, &mut s.normed_q, &mut s.work, &mut s.logits);
-            logits.copy_from_slice(&s.logits[..vocab]);
-            if let Some(out) = all_logits.as_mut() {
-                out.extend_from_slice(logits);
+        if let Some(out) = all_logits {
+            assert_eq!(
+                steps.len(),
+                1,
+                "every position's logits are asked of one sequence"
+            );
+            rms_norm_rows(
+                &s.x[..n * h],
+                &self.weights.final_norm,
+                eps,
+                &mut s.normed[..n * h],
+            );
+            // Row by row, so the scratch never holds n x vocab (the logits tool asks for every
+            // row).
+            for r in 0..n {
+                let x = &s.normed[r * h..(r + 1) * h];
+                self.project(lm_head, x, 1, &mut s.normed_q, &mut s.work, &mut s.logits);
+                out.extend_from_slice(&s.logits[..vocab]);
             }
+            logits[..vocab].copy_from_slice(&s.logits[..vocab]);
+            return;
         }
+        // Only each step's last row goes through the final norm and the unembedding, all rows in
+        // one product, so the unembedding matrix is read once for the whole batch.
+        let rows = steps.len();
+        let mut last = 0;
+        for (r, step) in steps.iter().enumerate() {
+            last += step.tokens.len();
+            rms_norm_rows(
+                &s.x[(last - 1) * h..last * h],
+                &self.weights.final_norm,
+                eps,
+                &mut s.normed[r * h..(r + 1) * h],
+            );
+        }
+        let per_token = self.rows_per_token(lm_head);
+        if s.logits.len() < per_token * rows * vocab {
+            s.logits.resize(per_token * rows * vocab, 0.0);
+        }
+        s.work.reserve_blocked(per_token * rows * vocab);
+        let x = &s.normed[..rows * h];
+        self.project(
+            lm_head,
+            x,
+            rows,
+            &mut s.normed_q,
+            &mut s.work,
+            &mut s.logits,
+        );
+        logits[..rows * vocab].copy_from_slice(&s.logits[..rows * vocab]);
     }
 
-    /// Self-attention of `n` new tokens at positions `start..start + n`; leaves o_proj's output
-    /// in `s.proj`.
+    /// Self-attention of the `n` rows of `steps`, each step's rows over its own cache of layer
+    /// `l`; leaves o_proj's output in `s.proj`.
     fn attention(
         &self,
         layer: &Layer,
         fast: &FastLayer,
-        start: usize,
+        l: usize,
+        steps: &mut [SequenceStep<'_>],
         n: usize,
         s: &mut Scratch,
-        cache: LayerKvOf<'_>,
     ) {
         let c = self.config;
         let (h, qw, kvw, hd) = (c.hidden_size, c.q_width(), c.kv_width(), c.head_dim);
@@ -223,17 +268,35 @@ impl FastPass<'_> {
         add_bias_rows(v, &a.v.bias);
         apply_rope_rows(q, qw, hd, &s.cos, &s.sin);
         apply_rope_rows(k, kvw, hd, &s.cos, &s.sin);
-        let attn = &mut s.attn[..n * qw];
-        match cache {
-            LayerKvOf::F16(cache) => self.store_and_attend(layer, start, n, (q, k, v), cache, attn),
-            LayerKvOf::F32(cache) => self.store_and_attend(layer, start, n, (q, k, v), cache, attn),
-            LayerKvOf::Q8(mut cache) => {
-                for (i, (key, value)) in k.chunks_exact(kvw).zip(v.chunks_exact(kvw)).enumerate() {
-                    cache.store(start + i, key, value);
+        let mut row = 0;
+        for step in steps.iter_mut() {
+            let len = step.tokens.len();
+            let start = step.sequence.len();
+            let (q, k, v) = (
+                &q[row * qw..(row + len) * qw],
+                &k[row * kvw..(row + len) * kvw],
+                &v[row * kvw..(row + len) * kvw],
+            );
+            let attn = &mut s.attn[row * qw..(row + len) * qw];
+            match step.sequence.kv.layer(l) {
+                LayerKvOf::F16(cache) => {
+                    self.store_and_attend(layer, start, len, (q, k, v), cache, attn)
                 }
-                self.attend_q8(layer, start, n, q, &cache, attn);
+                LayerKvOf::F32(cache) => {
+                    self.store_and_attend(layer, start, len, (q, k, v), cache, attn)
+                }
+                LayerKvOf::Q8(mut cache) => {
+                    for (i, (key, value)) in
+                        k.chunks_exact(kvw).zip(v.chunks_exact(kvw)).enumerate()
+                    {
+                        cache.store(start + i, key, value);
+                    }
+                    self.attend_q8(layer, start, len, q, &cache, attn);
+                }
             }
+            row += len;
         }
+        let attn = &s.attn[..n * qw];
         self.project(&fast.o, attn, n, &mut s.attn_q, &mut s.work, &mut s.proj);
         add_bias_rows(&mut s.proj[..n * h], &a.o.bias);
     }

@@ -1,0 +1,89 @@
+//! `ossterm serve`: the OpenAI-compatible server.
+
+use anyhow::Context;
+use clap::Args;
+
+use super::ModelArgs;
+use crate::server::scheduler::SchedulerOptions;
+use crate::server::{check_exposure, ServeOptions};
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Address to listen on; anything but loopback needs an API key.
+    #[arg(long, default_value = "127.0.0.1", value_name = "HOST")]
+    pub host: String,
+    #[arg(long, default_value_t = 8080, value_name = "PORT")]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` (default: the OSSTERM_API_KEY environment variable).
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
+    /// Sequences decoded together in one forward pass (each gets a KV slot of --context tokens).
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pub parallel: usize,
+    /// Tokens each sequence holds, prompt and reply.
+    #[arg(long, default_value_t = 4096, value_name = "N")]
+    pub context: usize,
+    /// Requests that may wait for a free slot; more get 503.
+    #[arg(long, default_value_t = 64, value_name = "N")]
+    pub queue: usize,
+    /// Prompt tokens prefilled per step while other sequences decode (bounds their stall).
+    #[arg(long, default_value_t = 64, value_name = "N")]
+    pub prefill_chunk: usize,
+    /// Compute with the exact reference path (slow; for checks).
+    #[arg(long)]
+    pub exact: bool,
+}
+
+pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let api_key = args
+        .api_key
+        .clone()
+        .or_else(|| std::env::var("OSSTERM_API_KEY").ok())
+        .filter(|key| !key.is_empty());
+    check_exposure(&args.host, api_key.as_deref())?;
+    if args.parallel == 0 || args.context < 2 {
+        anyhow::bail!("--parallel must be at least 1 and --context at least 2");
+    }
+    let listener = std::net::TcpListener::bind((args.host.as_str(), args.port))
+        .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
+    let model = args.model.load(args.exact)?;
+    let pool = args.model.pool()?;
+    let model_id = match (&args.model.model, args.model.synthetic) {
+        (Some(dir), _) => dir
+            .file_name()
+            .map(|name| name.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "gpt-oss".into()),
+        (None, Some(preset)) => format!("synthetic-{}", preset.name()),
+        (None, None) => "gpt-oss".into(),
+    };
+    let session = model.new_session(&pool, 1);
+    let kv_bytes = args.parallel
+        * args.context
+        * crate::model::kv::KvShape::of(&model.config).bytes_per_position(session.kv_format());
+    let options = ServeOptions {
+        scheduler: SchedulerOptions {
+            parallel: args.parallel,
+            context: args.context,
+            queue: args.queue,
+            prefill_chunk: args.prefill_chunk,
+        },
+        api_key,
+        model_id: model_id.clone(),
+        max_body_bytes: crate::server::MAX_BODY_BYTES,
+        handle_signals: true,
+    };
+    let server = crate::server::start(session, options, listener)?;
+    eprintln!(
+        "ossterm serve: {model_id} ({}) on http://{}/v1 — {} sequences x {} tokens, KV {}",
+        model.source,
+        server.addr,
+        args.parallel,
+        args.context,
+        super::model_cmds::human_bytes(kv_bytes as u64)
+    );
+    server.wait()?;
+    eprintln!("ossterm serve: stopped");
+    Ok(())
+}

@@ -1,0 +1,400 @@
+//! The HTTP endpoints (axum): chat completions (JSON or server-sent events), models, health and
+//! metrics, every error as an OpenAI-style body.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::api::{parse_chat_request, prepare_chat, ApiError};
+use super::metrics::Metrics;
+use super::scheduler::{Event, Finish, Job, Scheduler, SubmitError, Usage};
+use crate::chat::Tokenizer;
+
+/// What every handler shares.
+pub struct AppState {
+    pub scheduler: Scheduler,
+    pub metrics: Arc<Metrics>,
+    pub tokenizer: &'static Tokenizer,
+    /// Tokens one sequence holds (prompt and reply).
+    pub context: usize,
+    pub model_id: String,
+    pub api_key: Option<String>,
+    pub started: u64,
+    next_id: AtomicU64,
+}
+
+impl AppState {
+    pub fn new(
+        scheduler: Scheduler,
+        tokenizer: &'static Tokenizer,
+        context: usize,
+        model_id: String,
+        api_key: Option<String>,
+    ) -> AppState {
+        AppState {
+            metrics: scheduler.metrics().clone(),
+            scheduler,
+            tokenizer,
+            context,
+            model_id,
+            api_key,
+            started: unix_seconds(),
+            next_id: AtomicU64::new(1),
+        }
+    }
+}
+
+/// The router: `/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`; bodies larger than
+/// `max_body` bytes are refused with 413.
+pub fn router(state: Arc<AppState>, max_body: usize) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(max_body))
+        .with_state(state)
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, Json(self.body())).into_response();
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        response
+    }
+}
+
+fn reject(state: &AppState, error: ApiError) -> Response {
+    Metrics::add(&state.metrics.requests_rejected, 1);
+    error.into_response()
+}
+
+/// With an API key set, `Authorization: Bearer KEY` is required.
+fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = &state.api_key else {
+        return Ok(());
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.strip_prefix("Bearer "));
+    if given == Some(key.as_str()) {
+        Ok(())
+    } else {
+        Err(ApiError {
+            status: StatusCode::UNAUTHORIZED,
+            message: "missing or wrong API key: send `Authorization: Bearer KEY`".into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("invalid_api_key"),
+        })
+    }
+}
+
+async fn health() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(error) = authorize(&state, &headers) {
+        return reject(&state, error);
+    }
+    Json(json!({"object": "list", "data": [{
+        "id": state.model_id,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "ossterm",
+    }]}))
+    .into_response()
+}
+
+async fn metrics(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(error) = authorize(&state, &headers) {
+        return reject(&state, error);
+    }
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn not_found() -> ApiError {
+    ApiError::invalid("no such endpoint; this server has POST /v1/chat/completions, GET /v1/models, GET /health and GET /metrics", None)
+        .with_status(StatusCode::NOT_FOUND)
+        .with_code("not_found")
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::invalid("this endpoint does not take that method", None)
+        .with_status(StatusCode::METHOD_NOT_ALLOWED)
+}
+
+async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match start_chat(&state, &headers, body) {
+        Ok((accepted, events)) => {
+            let reply = Reply {
+                id: format!(
+                    "chatcmpl-{:x}",
+                    state.next_id.fetch_add(1, Ordering::Relaxed)
+                ),
+                created: unix_seconds(),
+                model: state.model_id.clone(),
+                include_usage: accepted.include_usage,
+            };
+            if accepted.stream {
+                stream_reply(reply, events).into_response()
+            } else {
+                whole_reply(reply, events).await
+            }
+        }
+        Err(error) => reject(&state, error),
+    }
+}
+
+/// What the handler keeps of a request once the scheduler has it.
+struct Accepted {
+    stream: bool,
+    include_usage: bool,
+}
+
+fn start_chat(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(Accepted, mpsc::UnboundedReceiver<Event>), ApiError> {
+    authorize(state, headers)?;
+    let body = body.map_err(|rejection| {
+        let status = rejection.status();
+        let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            "the request body is too large".to_owned()
+        } else {
+            format!("cannot read the request body: {}", rejection.body_text())
+        };
+        ApiError::invalid(message, None).with_status(status)
+    })?;
+    let request = parse_chat_request(&body)?;
+    let job = prepare_chat(request, state.tokenizer, state.context)?;
+    let (sender, receiver) = mpsc::unbounded_channel();
+    let accepted = Accepted {
+        stream: job.stream,
+        include_usage: job.include_usage,
+    };
+    state
+        .scheduler
+        .submit(Job {
+            prompt: job.prompt,
+            sampler: job.sampler,
+            max_tokens: job.max_tokens,
+            stop: job.stop,
+            events: sender,
+            received: Instant::now(),
+        })
+        .map_err(|error| {
+            let code = match error {
+                SubmitError::QueueFull(_) => "queue_full",
+                SubmitError::ShuttingDown => "shutting_down",
+            };
+            ApiError {
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                message: error.to_string(),
+                kind: "server_error",
+                param: None,
+                code: Some(code),
+            }
+        })?;
+    Metrics::add(&state.metrics.requests, 1);
+    Ok((accepted, receiver))
+}
+
+/// The fields every chunk or response of one request repeats.
+struct Reply {
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+}
+
+impl Reply {
+    fn chunk(&self, delta: Value, finish_reason: Option<&str>) -> Value {
+        json!({
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason}],
+        })
+    }
+}
+
+/// llama-server's `timings` object: prompt (queue and prefill, until the first token) and
+/// predicted (first to last token) times, which load tools read to measure TTFT and decode speed.
+fn timings_json(finish: &Finish) -> Value {
+    let usage = &finish.usage;
+    let prompt_ms = finish.time_to_first_token.as_secs_f64() * 1e3;
+    let predicted_ms = finish.decode_time.as_secs_f64() * 1e3;
+    let decoded = usage.completion_tokens.saturating_sub(1);
+    json!({
+        "prompt_n": usage.prompt_tokens - usage.cached_tokens,
+        "cache_n": usage.cached_tokens,
+        "prompt_ms": prompt_ms,
+        "predicted_n": usage.completion_tokens,
+        "predicted_ms": predicted_ms,
+        "predicted_per_second": if predicted_ms > 0.0 { decoded as f64 * 1e3 / predicted_ms } else { 0.0 },
+    })
+}
+
+fn usage_json(usage: &Usage) -> Value {
+    json!({
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+    })
+}
+
+fn failure(message: String) -> ApiError {
+    ApiError {
+        status: StatusCode::SERVICE_UNAVAILABLE,
+        message,
+        kind: "server_error",
+        param: None,
+        code: None,
+    }
+}
+
+/// The whole reply as one `chat.completion` object. If the client goes away, this future is
+/// dropped with the receiver, which cancels the sequence.
+async fn whole_reply(reply: Reply, mut events: mpsc::UnboundedReceiver<Event>) -> Response {
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    loop {
+        match events.recv().await {
+            Some(Event::Delta {
+                reasoning: r,
+                content: c,
+            }) => {
+                reasoning.push_str(&r);
+                content.push_str(&c);
+            }
+            Some(Event::Done(finish)) => {
+                let Finish { reason, usage, .. } = finish;
+                let mut message = json!({"role": "assistant", "content": content});
+                if !reasoning.is_empty() {
+                    message["reasoning_content"] = json!(reasoning);
+                    message["reasoning"] = json!(reasoning);
+                }
+                return Json(json!({
+                    "id": reply.id,
+                    "object": "chat.completion",
+                    "created": reply.created,
+                    "model": reply.model,
+                    "choices": [{"index": 0, "message": message, "logprobs": null,
+                                 "finish_reason": reason.as_str()}],
+                    "usage": usage_json(&usage),
+                    "timings": timings_json(&finish),
+                }))
+                .into_response();
+            }
+            Some(Event::Failed(message)) => return failure(message).into_response(),
+            None => return failure("the request was dropped".into()).into_response(),
+        }
+    }
+}
+
+/// Server-sent events: a first chunk with the role, a chunk per step's new text (reasoning as
+/// both `reasoning_content` and `reasoning`, the answer as `content`), a chunk with the finish
+/// reason, the usage chunk when asked for, then `data: [DONE]`. A task forwards the scheduler's
+/// events and stops as soon as the client's stream is dropped, which closes the scheduler's
+/// channel and so cancels the sequence before its next step.
+fn stream_reply(reply: Reply, mut events: mpsc::UnboundedReceiver<Event>) -> impl IntoResponse {
+    let (sender, receiver) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
+    tokio::spawn(async move {
+        let data = |value: Value| Ok(SseEvent::default().data(value.to_string()));
+        let first = reply.chunk(json!({"role": "assistant", "content": ""}), None);
+        if sender.send(data(first)).await.is_err() {
+            return;
+        }
+        loop {
+            let event = tokio::select! {
+                _ = sender.closed() => return,
+                event = events.recv() => event,
+            };
+            let mut out = Vec::new();
+            let last = match event {
+                Some(Event::Delta { reasoning, content }) => {
+                    let mut delta = json!({});
+                    if !reasoning.is_empty() {
+                        delta["reasoning_content"] = json!(reasoning);
+                        delta["reasoning"] = json!(reasoning);
+                    }
+                    if !content.is_empty() {
+                        delta["content"] = json!(content);
+                    }
+                    out.push(data(reply.chunk(delta, None)));
+                    false
+                }
+                Some(Event::Done(finish)) => {
+                    let Finish { reason, usage, .. } = finish;
+                    let mut chunk = reply.chunk(json!({}), Some(reason.as_str()));
+                    chunk["timings"] = timings_json(&finish);
+                    out.push(data(chunk));
+                    if reply.include_usage {
+                        let mut chunk = reply.chunk(json!({}), None);
+                        chunk["choices"] = json!([]);
+                        chunk["usage"] = usage_json(&usage);
+                        out.push(data(chunk));
+                    }
+                    true
+                }
+                Some(Event::Failed(message)) => {
+                    out.push(data(failure(message).body()));
+                    true
+                }
+                None => true,
+            };
+            if last {
+                out.push(Ok(SseEvent::default().data("[DONE]")));
+            }
+            for item in out {
+                if sender.send(item).await.is_err() {
+                    return;
+                }
+            }
+            if last {
+                return;
+            }
+        }
+    });
+    Sse::new(ReceiverStream::new(receiver)).keep_alive(KeepAlive::default())
+}
+
+fn unix_seconds() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}

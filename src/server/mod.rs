@@ -1,0 +1,192 @@
+//! `ossterm serve`: an OpenAI-compatible HTTP server (axum on tokio) in front of a scheduler that
+//! decodes many sequences in one forward pass (continuous batching on the CPU).
+//!
+//! The HTTP side ([`http`]) parses and checks requests ([`api`]), renders them as harmony prompts
+//! and hands them to the scheduler thread ([`scheduler`]), which owns the model session; replies
+//! come back as events and go out as JSON or server-sent events.
+
+pub mod api;
+pub mod http;
+pub mod metrics;
+pub mod reply;
+pub mod scheduler;
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use crate::chat::{Tokenizer, TokenizerError};
+use crate::model::Session;
+use metrics::Metrics;
+use scheduler::{Scheduler, SchedulerOptions};
+
+/// Largest request body accepted (413 beyond).
+pub const MAX_BODY_BYTES: usize = 4 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("refusing to listen on {host} without an API key: anyone who can reach that address could use the model. Set --api-key KEY or OSSTERM_API_KEY, or listen on 127.0.0.1")]
+    ExposedWithoutKey { host: String },
+    #[error("{0}")]
+    Tokenizer(#[from] TokenizerError),
+    #[error("cannot serve on {addr}: {source}")]
+    Io {
+        addr: String,
+        source: std::io::Error,
+    },
+}
+
+/// How the server runs.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub scheduler: SchedulerOptions,
+    pub api_key: Option<String>,
+    /// The id `/v1/models` lists and replies carry.
+    pub model_id: String,
+    /// Largest request body accepted (413 beyond); [`MAX_BODY_BYTES`] by default.
+    pub max_body_bytes: usize,
+    /// Stop on SIGTERM and Ctrl-C (the command does; tests stop the server themselves).
+    pub handle_signals: bool,
+}
+
+/// Refuses a non-loopback address without an API key.
+pub fn check_exposure(host: &str, api_key: Option<&str>) -> Result<(), ServeError> {
+    let loopback = match host.parse::<IpAddr>() {
+        Ok(ip) => ip.is_loopback(),
+        Err(_) => host == "localhost",
+    };
+    if loopback || api_key.is_some_and(|key| !key.is_empty()) {
+        Ok(())
+    } else {
+        Err(ServeError::ExposedWithoutKey {
+            host: host.to_owned(),
+        })
+    }
+}
+
+/// A server running on its own threads (the HTTP runtime and the scheduler).
+pub struct RunningServer {
+    pub addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<JoinHandle<Result<(), ServeError>>>,
+}
+
+impl RunningServer {
+    /// Cancels in-flight requests, closes connections and waits for the threads.
+    pub fn stop(mut self) -> Result<(), ServeError> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        self.wait_inner()
+    }
+
+    /// Runs until a signal stops the server (with `handle_signals`).
+    pub fn wait(mut self) -> Result<(), ServeError> {
+        self.wait_inner()
+    }
+
+    fn wait_inner(&mut self) -> Result<(), ServeError> {
+        match self.thread.take() {
+            Some(thread) => thread.join().unwrap_or(Ok(())),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for RunningServer {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = self.wait_inner();
+    }
+}
+
+/// Serves `session`'s model on `listener` until stopped.
+pub fn start(
+    session: Session,
+    options: ServeOptions,
+    listener: std::net::TcpListener,
+) -> Result<RunningServer, ServeError> {
+    let addr = listener.local_addr().map_err(|source| ServeError::Io {
+        addr: "the listener".into(),
+        source,
+    })?;
+    let io_error = move |source| ServeError::Io {
+        addr: addr.to_string(),
+        source,
+    };
+    listener.set_nonblocking(true).map_err(io_error)?;
+    let tokenizer = Tokenizer::shared()?;
+    let metrics = Arc::new(Metrics::default());
+    let scheduler = Scheduler::start(session, options.scheduler, metrics);
+    let state = Arc::new(http::AppState::new(
+        scheduler,
+        tokenizer,
+        options.scheduler.context,
+        options.model_id.clone(),
+        options.api_key.clone(),
+    ));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("ossterm-http")
+        .enable_all()
+        .build()
+        .map_err(io_error)?;
+    let handle_signals = options.handle_signals;
+    let max_body = options.max_body_bytes;
+    let thread = std::thread::Builder::new()
+        .name("ossterm-serve".into())
+        .spawn(move || {
+            runtime.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener).map_err(io_error)?;
+                let app = http::router(state.clone(), max_body);
+                let shutdown_state = state.clone();
+                let shutdown = async move {
+                    wait_for_stop(stopped, handle_signals).await;
+                    // Streams end once the scheduler has cancelled their sequences; only then
+                    // can the connections drain.
+                    let _ =
+                        tokio::task::spawn_blocking(move || shutdown_state.scheduler.shutdown())
+                            .await;
+                };
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(shutdown)
+                    .await
+                    .map_err(io_error)?;
+                state.scheduler.shutdown();
+                Ok(())
+            })
+        })
+        .map_err(io_error)?;
+    Ok(RunningServer {
+        addr,
+        stop: Some(stop),
+        thread: Some(thread),
+    })
+}
+
+/// Resolves on the stop message, or on SIGTERM / Ctrl-C when `signals`.
+async fn wait_for_stop(stopped: tokio::sync::oneshot::Receiver<()>, signals: bool) {
+    if !signals {
+        let _ = stopped.await;
+        return;
+    }
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        _ = stopped => {}
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate => {}
+    }
+}

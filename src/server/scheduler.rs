@@ -1,0 +1,663 @@
+//! Continuous batching on the CPU: one thread owns the model session and up to `parallel`
+//! sequence slots, and every step runs ONE forward pass for all of them.
+//!
+//! A step's rows are the last sampled token of every decoding sequence plus, when a request is
+//! being admitted, a chunk of its prompt (at most `prefill_chunk` tokens while others decode, so
+//! running streams wait at most one such step: the stall is measured and reported in /metrics).
+//! On a CPU decode reads every weight once per step whatever the batch, so n sequences decoded
+//! together cost little more than one. A sequence that finishes, or whose client went away (its
+//! event channel is closed), leaves the batch before the next step.
+//!
+//! KV memory: each slot preallocates room for `context` tokens, so the budget is
+//! parallel x context, fixed at start and never fragmented. Paged blocks would let one long
+//! request borrow another's room, but attention reads each KV head's rows as one contiguous
+//! stream (the head-major layout the kernels are tuned for), which blocks would break; the
+//! pages of a slot's allocation are only touched as far as its sequences reach. A request waits
+//! in a bounded queue until a slot is free.
+//!
+//! Prefix reuse: a finished sequence stays in its slot. A new request takes the free slot whose
+//! tokens share the longest prefix with its prompt, and if another slot (running or not) shares
+//! a longer one (the same system and developer messages, an earlier turn of the same chat), the
+//! keys and values of that prefix are copied over instead of computed again.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rayon::prelude::*;
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::metrics::Metrics;
+use super::reply::ReplyText;
+use crate::chat::{HarmonyParser, ParseEvent, Tokenizer};
+use crate::engine::generate::common_prefix_len;
+use crate::engine::{Sampler, SamplerSettings};
+use crate::model::{Sequence, SequenceStep, Session};
+
+/// Fewest prefix tokens worth copying from another slot instead of prefilling them.
+const MIN_PREFIX_COPY: usize = 16;
+
+/// One completion request, rendered and checked.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub sampler: SamplerSettings,
+    /// Most tokens to sample (already within the context).
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    pub events: UnboundedSender<Event>,
+    pub received: Instant,
+}
+
+/// What a request's handler hears.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// New text since the last delta.
+    Delta {
+        reasoning: String,
+        content: String,
+    },
+    Done(Finish),
+    /// The request could not be completed (the server is stopping, the forward pass failed).
+    Failed(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+    pub reasoning_tokens: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Finish {
+    pub reason: FinishReason,
+    pub usage: Usage,
+    /// From the request's arrival to its first sampled token (queueing and prefill included).
+    pub time_to_first_token: Duration,
+    /// From the first sampled token to the last.
+    pub decode_time: Duration,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SubmitError {
+    #[error("the server is busy: {0} requests are already waiting; retry later")]
+    QueueFull(usize),
+    #[error("the server is shutting down")]
+    ShuttingDown,
+}
+
+/// Sizes of the scheduler.
+#[derive(Debug, Clone, Copy)]
+pub struct SchedulerOptions {
+    /// Sequences in flight at once (slots).
+    pub parallel: usize,
+    /// Tokens each slot holds (prompt and reply).
+    pub context: usize,
+    /// Requests that may wait for a slot; more are refused.
+    pub queue: usize,
+    /// Prompt tokens prefilled per step while other sequences decode.
+    pub prefill_chunk: usize,
+}
+
+enum Command {
+    Submit(Job),
+    Shutdown,
+}
+
+/// The HTTP side's handle on the scheduler thread.
+pub struct Scheduler {
+    commands: Sender<Command>,
+    metrics: Arc<Metrics>,
+    queue_limit: usize,
+    shutting_down: Arc<AtomicBool>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Scheduler {
+    /// Starts the scheduler thread, which owns `session` (its model and pool).
+    pub fn start(session: Session, options: SchedulerOptions, metrics: Arc<Metrics>) -> Scheduler {
+        let (commands, receiver) = mpsc::channel();
+        let shutting_down = Arc::new(AtomicBool::new(false));
+        let options = SchedulerOptions {
+            parallel: options.parallel.max(1),
+            context: options.context.max(2),
+            prefill_chunk: options.prefill_chunk.max(1),
+            ..options
+        };
+        // Published before the thread starts, so the first /metrics already shows the budget.
+        let bytes_per_token = crate::model::kv::KvShape::of(&session.model().config)
+            .bytes_per_position(session.kv_format());
+        let capacity = options.parallel * options.context;
+        metrics
+            .kv_capacity_tokens
+            .store(capacity, Ordering::Relaxed);
+        metrics
+            .kv_capacity_bytes
+            .store((capacity * bytes_per_token) as u64, Ordering::Relaxed);
+        let thread = {
+            let metrics = metrics.clone();
+            std::thread::Builder::new()
+                .name("ossterm-scheduler".into())
+                .spawn(move || Worker::new(session, options, metrics).run(receiver))
+                .expect("the OS can start a thread")
+        };
+        Scheduler {
+            commands,
+            metrics,
+            queue_limit: options.queue,
+            shutting_down,
+            thread: Mutex::new(Some(thread)),
+        }
+    }
+
+    /// Queues a job; refused when the queue is full or the server stops.
+    pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
+        if self.shutting_down.load(Ordering::Acquire) {
+            return Err(SubmitError::ShuttingDown);
+        }
+        let waiting = &self.metrics.queue_depth;
+        let depth = waiting.fetch_add(1, Ordering::AcqRel);
+        if depth >= self.queue_limit {
+            waiting.fetch_sub(1, Ordering::AcqRel);
+            return Err(SubmitError::QueueFull(depth));
+        }
+        self.commands.send(Command::Submit(job)).map_err(|_| {
+            waiting.fetch_sub(1, Ordering::AcqRel);
+            SubmitError::ShuttingDown
+        })
+    }
+
+    /// Cancels every running and waiting request (their clients get an error event) and stops
+    /// the thread.
+    pub fn shutdown(&self) {
+        self.shutting_down.store(true, Ordering::Release);
+        let _ = self.commands.send(Command::Shutdown);
+        let thread = self.thread.lock().map(|mut t| t.take()).unwrap_or(None);
+        if let Some(thread) = thread {
+            let _ = thread.join();
+        }
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// A request being served in a slot.
+struct Active {
+    job: Job,
+    /// Prompt tokens in the slot's cache.
+    prefilled: usize,
+    reused: usize,
+    /// The sampled token to feed in the next step.
+    next: Option<u32>,
+    generated: usize,
+    sampler: Sampler,
+    parser: HarmonyParser<'static>,
+    reply: ReplyText,
+    first_token_at: Option<Instant>,
+}
+
+struct Slot {
+    sequence: Sequence,
+    active: Option<Active>,
+}
+
+struct Worker {
+    session: Session,
+    slots: Vec<Slot>,
+    waiting: VecDeque<Job>,
+    options: SchedulerOptions,
+    metrics: Arc<Metrics>,
+    tokenizer: Option<&'static Tokenizer>,
+    /// Recent time of a step of pure decode per row, to measure the prefill stall against.
+    decode_step_seconds: f64,
+}
+
+/// Which slot a step row belongs to, and whether its logits pick a token.
+#[derive(Clone, Copy)]
+struct Planned {
+    slot: usize,
+    tokens: usize,
+    samples: bool,
+}
+
+impl Worker {
+    fn new(session: Session, options: SchedulerOptions, metrics: Arc<Metrics>) -> Worker {
+        let slots: Vec<Slot> = (0..options.parallel)
+            .map(|_| Slot {
+                sequence: session.new_sequence(options.context),
+                active: None,
+            })
+            .collect();
+        Worker {
+            session,
+            slots,
+            waiting: VecDeque::new(),
+            options,
+            metrics,
+            tokenizer: Tokenizer::shared().ok(),
+            decode_step_seconds: 0.0,
+        }
+    }
+
+    fn run(mut self, commands: Receiver<Command>) {
+        loop {
+            let busy = !self.waiting.is_empty() || self.slots.iter().any(|s| s.active.is_some());
+            // Idle: block for the next command; busy: take what arrived and go on stepping.
+            let first = if busy {
+                commands.try_recv().ok()
+            } else {
+                match commands.recv_timeout(Duration::from_secs(1)) {
+                    Ok(command) => Some(command),
+                    Err(RecvTimeoutError::Timeout) => continue,
+                    Err(RecvTimeoutError::Disconnected) => break,
+                }
+            };
+            let mut shutdown = false;
+            for command in first.into_iter().chain(commands.try_iter()) {
+                match command {
+                    Command::Submit(job) => self.waiting.push_back(job),
+                    Command::Shutdown => shutdown = true,
+                }
+            }
+            if shutdown {
+                self.cancel_all("the server is shutting down");
+                break;
+            }
+            self.drop_gone_clients();
+            self.admit();
+            self.publish_gauges();
+            if self.slots.iter().any(|s| s.active.is_some()) {
+                self.step();
+                self.publish_gauges();
+            }
+        }
+        self.publish_gauges();
+    }
+
+    fn publish_gauges(&self) {
+        let m = &self.metrics;
+        let active = self.slots.iter().filter(|s| s.active.is_some());
+        m.active_sequences
+            .store(active.clone().count(), Ordering::Relaxed);
+        let used = active.map(|s| s.sequence.len()).sum();
+        m.kv_used_tokens.store(used, Ordering::Relaxed);
+    }
+
+    fn cancel_all(&mut self, why: &str) {
+        for job in self.waiting.drain(..) {
+            self.metrics.queue_depth.fetch_sub(1, Ordering::AcqRel);
+            let _ = job.events.send(Event::Failed(why.into()));
+        }
+        for slot in &mut self.slots {
+            if let Some(active) = slot.active.take() {
+                let _ = active.job.events.send(Event::Failed(why.into()));
+            }
+        }
+    }
+
+    /// Requests whose client disconnected leave the queue and the batch now, freeing their slot.
+    fn drop_gone_clients(&mut self) {
+        let before = self.waiting.len();
+        self.waiting.retain(|job| !job.events.is_closed());
+        let gone = before - self.waiting.len();
+        self.metrics.queue_depth.fetch_sub(gone, Ordering::AcqRel);
+        for slot in &mut self.slots {
+            if slot
+                .active
+                .as_ref()
+                .is_some_and(|a| a.job.events.is_closed())
+            {
+                slot.active = None;
+            }
+        }
+    }
+
+    /// Moves waiting jobs into free slots, reusing the longest cached prefix.
+    fn admit(&mut self) {
+        while !self.waiting.is_empty() {
+            let Some(tokenizer) = self.tokenizer else {
+                self.cancel_all("the o200k_harmony tokenizer could not be built");
+                return;
+            };
+            let free = self
+                .slots
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.active.is_none());
+            let Some((slot, own)) = free
+                .map(|(i, s)| {
+                    (
+                        i,
+                        common_prefix_len(s.sequence.tokens(), &self.waiting[0].prompt),
+                    )
+                })
+                .max_by_key(|&(i, len)| (len, std::cmp::Reverse(i)))
+            else {
+                return;
+            };
+            let Some(job) = self.waiting.pop_front() else {
+                return;
+            };
+            self.metrics.queue_depth.fetch_sub(1, Ordering::AcqRel);
+            // At least one prompt token is computed: its logits pick the first token.
+            let limit = job.prompt.len() - 1;
+            let mut reused = own.min(limit);
+            let best_other = self
+                .slots
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| i != slot)
+                .map(|(i, s)| {
+                    (
+                        i,
+                        common_prefix_len(s.sequence.tokens(), &job.prompt).min(limit),
+                    )
+                })
+                .max_by_key(|&(_, len)| len);
+            if let Some((source, len)) = best_other {
+                if len >= reused + MIN_PREFIX_COPY {
+                    let (to, from) = two_slots(&mut self.slots, slot, source);
+                    reused = to.sequence.copy_prefix_from(&from.sequence, len);
+                }
+            }
+            self.slots[slot].sequence.truncate(reused);
+            let m = &self.metrics;
+            Metrics::add(&m.prompt_tokens, job.prompt.len() as u64);
+            Metrics::add(&m.cached_prompt_tokens, reused as u64);
+            if reused > 0 {
+                Metrics::add(&m.prefix_cache_hits, 1);
+            }
+            let sampler = match Sampler::new(job.sampler) {
+                Ok(sampler) => sampler,
+                Err(error) => {
+                    let _ = job.events.send(Event::Failed(error.to_string()));
+                    continue;
+                }
+            };
+            let reply = ReplyText::new(job.stop.clone());
+            self.slots[slot].active = Some(Active {
+                job,
+                prefilled: reused,
+                reused,
+                next: None,
+                generated: 0,
+                sampler,
+                parser: HarmonyParser::after_prompt(tokenizer, "assistant"),
+                reply,
+                first_token_at: None,
+            });
+        }
+    }
+
+    /// One forward pass over every active slot, then sampling and streaming.
+    fn step(&mut self) {
+        let decoding = self
+            .slots
+            .iter()
+            .filter(|s| s.active.as_ref().is_some_and(|a| a.next.is_some()))
+            .count();
+        let chunk = self.session.chunk_len();
+        // With nothing decoding nobody waits: prefill takes whole chunks.
+        let mut prefill_budget = if decoding > 0 {
+            self.options
+                .prefill_chunk
+                .min(chunk.saturating_sub(decoding))
+        } else {
+            chunk
+        };
+        let mut plan = Vec::with_capacity(self.slots.len());
+        let mut steps = Vec::with_capacity(self.slots.len());
+        let mut prefill_rows = 0;
+        for (index, slot) in self.slots.iter_mut().enumerate() {
+            let Some(active) = slot.active.as_mut() else {
+                continue;
+            };
+            let tokens: &[u32] = match &active.next {
+                Some(token) => std::slice::from_ref(token),
+                None => {
+                    if prefill_budget == 0 {
+                        continue;
+                    }
+                    let end = (active.prefilled + prefill_budget).min(active.job.prompt.len());
+                    let rows = &active.job.prompt[active.prefilled..end];
+                    prefill_budget -= rows.len();
+                    prefill_rows += rows.len();
+                    rows
+                }
+            };
+            let samples =
+                active.next.is_some() || active.prefilled + tokens.len() == active.job.prompt.len();
+            plan.push(Planned {
+                slot: index,
+                tokens: tokens.len(),
+                samples,
+            });
+            steps.push(SequenceStep {
+                sequence: &mut slot.sequence,
+                tokens,
+            });
+        }
+        if steps.is_empty() {
+            return;
+        }
+        let started = Instant::now();
+        let result = self.session.forward_batch(&mut steps);
+        drop(steps);
+        let seconds = started.elapsed().as_secs_f64();
+        if let Err(error) = result {
+            for planned in &plan {
+                if let Some(active) = self.slots[planned.slot].active.take() {
+                    let _ = active
+                        .job
+                        .events
+                        .send(Event::Failed(format!("the forward pass failed: {error}")));
+                }
+            }
+            return;
+        }
+        self.record_step(seconds, decoding, prefill_rows);
+
+        // Sampling is a few passes over the vocabulary per sequence: the rows are sampled in
+        // parallel on the session's pool.
+        let mut samples = {
+            let Worker { session, slots, .. } = self;
+            let mut samplers: Vec<(usize, &mut Sampler)> = Vec::with_capacity(plan.len());
+            // `plan` lists slots in ascending order, as they were visited.
+            let mut rows = plan
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| p.samples)
+                .peekable();
+            for (index, slot) in slots.iter_mut().enumerate() {
+                if let Some(&(row, planned)) = rows.peek() {
+                    if planned.slot == index {
+                        rows.next();
+                        if let Some(active) = slot.active.as_mut() {
+                            samplers.push((row, &mut active.sampler));
+                        }
+                    }
+                }
+            }
+            let session = &*session;
+            let mut samples: Vec<Option<Result<u32, String>>> =
+                (0..plan.len()).map(|_| None).collect();
+            let drawn: Vec<_> = session.pool().install(|| {
+                samplers
+                    .par_iter_mut()
+                    .map(|(row, sampler)| (*row, sampler.sample(session.batch_logits(*row))))
+                    .collect()
+            });
+            for (row, result) in drawn {
+                samples[row] = Some(result.map_err(|error| error.to_string()));
+            }
+            samples
+        };
+        for (row, planned) in plan.iter().enumerate() {
+            let slot = &mut self.slots[planned.slot];
+            let Some(active) = slot.active.as_mut() else {
+                continue;
+            };
+            if active.next.is_none() {
+                active.prefilled += planned.tokens;
+            }
+            let Some(sampled) = samples[row].take() else {
+                continue;
+            };
+            let token = match sampled {
+                Ok(token) => token,
+                Err(error) => {
+                    let _ = active.job.events.send(Event::Failed(error));
+                    slot.active = None;
+                    continue;
+                }
+            };
+            if active.generated == 0 {
+                active.first_token_at = Some(Instant::now());
+                let m = &self.metrics;
+                let ttft = active.job.received.elapsed().as_secs_f64();
+                m.time_to_first_token_seconds_sum
+                    .set(m.time_to_first_token_seconds_sum.get() + ttft);
+                Metrics::add(&m.time_to_first_token_count, 1);
+            }
+            Metrics::add(&self.metrics.generated_tokens, 1);
+            let finish = take_token(active, token, slot.sequence.len(), self.options.context);
+            let (reasoning, content) = active.reply.take();
+            if !reasoning.is_empty() || !content.is_empty() {
+                let _ = active.job.events.send(Event::Delta { reasoning, content });
+            }
+            if let Some(reason) = finish {
+                let usage = Usage {
+                    prompt_tokens: active.job.prompt.len(),
+                    cached_tokens: active.reused,
+                    completion_tokens: active.generated,
+                    reasoning_tokens: active.reply.reasoning_tokens,
+                };
+                let first = active.first_token_at.unwrap_or_else(Instant::now);
+                let _ = active.job.events.send(Event::Done(Finish {
+                    reason,
+                    usage,
+                    time_to_first_token: first.duration_since(active.job.received),
+                    decode_time: first.elapsed(),
+                }));
+                slot.active = None;
+            }
+        }
+    }
+
+    /// Updates throughput and stall figures from a step of `seconds` with `decoding` decode
+    /// rows and `prefill_rows` prompt rows.
+    fn record_step(&mut self, seconds: f64, decoding: usize, prefill_rows: usize) {
+        let m = &self.metrics;
+        Metrics::add(&m.prefilled_tokens, prefill_rows as u64);
+        if seconds <= 0.0 {
+            return;
+        }
+        let smooth = |gauge: &super::metrics::Gauge, value: f64| {
+            let old = gauge.get();
+            gauge.set(if old == 0.0 {
+                value
+            } else {
+                0.8 * old + 0.2 * value
+            });
+        };
+        if prefill_rows == 0 {
+            smooth(&m.decode_tokens_per_second, decoding as f64 / seconds);
+            self.decode_step_seconds = seconds;
+        } else {
+            smooth(&m.prefill_tokens_per_second, prefill_rows as f64 / seconds);
+            if decoding > 0 {
+                let stall = (seconds - self.decode_step_seconds).max(0.0);
+                m.prefill_stall_seconds.set(stall);
+                m.prefill_stall_max_seconds.raise(stall);
+            }
+        }
+    }
+}
+
+/// Feeds a sampled token to the request's parser and applies the stop rules: a harmony stop token
+/// or a stop string ends it (`stop`), the token budget or a full context (`length`). Otherwise
+/// the token is fed in the next step. `cached` is what the slot's cache holds now.
+fn take_token(
+    active: &mut Active,
+    token: u32,
+    cached: usize,
+    context: usize,
+) -> Option<FinishReason> {
+    active.generated += 1;
+    active.reply.count_token();
+    let mut stopped = false;
+    let reply = &mut active.reply;
+    active.parser.push(token, &mut |event| {
+        if let ParseEvent::Stop(_) = event {
+            stopped = true;
+        }
+        reply.on_event(event);
+    });
+    let reason = if stopped || reply.stopped() {
+        Some(FinishReason::Stop)
+    } else if active.generated >= active.job.max_tokens || cached + 1 > context {
+        Some(FinishReason::Length)
+    } else {
+        None
+    };
+    match reason {
+        Some(_) => {
+            if !stopped {
+                active.parser.finish(&mut |event| reply.on_event(event));
+            }
+            reply.finish();
+            active.next = None;
+        }
+        None => active.next = Some(token),
+    }
+    reason
+}
+
+/// Mutable `slots[to]` and shared `slots[from]` (different indices).
+fn two_slots(slots: &mut [Slot], to: usize, from: usize) -> (&mut Slot, &Slot) {
+    if to < from {
+        let (left, right) = slots.split_at_mut(from);
+        (&mut left[to], &right[0])
+    } else {
+        let (left, right) = slots.split_at_mut(to);
+        (&mut right[0], &left[from])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finish_reasons_have_openai_names() {
+        assert_eq!(FinishReason::Stop.as_str(), "stop");
+        assert_eq!(FinishReason::Length.as_str(), "length");
+    }
+}

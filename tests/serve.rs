@@ -1,0 +1,446 @@
+//! `ossterm serve` in process on a loopback port: every endpoint, streaming, errors, batching,
+//! prefix reuse, cancellation on disconnect, a full queue and shutdown. The synthetic tiny model
+//! (random weights) answers; nothing leaves 127.0.0.1.
+
+use std::io::{BufRead, BufReader};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use ossterm::model::{LoadOptions, Model, Precision, Preset};
+use ossterm::server::scheduler::SchedulerOptions;
+use ossterm::server::{check_exposure, start, RunningServer, ServeOptions};
+use serde_json::{json, Value};
+
+fn model(precision: Precision) -> Arc<Model> {
+    static FAST: OnceLock<Arc<Model>> = OnceLock::new();
+    static EXACT: OnceLock<Arc<Model>> = OnceLock::new();
+    let cell = match precision {
+        Precision::Fast => &FAST,
+        Precision::Exact => &EXACT,
+    };
+    cell.get_or_init(|| {
+        let opts = LoadOptions {
+            precision,
+            ..LoadOptions::default()
+        };
+        Arc::new(Model::synthetic(Preset::Tiny, 0, &opts).expect("synthetic tiny"))
+    })
+    .clone()
+}
+
+struct Server {
+    running: Option<RunningServer>,
+    base: String,
+}
+
+impl Server {
+    fn start(precision: Precision, scheduler: SchedulerOptions, api_key: Option<&str>) -> Server {
+        let pool = ossterm::engine::build_pool(2).unwrap();
+        let session = model(precision).new_session(&pool, 1);
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let options = ServeOptions {
+            scheduler,
+            api_key: api_key.map(str::to_owned),
+            model_id: "synthetic-tiny".into(),
+            // Small, so an oversized body still fits the socket buffers and the client reads
+            // the 413 instead of a reset connection.
+            max_body_bytes: 256 << 10,
+            handle_signals: false,
+        };
+        let running = start(session, options, listener).unwrap();
+        let base = format!("http://{}", running.addr);
+        Server {
+            running: Some(running),
+            base,
+        }
+    }
+
+    fn default() -> Server {
+        Server::start(Precision::Fast, options(4, 4096, 8), None)
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    fn post(&self, body: &str) -> (u16, Value) {
+        let result = agent()
+            .post(&self.url("/v1/chat/completions"))
+            .set("Content-Type", "application/json")
+            .send_string(body);
+        read_json(result)
+    }
+
+    fn metric(&self, name: &str) -> f64 {
+        let text = agent()
+            .get(&self.url("/metrics"))
+            .call()
+            .unwrap()
+            .into_string()
+            .unwrap();
+        text.lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {text}"))
+    }
+
+    /// Polls `name` until `accept` holds; fails after five seconds.
+    fn wait_for_metric(&self, name: &str, accept: impl Fn(f64) -> bool) {
+        let until = Instant::now() + Duration::from_secs(5);
+        loop {
+            let value = self.metric(name);
+            if accept(value) {
+                return;
+            }
+            assert!(Instant::now() < until, "{name} stayed at {value}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn stop(mut self) {
+        self.running.take().unwrap().stop().unwrap();
+    }
+}
+
+fn options(parallel: usize, context: usize, queue: usize) -> SchedulerOptions {
+    SchedulerOptions {
+        parallel,
+        context,
+        queue,
+        prefill_chunk: 32,
+    }
+}
+
+fn agent() -> ureq::Agent {
+    ureq::AgentBuilder::new()
+        .timeout(Duration::from_secs(60))
+        .build()
+}
+
+fn read_json(result: Result<ureq::Response, ureq::Error>) -> (u16, Value) {
+    let response = match result {
+        Ok(response) => response,
+        Err(ureq::Error::Status(_, response)) => response,
+        Err(error) => panic!("transport error: {error}"),
+    };
+    let status = response.status();
+    let text = response.into_string().unwrap();
+    let value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}"));
+    (status, value)
+}
+
+fn chat(messages: Value, extra: Value) -> String {
+    let mut body = json!({"model": "synthetic-tiny", "messages": messages});
+    for (key, value) in extra.as_object().unwrap() {
+        body[key] = value.clone();
+    }
+    body.to_string()
+}
+
+fn user(text: &str) -> Value {
+    json!([{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": text}])
+}
+
+/// The `data:` payloads of a streamed reply, until `[DONE]` (included).
+fn stream(server: &Server, body: &str) -> Vec<String> {
+    let response = agent()
+        .post(&server.url("/v1/chat/completions"))
+        .send_string(body)
+        .unwrap();
+    assert_eq!(response.header("content-type"), Some("text/event-stream"));
+    let mut events = Vec::new();
+    for line in BufReader::new(response.into_reader()).lines() {
+        let line = line.unwrap();
+        if let Some(data) = line.strip_prefix("data: ") {
+            events.push(data.to_owned());
+            if data == "[DONE]" {
+                break;
+            }
+        }
+    }
+    events
+}
+
+#[test]
+fn health_models_metrics_and_unknown_paths() {
+    let server = Server::default();
+    let health = read_json(agent().get(&server.url("/health")).call()).1;
+    assert_eq!(health["status"], "ok");
+    let models = read_json(agent().get(&server.url("/v1/models")).call()).1;
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["id"], "synthetic-tiny");
+    let metrics = agent().get(&server.url("/metrics")).call().unwrap();
+    assert!(metrics.content_type().starts_with("text/plain"));
+    let text = metrics.into_string().unwrap();
+    for name in [
+        "ossterm_requests_total",
+        "ossterm_tokens_generated_total",
+        "ossterm_decode_tokens_per_second",
+        "ossterm_prefill_tokens_per_second",
+        "ossterm_queue_depth",
+        "ossterm_active_sequences",
+        "ossterm_kv_use_ratio",
+        "ossterm_prefix_cache_hits_total",
+    ] {
+        assert!(
+            text.contains(&format!("# TYPE {name} ")),
+            "{name} missing:\n{text}"
+        );
+    }
+    assert_eq!(server.metric("ossterm_kv_capacity_tokens"), 4.0 * 4096.0);
+    let (status, body) = read_json(agent().get(&server.url("/v1/nothing")).call());
+    assert_eq!(status, 404);
+    assert_eq!(body["error"]["code"], "not_found");
+    server.stop();
+}
+
+#[test]
+fn a_chat_completion_has_the_openai_shape_and_is_repeatable_with_a_seed() {
+    // The exact path: a reply must not depend on how much of the prompt came from the cache (the
+    // fast path's int8 sums differ in the last bits between a prefill chunk and one token).
+    let server = Server::start(Precision::Exact, options(4, 1024, 8), None);
+    let body = chat(
+        user("hello"),
+        json!({"max_tokens": 80, "seed": 7, "temperature": 0.8}),
+    );
+    let (status, first) = server.post(&body);
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(first["object"], "chat.completion");
+    assert_eq!(first["model"], "synthetic-tiny");
+    let choice = &first["choices"][0];
+    assert_eq!(choice["message"]["role"], "assistant");
+    assert_eq!(choice["finish_reason"], "length");
+    let usage = &first["usage"];
+    assert_eq!(usage["completion_tokens"], 80);
+    let prompt = usage["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt > 20, "{usage}");
+    assert_eq!(usage["total_tokens"].as_u64().unwrap(), prompt + 80);
+    let (_, second) = server.post(&body);
+    assert_eq!(second["choices"][0]["message"], choice["message"]);
+    // The same system message and prompt: the second request reuses all but the last token.
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(cached, prompt - 1);
+    assert!(server.metric("ossterm_prefix_cache_hits_total") >= 1.0);
+    assert_eq!(server.metric("ossterm_tokens_generated_total"), 160.0);
+    server.stop();
+}
+
+#[test]
+fn streaming_sends_chunks_usage_and_done_with_the_same_text() {
+    let server = Server::start(Precision::Exact, options(4, 1024, 8), None);
+    let extra = json!({"max_tokens": 90, "seed": 3, "stream": true,
+                       "stream_options": {"include_usage": true}});
+    let events = stream(&server, &chat(user("stream please"), extra.clone()));
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|data| serde_json::from_str(data).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(chunks
+        .iter()
+        .all(|c| c["object"] == "chat.completion.chunk"));
+    let finish = &chunks[chunks.len() - 2];
+    assert_eq!(finish["choices"][0]["finish_reason"], "length");
+    let usage = &chunks[chunks.len() - 1];
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 90);
+    let mut content = String::new();
+    for chunk in &chunks {
+        if let Some(text) = chunk["choices"][0]["delta"]["content"].as_str() {
+            content.push_str(text);
+        }
+        let delta = &chunk["choices"][0]["delta"];
+        assert_eq!(
+            delta["reasoning_content"], delta["reasoning"],
+            "both names carry reasoning"
+        );
+    }
+    let mut whole = extra;
+    whole["stream"] = json!(false);
+    let (_, reply) = server.post(&chat(user("stream please"), whole));
+    assert_eq!(reply["choices"][0]["message"]["content"], json!(content));
+    server.stop();
+}
+
+#[test]
+fn concurrent_requests_get_the_replies_they_get_alone() {
+    // The exact path computes a batch exactly as each sequence alone, so greedy replies match.
+    let server = Server::start(Precision::Exact, options(4, 1024, 8), None);
+    let bodies: Vec<String> = (0..4)
+        .map(|i| {
+            chat(
+                user(&format!("question number {i}")),
+                json!({"max_tokens": 70 + 3 * i, "temperature": 0}),
+            )
+        })
+        .collect();
+    let alone: Vec<Value> = bodies.iter().map(|body| server.post(body).1).collect();
+    let together: Vec<Value> = std::thread::scope(|scope| {
+        let handles: Vec<_> = bodies
+            .iter()
+            .map(|body| scope.spawn(|| server.post(body).1))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (a, t) in alone.iter().zip(&together) {
+        assert_eq!(a["choices"][0]["message"], t["choices"][0]["message"]);
+        assert_eq!(
+            a["usage"]["completion_tokens"],
+            t["usage"]["completion_tokens"]
+        );
+    }
+    server.stop();
+}
+
+#[test]
+fn bad_requests_get_openai_errors_naming_the_problem() {
+    let server = Server::start(Precision::Fast, options(2, 256, 8), None);
+    let cases: [(&str, u16, &str); 9] = [
+        ("{\"messages\": [", 400, "not valid JSON"),
+        (r#"{"messages": "hi"}"#, 400, "messages"),
+        (r#"{"messages": []}"#, 400, "empty"),
+        (
+            r#"{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}"#,
+            400,
+            "temperature",
+        ),
+        (
+            r#"{"messages": [{"role": "user", "content": "x"}], "temperature": -1}"#,
+            400,
+            "temperature",
+        ),
+        (
+            r#"{"messages": [{"role": "tool", "content": "x"}]}"#,
+            400,
+            "tool",
+        ),
+        (
+            r#"{"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "extreme"}"#,
+            400,
+            "extreme",
+        ),
+        (
+            r#"{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}"#,
+            400,
+            "max_tokens",
+        ),
+        (
+            r#"{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}"#,
+            400,
+            "image_url",
+        ),
+    ];
+    for (body, want_status, needle) in cases {
+        let (status, reply) = server.post(body);
+        assert_eq!(status, want_status, "{body}: {reply}");
+        let error = &reply["error"];
+        assert_eq!(error["type"], "invalid_request_error", "{reply}");
+        assert!(
+            error["message"].as_str().unwrap().contains(needle),
+            "{body}: {reply}"
+        );
+        assert!(
+            error.get("param").is_some() && error.get("code").is_some(),
+            "{reply}"
+        );
+    }
+    let long = "many words ".repeat(200);
+    let (status, reply) = server.post(&chat(user(&long), json!({})));
+    assert_eq!(status, 400);
+    assert_eq!(reply["error"]["code"], "context_length_exceeded");
+    assert_eq!(reply["error"]["param"], "messages");
+    let huge = format!(
+        r#"{{"messages": [{{"role": "user", "content": "{}"}}]}}"#,
+        "a".repeat(300 << 10)
+    );
+    let (status, reply) = server.post(&huge);
+    assert_eq!(status, 413, "{reply}");
+    assert!(server.metric("ossterm_requests_rejected_total") >= 11.0);
+    // Still serving after all that.
+    let (status, _) = server.post(&chat(user("fine"), json!({"max_tokens": 2})));
+    assert_eq!(status, 200);
+    server.stop();
+}
+
+#[test]
+fn an_api_key_is_required_when_set_and_exposure_without_one_is_refused() {
+    let server = Server::start(Precision::Fast, options(1, 512, 4), Some("sekrit"));
+    let body = chat(user("hi"), json!({"max_tokens": 2}));
+    let (status, reply) = server.post(&body);
+    assert_eq!(status, 401);
+    assert_eq!(reply["error"]["code"], "invalid_api_key");
+    let ok = agent()
+        .post(&server.url("/v1/chat/completions"))
+        .set("Authorization", "Bearer sekrit")
+        .send_string(&body);
+    assert_eq!(read_json(ok).0, 200);
+    assert_eq!(
+        agent().get(&server.url("/health")).call().unwrap().status(),
+        200
+    );
+    server.stop();
+    let error = check_exposure("0.0.0.0", None).unwrap_err().to_string();
+    assert!(error.contains("API key"), "{error}");
+    assert!(check_exposure("0.0.0.0", Some("k")).is_ok());
+    assert!(check_exposure("127.0.0.1", None).is_ok());
+    assert!(check_exposure("::1", None).is_ok());
+}
+
+#[test]
+fn a_client_that_disconnects_frees_its_sequence_and_a_full_queue_answers_503() {
+    let server = Server::start(Precision::Fast, options(1, 4096, 1), None);
+    let long = chat(user("go on"), json!({"max_tokens": 4000, "stream": true}));
+    let response = agent()
+        .post(&server.url("/v1/chat/completions"))
+        .send_string(&long)
+        .unwrap();
+    let mut lines = BufReader::new(response.into_reader()).lines();
+    let _first = lines.next().unwrap().unwrap();
+    server.wait_for_metric("ossterm_active_sequences", |v| v == 1.0);
+    std::thread::scope(|scope| {
+        // One request waits for the only slot; the next finds the queue full.
+        let waiting = scope.spawn(|| server.post(&chat(user("after"), json!({"max_tokens": 3}))));
+        server.wait_for_metric("ossterm_queue_depth", |v| v == 1.0);
+        let (status, reply) = server.post(&chat(user("too many"), json!({"max_tokens": 3})));
+        assert_eq!(status, 503, "{reply}");
+        assert_eq!(reply["error"]["code"], "queue_full");
+        // Hanging up frees the slot for the waiting request.
+        drop(lines);
+        let (status, reply) = waiting.join().unwrap();
+        assert_eq!(status, 200, "{reply}");
+    });
+    server.wait_for_metric("ossterm_active_sequences", |v| v == 0.0);
+    assert!(server.metric("ossterm_tokens_generated_total") < 4000.0);
+    server.stop();
+}
+
+#[test]
+fn stopping_the_server_ends_running_streams() {
+    let server = Server::start(Precision::Fast, options(2, 4096, 4), None);
+    let url = server.url("/v1/chat/completions");
+    let reader = std::thread::spawn(move || {
+        let body = chat(user("long"), json!({"max_tokens": 4000, "stream": true}));
+        let response = agent().post(&url).send_string(&body).unwrap();
+        BufReader::new(response.into_reader())
+            .lines()
+            .map_while(Result::ok)
+            .filter_map(|line| line.strip_prefix("data: ").map(str::to_owned))
+            .collect::<Vec<_>>()
+    });
+    server.wait_for_metric("ossterm_tokens_generated_total", |v| v > 0.0);
+    let started = Instant::now();
+    server.stop();
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let events = reader.join().unwrap();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let error: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("shutting down"),
+        "{error}"
+    );
+}

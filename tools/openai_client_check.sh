@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# A real OpenAI client against `ossterm serve`: installs the `openai` Python package into a venv
+# (target/openai-venv, reused), starts the server on a free loopback port with the synthetic tiny
+# model, lists the models, streams a chat completion (reasoning and content deltas, usage) and
+# asks for one without streaming, then stops the server with SIGTERM and checks it exits cleanly.
+# Skips (exit 0, with a message) when python3 or its venv module is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v python3 >/dev/null 2>&1; then
+    echo "openai client check: python3 not installed, skipping"
+    exit 0
+fi
+venv=target/openai-venv
+if [ ! -x "$venv/bin/python" ]; then
+    if ! python3 -m venv "$venv" >/dev/null 2>&1; then
+        rm -rf "$venv"
+        echo "openai client check: python3 cannot create a venv (python3-venv missing), skipping"
+        exit 0
+    fi
+fi
+"$venv/bin/python" -c "import openai" 2>/dev/null \
+    || timeout 300 "$venv/bin/pip" install --quiet --disable-pip-version-check "openai>=1.40,<3"
+
+cargo build --release --quiet
+port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+log=$(mktemp)
+target/release/ossterm serve --synthetic tiny --threads 2 --host 127.0.0.1 --port "$port" \
+    --parallel 2 --context 2048 >"$log" 2>&1 &
+server=$!
+cleanup() { kill "$server" 2>/dev/null || true; rm -f "$log"; }
+trap cleanup EXIT
+
+timeout 120 "$venv/bin/python" - "$port" <<'PY'
+import sys, time, urllib.request
+from openai import OpenAI
+
+base = f"http://127.0.0.1:{sys.argv[1]}"
+for _ in range(300):
+    try:
+        urllib.request.urlopen(base + "/health", timeout=1)
+        break
+    except OSError:
+        time.sleep(0.1)
+else:
+    sys.exit("the server did not come up")
+
+client = OpenAI(base_url=base + "/v1", api_key="unused", timeout=60)
+models = [m.id for m in client.models.list()]
+assert models == ["synthetic-tiny"], models
+
+reasoning, content, finish, usage, chunks = "", "", None, None, 0
+stream = client.chat.completions.create(
+    model=models[0],
+    messages=[{"role": "system", "content": "Answer briefly."},
+              {"role": "user", "content": "What is the capital of France?"}],
+    max_tokens=120, seed=1, stream=True, stream_options={"include_usage": True},
+    extra_body={"reasoning_effort": "low"},
+)
+for chunk in stream:
+    chunks += 1
+    if chunk.usage is not None:
+        usage = chunk.usage
+    if not chunk.choices:
+        continue
+    delta = chunk.choices[0].delta
+    extra = delta.model_extra or {}
+    piece = extra.get("reasoning_content")
+    assert piece == extra.get("reasoning"), "both reasoning names carry the same text"
+    reasoning += piece or ""
+    content += delta.content or ""
+    finish = chunk.choices[0].finish_reason or finish
+assert finish in ("stop", "length"), finish
+assert usage is not None and usage.completion_tokens > 0, usage
+assert usage.prompt_tokens_details is not None
+assert reasoning or content, "the reply carried no text"
+print(f"openai client check: streamed {chunks} chunks, {len(reasoning)} chars of reasoning, "
+      f"{len(content)} of content, finish {finish}, usage {usage.prompt_tokens}+{usage.completion_tokens} "
+      f"(cached {usage.prompt_tokens_details.cached_tokens})")
+
+reply = client.chat.completions.create(
+    model=models[0], messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+assert reply.choices[0].finish_reason in ("stop", "length")
+assert reply.usage.completion_tokens <= 8
+PY
+
+kill -TERM "$server"
+status=0
+wait "$server" || status=$?
+if [ "$status" -ne 0 ]; then
+    cat "$log"
+    echo "openai client check: the server exited with status $status after SIGTERM"
+    exit 1
+fi
+echo "openai client check: passed (server stopped cleanly on SIGTERM)"
