@@ -12,31 +12,10 @@
 # "skipping" line when tmux is not installed. Needs no TTY: tmux runs its own server on a private
 # socket, detached.
 set -euo pipefail
-# The screen is matched with patterns holding box-drawing characters.
-export LC_ALL=C.UTF-8
-
-if ! command -v tmux >/dev/null 2>&1; then
-    echo "tmux_e2e: tmux not found, skipping"
-    exit 0
-fi
-
-root="$(cd "$(dirname "$0")/.." && pwd)"
-if [[ $# -ge 1 ]]; then
-    binary="$1"
-else
-    binary="$root/target/release/ossterm"
-    # A no-op when `cargo test --release` already built it.
-    (cd "$root" && cargo build --release --quiet --bin ossterm)
-fi
-[[ -x "$binary" ]] || { echo "tmux_e2e: FAIL: no executable at $binary"; exit 1; }
-
-work="$(mktemp -d)"
-socket="ossterm-e2e-$$"
-session="app"
-started=$SECONDS
-tmux_() { tmux -L "$socket" -f /dev/null "$@"; }
-cleanup() { tmux_ kill-server 2>/dev/null || true; rm -rf "$work"; }
-trap cleanup EXIT
+script=tmux_e2e
+label=e2e
+# The screen is matched with patterns holding box-drawing characters (LC_ALL set there).
+source "$(dirname "$0")/tmux_common.sh" "$@"
 
 screen() { tmux_ capture-pane -p -t "$session"; }
 fail() {

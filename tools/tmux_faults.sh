@@ -8,29 +8,10 @@
 # Exits 0 when every check passes, 1 on the first failure (with the screen printed), and 0 with a
 # "skipping" line when tmux is not installed. Needs no TTY: tmux runs on a private socket.
 set -euo pipefail
-export LC_ALL=C.UTF-8
-
-if ! command -v tmux >/dev/null 2>&1; then
-    echo "tmux_faults: tmux not found, skipping"
-    exit 0
-fi
-
-root="$(cd "$(dirname "$0")/.." && pwd)"
-if [[ $# -ge 1 ]]; then
-    binary="$1"
-else
-    binary="$root/target/release/ossterm"
-    (cd "$root" && cargo build --release --quiet --bin ossterm)
-fi
-[[ -x "$binary" ]] || { echo "tmux_faults: FAIL: no executable at $binary"; exit 1; }
-
-work="$(mktemp -d)"
-socket="ossterm-faults-$$"
-session="app"
-started=$SECONDS
-tmux_() { tmux -L "$socket" -f /dev/null "$@"; }
-cleanup() { tmux_ kill-server 2>/dev/null || true; rm -rf "$work"; }
-trap cleanup EXIT
+script=tmux_faults
+label=faults
+# The screen is matched with patterns holding box-drawing characters (LC_ALL set there).
+source "$(dirname "$0")/tmux_common.sh" "$@"
 
 screen() { tmux_ capture-pane -p -J -t "$session"; }
 fail() {
