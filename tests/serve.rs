@@ -2,7 +2,7 @@
 //! prefix reuse, cancellation on disconnect, a full queue and shutdown. The synthetic tiny model
 //! (random weights) answers; nothing leaves 127.0.0.1.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -357,6 +357,24 @@ fn bad_requests_get_openai_errors_naming_the_problem() {
     );
     let (status, reply) = server.post(&huge);
     assert_eq!(status, 413, "{reply}");
+    assert!(
+        reply["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("too large"),
+        "{reply}"
+    );
+    // A declared length far past the limit is refused from the headers alone.
+    let mut raw = std::net::TcpStream::connect(server.base.trim_start_matches("http://")).unwrap();
+    write!(
+        raw,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{{",
+        1u64 << 40
+    )
+    .unwrap();
+    let mut head = [0u8; 12];
+    raw.read_exact(&mut head).unwrap();
+    assert_eq!(&head, b"HTTP/1.1 413");
     assert!(server.metric("ossterm_requests_rejected_total") >= 11.0);
     // Still serving after all that.
     let (status, _) = server.post(&chat(user("fine"), json!({"max_tokens": 2})));

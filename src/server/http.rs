@@ -6,8 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -17,6 +16,7 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
 
 use super::api::{parse_chat_request, prepare_chat, ApiError};
 use super::metrics::Metrics;
@@ -57,17 +57,26 @@ impl AppState {
     }
 }
 
+/// How far past the limit an oversized body is still read (and discarded) before the 413 is sent.
+/// A client writes its whole body before it reads the reply; refusing at once would close the
+/// socket under it, and it would see a broken pipe instead of the 413.
+const OVERSIZED_BODY_DRAIN_BYTES: usize = 64 << 20;
+
 /// The router: `/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`; bodies larger than
 /// `max_body` bytes are refused with 413.
 pub fn router(state: Arc<AppState>, max_body: usize) -> Router {
     Router::new()
-        .route("/v1/chat/completions", post(chat_completions))
+        .route(
+            "/v1/chat/completions",
+            post(move |state, headers, body| chat_completions(state, headers, body, max_body)),
+        )
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(DefaultBodyLimit::max(max_body))
+        // Bodies are limited by `read_body`, which drains before refusing.
+        .layer(DefaultBodyLimit::disable())
         .with_state(state)
 }
 
@@ -152,8 +161,10 @@ async fn method_not_allowed() -> ApiError {
 async fn chat_completions(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: Body,
+    max_body: usize,
 ) -> Response {
+    let body = read_body(&headers, body, max_body).await;
     match start_chat(&state, &headers, body) {
         Ok((accepted, events)) => {
             let reply = Reply {
@@ -181,21 +192,52 @@ struct Accepted {
     include_usage: bool,
 }
 
+/// The body, at most `max_body` bytes. A larger one is read to its end (up to
+/// [`OVERSIZED_BODY_DRAIN_BYTES`] more) and refused with 413, so that the client gets the reply.
+async fn read_body(headers: &HeaderMap, body: Body, max_body: usize) -> Result<Bytes, ApiError> {
+    let too_large = || {
+        ApiError::invalid(
+            format!("the request body is too large (the limit is {max_body} bytes)"),
+            None,
+        )
+        .with_status(StatusCode::PAYLOAD_TOO_LARGE)
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse::<u64>().ok());
+    let drain_limit = max_body.saturating_add(OVERSIZED_BODY_DRAIN_BYTES);
+    if declared.is_some_and(|length| length > drain_limit as u64) {
+        return Err(too_large());
+    }
+    let mut kept =
+        Vec::with_capacity(declared.map_or(0, |length| length.min(max_body as u64) as usize));
+    let mut seen = 0usize;
+    let mut stream = body.into_data_stream();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|error| {
+            ApiError::invalid(format!("cannot read the request body: {error}"), None)
+        })?;
+        seen = seen.saturating_add(chunk.len());
+        if seen <= max_body {
+            kept.extend_from_slice(&chunk);
+        } else if seen > drain_limit {
+            break;
+        }
+    }
+    if seen > max_body {
+        return Err(too_large());
+    }
+    Ok(Bytes::from(kept))
+}
+
 fn start_chat(
     state: &AppState,
     headers: &HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: Result<Bytes, ApiError>,
 ) -> Result<(Accepted, mpsc::UnboundedReceiver<Event>), ApiError> {
     authorize(state, headers)?;
-    let body = body.map_err(|rejection| {
-        let status = rejection.status();
-        let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
-            "the request body is too large".to_owned()
-        } else {
-            format!("cannot read the request body: {}", rejection.body_text())
-        };
-        ApiError::invalid(message, None).with_status(status)
-    })?;
+    let body = body?;
     let request = parse_chat_request(&body)?;
     let job = prepare_chat(request, state.tokenizer, state.context)?;
     let (sender, receiver) = mpsc::unbounded_channel();
