@@ -1,14 +1,14 @@
 //! `attend_group` allocates nothing once its scratch exists, on every path and for both cache
 //! element types: a counting global allocator watches the calls.
 //!
-//! One test function in its own binary, so no other test allocates while it counts.
+//! `attend_group` runs on the calling thread, so only that thread's allocations are counted.
 
 use half::f16;
 use ossterm::kernels::attention::{attend_group, AttentionScratch, GroupQuery, KvHead};
 use ossterm::kernels::Kernels;
 
 mod counting_alloc;
-use counting_alloc::allocations;
+use counting_alloc::thread_allocations;
 
 #[test]
 fn attention_does_not_allocate() {
@@ -32,7 +32,7 @@ fn attention_does_not_allocate() {
     let mut scratch = AttentionScratch::new(group, d);
     let paths = Kernels::all_supported();
 
-    let before = allocations();
+    let before = thread_allocations();
     for &k in &paths {
         for positions in [0..1, 10..139, 0..rows] {
             let kv16 = KvHead {
@@ -53,7 +53,7 @@ fn attention_does_not_allocate() {
                 .expect("f32 attention");
         }
     }
-    let allocations = allocations() - before;
+    let allocations = thread_allocations() - before;
     assert_eq!(allocations, 0, "attend_group allocated {allocations} times");
     assert!(out.iter().all(|o| o.is_finite()));
 }
