@@ -43,6 +43,7 @@ unsafe impl GlobalAlloc for Counting {
 static GLOBAL: Counting = Counting;
 
 /// Allocations (including reallocations) made by the process so far.
+#[allow(dead_code)]
 pub fn allocations() -> usize {
     ALLOCATIONS.load(Ordering::SeqCst)
 }
