@@ -135,7 +135,7 @@ impl Team {
             while self.completed.load(Ordering::Acquire) < count {
                 idle.wait();
                 checks = checks.wrapping_add(1);
-                if checks % 64 == 0 && waiting.elapsed() > limit {
+                if checks.is_multiple_of(64) && waiting.elapsed() > limit {
                     contention::go_solo();
                     checks = 1;
                 }
