@@ -707,6 +707,7 @@ unsafe fn decode_tile<W: GroupSource>(
     count: usize,
     scratch: &mut GemmScratch,
     slot: usize,
+    prefetch: Prefetch,
 ) {
     // SAFETY: the caller upholds this function's contract (rows inside the matrix, `count <=
     // GEMM_TILE_ROWS` (16), `slot < GEMM_TILE_SLOTS`, scratch sized for the matrix's columns),
@@ -722,6 +723,7 @@ unsafe fn decode_tile<W: GroupSource>(
             .as_mut_ptr()
             .add(slot * tile_slot_scales(groups));
         for group in 0..groups {
+            prefetch.share(group, groups);
             let mut first = [_mm512_setzero_si512(); GEMM_TILE_ROWS];
             let mut second = [_mm512_setzero_si512(); GEMM_TILE_ROWS];
             for r in 0..count {
@@ -928,10 +930,11 @@ unsafe fn gemm_tile_pair<const T: usize>(
     }
 }
 
-/// Bytes a GEMM micro-kernel call prefetches while it computes: its share of `spans` (the next
-/// pair of tiles) is part `batch` of `batches`, spread over its groups. Spreading the lines over
-/// every token batch of the pair, not only the first, keeps the requests below what the core can
-/// have in flight (issued in one short batch, M = 8 read half as fast as M = 6 or 12).
+/// Bytes a tile decode or a GEMM micro-kernel call prefetches while it works: its share of
+/// `spans` (the next pair of tiles) is part `batch` of `batches`, spread over its groups.
+/// Spreading the lines over all the work on a pair, not only its first token batch, keeps the
+/// requests below what the core can have in flight (issued in one short batch, M = 8 read half
+/// as fast as M = 6 or 12) and memory busy while the tiles are decoded.
 #[derive(Clone, Copy)]
 struct Prefetch {
     spans: [(*const u8, usize); 2],
@@ -1001,27 +1004,31 @@ unsafe fn gemm<W: GroupSource>(
             if remaining > GEMM_TILE_ROWS {
                 // Two tiles at once: 17 to 32 rows.
                 let count = remaining.min(pair_rows);
-                decode_tile(w, tile_start, GEMM_TILE_ROWS, scratch, 0);
+                // Even batches: a short last batch would leave too few independent sums to
+                // cover the `vpdpbusd` latency (7 tokens run as 4 + 3, not 6 + 1).
+                let batch = tokens.div_ceil(tokens.div_ceil(GEMM_PAIR_TOKENS));
+                // The next pair's lines are spread over both decodes and every token batch.
+                let parts = GEMM_TILE_SLOTS + tokens.div_ceil(batch);
+                let part = |index: usize| Prefetch {
+                    spans: next,
+                    batch: index,
+                    batches: parts,
+                };
+                decode_tile(w, tile_start, GEMM_TILE_ROWS, scratch, 0, part(0));
                 decode_tile(
                     w,
                     tile_start + GEMM_TILE_ROWS,
                     count - GEMM_TILE_ROWS,
                     scratch,
                     1,
+                    part(1),
                 );
-                // Even batches: a short last batch would leave too few independent sums to
-                // cover the `vpdpbusd` latency (7 tokens run as 4 + 3, not 6 + 1).
-                let batch = tokens.div_ceil(tokens.div_ceil(GEMM_PAIR_TOKENS));
                 let mut token = 0;
                 while token < tokens {
                     let t_count = (tokens - token).min(batch);
                     let o = out_column.add(token * stride);
                     let s = &*scratch;
-                    let p = Prefetch {
-                        spans: next,
-                        batch: token / batch,
-                        batches: tokens.div_ceil(batch),
-                    };
+                    let p = part(GEMM_TILE_SLOTS + token / batch);
                     macro_rules! pair_for {
                         ($($n:literal)*) => {
                             match t_count {
@@ -1037,7 +1044,7 @@ unsafe fn gemm<W: GroupSource>(
                 continue;
             }
             let count = remaining;
-            decode_tile(w, tile_start, count, scratch, 0);
+            decode_tile(w, tile_start, count, scratch, 0, Prefetch::NOTHING);
             let batch = tokens.div_ceil(tokens.div_ceil(GEMM_TOKENS));
             let mut token = 0;
             while token < tokens {
