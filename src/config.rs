@@ -55,6 +55,9 @@ pub enum SyntheticChoice {
     Tiny,
     #[serde(rename = "20b")]
     Gpt20b,
+    /// The 120b shape: about 62 GiB of random weights, refused where they cannot fit.
+    #[serde(rename = "120b")]
+    Gpt120b,
 }
 
 impl SyntheticChoice {
@@ -63,6 +66,7 @@ impl SyntheticChoice {
             "auto" => Some(SyntheticChoice::Auto),
             "tiny" => Some(SyntheticChoice::Tiny),
             "20b" => Some(SyntheticChoice::Gpt20b),
+            "120b" => Some(SyntheticChoice::Gpt120b),
             _ => None,
         }
     }
@@ -86,6 +90,7 @@ impl fmt::Display for SyntheticChoice {
             SyntheticChoice::Auto => "auto",
             SyntheticChoice::Tiny => "tiny",
             SyntheticChoice::Gpt20b => "20b",
+            SyntheticChoice::Gpt120b => "120b",
         })
     }
 }
@@ -331,7 +336,9 @@ pub fn parse(text: &str, path: &Path) -> Result<AppConfig, ConfigError> {
                 MODEL_SYNTHETIC_KEY => {
                     let choice = value.as_str().and_then(SyntheticChoice::from_name);
                     let Some(choice) = choice else {
-                        return Err(invalid(format!("expected auto, tiny or 20b, got {value}")));
+                        return Err(invalid(format!(
+                            "expected auto, tiny, 20b or 120b, got {value}"
+                        )));
                     };
                     // A checkpoint path wins over the synthetic choice.
                     if !matches!(config.model, ModelSource::Checkpoint(_)) {
