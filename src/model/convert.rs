@@ -97,7 +97,8 @@ pub struct FastWeights {
 }
 
 impl FastWeights {
-    /// Converts the attention projections and the unembedding to `format`. `progress` hears
+    /// Converts the attention projections and the unembedding to `format` on the current rayon
+    /// pool (callers install the session's: the engine, the CLI). `progress` hears
     /// (matrices done, matrices in all). Quantizing reads the bf16 source once; its pages of the
     /// mapping are released afterwards so they do not count twice.
     pub fn build(
