@@ -568,3 +568,82 @@ fn gguf_fingerprints_tell_files_apart() {
     assert_ne!(single, open("tiny_single_q8_0.gguf").fingerprint());
     assert_ne!(single, open("tiny_gqa8.gguf").fingerprint());
 }
+
+#[test]
+fn q8_0_blocks_with_the_full_int8_range_compute_alike_on_every_kernel_path() {
+    use ossterm::kernels::{GemmScratch, KernelPath, Kernels, Q8Activations, Q8Matrix};
+    // ggml's quantizer keeps q in -127..=127, but a Q8_0 block may hold -128: every path must
+    // multiply it like any other value (the SIMD paths offset or take absolute values of int8).
+    let (rows, cols) = (5, 2880);
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let mut blocks = Vec::new();
+    for _ in 0..rows * cols / 32 {
+        let d = 0.002 + (next() % 1000) as f32 * 1e-5;
+        blocks.extend(half::f16::from_f32(d).to_le_bytes());
+        for i in 0..32 {
+            blocks.push(match (next() % 4, i) {
+                (_, 0) => 0x80, // -128
+                (_, 1) => 127,
+                (0, _) => 0x80,
+                _ => next() as u8,
+            });
+        }
+    }
+    let w = Q8Matrix::from_ggml_q8_0(rows, cols, &blocks).unwrap();
+    let tokens = 3;
+    let x_values: Vec<f32> = (0..tokens * cols)
+        .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+        .collect();
+    let scalar = Kernels::new(KernelPath::Scalar).unwrap();
+    let mut x = Q8Activations::new();
+    scalar
+        .quantize_activation_rows(&x_values, cols, &mut x)
+        .unwrap();
+    // The reference: the dequantized weights against the dequantized activations, in f64.
+    let (mut w_row, mut x_row) = (vec![0f32; cols], vec![0f32; cols]);
+    let mut reference = vec![0f64; tokens * rows];
+    for t in 0..tokens {
+        x.dequantize_row(t, &mut x_row).unwrap();
+        for r in 0..rows {
+            w.dequantize_row(r, &mut w_row).unwrap();
+            reference[t * rows + r] = w_row
+                .iter()
+                .zip(&x_row)
+                .map(|(a, b)| *a as f64 * *b as f64)
+                .sum();
+        }
+    }
+    let mut scratch = GemmScratch::new(cols);
+    let mut paths = 0;
+    for path in KernelPath::ALL {
+        if !path.missing_features().is_empty() {
+            continue;
+        }
+        let k = Kernels::new(path).unwrap();
+        for gemm in [false, true] {
+            let mut got = vec![f32::NAN; tokens * rows];
+            if gemm {
+                k.q8_gemm(&w, &x, 0..rows, &mut got, &mut scratch).unwrap();
+            } else {
+                k.q8_gemv(&w, &x, 0..rows, &mut got).unwrap();
+            }
+            for (i, (g, want)) in got.iter().zip(&reference).enumerate() {
+                let tolerance = 1e-4 * want.abs().max(1.0);
+                assert!(
+                    (*g as f64 - want).abs() <= tolerance,
+                    "{} {}: output {i} is {g}, want {want}",
+                    path.name(),
+                    if gemm { "GEMM" } else { "GEMV" }
+                );
+            }
+        }
+        paths += 1;
+    }
+    assert!(paths >= 1);
+}
