@@ -156,6 +156,16 @@ fn q8_0_gguf_weights_are_the_checkpoints_within_quantization_error() {
     }
 }
 
+/// A small deterministic generator for test data.
+fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
+    move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    }
+}
+
 /// Per-position logit errors of `got` against `want` over the largest logit, sorted.
 fn position_errors(want: &[f32], got: &[f32], vocab: usize) -> Vec<f32> {
     let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
@@ -285,13 +295,7 @@ fn q8_0_blocks_that_requantizing_would_change_are_used_as_stored() {
     // quantizing their bf16 rounding again rescales them and moves most values.
     let b = GgufBuilder::model(Shape::SMALL, ggml::Q8_0);
     let mut bytes = b.bytes();
-    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
-    };
+    let mut next = xorshift(0x9e37_79b9_7f4a_7c15u64);
     for t in &b.tensors {
         let start = b.data_start(&t.name).unwrap();
         let values: u64 = t.dims.iter().product();
@@ -575,13 +579,7 @@ fn q8_0_blocks_with_the_full_int8_range_compute_alike_on_every_kernel_path() {
     // ggml's quantizer keeps q in -127..=127, but a Q8_0 block may hold -128: every path must
     // multiply it like any other value (the SIMD paths offset or take absolute values of int8).
     let (rows, cols) = (5, 2880);
-    let mut seed = 0x2545_f491_4f6c_dd1du64;
-    let mut next = move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
-    };
+    let mut next = xorshift(0x2545_f491_4f6c_dd1du64);
     let mut blocks = Vec::new();
     for _ in 0..rows * cols / 32 {
         let d = 0.002 + (next() % 1000) as f32 * 1e-5;
