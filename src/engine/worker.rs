@@ -15,7 +15,7 @@ use crate::engine::generate::{
     generate, resume_from_tiers, GenerateError, GenerateEvent, GenerateLimits, GenerateResult,
     InferenceSession, ReplyParser, TokenSampler,
 };
-use crate::engine::kv_tiers::{conversation_label, KvTiers, TierConfig};
+use crate::engine::kv_tiers::{self, conversation_label, KvTiers, TierConfig};
 use crate::engine::protocol::{
     ActivationFormat, CacheHits, Channel, Command, Conversation, EngineInfo, Event,
     GenerateRequest, KvCacheType, RequestId, Settings, StatsSample, WeightFormat,
@@ -381,7 +381,8 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
                 });
                 // After TurnDone, so the copy never delays the reply; the disk write runs on the
                 // tiers' own thread.
-                if let Ok(snapshot) = self.session.snapshot() {
+                let floor = self.resume_floor(&request.conversation);
+                if let Ok(snapshot) = self.session.snapshot_restorable_from(floor) {
                     self.tiers
                         .store(snapshot, &conversation_label(&request.conversation));
                 }
@@ -398,6 +399,17 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
                 });
             }
         }
+    }
+
+    /// Where the snapshot of `conversation`'s turn must be restorable from
+    /// ([`crate::engine::kv_tiers::resume_floor`]).
+    fn resume_floor(&self, conversation: &Conversation) -> usize {
+        let mut earlier = conversation.clone();
+        earlier.messages.pop();
+        self.codec
+            .render_prompt(&earlier, self.settings.keep_reasoning_in_context)
+            .map(|ids| kv_tiers::resume_floor(self.session.tokens(), &ids))
+            .unwrap_or(0)
     }
 
     /// Runs one turn through the generation loop, streaming its text, prefill progress and
