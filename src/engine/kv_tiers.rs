@@ -13,11 +13,10 @@
 //! ```text
 //! magic "OSSTKV\r\n" | version u32 | header_len u32 | header (header_len bytes) |
 //! header checksum u64 (xxh3 of everything before) | payload | payload checksum u64
-//! payload: lz4 blocks of 1 MiB raw each (byte-shuffled first when the shuffle width is over 1),
-//!          every block as u32 length + block
+//! payload: lz4 blocks of 1 MiB raw each, every block as u32 length + block
 //! header: fingerprint u64, kv format u8, layers u32, kv_heads u32, head_dim u32, vocab u32,
 //!         sliding window u32, first sliding position kept u32, per layer u8 (1: sliding),
-//!         shuffle width u8, raw payload bytes u64, compressed bytes u64,
+//!         raw payload bytes u64, compressed bytes u64,
 //!         label length u16 + UTF-8 label, token count u32 + ids u32 each
 //! raw payload: every tensor (the order of `Tensors::byte_views`: a sliding layer's tensors
 //!         hold the positions from the first kept one on), then the logits (f32)
@@ -52,8 +51,6 @@ pub const DEFAULT_RAM_MB: u64 = 2048;
 pub const DEFAULT_DISK_MB: u64 = 4096;
 /// Longest label kept in a file.
 const LABEL_CHARS: usize = 48;
-/// Byte-shuffle width of f16 payloads (see [`shuffle_width`]).
-const SHUFFLE_F16: usize = 2;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotFileError {
@@ -82,8 +79,6 @@ pub struct SnapshotHeader {
     pub shape: KvShape,
     /// The positions the tensors hold per layer.
     pub rows: RowSpan,
-    /// Byte width the payload was shuffled by (1: not shuffled).
-    pub shuffle: usize,
     pub vocab: usize,
     pub raw_bytes: u64,
     pub compressed_bytes: u64,
@@ -133,47 +128,6 @@ pub fn conversation_label(conversation: &crate::chat::Conversation) -> String {
     });
     let flat: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
     flat.chars().take(LABEL_CHARS).collect()
-}
-
-/// Byte width the payload of `format` is shuffled by before compression (1: not shuffled).
-/// Splitting f16 values into a stream of low bytes and one of high bytes puts the exponents
-/// together; whether that pays is measured by `ossterm bench --resume` (README, KV snapshots).
-pub fn shuffle_width(format: KvFormat) -> usize {
-    match format {
-        KvFormat::F16 => SHUFFLE_F16,
-        KvFormat::F32 | KvFormat::Q8 => 1,
-    }
-}
-
-/// Byte-shuffles `src` into `dst` (same length) by elements of `width` bytes: every element's
-/// byte 0, then every byte 1, and so on; a ragged tail is copied as it is.
-pub fn shuffle_bytes(src: &[u8], width: usize, dst: &mut [u8]) {
-    let count = src.len() / width.max(1);
-    if width <= 1 || count == 0 {
-        dst.copy_from_slice(src);
-        return;
-    }
-    for (i, element) in src.chunks_exact(width).enumerate() {
-        for (b, &byte) in element.iter().enumerate() {
-            dst[b * count + i] = byte;
-        }
-    }
-    dst[count * width..].copy_from_slice(&src[count * width..]);
-}
-
-/// The inverse of [`shuffle_bytes`].
-pub fn unshuffle_bytes(src: &[u8], width: usize, dst: &mut [u8]) {
-    let count = src.len() / width.max(1);
-    if width <= 1 || count == 0 {
-        dst.copy_from_slice(src);
-        return;
-    }
-    for (i, element) in dst.chunks_exact_mut(width).enumerate() {
-        for (b, byte) in element.iter_mut().enumerate() {
-            *byte = src[b * count + i];
-        }
-    }
-    dst[count * width..].copy_from_slice(&src[count * width..]);
 }
 
 /// The raw (uncompressed) payload of a snapshot: tensors then logits.
@@ -252,20 +206,18 @@ impl<'a> SplitBytes<'a> for &'a mut [u8] {
     }
 }
 
-/// The payload made of `parts` as lz4 blocks of [`BLOCK_BYTES`] raw bytes (byte-shuffled by
-/// `width` first), each `[u32 length][block]`; `pause` runs before each block (the writer waits
-/// there while a turn computes). Returns the payload and its raw length.
-fn compress_parts(parts: Vec<&[u8]>, width: usize, pause: &dyn Fn()) -> (Vec<u8>, usize) {
+/// The payload made of `parts` as lz4 blocks of [`BLOCK_BYTES`] raw bytes, each
+/// `[u32 length][block]`; `pause` runs before each block (the writer waits there while a turn
+/// computes). Returns the payload and its raw length.
+fn compress_parts(parts: Vec<&[u8]>, pause: &dyn Fn()) -> (Vec<u8>, usize) {
     let raw_len: usize = parts.iter().map(|p| p.len()).sum();
     let mut out = Vec::with_capacity(raw_len + raw_len / 200 + 64);
-    let (mut plain, mut shuffled) = (Vec::with_capacity(BLOCK_BYTES), vec![0u8; BLOCK_BYTES]);
+    let mut plain = Vec::with_capacity(BLOCK_BYTES);
     for pieces in split_blocks(parts, BLOCK_BYTES) {
         pause();
         plain.clear();
         pieces.iter().for_each(|p| plain.extend_from_slice(p));
-        let shuffled = &mut shuffled[..plain.len()];
-        shuffle_bytes(&plain, width, shuffled);
-        let block = lz4_flex::block::compress(shuffled);
+        let block = lz4_flex::block::compress(&plain);
         out.extend_from_slice(&(block.len() as u32).to_le_bytes());
         out.extend_from_slice(&block);
     }
@@ -273,14 +225,14 @@ fn compress_parts(parts: Vec<&[u8]>, width: usize, pause: &dyn Fn()) -> (Vec<u8>
 }
 
 /// [`compress_parts`] of one raw buffer.
-pub fn compress_payload(raw: &[u8], width: usize) -> Vec<u8> {
-    compress_parts(vec![raw], width, &|| {}).0
+pub fn compress_payload(raw: &[u8]) -> Vec<u8> {
+    compress_parts(vec![raw], &|| {}).0
 }
 
 /// Inverse of [`compress_parts`]: decompresses `payload` into `parts` (which together hold
 /// exactly the raw bytes), blocks in parallel; `None` if the blocks do not decompress to exactly
 /// that.
-fn decompress_into(payload: &[u8], width: usize, parts: Vec<&mut [u8]>) -> Option<()> {
+fn decompress_into(payload: &[u8], parts: Vec<&mut [u8]>) -> Option<()> {
     let raw_len: usize = parts.iter().map(|p| p.len()).sum();
     let mut blocks = Vec::new();
     let mut at = 0;
@@ -297,14 +249,19 @@ fn decompress_into(payload: &[u8], width: usize, parts: Vec<&mut [u8]>) -> Optio
         .into_par_iter()
         .zip(targets)
         .map_init(
-            || (vec![0u8; BLOCK_BYTES], vec![0u8; BLOCK_BYTES]),
-            |(packed, plain), (block, pieces)| {
+            || vec![0u8; BLOCK_BYTES],
+            |plain, (block, mut pieces)| {
+                // A block of one piece (most: a tensor is many blocks long) decompresses in
+                // place; one spanning pieces goes through the scratch block.
+                if let [piece] = &mut pieces[..] {
+                    let got = lz4_flex::block::decompress_into(block, piece).ok()?;
+                    return (got == piece.len()).then_some(());
+                }
                 let want: usize = pieces.iter().map(|p| p.len()).sum();
-                let got = lz4_flex::block::decompress_into(block, &mut packed[..want]).ok()?;
+                let got = lz4_flex::block::decompress_into(block, &mut plain[..want]).ok()?;
                 if got != want {
                     return None;
                 }
-                unshuffle_bytes(&packed[..want], width, &mut plain[..want]);
                 let mut from = 0;
                 for piece in pieces {
                     let n = piece.len();
@@ -319,9 +276,9 @@ fn decompress_into(payload: &[u8], width: usize, parts: Vec<&mut [u8]>) -> Optio
 }
 
 /// Inverse of [`compress_payload`] for a payload of `raw_len` raw bytes.
-pub fn decompress_payload(payload: &[u8], width: usize, raw_len: usize) -> Option<Vec<u8>> {
+pub fn decompress_payload(payload: &[u8], raw_len: usize) -> Option<Vec<u8>> {
     let mut raw = vec![0u8; raw_len];
-    decompress_into(payload, width, vec![&mut raw[..]])?;
+    decompress_into(payload, vec![&mut raw[..]])?;
     Some(raw)
 }
 
@@ -333,8 +290,7 @@ pub fn encode(snapshot: &KvSnapshot, label: &str) -> Vec<u8> {
 /// [`encode`], calling `pause` between blocks.
 pub fn encode_pausing(snapshot: &KvSnapshot, label: &str, pause: &dyn Fn()) -> Vec<u8> {
     pause();
-    let width = shuffle_width(snapshot.format());
-    let (payload, raw_len) = compress_parts(payload_parts(snapshot), width, pause);
+    let (payload, raw_len) = compress_parts(payload_parts(snapshot), pause);
     let rows = &snapshot.rows;
     let mut header = Vec::with_capacity(80 + rows.sliding.len() + 4 * snapshot.len() + label.len());
     header.extend_from_slice(&snapshot.fingerprint.to_le_bytes());
@@ -350,7 +306,6 @@ pub fn encode_pausing(snapshot: &KvSnapshot, label: &str, pause: &dyn Fn()) -> V
         header.extend_from_slice(&(v as u32).to_le_bytes());
     }
     header.extend(rows.sliding.iter().map(|&s| s as u8));
-    header.push(width as u8);
     header.extend_from_slice(&(raw_len as u64).to_le_bytes());
     header.extend_from_slice(&(payload.len() as u64).to_le_bytes());
     let label: String = label.chars().take(LABEL_CHARS).collect();
@@ -464,10 +419,6 @@ fn decode_header(path: &Path, bytes: &[u8]) -> Result<(SnapshotHeader, usize), S
         window,
         sliding_from,
     };
-    let shuffle = h.u8().ok_or_else(bad)?;
-    if !matches!(shuffle, 1 | 2 | 4) {
-        return Err(invalid(format!("unknown byte shuffle width {shuffle}")));
-    }
     let raw_bytes = h.u64().ok_or_else(bad)?;
     let compressed_bytes = h.u64().ok_or_else(bad)?;
     let label_len = h.u16().ok_or_else(bad)? as usize;
@@ -497,7 +448,6 @@ fn decode_header(path: &Path, bytes: &[u8]) -> Result<(SnapshotHeader, usize), S
             format,
             shape,
             rows,
-            shuffle: shuffle as usize,
             vocab,
             raw_bytes,
             compressed_bytes,
@@ -590,7 +540,7 @@ pub fn decode(path: &Path, bytes: &[u8]) -> Result<(KvSnapshot, String), Snapsho
         parts.push(unsafe {
             std::slice::from_raw_parts_mut(logits.as_mut_ptr().cast::<u8>(), 4 * logits.len())
         });
-        decompress_into(payload, header.shuffle, parts)
+        decompress_into(payload, parts)
             .ok_or_else(|| invalid("the payload does not decompress to its size".into()))?;
     }
     let snapshot = KvSnapshot::new(

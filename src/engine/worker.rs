@@ -355,6 +355,10 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
                     self.apply_settings(*settings);
                     self.report_settings();
                 }
+                Ok(Command::Resume(conversation)) => {
+                    self.install_requantized_model();
+                    self.resume(&conversation);
+                }
                 Err(RecvTimeoutError::Timeout) => self.install_requantized_model(),
                 Ok(Command::Shutdown) | Err(RecvTimeoutError::Disconnected) => return,
             }
@@ -399,6 +403,33 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
                 });
             }
         }
+    }
+
+    /// Restores the longest snapshot of an opened chat into the live cache (unless the cache
+    /// already holds more of it), telling the UI what was resumed.
+    fn resume(&mut self, conversation: &Conversation) {
+        match self
+            .codec
+            .render_prompt(conversation, self.settings.keep_reasoning_in_context)
+        {
+            Ok(prompt) => {
+                let pool = Arc::clone(&self.pool);
+                let (session, tiers) = (&mut self.session, &mut self.tiers);
+                if let Some(resumed) = pool.install(|| resume_from_tiers(session, tiers, &prompt))
+                {
+                    let mut message = resumed.describe();
+                    message[..1].make_ascii_uppercase();
+                    let _ = self.events.send(Event::Notice(message));
+                }
+            }
+            Err(error) => {
+                let _ = self.events.send(Event::Notice(format!(
+                    "cannot resume the opened chat: {error}"
+                )));
+            }
+        }
+        self.send_notices();
+        self.send_stats();
     }
 
     /// Where the snapshot of `conversation`'s turn must be restorable from
