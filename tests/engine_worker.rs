@@ -1343,7 +1343,10 @@ fn opening_a_chat_resumes_its_snapshot_before_the_next_turn() {
     let chat_a = conversation(&[(Role::User, None, "tell me about the sea")]);
     let first_a = harness.generate(1, chat_a.clone());
     let (_, _, prompt_a) = turn_done(&first_a);
-    harness.generate(2, conversation(&[(Role::User, None, "and now the mountains")]));
+    harness.generate(
+        2,
+        conversation(&[(Role::User, None, "and now the mountains")]),
+    );
 
     // Chat A as its file holds it: the question and the reply.
     let reply = streamed_text(&first_a);
@@ -1355,9 +1358,8 @@ fn opening_a_chat_resumes_its_snapshot_before_the_next_turn() {
         .engine
         .send(Command::Resume(Box::new(opened.clone())))
         .unwrap();
-    let events = harness.wait_for(
-        |event| matches!(event, Event::Notice(n) if n.starts_with("Resumed")),
-    );
+    let events =
+        harness.wait_for(|event| matches!(event, Event::Notice(n) if n.starts_with("Resumed")));
     let notice = notices(&events).pop().unwrap();
     assert!(notice.contains("from RAM"), "{notice}");
     let resumed: u64 = notice
@@ -1365,7 +1367,10 @@ fn opening_a_chat_resumes_its_snapshot_before_the_next_turn() {
         .nth(1)
         .and_then(|n| n.replace(',', "").parse().ok())
         .expect("a token count");
-    assert!(resumed >= prompt_a, "{notice}, the chat's prompt was {prompt_a}");
+    assert!(
+        resumed >= prompt_a,
+        "{notice}, the chat's prompt was {prompt_a}"
+    );
 
     // The next message: the live cache already holds the chat, nothing more to resume.
     opened

@@ -131,7 +131,8 @@ pub fn run(model: &Arc<Model>, pool: &Arc<rayon::ThreadPool>, depth: usize) -> a
         disk_budget_bytes: 0,
     });
     ram.store(snapshot.clone(), "bench");
-    let (mut fresh_restores, mut used_restores, mut ram_ttfts) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut fresh_restores, mut used_restores, mut ram_ttfts) =
+        (Vec::new(), Vec::new(), Vec::new());
     let mut used = model.new_session(pool, context);
     for _ in 0..RAM_REPEATS {
         let mut session = model.new_session(pool, context);
@@ -202,7 +203,10 @@ pub fn run(model: &Arc<Model>, pool: &Arc<rayon::ThreadPool>, depth: usize) -> a
     };
     let mut codecs = vec![
         ("lz4_flex".to_string(), lz4(&raw)),
-        (format!("lz4_flex, bytes shuffled by {width}"), lz4(&shuffled)),
+        (
+            format!("lz4_flex, bytes shuffled by {width}"),
+            lz4(&shuffled),
+        ),
     ];
     codecs.extend(zstd_figures(&raw, &shuffled, width));
 
@@ -330,7 +334,10 @@ fn zstd_figures(
     for level in [1, 3] {
         for (name, bytes) in [
             (format!("zstd -{level}"), raw),
-            (format!("zstd -{level}, bytes shuffled by {width}"), shuffled),
+            (
+                format!("zstd -{level}, bytes shuffled by {width}"),
+                shuffled,
+            ),
         ] {
             let figures = codec_figures(
                 bytes,

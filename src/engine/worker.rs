@@ -415,8 +415,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
             Ok(prompt) => {
                 let pool = Arc::clone(&self.pool);
                 let (session, tiers) = (&mut self.session, &mut self.tiers);
-                if let Some(resumed) = pool.install(|| resume_from_tiers(session, tiers, &prompt))
-                {
+                if let Some(resumed) = pool.install(|| resume_from_tiers(session, tiers, &prompt)) {
                     let mut message = resumed.describe();
                     message[..1].make_ascii_uppercase();
                     let _ = self.events.send(Event::Notice(message));

@@ -153,7 +153,9 @@ fn zeroed_f16(len: usize) -> Vec<f16> {
 /// The bytes of a slice of plain numbers.
 fn bytes_of<T: Copy>(values: &[T]) -> &[u8] {
     // SAFETY: only instantiated with i8, f16 and f32: no padding, every byte initialized.
-    unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values)) }
+    unsafe {
+        std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
+    }
 }
 
 /// The bytes of a slice of plain numbers, writable.
@@ -448,7 +450,8 @@ impl KvStore {
             return false;
         }
         let (from, to) = (other.placement(), self.placement());
-        self.layers.copy_from(&other.layers, shape, &|_| (from, to, 0..len));
+        self.layers
+            .copy_from(&other.layers, shape, &|_| (from, to, 0..len));
         true
     }
 
