@@ -326,7 +326,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         let floor = render_for_completion(tokenizer, &earlier, &options)
             .map(|ids| crate::engine::kv_tiers::resume_floor(session.tokens(), &ids))
             .unwrap_or(0);
-        if let Ok(snapshot) = session.snapshot_restorable_from(floor) {
+        if let Ok(snapshot) = pool.install(|| session.snapshot_restorable_from(floor)) {
             tiers.store(snapshot, &conversation_label(&conversation));
             tiers.flush();
         }

@@ -113,7 +113,7 @@ pub fn run(model: &Arc<Model>, pool: &Arc<rayon::ThreadPool>, depth: usize) -> a
     // The state after the chat, as the engine keeps it at the end of a turn: restorable from the
     // chat's end on (the sliding-window layers keep their last window of rows only).
     let started = Instant::now();
-    let snapshot = original.snapshot_restorable_from(depth)?;
+    let snapshot = pool.install(|| original.snapshot_restorable_from(depth))?;
     let capture = started.elapsed();
     let full_bytes = original.snapshot()?.tensor_bytes();
     let started = Instant::now();

@@ -386,7 +386,10 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
                 // After TurnDone, so the copy never delays the reply; the disk write runs on the
                 // tiers' own thread.
                 let floor = self.resume_floor(&request.conversation);
-                if let Ok(snapshot) = self.session.snapshot_restorable_from(floor) {
+                let session = &mut self.session;
+                // On the pool: the copy spreads over its threads.
+                if let Ok(snapshot) = pool.install(move || session.snapshot_restorable_from(floor))
+                {
                     self.tiers
                         .store(snapshot, &conversation_label(&request.conversation));
                 }

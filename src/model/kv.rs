@@ -176,9 +176,15 @@ struct Placement {
     first: usize,
 }
 
+/// Whether to spread a copy over threads: only on a pool's thread (the session's, where restores
+/// and captures run), so a caller outside any pool never wakes rayon's global one.
+fn in_a_pool() -> bool {
+    rayon::current_thread_index().is_some()
+}
+
 /// Copies positions `range` of every head from `src` to `dst` (tensors of `width` values per
-/// position and head). Tensors are copied in parallel: a restore is a few hundred megabytes of
-/// memcpy, which one core does not saturate.
+/// position and head). Tensors are copied in parallel: a restore is a hundred megabytes or more
+/// of memcpy and first-touch page faults, which one core does not saturate.
 fn copy_positions<T: Copy + Send + Sync>(
     src: &[Vec<T>],
     dst: &mut [Vec<T>],
@@ -186,21 +192,26 @@ fn copy_positions<T: Copy + Send + Sync>(
     width: usize,
     plan: &(dyn Fn(usize) -> (Placement, Placement, Range<usize>) + Sync),
 ) {
-    src.par_iter()
-        .zip(dst.par_iter_mut())
-        .enumerate()
-        .for_each(|(t, (s, d))| {
-            let (from, to, range) = plan(t);
-            if range.is_empty() {
-                return;
-            }
-            let n = range.len() * width;
-            for head in 0..heads {
-                let at = (head * from.rows + range.start - from.first) * width;
-                let into = (head * to.rows + range.start - to.first) * width;
-                d[into..into + n].copy_from_slice(&s[at..at + n]);
-            }
-        });
+    let copy = |t: usize, s: &Vec<T>, d: &mut Vec<T>| {
+        let (from, to, range) = plan(t);
+        let n = range.len() * width;
+        for head in 0..heads {
+            let at = (head * from.rows + range.start - from.first) * width;
+            let into = (head * to.rows + range.start - to.first) * width;
+            d[into..into + n].copy_from_slice(&s[at..at + n]);
+        }
+    };
+    if in_a_pool() {
+        src.par_iter()
+            .zip(dst.par_iter_mut())
+            .enumerate()
+            .for_each(|(t, (s, d))| copy(t, s, d));
+    } else {
+        src.iter()
+            .zip(dst.iter_mut())
+            .enumerate()
+            .for_each(|(t, (s, d))| copy(t, s, d));
+    }
 }
 
 /// Gathers positions `range(t)` of every head of `src` (placed by `from(t)`) into new compact
@@ -212,19 +223,21 @@ fn gather_positions<T: Copy + Send + Sync>(
     from: &(dyn Fn(usize) -> Placement + Sync),
     range: &(dyn Fn(usize) -> Range<usize> + Sync),
 ) -> Vec<Vec<T>> {
-    src.par_iter()
-        .enumerate()
-        .map(|(t, s)| {
-            let (from, range) = (from(t), range(t));
-            let n = range.len() * width;
-            let mut out = Vec::with_capacity(heads * n);
-            for head in 0..heads {
-                let at = (head * from.rows + range.start - from.first) * width;
-                out.extend_from_slice(&s[at..at + n]);
-            }
-            out
-        })
-        .collect()
+    let gather = |(t, s): (usize, &Vec<T>)| {
+        let (from, range) = (from(t), range(t));
+        let n = range.len() * width;
+        let mut out = Vec::with_capacity(heads * n);
+        for head in 0..heads {
+            let at = (head * from.rows + range.start - from.first) * width;
+            out.extend_from_slice(&s[at..at + n]);
+        }
+        out
+    };
+    if in_a_pool() {
+        src.par_iter().enumerate().map(gather).collect()
+    } else {
+        src.iter().enumerate().map(gather).collect()
+    }
 }
 
 impl Tensors {
