@@ -7,7 +7,7 @@ use crate::config::{self, AppConfig, ConfigOverrides, ModelSource, SyntheticChoi
 use crate::engine::protocol::{Command, Event};
 use crate::engine::worker::{EngineError, EngineHandle};
 use crate::settings::{Kind, Setting, Value, SETTINGS};
-use crate::tui::chat_file::GenerateJob;
+use crate::tui::chat_file::{ChatSnapshot, GenerateJob};
 use crate::tui::clipboard::osc52_sequence;
 use crate::tui::store::{ChatStore, StoreOutcome, StoreRequest};
 use crate::tui::view::{conversation_viewport, draw};
@@ -301,6 +301,7 @@ pub fn run_app(
                 let command = match work {
                     EngineWork::Command(command) => command,
                     EngineWork::Generate(job) => Command::Generate(job.request()),
+                    EngineWork::Resume(chat) => Command::Resume(Box::new(chat.conversation())),
                 };
                 if let Some(engine) = &feeder_engine {
                     if let Err(error) = engine.send(command) {
@@ -392,6 +393,7 @@ pub fn run_app(
 enum EngineWork {
     Command(Command),
     Generate(GenerateJob),
+    Resume(Box<ChatSnapshot>),
 }
 
 /// What the event loop needs besides the app and its input channel.
@@ -431,6 +433,7 @@ fn perform(
         }
         Effect::Engine(command) => to_engine(EngineWork::Command(command)),
         Effect::Generate(job) => to_engine(EngineWork::Generate(job)),
+        Effect::Resume(chat) => to_engine(EngineWork::Resume(chat)),
         Effect::Store(request) => {
             if hooks.store.send(request).is_err() {
                 replies.push(Msg::Notice("the chat file thread ended".to_string()));

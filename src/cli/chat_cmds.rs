@@ -317,7 +317,16 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     });
     if let (Some(tiers), Ok(_)) = (&mut tiers, &result) {
         // A failed forward pass may leave the cache half-written: only a finished run is kept.
-        if let Ok(snapshot) = session.snapshot() {
+        // Restorable from the last message on: continuing, regenerating or editing it.
+        let mut earlier = conversation.clone();
+        earlier.messages.pop();
+        let options = RenderOptions {
+            keep_reasoning: args.keep_reasoning,
+        };
+        let floor = render_for_completion(tokenizer, &earlier, &options)
+            .map(|ids| crate::engine::kv_tiers::resume_floor(session.tokens(), &ids))
+            .unwrap_or(0);
+        if let Ok(snapshot) = pool.install(|| session.snapshot_restorable_from(floor)) {
             tiers.store(snapshot, &conversation_label(&conversation));
             tiers.flush();
         }

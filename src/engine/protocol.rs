@@ -132,6 +132,9 @@ pub enum Command {
     /// running turn sees it within one token or one prefill chunk.
     Cancel(RequestId),
     ApplySettings(Box<Settings>),
+    /// A saved chat was opened: restore the longest KV snapshot of this conversation now (a
+    /// notice says what was resumed), so its next turn prefills only the new message.
+    Resume(Box<Conversation>),
     Shutdown,
 }
 

@@ -57,6 +57,9 @@ pub enum Effect {
     Generate(GenerateJob),
     /// File work; the loop answers with [`Msg::Stored`].
     Store(StoreRequest),
+    /// An opened chat for the engine to resume from its KV snapshot at once (its conversation is
+    /// built off the UI thread, as a request's is).
+    Resume(Box<ChatSnapshot>),
     /// Put this text on the clipboard (OSC 52).
     Copy(String),
     /// Repaint every cell of the screen, not only the ones that changed. Terminals disagree with
@@ -320,6 +323,7 @@ impl App {
             } => {
                 self.load_conversation(*conversation, path.clone());
                 self.notice = Some(format!("Opened {}", path.display()));
+                self.effects.push(Effect::Resume(Box::new(self.snapshot())));
             }
             StoreOutcome::Opened {
                 result: Err(error), ..
