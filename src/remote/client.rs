@@ -86,7 +86,8 @@ pub struct ChatParams {
     pub top_k: usize,
     /// 0: off (not sent).
     pub min_p: f32,
-    pub max_tokens: usize,
+    /// `None`: the server's default (often the rest of its context).
+    pub max_tokens: Option<usize>,
     pub seed: Option<u64>,
 }
 
@@ -381,7 +382,7 @@ impl RemoteClient {
     ) -> Result<reqwest::Response, RemoteError> {
         let response = request.send().await.map_err(|error| RemoteError::Connect {
             url: url.to_string(),
-            reason: error_chain(&error),
+            reason: root_cause(&error),
         })?;
         let status = response.status();
         if status.is_client_error() || status.is_server_error() {
@@ -454,15 +455,23 @@ impl RemoteError {
                 status: 429 | 503,
                 retry_after: Some(seconds),
                 ..
-            } => Some(format!("retry after {seconds} s (Ctrl-R)")),
+            } => Some(format!("the server asks to retry after {seconds} s")),
             RemoteError::Status { status: 429, .. } => {
-                Some("busy: retry later (Ctrl-R)".to_string())
+                Some("the server is busy: retry later".to_string())
             }
+            _ => None,
+        }
+    }
+
+    /// Whether the same request may succeed later (the server down or busy, the network).
+    pub fn is_transient(&self) -> bool {
+        match self {
             RemoteError::Connect { .. }
             | RemoteError::Timeout { .. }
             | RemoteError::Interrupted { .. }
-            | RemoteError::Status { .. } => Some("Ctrl-R retries".to_string()),
-            _ => None,
+            | RemoteError::StreamError { .. } => true,
+            RemoteError::Status { status, .. } => *status == 429 || *status >= 500,
+            _ => false,
         }
     }
 
@@ -490,8 +499,10 @@ pub fn chat_body(messages: &[ApiMessage], params: &ChatParams) -> Value {
         "reasoning_effort": params.reasoning_effort.name(),
         "temperature": params.temperature,
         "top_p": params.top_p,
-        "max_tokens": params.max_tokens,
     });
+    if let Some(max_tokens) = params.max_tokens {
+        body["max_tokens"] = json!(max_tokens);
+    }
     if params.top_k > 0 {
         body["top_k"] = json!(params.top_k);
     }
@@ -631,6 +642,16 @@ fn clip(text: &str) -> String {
         clipped.push('…');
     }
     clipped
+}
+
+/// The innermost cause of an error ("Connection refused (os error 111)"): reqwest's outer
+/// layers only repeat the URL.
+fn root_cause(error: &dyn std::error::Error) -> String {
+    let mut cause = error;
+    while let Some(source) = cause.source() {
+        cause = source;
+    }
+    cause.to_string()
 }
 
 /// An error with its sources ("error sending request: … connection refused").
@@ -802,7 +823,7 @@ mod tests {
             top_p: 0.9,
             top_k: 0,
             min_p: 0.0,
-            max_tokens: 64,
+            max_tokens: Some(64),
             seed: None,
         };
         let messages = [ApiMessage {

@@ -233,9 +233,14 @@ impl RemoteWorker {
             }
             Err(error) => {
                 self.send_stats(None);
+                let retry = if error.is_transient() {
+                    " (Ctrl-R retries)"
+                } else {
+                    ""
+                };
                 let _ = self.events.send(Event::Error {
                     id: Some(id),
-                    message: error.describe(),
+                    message: format!("{}{retry}", error.describe()),
                 });
             }
         }

@@ -28,6 +28,11 @@ impl SessionError {
             other => other.to_string(),
         }
     }
+
+    /// Whether retrying the same request may work.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, SessionError::Remote(error) if error.is_transient())
+    }
 }
 
 /// A streamed reply's end, with what the harmony fallback could not read.
@@ -57,7 +62,12 @@ impl RemoteSession {
         requested_model: Option<String>,
     ) -> Result<RemoteSession, SessionError> {
         let client = RemoteClient::new(target)?;
-        let runtime = tokio::runtime::Builder::new_current_thread()
+        // One worker thread runs the connections' own tasks between requests: a stream dropped
+        // on Stop is closed at once, so the server cancels, instead of lingering until the next
+        // request polls the runtime again.
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("ossterm-remote-io")
             .enable_io()
             .enable_time()
             .build()
@@ -158,7 +168,7 @@ impl RemoteSession {
             top_p: sampling.top_p,
             top_k: sampling.top_k,
             min_p: sampling.min_p,
-            max_tokens: sampling.max_tokens,
+            max_tokens: max_tokens(sampling),
             seed: sampling.seed,
         };
         let messages = api_messages(conversation);
@@ -193,6 +203,11 @@ impl RemoteSession {
         self.metrics_available = metrics.is_some();
         metrics
     }
+}
+
+/// The token budget sent: `max_tokens` 0 means none (the server's default).
+fn max_tokens(sampling: &SamplingSettings) -> Option<usize> {
+    (sampling.max_tokens > 0).then_some(sampling.max_tokens)
 }
 
 fn ids(models: &[RemoteModel]) -> String {
