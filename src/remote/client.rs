@@ -157,6 +157,8 @@ pub struct ClientTimings {
     pub last_text: Option<Duration>,
     /// Events that carried text (servers send one per token or per step).
     pub text_events: u64,
+    /// Sent until the last event (the finish or usage chunk) arrived.
+    pub last_event: Option<Duration>,
 }
 
 impl ClientTimings {
@@ -306,6 +308,7 @@ impl RemoteClient {
                 }
             };
             let data = event.data.trim();
+            client.last_event = Some(started.elapsed());
             if data == "[DONE]" {
                 break;
             }

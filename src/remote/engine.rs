@@ -358,13 +358,16 @@ pub fn gauge_rows(
     ];
     if let Some(outcome) = last {
         let client = outcome.client;
-        let network = match (client.first_text, outcome.timings) {
-            (Some(first), Some(timings)) => {
-                let server = Duration::from_secs_f64(timings.prompt_ms.max(0.0) / 1e3);
+        // The server's own prompt and decode time against the whole request as the client saw
+        // it: the rest is the network (and the server's HTTP layer).
+        let network = match (client.last_event, outcome.timings) {
+            (Some(total), Some(timings)) => {
+                let server_ms = (timings.prompt_ms + timings.predicted_ms).max(0.0);
+                let server = Duration::from_secs_f64(server_ms / 1e3);
                 format!(
-                    "{} of {} to first token",
-                    milliseconds(first.saturating_sub(server)),
-                    milliseconds(first)
+                    "{} of {}",
+                    milliseconds(total.saturating_sub(server)),
+                    milliseconds(total)
                 )
             }
             _ => client.headers.map_or("-".to_string(), |headers| {

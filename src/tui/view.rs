@@ -321,6 +321,13 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
             format!("{:.2} s", time.as_secs_f64())
         }),
     ));
+    // Rows only this engine has (a remote engine's server and network) come first, so they stay
+    // on a short screen.
+    for (label, value) in &app.gauges.engine_rows {
+        rows.push(gauge_row(label, terminal_safe(value).into_owned()));
+    }
+    // Rows of what the engine does not control (a server decides it) are left out.
+    let shown = |key: &str| app.settings.fixed_key(key).is_none();
     let memory =
         match stats.and_then(|stats| stats.process_memory_bytes.zip(stats.machine_memory_bytes)) {
             Some((process, machine)) => format!(
@@ -341,20 +348,13 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
             stats.kv_tokens_capacity
         )
     });
-    // Rows of settings the engine does not control say who does instead of a value.
-    let fixed = |key: &str, value: String| {
-        app.settings
-            .fixed_key(key)
-            .map_or(value, |shown_as| shown_as.to_string())
-    };
-    rows.push(gauge_row("KV cache", kv));
-    rows.push(gauge_row(
-        "KV format",
-        fixed(
-            "engine.kv_cache",
+    if shown("engine.kv_cache") {
+        rows.push(gauge_row("KV cache", kv));
+        rows.push(gauge_row(
+            "KV format",
             stats.map_or("-".to_string(), |stats| stats.kv_cache.to_string()),
-        ),
-    ));
+        ));
+    }
     let context = stats.map_or("-".to_string(), |stats| {
         let ratio = stats.context_used as f64 / stats.context_limit.max(1) as f64;
         format!(
@@ -376,10 +376,9 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
             )
         }),
     ));
-    rows.push(gauge_row(
-        "KV tiers",
-        fixed(
-            "engine.kv_cache",
+    if shown("engine.kv_cache") {
+        rows.push(gauge_row(
+            "KV tiers",
             stats.map_or("-".to_string(), |stats| {
                 let tiers = stats.kv_tiers;
                 format!(
@@ -390,25 +389,24 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
                     tiers.disk_snapshots
                 )
             }),
-        ),
-    ));
-    rows.push(gauge_row(
-        "threads",
-        fixed(
-            "engine.threads",
+        ));
+    }
+    if shown("engine.threads") {
+        rows.push(gauge_row(
+            "threads",
             stats.map_or("-".to_string(), |stats| stats.threads.to_string()),
-        ),
-    ));
-    let kernel = stats.map(|stats| stats.kernel_path.clone()).or_else(|| {
-        app.gauges
-            .engine_info
-            .as_ref()
-            .map(|info| info.kernel_path.clone())
-    });
-    rows.push(gauge_row(
-        "kernels",
-        kernel.unwrap_or_else(|| "-".to_string()),
-    ));
+        ));
+        let kernel = stats.map(|stats| stats.kernel_path.clone()).or_else(|| {
+            app.gauges
+                .engine_info
+                .as_ref()
+                .map(|info| info.kernel_path.clone())
+        });
+        rows.push(gauge_row(
+            "kernels",
+            kernel.unwrap_or_else(|| "-".to_string()),
+        ));
+    }
     let serving = stats.map(|stats| stats.weight_format);
     let weights = match (serving, &app.gauges.settings_progress) {
         (Some(format), Some((_, done, total))) => format!(
@@ -419,7 +417,9 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
         (Some(format), None) => format.to_string(),
         (None, _) => "-".to_string(),
     };
-    rows.push(gauge_row("weights", fixed("engine.weight_format", weights)));
+    if shown("engine.weight_format") {
+        rows.push(gauge_row("weights", weights));
+    }
     // Until the engine answers a change, the serving format lags the setting.
     let activations = match stats.map(|stats| stats.activations) {
         Some(serving) if serving != app.settings.current.activations => {
@@ -428,12 +428,8 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
         Some(serving) => serving.to_string(),
         None => "-".to_string(),
     };
-    rows.push(gauge_row(
-        "activations",
-        fixed("engine.activations", activations),
-    ));
-    for (label, value) in &app.gauges.engine_rows {
-        rows.push(gauge_row(label, terminal_safe(value).into_owned()));
+    if shown("engine.activations") {
+        rows.push(gauge_row("activations", activations));
     }
     let latency = &app.gauges.latency;
     let ui = if latency.samples > 0 {
