@@ -51,7 +51,7 @@ pub struct RunArgs {
     pub model: ModelArgs,
     /// Answer on an OpenAI-compatible server instead of a local model (--remote URL).
     #[command(flatten)]
-    pub remote: super::app::RemoteArgs,
+    pub remote: Box<super::app::RemoteArgs>,
     /// The user's message; `-` reads it from stdin.
     #[arg(long, value_name = "TEXT", required_unless_present = "conversation")]
     pub prompt: Option<String>,
