@@ -104,13 +104,8 @@ impl ReplyDecoder {
                 let keep_from = if at_end {
                     self.pending.len()
                 } else {
-                    match self.pending.rfind("<|") {
-                        Some(open)
-                            if !self.pending[open..].contains("|>")
-                                && self.pending.len() - open < LONGEST_MARKER =>
-                        {
-                            open
-                        }
+                    match self.pending.rfind('<') {
+                        Some(open) if could_begin_marker(&self.pending[open..]) => open,
                         _ => self.pending.len(),
                     }
                 };
@@ -134,6 +129,13 @@ impl ReplyDecoder {
             }
         }
     }
+}
+
+/// Whether `tail` (from a `<` on) may be the start of a special token still arriving.
+fn could_begin_marker(tail: &str) -> bool {
+    tail.len() < LONGEST_MARKER
+        && (tail == "<" || tail.starts_with("<|"))
+        && !tail.contains("|>")
 }
 
 fn forward(
