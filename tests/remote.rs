@@ -128,17 +128,21 @@ fn next_event(events: &Receiver<Event>) -> Event {
         .expect("the remote engine went quiet")
 }
 
-/// Events until `Ready`, then the ones sent right after it (fixed settings, gauges, stats and
-/// a notice) up to the first pause.
+/// Events until `Ready`, then the ones the start-up sends after it (fixed settings, gauges, a
+/// notice), up to its last, the first stats sample.
 fn wait_ready(events: &Receiver<Event>) -> (EngineInfo, Vec<Event>) {
     loop {
         match next_event(events) {
             Event::Ready(info) => {
                 let mut after = Vec::new();
-                while let Ok(event) = events.recv_timeout(Duration::from_millis(300)) {
+                loop {
+                    let event = next_event(events);
+                    let last = matches!(event, Event::Stats(_));
                     after.push(event);
+                    if last {
+                        return (info, after);
+                    }
                 }
-                return (info, after);
             }
             Event::LoadProgress { .. } => {}
             other => panic!("before Ready: {other:?}"),
@@ -178,20 +182,12 @@ fn send_turn(handle: &EngineHandle, id: RequestId, kind: RequestKind, chat: Conv
         .unwrap();
 }
 
-/// Collects request `id`'s events until it ends, then what follows in the next moment.
+/// Collects request `id`'s events until it ends and the gauge rows that close every turn.
 fn collect_turn(events: &Receiver<Event>, id: RequestId) -> Turn {
     let mut turn = Turn::default();
     let mut ended = false;
     loop {
-        let event = if ended {
-            match events.recv_timeout(Duration::from_millis(300)) {
-                Ok(event) => event,
-                Err(_) => return turn,
-            }
-        } else {
-            next_event(events)
-        };
-        match event {
+        match next_event(events) {
             Event::Token {
                 id: token_id,
                 channel,
@@ -221,7 +217,12 @@ fn collect_turn(events: &Receiver<Event>, id: RequestId) -> Turn {
                 turn.error = Some(message);
                 ended = true;
             }
-            Event::EngineGauges(rows) => turn.gauges = rows,
+            Event::EngineGauges(rows) => {
+                turn.gauges = rows;
+                if ended {
+                    return turn;
+                }
+            }
             Event::Stats(sample) => {
                 turn.decode_rate = sample.decode_tokens_per_second.or(turn.decode_rate)
             }

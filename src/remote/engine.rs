@@ -122,10 +122,11 @@ impl RemoteWorker {
             shown_as: SHOWN_AS_SERVER.to_string(),
         });
         worker.send_gauges();
-        worker.send_stats(None);
         if let Some(notice) = notice {
             let _ = worker.events.send(Event::Notice(notice));
         }
+        // Last of the start-up events, so a reader knows the start-up is complete.
+        worker.send_stats(None);
         Ok(worker)
     }
 
@@ -156,6 +157,7 @@ impl RemoteWorker {
         let id = request.id;
         if self.cancelled(id) {
             self.turn_done(id, StopReason::Cancelled, CacheHits::default(), 0);
+            self.send_gauges();
             return;
         }
         let had_model = self.session.model().is_some();
@@ -223,13 +225,14 @@ impl RemoteWorker {
                 if reason != StopReason::Cancelled {
                     self.metrics = self.session.server_metrics();
                 }
-                self.send_gauges();
                 if let Some(first) = reply.malformed.first() {
                     let _ = self.events.send(Event::Notice(format!(
                         "The server's harmony text did not parse {} times; first: {first}",
                         reply.malformed.len()
                     )));
                 }
+                // A turn's events end with the gauge rows, whatever its outcome.
+                self.send_gauges();
             }
             Err(error) => {
                 self.send_stats(None);
@@ -242,6 +245,7 @@ impl RemoteWorker {
                     id: Some(id),
                     message: format!("{}{retry}", error.describe()),
                 });
+                self.send_gauges();
             }
         }
     }

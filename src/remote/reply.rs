@@ -133,9 +133,7 @@ impl ReplyDecoder {
 
 /// Whether `tail` (from a `<` on) may be the start of a special token still arriving.
 fn could_begin_marker(tail: &str) -> bool {
-    tail.len() < LONGEST_MARKER
-        && (tail == "<" || tail.starts_with("<|"))
-        && !tail.contains("|>")
+    tail.len() < LONGEST_MARKER && (tail == "<" || tail.starts_with("<|")) && !tail.contains("|>")
 }
 
 fn forward(
