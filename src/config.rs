@@ -483,7 +483,11 @@ fn apply_overrides(config: &mut AppConfig, overrides: &ConfigOverrides) -> Resul
         config.cache.dir.clone_from(&overrides.cache_dir);
     }
     if let Some(url) = &overrides.remote_url {
-        config.remote.url = Some(url.clone());
+        let url = url.trim();
+        config.remote.url = (!url.is_empty()).then(|| url.to_string());
+    } else if overrides.model_dir.is_some() || overrides.synthetic.is_some() {
+        // A model named on the command line is run here, whatever server the file names.
+        config.remote.url = None;
     }
     if let Some(model) = &overrides.remote_model {
         config.remote.model = Some(model.clone());
@@ -812,6 +816,21 @@ mod tests {
         assert_eq!(engine.target.api_key.as_deref(), Some("k"));
         assert_eq!(engine.target.idle_timeout.as_secs(), 60);
         assert!(AppConfig::default().remote.engine_config(None).is_none());
+        // A model or an empty URL on the command line runs here.
+        for overrides in [
+            ConfigOverrides {
+                synthetic: Some(SyntheticChoice::Tiny),
+                ..ConfigOverrides::default()
+            },
+            ConfigOverrides {
+                remote_url: Some(String::new()),
+                ..ConfigOverrides::default()
+            },
+        ] {
+            let mut local = config.clone();
+            apply_overrides(&mut local, &overrides).unwrap();
+            assert_eq!(local.remote.url, None, "{overrides:?}");
+        }
     }
 
     #[test]

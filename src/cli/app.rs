@@ -60,11 +60,11 @@ pub struct AppArgs {
 #[derive(Args, Debug, Clone, Default)]
 pub struct RemoteArgs {
     /// Run on an OpenAI-compatible server (vLLM, llama-server, `ossterm serve`, …) instead of a
-    /// local model, e.g. http://gpu-box:8000 (remote.url).
-    #[arg(long, value_name = "URL")]
+    /// local model, e.g. http://gpu-box:8000; "" runs locally (remote.url).
+    #[arg(long, value_name = "URL", conflicts_with_all = ["model", "synthetic"])]
     pub remote: Option<String>,
     /// The server's API key (default: the variable remote.api_key_env names, OSSTERM_API_KEY).
-    #[arg(long, value_name = "KEY", requires = "remote")]
+    #[arg(long, value_name = "KEY")]
     pub api_key: Option<String>,
     /// Model to ask the server for (default: the first of its /v1/models) (remote.model).
     #[arg(long, value_name = "NAME")]
