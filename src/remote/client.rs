@@ -237,18 +237,19 @@ impl RemoteClient {
         parse_models(&body).map_err(|reason| RemoteError::Malformed { url, reason })
     }
 
-    /// An ossterm server's `/metrics` (Prometheus text), `None` when the server has none (any
-    /// other server: 404) or does not answer in time.
-    pub async fn ossterm_metrics(&self) -> Option<ServerMetrics> {
+    /// An ossterm server's `/metrics` (Prometheus text): `Ok(None)` when the server answers
+    /// without them (any other server: 404), `Err(())` when it does not answer (in time).
+    pub async fn ossterm_metrics(&self) -> Result<Option<ServerMetrics>, ()> {
         let url = format!("{}/metrics", self.root);
         let request = self
             .request(self.http.get(&url))
             .timeout(Duration::from_secs(2));
-        let response = request.send().await.ok()?;
+        let response = request.send().await.map_err(|_| ())?;
         if !response.status().is_success() {
-            return None;
+            return Ok(None);
         }
-        ServerMetrics::parse(&response.text().await.ok()?)
+        let text = response.text().await.map_err(|_| ())?;
+        Ok(ServerMetrics::parse(&text))
     }
 
     /// Streams one chat completion: every piece of text goes to `on_delta` as it arrives.

@@ -52,7 +52,7 @@ pub struct RemoteSession {
     /// For replies in raw harmony; `None` if the tokenizer did not load (such text then shows as
     /// it came).
     tokenizer: Option<&'static Tokenizer>,
-    /// `/metrics` answered like an ossterm server's; after a miss it is not asked again.
+    /// False once `/metrics` answered without ossterm's figures: it is not asked again.
     metrics_available: bool,
 }
 
@@ -194,14 +194,20 @@ impl RemoteSession {
         })
     }
 
-    /// An ossterm server's `/metrics`; other servers are asked once.
+    /// An ossterm server's `/metrics`; a server that answers without them is not asked again
+    /// (one that did not answer is).
     pub fn server_metrics(&mut self) -> Option<ServerMetrics> {
         if !self.metrics_available {
             return None;
         }
-        let metrics = self.runtime.block_on(self.client.ossterm_metrics());
-        self.metrics_available = metrics.is_some();
-        metrics
+        match self.runtime.block_on(self.client.ossterm_metrics()) {
+            Ok(Some(metrics)) => Some(metrics),
+            Ok(None) => {
+                self.metrics_available = false;
+                None
+            }
+            Err(()) => None,
+        }
     }
 }
 
