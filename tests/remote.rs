@@ -903,3 +903,29 @@ fn run_remote_answers_one_prompt_as_json_and_reports_a_refused_connection() {
         "{stderr}"
     );
 }
+
+#[test]
+fn https_urls_go_through_tls() {
+    // A listener that answers in plain HTTP: the TLS handshake must fail, and say so.
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n");
+        }
+    });
+    let url = format!("https://127.0.0.1:{port}");
+    let mut session =
+        ossterm::remote::RemoteSession::new(target(&url, None, Duration::from_secs(30)), None)
+            .unwrap();
+    let error = session.resolve_model().err().expect("a TLS error");
+    let text = error.to_string().to_lowercase();
+    assert!(text.contains("cannot reach"), "{text}");
+    assert!(
+        ["tls", "corrupt", "invalidcontenttype", "handshake"]
+            .iter()
+            .any(|word| text.contains(word)),
+        "{text}"
+    );
+}
