@@ -919,7 +919,7 @@ fn https_urls_go_through_tls() {
     let mut session =
         ossterm::remote::RemoteSession::new(target(&url, None, Duration::from_secs(30)), None)
             .unwrap();
-    let error = session.resolve_model().err().expect("a TLS error");
+    let error = session.resolve_model().expect_err("a TLS error");
     let text = error.to_string().to_lowercase();
     assert!(text.contains("cannot reach"), "{text}");
     assert!(
