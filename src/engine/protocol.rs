@@ -248,6 +248,15 @@ pub enum Event {
         text: String,
     },
     Stats(StatsSample),
+    /// Gauge rows only this engine has, as (label, value), replacing the ones sent before: a
+    /// remote engine's server, network and server time.
+    EngineGauges(Vec<(String, String)>),
+    /// Settings, by config key, that this engine does not control (a remote server decides
+    /// them): the settings panel shows `shown_as` for them and does not change them.
+    SettingsFixed {
+        keys: Vec<String>,
+        shown_as: String,
+    },
     TurnDone {
         id: RequestId,
         reason: StopReason,

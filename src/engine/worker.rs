@@ -190,6 +190,27 @@ impl EngineHandle {
         }
     }
 
+    /// Starts an engine thread that runs `serve` instead of the local model worker: another
+    /// backend behind the same protocol (the remote engine). `serve` gets the commands and the
+    /// cancel mark, which [`EngineHandle::send`] raises for a `Cancel` before the command arrives.
+    pub fn spawn_backend<F>(name: &str, serve: F) -> EngineHandle
+    where
+        F: FnOnce(Receiver<Command>, Arc<AtomicU64>) + Send + 'static,
+    {
+        let (commands, command_receiver) = mpsc::channel();
+        let cancel_mark = Arc::new(AtomicU64::new(0));
+        let worker_mark = Arc::clone(&cancel_mark);
+        let thread = std::thread::Builder::new()
+            .name(name.to_string())
+            .spawn(move || serve(command_receiver, worker_mark))
+            .ok();
+        EngineHandle {
+            commands,
+            cancel_mark,
+            thread,
+        }
+    }
+
     pub fn send(&self, command: Command) -> Result<(), EngineError> {
         if let Command::Cancel(id) = command {
             self.cancel_mark.fetch_max(id, Ordering::SeqCst);

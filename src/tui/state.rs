@@ -456,6 +456,19 @@ impl App {
 
     fn on_settings_key(&mut self, key: KeyEvent) {
         let setting = self.settings.selected();
+        let changes = matches!(
+            key.code,
+            KeyCode::Left | KeyCode::Right | KeyCode::Char('-' | '+') | KeyCode::Enter
+        );
+        if changes {
+            if let Some(shown_as) = self.settings.fixed_value(setting) {
+                self.notice = Some(format!(
+                    "{} is set by the {shown_as}, not here",
+                    capitalize(setting.name)
+                ));
+                return;
+            }
+        }
         match key.code {
             KeyCode::Up => self.settings.move_cursor(true),
             KeyCode::Down => self.settings.move_cursor(false),
@@ -762,6 +775,8 @@ impl App {
                 }
                 self.gauges.stats = Some(sample);
             }
+            Event::EngineGauges(rows) => self.gauges.engine_rows = rows,
+            Event::SettingsFixed { keys, shown_as } => self.settings.fix(keys, shown_as),
             Event::TurnDone {
                 id,
                 reason,
