@@ -144,6 +144,8 @@ impl RemoteWorker {
                 // The mark is already raised; a turn running then has seen it.
                 Command::Cancel(_) => {}
                 Command::ApplySettings(next) => self.apply_settings(*next),
+                // The server keeps its own KV cache; a reopened chat has nothing to restore here.
+                Command::Resume(_) => {}
                 Command::Shutdown => return,
             }
         }
