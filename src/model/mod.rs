@@ -11,6 +11,7 @@ pub mod memory;
 pub mod ollama;
 pub mod ops;
 pub mod options;
+pub mod profile;
 pub mod rope;
 pub mod session;
 pub mod snapshot;
