@@ -2,7 +2,7 @@
 
 use crate::settings::{Cost, SETTINGS};
 use crate::tui::keys::KEY_BINDINGS;
-use crate::tui::markdown::{terminal_safe, text_width};
+use crate::tui::markdown::{terminal_safe, truncate_to_width};
 use crate::tui::state::{App, EngineStatus, Focus, Overlay};
 use crate::tui::transcript::{ReplyStatus, ERROR_STYLE};
 use ratatui::layout::{Constraint, Layout, Rect};
@@ -22,6 +22,8 @@ pub const DOWNLOAD_COMMAND: &str = "huggingface-cli download openai/gpt-oss-20b 
 struct ScreenLayout {
     title: Rect,
     conversation: Rect,
+    /// The engine view (F2), beside the conversation or in its place.
+    engine: Option<Rect>,
     input: Rect,
     /// `None` on a screen too narrow for the side panel.
     side: Option<Rect>,
@@ -45,19 +47,48 @@ fn screen_layout(area: Rect, app: &App) -> ScreenLayout {
     let input_rows = (app.input.lines().len() as u16).clamp(1, 8) + 2;
     let [conversation, input] =
         Layout::vertical([Constraint::Min(3), Constraint::Length(input_rows)]).areas(left_area);
+    let (conversation, engine) = if app.engine_view {
+        engine_view_split(conversation, app.insight.experts)
+    } else {
+        (conversation, None)
+    };
     ScreenLayout {
         title,
         conversation,
+        engine,
         input,
         side: show_side.then_some(side_area),
         status,
     }
 }
 
+/// Narrowest conversation kept beside the engine view; a narrower screen shows the view in its
+/// place.
+const CONVERSATION_MIN_BESIDE_VIEW: u16 = 40;
+
+/// The conversation and engine view areas within `area`: side by side when both fit, else the
+/// view alone (the conversation keeps a zero-width area and streams on underneath).
+fn engine_view_split(area: Rect, experts: usize) -> (Rect, Option<Rect>) {
+    let wanted = crate::tui::engine_view::preferred_width(experts.max(32));
+    if area.width >= wanted + CONVERSATION_MIN_BESIDE_VIEW {
+        let [conversation, view] =
+            Layout::horizontal([Constraint::Min(0), Constraint::Length(wanted)]).areas(area);
+        (conversation, Some(view))
+    } else {
+        (Rect { width: 0, ..area }, Some(area))
+    }
+}
+
 /// The conversation pane's inner (width, height) on a screen of `area`: what the loop tells the
 /// app before each draw ([`crate::tui::Msg::Layout`]).
 pub fn conversation_viewport(area: Rect, app: &App) -> (u16, u16) {
-    let inner = focused_block("", false).inner(screen_layout(area, app).conversation);
+    let layout = screen_layout(area, app);
+    // Hidden behind the engine view, the conversation keeps the full width it wraps to.
+    let conversation = match layout.engine {
+        Some(view) if layout.conversation.width == 0 => view,
+        _ => layout.conversation,
+    };
+    let inner = focused_block("", false).inner(conversation);
     (inner.width, inner.height)
 }
 
@@ -65,7 +96,12 @@ pub fn conversation_viewport(area: Rect, app: &App) -> (u16, u16) {
 pub fn draw(frame: &mut Frame, app: &App) {
     let layout = screen_layout(frame.area(), app);
     frame.render_widget(Paragraph::new(title_line(app)), layout.title);
-    draw_conversation(frame, app, layout.conversation);
+    if layout.conversation.width > 0 {
+        draw_conversation(frame, app, layout.conversation);
+    }
+    if let Some(view) = layout.engine {
+        crate::tui::engine_view::draw(frame, &app.insight, view);
+    }
     draw_input(frame, app, layout.input);
     let status_area = layout.status;
     if let Some(side_area) = layout.side {
@@ -446,13 +482,7 @@ fn draw_settings(frame: &mut Frame, app: &App, area: Rect) {
         .enumerate()
         .map(|(index, setting)| {
             let mut value = terminal_safe(&setting.display(&app.settings.current)).into_owned();
-            if text_width(&value) > value_width {
-                value = value
-                    .chars()
-                    .take(value_width.saturating_sub(1))
-                    .collect::<String>()
-                    + "…";
-            }
+            value = truncate_to_width(&value, value_width);
             let selected = focused && index == app.settings.cursor;
             let style = if selected {
                 Style::new().add_modifier(Modifier::REVERSED)
