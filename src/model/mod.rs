@@ -222,7 +222,7 @@ impl Model {
             weights,
             opts,
             (dir.display().to_string(), hasher.digest()),
-            &mut |_, _| {},
+            &mut |done, total| progress(LoadStage::Converting, done as u64, total as u64),
         )
     }
 

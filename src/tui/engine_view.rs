@@ -11,8 +11,9 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Borders, Paragraph};
 use ratatui::Frame;
 
-/// Rows of the time and roofline section: a heading, six shares, the roofline bar and its figures.
-pub const TIME_ROWS: u16 = 9;
+/// Rows of the time and roofline section: a heading, six shares, the roofline bar and two lines
+/// of its figures.
+pub const TIME_ROWS: u16 = 10;
 
 /// Columns of a layer's label ("L23 ") and of its distinct count (" 32/32").
 const LABEL_COLUMNS: usize = 4;
@@ -254,22 +255,37 @@ pub fn time_lines(insight: &Insight, width: usize) -> Vec<Line<'static>> {
     spans.push(Span::styled("░".repeat(bar - filled), DIM));
     spans.push(Span::raw("]"));
     lines.push(Line::from(spans));
-    let summary = match (roofline, insight.bandwidth, insight.effective_bandwidth_gbps()) {
-        (Some(ratio), Some((machine, threads)), Some(used)) => format!(
-            "decode at {:.0}% of memory bandwidth: {:.2} GB/token × {:.1} tok/s = {used:.1} of {machine:.1} GB/s ({threads} thr)",
-            ratio * 100.0,
-            insight.bytes_per_token.unwrap_or(0) as f64 / 1e9,
-            insight.decode_rate.unwrap_or(0.0),
+    let (first, second) = match (
+        roofline,
+        insight.bandwidth,
+        insight.effective_bandwidth_gbps(),
+    ) {
+        (Some(ratio), Some((machine, threads)), Some(used)) => (
+            format!("decode at {:.0}% of memory bandwidth", ratio * 100.0),
+            format!(
+                "{:.2} GB/token × {:.1} tok/s = {used:.1} of {machine:.1} GB/s ({threads} threads)",
+                insight.bytes_per_token.unwrap_or(0) as f64 / 1e9,
+                insight.decode_rate.unwrap_or(0.0),
+            ),
         ),
-        (_, None, _) if insight.bandwidth_pending => {
-            "measuring the machine's memory bandwidth…".to_string()
-        }
-        (_, None, _) => "memory bandwidth not measured yet".to_string(),
-        (_, Some((machine, threads)), _) => {
-            format!("machine reads {machine:.1} GB/s ({threads} thr); waiting for decode")
-        }
+        (_, None, _) if insight.bandwidth_pending => (
+            "measuring the machine's memory bandwidth…".to_string(),
+            String::new(),
+        ),
+        (_, None, _) => (
+            "memory bandwidth not measured yet".to_string(),
+            String::new(),
+        ),
+        (_, Some((machine, threads)), _) => (
+            "waiting for decoded tokens".to_string(),
+            format!("the machine reads {machine:.1} GB/s ({threads} threads)"),
+        ),
     };
-    lines.push(Line::raw(fit(&summary, width)));
+    lines.push(Line::styled(
+        fit(&first, width),
+        Style::new().add_modifier(Modifier::BOLD),
+    ));
+    lines.push(Line::styled(fit(&second, width), DIM));
     lines
 }
 

@@ -66,10 +66,15 @@ fn screen_layout(area: Rect, app: &App) -> ScreenLayout {
 /// place.
 const CONVERSATION_MIN_BESIDE_VIEW: u16 = 40;
 
+/// Narrowest engine view placed beside the conversation: its time bars need the room even for a
+/// model with few experts.
+const VIEW_MIN_WIDTH: u16 = 56;
+
 /// The conversation and engine view areas within `area`: side by side when both fit, else the
 /// view alone (the conversation keeps a zero-width area and streams on underneath).
 fn engine_view_split(area: Rect, experts: usize) -> (Rect, Option<Rect>) {
-    let wanted = crate::tui::engine_view::preferred_width(experts.max(32));
+    let experts = if experts == 0 { 32 } else { experts };
+    let wanted = crate::tui::engine_view::preferred_width(experts).max(VIEW_MIN_WIDTH);
     if area.width >= wanted + CONVERSATION_MIN_BESIDE_VIEW {
         let [conversation, view] =
             Layout::horizontal([Constraint::Min(0), Constraint::Length(wanted)]).areas(area);
