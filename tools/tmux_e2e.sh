@@ -227,6 +227,42 @@ keys C-q
 wait_for "EXIT=0" 10
 echo "tmux_e2e: demo: a key stops it, no chats saved, quits cleanly"
 
+# Display width: a corpus of tricky strings (CJK, combining marks, scripts with vowel signs, emoji
+# with modifiers, ZWJ and flags, invisible characters, long lines that wrap) pasted into the input
+# box, sent, and echoed in the conversation. Every row must keep the layout: the side panel's left
+# border where the layout put it (column 92 of 130, counted by the C library's wcwidth as tmux
+# counts cells) and the left pane's right border just before it.
+check_columns() { # WHAT
+    local row rest side
+    local -i index=0
+    while IFS= read -r row; do
+        index+=1
+        # The title and status rows have no panes.
+        (( index == 1 )) && continue
+        [[ "$row" == " "* ]] && continue
+        side="${row: -38}"
+        rest="${row%"$side"}"
+        # The suffix of 38 characters is the side panel only if the row kept its cells.
+        [[ "$side" =~ ^[│┌└] ]] || fail "$1: row $index: the side panel does not start where the layout put it: $row"
+        [[ "$(printf '%s' "$rest" | wc -L)" == 92 ]] ||
+            fail "$1: row $index: the left pane is $(printf '%s' "$rest" | wc -L) cells wide, not 92: $row"
+        [[ "$rest" =~ [│┐┘┤]$ ]] || fail "$1: row $index: the left pane lost its right border: $row"
+    done < <(screen)
+}
+start_app ""
+wait_for "Ready" 60
+tmux_ load-buffer -b corpus "$root/tools/width_corpus.txt"
+tmux_ paste-buffer -p -b corpus -t "$session"
+wait_for "wrap2: " 5
+check_columns "corpus in the input box"
+keys Enter
+wait_for "tokens in [0-9.]+ s" 30
+wait_for "│combining: " 5
+check_columns "corpus in the conversation"
+keys C-q
+wait_for "EXIT=0" 10
+echo "tmux_e2e: display width: $(wc -l < "$root/tools/width_corpus.txt") corpus lines keep every border in place"
+
 # A multi-line paste with CR and CRLF line breaks (-r: sent as they are in the buffer): the lines land in
 # the box with its border intact, and the message is sent and saved with LF.
 start_app ""
