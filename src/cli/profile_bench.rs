@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use crate::bench::probe::{read_bandwidth_gbps, CpuInfo};
 use crate::bench::stats::Summary;
-use crate::model::profile::{Phase, ProfileCounts};
+use crate::model::profile::{boundary_cost_nanos, Phase, ProfileCounts};
 use crate::model::Model;
 
 use super::output;
@@ -100,6 +100,17 @@ pub fn run(
         (off / on - 1.0) * 100.0
     )?;
     let steps = shown.steps.max(1) as f64;
+    // The same cost counted rather than timed: clock reads per step x what one costs here.
+    let per_boundary = boundary_cost_nanos(1_000_000);
+    let boundaries = shown.boundaries as f64 / steps;
+    let step_nanos = 1e9 / on;
+    writeln!(
+        out,
+        "  counted       {boundaries:.0} clock reads per step x {per_boundary:.1} ns = {:.2} us of a {:.2} ms step ({:.4}%)",
+        boundaries * per_boundary / 1e3,
+        step_nanos / 1e6,
+        boundaries * per_boundary / step_nanos * 100.0
+    )?;
     let inside: u64 = shown.nanos.iter().sum();
     let step_ms = 1000.0 / on;
     writeln!(
@@ -139,6 +150,7 @@ fn accumulate(total: &mut ProfileCounts, part: &ProfileCounts) {
         *sum += value;
     }
     total.steps += part.steps;
+    total.boundaries += part.boundaries;
 }
 
 fn rounded(rates: &[f64]) -> Vec<f64> {

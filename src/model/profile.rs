@@ -58,6 +58,8 @@ pub struct PassProfile {
     nanos: PhaseNanos,
     /// Timed passes (decode steps) since the last fold.
     steps: u64,
+    /// Phase boundaries (clock reads) of those passes.
+    boundaries: u64,
     /// Experts per layer.
     experts: usize,
     /// Router choices since the last fold, [layers x experts].
@@ -73,6 +75,7 @@ impl PassProfile {
             current: None,
             nanos: [0; 5],
             steps: 0,
+            boundaries: 0,
             experts,
             routing: vec![0; layers * experts],
             tokens: 0,
@@ -100,6 +103,7 @@ impl PassProfile {
                 self.nanos[ran as usize] += now.duration_since(*since).as_nanos() as u64;
                 *running = phase;
                 *since = now;
+                self.boundaries += 1;
                 ran
             }
         }
@@ -133,6 +137,7 @@ impl PassProfile {
             *total += part;
         }
         shared.steps += self.steps;
+        shared.boundaries += self.boundaries;
         shared.tokens += self.tokens;
         if shared.routing.len() == self.routing.len() {
             for (total, part) in shared.routing.iter_mut().zip(&mut self.routing) {
@@ -143,6 +148,7 @@ impl PassProfile {
         }
         self.nanos = [0; 5];
         self.steps = 0;
+        self.boundaries = 0;
         self.tokens = 0;
     }
 }
@@ -155,6 +161,8 @@ pub struct ProfileCounts {
     /// Time per phase of `steps` decode steps.
     pub nanos: PhaseNanos,
     pub steps: u64,
+    /// Clock reads of those steps (each phase boundary reads the clock once).
+    pub boundaries: u64,
     /// Router choices, [layers x experts], of `tokens` tokens.
     pub routing: Vec<u32>,
     pub tokens: u64,
@@ -176,11 +184,27 @@ impl ProfileCounts {
         into.experts = self.experts;
         into.nanos = std::mem::take(&mut self.nanos);
         into.steps = std::mem::take(&mut self.steps);
+        into.boundaries = std::mem::take(&mut self.boundaries);
         into.tokens = std::mem::take(&mut self.tokens);
         into.routing.clear();
         into.routing.extend_from_slice(&self.routing);
         self.routing.iter_mut().for_each(|count| *count = 0);
     }
+}
+
+/// What one phase boundary of a timed pass costs, in nanoseconds: the mean over `count` of them on
+/// this thread (a clock read and a few additions), for the overhead estimate of the benchmark.
+pub fn boundary_cost_nanos(count: u32) -> f64 {
+    let mut profile = PassProfile::new(1, 1);
+    profile.begin(1, 1, Phase::Rest);
+    let started = Instant::now();
+    for index in 0..count {
+        let phase = Phase::ALL[index as usize % Phase::ALL.len()];
+        std::hint::black_box(profile.enter(phase));
+    }
+    let elapsed = started.elapsed();
+    profile.end();
+    elapsed.as_nanos() as f64 / f64::from(count.max(1))
 }
 
 /// The figures a session's passes fold into, shared with whoever reports them (the engine).
