@@ -242,7 +242,7 @@ fn f2_hides_the_view_and_time_shares_add_up() {
     app.update(key(KeyCode::F(2)), Instant::now());
     assert!(!app.engine_view);
     let text = screen(&mut app, 160, 44);
-    assert!(!text.contains("Expert routing"), "{text}");
+    assert!(!text.contains("Routing, last"), "{text}");
 }
 
 #[test]

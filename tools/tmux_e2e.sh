@@ -211,7 +211,7 @@ tmux_ kill-session -t "$session" 2>/dev/null || true
 tmux_ new-session -d -s "$session" -x 160 -y 46 \
     "env TERM=xterm-256color XDG_CONFIG_HOME=$work/config XDG_DATA_HOME=$work/data HOME=$work \
      $binary --demo --synthetic tiny --seed 7 --chats-dir $work/demo-chats; echo EXIT=\$?; sleep 120"
-wait_for "Expert routing, last ~[0-9]+ tokens" 60
+wait_for "Routing, last ~[0-9]+ tokens" 60
 wait_for "│L0 +[·░▒▓█]+ +[0-9]+/[0-9]+ *│" 30
 wait_for "decode at [0-9]+% of memory bandwidth" 60
 roofline="$(screen | grep -o 'decode at [0-9]*% of memory bandwidth' | head -1)"

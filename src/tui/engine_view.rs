@@ -81,11 +81,11 @@ pub fn routing_lines(insight: &Insight, width: usize, height: usize) -> Vec<Line
     let (layers, experts) = (insight.layers, insight.experts);
     let heading = if insight.has_routing() {
         format!(
-            "Expert routing, last ~{HEAT_TOKENS:.0} tokens: {layers} layers × {experts} experts, top-{}",
+            "Routing, last ~{HEAT_TOKENS:.0} tokens: {layers} layers × {experts} experts, top-{}",
             insight.experts_per_token
         )
     } else {
-        "Expert routing: waiting for the first tokens".to_string()
+        "Routing: waiting for the first tokens".to_string()
     };
     lines.push(Line::styled(
         fit(&heading, width),
@@ -261,9 +261,12 @@ pub fn time_lines(insight: &Insight, width: usize) -> Vec<Line<'static>> {
         insight.effective_bandwidth_gbps(),
     ) {
         (Some(ratio), Some((machine, threads)), Some(used)) => (
-            format!("decode at {:.0}% of memory bandwidth", ratio * 100.0),
             format!(
-                "{:.2} GB/token × {:.1} tok/s = {used:.1} of {machine:.1} GB/s ({threads} threads)",
+                "decode at {:.0}% of memory bandwidth ({threads} threads)",
+                ratio * 100.0
+            ),
+            format!(
+                "{:.2} GB/token × {:.1} tok/s = {used:.1} of {machine:.1} GB/s",
                 insight.bytes_per_token.unwrap_or(0) as f64 / 1e9,
                 insight.decode_rate.unwrap_or(0.0),
             ),
