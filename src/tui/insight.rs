@@ -149,7 +149,7 @@ mod tests {
         assert_eq!(shares[0].0, "attention");
         assert!((shares[0].1 - 100.0 / 1100.0).abs() < 1e-9);
         assert!(
-            (shares[5].1 - 100.0 / 1100.0).abs() < 1e-9,
+            (shares[5].1 - 850.0 / 1100.0).abs() < 1e-9,
             "outside the pass"
         );
         let rate = insight.decode_rate.unwrap();
