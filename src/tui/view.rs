@@ -13,6 +13,9 @@ use ratatui::Frame;
 
 /// Width of the gauges and settings column.
 const SIDE_PANEL_WIDTH: u16 = 38;
+/// Rows of the gauges box: its borders, the decode row and its two-row sparkline, and 13 gauges
+/// (key→screen last).
+const GAUGES_ROWS: u16 = 18;
 /// Below this terminal width the side panel is hidden (the status line still says what happens).
 const SIDE_PANEL_MIN_TERMINAL_WIDTH: u16 = 90;
 /// The command the README gives for getting the real checkpoint.
@@ -111,7 +114,8 @@ pub fn draw(frame: &mut Frame, app: &App) {
     let status_area = layout.status;
     if let Some(side_area) = layout.side {
         let [gauges_area, settings_area] =
-            Layout::vertical([Constraint::Length(17), Constraint::Min(3)]).areas(side_area);
+            Layout::vertical([Constraint::Length(GAUGES_ROWS), Constraint::Min(3)])
+                .areas(side_area);
         draw_gauges(frame, app, gauges_area);
         draw_settings(frame, app, settings_area);
     }
