@@ -135,6 +135,9 @@ pub enum Command {
     /// Measure the machine's memory read bandwidth (between turns), answered with
     /// [`Event::Bandwidth`]: the ceiling the decode's roofline bar compares with.
     MeasureBandwidth,
+    /// A saved chat was opened: restore the longest KV snapshot of this conversation now (a
+    /// notice says what was resumed), so its next turn prefills only the new message.
+    Resume(Box<Conversation>),
     Shutdown,
 }
 
@@ -319,10 +322,20 @@ pub enum Event {
     Stats(StatsSample),
     /// Routing and decode phase times since the previous sample (the engine view).
     Profile(Box<ProfileSample>),
-    /// The machine's memory read bandwidth with the serving thread count, in GB/s.
+    /// The machine's memory read bandwidth with the serving thread count, in GB/s; 0 from an
+    /// engine whose weights are read elsewhere (a remote server).
     Bandwidth {
         gigabytes_per_second: f64,
         threads: usize,
+    },
+    /// Gauge rows only this engine has, as (label, value), replacing the ones sent before: a
+    /// remote engine's server, network and server time.
+    EngineGauges(Vec<(String, String)>),
+    /// Settings, by config key, that this engine does not control (a remote server decides
+    /// them): the settings panel shows `shown_as` for them and does not change them.
+    SettingsFixed {
+        keys: Vec<String>,
+        shown_as: String,
     },
     TurnDone {
         id: RequestId,

@@ -271,6 +271,10 @@ pub fn time_lines(insight: &Insight, width: usize) -> Vec<Line<'static>> {
                 insight.decode_rate.unwrap_or(0.0),
             ),
         ),
+        (_, None, _) if insight.bandwidth_elsewhere => (
+            "no roofline: the weights are read on the server".to_string(),
+            String::new(),
+        ),
         (_, None, _) if insight.bandwidth_pending => (
             "measuring the machine's memory bandwidth…".to_string(),
             String::new(),

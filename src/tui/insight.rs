@@ -35,6 +35,8 @@ pub struct Insight {
     pub bandwidth: Option<(f64, usize)>,
     /// A measurement was asked for and not answered yet.
     pub bandwidth_pending: bool,
+    /// The engine reads its weights on another machine: no bandwidth to compare with.
+    pub bandwidth_elsewhere: bool,
 }
 
 fn smooth(previous: Option<f64>, next: f64) -> f64 {

@@ -61,6 +61,9 @@ pub enum Effect {
     Generate(GenerateJob),
     /// File work; the loop answers with [`Msg::Stored`].
     Store(StoreRequest),
+    /// An opened chat for the engine to resume from its KV snapshot at once (its conversation is
+    /// built off the UI thread, as a request's is).
+    Resume(Box<ChatSnapshot>),
     /// Put this text on the clipboard (OSC 52).
     Copy(String),
     /// Repaint every cell of the screen, not only the ones that changed. Terminals disagree with
@@ -189,7 +192,11 @@ impl App {
             (Some(_), None) => true,
             (None, _) => false,
         };
-        if !measured && !self.insight.bandwidth_pending && self.engine_ready() {
+        if !measured
+            && !self.insight.bandwidth_pending
+            && !self.insight.bandwidth_elsewhere
+            && self.engine_ready()
+        {
             self.insight.bandwidth_pending = true;
             self.effects.push(Effect::Engine(Command::MeasureBandwidth));
         }
@@ -390,6 +397,7 @@ impl App {
             } => {
                 self.load_conversation(*conversation, path.clone());
                 self.notice = Some(format!("Opened {}", path.display()));
+                self.effects.push(Effect::Resume(Box::new(self.snapshot())));
             }
             StoreOutcome::Opened {
                 result: Err(error), ..
@@ -529,6 +537,19 @@ impl App {
 
     fn on_settings_key(&mut self, key: KeyEvent) {
         let setting = self.settings.selected();
+        let changes = matches!(
+            key.code,
+            KeyCode::Left | KeyCode::Right | KeyCode::Char('-' | '+') | KeyCode::Enter
+        );
+        if changes {
+            if let Some(shown_as) = self.settings.fixed_value(setting) {
+                self.notice = Some(format!(
+                    "{} is set by the {shown_as}, not here",
+                    capitalize(setting.name)
+                ));
+                return;
+            }
+        }
         match key.code {
             KeyCode::Up => self.settings.move_cursor(true),
             KeyCode::Down => self.settings.move_cursor(false),
@@ -848,8 +869,12 @@ impl App {
                 threads,
             } => {
                 self.insight.bandwidth_pending = false;
-                self.insight.bandwidth = Some((gigabytes_per_second, threads));
+                self.insight.bandwidth_elsewhere = gigabytes_per_second <= 0.0;
+                self.insight.bandwidth =
+                    (gigabytes_per_second > 0.0).then_some((gigabytes_per_second, threads));
             }
+            Event::EngineGauges(rows) => self.gauges.engine_rows = rows,
+            Event::SettingsFixed { keys, shown_as } => self.settings.fix(keys, shown_as),
             Event::TurnDone {
                 id,
                 reason,
