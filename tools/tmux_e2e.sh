@@ -4,8 +4,8 @@
 # help, measure key-to-screen latency while the engine generates, quit, and check that the terminal
 # is back to normal (cooked mode with echo, main screen, cursor visible, no mouse reporting). Then
 # the same check after a deliberate panic (OSSTERM_TEST_PANIC=1 arms F12 to panic the UI thread),
-# after SIGTERM, SIGINT and SIGHUP (also: the chat saved, exit status 128 + signal), and a
-# multi-line paste with CR line breaks.
+# after SIGTERM, SIGINT and SIGHUP (also: the chat saved, exit status 128 + signal), `--demo`
+# playing its script with the engine view, and a multi-line paste with CR line breaks.
 #
 # Usage: tools/tmux_e2e.sh [BINARY]   (default: target/release/ossterm, built if missing)
 # Exits 0 when every check passes, 1 on the first failure (with the screen printed), and 0 with a
@@ -190,6 +190,65 @@ signal_run() { # SIGNAL STATUS
 signal_run TERM 143
 signal_run INT 130
 signal_run HUP 129
+
+# `--demo`: the scripted session plays on its own with the engine view open: the routing map
+# fills, the roofline bar gets the machine's bandwidth, threads go 1 -> 2 and weights q8 -> q4 -> q8,
+# and the first key stops the script; the demo's chats are not saved.
+tmux_ kill-session -t "$session" 2>/dev/null || true
+tmux_ new-session -d -s "$session" -x 160 -y 46 \
+    "env TERM=xterm-256color XDG_CONFIG_HOME=$work/config XDG_DATA_HOME=$work/data HOME=$work \
+     $binary --demo --synthetic tiny --seed 7 --chats-dir $work/demo-chats; echo EXIT=\$?; sleep 120"
+wait_for "Routing, last ~[0-9]+ tokens" 60
+wait_for "│L0 +[·░▒▓█]+ +[0-9]+/[0-9]+ *│" 30
+wait_for "decode at [0-9]+% of memory bandwidth" 60
+roofline="$(screen | grep -o 'decode at [0-9]*% of memory bandwidth' | head -1)"
+wait_for "│threads +2 " 60
+wait_for "│weights +q4 " 120
+wait_for "│weights +q8 " 120
+wait_for "Demo: one thread" 180
+echo "tmux_e2e: demo: looped once (threads 1 -> 2, weights q8 -> q4 -> q8); $roofline"
+keys x
+wait_for "Demo stopped" 10
+[[ ! -d "$work/demo-chats" ]] || [[ -z "$(ls -A "$work/demo-chats")" ]] || fail "the demo saved chats"
+keys C-q
+wait_for "EXIT=0" 10
+echo "tmux_e2e: demo: a key stops it, no chats saved, quits cleanly"
+
+# Display width: a corpus of tricky strings (CJK, combining marks, scripts with vowel signs, emoji
+# with modifiers, ZWJ and flags, invisible characters, long lines that wrap) pasted into the input
+# box, sent, and echoed in the conversation. Every row must keep the layout: the side panel's left
+# border where the layout put it (column 92 of 130, counted by the C library's wcwidth as tmux
+# counts cells) and the left pane's right border just before it.
+check_columns() { # WHAT
+    local row rest side
+    local -i index=0
+    while IFS= read -r row; do
+        index+=1
+        # The title and status rows have no panes.
+        (( index == 1 )) && continue
+        [[ "$row" == " "* ]] && continue
+        side="${row: -38}"
+        rest="${row%"$side"}"
+        # The suffix of 38 characters is the side panel only if the row kept its cells.
+        [[ "$side" =~ ^[│┌└] ]] || fail "$1: row $index: the side panel does not start where the layout put it: $row"
+        [[ "$(printf '%s' "$rest" | wc -L)" == 92 ]] ||
+            fail "$1: row $index: the left pane is $(printf '%s' "$rest" | wc -L) cells wide, not 92: $row"
+        [[ "$rest" =~ [│┐┘┤]$ ]] || fail "$1: row $index: the left pane lost its right border: $row"
+    done < <(screen)
+}
+start_app ""
+wait_for "Ready" 60
+tmux_ load-buffer -b corpus "$root/tools/width_corpus.txt"
+tmux_ paste-buffer -p -b corpus -t "$session"
+wait_for "wrap2: " 5
+check_columns "corpus in the input box"
+keys Enter
+wait_for "tokens in [0-9.]+ s" 30
+wait_for "│combining: " 5
+check_columns "corpus in the conversation"
+keys C-q
+wait_for "EXIT=0" 10
+echo "tmux_e2e: display width: $(wc -l < "$root/tools/width_corpus.txt") corpus lines keep every border in place"
 
 # A multi-line paste with CR and CRLF line breaks (-r: sent as they are in the buffer): the lines land in
 # the box with its border intact, and the message is sent and saved with LF.

@@ -11,7 +11,13 @@ const PROBE_BYTES: usize = 1 << 30;
 /// 1 GiB buffer, each thread summing its own contiguous part (the access pattern of a GEMV). The
 /// median, not the best: on a shared VM a lucky pass overstates what decode can count on.
 pub fn read_bandwidth_gbps(threads: usize) -> f64 {
-    let words = PROBE_BYTES / 8;
+    read_bandwidth_gbps_over(PROBE_BYTES, threads)
+}
+
+/// [`read_bandwidth_gbps`] over a buffer of `bytes` (rounded to whole 64-byte lines), for a
+/// caller that cannot spare a GiB (the app's engine view).
+pub fn read_bandwidth_gbps_over(bytes: usize, threads: usize) -> f64 {
+    let words = (bytes / 64).max(1) * 8;
     let buffer: Vec<u64> = (0..words as u64).collect();
     let pool = match rayon::ThreadPoolBuilder::new()
         .num_threads(threads.max(1))
@@ -42,7 +48,7 @@ pub fn read_bandwidth_gbps(threads: usize) -> f64 {
         std::hint::black_box(total);
         seconds.push(started.elapsed().as_secs_f64());
     }
-    PROBE_BYTES as f64 / super::stats::Summary::of(&seconds).median / 1e9
+    (words * 8) as f64 / super::stats::Summary::of(&seconds).median / 1e9
 }
 
 /// Peak resident set size of this process (VmHWM), in bytes; 0 where /proc is unavailable.

@@ -50,6 +50,10 @@ pub struct AppArgs {
     /// Directory of KV snapshots (paths.cache_dir; default: the platform cache directory).
     #[arg(long, value_name = "DIR")]
     pub cache_dir: Option<PathBuf>,
+    /// Play a scripted session until a key is pressed: a few prompts, then 1 -> 2 threads and
+    /// q8 -> q4 -> q8 weights, with the engine view open (try it with --synthetic 20b).
+    #[arg(long)]
+    pub demo: bool,
     #[command(flatten)]
     pub remote: RemoteArgs,
     #[command(flatten)]
@@ -294,6 +298,7 @@ pub const EXIT_SIGNALS: [i32; 3] = [
 /// to the given sender (the caller chooses the model and chat pieces, see `EngineHandle::spawn`).
 pub fn run_app(
     config: AppConfig,
+    demo: bool,
     start_engine: impl FnOnce(&AppConfig, Sender<Event>) -> Result<EngineHandle, EngineError>,
 ) -> anyhow::Result<()> {
     let chats_dir = config
@@ -304,6 +309,9 @@ pub fn run_app(
     let status = initial_engine_status(&config);
     let store = ChatStore::new(chats_dir);
     let mut app = App::new(config.settings.clone(), store.clone(), status.clone());
+    if demo {
+        app.start_demo(Instant::now());
+    }
 
     let panic_notes = install_panic_hook(restore_terminal);
     // From here on these signals no longer kill the process: the loop hears of them and ends.
@@ -494,6 +502,7 @@ fn event_loop(
     let mut pending_keys: Vec<Instant> = Vec::new();
     let mut repaint_all = false;
     let mut replies: Vec<Msg> = Vec::new();
+    let mut last_tick = Instant::now();
     loop {
         if dirty && (last_draw.elapsed() >= FRAME_INTERVAL || !pending_keys.is_empty()) {
             let size = terminal.size()?;
@@ -518,11 +527,29 @@ fn event_loop(
             last_draw = drawn;
             dirty = false;
         }
-        let wait = if dirty {
+        let mut wait = if dirty {
             FRAME_INTERVAL.saturating_sub(last_draw.elapsed())
         } else {
             Duration::from_secs(1)
         };
+        if app.wants_ticks() {
+            let due = crate::tui::demo::TICK.saturating_sub(last_tick.elapsed());
+            if due.is_zero() {
+                last_tick = Instant::now();
+                replies.push(Msg::Tick);
+                while let Some(message) = replies.pop() {
+                    for effect in app.update(message, Instant::now()) {
+                        if let Flow::Quit = perform(effect, hooks, &mut repaint_all, &mut replies)?
+                        {
+                            return Ok(None);
+                        }
+                    }
+                }
+                dirty = true;
+                continue;
+            }
+            wait = wait.min(due);
+        }
         let first = match inputs.recv_timeout(wait) {
             Ok(input) => input,
             Err(RecvTimeoutError::Timeout) => continue,
@@ -587,7 +614,7 @@ pub fn run(args: AppArgs) -> anyhow::Result<()> {
     crate::kernels::init_kernel_path()?;
     let config = args.resolve()?;
     let api_key = args.remote.api_key.clone();
-    run_app(config, move |config, events| {
+    run_app(config, args.demo, move |config, events| {
         Ok(start_engine(config, api_key, events))
     })
 }

@@ -38,6 +38,11 @@ pub struct BenchArgs {
     /// time and the cost of a background write to a running decode.
     #[arg(long)]
     pub resume: bool,
+    /// Measure what the engine view's decode counters cost: --gen-tokens decoded with them on and
+    /// off, --repeat rounds interleaved (at least 5), medians; then the phase shares and the
+    /// decode's share of the memory bandwidth.
+    #[arg(long)]
+    pub profile: bool,
     /// Measure the kernels alone (GEMV GB/s, GEMM GMAC/s on the 20b expert shape) instead of a model.
     #[arg(long)]
     pub kernels: bool,
@@ -81,6 +86,10 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         progress.show("measuring resume", 0, 1);
         let depth = if args.depth == 0 { 4096 } else { args.depth };
         return super::resume_bench::run(&model, &pool, depth);
+    }
+    if args.profile {
+        progress.clear();
+        return super::profile_bench::run(&model, &pool, args.gen_tokens, args.repeat.max(5));
     }
     limits::check_context(&model, context, &parts)?;
     let plan = BenchPlan {

@@ -20,6 +20,7 @@ mod chat_cmds;
 mod limits;
 mod model_cmds;
 pub mod output;
+mod profile_bench;
 mod resume_bench;
 mod serve_cmd;
 

@@ -5,6 +5,7 @@
 use std::time::{Duration, Instant};
 
 use crate::chat::{HarmonyParser, ParseEvent, StopToken};
+use crate::model::profile::SharedProfile;
 use crate::model::{ActivationFormat, ForwardError, KvFormat, KvSnapshot, Session, SnapshotError};
 
 use super::sampler::{Sampler, SamplerError, SamplerSettings};
@@ -49,6 +50,21 @@ pub trait InferenceSession {
     fn restore(&mut self, snapshot: &KvSnapshot, len: usize) -> Result<(), SnapshotError> {
         let _ = (snapshot, len);
         Err(SnapshotError::Empty)
+    }
+    /// What the passes record about themselves (router choices, decode phase times), for the
+    /// engine view; `None` for a session that records nothing.
+    fn profile(&self) -> Option<SharedProfile> {
+        None
+    }
+    /// Experts per token of the model (top-k), for the routing view.
+    fn experts_per_token(&self) -> usize {
+        0
+    }
+    /// Bytes one decoded token reads from memory with `context` tokens in the cache, for the
+    /// roofline.
+    fn decode_bytes_per_token(&self, context: usize) -> Option<u64> {
+        let _ = context;
+        None
     }
 }
 
@@ -120,6 +136,15 @@ impl InferenceSession for Session {
     }
     fn restore(&mut self, snapshot: &KvSnapshot, len: usize) -> Result<(), SnapshotError> {
         Session::restore(self, snapshot, len)
+    }
+    fn profile(&self) -> Option<SharedProfile> {
+        Some(Session::profile(self))
+    }
+    fn experts_per_token(&self) -> usize {
+        self.model().config.num_experts_per_tok
+    }
+    fn decode_bytes_per_token(&self, context: usize) -> Option<u64> {
+        Some(self.model().decode_bytes_per_token(context))
     }
 }
 

@@ -132,6 +132,9 @@ pub enum Command {
     /// running turn sees it within one token or one prefill chunk.
     Cancel(RequestId),
     ApplySettings(Box<Settings>),
+    /// Measure the machine's memory read bandwidth (between turns), answered with
+    /// [`Event::Bandwidth`]: the ceiling the decode's roofline bar compares with.
+    MeasureBandwidth,
     /// A saved chat was opened: restore the longest KV snapshot of this conversation now (a
     /// notice says what was resumed), so its next turn prefills only the new message.
     Resume(Box<Conversation>),
@@ -216,6 +219,75 @@ pub struct StatsSample {
     pub kv_tiers: crate::engine::kv_tiers::TierUsage,
 }
 
+pub use crate::model::profile::{Phase, PhaseNanos};
+
+/// What the forward passes did since the previous sample: which experts the router chose in each
+/// layer, and where the time of the decode steps went. Sent with the stats while the engine works.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProfileSample {
+    pub layers: usize,
+    pub experts: usize,
+    /// Experts each token is routed to (top-k).
+    pub experts_per_token: usize,
+    /// Router choices since the previous sample, [layers x experts], row-major.
+    pub routing: Vec<u32>,
+    /// Tokens (prompt and reply) behind `routing`.
+    pub routed_tokens: u64,
+    /// Distinct experts each layer has chosen so far this turn.
+    pub turn_distinct: Vec<u16>,
+    /// Decode steps timed since the previous sample.
+    pub decode_steps: u64,
+    /// Time per phase of those steps inside the forward pass, in [`Phase::ALL`] order.
+    pub phase_nanos: PhaseNanos,
+    /// Tokens decoded since the previous sample, as the engine saw them go by, and the wall time
+    /// they took, sampling and parsing included.
+    pub wall_steps: u64,
+    pub decode_wall: Duration,
+    /// Bytes one decoded token reads from memory at the current context (weights, routed experts,
+    /// visible KV cache), when the model can tell.
+    pub bytes_per_token: Option<u64>,
+}
+
+impl ProfileSample {
+    /// Tokens per second of the decode steps of this sample.
+    pub fn decode_rate(&self) -> Option<f64> {
+        let seconds = self.decode_wall.as_secs_f64();
+        (self.wall_steps > 0 && seconds > 0.0).then(|| self.wall_steps as f64 / seconds)
+    }
+
+    /// The memory traffic of those steps: bytes per token x tokens per second, in GB/s.
+    pub fn effective_bandwidth_gbps(&self) -> Option<f64> {
+        Some(self.bytes_per_token? as f64 * self.decode_rate()? / 1e9)
+    }
+
+    /// Each phase's share of the decode wall time, plus the time outside the forward pass
+    /// (sampling, parsing, events) last; `None` before a decode step was timed.
+    pub fn shares(&self) -> Option<[(&'static str, f64); 6]> {
+        if self.decode_steps == 0 {
+            return None;
+        }
+        // Per step: the pass's phases are timed over its steps, the wall over the tokens the
+        // engine saw, which a sample boundary can split differently.
+        let steps = self.decode_steps as f64;
+        let inside = self.phase_nanos.iter().sum::<u64>() as f64 / steps;
+        let wall = match self.wall_steps {
+            0 => inside,
+            tokens => (self.decode_wall.as_nanos() as f64 / tokens as f64).max(inside),
+        };
+        if wall <= 0.0 {
+            return None;
+        }
+        let mut shares = [("outside", (wall - inside) / wall); 6];
+        for (slot, phase) in shares.iter_mut().zip(Phase::ALL) {
+            *slot = (
+                phase.name(),
+                self.phase_nanos[phase as usize] as f64 / steps / wall,
+            );
+        }
+        Some(shares)
+    }
+}
+
 /// What the engine runs, sent once the model is ready.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EngineInfo {
@@ -248,6 +320,14 @@ pub enum Event {
         text: String,
     },
     Stats(StatsSample),
+    /// Routing and decode phase times since the previous sample (the engine view).
+    Profile(Box<ProfileSample>),
+    /// The machine's memory read bandwidth with the serving thread count, in GB/s; 0 from an
+    /// engine whose weights are read elsewhere (a remote server).
+    Bandwidth {
+        gigabytes_per_second: f64,
+        threads: usize,
+    },
     /// Gauge rows only this engine has, as (label, value), replacing the ones sent before: a
     /// remote engine's server, network and server time.
     EngineGauges(Vec<(String, String)>),

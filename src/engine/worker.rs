@@ -18,8 +18,9 @@ use crate::engine::generate::{
 use crate::engine::kv_tiers::{self, conversation_label, KvTiers, TierConfig};
 use crate::engine::protocol::{
     ActivationFormat, CacheHits, Channel, Command, Conversation, EngineInfo, Event,
-    GenerateRequest, KvCacheType, RequestId, Settings, StatsSample, WeightFormat,
+    GenerateRequest, KvCacheType, ProfileSample, RequestId, Settings, StatsSample, WeightFormat,
 };
+use crate::model::profile::{ProfileCounts, SharedProfile};
 use rayon::ThreadPool;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -294,6 +295,102 @@ impl TurnTimings {
     }
 }
 
+/// Bytes the bandwidth probe of [`Command::MeasureBandwidth`] streams: far beyond any cache, yet
+/// small beside the model.
+const BANDWIDTH_PROBE_BYTES: usize = 256 << 20;
+
+/// Turns what the passes recorded into [`ProfileSample`]s: drains the session's shared counts,
+/// keeps the turn's routing for its distinct-expert counts and times the decode steps as the
+/// engine sees them go by. Its buffers are sized once per turn.
+#[derive(Default)]
+struct ProfileReporter {
+    shared: Option<SharedProfile>,
+    taken: ProfileCounts,
+    turn_routing: Vec<u32>,
+    experts_per_token: usize,
+    /// Bytes per decoded token at the prompt's length, and what each further token adds.
+    bytes_at_prompt: Option<u64>,
+    bytes_per_position: u64,
+    prompt_len: usize,
+    last_token: Option<Instant>,
+    wall_steps: u64,
+    decode_wall: Duration,
+}
+
+impl ProfileReporter {
+    /// Starts a turn whose prompt is `prompt_len` tokens.
+    fn start_turn<T: InferenceSession>(&mut self, session: &T, prompt_len: usize) {
+        self.shared = session.profile();
+        if let Some(shared) = &self.shared {
+            // What earlier turns left (and settings changes in between) is not this turn's.
+            if let Ok(mut counts) = shared.lock() {
+                counts.take_into(&mut self.taken);
+            }
+        }
+        self.turn_routing.clear();
+        self.turn_routing.resize(self.taken.routing.len(), 0);
+        self.experts_per_token = session.experts_per_token();
+        self.prompt_len = prompt_len;
+        self.bytes_at_prompt = session.decode_bytes_per_token(prompt_len);
+        // Linear in the context while no sliding window fills up: exact enough for a gauge.
+        self.bytes_per_position = session
+            .decode_bytes_per_token(prompt_len + 1)
+            .zip(self.bytes_at_prompt)
+            .map_or(0, |(next, at)| next.saturating_sub(at));
+        self.last_token = None;
+        self.wall_steps = 0;
+        self.decode_wall = Duration::ZERO;
+    }
+
+    /// A token was sampled; every one after the turn's first ends a decode step.
+    fn token(&mut self, now: Instant) {
+        if let Some(previous) = self.last_token {
+            self.wall_steps += 1;
+            self.decode_wall += now.saturating_duration_since(previous);
+        }
+        self.last_token = Some(now);
+    }
+
+    /// What happened since the previous sample, with `context` tokens in the cache.
+    fn sample(&mut self, context: usize) -> Option<ProfileSample> {
+        let shared = self.shared.as_ref()?;
+        shared.lock().ok()?.take_into(&mut self.taken);
+        let taken = &self.taken;
+        if self.turn_routing.len() != taken.routing.len() {
+            self.turn_routing.clear();
+            self.turn_routing.resize(taken.routing.len(), 0);
+        }
+        for (turn, &recent) in self.turn_routing.iter_mut().zip(&taken.routing) {
+            *turn += recent;
+        }
+        let experts = taken.experts.max(1);
+        let turn_distinct = self
+            .turn_routing
+            .chunks(experts)
+            .map(|layer| layer.iter().filter(|&&count| count > 0).count() as u16)
+            .collect();
+        let extra = context.saturating_sub(self.prompt_len) as u64;
+        let sample = ProfileSample {
+            layers: taken.layers,
+            experts: taken.experts,
+            experts_per_token: self.experts_per_token,
+            routing: taken.routing.clone(),
+            routed_tokens: taken.tokens,
+            turn_distinct,
+            decode_steps: taken.steps,
+            phase_nanos: taken.nanos,
+            wall_steps: self.wall_steps,
+            decode_wall: self.decode_wall,
+            bytes_per_token: self
+                .bytes_at_prompt
+                .map(|bytes| bytes + extra * self.bytes_per_position),
+        };
+        self.wall_steps = 0;
+        self.decode_wall = Duration::ZERO;
+        Some(sample)
+    }
+}
+
 /// The engine thread's state. Generic over the model and chat pieces; see [`EngineHandle::spawn`].
 pub struct Worker<M: ModelBackend, C, S> {
     model: Arc<M>,
@@ -312,6 +409,7 @@ pub struct Worker<M: ModelBackend, C, S> {
     pending_model: Option<(WeightFormat, Receiver<Result<M, EngineError>>)>,
     /// Snapshots of earlier prefixes, in RAM and on disk.
     tiers: KvTiers,
+    profile: ProfileReporter,
 }
 
 impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
@@ -363,6 +461,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
             last_stats: Instant::now(),
             pending_model: None,
             tiers: KvTiers::new(kv_tiers),
+            profile: ProfileReporter::default(),
         };
         worker.send_notices();
         worker.send_stats();
@@ -382,6 +481,17 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
                 Ok(Command::ApplySettings(settings)) => {
                     self.apply_settings(*settings);
                     self.report_settings();
+                }
+                Ok(Command::MeasureBandwidth) => {
+                    let threads = self.pool.current_num_threads();
+                    let gigabytes_per_second = crate::bench::probe::read_bandwidth_gbps_over(
+                        BANDWIDTH_PROBE_BYTES,
+                        threads,
+                    );
+                    let _ = self.events.send(Event::Bandwidth {
+                        gigabytes_per_second,
+                        threads,
+                    });
                 }
                 Ok(Command::Resume(conversation)) => {
                     self.install_requantized_model();
@@ -405,6 +515,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
         match outcome {
             Ok(result) => {
                 self.send_stats();
+                self.send_profile();
                 let _ = self.events.send(Event::TurnDone {
                     id,
                     reason: result.stop_reason.into(),
@@ -488,6 +599,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
             let _ = self.events.send(Event::Notice(message));
         }
         self.send_notices();
+        self.profile.start_turn(&self.session, prompt.len());
         let mut parser = self.codec.parser();
         // What stays fixed through the turn; the callback refreshes the rest.
         let mut sample = self.stats_sample();
@@ -497,6 +609,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
         let cancel_mark = &self.cancel_mark;
         let (events, timings) = (&self.events, &mut self.timings);
         let (session_hits, last_stats) = (&mut self.session_hits, &mut self.last_stats);
+        let profile = &mut self.profile;
         let result = generate(
             &mut self.session,
             &mut parser,
@@ -527,7 +640,11 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
                             reused,
                         });
                     }
-                    GenerateEvent::Token { .. } => timings.sampled(started.elapsed()),
+                    GenerateEvent::Token { .. } => {
+                        let now = Instant::now();
+                        timings.sampled(now - started);
+                        profile.token(now);
+                    }
                     GenerateEvent::Parsed(ParseEvent::Text { channel, text }) => {
                         // Text outside a known channel is shown as answer text.
                         let channel = channel.unwrap_or(Channel::Final);
@@ -542,6 +659,9 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
                     sample.session_hits = *session_hits;
                     timings.fill(&mut sample);
                     let _ = events.send(Event::Stats(sample.clone()));
+                    if let Some(profile) = profile.sample(timings.context_used) {
+                        let _ = events.send(Event::Profile(Box::new(profile)));
+                    }
                 }
             },
         )?;
@@ -682,6 +802,13 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
                     message: error.to_string(),
                 });
             }
+        }
+    }
+
+    /// The passes' figures since the last sample (the turn's last ones after it ended).
+    fn send_profile(&mut self) {
+        if let Some(profile) = self.profile.sample(self.session.tokens().len()) {
+            let _ = self.events.send(Event::Profile(Box::new(profile)));
         }
     }
 

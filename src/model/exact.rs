@@ -15,6 +15,7 @@ use super::ops::{
     add_bias_rows, add_into, add_weighted, attention_scale, embed_tokens, rms_norm_rows,
     route_token, swiglu, visible_keys,
 };
+use super::profile::{PassProfile, Phase};
 use super::rope::apply_rope_rows;
 use super::session::SequenceStep;
 use super::weights::{
@@ -50,6 +51,8 @@ pub struct Scratch {
     activated: Vec<f32>,
     expert_out: Vec<f32>,
     moe_out: Vec<f32>,
+    /// The router's choices and a decode step's phase times, for the engine's live views.
+    pub profile: PassProfile,
 }
 
 impl Scratch {
@@ -81,6 +84,7 @@ impl Scratch {
             activated: vec![0.0; n * i],
             expert_out: vec![0.0; n * h],
             moe_out: vec![0.0; n * h],
+            profile: PassProfile::new(c.num_hidden_layers, e),
         }
     }
 }
@@ -102,6 +106,8 @@ pub fn forward(
     let half = c.head_dim / 2;
     let eps = c.rms_norm_eps;
 
+    let rows: usize = steps.iter().map(|step| step.tokens.len()).sum();
+    s.profile.begin(rows, steps.len(), Phase::Rest);
     let mut n = 0;
     for step in steps.iter() {
         let len = step.tokens.len();
@@ -122,7 +128,9 @@ pub fn forward(
             eps,
             &mut s.normed[..n * h],
         );
+        s.profile.enter(Phase::Attention);
         attention(model, layer, l, steps, n, s);
+        s.profile.enter(Phase::Rest);
         add_into(&mut s.x[..n * h], &s.proj[..n * h]);
         rms_norm_rows(
             &s.x[..n * h],
@@ -130,9 +138,12 @@ pub fn forward(
             eps,
             &mut s.normed[..n * h],
         );
-        mixture_of_experts(c, layer, n, s);
+        s.profile.enter(Phase::Experts);
+        mixture_of_experts(c, layer, l, n, s);
+        s.profile.enter(Phase::Rest);
         add_into(&mut s.x[..n * h], &s.moe_out[..n * h]);
     }
+    s.profile.enter(Phase::Unembedding);
 
     let vocab = c.vocab_size;
     if let Some(out) = all_logits {
@@ -154,6 +165,7 @@ pub fn forward(
         matmul(&weights.lm_head, &s.normed[..n * h], n, &mut transposed);
         transpose(&transposed, vocab, n, &mut out[at..]);
         logits[..vocab].copy_from_slice(&out[out.len() - vocab..]);
+        s.profile.end();
         return;
     }
     // Only each step's last row goes through the final norm and the unembedding.
@@ -173,6 +185,7 @@ pub fn forward(
             &mut logits[r * vocab..(r + 1) * vocab],
         );
     }
+    s.profile.end();
 }
 
 /// Self-attention of the `n` rows of `steps`, each step's rows over its own cache of layer `l`;
@@ -289,7 +302,7 @@ fn attend_one_head<'a, T: KvElement + 'a>(
 
 /// Routes each token to its top-k experts and leaves the weighted sum of their outputs in
 /// `s.moe_out`.
-fn mixture_of_experts(c: &ModelConfig, layer: &Layer, n: usize, s: &mut Scratch) {
+fn mixture_of_experts(c: &ModelConfig, layer: &Layer, l: usize, n: usize, s: &mut Scratch) {
     let (h, e, inter) = (c.hidden_size, c.num_local_experts, c.intermediate_size);
     linear(
         &layer.router,
@@ -306,6 +319,8 @@ fn mixture_of_experts(c: &ModelConfig, layer: &Layer, n: usize, s: &mut Scratch)
             |expert, weight| s.routes[expert].push((i, weight)),
         );
     }
+    let routes = &s.routes;
+    s.profile.routed(l, |expert| routes[expert].len());
 
     s.moe_out[..n * h].fill(0.0);
     for expert in 0..e {

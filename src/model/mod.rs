@@ -13,6 +13,7 @@ pub mod memory;
 pub mod ollama;
 pub mod ops;
 pub mod options;
+pub mod profile;
 pub mod rope;
 pub mod session;
 pub mod snapshot;
@@ -223,7 +224,7 @@ impl Model {
             weights,
             opts,
             (dir.display().to_string(), hasher.digest()),
-            &mut |_, _| {},
+            &mut |done, total| progress(LoadStage::Converting, done as u64, total as u64),
         )
     }
 

@@ -17,6 +17,7 @@ use super::exact;
 use super::fast::{self, FastPass};
 use super::kv::{KvShape, KvStore, RowSpan};
 use super::options::{ActivationFormat, KvFormat, Precision};
+use super::profile::{PassProfile, ProfileCounts, SharedProfile};
 use super::snapshot::{KvSnapshot, SnapshotError};
 use super::team::{with_team, Team};
 use super::Model;
@@ -104,6 +105,15 @@ enum Scratch {
     Fast(Box<fast::Scratch>),
 }
 
+impl Scratch {
+    fn profile(&mut self) -> &mut PassProfile {
+        match self {
+            Scratch::Exact(scratch) => &mut scratch.profile,
+            Scratch::Fast(scratch) => &mut scratch.profile,
+        }
+    }
+}
+
 /// One conversation's state over a shared model: its sequence, the pool it computes on, scratch
 /// space, the logits of the last processed token and the activation format the fast path
 /// computes with.
@@ -119,6 +129,8 @@ pub struct Session {
     /// The logits of each step of the last batched call, [steps x vocab]; grows to the largest
     /// batch once.
     batch_logits: Vec<f32>,
+    /// What the passes recorded (router choices, decode phase times), for the engine to report.
+    profile: SharedProfile,
 }
 
 impl Session {
@@ -143,6 +155,10 @@ impl Session {
             sequence: Sequence::new(&model, context_limit, kv),
             logits: vec![0.0; c.vocab_size],
             batch_logits: Vec::new(),
+            profile: Arc::new(std::sync::Mutex::new(ProfileCounts::new(
+                c.num_hidden_layers,
+                c.num_local_experts,
+            ))),
             activations: model.activations,
             scratch,
             pool,
@@ -176,6 +192,26 @@ impl Session {
             let config = &self.model.config;
             self.pool
                 .broadcast(|_| fast::prepare_thread_scratch(config));
+        }
+    }
+
+    /// The figures the passes fold into after every call: the router's choices per layer and
+    /// expert, and the phase times of decode steps. The holder drains them with
+    /// [`ProfileCounts::take_into`].
+    pub fn profile(&self) -> SharedProfile {
+        Arc::clone(&self.profile)
+    }
+
+    /// Turns the timing of decode phases on or off (the router's choices are counted either way).
+    pub fn set_profile_timing(&mut self, on: bool) {
+        self.scratch.profile().set_timing(on);
+    }
+
+    /// Adds what the scratch recorded to the shared figures, unless their reader holds them just
+    /// now (then the next call adds both).
+    fn fold_profile(&mut self) {
+        if let Ok(mut shared) = self.profile.try_lock() {
+            self.scratch.profile().fold_into(&mut shared);
         }
     }
 
@@ -438,6 +474,7 @@ impl Session {
         for step in steps.iter_mut() {
             step.sequence.tokens.extend_from_slice(step.tokens);
         }
+        self.fold_profile();
         Ok(())
     }
 
@@ -479,6 +516,7 @@ impl Session {
                 sequence.tokens.extend_from_slice(chunk);
             }
         });
+        self.fold_profile();
     }
 }
 

@@ -146,6 +146,14 @@ impl RemoteWorker {
                 Command::ApplySettings(next) => self.apply_settings(*next),
                 // The server keeps its own KV cache; a reopened chat has nothing to restore here.
                 Command::Resume(_) => {}
+                // The weights are read on the server: this machine's bandwidth is no ceiling of
+                // that decode, so the answer says there is none (0 GB/s).
+                Command::MeasureBandwidth => {
+                    let _ = self.events.send(Event::Bandwidth {
+                        gigabytes_per_second: 0.0,
+                        threads: 0,
+                    });
+                }
                 Command::Shutdown => return,
             }
         }

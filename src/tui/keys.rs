@@ -38,6 +38,10 @@ pub const KEY_BINDINGS: &[(&str, &str)] = &[
         "Left / Right (settings)",
         "change it; Enter edits text settings",
     ),
+    (
+        "F2",
+        "engine view: expert routing map, decode time shares, roofline",
+    ),
     ("F1 or ?", "this help (? when the input is empty)"),
     ("Ctrl-C / Ctrl-Q", "quit"),
 ];

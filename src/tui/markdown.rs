@@ -3,7 +3,8 @@
 
 use ratatui::style::{Color, Modifier, Style};
 use ratatui::text::{Line, Span};
-use unicode_width::UnicodeWidthChar;
+use unicode_segmentation::UnicodeSegmentation;
+use unicode_width::UnicodeWidthStr;
 
 /// Style of code, inline and in blocks.
 pub const CODE_STYLE: Style = Style::new().fg(Color::LightYellow);
@@ -220,11 +221,40 @@ pub(crate) fn is_invisible_format(character: char) -> bool {
     )
 }
 
-/// Display width of a string in terminal cells.
+/// Display width of a string in terminal cells, measured as the screen buffer places it: by
+/// grapheme cluster (a base character with its combining marks is one cluster), each as wide as
+/// its East Asian width and emoji presentation say. Call it on [`terminal_safe`] text: that has
+/// already dropped the invisible format characters (zero-width joiners, variation selectors) on
+/// whose width terminals disagree.
 pub fn text_width(text: &str) -> usize {
-    text.chars()
-        .map(|character| character.width().unwrap_or(0))
-        .sum()
+    text.graphemes(true).map(grapheme_width).sum()
+}
+
+/// Cells of one grapheme cluster. A cluster made only of zero-width characters (a combining mark
+/// with nothing to combine with) is dropped by the screen buffer, so it takes no cell.
+pub fn grapheme_width(grapheme: &str) -> usize {
+    grapheme.width()
+}
+
+/// `text` cut to at most `width` cells, whole grapheme clusters only; a cut ends in `…`.
+pub fn truncate_to_width(text: &str, width: usize) -> String {
+    if text_width(text) <= width {
+        return text.to_string();
+    }
+    let mut kept = String::new();
+    let mut used = 0;
+    for grapheme in text.graphemes(true) {
+        let cells = grapheme_width(grapheme);
+        if used + cells + 1 > width {
+            break;
+        }
+        kept.push_str(grapheme);
+        used += cells;
+    }
+    if width > 0 {
+        kept.push('…');
+    }
+    kept
 }
 
 /// Wraps styled lines to `width` cells, breaking at spaces where it can and inside words where a
@@ -245,16 +275,16 @@ fn wrap_line(line: &Line<'static>, width: usize, output: &mut Vec<Line<'static>>
     let mut in_spaces = false;
     for span in &line.spans {
         let style = line.style.patch(span.style);
-        for character in terminal_safe(&span.content).chars() {
-            let is_space = character == ' ';
+        for grapheme in terminal_safe(&span.content).graphemes(true) {
+            let is_space = grapheme == " ";
             if !is_space && in_spaces {
                 words.push(std::mem::take(&mut word));
                 in_spaces = false;
             }
             in_spaces |= is_space;
             match word.last_mut() {
-                Some((last_style, text)) if *last_style == style => text.push(character),
-                _ => word.push((style, character.to_string())),
+                Some((last_style, text)) if *last_style == style => text.push_str(grapheme),
+                _ => word.push((style, grapheme.to_string())),
             }
         }
     }
@@ -272,16 +302,17 @@ fn wrap_line(line: &Line<'static>, width: usize, output: &mut Vec<Line<'static>>
             used = 0;
         }
         for (style, text) in word {
-            for character in text.chars() {
-                let cell = character.width().unwrap_or(0);
+            // By cluster, so a line never breaks between a character and its combining marks.
+            for grapheme in text.graphemes(true) {
+                let cell = grapheme_width(grapheme);
                 if used + cell > width {
-                    if character == ' ' {
+                    if grapheme == " " {
                         continue;
                     }
                     output.push(Line::from(std::mem::take(&mut current)));
                     used = 0;
                 }
-                push_char(&mut current, style, character);
+                push_grapheme(&mut current, style, grapheme);
                 used += cell;
             }
         }
@@ -294,10 +325,10 @@ fn trailing_spaces(word: &[(Style, String)]) -> usize {
         .map_or(0, |(_, text)| text.len() - text.trim_end_matches(' ').len())
 }
 
-fn push_char(spans: &mut Vec<Span<'static>>, style: Style, character: char) {
+fn push_grapheme(spans: &mut Vec<Span<'static>>, style: Style, grapheme: &str) {
     match spans.last_mut() {
-        Some(span) if span.style == style => span.content.to_mut().push(character),
-        _ => spans.push(Span::styled(character.to_string(), style)),
+        Some(span) if span.style == style => span.content.to_mut().push_str(grapheme),
+        _ => spans.push(Span::styled(grapheme.to_string(), style)),
     }
 }
 

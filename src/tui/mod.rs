@@ -4,8 +4,11 @@
 
 pub mod chat_file;
 pub mod clipboard;
+pub mod demo;
+pub mod engine_view;
 pub mod gauges;
 pub mod input;
+pub mod insight;
 pub mod keys;
 pub mod markdown;
 pub mod settings_panel;

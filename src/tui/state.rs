@@ -10,8 +10,10 @@ use crate::settings::change_notice;
 use crate::tui::chat_file::{
     ChatFile, ChatFileExtras, ChatSnapshot, GenerateJob, STREAM_SAVE_INTERVAL,
 };
+use crate::tui::demo::{Action as DemoAction, Demo, View as DemoView};
 use crate::tui::gauges::Gauges;
 use crate::tui::input::{self, InputBox};
+use crate::tui::insight::Insight;
 use crate::tui::settings_panel::SettingsPanel;
 use crate::tui::store::{ChatStore, SavedChat, StoreOutcome, StoreRequest};
 use crate::tui::transcript::{Reply, ReplyStatus, Transcript, Turn};
@@ -46,6 +48,8 @@ pub enum Msg {
     KeysDrawn(Vec<Duration>),
     /// Something the loop could not do, for the status line.
     Notice(String),
+    /// The demo's clock ([`crate::tui::demo::TICK`]); the loop sends it while a demo plays.
+    Tick,
 }
 
 /// Work for the loop, outside the state.
@@ -126,6 +130,12 @@ pub struct App {
     pub engine: EngineStatus,
     /// Transient message for the status line (last action's result or a warning).
     pub notice: Option<String>,
+    /// Routing and decode-time figures for the engine view.
+    pub insight: Insight,
+    /// The engine view (F2) is shown.
+    pub engine_view: bool,
+    /// The scripted session of `--demo`, while it plays.
+    pub demo: Option<Demo>,
     requests: Requests,
     /// Effects of the message being handled, returned by [`App::update`].
     effects: Vec<Effect>,
@@ -143,12 +153,75 @@ impl App {
             overlay: None,
             engine,
             notice: None,
+            insight: Insight::default(),
+            engine_view: false,
+            demo: None,
             requests: Requests {
                 active: None,
                 next_id: 1,
                 pending_kind: RequestKind::NewTurn,
             },
             effects: Vec::new(),
+        }
+    }
+
+    /// Starts the scripted demo: the engine view opens and the script plays on [`Msg::Tick`].
+    pub fn start_demo(&mut self, now: Instant) {
+        self.demo = Some(Demo::new(now));
+        self.show_engine_view(true);
+        self.notice = Some("Demo: any key stops it".to_string());
+    }
+
+    /// Whether the loop should send [`Msg::Tick`].
+    pub fn wants_ticks(&self) -> bool {
+        self.demo.is_some()
+    }
+
+    fn show_engine_view(&mut self, show: bool) {
+        self.engine_view = show;
+        if show {
+            self.request_bandwidth(None);
+        }
+    }
+
+    /// Asks the engine to measure the memory bandwidth unless it did for `threads` threads (any
+    /// count when `None`) or a measurement is under way.
+    fn request_bandwidth(&mut self, threads: Option<usize>) {
+        let measured = match (self.insight.bandwidth, threads) {
+            (Some((_, with)), Some(threads)) => with == threads,
+            (Some(_), None) => true,
+            (None, _) => false,
+        };
+        if !measured
+            && !self.insight.bandwidth_pending
+            && !self.insight.bandwidth_elsewhere
+            && self.engine_ready()
+        {
+            self.insight.bandwidth_pending = true;
+            self.effects.push(Effect::Engine(Command::MeasureBandwidth));
+        }
+    }
+
+    fn on_tick(&mut self, now: Instant) {
+        let Some(demo) = &mut self.demo else {
+            return;
+        };
+        let view = DemoView {
+            ready: self.engine == EngineStatus::Ready,
+            generating: self.requests.active.is_some(),
+            serving_weights: self.gauges.stats.as_ref().map(|stats| stats.weight_format),
+            settings: &self.settings.current,
+        };
+        match demo.tick(view, now) {
+            DemoAction::Wait => {}
+            DemoAction::Say(text) => self.notice = Some(format!("{text} · any key stops the demo")),
+            DemoAction::Type(text) => {
+                self.focus = Focus::Input;
+                self.input.paste(&text);
+            }
+            DemoAction::Send => self.send_input(now),
+            DemoAction::Apply(next) => self.change_settings(next),
+            DemoAction::NewChat => self.new_chat(),
         }
     }
 
@@ -265,6 +338,7 @@ impl App {
                 }
             }
             Msg::Notice(text) => self.notice = Some(text),
+            Msg::Tick => self.on_tick(now),
         }
         std::mem::take(&mut self.effects)
     }
@@ -338,8 +412,15 @@ impl App {
             self.effects.push(Effect::Quit);
             return;
         }
+        if self.demo.take().is_some() {
+            self.notice = Some("Demo stopped: the app is yours".to_string());
+            return;
+        }
         if self.overlay.is_some() {
             return self.on_overlay_key(key);
+        }
+        if key.code == KeyCode::F(2) {
+            return self.show_engine_view(!self.engine_view);
         }
         let question_opens_help =
             key.code == KeyCode::Char('?') && (self.focus != Focus::Input || self.input.is_empty());
@@ -692,6 +773,10 @@ impl App {
     }
 
     fn autosave(&mut self) {
+        // The demo's scripted chats are not the user's: they stay out of the chats directory.
+        if self.demo.is_some() {
+            return;
+        }
         if let Some(request) = self.save_request() {
             self.effects.push(Effect::Store(request));
         }
@@ -773,7 +858,20 @@ impl App {
                         self.gauges.push_decode_rate(rate);
                     }
                 }
+                if self.engine_view {
+                    self.request_bandwidth(Some(sample.threads));
+                }
                 self.gauges.stats = Some(sample);
+            }
+            Event::Profile(sample) => self.insight.record(&sample),
+            Event::Bandwidth {
+                gigabytes_per_second,
+                threads,
+            } => {
+                self.insight.bandwidth_pending = false;
+                self.insight.bandwidth_elsewhere = gigabytes_per_second <= 0.0;
+                self.insight.bandwidth =
+                    (gigabytes_per_second > 0.0).then_some((gigabytes_per_second, threads));
             }
             Event::EngineGauges(rows) => self.gauges.engine_rows = rows,
             Event::SettingsFixed { keys, shown_as } => self.settings.fix(keys, shown_as),
@@ -815,6 +913,13 @@ impl App {
                 self.gauges.settings_progress = Some((what, done, total))
             }
             Event::SettingsApplied(applied) => {
+                let serving = self.settings.engine.as_ref();
+                if serving.is_some_and(|serving| {
+                    serving.threads != applied.threads
+                        || serving.weight_format != applied.weight_format
+                }) {
+                    self.insight.reset_timing();
+                }
                 if applied.weight_format == self.settings.current.weight_format {
                     self.gauges.settings_progress = None;
                 }

@@ -2,7 +2,7 @@
 
 use crate::settings::{Cost, SETTINGS};
 use crate::tui::keys::KEY_BINDINGS;
-use crate::tui::markdown::{terminal_safe, text_width};
+use crate::tui::markdown::{terminal_safe, truncate_to_width};
 use crate::tui::state::{App, EngineStatus, Focus, Overlay};
 use crate::tui::transcript::{ReplyStatus, ERROR_STYLE};
 use ratatui::layout::{Constraint, Layout, Rect};
@@ -13,6 +13,9 @@ use ratatui::Frame;
 
 /// Width of the gauges and settings column.
 const SIDE_PANEL_WIDTH: u16 = 38;
+/// Rows of the gauges box: its borders, the decode row and its two-row sparkline, and 13 gauges
+/// (key→screen last).
+const GAUGES_ROWS: u16 = 18;
 /// Below this terminal width the side panel is hidden (the status line still says what happens).
 const SIDE_PANEL_MIN_TERMINAL_WIDTH: u16 = 90;
 /// The command the README gives for getting the real checkpoint.
@@ -22,6 +25,8 @@ pub const DOWNLOAD_COMMAND: &str = "huggingface-cli download openai/gpt-oss-20b 
 struct ScreenLayout {
     title: Rect,
     conversation: Rect,
+    /// The engine view (F2), beside the conversation or in its place.
+    engine: Option<Rect>,
     input: Rect,
     /// `None` on a screen too narrow for the side panel.
     side: Option<Rect>,
@@ -45,19 +50,53 @@ fn screen_layout(area: Rect, app: &App) -> ScreenLayout {
     let input_rows = (app.input.lines().len() as u16).clamp(1, 8) + 2;
     let [conversation, input] =
         Layout::vertical([Constraint::Min(3), Constraint::Length(input_rows)]).areas(left_area);
+    let (conversation, engine) = if app.engine_view {
+        engine_view_split(conversation, app.insight.experts)
+    } else {
+        (conversation, None)
+    };
     ScreenLayout {
         title,
         conversation,
+        engine,
         input,
         side: show_side.then_some(side_area),
         status,
     }
 }
 
+/// Narrowest conversation kept beside the engine view; a narrower screen shows the view in its
+/// place.
+const CONVERSATION_MIN_BESIDE_VIEW: u16 = 40;
+
+/// Narrowest engine view placed beside the conversation: its time bars need the room even for a
+/// model with few experts.
+const VIEW_MIN_WIDTH: u16 = 56;
+
+/// The conversation and engine view areas within `area`: side by side when both fit, else the
+/// view alone (the conversation keeps a zero-width area and streams on underneath).
+fn engine_view_split(area: Rect, experts: usize) -> (Rect, Option<Rect>) {
+    let experts = if experts == 0 { 32 } else { experts };
+    let wanted = crate::tui::engine_view::preferred_width(experts).max(VIEW_MIN_WIDTH);
+    if area.width >= wanted + CONVERSATION_MIN_BESIDE_VIEW {
+        let [conversation, view] =
+            Layout::horizontal([Constraint::Min(0), Constraint::Length(wanted)]).areas(area);
+        (conversation, Some(view))
+    } else {
+        (Rect { width: 0, ..area }, Some(area))
+    }
+}
+
 /// The conversation pane's inner (width, height) on a screen of `area`: what the loop tells the
 /// app before each draw ([`crate::tui::Msg::Layout`]).
 pub fn conversation_viewport(area: Rect, app: &App) -> (u16, u16) {
-    let inner = focused_block("", false).inner(screen_layout(area, app).conversation);
+    let layout = screen_layout(area, app);
+    // Hidden behind the engine view, the conversation keeps the full width it wraps to.
+    let conversation = match layout.engine {
+        Some(view) if layout.conversation.width == 0 => view,
+        _ => layout.conversation,
+    };
+    let inner = focused_block("", false).inner(conversation);
     (inner.width, inner.height)
 }
 
@@ -65,12 +104,18 @@ pub fn conversation_viewport(area: Rect, app: &App) -> (u16, u16) {
 pub fn draw(frame: &mut Frame, app: &App) {
     let layout = screen_layout(frame.area(), app);
     frame.render_widget(Paragraph::new(title_line(app)), layout.title);
-    draw_conversation(frame, app, layout.conversation);
+    if layout.conversation.width > 0 {
+        draw_conversation(frame, app, layout.conversation);
+    }
+    if let Some(view) = layout.engine {
+        crate::tui::engine_view::draw(frame, &app.insight, view);
+    }
     draw_input(frame, app, layout.input);
     let status_area = layout.status;
     if let Some(side_area) = layout.side {
         let [gauges_area, settings_area] =
-            Layout::vertical([Constraint::Length(17), Constraint::Min(3)]).areas(side_area);
+            Layout::vertical([Constraint::Length(GAUGES_ROWS), Constraint::Min(3)])
+                .areas(side_area);
         draw_gauges(frame, app, gauges_area);
         draw_settings(frame, app, settings_area);
     }
@@ -463,17 +508,11 @@ fn draw_settings(frame: &mut Frame, app: &App, area: Rect) {
         .enumerate()
         .map(|(index, setting)| {
             let fixed = app.settings.fixed_value(setting);
-            let mut value = match fixed {
+            let value = match fixed {
                 Some(shown_as) => shown_as.to_string(),
                 None => terminal_safe(&setting.display(&app.settings.current)).into_owned(),
             };
-            if text_width(&value) > value_width {
-                value = value
-                    .chars()
-                    .take(value_width.saturating_sub(1))
-                    .collect::<String>()
-                    + "…";
-            }
+            let value = truncate_to_width(&value, value_width);
             let selected = focused && index == app.settings.cursor;
             let mut style = if selected {
                 Style::new().add_modifier(Modifier::REVERSED)

@@ -5,6 +5,7 @@ use super::jobs::{fold_rows, Job};
 use super::{FastPass, Scratch};
 use crate::model::ops::{add_bias_rows, add_weighted, swiglu, MAX_EXPERTS_PER_TOKEN};
 use crate::model::options::Product;
+use crate::model::profile::Phase;
 use crate::model::weights::Layer;
 
 impl FastPass<'_> {
@@ -45,6 +46,7 @@ impl FastPass<'_> {
             add_bias_rows(gate_up, layer.gate_up.bias(expert));
             let activated = &mut s.activated[slot * inter..(slot + 1) * inter];
             swiglu(c, gate_up, activated);
+            let outer = s.profile.enter(Phase::Quantization);
             s.work.quantize(
                 self.kernels,
                 activated,
@@ -52,6 +54,7 @@ impl FastPass<'_> {
                 down_split,
                 &mut s.activated_q[slot],
             );
+            s.profile.enter(outer);
         }
 
         let activated_q = &s.activated_q;

@@ -17,6 +17,7 @@ use super::convert::{DenseMatrix, FastLayer, FastWeights};
 use super::kv::{KvElement, LayerKv, LayerKvOf};
 use super::ops::{add_bias_rows, add_into, embed_tokens, rms_norm_rows, route_token};
 use super::options::{ActivationFormat, Product};
+use super::profile::{PassProfile, Phase};
 use super::rope::{apply_rope_rows, RopeTable};
 use super::session::SequenceStep;
 use super::team::Team;
@@ -61,6 +62,8 @@ pub struct Scratch {
     /// The unembedding's output.
     logits: Vec<f32>,
     work: Work,
+    /// The router's choices and a decode step's phase times, for the engine's live views.
+    pub profile: PassProfile,
 }
 
 impl Scratch {
@@ -112,6 +115,7 @@ impl Scratch {
             moe_out: vec![0.0; n * h],
             logits: vec![0.0; 2 * c.vocab_size],
             work: Work::new(blocked, n * h.max(i).max(qw)),
+            profile: PassProfile::new(c.num_hidden_layers, e),
         }
     }
 }
@@ -159,6 +163,8 @@ impl FastPass<'_> {
         let h = c.hidden_size;
         let half = c.head_dim / 2;
         let eps = c.rms_norm_eps;
+        let rows: usize = steps.iter().map(|step| step.tokens.len()).sum();
+        s.profile.begin(rows, steps.len(), Phase::Rest);
         let mut n = 0;
         for step in steps.iter() {
             let len = step.tokens.len();
@@ -180,7 +186,9 @@ impl FastPass<'_> {
                 eps,
                 &mut s.normed[..n * h],
             );
+            s.profile.enter(Phase::Attention);
             self.attention(layer, fast, l, steps, n, s);
+            s.profile.enter(Phase::Rest);
             add_into(&mut s.x[..n * h], &s.proj[..n * h]);
             rms_norm_rows(
                 &s.x[..n * h],
@@ -188,9 +196,12 @@ impl FastPass<'_> {
                 eps,
                 &mut s.normed[..n * h],
             );
-            self.mixture_of_experts(layer, n, s);
+            s.profile.enter(Phase::Experts);
+            self.mixture_of_experts(layer, l, n, s);
+            s.profile.enter(Phase::Rest);
             add_into(&mut s.x[..n * h], &s.moe_out[..n * h]);
         }
+        s.profile.enter(Phase::Unembedding);
 
         let vocab = c.vocab_size;
         let lm_head = &self.fast.lm_head;
@@ -210,10 +221,12 @@ impl FastPass<'_> {
             // row).
             for r in 0..n {
                 let x = &s.normed[r * h..(r + 1) * h];
-                self.project(lm_head, x, 1, &mut s.normed_q, &mut s.work, &mut s.logits);
+                let (xq, work, row_logits) = (&mut s.normed_q, &mut s.work, &mut s.logits);
+                self.project(lm_head, x, 1, xq, work, row_logits, &mut s.profile);
                 out.extend_from_slice(&s.logits[..vocab]);
             }
             logits[..vocab].copy_from_slice(&s.logits[..vocab]);
+            s.profile.end();
             return;
         }
         // Only each step's last row goes through the final norm and the unembedding, all rows in
@@ -242,8 +255,10 @@ impl FastPass<'_> {
             &mut s.normed_q,
             &mut s.work,
             &mut s.logits,
+            &mut s.profile,
         );
         logits[..rows * vocab].copy_from_slice(&s.logits[..rows * vocab]);
+        s.profile.end();
     }
 
     /// Self-attention of the `n` rows of `steps`, each step's rows over its own cache of layer
@@ -262,7 +277,15 @@ impl FastPass<'_> {
         let a = &layer.attention;
         let normed = &s.normed[..n * h];
 
-        let (q, k, v) = self.project_qkv(fast, normed, n, &mut s.normed_q, &mut s.work, &mut s.qkv);
+        let (q, k, v) = self.project_qkv(
+            fast,
+            normed,
+            n,
+            &mut s.normed_q,
+            &mut s.work,
+            &mut s.qkv,
+            &mut s.profile,
+        );
         add_bias_rows(q, &a.q.bias);
         add_bias_rows(k, &a.k.bias);
         add_bias_rows(v, &a.v.bias);
@@ -297,7 +320,8 @@ impl FastPass<'_> {
             row += len;
         }
         let attn = &s.attn[..n * qw];
-        self.project(&fast.o, attn, n, &mut s.attn_q, &mut s.work, &mut s.proj);
+        let (xq, work, out) = (&mut s.attn_q, &mut s.work, &mut s.proj);
+        self.project(&fast.o, attn, n, xq, work, out, &mut s.profile);
         add_bias_rows(&mut s.proj[..n * h], &a.o.bias);
     }
 
@@ -320,7 +344,7 @@ impl FastPass<'_> {
 
     /// The router's choices for each token, then the routed experts' outputs, weighted, summed
     /// into `s.moe_out`.
-    fn mixture_of_experts(&self, layer: &Layer, n: usize, s: &mut Scratch) {
+    fn mixture_of_experts(&self, layer: &Layer, l: usize, n: usize, s: &mut Scratch) {
         let c = self.config;
         let (h, e, top_k) = (c.hidden_size, c.num_local_experts, c.num_experts_per_tok);
         // The router stays exact: top-k choices are sensitive to small errors.
@@ -334,8 +358,11 @@ impl FastPass<'_> {
                 s.routes[expert].push((i, weight))
             });
         }
+        let routes = &s.routes;
+        s.profile.routed(l, |expert| routes[expert].len());
 
         let split = self.activations.split(Product::ExpertGateUp);
+        let outer = s.profile.enter(Phase::Quantization);
         s.work.quantize(
             self.kernels,
             &s.normed[..n * h],
@@ -343,6 +370,7 @@ impl FastPass<'_> {
             split,
             &mut s.expert_in_q,
         );
+        s.profile.enter(outer);
         s.moe_out[..n * h].fill(0.0);
         if n == 1 {
             self.decode_experts(layer, s);
@@ -367,6 +395,7 @@ impl FastPass<'_> {
 
     /// q, k and v of the `n` token rows of `x`, in one parallel region; returns them token-major
     /// ([n x q_width], [n x kv_width] twice), without bias.
+    #[allow(clippy::too_many_arguments)]
     fn project_qkv<'o>(
         &self,
         fast: &FastLayer,
@@ -375,11 +404,13 @@ impl FastPass<'_> {
         xq: &mut Q8Activations,
         work: &mut Work,
         qkv: &'o mut [f32],
+        profile: &mut PassProfile,
     ) -> (&'o mut [f32], &'o mut [f32], &'o mut [f32]) {
         let c = self.config;
         let (h, qw, kvw) = (c.hidden_size, c.q_width(), c.kv_width());
         let matrices = [&fast.q, &fast.k, &fast.v];
         if matrices.iter().any(|m| m.needs_quantized_input()) {
+            let outer = profile.enter(Phase::Quantization);
             work.quantize(
                 self.kernels,
                 x,
@@ -387,6 +418,7 @@ impl FastPass<'_> {
                 self.activations.split(Product::Dense),
                 xq,
             );
+            profile.enter(outer);
         }
         let (pq, pk, pv) = (
             self.rows_per_token(&fast.q),
@@ -412,6 +444,7 @@ impl FastPass<'_> {
 
     /// `out[..n * rows] = W x` for the `n` token rows of `x` (quantized into `xq` first when `w`
     /// takes int8 input); `out` has room for two rows per token until they are folded.
+    #[allow(clippy::too_many_arguments)]
     fn project(
         &self,
         w: &DenseMatrix,
@@ -420,8 +453,10 @@ impl FastPass<'_> {
         xq: &mut Q8Activations,
         work: &mut Work,
         out: &mut [f32],
+        profile: &mut PassProfile,
     ) {
         if w.needs_quantized_input() {
+            let outer = profile.enter(Phase::Quantization);
             work.quantize(
                 self.kernels,
                 x,
@@ -429,6 +464,7 @@ impl FastPass<'_> {
                 self.activations.split(Product::Dense),
                 xq,
             );
+            profile.enter(outer);
         }
         let (per_token, rows) = (self.rows_per_token(w), w.rows());
         let job = Job::dense(w, xq, x, per_token * n, 0);

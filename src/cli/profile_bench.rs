@@ -1,0 +1,161 @@
+//! `ossterm bench --profile`: what the engine view's counters cost, and what they show. Decodes
+//! the same tokens from the same context with the decode phase timers on and off, alternating
+//! which goes first in each round, and compares the medians; then prints where a decode step's
+//! time went and the step's memory traffic against the machine's read bandwidth.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::bench::probe::{read_bandwidth_gbps, CpuInfo};
+use crate::bench::stats::Summary;
+use crate::model::profile::{boundary_cost_nanos, Phase, ProfileCounts};
+use crate::model::Model;
+
+use super::output;
+
+/// Tokens of the prompt every run decodes after.
+const PROMPT_TOKENS: usize = 32;
+
+/// Decode rates (tokens/s) of `rounds` runs with the timers on and as many with them off.
+pub fn run(
+    model: &Arc<Model>,
+    pool: &Arc<rayon::ThreadPool>,
+    gen_tokens: usize,
+    rounds: usize,
+) -> anyhow::Result<()> {
+    let vocab = model.config.vocab_size;
+    let prompt: Vec<u32> = (0..PROMPT_TOKENS)
+        .map(|i| ((i * 7919 + 13) % vocab) as u32)
+        .collect();
+    let mut session = model.new_session(pool, PROMPT_TOKENS + gen_tokens + 1);
+    let profile = session.profile();
+    session.prefill(&prompt)?;
+    let mut rates = [Vec::new(), Vec::new()];
+    let mut shown = ProfileCounts::default();
+    let mut taken = ProfileCounts::default();
+    let decode = |session: &mut crate::model::Session, timing: bool| -> anyhow::Result<f64> {
+        session.truncate(PROMPT_TOKENS);
+        session.set_profile_timing(timing);
+        let mut token = prompt[PROMPT_TOKENS - 1];
+        let started = Instant::now();
+        for _ in 0..gen_tokens {
+            let logits = session.decode(token)?;
+            token = crate::engine::sampler::argmax(logits).unwrap_or(0);
+        }
+        Ok(gen_tokens as f64 / started.elapsed().as_secs_f64())
+    };
+    let pool_for_runs = Arc::clone(pool);
+    pool_for_runs.install(|| -> anyhow::Result<()> {
+        for round in 0..rounds {
+            output::note!("round {} of {rounds}", round + 1);
+            // Alternating which goes first cancels a drift of the machine's speed within a round.
+            let order = if round % 2 == 0 {
+                [true, false]
+            } else {
+                [false, true]
+            };
+            for timing in order {
+                let rate = decode(&mut session, timing)?;
+                rates[usize::from(timing)].push(rate);
+                if let Ok(mut counts) = profile.lock() {
+                    counts.take_into(&mut taken);
+                }
+                if timing {
+                    accumulate(&mut shown, &taken);
+                }
+            }
+        }
+        Ok(())
+    })?;
+    let off = Summary::of(&rates[0]).median;
+    let on = Summary::of(&rates[1]).median;
+    let threads = pool.current_num_threads();
+    let bandwidth = read_bandwidth_gbps(threads);
+    let bytes = model.decode_bytes_per_token(PROMPT_TOKENS + gen_tokens / 2);
+    let mut out = output::stdout();
+    writeln!(out, "cpu: {}", CpuInfo::current())?;
+    writeln!(
+        out,
+        "model: {}, {threads} threads, {}",
+        model.source,
+        model.weights_description()
+    )?;
+    writeln!(
+        out,
+        "decode {gen_tokens} tokens x {rounds} rounds, interleaved; median tok/s"
+    )?;
+    writeln!(
+        out,
+        "  counters off  {off:8.2} tok/s  {:?}",
+        rounded(&rates[0])
+    )?;
+    writeln!(
+        out,
+        "  counters on   {on:8.2} tok/s  {:?}",
+        rounded(&rates[1])
+    )?;
+    writeln!(
+        out,
+        "  overhead      {:+.2}% (positive: slower with the counters)",
+        (off / on - 1.0) * 100.0
+    )?;
+    let steps = shown.steps.max(1) as f64;
+    // The same cost counted rather than timed: clock reads per step x what one costs here.
+    let per_boundary = boundary_cost_nanos(1_000_000);
+    let boundaries = shown.boundaries as f64 / steps;
+    let step_nanos = 1e9 / on;
+    writeln!(
+        out,
+        "  counted       {boundaries:.0} clock reads per step x {per_boundary:.1} ns = {:.2} us of a {:.2} ms step ({:.4}%)",
+        boundaries * per_boundary / 1e3,
+        step_nanos / 1e6,
+        boundaries * per_boundary / step_nanos * 100.0
+    )?;
+    let inside: u64 = shown.nanos.iter().sum();
+    let step_ms = 1000.0 / on;
+    writeln!(
+        out,
+        "decode step {step_ms:.2} ms, of which the forward pass {:.2} ms:",
+        inside as f64 / steps / 1e6
+    )?;
+    for phase in Phase::ALL {
+        let ms = shown.nanos[phase as usize] as f64 / steps / 1e6;
+        writeln!(
+            out,
+            "  {:<13}{ms:8.2} ms  {:5.1}%",
+            phase.name(),
+            ms / step_ms * 100.0
+        )?;
+    }
+    let outside = (step_ms - inside as f64 / steps / 1e6).max(0.0);
+    writeln!(
+        out,
+        "  {:<13}{outside:8.2} ms  {:5.1}%",
+        "outside",
+        outside / step_ms * 100.0
+    )?;
+    let used = bytes as f64 * on / 1e9;
+    writeln!(
+        out,
+        "memory: {:.3} GB/token x {on:.2} tok/s = {used:.2} GB/s of {bandwidth:.2} GB/s read bandwidth: decode at {:.0}%",
+        bytes as f64 / 1e9,
+        used / bandwidth * 100.0
+    )?;
+    out.flush()?;
+    Ok(())
+}
+
+fn accumulate(total: &mut ProfileCounts, part: &ProfileCounts) {
+    for (sum, value) in total.nanos.iter_mut().zip(part.nanos) {
+        *sum += value;
+    }
+    total.steps += part.steps;
+    total.boundaries += part.boundaries;
+}
+
+fn rounded(rates: &[f64]) -> Vec<f64> {
+    rates
+        .iter()
+        .map(|rate| (rate * 100.0).round() / 100.0)
+        .collect()
+}
