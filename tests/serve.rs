@@ -46,6 +46,7 @@ impl Server {
             // the 413 instead of a reset connection.
             max_body_bytes: 256 << 10,
             handle_signals: false,
+            drain_grace: Duration::ZERO,
         };
         let running = start(session, options, listener).unwrap();
         let base = format!("http://{}", running.addr);
@@ -98,6 +99,10 @@ impl Server {
 
     fn stop(mut self) {
         self.running.take().unwrap().stop().unwrap();
+    }
+
+    fn drain(mut self, grace: Duration) {
+        self.running.take().unwrap().drain(grace).unwrap();
     }
 }
 
@@ -451,6 +456,96 @@ fn stopping_the_server_ends_running_streams() {
     let started = Instant::now();
     server.stop();
     assert!(started.elapsed() < Duration::from_secs(5));
+    let events = reader.join().unwrap();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let error: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("shutting down"),
+        "{error}"
+    );
+}
+
+/// The `data:` payloads of a streamed chat started on another thread.
+fn stream_in_background(server: &Server, body: String) -> std::thread::JoinHandle<Vec<String>> {
+    let url = server.url("/v1/chat/completions");
+    std::thread::spawn(move || {
+        let response = agent().post(&url).send_string(&body).unwrap();
+        BufReader::new(response.into_reader())
+            .lines()
+            .map_while(Result::ok)
+            .filter_map(|line| line.strip_prefix("data: ").map(str::to_owned))
+            .collect()
+    })
+}
+
+#[test]
+fn draining_refuses_new_requests_and_lets_running_ones_finish() {
+    let server = Server::start(Precision::Fast, options(2, 4096, 4), None);
+    let reader = stream_in_background(
+        &server,
+        chat(
+            user("long"),
+            json!({"max_tokens": 300, "stream": true, "stream_options": {"include_usage": true}}),
+        ),
+    );
+    server.wait_for_metric("ossterm_tokens_generated_total", |v| v > 0.0);
+    let url = server.url("/v1/chat/completions");
+    let probe = chat(user("late"), json!({"max_tokens": 2}));
+    std::thread::scope(|scope| {
+        let draining = scope.spawn(|| server.drain(Duration::from_secs(120)));
+        // Once the drain has begun, a new request is refused: 503 while the listener is still
+        // open, a refused connection after. Requests sent just before are served like the rest.
+        let until = Instant::now() + Duration::from_secs(30);
+        loop {
+            match agent().post(&url).send_string(&probe) {
+                Err(ureq::Error::Status(status, response)) => {
+                    assert_eq!(status, 503);
+                    let body: Value =
+                        serde_json::from_str(&response.into_string().unwrap()).unwrap();
+                    assert_eq!(body["error"]["code"], "shutting_down", "{body}");
+                    break;
+                }
+                Err(ureq::Error::Transport(_)) => break,
+                Ok(_) => assert!(Instant::now() < until, "still accepting requests"),
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        draining.join().unwrap();
+    });
+    let events = reader.join().unwrap();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    assert!(
+        events.iter().all(|e| !e.contains("\"error\"")),
+        "a drained stream got an error: {events:?}"
+    );
+    let usage: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    let finish = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .find_map(|v| v["choices"][0]["finish_reason"].as_str().map(str::to_owned));
+    assert!(
+        matches!(finish.as_deref(), Some("length" | "stop")),
+        "{events:?}"
+    );
+    if finish.as_deref() == Some("length") {
+        assert_eq!(usage["usage"]["completion_tokens"], 300, "{usage}");
+    }
+}
+
+#[test]
+fn draining_cancels_what_still_runs_after_the_grace_time() {
+    let server = Server::start(Precision::Fast, options(2, 4096, 4), None);
+    let reader = stream_in_background(
+        &server,
+        chat(user("long"), json!({"max_tokens": 4000, "stream": true})),
+    );
+    server.wait_for_metric("ossterm_tokens_generated_total", |v| v > 0.0);
+    let started = Instant::now();
+    server.drain(Duration::from_millis(50));
+    assert!(started.elapsed() < Duration::from_secs(10));
     let events = reader.join().unwrap();
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     let error: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();

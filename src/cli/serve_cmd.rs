@@ -31,6 +31,10 @@ pub struct ServeArgs {
     /// Prompt tokens prefilled per step while other sequences decode (bounds their stall).
     #[arg(long, default_value_t = 64, value_name = "N")]
     pub prefill_chunk: usize,
+    /// On SIGTERM or Ctrl-C, seconds running requests get to finish before they are cancelled
+    /// (a second signal cancels them at once).
+    #[arg(long, default_value_t = 30, value_name = "SECONDS")]
+    pub drain_seconds: u64,
     /// Compute with the exact reference path (slow; for checks).
     #[arg(long)]
     pub exact: bool,
@@ -73,6 +77,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         model_id: model_id.clone(),
         max_body_bytes: crate::server::MAX_BODY_BYTES,
         handle_signals: true,
+        drain_grace: std::time::Duration::from_secs(args.drain_seconds),
     };
     let server = crate::server::start(session, options, listener)?;
     eprintln!(

@@ -120,7 +120,8 @@ pub struct SchedulerOptions {
 
 enum Command {
     Submit(Job),
-    Shutdown,
+    /// Finish what was accepted, cancelling whatever still runs at the deadline.
+    Drain(Instant),
 }
 
 /// The HTTP side's handle on the scheduler thread.
@@ -186,11 +187,18 @@ impl Scheduler {
         })
     }
 
-    /// Cancels every running and waiting request (their clients get an error event) and stops
-    /// the thread.
-    pub fn shutdown(&self) {
+    /// Refuses new requests from now on; the thread finishes the running and waiting ones and
+    /// stops, cancelling (their clients get an error event) those still running after `grace`.
+    /// Returns at once; a later call with a shorter grace brings the deadline forward.
+    pub fn drain(&self, grace: Duration) {
         self.shutting_down.store(true, Ordering::Release);
-        let _ = self.commands.send(Command::Shutdown);
+        let _ = self.commands.send(Command::Drain(Instant::now() + grace));
+    }
+
+    /// Cancels every running and waiting request (their clients get an error event) and waits
+    /// for the thread to stop.
+    pub fn shutdown(&self) {
+        self.drain(Duration::ZERO);
         let thread = self.thread.lock().map(|mut t| t.take()).unwrap_or(None);
         if let Some(thread) = thread {
             let _ = thread.join();
@@ -267,8 +275,12 @@ impl Worker {
     }
 
     fn run(mut self, commands: Receiver<Command>) {
+        let mut deadline: Option<Instant> = None;
         loop {
             let busy = !self.waiting.is_empty() || self.slots.iter().any(|s| s.active.is_some());
+            if deadline.is_some() && !busy {
+                break;
+            }
             // Idle: block for the next command; busy: take what arrived and go on stepping.
             let first = if busy {
                 commands.try_recv().ok()
@@ -279,14 +291,15 @@ impl Worker {
                     Err(RecvTimeoutError::Disconnected) => break,
                 }
             };
-            let mut shutdown = false;
             for command in first.into_iter().chain(commands.try_iter()) {
                 match command {
                     Command::Submit(job) => self.waiting.push_back(job),
-                    Command::Shutdown => shutdown = true,
+                    Command::Drain(until) => {
+                        deadline = Some(deadline.map_or(until, |d| d.min(until)));
+                    }
                 }
             }
-            if shutdown {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
                 self.cancel_all("the server is shutting down");
                 break;
             }
