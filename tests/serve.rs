@@ -557,3 +557,110 @@ fn draining_cancels_what_still_runs_after_the_grace_time() {
         "{error}"
     );
 }
+
+#[test]
+fn the_responses_api_answers_whole_and_streamed_with_the_same_text() {
+    let server = Server::start(Precision::Exact, options(4, 1024, 8), None);
+    let url = server.url("/v1/responses");
+    let body = json!({"model": "synthetic-tiny", "instructions": "You answer briefly.",
+                      "input": [{"role": "user", "content": [{"type": "input_text", "text": "stream please"}]}],
+                      "reasoning": {"effort": "low"}, "max_output_tokens": 90, "seed": 3});
+    let (status, whole) = read_json(agent().post(&url).send_string(&body.to_string()));
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["object"], "response");
+    assert!(whole["id"].as_str().unwrap().starts_with("resp_"));
+    assert!(matches!(
+        whole["status"].as_str(),
+        Some("completed" | "incomplete")
+    ));
+    assert_eq!(whole["reasoning"]["effort"], "low");
+    assert_eq!(whole["instructions"], "You answer briefly.");
+    let usage = &whole["usage"];
+    assert_eq!(
+        usage["total_tokens"],
+        usage["input_tokens"].as_u64().unwrap() + usage["output_tokens"].as_u64().unwrap()
+    );
+    let text_of = |response: &Value, kind: &str| -> String {
+        response["output"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|item| item["type"] == kind)
+            .flat_map(|item| item["content"].as_array().unwrap().clone())
+            .map(|part| part["text"].as_str().unwrap().to_owned())
+            .collect()
+    };
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let response = agent()
+        .post(&url)
+        .send_string(&streamed.to_string())
+        .unwrap();
+    assert_eq!(response.header("content-type"), Some("text/event-stream"));
+    let mut kinds = Vec::new();
+    let mut events = Vec::new();
+    for line in BufReader::new(response.into_reader()).lines() {
+        let line = line.unwrap();
+        if let Some(kind) = line.strip_prefix("event: ") {
+            kinds.push(kind.to_owned());
+        } else if let Some(data) = line.strip_prefix("data: ") {
+            events.push(serde_json::from_str::<Value>(data).unwrap());
+        }
+    }
+    assert_eq!(kinds.len(), events.len());
+    for (index, (kind, event)) in kinds.iter().zip(&events).enumerate() {
+        assert_eq!(event["type"], kind.as_str());
+        assert_eq!(event["sequence_number"], index as u64);
+    }
+    assert_eq!(kinds[..2], ["response.created", "response.in_progress"]);
+    let last = &events.last().unwrap()["response"];
+    assert_eq!(
+        kinds.last().unwrap(),
+        &format!("response.{}", last["status"].as_str().unwrap())
+    );
+    let deltas = |kind: &str| -> String {
+        events
+            .iter()
+            .filter(|e| e["type"] == kind)
+            .map(|e| e["delta"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    // Seeded: the streamed reply is the whole one, and the deltas add up to the final items.
+    assert_eq!(last["output"], whole["output"].clone().tap_ids(last));
+    assert_eq!(
+        deltas("response.reasoning_text.delta"),
+        text_of(last, "reasoning")
+    );
+    assert_eq!(
+        deltas("response.output_text.delta"),
+        text_of(last, "message")
+    );
+    assert!(!(text_of(last, "reasoning") + &text_of(last, "message")).is_empty());
+
+    // Errors name the Responses fields.
+    let (status, error) = read_json(
+        agent()
+            .post(&url)
+            .send_string(r#"{"input": "hi", "max_output_tokens": 0}"#),
+    );
+    assert_eq!(status, 400);
+    assert_eq!(error["error"]["param"], "max_output_tokens", "{error}");
+    server.stop();
+}
+
+/// The same output items with the ids of `other` (each response numbers its own items).
+trait TapIds {
+    fn tap_ids(self, other: &Value) -> Value;
+}
+
+impl TapIds for Value {
+    fn tap_ids(mut self, other: &Value) -> Value {
+        if let (Some(items), Some(theirs)) = (self.as_array_mut(), other["output"].as_array()) {
+            for (item, their) in items.iter_mut().zip(theirs) {
+                item["id"] = their["id"].clone();
+            }
+        }
+        self
+    }
+}

@@ -9,6 +9,7 @@ pub mod api;
 pub mod http;
 pub mod metrics;
 pub mod reply;
+pub mod responses;
 pub mod scheduler;
 
 use std::net::{IpAddr, SocketAddr};
