@@ -664,3 +664,34 @@ impl TapIds for Value {
         self
     }
 }
+
+#[test]
+fn slots_that_cannot_fit_in_memory_are_refused_before_loading() {
+    let serve = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_ossterm"))
+            .args([
+                "serve",
+                "--synthetic",
+                "tiny",
+                "--threads",
+                "1",
+                "--port",
+                "0",
+            ])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = serve(&["--parallel", "1000000000", "--context", "4096"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("not enough memory") && stderr.contains("KV cache"),
+        "{stderr}"
+    );
+    let out = serve(&["--parallel", "1", "--context", "100000000"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("--context 100000000"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

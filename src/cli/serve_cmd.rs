@@ -52,7 +52,17 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     let listener = std::net::TcpListener::bind((args.host.as_str(), args.port))
         .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
-    let model = args.model.load(args.exact)?;
+    // Every slot's KV cache is allocated at start: refuse what cannot fit before loading.
+    let model = args
+        .model
+        .load_for_sequences(args.exact, args.parallel, args.context)?;
+    let max_context = model.config.max_position_embeddings;
+    if args.context > max_context {
+        anyhow::bail!(
+            "--context {} is longer than the model's {max_context} positions",
+            args.context
+        );
+    }
     let pool = args.model.pool()?;
     let model_id = match (&args.model.model, args.model.synthetic) {
         (Some(dir), _) => dir
@@ -63,9 +73,9 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         (None, None) => "gpt-oss".into(),
     };
     let session = model.new_session(&pool, 1);
-    let kv_bytes = args.parallel
-        * args.context
-        * crate::model::kv::KvShape::of(&model.config).bytes_per_position(session.kv_format());
+    let kv_bytes = (args.parallel.saturating_mul(args.context)).saturating_mul(
+        crate::model::kv::KvShape::of(&model.config).bytes_per_position(session.kv_format()),
+    );
     let options = ServeOptions {
         scheduler: SchedulerOptions {
             parallel: args.parallel,

@@ -147,13 +147,14 @@ impl Scheduler {
         // Published before the thread starts, so the first /metrics already shows the budget.
         let bytes_per_token = crate::model::kv::KvShape::of(&session.model().config)
             .bytes_per_position(session.kv_format());
-        let capacity = options.parallel * options.context;
+        let capacity = options.parallel.saturating_mul(options.context);
         metrics
             .kv_capacity_tokens
             .store(capacity, Ordering::Relaxed);
-        metrics
-            .kv_capacity_bytes
-            .store((capacity * bytes_per_token) as u64, Ordering::Relaxed);
+        metrics.kv_capacity_bytes.store(
+            capacity.saturating_mul(bytes_per_token) as u64,
+            Ordering::Relaxed,
+        );
         let thread = {
             let metrics = metrics.clone();
             std::thread::Builder::new()
