@@ -55,6 +55,9 @@ pub enum SyntheticChoice {
     Tiny,
     #[serde(rename = "20b")]
     Gpt20b,
+    /// The 120b shape: about 62 GiB of random weights, refused where they cannot fit.
+    #[serde(rename = "120b")]
+    Gpt120b,
 }
 
 impl SyntheticChoice {
@@ -63,6 +66,7 @@ impl SyntheticChoice {
             "auto" => Some(SyntheticChoice::Auto),
             "tiny" => Some(SyntheticChoice::Tiny),
             "20b" => Some(SyntheticChoice::Gpt20b),
+            "120b" => Some(SyntheticChoice::Gpt120b),
             _ => None,
         }
     }
@@ -86,6 +90,7 @@ impl fmt::Display for SyntheticChoice {
             SyntheticChoice::Auto => "auto",
             SyntheticChoice::Tiny => "tiny",
             SyntheticChoice::Gpt20b => "20b",
+            SyntheticChoice::Gpt120b => "120b",
         })
     }
 }
@@ -331,7 +336,9 @@ pub fn parse(text: &str, path: &Path) -> Result<AppConfig, ConfigError> {
                 MODEL_SYNTHETIC_KEY => {
                     let choice = value.as_str().and_then(SyntheticChoice::from_name);
                     let Some(choice) = choice else {
-                        return Err(invalid(format!("expected auto, tiny or 20b, got {value}")));
+                        return Err(invalid(format!(
+                            "expected auto, tiny, 20b or 120b, got {value}"
+                        )));
                     };
                     // A checkpoint path wins over the synthetic choice.
                     if !matches!(config.model, ModelSource::Checkpoint(_)) {
@@ -389,9 +396,11 @@ fn apply_overrides(config: &mut AppConfig, overrides: &ConfigOverrides) -> Resul
     Ok(())
 }
 
-/// 1-based line of byte `offset` in `text`.
+/// 1-based line of byte `offset` in `text`. Counted over bytes: an offset inside a multibyte
+/// character (the parser's spans are not promised to fall on a boundary) must not panic.
 fn line_of_offset(text: &str, offset: usize) -> usize {
-    text[..offset.min(text.len())].matches('\n').count() + 1
+    let before = &text.as_bytes()[..offset.min(text.len())];
+    before.iter().filter(|&&b| b == b'\n').count() + 1
 }
 
 /// The table header (`[section]`) in force at 1-based `line`, or "" at top level.
@@ -482,6 +491,19 @@ mod tests {
 
     fn parse_str(text: &str) -> Result<AppConfig, ConfigError> {
         parse(text, Path::new("test.toml"))
+    }
+
+    #[test]
+    fn offsets_inside_multibyte_characters_give_their_line() {
+        let text = "# \u{e9}t\u{e9}\nname = \"\u{1f600}\"\n";
+        // Byte 3 is the second byte of the first e-acute, byte 17 inside the emoji.
+        assert!(!text.is_char_boundary(3) && !text.is_char_boundary(17));
+        assert_eq!(line_of_offset(text, 3), 1);
+        assert_eq!(line_of_offset(text, 17), 2);
+        assert_eq!(line_of_offset(text, text.len() + 5), 3);
+        // And a real error in multibyte text still names its line.
+        let err = parse_str("# \u{e9}t\u{e9} \u{1f600}\n[ui]\ntheme = \u{e9}\n").unwrap_err();
+        assert!(err.to_string().contains("line 3"), "{err}");
     }
 
     #[test]

@@ -81,8 +81,11 @@ struct FileStamp {
 
 impl FileStamp {
     fn of(path: &Path) -> Option<FileStamp> {
+        Self::of_metadata(&std::fs::metadata(path).ok()?)
+    }
+
+    fn of_metadata(meta: &std::fs::Metadata) -> Option<FileStamp> {
         use std::os::unix::fs::MetadataExt;
-        let meta = std::fs::metadata(path).ok()?;
         Some(FileStamp {
             device: meta.dev(),
             inode: meta.ino(),
@@ -98,9 +101,12 @@ pub struct Registration {
     slot: Option<usize>,
 }
 
-/// Watches `len` bytes at `start`, a read-only mapping of `path`. Installs the SIGBUS handler on
-/// first use. With every slot taken the mapping is simply not watched.
-pub fn register(start: *const u8, len: usize, path: &Path) -> Registration {
+/// Watches `len` bytes at `start`, a read-only mapping of `file`, opened from `path`. Installs the
+/// SIGBUS handler on first use. With every slot taken the mapping is simply not watched. The
+/// file's identity (device, inode, length, modification time) is taken from the open handle, so
+/// it is the file that was mapped even if the path was replaced in between; [`verify_files`]
+/// compares the path against it.
+pub fn register(start: *const u8, len: usize, path: &Path, file: &std::fs::File) -> Registration {
     INSTALL.call_once(install_handler);
     if len == 0 {
         return Registration { slot: None };
@@ -113,7 +119,10 @@ pub fn register(start: *const u8, len: usize, path: &Path) -> Registration {
     };
     paths[slot] = Some(WatchedFile {
         path: path.to_owned(),
-        mapped: FileStamp::of(path),
+        mapped: file
+            .metadata()
+            .ok()
+            .and_then(|meta| FileStamp::of_metadata(&meta)),
     });
     let entry = &TABLE[slot];
     entry.faulted.store(false, Ordering::Release);
@@ -305,7 +314,7 @@ mod tests {
         let file = std::fs::File::open(&path).unwrap();
         // SAFETY: the test owns the file; the truncation below is the point.
         let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
-        let registration = register(map.as_ptr(), map.len(), &path);
+        let registration = register(map.as_ptr(), map.len(), &path, &file);
         assert_eq!(check(), Ok(()));
         assert_eq!(map[3 * page], 7);
         std::fs::OpenOptions::new()
@@ -333,7 +342,7 @@ mod tests {
         let file = std::fs::File::open(&path).unwrap();
         // SAFETY: the test owns the file and only rewrites it while it is mapped read-only.
         let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
-        let registration = register(map.as_ptr(), map.len(), &path);
+        let registration = register(map.as_ptr(), map.len(), &path, &file);
 
         // Replaced by a rename: a new inode at the path, the mapping keeps the old file.
         let fresh = dir.path().join("fresh.bin");
@@ -347,7 +356,7 @@ mod tests {
         let file = std::fs::File::open(&path).unwrap();
         // SAFETY: as above.
         let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
-        let _registration = register(map.as_ptr(), map.len(), &path);
+        let _registration = register(map.as_ptr(), map.len(), &path, &file);
         assert_eq!(verify_files(), Ok(()));
         let writer = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
         std::io::Write::write_all(&mut &writer, &[3u8; 100]).unwrap();

@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use ossterm::model::gguf_builder::{ggml, GgufBuilder, Shape};
+
 fn ossterm() -> Command {
     Command::new(env!("CARGO_BIN_EXE_ossterm"))
 }
@@ -32,6 +34,17 @@ fn conversation() -> String {
     fixture("harmony/spec_two_turns.conversation.json")
         .display()
         .to_string()
+}
+
+/// The command failed with status 1 and a message containing `wanted`, without a panic.
+fn assert_fails_with(what: &str, output: &Output, wanted: &str) {
+    assert_no_panic(what, output);
+    let stderr = stderr_of(output);
+    assert_eq!(output.status.code(), Some(1), "{what}: {stderr}");
+    assert!(
+        stderr.contains(wanted),
+        "{what}: wanted {wanted:?} in {stderr}"
+    );
 }
 
 fn assert_no_panic(what: &str, output: &Output) {
@@ -68,72 +81,9 @@ fn wait_with_deadline(mut child: Child, limit: Duration) -> Output {
     child.wait_with_output().unwrap()
 }
 
-#[test]
-fn a_shard_truncated_mid_run_is_an_error_naming_it_and_the_ids_so_far_are_kept() {
-    let parent = tempfile::tempdir().unwrap();
-    for exact in [false, true] {
-        let dir = synth_tiny(parent.path());
-        let shard = dir.join("model-00001-of-00001.safetensors");
-        let mut command = ossterm();
-        command.args([
-            "generate",
-            "--greedy",
-            "--tokens",
-            "1,2,3",
-            "--max-tokens",
-            "100000",
-        ]);
-        command.arg("--model").arg(&dir);
-        if exact {
-            command.arg("--exact");
-        }
-        let mut child = command
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut stdout = child.stdout.take().unwrap();
-        // Wait for the first ids, then cut the shard to a tenth: the next forward pass reads
-        // pages that are no longer in the file.
-        let mut seen = Vec::new();
-        let mut byte = [0u8; 1];
-        while !seen.contains(&b',') {
-            assert_eq!(stdout.read(&mut byte).unwrap(), 1, "generate ended early");
-            seen.push(byte[0]);
-        }
-        let length = std::fs::metadata(&shard).unwrap().len();
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&shard)
-            .unwrap()
-            .set_len(length / 10)
-            .unwrap();
-        stdout.read_to_end(&mut seen).unwrap();
-        let output = wait_with_deadline(child, Duration::from_secs(120));
-        let stderr = stderr_of(&output);
-        assert_eq!(output.status.code(), Some(1), "exact {exact}: {stderr}");
-        assert!(
-            stderr.contains("model-00001-of-00001.safetensors changed on disk while in use"),
-            "exact {exact}: {stderr}"
-        );
-        let printed = String::from_utf8(seen).unwrap();
-        assert!(printed.ends_with('\n'), "{printed:?}");
-        let ids: Vec<u32> = printed
-            .trim_end()
-            .split(',')
-            .map(|id| id.parse().expect("only whole ids"))
-            .collect();
-        assert!(ids.len() >= 2, "{printed:?}");
-        assert!(ids.len() < 100000, "the run went on after the fault");
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-}
-
-#[test]
-fn a_shard_overwritten_in_place_mid_run_is_an_error_naming_it() {
-    let parent = tempfile::tempdir().unwrap();
-    let dir = synth_tiny(parent.path());
-    let shard = dir.join("model-00001-of-00001.safetensors");
+/// Runs `generate` (with `extra` arguments) on `model` until it has printed its first id, lets
+/// `damage` change the model's file under it, and returns the finished run and all it printed.
+fn generate_while(model: &Path, extra: &[&str], damage: impl FnOnce()) -> (Output, String) {
     let mut child = ossterm()
         .args([
             "generate",
@@ -142,9 +92,10 @@ fn a_shard_overwritten_in_place_mid_run_is_an_error_naming_it() {
             "1,2,3",
             "--max-tokens",
             "100000",
-            "--model",
         ])
-        .arg(&dir)
+        .args(extra)
+        .arg("--model")
+        .arg(model)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -156,29 +107,92 @@ fn a_shard_overwritten_in_place_mid_run_is_an_error_naming_it() {
         assert_eq!(stdout.read(&mut byte).unwrap(), 1, "generate ended early");
         seen.push(byte[0]);
     }
-    // Same length, other bytes in the middle: nothing faults, but the weights changed.
-    let file = std::fs::OpenOptions::new()
-        .write(true)
-        .open(&shard)
-        .unwrap();
+    damage();
+    stdout.read_to_end(&mut seen).unwrap();
+    let output = wait_with_deadline(child, Duration::from_secs(120));
+    (output, String::from_utf8(seen).unwrap())
+}
+
+/// The run ended with status 1 and an error naming `file` as changed on disk, and the ids it
+/// printed before are kept, whole, on a finished line.
+fn assert_stopped_by_change(what: &str, (output, printed): &(Output, String), file: &str) {
+    assert_no_panic(what, output);
+    let stderr = stderr_of(output);
+    assert_eq!(output.status.code(), Some(1), "{what}: {stderr}");
+    assert!(
+        stderr.contains(&format!("{file} changed on disk while in use")),
+        "{what}: {stderr}"
+    );
+    assert!(printed.ends_with('\n'), "{what}: {printed:?}");
+    let ids: Vec<u32> = printed
+        .trim_end()
+        .split(',')
+        .map(|id| id.parse().expect("only whole ids"))
+        .collect();
+    assert!(ids.len() >= 2, "{what}: {printed:?}");
+    assert!(
+        ids.len() < 100000,
+        "{what}: the run went on after the change"
+    );
+}
+
+/// Same length, other bytes in the middle, a later modification time: nothing faults, but the
+/// weights changed.
+fn overwrite_in_place(path: &Path) {
+    let file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
     let middle = file.metadata().unwrap().len() / 2;
     std::os::unix::fs::FileExt::write_all_at(&file, &[0x55; 4096], middle).unwrap();
     file.set_modified(std::time::SystemTime::now() + Duration::from_secs(5))
         .unwrap();
-    drop(file);
-    stdout.read_to_end(&mut seen).unwrap();
-    let output = wait_with_deadline(child, Duration::from_secs(120));
-    let stderr = stderr_of(&output);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
-    assert!(
-        stderr.contains("model-00001-of-00001.safetensors changed on disk while in use"),
-        "{stderr}"
-    );
-    let printed = String::from_utf8(seen).unwrap();
-    assert!(
-        printed.ends_with('\n') && printed.split(',').count() >= 2,
-        "{printed:?}"
-    );
+}
+
+#[test]
+fn a_shard_truncated_mid_run_is_an_error_naming_it_and_the_ids_so_far_are_kept() {
+    let parent = tempfile::tempdir().unwrap();
+    for exact in [false, true] {
+        let dir = synth_tiny(parent.path());
+        let shard = dir.join("model-00001-of-00001.safetensors");
+        let extra: &[&str] = if exact { &["--exact"] } else { &[] };
+        // Cut the shard to a tenth: the next forward pass reads pages no longer in the file.
+        let run = generate_while(&dir, extra, || {
+            let length = std::fs::metadata(&shard).unwrap().len();
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&shard)
+                .unwrap()
+                .set_len(length / 10)
+                .unwrap();
+        });
+        assert_stopped_by_change(
+            &format!("exact {exact}"),
+            &run,
+            "model-00001-of-00001.safetensors",
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[test]
+fn a_shard_overwritten_in_place_mid_run_is_an_error_naming_it() {
+    let parent = tempfile::tempdir().unwrap();
+    let dir = synth_tiny(parent.path());
+    let shard = dir.join("model-00001-of-00001.safetensors");
+    let run = generate_while(&dir, &[], || overwrite_in_place(&shard));
+    assert_stopped_by_change("safetensors", &run, "model-00001-of-00001.safetensors");
+}
+
+#[test]
+fn a_gguf_overwritten_in_place_mid_run_is_an_error_naming_it() {
+    let parent = tempfile::tempdir().unwrap();
+    let file = parent.path().join("tiny.gguf");
+    // A context long enough that generate fills the stdout pipe and waits for this test.
+    let shape = Shape {
+        context: 131072,
+        ..Shape::SMALL
+    };
+    std::fs::write(&file, GgufBuilder::model(shape, ggml::BF16).bytes()).unwrap();
+    let run = generate_while(&file, &[], || overwrite_in_place(&file));
+    assert_stopped_by_change("gguf", &run, "tiny.gguf");
 }
 
 #[test]
@@ -241,12 +255,10 @@ fn a_full_stdout_is_an_error_message() {
             .stderr(Stdio::piped())
             .output()
             .unwrap();
-        assert_no_panic(&format!("{args:?}"), &output);
-        let stderr = stderr_of(&output);
-        assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
-        assert!(
-            stderr.contains("cannot write to standard output: No space left on device"),
-            "{args:?}: {stderr}"
+        assert_fails_with(
+            &format!("{args:?}"),
+            &output,
+            "cannot write to standard output: No space left on device",
         );
     }
 }
@@ -320,10 +332,7 @@ fn sizes_past_the_context_or_the_machine_are_refused_with_the_numbers() {
             "--repeat 18446744073709551615 is more than",
         ),
     ] {
-        assert_no_panic(wanted, &output);
-        let stderr = stderr_of(&output);
-        assert_eq!(output.status.code(), Some(1), "{stderr}");
-        assert!(stderr.contains(wanted), "{wanted}: {stderr}");
+        assert_fails_with(wanted, &output, wanted);
     }
     // More ids than the context (64 positions in this fixture) are refused before anything
     // is allocated; the logits themselves are streamed to the file a chunk at a time.
@@ -339,14 +348,10 @@ fn sizes_past_the_context_or_the_machine_are_refused_with_the_numbers() {
         "--model",
         model,
     ]);
-    assert_no_panic("logits", &output);
-    let stderr = stderr_of(&output);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
-    assert!(
-        stderr.contains(
-            "the 100 token ids of --tokens need 100 positions, but the model's context holds 64"
-        ),
-        "{stderr}"
+    assert_fails_with(
+        "logits",
+        &output,
+        "the 100 token ids of --tokens need 100 positions, but the model's context holds 64",
     );
     assert!(!file.exists());
 }
@@ -375,13 +380,11 @@ fn a_huge_context_is_checked_against_the_machines_memory() {
         "--model",
         dir.path().to_str().unwrap(),
     ]);
-    assert_no_panic("huge context", &output);
-    let stderr = stderr_of(&output);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("but this machine has"), "{stderr}");
-    assert!(
-        stderr.contains("KV cache of 1000000000001 positions"),
-        "{stderr}"
+    assert_fails_with("huge context", &output, "but this machine has");
+    assert_fails_with(
+        "huge context",
+        &output,
+        "KV cache of 1000000000001 positions",
     );
 }
 

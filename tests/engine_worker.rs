@@ -40,6 +40,16 @@ struct Journal {
     session_activations: Vec<ActivationFormat>,
     /// Weight conversions started.
     requantizations: usize,
+    /// Where each load ran: (on a pool's worker thread, that pool's threads).
+    load_pools: Vec<(bool, usize)>,
+}
+
+/// (on a rayon worker thread, threads of the pool in force) for the calling code.
+fn current_pool() -> (bool, usize) {
+    (
+        rayon::current_thread_index().is_some(),
+        rayon::current_num_threads(),
+    )
 }
 
 struct ToyModel {
@@ -365,6 +375,11 @@ fn start_gated(
     let configs = Arc::clone(&sampler_configs);
     let engine = EngineHandle::spawn(settings, event_sender, move |settings, progress| {
         progress("toy weights", 1, 1);
+        model_journal
+            .lock()
+            .unwrap()
+            .load_pools
+            .push(current_pool());
         Ok(EngineParts {
             model: Arc::new(ToyModel {
                 format: WeightFormat::Q8,
@@ -926,6 +941,18 @@ fn thread_count_change_rebuilds_the_pool_the_forward_pass_runs_on() {
         Some(&3)
     );
     assert_eq!(last_stats(&events).threads, 3);
+}
+
+#[test]
+fn loading_runs_on_the_sessions_pool() {
+    let mut settings = test_settings(4);
+    settings.threads = 3;
+    let harness = start(settings, Duration::ZERO);
+    harness.generate(1, conversation(&[(Role::User, None, "hi")]));
+    let journal = harness.journal.lock().unwrap();
+    // Three threads, not rayon's global pool (one per CPU, and not entered from these threads).
+    assert_eq!(journal.load_pools, [(true, 3)]);
+    assert_eq!(journal.prefill_threads.last(), Some(&3));
 }
 
 #[test]

@@ -156,6 +156,258 @@ fn q8_0_gguf_weights_are_the_checkpoints_within_quantization_error() {
     }
 }
 
+/// A small deterministic generator for test data.
+fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
+    move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    }
+}
+
+/// Per-position logit errors of `got` against `want` over the largest logit, sorted.
+fn position_errors(want: &[f32], got: &[f32], vocab: usize) -> Vec<f32> {
+    let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let mut errors: Vec<f32> = want
+        .chunks(vocab)
+        .zip(got.chunks(vocab))
+        .map(|(w, g)| {
+            w.iter()
+                .zip(g)
+                .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
+                / scale
+        })
+        .collect();
+    errors.sort_by(f32::total_cmp);
+    errors
+}
+
+fn session_logits(model: Model, tokens: &[u32]) -> Vec<f32> {
+    let model = Arc::new(model);
+    let pool = ossterm::engine::build_pool(2).expect("a pool of two threads");
+    let mut session = model.new_session(&pool, tokens.len());
+    let mut out = Vec::new();
+    session.prefill_all_logits(tokens, &mut out).unwrap();
+    out
+}
+
+/// Loads the GGUF at `path` (dense matrices Q8_0) on the default fast path and checks that every
+/// Q8 matrix the fast path reads holds the file's int8 values and f16 scale of every block, bit
+/// for bit. Returns whether quantizing the bf16 view again (the earlier path) would have changed
+/// any weight, and the per-position logit errors of this path against that earlier one over
+/// `tokens`.
+fn direct_q8_against_requantized(path: &Path, tokens: &[u32]) -> (bool, Vec<f32>) {
+    use ossterm::model::convert::DenseMatrix;
+    use ossterm::model::{FastWeights, WeightFormat};
+    let file = ossterm::model::gguf::GgufFile::open(path).unwrap();
+    let opts = LoadOptions::default();
+    assert_eq!(
+        (opts.precision, opts.weights),
+        (Precision::Fast, WeightFormat::Q8)
+    );
+    let model = Model::load(path, &opts).unwrap();
+    let fast = model.fast.as_ref().unwrap();
+    let mut matrices: Vec<(String, &DenseMatrix, &ossterm::model::weights::Bf16Matrix)> = vec![(
+        "output.weight".into(),
+        &fast.lm_head,
+        &model.weights.lm_head,
+    )];
+    for (l, (converted, layer)) in fast.layers.iter().zip(&model.weights.layers).enumerate() {
+        let a = &layer.attention;
+        for (name, m, bf16) in [
+            ("attn_q", &converted.q, &a.q.weight),
+            ("attn_k", &converted.k, &a.k.weight),
+            ("attn_v", &converted.v, &a.v.weight),
+            ("attn_output", &converted.o, &a.o.weight),
+        ] {
+            matrices.push((format!("blk.{l}.{name}.weight"), m, bf16));
+        }
+    }
+    let mut requantized_differs = false;
+    for (name, matrix, bf16) in matrices {
+        let tensor = file.tensor(&name).unwrap();
+        assert_eq!(
+            tensor.type_name(),
+            "Q8_0",
+            "{name}: the test file's dense type"
+        );
+        let DenseMatrix::Q8(q8) = matrix else {
+            panic!("{name} is not Q8 on the fast path")
+        };
+        let (rows, cols) = (q8.rows(), q8.cols());
+        let bytes = file.bytes(tensor);
+        let row_bytes = cols / 32 * 34;
+        assert_eq!(bytes.len(), rows * row_bytes, "{name}");
+        let requantized = ossterm::kernels::Q8Matrix::from_bf16(rows, cols, bf16.values()).unwrap();
+        let (mut row, mut again) = (vec![0f32; cols], vec![0f32; cols]);
+        for r in 0..rows {
+            q8.dequantize_row(r, &mut row).unwrap();
+            requantized.dequantize_row(r, &mut again).unwrap();
+            let blocks = bytes[r * row_bytes..(r + 1) * row_bytes].chunks_exact(34);
+            for (b, block) in blocks.enumerate() {
+                let d = half::f16::from_le_bytes([block[0], block[1]]).to_f32();
+                for (e, &q) in block[2..].iter().enumerate() {
+                    let want = q as i8 as f32 * d;
+                    let k = b * 32 + e;
+                    assert_eq!(row[k].to_bits(), want.to_bits(), "{name} [{r}, {k}]");
+                    requantized_differs |= again[k].to_bits() != want.to_bits();
+                }
+            }
+        }
+    }
+
+    // The earlier path: the same model with the converted matrices quantized again from their
+    // bf16 rounding.
+    let mut stripped = model.weights.clone();
+    stripped.lm_head.set_native_q8(None).unwrap();
+    for layer in &mut stripped.layers {
+        let a = &mut layer.attention;
+        for linear in [&mut a.q, &mut a.k, &mut a.v, &mut a.o] {
+            linear.weight.set_native_q8(None).unwrap();
+        }
+    }
+    let vocab = model.config.vocab_size;
+    let mut previous = Model::load(path, &opts).unwrap();
+    previous.fast = Some(FastWeights::build(&stripped, WeightFormat::Q8, &mut |_, _| {}).unwrap());
+    let want = session_logits(previous, tokens);
+    let got = session_logits(model, tokens);
+    (requantized_differs, position_errors(&want, &got, vocab))
+}
+
+#[test]
+fn q8_0_matrices_are_the_fast_paths_q8_weights_bit_for_bit() {
+    // Written by the gguf package's Q8_0 quantizer, as llama.cpp's converter does: each block's
+    // largest value is exactly 127 steps, so quantizing its bf16 rounding again happens to land
+    // on the same blocks here; the logits must agree within Q8 accuracy in any case.
+    let dir = fixtures().join("tiny_single");
+    let path = fixtures().join("gguf/tiny_single_q8_0.gguf");
+    let (requantized_differs, errors) = direct_q8_against_requantized(&path, &tokens(&dir));
+    let (p90, max) = (errors[errors.len() * 9 / 10], errors[errors.len() - 1]);
+    eprintln!("fixture: requantizing changes weights: {requantized_differs}; p90 {p90}, max {max}");
+    assert!(p90 < 0.04 && max < 0.25, "p90 {p90}, max {max}");
+}
+
+#[test]
+fn q8_0_blocks_that_requantizing_would_change_are_used_as_stored() {
+    use ossterm::model::gguf_builder::{ggml, GgufBuilder, Shape};
+    // Blocks whose largest value is fewer than 127 steps (other quantizers write such blocks):
+    // quantizing their bf16 rounding again rescales them and moves most values.
+    let b = GgufBuilder::model(Shape::SMALL, ggml::Q8_0);
+    let mut bytes = b.bytes();
+    let mut next = xorshift(0x9e37_79b9_7f4a_7c15u64);
+    for t in &b.tensors {
+        let start = b.data_start(&t.name).unwrap();
+        let values: u64 = t.dims.iter().product();
+        match t.ty {
+            ggml::Q8_0 => {
+                for block in bytes[start..start + values as usize / 32 * 34].chunks_exact_mut(34) {
+                    let d = 0.01 + (next() % 1000) as f32 * 1e-5;
+                    block[..2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
+                    for q in &mut block[2..] {
+                        *q = ((next() % 101) as i8 - 50) as u8;
+                    }
+                }
+            }
+            ggml::F32 => {
+                // Norm weights 1, biases and sinks small.
+                let norm = t.name.ends_with("norm.weight");
+                for v in bytes[start..start + values as usize * 4].chunks_exact_mut(4) {
+                    let x = if norm {
+                        1.0
+                    } else {
+                        ((next() % 200) as f32 - 100.0) * 1e-3
+                    };
+                    v.copy_from_slice(&f32::to_le_bytes(x));
+                }
+            }
+            ggml::MXFP4 => {
+                for block in bytes[start..start + values as usize / 32 * 17].chunks_exact_mut(17) {
+                    block[0] = 124; // 2^-3
+                    for code in &mut block[1..] {
+                        *code = next() as u8;
+                    }
+                }
+            }
+            other => panic!("{}: the builder wrote type {other}", t.name),
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("q8.gguf");
+    std::fs::write(&path, &bytes).unwrap();
+    let tokens: Vec<u32> = (0..24).map(|i| (i * 7 + 3) % 64).collect();
+    let (requantized_differs, errors) = direct_q8_against_requantized(&path, &tokens);
+    assert!(
+        requantized_differs,
+        "quantizing again changed nothing: the bit-for-bit check above proves nothing"
+    );
+    let (p90, max) = (errors[errors.len() * 9 / 10], errors[errors.len() - 1]);
+    eprintln!("crafted: p90 {p90}, max {max}");
+    assert!(max > 0.0, "the two paths computed the same logits");
+    assert!(p90 < 0.04 && max < 0.25, "p90 {p90}, max {max}");
+}
+
+#[test]
+fn info_check_reads_every_value_of_a_gguf() {
+    use ossterm::model::gguf_builder::{ggml, GgufBuilder, Shape};
+    let b = GgufBuilder::model(Shape::SMALL, ggml::Q8_0);
+    let mut bytes = b.bytes();
+    let at = |name: &str| b.data_start(name).unwrap();
+    // Block 2's f16 scale infinite, an F32 NaN at element 3, block 1's E8M0 scale 0xFF.
+    let embed = at("token_embd.weight") + 2 * 34;
+    bytes[embed..embed + 2].copy_from_slice(&0x7c00u16.to_le_bytes());
+    let norm = at("blk.0.attn_norm.weight") + 3 * 4;
+    bytes[norm..norm + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    bytes[at("blk.0.ffn_down_exps.weight") + 17] = 0xff;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.gguf");
+    std::fs::write(&path, &bytes).unwrap();
+
+    // Loading stops at the first and points at the scan.
+    let Err(error) = Model::load(&path, &LoadOptions::default()) else {
+        panic!("a GGUF with NaN weights loaded");
+    };
+    assert!(
+        error.to_string().contains("ossterm info --check"),
+        "{error}"
+    );
+
+    let output = ossterm(&["info", "--check", "--model", path.to_str().unwrap()]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    for line in [
+        "bad tensor token_embd.weight: 1 NaN or infinite values, the first at element 64",
+        "bad tensor blk.0.attn_norm.weight: 1 NaN or infinite values, the first at element 3",
+        "bad tensor blk.0.ffn_down_exps.weight: 1 scale bytes 0xFF (E8M0 NaN), the first at element 32",
+    ] {
+        assert!(stdout.contains(line), "{line}\n{stdout}");
+    }
+    assert_eq!(stdout.matches("bad tensor").count(), 3, "{stdout}");
+    let tensors = b.tensors.len();
+    assert!(
+        stderr.contains(&format!("3 of {tensors} tensors")) && stderr.contains("bad.gguf"),
+        "{stderr}"
+    );
+
+    let clean = fixtures().join("gguf/tiny_single_q8_0.gguf");
+    let output = ossterm(&["info", "--check", "--model", clean.to_str().unwrap()]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let count = ossterm::model::gguf::GgufFile::open(&clean)
+        .unwrap()
+        .tensors()
+        .count();
+    assert!(
+        stdout.contains(&format!("all {count} tensors finite")),
+        "{stdout}"
+    );
+}
+
 /// An ollama store with `library/NAME/TAG` pointing at a copy of a fixture GGUF.
 fn fake_store(root: &Path, name: &str, tag: &str, blob_source: &Path) {
     let hex = "ab".repeat(32);
@@ -319,4 +571,77 @@ fn gguf_fingerprints_tell_files_apart() {
     assert_eq!(single, open("tiny_single.gguf").fingerprint());
     assert_ne!(single, open("tiny_single_q8_0.gguf").fingerprint());
     assert_ne!(single, open("tiny_gqa8.gguf").fingerprint());
+}
+
+#[test]
+fn q8_0_blocks_with_the_full_int8_range_compute_alike_on_every_kernel_path() {
+    use ossterm::kernels::{GemmScratch, KernelPath, Kernels, Q8Activations, Q8Matrix};
+    // ggml's quantizer keeps q in -127..=127, but a Q8_0 block may hold -128: every path must
+    // multiply it like any other value (the SIMD paths offset or take absolute values of int8).
+    let (rows, cols) = (5, 2880);
+    let mut next = xorshift(0x2545_f491_4f6c_dd1du64);
+    let mut blocks = Vec::new();
+    for _ in 0..rows * cols / 32 {
+        let d = 0.002 + (next() % 1000) as f32 * 1e-5;
+        blocks.extend(half::f16::from_f32(d).to_le_bytes());
+        for i in 0..32 {
+            blocks.push(match (next() % 4, i) {
+                (_, 0) => 0x80, // -128
+                (_, 1) => 127,
+                (0, _) => 0x80,
+                _ => next() as u8,
+            });
+        }
+    }
+    let w = Q8Matrix::from_ggml_q8_0(rows, cols, &blocks).unwrap();
+    let tokens = 3;
+    let x_values: Vec<f32> = (0..tokens * cols)
+        .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+        .collect();
+    let scalar = Kernels::new(KernelPath::Scalar).unwrap();
+    let mut x = Q8Activations::new();
+    scalar
+        .quantize_activation_rows(&x_values, cols, &mut x)
+        .unwrap();
+    // The reference: the dequantized weights against the dequantized activations, in f64.
+    let (mut w_row, mut x_row) = (vec![0f32; cols], vec![0f32; cols]);
+    let mut reference = vec![0f64; tokens * rows];
+    for t in 0..tokens {
+        x.dequantize_row(t, &mut x_row).unwrap();
+        for r in 0..rows {
+            w.dequantize_row(r, &mut w_row).unwrap();
+            reference[t * rows + r] = w_row
+                .iter()
+                .zip(&x_row)
+                .map(|(a, b)| *a as f64 * *b as f64)
+                .sum();
+        }
+    }
+    let mut scratch = GemmScratch::new(cols);
+    let mut paths = 0;
+    for path in KernelPath::ALL {
+        if !path.missing_features().is_empty() {
+            continue;
+        }
+        let k = Kernels::new(path).unwrap();
+        for gemm in [false, true] {
+            let mut got = vec![f32::NAN; tokens * rows];
+            if gemm {
+                k.q8_gemm(&w, &x, 0..rows, &mut got, &mut scratch).unwrap();
+            } else {
+                k.q8_gemv(&w, &x, 0..rows, &mut got).unwrap();
+            }
+            for (i, (g, want)) in got.iter().zip(&reference).enumerate() {
+                let tolerance = 1e-4 * want.abs().max(1.0);
+                assert!(
+                    (*g as f64 - want).abs() <= tolerance,
+                    "{} {}: output {i} is {g}, want {want}",
+                    path.name(),
+                    if gemm { "GEMM" } else { "GEMV" }
+                );
+            }
+        }
+        paths += 1;
+    }
+    assert!(paths >= 1);
 }

@@ -91,6 +91,65 @@ fn auto_picks_20b_only_with_the_memory_for_it_and_says_why_not() {
 }
 
 #[test]
+fn a_synthetic_120b_that_cannot_fit_is_refused_with_the_numbers() {
+    use ossterm::model::memory::{MemoryNeeds, SystemMemory, WeightSource};
+    use ossterm::model::{KvFormat, WeightFormat as Weights};
+    assert_eq!(
+        SyntheticChoice::from_name("120b"),
+        Some(SyntheticChoice::Gpt120b)
+    );
+    assert_eq!(SyntheticChoice::Gpt120b.to_string(), "120b");
+    assert_eq!(
+        synthetic_preset(SyntheticChoice::Gpt120b, Some(1 << 30)),
+        (Preset::Gpt120b, None)
+    );
+    // The 120b's random weights live in memory: against a 24 GiB machine that is a refusal
+    // naming what it needs and what to do instead.
+    let context = Settings::default().context_limit;
+    let needs = MemoryNeeds::estimate(
+        &Preset::Gpt120b.config(),
+        WeightSource::Synthetic,
+        Precision::Fast,
+        Weights::Q8,
+        KvFormat::F16,
+        context,
+    );
+    let machine = SystemMemory {
+        total: 24 << 30,
+        available: 22 << 30,
+    };
+    let refusal = needs.check(machine).unwrap_err().to_string();
+    for needed in [
+        "not enough memory",
+        "generated",
+        "22.0 GiB of 24.0 GiB",
+        "smaller synthetic preset",
+    ] {
+        assert!(refusal.contains(needed), "{needed:?} missing: {refusal}");
+    }
+    // The app refuses it the same way before generating anything, on any machine without the
+    // memory for it (checked first: on one with it, this would build the 120b).
+    let Some(memory) = SystemMemory::read() else {
+        return;
+    };
+    if needs.owned + needs.kv <= memory.available {
+        eprintln!("this machine could hold the synthetic 120b: the app-level refusal is not run");
+        return;
+    }
+    let mut reports = 0;
+    let Err(error) = load_model(
+        &ModelSource::Synthetic(SyntheticChoice::Gpt120b),
+        &Settings::default(),
+        &mut |_, _, _| reports += 1,
+    ) else {
+        panic!("the synthetic 120b loaded on a machine without the memory for it");
+    };
+    let message = error.to_string();
+    assert!(message.contains("not enough memory"), "{message}");
+    assert_eq!(reports, 0, "weights were generated before the refusal");
+}
+
+#[test]
 fn missing_checkpoint_is_an_error_naming_the_directory() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("no-such-model");

@@ -18,35 +18,15 @@
 # Exits 0 when every check passes, 1 on the first failure (with the screen printed), 0 with a
 # "skipping" line when tmux is not installed.
 set -euo pipefail
-export LC_ALL=C.UTF-8
-
-if ! command -v tmux >/dev/null 2>&1; then
-    echo "soak: tmux not found, skipping"
-    exit 0
-fi
-command -v jq >/dev/null 2>&1 || { echo "soak: jq not found, skipping"; exit 0; }
-
+script=soak
+label=soak
 turns="${1:-200}"
-root="$(cd "$(dirname "$0")/.." && pwd)"
-if [[ $# -ge 2 ]]; then
-    binary="$2"
-else
-    binary="$root/target/release/ossterm"
-    (cd "$root" && cargo build --release --quiet --bin ossterm)
-fi
-[[ -x "$binary" ]] || { echo "soak: FAIL: no executable at $binary"; exit 1; }
+source "$(dirname "$0")/tmux_common.sh" "${@:2}"
+command -v jq >/dev/null 2>&1 || { echo "soak: jq not found, skipping"; exit 0; }
 seed="${SOAK_SEED:-$((RANDOM * 32768 + RANDOM))}"
 RANDOM=$seed
 rss_bound_mb="${RSS_BOUND_MB:-24}"
 warmup="${WARMUP:-$((turns / 5 > 5 ? turns / 5 : 5))}"
-
-work="$(mktemp -d)"
-socket="ossterm-soak-$$"
-session="soak"
-started=$SECONDS
-tmux_() { tmux -L "$socket" -f /dev/null "$@"; }
-cleanup() { tmux_ kill-server 2>/dev/null || true; rm -rf "$work"; }
-trap cleanup EXIT
 
 screen() { tmux_ capture-pane -p -t "$session"; }
 fail() {
@@ -63,8 +43,6 @@ wait_for() { # PATTERN SECONDS
     done
     fail "did not see /$1/ within $2 s"
 }
-keys() { tmux_ send-keys -t "$session" "$@"; }
-pane_flag() { tmux_ display-message -p -t "$session" "#{$1}"; }
 gauge() { screen | grep -o -- "│$1 *[^│]*" | head -1 | sed 's/^│//; s/ *$//' || true; }
 status_line() { screen | tail -1; }
 alive() {
@@ -80,8 +58,7 @@ printf '[cache]\nmax_ram_mb = 8\n' >"$work/config/ossterm/config.toml"
 tmux_ new-session -d -s "$session" -x 130 -y 42 \
     "env TERM=xterm-256color XDG_CONFIG_HOME=$work/config XDG_DATA_HOME=$work/data HOME=$work \
      $binary --synthetic tiny --max-tokens 48 --threads 2 --chats-dir $work/chats; \
-     echo EXIT=\$?; echo MODE: \$(stty -a | tr ' ;' '\n\n' | grep -xE -- '-?(icanon|echo)'); \
-     sleep 600"
+     $after_exit"
 wait_for "Ready" 60
 pid="$(ps -o pid= --ppid "$(pane_flag pane_pid)" | tr -d ' ')"
 [[ -n "$pid" ]] || fail "no ossterm process"
@@ -240,12 +217,7 @@ done
 
 keys C-q
 wait_for "EXIT=0" 10
-wait_for "MODE: " 10
-screen | grep -q -- "MODE: icanon echo" || fail "terminal not in cooked mode with echo"
-[[ "$(pane_flag alternate_on)" == 0 ]] || fail "still on the alternate screen"
-[[ "$(pane_flag cursor_flag)" == 1 ]] || fail "cursor hidden"
-[[ "$(pane_flag mouse_any_flag)$(pane_flag mouse_button_flag)$(pane_flag mouse_standard_flag)" == 000 ]] ||
-    fail "mouse reporting left on"
+check_restored "after Ctrl-Q"
 check_files
 actions="$(tr ' ' '\n' <<<"$counts" | grep . | sort | uniq -c | awk '{ printf "%s %s, ", $2, $1 }')"
 files=$(ls "$work"/chats/*.json | wc -l)

@@ -33,8 +33,6 @@ wait_for() { # PATTERN SECONDS: an extended regex the screen must show within SE
     fail "did not see /$1/ within $2 s"
 }
 gauge() { screen | grep -o -- "│$1 *[^│]*" | head -1 | sed 's/^│//; s/ *$//' || true; }
-keys() { tmux_ send-keys -t "$session" "$@"; }
-pane_flag() { tmux_ display-message -p -t "$session" "#{$1}"; }
 
 # Types a probe word one key at a time and times each key from `send-keys` until tmux's copy of the
 # screen shows it in the input box, then deletes it. This includes the cost of asking tmux for the
@@ -68,22 +66,11 @@ start_app() { # EXTRA_ENV
     tmux_ new-session -d -s "$session" -x 130 -y 42 \
         "env TERM=xterm-256color XDG_CONFIG_HOME=$work/config XDG_DATA_HOME=$work/data HOME=$work $1 \
          $binary --synthetic tiny --max-tokens 64 --threads 2 --seed 7 --chats-dir $work/chats; \
-         echo EXIT=\$?; echo MODE: \$(stty -a | tr ' ;' '\n\n' | grep -xE -- '-?(icanon|echo)'); \
-         sleep 120"
+         $after_exit"
     # Killing the only session must not end the server while the next one starts.
     tmux_ set-option -s exit-empty off
 }
 
-# The terminal after ossterm ended: cooked mode with echo, main screen, cursor shown, no mouse mode.
-check_restored() { # WHAT
-    wait_for "MODE: " 10
-    screen | grep -q -- "MODE: icanon echo" || fail "$1: terminal not in cooked mode with echo"
-    [[ "$(pane_flag alternate_on)" == 0 ]] || fail "$1: still on the alternate screen"
-    [[ "$(pane_flag cursor_flag)" == 1 ]] || fail "$1: cursor hidden"
-    [[ "$(pane_flag mouse_any_flag)$(pane_flag mouse_button_flag)$(pane_flag mouse_standard_flag)" == 000 ]] ||
-        fail "$1: mouse reporting left on"
-    echo "tmux_e2e: $1: terminal restored (cooked mode, echo, main screen, cursor visible, no mouse mode)"
-}
 
 start_app ""
 wait_for "Ready" 60

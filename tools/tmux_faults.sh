@@ -28,8 +28,6 @@ wait_for() { # PATTERN SECONDS
     done
     fail "did not see /$1/ within $2 s"
 }
-keys() { tmux_ send-keys -t "$session" "$@"; }
-pane_flag() { tmux_ display-message -p -t "$session" "#{$1}"; }
 
 "$binary" synth --preset tiny --out "$work/m" >/dev/null 2>&1 || fail "ossterm synth failed"
 shard="$work/m/model-00001-of-00001.safetensors"
@@ -38,8 +36,7 @@ shard="$work/m/model-00001-of-00001.safetensors"
 tmux_ new-session -d -s "$session" -x 160 -y 42 \
     "env TERM=xterm-256color XDG_CONFIG_HOME=$work/config XDG_DATA_HOME=$work/data HOME=$work \
      $binary --model $work/m --max-tokens 8000 --threads 2 --seed 7 --chats-dir $work/chats; \
-     echo EXIT=\$?; echo MODE: \$(stty -a | tr ' ;' '\n\n' | grep -xE -- '-?(icanon|echo)'); \
-     sleep 120"
+     $after_exit"
 
 wait_for "Ready" 60
 keys "a long one" Enter
@@ -54,11 +51,5 @@ echo "tmux_faults: the app reports: $(screen | grep -o 'model-00001-of-00001.saf
 
 keys C-q
 wait_for "EXIT=0" 10
-wait_for "MODE: " 10
-screen | grep -q -- "MODE: icanon echo" || fail "terminal not in cooked mode with echo"
-[[ "$(pane_flag alternate_on)" == 0 ]] || fail "still on the alternate screen"
-[[ "$(pane_flag cursor_flag)" == 1 ]] || fail "cursor hidden"
-[[ "$(pane_flag mouse_any_flag)$(pane_flag mouse_button_flag)$(pane_flag mouse_standard_flag)" == 000 ]] ||
-    fail "mouse reporting left on"
-echo "tmux_faults: terminal restored after the fault (cooked mode, echo, main screen, cursor visible, no mouse mode)"
+check_restored "after the fault"
 echo "tmux_faults: ok in $((SECONDS - started)) s"

@@ -41,7 +41,7 @@ pub struct AppArgs {
     /// Checkpoint directory, GGUF file or ollama:NAME:TAG (model.path).
     #[arg(long, value_name = "PATH")]
     pub model: Option<PathBuf>,
-    /// Random-weight model when no checkpoint is given: auto, tiny or 20b (model.synthetic).
+    /// Random-weight model when no checkpoint is given: auto, tiny, 20b or 120b (model.synthetic).
     #[arg(long, value_name = "PRESET", value_parser = parse_synthetic)]
     pub synthetic: Option<SyntheticChoice>,
     /// Directory of saved chats (paths.chats_dir).
@@ -56,7 +56,7 @@ pub struct AppArgs {
 
 fn parse_synthetic(text: &str) -> Result<SyntheticChoice, String> {
     SyntheticChoice::from_name(text)
-        .ok_or_else(|| format!("expected auto, tiny or 20b, got {text:?}"))
+        .ok_or_else(|| format!("expected auto, tiny, 20b or 120b, got {text:?}"))
 }
 
 /// The flags of every setting that has one in [`SETTINGS`], as given: (config key, value).
@@ -600,6 +600,7 @@ pub fn synthetic_preset(
     use crate::model::Preset;
     match choice.resolve(available_memory_bytes) {
         SyntheticChoice::Gpt20b => (Preset::Gpt20b, None),
+        SyntheticChoice::Gpt120b => (Preset::Gpt120b, None),
         SyntheticChoice::Tiny if choice == SyntheticChoice::Auto => {
             let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
             let available = available_memory_bytes.map_or("unknown memory".to_string(), |bytes| {
@@ -655,6 +656,11 @@ pub fn load_model(
         ModelSource::Synthetic(choice) => {
             let available = crate::engine::worker::available_memory_bytes();
             let (preset, fallback) = synthetic_preset(*choice, available);
+            // Random weights live in memory: a preset that cannot fit (120b on most machines) is
+            // refused with the numbers before anything is generated.
+            let planned = crate::model::memory::Planned::Synthetic(preset);
+            crate::model::memory::check_before_load(planned, &options, settings.context_limit)
+                .map_err(model_error)?;
             let generating = format!("generating random {} weights", preset.name());
             let model =
                 Model::synthetic_with_progress(preset, 0, &options, &mut |stage, done, total| {

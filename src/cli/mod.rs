@@ -146,25 +146,34 @@ impl ModelArgs {
                 eprintln!("warning: {warning}");
             }
         }
-        let model = match (&self.model, self.synthetic) {
-            (Some(dir), _) => Model::load(dir, &opts)
-                .with_context(|| format!("cannot load the model {}", dir.display()))?,
-            (None, Some(preset)) => Model::synthetic(preset, self.synthetic_seed, &opts)?,
-            (None, None) => anyhow::bail!(
-                "name a model: --model DIR|FILE.gguf|ollama:NAME:TAG or --synthetic 20b|120b|tiny"
-            ),
-        };
+        // Loading and converting run on the pool the forward pass will use.
+        let pool = self.pool()?;
+        let model = pool.install(|| -> anyhow::Result<Model> {
+            Ok(match (&self.model, self.synthetic) {
+                (Some(dir), _) => Model::load(dir, &opts)
+                    .with_context(|| format!("cannot load the model {}", dir.display()))?,
+                (None, Some(preset)) => Model::synthetic(preset, self.synthetic_seed, &opts)?,
+                (None, None) => anyhow::bail!(
+                    "name a model: --model DIR|FILE.gguf|ollama:NAME:TAG or --synthetic 20b|120b|tiny"
+                ),
+            })
+        })?;
         // Converting the weights reads the mapping; a shard cut short meanwhile read zeros.
         crate::fault::check()?;
         Ok(Arc::new(model))
     }
 
     /// The pool the forward pass computes on: `--threads` workers, built as the app builds its
-    /// own.
+    /// own, once per process (the model loads on it before the first session takes it).
     pub fn pool(&self) -> anyhow::Result<Arc<rayon::ThreadPool>> {
+        static POOL: std::sync::OnceLock<Arc<rayon::ThreadPool>> = std::sync::OnceLock::new();
+        if let Some(pool) = POOL.get() {
+            return Ok(Arc::clone(pool));
+        }
         let count = thread_count(self.threads)?;
-        crate::engine::build_pool(count)
-            .with_context(|| format!("cannot build a thread pool of {count} threads"))
+        let pool = crate::engine::build_pool(count)
+            .with_context(|| format!("cannot build a thread pool of {count} threads"))?;
+        Ok(Arc::clone(POOL.get_or_init(|| pool)))
     }
 }
 

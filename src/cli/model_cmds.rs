@@ -9,7 +9,7 @@ use clap::Args;
 
 use super::output::{self, note, Out};
 use super::{limits, ModelArgs};
-use crate::model::checkpoint::Checkpoint;
+use crate::model::checkpoint::{Checkpoint, ValueScan};
 use crate::model::gguf;
 use crate::model::memory::{MemoryNeeds, SystemMemory, WeightSource};
 use crate::model::{
@@ -28,7 +28,7 @@ pub struct InfoArgs {
     #[arg(long, value_name = "TOKENS")]
     pub context: Option<usize>,
     /// Also read every value of every tensor and report each one holding NaN or infinity (or an
-    /// MXFP4 scale of 0xFF, E8M0's NaN). Reads the whole checkpoint (safetensors only).
+    /// MXFP4 scale of 0xFF, E8M0's NaN; in a GGUF also Q8_0 block scales). Reads the whole model.
     #[arg(long)]
     pub check: bool,
 }
@@ -91,10 +91,15 @@ pub fn info(args: InfoArgs) -> anyhow::Result<()> {
         (Some(spec), _) => {
             let path = crate::model::resolve_model_path(spec)?;
             if gguf::is_gguf(&path) {
-                if args.check {
-                    anyhow::bail!("info --check reads safetensors checkpoints, not GGUF files");
-                }
                 let file = gguf::GgufFile::open(&path)?;
+                if args.check {
+                    let mut tensors: Vec<(&str, usize)> = file
+                        .tensors()
+                        .map(|(name, tensor)| (name, tensor.byte_len()))
+                        .collect();
+                    tensors.sort_unstable();
+                    check_values(&mut out, &tensors, &|name| file.scan_values(name), &path)?;
+                }
                 let config = file.config()?;
                 writeln!(
                     out,
@@ -115,7 +120,13 @@ pub fn info(args: InfoArgs) -> anyhow::Result<()> {
                 let checkpoint = Checkpoint::open(&path)?;
                 // The scan comes first: loading stops at the first bad tensor, the scan lists them all.
                 if args.check {
-                    check_values(&mut out, &checkpoint)?;
+                    let mut tensors: Vec<(&str, usize)> = checkpoint
+                        .tensor_names()
+                        .filter_map(|name| Some((name, checkpoint.info(name)?.byte_len())))
+                        .collect();
+                    tensors.sort_unstable();
+                    let scan = |name: &str| checkpoint.scan_values(name);
+                    check_values(&mut out, &tensors, &scan, &path)?;
                 }
                 // Build the typed views too, so `info` reports any tensor the engine would refuse.
                 crate::model::Weights::load(&config, &checkpoint).with_context(|| {
@@ -223,12 +234,17 @@ fn add_size(by_type: &mut Vec<(String, u64, usize)>, name: &str, bytes: usize) {
     }
 }
 
-/// `info --check`: every value of every tensor, one line per bad tensor on stdout, progress on
-/// stderr; an error when any tensor is bad.
-fn check_values(out: &mut Out, checkpoint: &Checkpoint) -> anyhow::Result<()> {
-    let mut names: Vec<&str> = checkpoint.tensor_names().collect();
-    names.sort_unstable();
-    let total_bytes: u64 = checkpoint.tensor_sizes().map(|(_, b)| b as u64).sum();
+/// `info --check`: every value of every tensor of the model at `path` ((name, bytes), in the order
+/// given) through `scan`, one line per bad tensor on stdout, progress on stderr; an error when any
+/// tensor is bad.
+fn check_values(
+    out: &mut Out,
+    tensors: &[(&str, usize)],
+    scan: &dyn Fn(&str) -> Result<ValueScan, crate::model::ModelError>,
+    path: &Path,
+) -> anyhow::Result<()> {
+    let names: Vec<&str> = tensors.iter().map(|(name, _)| *name).collect();
+    let total_bytes: u64 = tensors.iter().map(|(_, bytes)| *bytes as u64).sum();
     let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let mut done_bytes = 0u64;
     let mut bad = 0usize;
@@ -246,7 +262,7 @@ fn check_values(out: &mut Out, checkpoint: &Checkpoint) -> anyhow::Result<()> {
             let _ = err.flush();
             last_percent = Some(percent);
         }
-        let report = checkpoint.scan_values(name)?;
+        let report = scan(name)?;
         crate::fault::check()?;
         done_bytes += report.bytes as u64;
         if let Some(found) = report.bad {
@@ -263,9 +279,9 @@ fn check_values(out: &mut Out, checkpoint: &Checkpoint) -> anyhow::Result<()> {
     }
     if bad > 0 {
         anyhow::bail!(
-            "{bad} of {} tensors hold NaN, infinity or NaN scales: the checkpoint in {} is corrupt",
+            "{bad} of {} tensors hold NaN, infinity or NaN scales: the model in {} is corrupt",
             names.len(),
-            checkpoint.dir().display()
+            path.display()
         );
     }
     writeln!(

@@ -156,17 +156,23 @@ impl EngineHandle {
                         total,
                     });
                 };
-                let parts = match load(&settings, &mut report) {
-                    Ok(parts) => parts,
-                    Err(error) => {
-                        let _ = events.send(Event::Error {
-                            id: None,
-                            message: error.to_string(),
-                        });
-                        return;
-                    }
+                let fail = |error: EngineError| {
+                    let _ = events.send(Event::Error {
+                        id: None,
+                        message: error.to_string(),
+                    });
                 };
-                match Worker::new(parts, settings, events.clone(), worker_mark) {
+                // The session's pool exists first: loading and converting the weights run on it
+                // rather than on rayon's global pool, so no second set of threads competes.
+                let pool = match build_pool(settings.threads) {
+                    Ok(pool) => pool,
+                    Err(error) => return fail(error),
+                };
+                let parts = match pool.install(|| load(&settings, &mut report)) {
+                    Ok(parts) => parts,
+                    Err(error) => return fail(error),
+                };
+                match Worker::new(parts, settings, pool, events.clone(), worker_mark) {
                     Ok(worker) => worker.run(command_receiver),
                     Err(error) => {
                         let _ = events.send(Event::Error {
@@ -288,9 +294,11 @@ pub struct Worker<M: ModelBackend, C, S> {
 }
 
 impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
+    /// The worker over `parts`, computing on `pool` (built for `settings.threads`).
     pub fn new(
         parts: EngineParts<M, C, S>,
         settings: Settings,
+        pool: Arc<ThreadPool>,
         events: Sender<Event>,
         cancel_mark: Arc<AtomicU64>,
     ) -> Result<Self, EngineError> {
@@ -302,7 +310,6 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
             random_weights,
             kv_tiers,
         } = parts;
-        let pool = build_pool(settings.threads)?;
         let session = M::new_session(
             &model,
             &pool,
@@ -547,6 +554,9 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
         let (sender, receiver) = mpsc::channel();
         let model = Arc::clone(&self.model);
         let events = self.events.clone();
+        // Its own thread, and not the session's pool: the old weights keep serving meanwhile, and
+        // a conversion installed on the session's pool would hold its workers, so a turn would
+        // wait behind it (with one thread, for all of it).
         let spawned = std::thread::Builder::new()
             .name("ossterm-requantize".to_string())
             .spawn(move || {

@@ -1110,6 +1110,43 @@ impl Q8Matrix {
         })
     }
 
+    /// A matrix from ggml's Q8_0 blocks as GGUF files store them, row-major: per 32 values an f16
+    /// scale `d` (little-endian), then 32 int8 `q`; value `d x q`. That is this format's own
+    /// block, so quants and scales are placed, never recomputed: the matrix holds the file's
+    /// weights bit for bit. Rows are placed in parallel on the current rayon pool.
+    pub fn from_ggml_q8_0(rows: usize, cols: usize, blocks: &[u8]) -> Result<Self, KernelError> {
+        const GGML_BLOCK_BYTES: usize = 2 + BLOCK_LEN;
+        check_block_cols("Q8 matrix", cols)?;
+        let row_bytes = cols / BLOCK_LEN * GGML_BLOCK_BYTES;
+        check_len(
+            "Q8_0 blocks (rows x cols / 32 x 34 bytes)",
+            blocks.len(),
+            rows * row_bytes,
+        )?;
+        let groups = groups_for(cols);
+        let mut quants = AlignedVec::filled(rows * groups * GROUP_LEN, 0i8);
+        let mut scales = vec![f16::ZERO; rows * groups * GROUP_BLOCKS];
+        quants
+            .par_chunks_mut(groups * GROUP_LEN)
+            .zip(scales.par_chunks_mut(groups * GROUP_BLOCKS))
+            .zip(blocks.par_chunks(row_bytes))
+            .for_each(|((row_quants, row_scales), source)| {
+                for (block, bytes) in source.chunks_exact(GGML_BLOCK_BYTES).enumerate() {
+                    row_scales[block] = f16::from_le_bytes([bytes[0], bytes[1]]);
+                    for (e, &q) in bytes[2..].iter().enumerate() {
+                        row_quants[interleaved_position(block * BLOCK_LEN + e)] = q as i8;
+                    }
+                }
+            });
+        Ok(Self {
+            rows,
+            cols,
+            groups,
+            quants,
+            scales,
+        })
+    }
+
     /// Quantize a row-major bf16 matrix (raw bits); rows are quantized in parallel on the rayon pool.
     pub fn from_bf16(rows: usize, cols: usize, data: &[u16]) -> Result<Self, KernelError> {
         check_bf16_input("Q8 matrix", rows, cols, data.len())?;

@@ -61,8 +61,10 @@ pub trait ByteOwner: Send + Sync {
     fn release(&self, _range: Range<usize>) {}
 }
 
-/// A read-only mapping of a shard, watched by [`crate::fault`] for as long as it is mapped, so a
-/// shard truncated on disk turns into an error naming it instead of a fatal SIGBUS.
+/// A read-only mapping of a weights file (safetensors shard or GGUF), watched by [`crate::fault`]
+/// for as long as it is mapped: a file truncated on disk turns into an error naming it instead of
+/// a fatal SIGBUS, and one overwritten in place (same length, no fault) is caught by
+/// [`crate::fault::verify_files`] against the identity of the file as it was mapped.
 pub struct WatchedMap {
     // Declared first so it drops first: the range stops being watched before it is unmapped.
     _watch: crate::fault::Registration,
@@ -70,11 +72,21 @@ pub struct WatchedMap {
 }
 
 impl WatchedMap {
-    pub(crate) fn new(map: Mmap, path: &Path) -> Self {
-        WatchedMap {
-            _watch: crate::fault::register(map.as_ptr(), map.len(), path),
+    /// Maps `path` read-only and watches it.
+    pub(crate) fn open(path: &Path) -> Result<Self, ModelError> {
+        let io = |source| ModelError::Io {
+            path: path.to_owned(),
+            source,
+        };
+        let handle = File::open(path).map_err(io)?;
+        // SAFETY: the mapping is read-only. If another process truncates the file while we run,
+        // reads past the new end raise SIGBUS; the registration below hands the range to
+        // `crate::fault`, whose handler turns that into zeros plus an error naming the file.
+        let map = unsafe { Mmap::map(&handle) }.map_err(io)?;
+        Ok(WatchedMap {
+            _watch: crate::fault::register(map.as_ptr(), map.len(), path, &handle),
             map,
-        }
+        })
     }
 }
 
@@ -164,6 +176,12 @@ pub struct TensorInfo {
     pub shape: Vec<usize>,
     shard: usize,
     range: Range<usize>,
+}
+
+impl TensorInfo {
+    pub fn byte_len(&self) -> usize {
+        self.range.len()
+    }
 }
 
 struct Shard {
@@ -260,18 +278,7 @@ impl Checkpoint {
                 shard: path,
             });
         }
-        let handle = File::open(&path).map_err(|source| ModelError::Io {
-            path: path.clone(),
-            source,
-        })?;
-        // SAFETY: the mapping is read-only. If another process truncates the file while we run,
-        // reads past the new end raise SIGBUS; `WatchedMap` registers the range with
-        // `crate::fault`, whose handler turns that into zeros plus an error naming the file.
-        let map = unsafe { Mmap::map(&handle) }.map_err(|source| ModelError::Io {
-            path: path.clone(),
-            source,
-        })?;
-        let map = WatchedMap::new(map, &path);
+        let map = WatchedMap::open(&path)?;
         self.add_shard(path, Arc::new(map))
     }
 
@@ -447,7 +454,6 @@ impl Checkpoint {
     /// tensors (U8, named `*_scales`) are checked for 0xFF; other U8 tensors hold FP4 codes,
     /// every value of which is valid.
     pub fn scan_values(&self, name: &str) -> Result<ValueScan, ModelError> {
-        use rayon::prelude::*;
         let Some(info) = self.tensors.get(name) else {
             return Err(ModelError::MissingTensor {
                 tensor: name.into(),
@@ -455,7 +461,6 @@ impl Checkpoint {
             });
         };
         let bytes = &self.shards[info.shard].map.bytes()[info.range.clone()];
-        let width = info.dtype.size();
         let is_bad: fn(&[u8]) -> bool = match info.dtype {
             Dtype::Bf16 => |e| u16::from_le_bytes([e[0], e[1]]) & 0x7f80 == 0x7f80,
             Dtype::F16 => |e| u16::from_le_bytes([e[0], e[1]]) & 0x7c00 == 0x7c00,
@@ -463,31 +468,50 @@ impl Checkpoint {
             Dtype::U8 if name.ends_with("_scales") => |e| e[0] == 0xff,
             Dtype::U8 => |_| false,
         };
-        // Pieces of 64k elements, counted in parallel: the largest tensors are a gigabyte.
-        const PIECE: usize = 1 << 16;
-        let (count, first) = bytes
-            .par_chunks(PIECE * width)
-            .enumerate()
-            .map(|(piece, part)| {
-                let mut count = 0usize;
-                let mut first = usize::MAX;
-                for (i, element) in part.chunks_exact(width).enumerate() {
-                    if is_bad(element) {
-                        count += 1;
-                        first = first.min(piece * PIECE + i);
-                    }
+        Ok(scan_units(
+            bytes,
+            info.dtype.size(),
+            1,
+            info.dtype == Dtype::U8,
+            is_bad,
+        ))
+    }
+}
+
+/// Counts the `width`-byte units of `bytes` for which `is_bad` holds, each standing for
+/// `elements` values (a quantized block), for [`ValueScan`]. Pieces of 64k units are counted in
+/// parallel on the current pool: the largest tensors are a gigabyte.
+pub(crate) fn scan_units(
+    bytes: &[u8],
+    width: usize,
+    elements: usize,
+    nan_scales: bool,
+    is_bad: fn(&[u8]) -> bool,
+) -> ValueScan {
+    use rayon::prelude::*;
+    const PIECE: usize = 1 << 16;
+    let (count, first) = bytes
+        .par_chunks(PIECE * width)
+        .enumerate()
+        .map(|(piece, part)| {
+            let mut count = 0usize;
+            let mut first = usize::MAX;
+            for (i, unit) in part.chunks_exact(width).enumerate() {
+                if is_bad(unit) {
+                    count += 1;
+                    first = first.min(piece * PIECE + i);
                 }
-                (count, first)
-            })
-            .reduce(|| (0, usize::MAX), |a, b| (a.0 + b.0, a.1.min(b.1)));
-        Ok(ValueScan {
-            bytes: bytes.len(),
-            bad: (count > 0).then_some(BadValues {
-                count,
-                first,
-                nan_scales: info.dtype == Dtype::U8,
-            }),
+            }
+            (count, first)
         })
+        .reduce(|| (0, usize::MAX), |a, b| (a.0 + b.0, a.1.min(b.1)));
+    ValueScan {
+        bytes: bytes.len(),
+        bad: (count > 0).then_some(BadValues {
+            count,
+            first: first * elements,
+            nan_scales,
+        }),
     }
 }
 

@@ -2,6 +2,7 @@
 //! chosen [`WeightFormat`], built once at load (and again when the setting changes). Experts stay
 //! MXFP4 in the mapping.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::config::MXFP4_BLOCK;
@@ -13,7 +14,8 @@ use crate::kernels::{Q4Matrix, Q8Matrix};
 /// A dense weight matrix in one of the [`WeightFormat`]s.
 pub enum DenseMatrix {
     Bf16(Bf16Matrix),
-    Q8(Q8Matrix),
+    /// Shared with the [`Bf16Matrix`] it came from when the file stored it as Q8 (GGUF Q8_0).
+    Q8(Arc<Q8Matrix>),
     Q4(Q4Matrix),
 }
 
@@ -23,9 +25,13 @@ impl DenseMatrix {
         if format == WeightFormat::Native || !matrix.cols().is_multiple_of(MXFP4_BLOCK) {
             return Ok(DenseMatrix::Bf16(matrix.clone()));
         }
+        // The file's own Q8 blocks: quantizing their bf16 rounding again would only add error.
+        if let (WeightFormat::Q8, Some(native)) = (format, matrix.native_q8()) {
+            return Ok(DenseMatrix::Q8(native.clone()));
+        }
         let quantized = match format {
             WeightFormat::Q8 => Q8Matrix::from_bf16(matrix.rows(), matrix.cols(), matrix.values())
-                .map(DenseMatrix::Q8),
+                .map(|m| DenseMatrix::Q8(Arc::new(m))),
             _ => Q4Matrix::from_bf16(matrix.rows(), matrix.cols(), matrix.values())
                 .map(DenseMatrix::Q4),
         };
@@ -91,7 +97,8 @@ pub struct FastWeights {
 }
 
 impl FastWeights {
-    /// Converts the attention projections and the unembedding to `format`. `progress` hears
+    /// Converts the attention projections and the unembedding to `format` on the current rayon
+    /// pool (callers install the session's: the engine, the CLI). `progress` hears
     /// (matrices done, matrices in all). Quantizing reads the bf16 source once; its pages of the
     /// mapping are released afterwards so they do not count twice.
     pub fn build(

@@ -7,7 +7,9 @@
 //! [`Weights::load`](super::Weights::load) asks for:
 //!
 //! - F32/BF16 tensors are lent straight from the mapping; F16 and Q8_0 are widened to f32 (exactly)
-//!   for vectors and rounded to bf16 for matrices, the one dense format the forward pass reads.
+//!   for vectors and rounded to bf16 for matrices, the one dense format the exact path reads. Q8_0
+//!   matrices also come as they are, block for block, for the fast path's Q8 format
+//!   ([`TensorSource::q8_matrix`]), so with the default settings they are never quantized again.
 //! - MXFP4 experts are repacked once into the Hugging Face layout the expert kernels read: GGUF keeps
 //!   each 32-value block as 17 bytes (E8M0 scale, then 16 bytes whose low nibbles hold values 0..15 and
 //!   high nibbles 16..31), Hugging Face keeps scales apart and packs neighbours (value 2j low, 2j+1
@@ -21,13 +23,13 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use memmap2::Mmap;
 use rayon::prelude::*;
 
-use super::checkpoint::{ByteOwner, Dtype, TensorBytes, WatchedMap};
+use super::checkpoint::{scan_units, ByteOwner, Dtype, TensorBytes, ValueScan, WatchedMap};
 use super::config::{LayerKind, ModelConfig, RopeScaling, MXFP4_BLOCK};
 use super::weights::TensorSource;
 use super::ModelError;
+use crate::kernels::Q8Matrix;
 
 /// The architecture name llama.cpp gives gpt-oss (`general.architecture`, prefix of its keys).
 pub const ARCH: &str = "gpt-oss";
@@ -351,18 +353,9 @@ impl<'a> Cursor<'a> {
 impl GgufFile {
     /// Maps and validates `path`.
     pub fn open(path: &Path) -> Result<Self, ModelError> {
-        let io = |source| ModelError::Io {
-            path: path.to_owned(),
-            source,
-        };
-        let handle = File::open(path).map_err(io)?;
-        // SAFETY: read-only private mapping; as for safetensors shards (checkpoint.rs), a file
-        // truncated by another process while mapped faults on access, the contract of every
-        // mmap-based model loader.
-        let map = unsafe { Mmap::map(&handle) }.map_err(io)?;
         // Watched like a safetensors shard: a file truncated while mapped becomes an error naming
-        // it instead of a SIGBUS.
-        Self::parse(path, Arc::new(WatchedMap::new(map, path)))
+        // it instead of a SIGBUS, one overwritten in place is noticed between generations.
+        Self::parse(path, Arc::new(WatchedMap::open(path)?))
     }
 
     /// Parses a GGUF held in memory; `path` only names it in errors (tests and fuzzing use this).
@@ -565,7 +558,37 @@ impl GgufFile {
         self.tensors.iter().map(|(n, t)| (n.as_str(), t))
     }
 
-    fn bytes(&self, tensor: &GgufTensor) -> &[u8] {
+    /// Reads every value of tensor `name` (its GGUF name) and counts those that are not numbers:
+    /// NaN or infinity in F32, F16 and BF16 tensors and in the f16 scales of Q8_0 blocks (each
+    /// bad scale counts once, at its block's first element), and the NaN scale byte 0xFF of MXFP4
+    /// blocks. Other types are not read by the loader and are not scanned.
+    pub fn scan_values(&self, name: &str) -> Result<ValueScan, ModelError> {
+        let tensor = self.get_or_missing(name)?;
+        let bytes = self.bytes(tensor);
+        let f16_bad: fn(&[u8]) -> bool = |e| u16::from_le_bytes([e[0], e[1]]) & 0x7c00 == 0x7c00;
+        Ok(match tensor.type_id {
+            GGML_F32 => scan_units(bytes, 4, 1, false, |e| {
+                !f32::from_le_bytes([e[0], e[1], e[2], e[3]]).is_finite()
+            }),
+            GGML_F16 => scan_units(bytes, 2, 1, false, f16_bad),
+            GGML_BF16 => scan_units(bytes, 2, 1, false, |e| {
+                u16::from_le_bytes([e[0], e[1]]) & 0x7f80 == 0x7f80
+            }),
+            GGML_Q8_0 => scan_units(bytes, Q8_0_BLOCK_BYTES, 32, false, f16_bad),
+            GGML_MXFP4 => scan_units(bytes, MXFP4_BLOCK_BYTES, 32, true, |b| b[0] == 0xff),
+            _ => ValueScan {
+                bytes: bytes.len(),
+                bad: None,
+            },
+        })
+    }
+
+    fn get_or_missing(&self, name: &str) -> Result<&GgufTensor, ModelError> {
+        self.tensor(name).ok_or_else(|| self.missing_tensor(name))
+    }
+
+    /// The tensor's bytes as the file stores them.
+    pub fn bytes(&self, tensor: &GgufTensor) -> &[u8] {
         &self.map.bytes()[tensor.range.clone()]
     }
 
@@ -1235,6 +1258,25 @@ impl TensorSource for GgufSource {
                 dir: self.file.path.clone(),
             }),
         }
+    }
+
+    fn q8_matrix(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Option<Q8Matrix>, ModelError> {
+        let Some(Mapped::Plain(gguf)) = map_name(name) else {
+            return Ok(None);
+        };
+        let tensor = self.get(&gguf)?;
+        if tensor.type_id != GGML_Q8_0 {
+            return Ok(None);
+        }
+        self.check_shape(&gguf, tensor, &[rows, cols])?;
+        Q8Matrix::from_ggml_q8_0(rows, cols, self.file.bytes(tensor))
+            .map(Some)
+            .map_err(|e| self.file.err(format!("{gguf}: {e}")))
     }
 }
 

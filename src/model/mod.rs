@@ -6,6 +6,8 @@ pub mod convert;
 pub mod exact;
 pub mod fast;
 pub mod gguf;
+#[doc(hidden)]
+pub mod gguf_builder;
 pub mod kv;
 pub mod memory;
 pub mod ollama;

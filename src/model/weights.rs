@@ -7,6 +7,7 @@ use rayon::prelude::*;
 use super::checkpoint::{ByteOwner, Checkpoint, Dtype, TensorBytes};
 use super::config::{LayerKind, ModelConfig, MXFP4_BLOCK};
 use super::ModelError;
+use crate::kernels::Q8Matrix;
 
 /// Anything that hands out tensors by name with shape and dtype checks: a mapped checkpoint or
 /// the synthetic generator.
@@ -17,6 +18,18 @@ pub trait TensorSource {
         shape: &[usize],
         dtypes: &[Dtype],
     ) -> Result<(Dtype, TensorBytes), ModelError>;
+
+    /// The [rows, cols] matrix `name` as a ready [`Q8Matrix`], if the source stores it in that
+    /// format's blocks (a GGUF's Q8_0 tensors): the fast path's Q8 weights then use it as it is
+    /// instead of quantizing the bf16 view again.
+    fn q8_matrix(
+        &self,
+        _name: &str,
+        _rows: usize,
+        _cols: usize,
+    ) -> Result<Option<Q8Matrix>, ModelError> {
+        Ok(None)
+    }
 }
 
 impl TensorSource for Checkpoint {
@@ -37,6 +50,9 @@ pub struct Bf16Matrix {
     rows: usize,
     cols: usize,
     data: TensorBytes,
+    /// The same matrix as the file stores it in Q8 blocks (GGUF Q8_0), of which `data` is the
+    /// bf16 rounding; the fast path's Q8 format uses this one.
+    native_q8: Option<Arc<Q8Matrix>>,
 }
 
 impl Bf16Matrix {
@@ -60,7 +76,32 @@ impl Bf16Matrix {
             let len = words.len() * 2;
             TensorBytes::new(Arc::new(AlignedWords(words)), 0..len)
         };
-        Ok(Bf16Matrix { rows, cols, data })
+        Ok(Bf16Matrix {
+            rows,
+            cols,
+            data,
+            native_q8: None,
+        })
+    }
+
+    /// The file's own Q8 form of this matrix, if it has one (see [`TensorSource::q8_matrix`]).
+    pub fn native_q8(&self) -> Option<&Arc<Q8Matrix>> {
+        self.native_q8.as_ref()
+    }
+
+    /// Attaches (or with `None` drops) the file's Q8 form; it must have this matrix's shape.
+    pub fn set_native_q8(&mut self, q8: Option<Arc<Q8Matrix>>) -> Result<(), ModelError> {
+        if let Some(m) = &q8 {
+            if (m.rows(), m.cols()) != (self.rows, self.cols) {
+                return Err(ModelError::WrongShape {
+                    tensor: "native Q8 matrix".into(),
+                    expected: vec![self.rows, self.cols],
+                    found: vec![m.rows(), m.cols()],
+                });
+            }
+        }
+        self.native_q8 = q8;
+        Ok(())
     }
 
     pub fn rows(&self) -> usize {
@@ -240,11 +281,15 @@ const SMALL: &[Dtype] = &[Dtype::Bf16, Dtype::F32];
 impl Weights {
     pub fn load(config: &ModelConfig, source: &impl TensorSource) -> Result<Self, ModelError> {
         let h = config.hidden_size;
-        let embed = matrix(source, "model.embed_tokens.weight", config.vocab_size, h)?;
-        let lm_head = if config.tie_word_embeddings {
-            embed.clone()
+        let (vocab, embed_name) = (config.vocab_size, "model.embed_tokens.weight");
+        let (embed, lm_head) = if config.tie_word_embeddings {
+            let embed = converted_matrix(source, embed_name, vocab, h)?;
+            (embed.clone(), embed)
         } else {
-            matrix(source, "lm_head.weight", config.vocab_size, h)?
+            (
+                matrix(source, embed_name, vocab, h)?,
+                converted_matrix(source, "lm_head.weight", vocab, h)?,
+            )
         };
         let layers = (0..config.num_hidden_layers)
             .map(|l| load_layer(config, source, l))
@@ -293,8 +338,15 @@ fn load_layer(
     let h = config.hidden_size;
     let p = format!("model.layers.{l}.");
     let linear = |name: &str, rows: usize, cols: usize| -> Result<Linear, ModelError> {
+        let weight = format!("{p}{name}.weight");
+        // The router stays bf16 on every path; the attention projections are converted.
+        let weight = if name == "mlp.router" {
+            matrix(source, &weight, rows, cols)?
+        } else {
+            converted_matrix(source, &weight, rows, cols)?
+        };
         Ok(Linear {
-            weight: matrix(source, &format!("{p}{name}.weight"), rows, cols)?,
+            weight,
             bias: vector(source, &format!("{p}{name}.bias"), rows)?,
         })
     };
@@ -336,6 +388,19 @@ fn matrix(
 ) -> Result<Bf16Matrix, ModelError> {
     let (_, bytes) = source.tensor(name, &[rows, cols], &[Dtype::Bf16])?;
     Bf16Matrix::new(name, rows, cols, bytes)
+}
+
+/// A matrix the fast path converts to its weight format (attention projections, unembedding),
+/// with the source's own Q8 form of it where there is one.
+fn converted_matrix(
+    source: &impl TensorSource,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<Bf16Matrix, ModelError> {
+    let mut converted = matrix(source, name, rows, cols)?;
+    converted.set_native_q8(source.q8_matrix(name, rows, cols)?.map(Arc::new))?;
+    Ok(converted)
 }
 
 /// A small tensor (norm, bias, sinks) widened to f32, checked to hold only finite values.
