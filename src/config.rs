@@ -113,6 +113,54 @@ pub struct AppConfig {
     pub loaded_from: Option<PathBuf>,
     /// Where and how much the KV snapshot tiers keep.
     pub cache: CacheConfig,
+    /// `[remote]`: a server to run the app on instead of the local model.
+    pub remote: RemoteSection,
+}
+
+/// `remote.url`, `remote.api_key_env`, `remote.model`, `remote.timeout_secs`: with a URL the
+/// app talks to an OpenAI-compatible server instead of loading a model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteSection {
+    /// `None`: run the model here.
+    pub url: Option<String>,
+    /// The environment variable holding the API key (the key itself never goes in the file).
+    pub api_key_env: String,
+    /// `None`: the server's first model.
+    pub model: Option<String>,
+    /// Longest silence of the server mid-request, in seconds.
+    pub timeout_secs: u64,
+}
+
+impl Default for RemoteSection {
+    fn default() -> Self {
+        RemoteSection {
+            url: None,
+            api_key_env: crate::remote::DEFAULT_API_KEY_ENV.to_string(),
+            model: None,
+            timeout_secs: crate::remote::DEFAULT_IDLE_TIMEOUT.as_secs(),
+        }
+    }
+}
+
+impl RemoteSection {
+    /// The remote engine's configuration when a URL is set: the key is `api_key` (from
+    /// `--api-key`) or else the `api_key_env` variable's value.
+    pub fn engine_config(&self, api_key: Option<String>) -> Option<crate::remote::RemoteConfig> {
+        let url = self.url.clone()?;
+        let api_key = api_key.or_else(|| {
+            std::env::var(&self.api_key_env)
+                .ok()
+                .filter(|key| !key.is_empty())
+        });
+        Some(crate::remote::RemoteConfig {
+            target: crate::remote::RemoteTarget {
+                url,
+                api_key,
+                idle_timeout: std::time::Duration::from_secs(self.timeout_secs),
+            },
+            model: self.model.clone(),
+        })
+    }
 }
 
 /// The KV snapshot tiers' settings: `paths.cache_dir`, `cache.max_disk_mb`, `cache.max_ram_mb`.
@@ -164,6 +212,7 @@ impl Default for AppConfig {
             chats_dir: None,
             loaded_from: None,
             cache: CacheConfig::default(),
+            remote: RemoteSection::default(),
         }
     }
 }
@@ -176,6 +225,10 @@ pub struct ConfigOverrides {
     pub synthetic: Option<SyntheticChoice>,
     pub chats_dir: Option<PathBuf>,
     pub cache_dir: Option<PathBuf>,
+    /// `--remote URL`, `--remote-model NAME`, `--remote-timeout SECS`.
+    pub remote_url: Option<String>,
+    pub remote_model: Option<String>,
+    pub remote_timeout_secs: Option<u64>,
     /// Settings given as flags, by config key, as parsed from the flag's text.
     pub settings: Vec<(&'static str, Value)>,
 }
@@ -195,14 +248,24 @@ const CHATS_DIR_KEY: &str = "paths.chats_dir";
 const CACHE_DIR_KEY: &str = "paths.cache_dir";
 const MAX_DISK_KEY: &str = "cache.max_disk_mb";
 const MAX_RAM_KEY: &str = "cache.max_ram_mb";
-const STARTUP_KEYS: [&str; 6] = [
+const REMOTE_URL_KEY: &str = "remote.url";
+const REMOTE_API_KEY_ENV_KEY: &str = "remote.api_key_env";
+const REMOTE_MODEL_KEY: &str = "remote.model";
+const REMOTE_TIMEOUT_KEY: &str = "remote.timeout_secs";
+const STARTUP_KEYS: [&str; 10] = [
     MODEL_PATH_KEY,
     MODEL_SYNTHETIC_KEY,
     CHATS_DIR_KEY,
     CACHE_DIR_KEY,
     MAX_DISK_KEY,
     MAX_RAM_KEY,
+    REMOTE_URL_KEY,
+    REMOTE_API_KEY_ENV_KEY,
+    REMOTE_MODEL_KEY,
+    REMOTE_TIMEOUT_KEY,
 ];
+/// Longest remote timeout a key or flag accepts, in seconds (a day).
+pub const MAX_REMOTE_TIMEOUT_SECS: u64 = 86_400;
 /// Largest snapshot budget a key accepts, in MiB (1 PiB).
 const MAX_BUDGET_MB: u64 = 1 << 30;
 
@@ -333,6 +396,39 @@ pub fn parse(text: &str, path: &Path) -> Result<AppConfig, ConfigError> {
                         config.model = ModelSource::Checkpoint(dir);
                     }
                 }
+                REMOTE_URL_KEY | REMOTE_API_KEY_ENV_KEY | REMOTE_MODEL_KEY => {
+                    let Some(text) = value.as_str() else {
+                        return Err(invalid(format!("expected a string, got {value}")));
+                    };
+                    let text = text.trim();
+                    if key == REMOTE_API_KEY_ENV_KEY {
+                        if text.is_empty() || text.contains('=') {
+                            return Err(invalid(format!(
+                                "expected the name of an environment variable, got {value}"
+                            )));
+                        }
+                        config.remote.api_key_env = text.to_string();
+                    } else {
+                        let text = (!text.is_empty()).then(|| text.to_string());
+                        if key == REMOTE_URL_KEY {
+                            config.remote.url = text;
+                        } else {
+                            config.remote.model = text;
+                        }
+                    }
+                }
+                REMOTE_TIMEOUT_KEY => {
+                    let seconds = value
+                        .as_integer()
+                        .and_then(|v| u64::try_from(v).ok())
+                        .filter(|v| (1..=MAX_REMOTE_TIMEOUT_SECS).contains(v));
+                    let Some(seconds) = seconds else {
+                        return Err(invalid(format!(
+                            "expected 1..={MAX_REMOTE_TIMEOUT_SECS} seconds, got {value}"
+                        )));
+                    };
+                    config.remote.timeout_secs = seconds;
+                }
                 MODEL_SYNTHETIC_KEY => {
                     let choice = value.as_str().and_then(SyntheticChoice::from_name);
                     let Some(choice) = choice else {
@@ -392,6 +488,25 @@ fn apply_overrides(config: &mut AppConfig, overrides: &ConfigOverrides) -> Resul
     }
     if overrides.cache_dir.is_some() {
         config.cache.dir.clone_from(&overrides.cache_dir);
+    }
+    if let Some(url) = &overrides.remote_url {
+        let url = url.trim();
+        config.remote.url = (!url.is_empty()).then(|| url.to_string());
+    } else if overrides.model_dir.is_some() || overrides.synthetic.is_some() {
+        // A model named on the command line is run here, whatever server the file names.
+        config.remote.url = None;
+    }
+    if let Some(model) = &overrides.remote_model {
+        config.remote.model = Some(model.clone());
+    }
+    if let Some(seconds) = overrides.remote_timeout_secs {
+        if !(1..=MAX_REMOTE_TIMEOUT_SECS).contains(&seconds) {
+            return Err(ConfigError::InvalidFlag {
+                flag: "--remote-timeout".to_string(),
+                message: format!("expected 1..={MAX_REMOTE_TIMEOUT_SECS} seconds, got {seconds}"),
+            });
+        }
+        config.remote.timeout_secs = seconds;
     }
     Ok(())
 }
@@ -695,6 +810,65 @@ mod tests {
     fn a_byte_order_mark_is_accepted() {
         let config = parse_str("\u{feff}[engine]\nweight_format = \"q4\"\n").unwrap();
         assert_eq!(config.settings.weight_format, WeightFormat::Q4);
+    }
+
+    #[test]
+    fn remote_keys_parse_and_flags_beat_them() {
+        let config = parse_str(
+            "[remote]\nurl = \"http://gpu:8000\"\napi_key_env = \"TEAM_KEY\"\nmodel = \"openai/gpt-oss-120b\"\ntimeout_secs = 60\n",
+        )
+        .unwrap();
+        assert_eq!(config.remote.url.as_deref(), Some("http://gpu:8000"));
+        assert_eq!(config.remote.api_key_env, "TEAM_KEY");
+        assert_eq!(config.remote.model.as_deref(), Some("openai/gpt-oss-120b"));
+        assert_eq!(config.remote.timeout_secs, 60);
+        let mut overridden = config.clone();
+        let overrides = ConfigOverrides {
+            remote_url: Some("https://other/v1".to_string()),
+            remote_model: Some("m".to_string()),
+            ..ConfigOverrides::default()
+        };
+        apply_overrides(&mut overridden, &overrides).unwrap();
+        assert_eq!(overridden.remote.url.as_deref(), Some("https://other/v1"));
+        assert_eq!(overridden.remote.model.as_deref(), Some("m"));
+        let engine = overridden
+            .remote
+            .engine_config(Some("k".to_string()))
+            .unwrap();
+        assert_eq!(engine.target.api_key.as_deref(), Some("k"));
+        assert_eq!(engine.target.idle_timeout.as_secs(), 60);
+        assert!(AppConfig::default().remote.engine_config(None).is_none());
+        // A model or an empty URL on the command line runs here.
+        for overrides in [
+            ConfigOverrides {
+                synthetic: Some(SyntheticChoice::Tiny),
+                ..ConfigOverrides::default()
+            },
+            ConfigOverrides {
+                remote_url: Some(String::new()),
+                ..ConfigOverrides::default()
+            },
+        ] {
+            let mut local = config.clone();
+            apply_overrides(&mut local, &overrides).unwrap();
+            assert_eq!(local.remote.url, None, "{overrides:?}");
+        }
+    }
+
+    #[test]
+    fn bad_remote_keys_name_key_and_line() {
+        for (text, key) in [
+            ("[remote]\nurl = 5\n", "remote.url"),
+            ("[remote]\ntimeout_secs = 0\n", "remote.timeout_secs"),
+            ("[remote]\napi_key_env = \"\"\n", "remote.api_key_env"),
+            ("[remote]\nkey = \"secret\"\n", "remote.key"),
+        ] {
+            let error = parse_str(text).unwrap_err().to_string();
+            assert!(
+                error.contains(key) && error.contains("line 2"),
+                "{text}: {error}"
+            );
+        }
     }
 
     #[test]

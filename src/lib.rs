@@ -15,6 +15,7 @@ pub mod engine;
 pub mod fault;
 pub mod kernels;
 pub mod model;
+pub mod remote;
 pub mod server;
 pub mod settings;
 pub mod tui;

@@ -1358,3 +1358,57 @@ fn real_model_applies_every_engine_setting_live() {
         .iter()
         .any(|event| matches!(event, Event::Error { .. })));
 }
+
+/// Ctrl-O: the engine restores an opened chat's snapshot as soon as the chat is opened (with the
+/// "Resumed" notice), and the next turn finds the chat in the live cache.
+#[test]
+fn opening_a_chat_resumes_its_snapshot_before_the_next_turn() {
+    let harness = start_real_with_tiers(
+        test_settings(6),
+        ossterm::engine::kv_tiers::TierConfig::default(),
+    );
+    let chat_a = conversation(&[(Role::User, None, "tell me about the sea")]);
+    let first_a = harness.generate(1, chat_a.clone());
+    let (_, _, prompt_a) = turn_done(&first_a);
+    harness.generate(
+        2,
+        conversation(&[(Role::User, None, "and now the mountains")]),
+    );
+
+    // Chat A as its file holds it: the question and the reply.
+    let reply = streamed_text(&first_a);
+    let mut opened = conversation(&[
+        (Role::User, None, "tell me about the sea"),
+        (Role::Assistant, Some(Channel::Final), &reply),
+    ]);
+    harness
+        .engine
+        .send(Command::Resume(Box::new(opened.clone())))
+        .unwrap();
+    let events =
+        harness.wait_for(|event| matches!(event, Event::Notice(n) if n.starts_with("Resumed")));
+    let notice = notices(&events).pop().unwrap();
+    assert!(notice.contains("from RAM"), "{notice}");
+    let resumed: u64 = notice
+        .split_whitespace()
+        .nth(1)
+        .and_then(|n| n.replace(',', "").parse().ok())
+        .expect("a token count");
+    assert!(
+        resumed >= prompt_a,
+        "{notice}, the chat's prompt was {prompt_a}"
+    );
+
+    // The next message: the live cache already holds the chat, nothing more to resume.
+    opened
+        .messages
+        .push(conversation(&[(Role::User, None, "and the fish?")]).messages[0].clone());
+    let next = harness.generate(3, opened);
+    let (_, reused, _) = turn_done(&next);
+    assert!(reused >= resumed, "reused {reused}, resumed {resumed}");
+    assert!(
+        !notices(&next).iter().any(|n| n.starts_with("Resumed")),
+        "{:?}",
+        notices(&next)
+    );
+}

@@ -388,3 +388,101 @@ fn the_cache_command_lists_and_clears_snapshots() {
     assert!(run(&["cache", "list"]).contains("(none)"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A snapshot restorable from `floor` keeps only the sliding layers' rows from the window of
+/// `floor` on; restored at the floor or later, into a session whose cache holds another chat's
+/// rows everywhere, it continues exactly as the session that computed it (RAM and disk, every
+/// path and KV type), and it refuses shorter restores.
+#[test]
+fn sliding_window_snapshots_keep_only_the_window_and_stay_bit_exact() {
+    let pool = pool();
+    let prompt = tokens(70, 11);
+    let (tail, steps) = (tokens(5, 12), [7u32, 300]);
+    for (precision, kv) in variants() {
+        let model = tiny(precision, kv, 3);
+        let window = model.config.sliding_window;
+        assert!(window < 40, "the tiny preset has a short window");
+        let mut original = model.new_session(&pool, 128);
+        original.prefill(&prompt).unwrap();
+        let full = original.snapshot().unwrap();
+        let floor = 55;
+        let trimmed = original.snapshot_restorable_from(floor).unwrap();
+        assert_eq!(trimmed.rows.sliding_from, floor + 1 - window);
+        assert_eq!(trimmed.min_restore(), floor);
+        let sliding = trimmed.rows.sliding.iter().filter(|&&s| s).count();
+        assert!(sliding > 0 && sliding < trimmed.shape.layers);
+        let per_layer = full.tensor_bytes() / full.shape.layers;
+        let kept = 70 - trimmed.rows.sliding_from;
+        assert_eq!(
+            trimmed.tensor_bytes(),
+            per_layer * (full.shape.layers - sliding) + per_layer * sliding * kept / 70,
+            "{precision:?} {kv}"
+        );
+        let bytes = kv_tiers::encode(&trimmed, "trimmed");
+        let (decoded, _) = kv_tiers::decode(Path::new("mem"), &bytes).unwrap();
+        assert_eq!(decoded, trimmed);
+        assert!(bytes.len() < kv_tiers::encode(&full, "full").len());
+
+        for len in [floor, 62, 70] {
+            let mut rewound = model.new_session(&pool, 128);
+            rewound.prefill(&prompt).unwrap();
+            rewound.truncate(len);
+            let want = continue_with(&mut rewound, &tail, &steps);
+            for (name, snapshot) in [("RAM", &trimmed), ("disk", &decoded)] {
+                // Another chat's rows fill the cache first: the restore must not depend on what
+                // the rows it leaves alone hold.
+                let mut dirty = model.new_session(&pool, 128);
+                dirty.prefill(&tokens(100, 13)).unwrap();
+                dirty.restore(snapshot, len).unwrap();
+                let got = continue_with(&mut dirty, &tail, &steps);
+                for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+                    assert!(
+                        same_bits(w, g),
+                        "{precision:?} {kv} {name} restored to {len}: step {i} differs"
+                    );
+                }
+            }
+        }
+        let mut session = model.new_session(&pool, 128);
+        assert_eq!(
+            session.restore(&trimmed, floor - 1).unwrap_err(),
+            SnapshotError::Window {
+                len: floor - 1,
+                min: floor
+            }
+        );
+        assert!(session.is_empty(), "a refused restore changes nothing");
+    }
+}
+
+/// The tiers never pick a snapshot for a prompt shorter than its floor: they take another one
+/// that covers less, or none.
+#[test]
+fn the_tiers_skip_a_snapshot_whose_window_does_not_reach_the_prompt() {
+    let pool = pool();
+    let model = tiny(Precision::Fast, KvFormat::F16, 3);
+    let chat = tokens(60, 14);
+    let mut session = model.new_session(&pool, 128);
+    session.prefill(&chat).unwrap();
+    let trimmed = session.snapshot_restorable_from(50).unwrap();
+    let mut tiers = KvTiers::new(TierConfig {
+        ram_budget_bytes: u64::MAX,
+        disk_dir: None,
+        disk_budget_bytes: 0,
+    });
+    tiers.store(trimmed, "chat");
+
+    // An edit at position 40: the trimmed snapshot cannot serve 40 tokens.
+    let mut edited = chat[..40].to_vec();
+    edited.extend(tokens(8, 15));
+    let mut fresh = model.new_session(&pool, 128);
+    assert!(resume_from_tiers(&mut fresh, &mut tiers, &edited).is_none());
+    // A continuation past the floor is served.
+    let mut longer = chat.clone();
+    longer.extend(tokens(4, 16));
+    let resumed = resume_from_tiers(&mut fresh, &mut tiers, &longer).expect("a RAM hit");
+    assert_eq!(resumed.tokens, 60);
+    let got = fresh.prefill(&longer[60..]).unwrap().to_vec();
+    let want = session.prefill(&longer[60..]).unwrap().to_vec();
+    assert!(same_bits(&want, &got));
+}

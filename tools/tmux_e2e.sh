@@ -211,4 +211,91 @@ echo "tmux_e2e: CR paste: box border intact, sent and saved with LF"
 keys C-q
 wait_for "EXIT=0" 10
 
+# ---- remote engine (issue 13): the same app on `ossterm serve` over HTTP -------------------------
+# `ossterm --remote URL` against the synthetic tiny model served on a free loopback port: turns
+# stream, the gauges show the server and the network, settings the server decides show "server"
+# and do not change, Esc stops, Ctrl-R regenerates, Ctrl-S saves; then the server goes away (the
+# error is in the status line, the chat stays), comes back on the same port, and Ctrl-R retries.
+server_pid=""
+trap '[[ -n "$server_pid" ]] && kill "$server_pid" 2>/dev/null; cleanup' EXIT
+start_server() { # PORT (0: any free one)
+    local log="$work/serve.log" deadline=$((SECONDS + 60))
+    : >"$log"
+    "$binary" serve --synthetic tiny --threads 1 --host 127.0.0.1 --port "$1" 2>"$log" &
+    server_pid=$!
+    until grep -q "on http://" "$log"; do
+        ((SECONDS <= deadline)) || fail "ossterm serve did not start: $(cat "$log")"
+        sleep 0.1
+    done
+    server_url="$(grep -o 'http://[0-9.]*:[0-9]*' "$log" | head -1)"
+}
+start_server 0
+tmux_ kill-session -t "$session" 2>/dev/null || true
+tmux_ new-session -d -s "$session" -x 130 -y 42 \
+    "env TERM=xterm-256color XDG_CONFIG_HOME=$work/config XDG_DATA_HOME=$work/data HOME=$work \
+     $binary --remote $server_url --max-tokens 160 --seed 7 --chats-dir $work/remote-chats; \
+     echo EXIT=\$?; echo MODE: \$(stty -a | tr ' ;' '\n\n' | grep -xE -- '-?(icanon|echo)'); \
+     sleep 120"
+wait_for "Ready" 60
+wait_for "synthetic-tiny at $server_url" 1
+keys "hello there" Enter
+wait_for "tokens in [0-9.]+ s" 60
+echo "tmux_e2e: remote turn 1: $(gauge 'decode'); $(gauge 'network'); $(gauge 'usage')"
+gauge "server" | grep -qF "$server_url" || fail "remote: no server gauge"
+gauge "decode" | grep -q "tok/s" || fail "remote: no decode rate"
+gauge "usage" | grep -Eq "[1-9][0-9]* prompt" || fail "remote: no usage from the server"
+gauge "server load" | grep -q "queued" || fail "remote: no /metrics of the ossterm server"
+[[ -z "$(gauge 'threads')" ]] || fail "remote: a threads gauge, though the server has the threads"
+keys "and a second question" Enter
+wait_for "tokens in [0-9.]+ s, prefix cache [1-9]" 60
+
+# Threads (first row) is the server's: shown so, and Right does not change it. Max tokens (10th
+# row) still changes: 160 doubled five times.
+keys Tab Tab
+wait_for "threads +server" 5
+keys Right
+wait_for "Threads is set by the server" 5
+keys Down Down Down Down Down Down Down Down Down Right Right Right Right Right Tab
+wait_for "max tokens +5120" 5
+
+keys "a long one" Enter
+wait_for "(Thinking|Answering)… [0-9]+ tokens" 30
+first_count="$(screen | grep -Eo '(Thinking|Answering)… [0-9]+' | grep -Eo '[0-9]+$' | head -1)"
+sleep 0.5
+second_count="$(screen | grep -Eo '(Thinking|Answering)… [0-9]+' | grep -Eo '[0-9]+$' | head -1 || true)"
+[[ -n "$second_count" && "$second_count" -gt "$first_count" ]] ||
+    fail "remote: tokens did not stream ($first_count then ${second_count:-nothing})"
+keys Escape
+wait_for "\[stopped\]" 10
+keys C-r
+wait_for "Esc stops" 10
+keys Escape
+wait_for "Stopped: [0-9]+ tokens" 10
+keys C-s
+wait_for "Saved .*chat-[0-9-]+\.json" 5
+chat_file="$(ls "$work"/remote-chats/chat-*.json 2>/dev/null | head -1)"
+[[ -n "$chat_file" ]] && grep -q '"content": "hello there"' "$chat_file" ||
+    fail "remote: the chat file lacks the first user message"
+
+# The server goes away: the error shows, the chat stays; it comes back: Ctrl-R retries.
+server_port="${server_url##*:}"
+kill "$server_pid"
+wait "$server_pid" 2>/dev/null || true
+keys C-r
+wait_for "Error: cannot reach" 30
+screen | grep -q "hello there" || fail "remote: the chat was lost with the server"
+start_server "$server_port"
+keys C-r
+wait_for "(Thinking|Answering)… [0-9]+ tokens" 60
+keys Escape
+wait_for "Stopped: [0-9]+ tokens" 10
+echo "tmux_e2e: remote: server gone -> error in the status line, back on port $server_port -> Ctrl-R works"
+keys C-q
+wait_for "EXIT=0" 10
+check_restored "remote: after Ctrl-Q"
+kill "$server_pid" 2>/dev/null || true
+wait "$server_pid" 2>/dev/null || true
+server_pid=""
+# ---- end of the remote engine section ----------------------------------------------------------
+
 echo "tmux_e2e: ok in $((SECONDS - started)) s"

@@ -7,7 +7,7 @@ use crate::config::{self, AppConfig, ConfigOverrides, ModelSource, SyntheticChoi
 use crate::engine::protocol::{Command, Event};
 use crate::engine::worker::{EngineError, EngineHandle};
 use crate::settings::{Kind, Setting, Value, SETTINGS};
-use crate::tui::chat_file::GenerateJob;
+use crate::tui::chat_file::{ChatSnapshot, GenerateJob};
 use crate::tui::clipboard::osc52_sequence;
 use crate::tui::store::{ChatStore, StoreOutcome, StoreRequest};
 use crate::tui::view::{conversation_viewport, draw};
@@ -51,7 +51,27 @@ pub struct AppArgs {
     #[arg(long, value_name = "DIR")]
     pub cache_dir: Option<PathBuf>,
     #[command(flatten)]
+    pub remote: RemoteArgs,
+    #[command(flatten)]
     pub settings: SettingFlags,
+}
+
+/// Flags of a remote engine, shared by the app and `ossterm run`.
+#[derive(Args, Debug, Clone, Default)]
+pub struct RemoteArgs {
+    /// Run on an OpenAI-compatible server (vLLM, llama-server, `ossterm serve`, …) instead of a
+    /// local model, e.g. http://gpu-box:8000; "" runs locally (remote.url).
+    #[arg(long, value_name = "URL", conflicts_with_all = ["model", "synthetic"])]
+    pub remote: Option<String>,
+    /// The server's API key (default: the variable remote.api_key_env names, OSSTERM_API_KEY).
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
+    /// Model to ask the server for (default: the first of its /v1/models) (remote.model).
+    #[arg(long, value_name = "NAME")]
+    pub remote_model: Option<String>,
+    /// Seconds the server may stay silent mid-request (remote.timeout_secs).
+    #[arg(long, value_name = "SECS")]
+    pub remote_timeout: Option<u64>,
 }
 
 fn parse_synthetic(text: &str) -> Result<SyntheticChoice, String> {
@@ -121,6 +141,9 @@ impl AppArgs {
             synthetic: self.synthetic,
             chats_dir: self.chats_dir.clone(),
             cache_dir: self.cache_dir.clone(),
+            remote_url: self.remote.remote.clone(),
+            remote_model: self.remote.remote_model.clone(),
+            remote_timeout_secs: self.remote.remote_timeout,
             settings: self.settings.0.clone(),
         };
         Ok(config::load(self.config.as_deref(), &overrides)?)
@@ -130,6 +153,13 @@ impl AppArgs {
 /// The engine status to start with: a checkpoint directory that does not exist is explained on
 /// screen (download command, demo) instead of failing with an error dump.
 pub fn initial_engine_status(config: &AppConfig) -> EngineStatus {
+    if config.remote.url.is_some() {
+        return EngineStatus::Loading {
+            stage: "starting".to_string(),
+            done: 0,
+            total: 1,
+        };
+    }
     match &config.model {
         ModelSource::Checkpoint(dir) if !crate::model::looks_loadable(dir) => {
             EngineStatus::ModelMissing { path: dir.clone() }
@@ -301,6 +331,7 @@ pub fn run_app(
                 let command = match work {
                     EngineWork::Command(command) => command,
                     EngineWork::Generate(job) => Command::Generate(job.request()),
+                    EngineWork::Resume(chat) => Command::Resume(Box::new(chat.conversation())),
                 };
                 if let Some(engine) = &feeder_engine {
                     if let Err(error) = engine.send(command) {
@@ -392,6 +423,7 @@ pub fn run_app(
 enum EngineWork {
     Command(Command),
     Generate(GenerateJob),
+    Resume(Box<ChatSnapshot>),
 }
 
 /// What the event loop needs besides the app and its input channel.
@@ -431,6 +463,7 @@ fn perform(
         }
         Effect::Engine(command) => to_engine(EngineWork::Command(command)),
         Effect::Generate(job) => to_engine(EngineWork::Generate(job)),
+        Effect::Resume(chat) => to_engine(EngineWork::Resume(chat)),
         Effect::Store(request) => {
             if hooks.store.send(request).is_err() {
                 replies.push(Msg::Notice("the chat file thread ended".to_string()));
@@ -553,9 +586,23 @@ pub fn run(args: AppArgs) -> anyhow::Result<()> {
     // A bad OSSTERM_KERNELS is reported here, before the screen is taken over.
     crate::kernels::init_kernel_path()?;
     let config = args.resolve()?;
-    run_app(config, |config, events| {
-        Ok(start_model_engine(config, events))
+    let api_key = args.remote.api_key.clone();
+    run_app(config, move |config, events| {
+        Ok(start_engine(config, api_key, events))
     })
+}
+
+/// Starts the engine the configuration names: the remote one when `remote.url` is set, the
+/// local model otherwise. The UI gets the same protocol from either.
+pub fn start_engine(
+    config: &AppConfig,
+    api_key: Option<String>,
+    events: Sender<Event>,
+) -> EngineHandle {
+    match config.remote.engine_config(api_key) {
+        Some(remote) => crate::remote::spawn_remote_engine(remote, config.settings.clone(), events),
+        None => start_model_engine(config, events),
+    }
 }
 
 /// Starts the engine thread over the configured checkpoint or synthetic model, the harmony codec

@@ -49,6 +49,9 @@ pub struct TokenizeArgs {
 pub struct RunArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    /// Answer on an OpenAI-compatible server instead of a local model (--remote URL).
+    #[command(flatten)]
+    pub remote: Box<super::app::RemoteArgs>,
     /// The user's message; `-` reads it from stdin.
     #[arg(long, value_name = "TEXT", required_unless_present = "conversation")]
     pub prompt: Option<String>,
@@ -203,6 +206,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             .context("cannot install the Ctrl-C handler")?;
     }
     let conversation = conversation_for_run(&args)?;
+    if let Some(url) = args.remote.remote.clone() {
+        return run_remote(&args, url, &conversation, &cancel);
+    }
     let tokenizer = Tokenizer::shared()?;
     let prompt = render_for_completion(
         tokenizer,
@@ -317,7 +323,16 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     });
     if let (Some(tiers), Ok(_)) = (&mut tiers, &result) {
         // A failed forward pass may leave the cache half-written: only a finished run is kept.
-        if let Ok(snapshot) = session.snapshot() {
+        // Restorable from the last message on: continuing, regenerating or editing it.
+        let mut earlier = conversation.clone();
+        earlier.messages.pop();
+        let options = RenderOptions {
+            keep_reasoning: args.keep_reasoning,
+        };
+        let floor = render_for_completion(tokenizer, &earlier, &options)
+            .map(|ids| crate::engine::kv_tiers::resume_floor(session.tokens(), &ids))
+            .unwrap_or(0);
+        if let Ok(snapshot) = pool.install(|| session.snapshot_restorable_from(floor)) {
             tiers.store(snapshot, &conversation_label(&conversation));
             tiers.flush();
         }
@@ -402,4 +417,152 @@ fn report_run(output: &RunOutput, result: &GenerateResult) {
             output.malformed[0]
         );
     }
+}
+
+/// `run --remote URL`: the same conversation and output, answered by a server.
+fn run_remote(
+    args: &RunArgs,
+    url: String,
+    conversation: &Conversation,
+    cancel: &AtomicBool,
+) -> anyhow::Result<()> {
+    use crate::remote::client::Finish;
+    let section = crate::config::RemoteSection {
+        url: Some(url),
+        model: args.remote.remote_model.clone(),
+        timeout_secs: args
+            .remote
+            .remote_timeout
+            .unwrap_or(crate::remote::DEFAULT_IDLE_TIMEOUT.as_secs()),
+        ..crate::config::RemoteSection::default()
+    };
+    let Some(config) = section.engine_config(args.remote.api_key.clone()) else {
+        anyhow::bail!("--remote needs a URL");
+    };
+    let mut session = crate::remote::RemoteSession::new(config.target, config.model.clone())
+        .map_err(|error| anyhow::anyhow!(error.describe()))?;
+    if config.model.is_none() {
+        let (_, notice) = session
+            .resolve_model()
+            .map_err(|error| anyhow::anyhow!(error.describe()))?;
+        if let Some(notice) = notice {
+            note!("[{notice}]");
+        }
+    }
+    let sampling = crate::engine::protocol::SamplingSettings {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        min_p: args.min_p,
+        max_tokens: args.max_tokens.unwrap_or(0),
+        seed: args.seed,
+    };
+    let stream = !args.json;
+    let mut output = RunOutput::default();
+    let mut write_error = None;
+    let mut stdout = std::io::stdout().lock();
+    let mut stderr = std::io::stderr();
+    let effort = args.reasoning.unwrap_or(ReasoningEffort::Medium);
+    let mut reasoning_open = false;
+    let result = session.reply(
+        conversation,
+        &sampling,
+        effort,
+        &|| cancel.load(Ordering::Relaxed),
+        &mut |channel, text| {
+            let written = match channel {
+                Channel::Analysis | Channel::Commentary => {
+                    output.reasoning.push_str(text);
+                    reasoning_open = true;
+                    if stream && args.show_reasoning {
+                        stderr.write_all(text.as_bytes())
+                    } else {
+                        Ok(())
+                    }
+                }
+                Channel::Final => {
+                    output.answer.push_str(text);
+                    let ended_reasoning = std::mem::take(&mut reasoning_open);
+                    if ended_reasoning && stream && args.show_reasoning {
+                        let _ = stderr.write_all(b"\n");
+                    }
+                    if stream {
+                        stdout
+                            .write_all(text.as_bytes())
+                            .and_then(|()| stdout.flush())
+                    } else {
+                        Ok(())
+                    }
+                }
+            };
+            if let Err(error) = written {
+                write_error.get_or_insert(error);
+                cancel.store(true, Ordering::Relaxed);
+            }
+        },
+    );
+    drop(stdout);
+    if let Some(error) = write_error {
+        return Err(error).context("cannot write the reply");
+    }
+    let mut stdout = output::stdout();
+    let reply = match result {
+        Ok(reply) => reply,
+        Err(error) => {
+            if args.json {
+                let mut json = run_json(&output, None);
+                json["error"] = error.describe().into();
+                writeln!(stdout, "{json}")?;
+            } else if !output.answer.is_empty() && !output.answer.ends_with('\n') {
+                writeln!(stdout)?;
+            }
+            stdout.flush()?;
+            anyhow::bail!(error.describe());
+        }
+    };
+    output.malformed = reply.malformed;
+    let outcome = &reply.outcome;
+    let (why, stop_reason) = match &outcome.finish {
+        Finish::Stop | Finish::Unstated => ("answer complete", "return"),
+        Finish::Length => ("--max-tokens reached", "max_tokens"),
+        Finish::Other(_) => ("the server ended the reply", "other"),
+        Finish::Cancelled => ("cancelled", "cancelled"),
+    };
+    let usage = outcome.usage.unwrap_or_default();
+    let ttft = outcome.client.first_text.unwrap_or_default();
+    let decode = outcome.client.decode_rate().unwrap_or(0.0);
+    if args.json {
+        let mut json = run_json(&output, None);
+        json["prompt_tokens"] = usage.prompt_tokens.into();
+        json["generated_tokens"] = usage.completion_tokens.into();
+        json["reused_tokens"] = usage.cached_tokens.into();
+        json["stop_reason"] = stop_reason.into();
+        json["ttft_ms"] = (ttft.as_secs_f64() * 1e3).into();
+        json["decode_tps"] = decode.into();
+        json["model"] = session.model().map(|model| model.id.clone()).into();
+        json["server"] = session.url().into();
+        writeln!(stdout, "{json}")?;
+    } else {
+        if !output.answer.ends_with('\n') {
+            writeln!(stdout)?;
+        }
+        let model = session.model().map_or("?", |model| model.id.as_str());
+        note!(
+            "[{why}: {model} at {}: {} prompt tokens ({} cached), {} generated; first token after {:.0} ms, decode {:.1} tokens/s as received]",
+            session.url(),
+            usage.prompt_tokens,
+            usage.cached_tokens,
+            usage.completion_tokens,
+            ttft.as_secs_f64() * 1e3,
+            decode,
+        );
+        if let Some(first) = output.malformed.first() {
+            note!(
+                "[the server's harmony text did not parse {} times; first: {first}]",
+                output.malformed.len()
+            );
+        }
+    }
+    stdout.flush()?;
+    Ok(())
 }

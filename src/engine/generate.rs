@@ -40,8 +40,9 @@ pub trait InferenceSession {
     fn kv_identity(&self) -> Option<(u64, KvFormat)> {
         None
     }
-    /// The state after every cached token.
-    fn snapshot(&self) -> Result<KvSnapshot, SnapshotError> {
+    /// The state after every cached token, restorable to `floor` tokens or more.
+    fn snapshot_restorable_from(&self, floor: usize) -> Result<KvSnapshot, SnapshotError> {
+        let _ = floor;
         Err(SnapshotError::Empty)
     }
     /// Replaces the cache with the first `len` tokens of `snapshot`.
@@ -114,8 +115,8 @@ impl InferenceSession for Session {
     fn kv_identity(&self) -> Option<(u64, KvFormat)> {
         Some((Session::kv_fingerprint(self), Session::kv_format(self)))
     }
-    fn snapshot(&self) -> Result<KvSnapshot, SnapshotError> {
-        Session::snapshot(self)
+    fn snapshot_restorable_from(&self, floor: usize) -> Result<KvSnapshot, SnapshotError> {
+        Session::snapshot_restorable_from(self, floor)
     }
     fn restore(&mut self, snapshot: &KvSnapshot, len: usize) -> Result<(), SnapshotError> {
         Session::restore(self, snapshot, len)

@@ -15,9 +15,11 @@
 //! header checksum u64 (xxh3 of everything before) | payload | payload checksum u64
 //! payload: lz4 blocks of 1 MiB raw each, every block as u32 length + block
 //! header: fingerprint u64, kv format u8, layers u32, kv_heads u32, head_dim u32, vocab u32,
-//!         raw payload bytes u64, compressed bytes u64, label length u16 + UTF-8 label,
-//!         token count u32 + ids u32 each
-//! raw payload: every tensor (format order of `Tensors::write_bytes`), then the logits (f32)
+//!         sliding window u32, first sliding position kept u32, per layer u8 (1: sliding),
+//!         raw payload bytes u64, compressed bytes u64,
+//!         label length u16 + UTF-8 label, token count u32 + ids u32 each
+//! raw payload: every tensor (the order of `Tensors::byte_views`: a sliding layer's tensors
+//!         hold the positions from the first kept one on), then the logits (f32)
 //! ```
 //! Anything that does not check out (magic, version, lengths, checksums, fingerprint, format,
 //! shape) makes the file unusable: it is skipped with a one-line notice and deleted.
@@ -31,13 +33,15 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::model::kv::{KvShape, Tensors};
+use rayon::prelude::*;
+
+use crate::model::kv::{KvShape, RowSpan, Tensors};
 use crate::model::{KvFormat, KvSnapshot};
 
 use super::generate::common_prefix_len;
 
 /// Bumped whenever the layout or the meaning of a file changes; other versions are ignored.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 const MAGIC: &[u8; 8] = b"OSSTKV\r\n";
 /// Extension of snapshot files in the cache directory.
 pub const EXTENSION: &str = "kv";
@@ -73,6 +77,8 @@ pub struct SnapshotHeader {
     pub fingerprint: u64,
     pub format: KvFormat,
     pub shape: KvShape,
+    /// The positions the tensors hold per layer.
+    pub rows: RowSpan,
     pub vocab: usize,
     pub raw_bytes: u64,
     pub compressed_bytes: u64,
@@ -97,6 +103,14 @@ fn format_from_code(code: u8) -> Option<KvFormat> {
     }
 }
 
+/// The shortest restore a chat's snapshot should allow: where the last message of the prompt
+/// starts (`without_last` is the conversation rendered without it). Continuing the chat,
+/// regenerating its last reply and editing its last message all resume at or after that point,
+/// so the snapshot's sliding-window layers keep only the rows from there on.
+pub fn resume_floor(tokens: &[u32], without_last: &[u32]) -> usize {
+    common_prefix_len(tokens, without_last)
+}
+
 /// A compact label for a conversation's snapshot: its title, else its first user message.
 pub fn conversation_label(conversation: &crate::chat::Conversation) -> String {
     let title = conversation
@@ -119,47 +133,153 @@ pub fn conversation_label(conversation: &crate::chat::Conversation) -> String {
 /// The raw (uncompressed) payload of a snapshot: tensors then logits.
 pub fn raw_payload(snapshot: &KvSnapshot) -> Vec<u8> {
     let mut raw = Vec::with_capacity(snapshot.tensor_bytes() + 4 * snapshot.logits.len());
-    snapshot.tensors.write_bytes(&mut raw);
-    for v in &snapshot.logits {
-        raw.extend_from_slice(&v.to_le_bytes());
+    for part in payload_parts(snapshot) {
+        raw.extend_from_slice(part);
     }
     raw
 }
 
+/// The raw payload as the slices it is made of (no copy).
+fn payload_parts(snapshot: &KvSnapshot) -> Vec<&[u8]> {
+    let mut parts = snapshot.tensors.byte_views();
+    // SAFETY: f32 has no padding; little-endian bytes as the file stores them (kv.rs asserts
+    // the target's byte order).
+    parts.push(unsafe {
+        std::slice::from_raw_parts(
+            snapshot.logits.as_ptr().cast::<u8>(),
+            4 * snapshot.logits.len(),
+        )
+    });
+    parts
+}
+
 /// Raw bytes per compressed block: small enough that a paused writer resumes or stops within a
-/// millisecond or two of work.
+/// millisecond or two of work, and that a reader decompresses blocks on every core.
 pub const BLOCK_BYTES: usize = 1 << 20;
 
-/// The raw payload as lz4 blocks of [`BLOCK_BYTES`] raw bytes, each `[u32 length][block]`;
-/// `pause` runs before each block (the writer waits there while a turn computes).
-pub fn compress_payload(raw: &[u8], pause: &dyn Fn()) -> Vec<u8> {
-    let mut out = Vec::with_capacity(raw.len() + raw.len() / 200 + 64);
-    for chunk in raw.chunks(BLOCK_BYTES) {
+/// Splits `parts` (in order) into consecutive runs of `block` bytes each (the last one shorter):
+/// each run is the list of part pieces it covers.
+fn split_blocks<'a, T: SplitBytes<'a>>(parts: Vec<T>, block: usize) -> Vec<Vec<T>> {
+    let mut blocks = vec![Vec::new()];
+    let mut room = block;
+    for mut part in parts {
+        while !part.is_empty() {
+            if room == 0 {
+                blocks.push(Vec::new());
+                room = block;
+            }
+            let take = room.min(part.len());
+            let (head, rest) = part.split(take);
+            blocks.last_mut().expect("one block at least").push(head);
+            room -= take;
+            part = rest;
+        }
+    }
+    blocks.retain(|b| !b.is_empty());
+    blocks
+}
+
+/// A byte slice, shared or writable, that [`split_blocks`] cuts.
+trait SplitBytes<'a>: Sized {
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    fn split(self, at: usize) -> (Self, Self);
+}
+
+impl<'a> SplitBytes<'a> for &'a [u8] {
+    fn len(&self) -> usize {
+        <[u8]>::len(self)
+    }
+    fn split(self, at: usize) -> (Self, Self) {
+        self.split_at(at)
+    }
+}
+
+impl<'a> SplitBytes<'a> for &'a mut [u8] {
+    fn len(&self) -> usize {
+        <[u8]>::len(self)
+    }
+    fn split(self, at: usize) -> (Self, Self) {
+        self.split_at_mut(at)
+    }
+}
+
+/// The payload made of `parts` as lz4 blocks of [`BLOCK_BYTES`] raw bytes, each
+/// `[u32 length][block]`; `pause` runs before each block (the writer waits there while a turn
+/// computes). Returns the payload and its raw length.
+fn compress_parts(parts: Vec<&[u8]>, pause: &dyn Fn()) -> (Vec<u8>, usize) {
+    let raw_len: usize = parts.iter().map(|p| p.len()).sum();
+    let mut out = Vec::with_capacity(raw_len + raw_len / 200 + 64);
+    let mut plain = Vec::with_capacity(BLOCK_BYTES);
+    for pieces in split_blocks(parts, BLOCK_BYTES) {
         pause();
-        let block = lz4_flex::block::compress(chunk);
+        plain.clear();
+        pieces.iter().for_each(|p| plain.extend_from_slice(p));
+        let block = lz4_flex::block::compress(&plain);
         out.extend_from_slice(&(block.len() as u32).to_le_bytes());
         out.extend_from_slice(&block);
     }
-    out
+    (out, raw_len)
 }
 
-/// Inverse of [`compress_payload`] for a payload of `raw_len` raw bytes; `None` if the blocks do
-/// not decompress to exactly that.
+/// [`compress_parts`] of one raw buffer.
+pub fn compress_payload(raw: &[u8]) -> Vec<u8> {
+    compress_parts(vec![raw], &|| {}).0
+}
+
+/// Inverse of [`compress_parts`]: decompresses `payload` into `parts` (which together hold
+/// exactly the raw bytes), blocks in parallel; `None` if the blocks do not decompress to exactly
+/// that.
+fn decompress_into(payload: &[u8], parts: Vec<&mut [u8]>) -> Option<()> {
+    let raw_len: usize = parts.iter().map(|p| p.len()).sum();
+    let mut blocks = Vec::new();
+    let mut at = 0;
+    while at < payload.len() {
+        let len = u32::from_le_bytes(payload.get(at..at + 4)?.try_into().ok()?) as usize;
+        blocks.push(payload.get(at + 4..at.checked_add(4 + len)?)?);
+        at += 4 + len;
+    }
+    let targets = split_blocks(parts, BLOCK_BYTES);
+    if blocks.len() != targets.len() || blocks.len() != raw_len.div_ceil(BLOCK_BYTES) {
+        return None;
+    }
+    blocks
+        .into_par_iter()
+        .zip(targets)
+        .map_init(
+            || vec![0u8; BLOCK_BYTES],
+            |plain, (block, mut pieces)| {
+                // A block of one piece (most: a tensor is many blocks long) decompresses in
+                // place; one spanning pieces goes through the scratch block.
+                if let [piece] = &mut pieces[..] {
+                    let got = lz4_flex::block::decompress_into(block, piece).ok()?;
+                    return (got == piece.len()).then_some(());
+                }
+                let want: usize = pieces.iter().map(|p| p.len()).sum();
+                let got = lz4_flex::block::decompress_into(block, &mut plain[..want]).ok()?;
+                if got != want {
+                    return None;
+                }
+                let mut from = 0;
+                for piece in pieces {
+                    let n = piece.len();
+                    piece.copy_from_slice(&plain[from..from + n]);
+                    from += n;
+                }
+                Some(())
+            },
+        )
+        .collect::<Option<Vec<()>>>()
+        .map(|_| ())
+}
+
+/// Inverse of [`compress_payload`] for a payload of `raw_len` raw bytes.
 pub fn decompress_payload(payload: &[u8], raw_len: usize) -> Option<Vec<u8>> {
     let mut raw = vec![0u8; raw_len];
-    let (mut at, mut filled) = (0, 0);
-    while filled < raw_len {
-        let len = u32::from_le_bytes(payload.get(at..at + 4)?.try_into().ok()?) as usize;
-        let block = payload.get(at + 4..at.checked_add(4 + len)?)?;
-        let want = (raw_len - filled).min(BLOCK_BYTES);
-        let got = lz4_flex::block::decompress_into(block, &mut raw[filled..filled + want]).ok()?;
-        if got != want {
-            return None;
-        }
-        at += 4 + len;
-        filled += want;
-    }
-    (at == payload.len()).then_some(raw)
+    decompress_into(payload, vec![&mut raw[..]])?;
+    Some(raw)
 }
 
 /// The whole file for `snapshot`.
@@ -170,9 +290,9 @@ pub fn encode(snapshot: &KvSnapshot, label: &str) -> Vec<u8> {
 /// [`encode`], calling `pause` between blocks.
 pub fn encode_pausing(snapshot: &KvSnapshot, label: &str, pause: &dyn Fn()) -> Vec<u8> {
     pause();
-    let raw = raw_payload(snapshot);
-    let payload = compress_payload(&raw, pause);
-    let mut header = Vec::with_capacity(64 + 4 * snapshot.len() + label.len());
+    let (payload, raw_len) = compress_parts(payload_parts(snapshot), pause);
+    let rows = &snapshot.rows;
+    let mut header = Vec::with_capacity(80 + rows.sliding.len() + 4 * snapshot.len() + label.len());
     header.extend_from_slice(&snapshot.fingerprint.to_le_bytes());
     header.push(format_code(snapshot.format()));
     for v in [
@@ -180,10 +300,13 @@ pub fn encode_pausing(snapshot: &KvSnapshot, label: &str, pause: &dyn Fn()) -> V
         snapshot.shape.kv_heads,
         snapshot.shape.head_dim,
         snapshot.logits.len(),
+        rows.window,
+        rows.sliding_from,
     ] {
         header.extend_from_slice(&(v as u32).to_le_bytes());
     }
-    header.extend_from_slice(&(raw.len() as u64).to_le_bytes());
+    header.extend(rows.sliding.iter().map(|&s| s as u8));
+    header.extend_from_slice(&(raw_len as u64).to_le_bytes());
     header.extend_from_slice(&(payload.len() as u64).to_le_bytes());
     let label: String = label.chars().take(LABEL_CHARS).collect();
     header.extend_from_slice(&(label.len() as u16).to_le_bytes());
@@ -285,6 +408,17 @@ fn decode_header(path: &Path, bytes: &[u8]) -> Result<(SnapshotHeader, usize), S
         head_dim: h.u32().ok_or_else(bad)? as usize,
     };
     let vocab = h.u32().ok_or_else(bad)? as usize;
+    let window = h.u32().ok_or_else(bad)? as usize;
+    let sliding_from = h.u32().ok_or_else(bad)? as usize;
+    let flags = h.take(shape.layers).ok_or_else(bad)?;
+    if flags.iter().any(|&f| f > 1) {
+        return Err(invalid("layer flags other than 0 and 1".into()));
+    }
+    let rows = RowSpan {
+        sliding: flags.iter().map(|&f| f == 1).collect(),
+        window,
+        sliding_from,
+    };
     let raw_bytes = h.u64().ok_or_else(bad)?;
     let compressed_bytes = h.u64().ok_or_else(bad)?;
     let label_len = h.u16().ok_or_else(bad)? as usize;
@@ -293,18 +427,27 @@ fn decode_header(path: &Path, bytes: &[u8]) -> Result<(SnapshotHeader, usize), S
     let ids = h
         .take(count.checked_mul(4).ok_or_else(bad)?)
         .ok_or_else(bad)?;
-    let tokens = ids
+    let tokens: Vec<u32> = ids
         .chunks_exact(4)
         .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
         .collect();
     if h.at != header_end {
         return Err(bad());
     }
+    if rows.sliding_from > tokens.len() || (rows.sliding_from > 0 && rows.window == 0) {
+        return Err(invalid(format!(
+            "sliding rows from position {} (window {}) in a snapshot of {} tokens",
+            rows.sliding_from,
+            rows.window,
+            tokens.len()
+        )));
+    }
     Ok((
         SnapshotHeader {
             fingerprint,
             format,
             shape,
+            rows,
             vocab,
             raw_bytes,
             compressed_bytes,
@@ -343,7 +486,8 @@ pub fn read_header(path: &Path) -> Result<SnapshotHeader, SnapshotFileError> {
     decode_header(path, &start).map(|(header, _)| header)
 }
 
-/// Decodes a whole file into a snapshot, checking everything.
+/// Decodes a whole file into a snapshot, checking everything. The payload is decompressed
+/// straight into the snapshot's tensors (no intermediate copy of the raw payload).
 pub fn decode(path: &Path, bytes: &[u8]) -> Result<(KvSnapshot, String), SnapshotFileError> {
     let (header, start) = decode_header(path, bytes)?;
     let invalid = |what: String| SnapshotFileError::Invalid {
@@ -376,7 +520,11 @@ pub fn decode(path: &Path, bytes: &[u8]) -> Result<(KvSnapshot, String), Snapsho
             what: "payload",
         });
     }
-    let tensor_bytes = Tensors::byte_len(header.format, header.shape, header.tokens.len());
+    let len = header.tokens.len();
+    if header.rows.sliding.len() != header.shape.layers {
+        return Err(invalid("layer flags do not match the layer count".into()));
+    }
+    let tensor_bytes = Tensors::byte_len(header.format, header.shape, &header.rows, len);
     let expected = tensor_bytes + 4 * header.vocab;
     if header.raw_bytes != expected as u64 {
         return Err(invalid(format!(
@@ -384,22 +532,21 @@ pub fn decode(path: &Path, bytes: &[u8]) -> Result<(KvSnapshot, String), Snapsho
             header.raw_bytes
         )));
     }
-    let raw = decompress_payload(payload, expected)
-        .ok_or_else(|| invalid("the payload does not decompress to its size".into()))?;
-    let tensors = Tensors::read_bytes(
-        header.format,
-        header.shape,
-        header.tokens.len(),
-        &raw[..tensor_bytes],
-    )
-    .ok_or_else(|| invalid("tensor payload does not fit the shape".into()))?;
-    let logits = raw[tensor_bytes..]
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect();
+    let mut tensors = Tensors::for_snapshot(header.format, header.shape, &header.rows, len);
+    let mut logits = vec![0f32; header.vocab];
+    {
+        let mut parts = tensors.byte_views_mut();
+        // SAFETY: every bit pattern is an f32; the file's little-endian bytes are the values.
+        parts.push(unsafe {
+            std::slice::from_raw_parts_mut(logits.as_mut_ptr().cast::<u8>(), 4 * logits.len())
+        });
+        decompress_into(payload, parts)
+            .ok_or_else(|| invalid("the payload does not decompress to its size".into()))?;
+    }
     let snapshot = KvSnapshot::new(
         header.fingerprint,
         header.shape,
+        header.rows,
         header.tokens,
         logits,
         tensors,
@@ -956,14 +1103,21 @@ impl KvTiers {
         at_least: usize,
     ) -> Option<Found> {
         self.collect_reports();
-        // At least one prompt token is always prefilled (its logits pick the first token).
-        let usable =
-            |tokens: &[u32]| common_prefix_len(tokens, prompt).min(prompt.len().saturating_sub(1));
+        // At least one prompt token is always prefilled (its logits pick the first token); a
+        // snapshot without the sliding rows a shorter restore needs cannot serve it at all.
+        let usable = |tokens: &[u32], rows: &RowSpan| {
+            let matched = common_prefix_len(tokens, prompt).min(prompt.len().saturating_sub(1));
+            if matched >= rows.min_restore() {
+                matched
+            } else {
+                0
+            }
+        };
         let ram = self
             .ram
             .iter_mut()
             .filter(|e| e.snapshot.fingerprint == fingerprint && e.snapshot.format() == format)
-            .map(|e| (usable(&e.snapshot.tokens), e))
+            .map(|e| (usable(&e.snapshot.tokens, &e.snapshot.rows), e))
             .max_by_key(|(matched, _)| *matched);
         let mut best_ram = None;
         if let Some((matched, entry)) = ram {
@@ -983,7 +1137,7 @@ impl KvTiers {
                 .disk
                 .iter()
                 .filter(|e| e.header.fingerprint == fingerprint && e.header.format == format)
-                .map(|e| (usable(&e.header.tokens), e.path.clone()))
+                .map(|e| (usable(&e.header.tokens, &e.header.rows), e.path.clone()))
                 .filter(|(matched, _)| *matched > floor)
                 .max_by_key(|(matched, _)| *matched);
             let Some((matched, path)) = candidate else {

@@ -132,6 +132,9 @@ pub enum Command {
     /// running turn sees it within one token or one prefill chunk.
     Cancel(RequestId),
     ApplySettings(Box<Settings>),
+    /// A saved chat was opened: restore the longest KV snapshot of this conversation now (a
+    /// notice says what was resumed), so its next turn prefills only the new message.
+    Resume(Box<Conversation>),
     Shutdown,
 }
 
@@ -245,6 +248,15 @@ pub enum Event {
         text: String,
     },
     Stats(StatsSample),
+    /// Gauge rows only this engine has, as (label, value), replacing the ones sent before: a
+    /// remote engine's server, network and server time.
+    EngineGauges(Vec<(String, String)>),
+    /// Settings, by config key, that this engine does not control (a remote server decides
+    /// them): the settings panel shows `shown_as` for them and does not change them.
+    SettingsFixed {
+        keys: Vec<String>,
+        shown_as: String,
+    },
     TurnDone {
         id: RequestId,
         reason: StopReason,

@@ -15,7 +15,7 @@ use crate::engine::generate::{
     generate, resume_from_tiers, GenerateError, GenerateEvent, GenerateLimits, GenerateResult,
     InferenceSession, ReplyParser, TokenSampler,
 };
-use crate::engine::kv_tiers::{conversation_label, KvTiers, TierConfig};
+use crate::engine::kv_tiers::{self, conversation_label, KvTiers, TierConfig};
 use crate::engine::protocol::{
     ActivationFormat, CacheHits, Channel, Command, Conversation, EngineInfo, Event,
     GenerateRequest, KvCacheType, RequestId, Settings, StatsSample, WeightFormat,
@@ -182,6 +182,27 @@ impl EngineHandle {
                     }
                 }
             })
+            .ok();
+        EngineHandle {
+            commands,
+            cancel_mark,
+            thread,
+        }
+    }
+
+    /// Starts an engine thread that runs `serve` instead of the local model worker: another
+    /// backend behind the same protocol (the remote engine). `serve` gets the commands and the
+    /// cancel mark, which [`EngineHandle::send`] raises for a `Cancel` before the command arrives.
+    pub fn spawn_backend<F>(name: &str, serve: F) -> EngineHandle
+    where
+        F: FnOnce(Receiver<Command>, Arc<AtomicU64>) + Send + 'static,
+    {
+        let (commands, command_receiver) = mpsc::channel();
+        let cancel_mark = Arc::new(AtomicU64::new(0));
+        let worker_mark = Arc::clone(&cancel_mark);
+        let thread = std::thread::Builder::new()
+            .name(name.to_string())
+            .spawn(move || serve(command_receiver, worker_mark))
             .ok();
         EngineHandle {
             commands,
@@ -362,6 +383,10 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
                     self.apply_settings(*settings);
                     self.report_settings();
                 }
+                Ok(Command::Resume(conversation)) => {
+                    self.install_requantized_model();
+                    self.resume(&conversation);
+                }
                 Err(RecvTimeoutError::Timeout) => self.install_requantized_model(),
                 Ok(Command::Shutdown) | Err(RecvTimeoutError::Disconnected) => return,
             }
@@ -388,7 +413,11 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
                 });
                 // After TurnDone, so the copy never delays the reply; the disk write runs on the
                 // tiers' own thread.
-                if let Ok(snapshot) = self.session.snapshot() {
+                let floor = self.resume_floor(&request.conversation);
+                let session = &mut self.session;
+                // On the pool: the copy spreads over its threads.
+                if let Ok(snapshot) = pool.install(move || session.snapshot_restorable_from(floor))
+                {
                     self.tiers
                         .store(snapshot, &conversation_label(&request.conversation));
                 }
@@ -405,6 +434,43 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
                 });
             }
         }
+    }
+
+    /// Restores the longest snapshot of an opened chat into the live cache (unless the cache
+    /// already holds more of it), telling the UI what was resumed.
+    fn resume(&mut self, conversation: &Conversation) {
+        match self
+            .codec
+            .render_prompt(conversation, self.settings.keep_reasoning_in_context)
+        {
+            Ok(prompt) => {
+                let pool = Arc::clone(&self.pool);
+                let (session, tiers) = (&mut self.session, &mut self.tiers);
+                if let Some(resumed) = pool.install(|| resume_from_tiers(session, tiers, &prompt)) {
+                    let mut message = resumed.describe();
+                    message[..1].make_ascii_uppercase();
+                    let _ = self.events.send(Event::Notice(message));
+                }
+            }
+            Err(error) => {
+                let _ = self.events.send(Event::Notice(format!(
+                    "cannot resume the opened chat: {error}"
+                )));
+            }
+        }
+        self.send_notices();
+        self.send_stats();
+    }
+
+    /// Where the snapshot of `conversation`'s turn must be restorable from
+    /// ([`crate::engine::kv_tiers::resume_floor`]).
+    fn resume_floor(&self, conversation: &Conversation) -> usize {
+        let mut earlier = conversation.clone();
+        earlier.messages.pop();
+        self.codec
+            .render_prompt(&earlier, self.settings.keep_reasoning_in_context)
+            .map(|ids| kv_tiers::resume_floor(self.session.tokens(), &ids))
+            .unwrap_or(0)
     }
 
     /// Runs one turn through the generation loop, streaming its text, prefill progress and

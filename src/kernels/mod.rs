@@ -45,6 +45,7 @@
 mod aligned;
 pub mod attention;
 mod formats;
+pub mod kv_widen;
 mod scalar;
 
 #[cfg(target_arch = "x86_64")]

@@ -10,12 +10,24 @@
 //! quantized when it is stored, symmetrically (`scale = max |x| / 127`), so a row never depends
 //! on another and a restored row is the row the prefill wrote.
 
-use half::f16;
+use std::ops::Range;
 
-use super::config::ModelConfig;
+use half::f16;
+use rayon::prelude::*;
+
+use super::config::{LayerKind, ModelConfig};
 use super::options::KvFormat;
 use crate::kernels::attention::KvElem;
-use crate::kernels::{KernelPath, Kernels};
+use crate::kernels::Kernels;
+
+pub use crate::kernels::kv_widen::{widen_q8_rows, widen_q8_scalar};
+
+// Tensors are viewed as their little-endian bytes (snapshot files, compression) without a
+// per-element conversion.
+const _: () = assert!(
+    cfg!(target_endian = "little"),
+    "KV snapshots view tensors as little-endian bytes"
+);
 
 /// The keys and values of one sequence, in every layer, in f16, f32 or int8.
 pub struct KvStore {
@@ -62,18 +74,209 @@ impl KvShape {
     }
 }
 
+/// Which positions a snapshot's tensors hold: every position in the full-attention layers; in
+/// the sliding-window layers only those from `sliding_from` on. A query at position p of a
+/// sliding layer reads the last `window` positions only, so a session restored to L tokens
+/// never reads a row of those layers before L + 1 - window: a snapshot meant to be restored at
+/// L or later needs nothing earlier, which halves the snapshots of long chats (every other
+/// gpt-oss layer slides over 128 positions).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RowSpan {
+    /// Per layer: whether it is a sliding-window layer.
+    pub sliding: Vec<bool>,
+    /// The sliding layers' window (0 without sliding layers).
+    pub window: usize,
+    /// First position the sliding layers' tensors hold.
+    pub sliding_from: usize,
+}
+
+impl RowSpan {
+    /// Every position of every layer of `config`.
+    pub fn all(config: &ModelConfig) -> RowSpan {
+        RowSpan::restorable_from(config, 0)
+    }
+
+    /// The positions a snapshot needs to be restored at any length from `floor` on.
+    pub fn restorable_from(config: &ModelConfig, floor: usize) -> RowSpan {
+        let sliding: Vec<bool> = config
+            .layer_kinds
+            .iter()
+            .map(|k| *k == LayerKind::Sliding)
+            .collect();
+        let any = sliding.iter().any(|&s| s);
+        let window = if any { config.sliding_window } else { 0 };
+        RowSpan {
+            sliding,
+            window,
+            // The rows a query at position `floor` sees (`ops::visible_keys`).
+            sliding_from: if any {
+                (floor + 1).saturating_sub(window)
+            } else {
+                0
+            },
+        }
+    }
+
+    /// The first position layer `layer`'s tensors hold.
+    pub fn first(&self, layer: usize) -> usize {
+        if self.sliding.get(layer).copied().unwrap_or(false) {
+            self.sliding_from
+        } else {
+            0
+        }
+    }
+
+    /// The shortest restore whose sliding layers find every row they will read.
+    pub fn min_restore(&self) -> usize {
+        if self.sliding_from == 0 {
+            1
+        } else {
+            self.sliding_from + self.window - 1
+        }
+    }
+
+    /// Positions per head of each tensor (keys and values of every layer) of a snapshot of `len`
+    /// positions.
+    pub fn tensor_positions(&self, len: usize) -> impl Iterator<Item = usize> + '_ {
+        (0..2 * self.sliding.len()).map(move |t| len.saturating_sub(self.first(t / 2)))
+    }
+}
+
+/// A zeroed vector, mapped lazily by the OS (`vec![f16::ZERO; n]` would write every element).
+fn zeroed_f16(len: usize) -> Vec<f16> {
+    let mut bits = std::mem::ManuallyDrop::new(vec![0u16; len]);
+    // SAFETY: f16 is a transparent u16 (same size, alignment and bit validity); the allocation
+    // changes owner without being freed.
+    unsafe { Vec::from_raw_parts(bits.as_mut_ptr().cast::<f16>(), bits.len(), bits.capacity()) }
+}
+
+/// The bytes of a slice of plain numbers.
+fn bytes_of<T: Copy>(values: &[T]) -> &[u8] {
+    // SAFETY: only instantiated with i8, f16 and f32: no padding, every byte initialized.
+    unsafe {
+        std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
+    }
+}
+
+/// The bytes of a slice of plain numbers, writable.
+fn bytes_of_mut<T: Copy>(values: &mut [T]) -> &mut [u8] {
+    // SAFETY: only instantiated with i8, f16 and f32, for which every bit pattern is valid.
+    unsafe {
+        std::slice::from_raw_parts_mut(
+            values.as_mut_ptr().cast::<u8>(),
+            std::mem::size_of_val(values),
+        )
+    }
+}
+
+/// Where positions sit in a tensor: `rows` positions per head, the first being `first`.
+#[derive(Clone, Copy)]
+struct Placement {
+    rows: usize,
+    first: usize,
+}
+
+/// Whether to spread a copy over threads: only on a pool's thread (the session's, where restores
+/// and captures run), so a caller outside any pool never wakes rayon's global one.
+fn in_a_pool() -> bool {
+    rayon::current_thread_index().is_some()
+}
+
+/// Copies positions `range` of every head from `src` to `dst` (tensors of `width` values per
+/// position and head). Tensors are copied in parallel: a restore is a hundred megabytes or more
+/// of memcpy and first-touch page faults, which one core does not saturate.
+fn copy_positions<T: Copy + Send + Sync>(
+    src: &[Vec<T>],
+    dst: &mut [Vec<T>],
+    heads: usize,
+    width: usize,
+    plan: &(dyn Fn(usize) -> (Placement, Placement, Range<usize>) + Sync),
+) {
+    let copy = |t: usize, s: &Vec<T>, d: &mut Vec<T>| {
+        let (from, to, range) = plan(t);
+        let n = range.len() * width;
+        for head in 0..heads {
+            let at = (head * from.rows + range.start - from.first) * width;
+            let into = (head * to.rows + range.start - to.first) * width;
+            d[into..into + n].copy_from_slice(&s[at..at + n]);
+        }
+    };
+    if in_a_pool() {
+        src.par_iter()
+            .zip(dst.par_iter_mut())
+            .enumerate()
+            .for_each(|(t, (s, d))| copy(t, s, d));
+    } else {
+        src.iter()
+            .zip(dst.iter_mut())
+            .enumerate()
+            .for_each(|(t, (s, d))| copy(t, s, d));
+    }
+}
+
+/// Gathers positions `range(t)` of every head of `src` (placed by `from(t)`) into new compact
+/// tensors (`range.len()` positions per head).
+fn gather_positions<T: Copy + Send + Sync>(
+    src: &[Vec<T>],
+    heads: usize,
+    width: usize,
+    from: &(dyn Fn(usize) -> Placement + Sync),
+    range: &(dyn Fn(usize) -> Range<usize> + Sync),
+) -> Vec<Vec<T>> {
+    let gather = |(t, s): (usize, &Vec<T>)| {
+        let (from, range) = (from(t), range(t));
+        let n = range.len() * width;
+        let mut out = Vec::with_capacity(heads * n);
+        for head in 0..heads {
+            let at = (head * from.rows + range.start - from.first) * width;
+            out.extend_from_slice(&s[at..at + n]);
+        }
+        out
+    };
+    if in_a_pool() {
+        src.par_iter().enumerate().map(gather).collect()
+    } else {
+        src.iter().enumerate().map(gather).collect()
+    }
+}
+
 impl Tensors {
     /// `count` tensors of `values` elements (and `values / head_dim` scales) each, zeroed.
     /// Zeroed allocations are backed lazily by the OS, so unused context costs no memory.
     fn zeroed(format: KvFormat, count: usize, values: usize, head_dim: usize) -> Tensors {
+        Tensors::zeroed_each(format, (0..count).map(|_| values / head_dim), head_dim)
+    }
+
+    /// Zeroed tensors of `positions` positions per head each (`kv_heads` folded in by the caller
+    /// through `positions`), of `head_dim` values per position.
+    fn zeroed_each(
+        format: KvFormat,
+        positions: impl Iterator<Item = usize>,
+        head_dim: usize,
+    ) -> Tensors {
+        let positions: Vec<usize> = positions.collect();
         match format {
-            KvFormat::F16 => Tensors::F16((0..count).map(|_| vec![f16::ZERO; values]).collect()),
-            KvFormat::F32 => Tensors::F32((0..count).map(|_| vec![0.0; values]).collect()),
+            KvFormat::F16 => {
+                Tensors::F16(positions.iter().map(|p| zeroed_f16(p * head_dim)).collect())
+            }
+            KvFormat::F32 => {
+                Tensors::F32(positions.iter().map(|p| vec![0.0; p * head_dim]).collect())
+            }
             KvFormat::Q8 => Tensors::Q8 {
-                rows: (0..count).map(|_| vec![0; values]).collect(),
-                scales: (0..count).map(|_| vec![0.0; values / head_dim]).collect(),
+                rows: positions.iter().map(|p| vec![0; p * head_dim]).collect(),
+                scales: positions.iter().map(|p| vec![0.0; *p]).collect(),
             },
         }
+    }
+
+    /// Zeroed tensors for a snapshot of `len` positions of `shape` holding `span`, to be filled
+    /// through [`Tensors::byte_views_mut`].
+    pub fn for_snapshot(format: KvFormat, shape: KvShape, span: &RowSpan, len: usize) -> Tensors {
+        Tensors::zeroed_each(
+            format,
+            span.tensor_positions(len).map(|p| p * shape.kv_heads),
+            shape.head_dim,
+        )
     }
 
     pub fn format(&self) -> KvFormat {
@@ -84,37 +287,75 @@ impl Tensors {
         }
     }
 
-    /// Copies rows `0..len` of every head from `src` (tensors of `src_positions` positions per
-    /// head) into `dst` (of `dst_positions`). Both hold the same format.
-    fn copy_rows(
-        src: &Tensors,
-        src_positions: usize,
-        dst: &mut Tensors,
-        dst_positions: usize,
-        len: usize,
-        shape: KvShape,
-    ) {
-        fn rows<T: Copy>(
-            src: &[Vec<T>],
-            from: usize,
-            dst: &mut [Vec<T>],
-            to: usize,
-            len: usize,
-            heads: usize,
-            width: usize,
-        ) {
-            for (s, d) in src.iter().zip(dst.iter_mut()) {
-                for head in 0..heads {
-                    let (at, into) = (head * from * width, head * to * width);
-                    d[into..into + len * width].copy_from_slice(&s[at..at + len * width]);
-                }
+    /// The bytes of every tensor in file order (int8 rows, then their scales, per tensor).
+    pub fn byte_views(&self) -> Vec<&[u8]> {
+        match self {
+            Tensors::F16(t) => t.iter().map(|t| bytes_of(t)).collect(),
+            Tensors::F32(t) => t.iter().map(|t| bytes_of(t)).collect(),
+            Tensors::Q8 { rows, scales } => rows
+                .iter()
+                .zip(scales)
+                .flat_map(|(r, s)| [bytes_of(r), bytes_of(s)])
+                .collect(),
+        }
+    }
+
+    /// [`Tensors::byte_views`], writable: a reader fills a snapshot's tensors in place.
+    pub fn byte_views_mut(&mut self) -> Vec<&mut [u8]> {
+        match self {
+            Tensors::F16(t) => t.iter_mut().map(|t| bytes_of_mut(t)).collect(),
+            Tensors::F32(t) => t.iter_mut().map(|t| bytes_of_mut(t)).collect(),
+            Tensors::Q8 { rows, scales } => rows
+                .iter_mut()
+                .zip(scales.iter_mut())
+                .flat_map(|(r, s)| [bytes_of_mut(r), bytes_of_mut(s)])
+                .collect(),
+        }
+    }
+
+    /// Bytes of the tensors (scales included).
+    pub fn total_bytes(&self) -> usize {
+        self.byte_views().iter().map(|b| b.len()).sum()
+    }
+
+    /// Bytes of a snapshot's tensors: `len` positions of `shape` in `format`, holding `span`.
+    pub fn byte_len(format: KvFormat, shape: KvShape, span: &RowSpan, len: usize) -> usize {
+        let per_position = shape.kv_heads * format.row_bytes(shape.head_dim);
+        span.tensor_positions(len).map(|p| p * per_position).sum()
+    }
+
+    fn tensor_count(&self) -> usize {
+        match self {
+            Tensors::F16(t) => t.len(),
+            Tensors::F32(t) => t.len(),
+            Tensors::Q8 { rows, .. } => rows.len(),
+        }
+    }
+
+    /// Positions per head of each tensor, for `head_dim`.
+    pub fn positions_each(&self, shape: KvShape) -> Vec<usize> {
+        let per_position = shape.kv_heads * shape.head_dim;
+        match self {
+            Tensors::F16(t) => t.iter().map(|t| t.len() / per_position.max(1)).collect(),
+            Tensors::F32(t) => t.iter().map(|t| t.len() / per_position.max(1)).collect(),
+            Tensors::Q8 { rows, .. } => {
+                rows.iter().map(|t| t.len() / per_position.max(1)).collect()
             }
         }
+    }
+
+    /// Copies positions per tensor between two tensor sets of one format (`plan` as in
+    /// [`copy_positions`]).
+    fn copy_from(
+        &mut self,
+        src: &Tensors,
+        shape: KvShape,
+        plan: &(dyn Fn(usize) -> (Placement, Placement, Range<usize>) + Sync),
+    ) {
         let (heads, hd) = (shape.kv_heads, shape.head_dim);
-        let (from, to) = (src_positions, dst_positions);
-        match (src, dst) {
-            (Tensors::F16(s), Tensors::F16(d)) => rows(s, from, d, to, len, heads, hd),
-            (Tensors::F32(s), Tensors::F32(d)) => rows(s, from, d, to, len, heads, hd),
+        match (src, self) {
+            (Tensors::F16(s), Tensors::F16(d)) => copy_positions(s, d, heads, hd, plan),
+            (Tensors::F32(s), Tensors::F32(d)) => copy_positions(s, d, heads, hd, plan),
             (
                 Tensors::Q8 {
                     rows: s,
@@ -125,108 +366,10 @@ impl Tensors {
                     scales: ds,
                 },
             ) => {
-                rows(s, from, d, to, len, heads, hd);
-                rows(ss, from, ds, to, len, heads, 1);
+                copy_positions(s, d, heads, hd, plan);
+                copy_positions(ss, ds, heads, 1, plan);
             }
             _ => unreachable!("callers compare the formats first"),
-        }
-    }
-
-    /// Little-endian bytes of every tensor in order (int8 rows, then their scales, per tensor).
-    pub fn write_bytes(&self, out: &mut Vec<u8>) {
-        match self {
-            Tensors::F16(tensors) => {
-                for t in tensors {
-                    out.reserve(2 * t.len());
-                    t.iter()
-                        .for_each(|v| out.extend_from_slice(&v.to_bits().to_le_bytes()));
-                }
-            }
-            Tensors::F32(tensors) => {
-                for t in tensors {
-                    out.reserve(4 * t.len());
-                    t.iter()
-                        .for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
-                }
-            }
-            Tensors::Q8 { rows, scales } => {
-                for (r, s) in rows.iter().zip(scales) {
-                    out.extend(r.iter().map(|&v| v as u8));
-                    s.iter()
-                        .for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
-                }
-            }
-        }
-    }
-
-    /// Bytes [`Tensors::write_bytes`] writes for `positions` positions of `shape` in `format`.
-    pub fn byte_len(format: KvFormat, shape: KvShape, positions: usize) -> usize {
-        shape.bytes_per_position(format) * positions
-    }
-
-    /// Reads what [`Tensors::write_bytes`] wrote for `positions` positions; `None` if `bytes`
-    /// is not exactly that long.
-    pub fn read_bytes(
-        format: KvFormat,
-        shape: KvShape,
-        positions: usize,
-        bytes: &[u8],
-    ) -> Option<Tensors> {
-        if bytes.len() != Tensors::byte_len(format, shape, positions) {
-            return None;
-        }
-        let count = 2 * shape.layers;
-        let values = shape.kv_heads * positions * shape.head_dim;
-        let scales = shape.kv_heads * positions;
-        Some(match format {
-            KvFormat::F16 => Tensors::F16(
-                bytes
-                    .chunks_exact(2 * values.max(1))
-                    .take(count)
-                    .map(|t| {
-                        t.chunks_exact(2)
-                            .map(|b| f16::from_bits(u16::from_le_bytes([b[0], b[1]])))
-                            .collect()
-                    })
-                    .collect(),
-            ),
-            KvFormat::F32 => Tensors::F32(
-                bytes
-                    .chunks_exact(4 * values.max(1))
-                    .take(count)
-                    .map(|t| {
-                        t.chunks_exact(4)
-                            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                            .collect()
-                    })
-                    .collect(),
-            ),
-            KvFormat::Q8 => {
-                let per_tensor = values + 4 * scales;
-                let (mut rows, mut all_scales) = (Vec::new(), Vec::new());
-                for t in bytes.chunks_exact(per_tensor.max(1)).take(count) {
-                    let (r, s) = t.split_at(values);
-                    rows.push(r.iter().map(|&b| b as i8).collect());
-                    all_scales.push(
-                        s.chunks_exact(4)
-                            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                            .collect(),
-                    );
-                }
-                Tensors::Q8 {
-                    rows,
-                    scales: all_scales,
-                }
-            }
-        })
-        .filter(|t| t.tensor_count() == count)
-    }
-
-    fn tensor_count(&self) -> usize {
-        match self {
-            Tensors::F16(t) => t.len(),
-            Tensors::F32(t) => t.len(),
-            Tensors::Q8 { rows, .. } => rows.len(),
         }
     }
 }
@@ -261,27 +404,50 @@ impl KvStore {
         }
     }
 
-    /// Copies of the rows of positions `0..len` (compact: `len` positions per head).
-    pub fn capture(&self, len: usize) -> Tensors {
-        let shape = self.shape();
-        let values = len * self.kv_heads * self.head_dim;
-        let mut out = Tensors::zeroed(self.format(), 2 * shape.layers, values, self.head_dim);
-        Tensors::copy_rows(&self.layers, self.positions, &mut out, len, len, shape);
-        out
+    fn placement(&self) -> Placement {
+        Placement {
+            rows: self.positions,
+            first: 0,
+        }
     }
 
-    /// Overwrites positions `0..len` with the first `len` rows of `tensors`, which hold
-    /// `positions` positions per head in this cache's format and shape (checked by the caller).
-    pub fn restore(&mut self, tensors: &Tensors, positions: usize, len: usize) {
+    /// Copies of the rows of positions `0..len` that `span` keeps (compact: each tensor holds
+    /// its kept positions only).
+    pub fn capture(&self, len: usize, span: &RowSpan) -> Tensors {
         let shape = self.shape();
-        Tensors::copy_rows(
-            tensors,
-            positions,
-            &mut self.layers,
-            self.positions,
-            len,
-            shape,
-        );
+        let (heads, hd, cache) = (self.kv_heads, self.head_dim, self.placement());
+        let from = |_| cache;
+        let range = |t: usize| span.first(t / 2).min(len)..len;
+        match &self.layers {
+            Tensors::F16(t) => Tensors::F16(gather_positions(t, heads, hd, &from, &range)),
+            Tensors::F32(t) => Tensors::F32(gather_positions(t, heads, hd, &from, &range)),
+            Tensors::Q8 { rows, scales } => Tensors::Q8 {
+                rows: gather_positions(rows, heads, hd, &from, &range),
+                scales: gather_positions(scales, shape.kv_heads, 1, &from, &range),
+            },
+        }
+    }
+
+    /// Makes positions `0..len` those of a snapshot of `tensors` (holding `span` of `positions`
+    /// positions, in this cache's format and shape, `len` at least `span.min_restore()`: checked
+    /// by the caller). Only the rows a continuation reads are copied: in a sliding layer those
+    /// a query at position `len` sees.
+    pub fn restore(&mut self, tensors: &Tensors, span: &RowSpan, positions: usize, len: usize) {
+        let (shape, cache) = (self.shape(), self.placement());
+        let plan = |t: usize| {
+            let first = span.first(t / 2);
+            let snapshot = Placement {
+                rows: positions - first,
+                first,
+            };
+            let start = if span.sliding[t / 2] {
+                first.max((len + 1).saturating_sub(span.window))
+            } else {
+                0
+            };
+            (snapshot, cache, start..len)
+        };
+        self.layers.copy_from(tensors, shape, &plan);
     }
 
     /// Copies the keys and values of positions `0..len` from `other` (same format and shape; `len`
@@ -296,14 +462,9 @@ impl KvStore {
         {
             return false;
         }
-        Tensors::copy_rows(
-            &other.layers,
-            other.positions,
-            &mut self.layers,
-            self.positions,
-            len,
-            shape,
-        );
+        let (from, to) = (other.placement(), self.placement());
+        self.layers
+            .copy_from(&other.layers, shape, &|_| (from, to, 0..len));
         true
     }
 
@@ -456,66 +617,6 @@ pub fn quantize_row_q8(src: &[f32], dst: &mut [i8]) -> f32 {
     scale
 }
 
-/// Widens `count` int8 rows of `head_dim` (`rows`, with one scale each in `scales`) to f32 rows
-/// of `head_dim` in `dst`: `dst = q * scale`. Every path gives the same bits (one exact int to
-/// float conversion and one rounded product per element).
-pub fn widen_q8_rows(
-    path: KernelPath,
-    rows: &[i8],
-    scales: &[f32],
-    head_dim: usize,
-    dst: &mut [f32],
-) {
-    let count = scales.len();
-    let (rows, dst) = (&rows[..count * head_dim], &mut dst[..count * head_dim]);
-    match path {
-        #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx512 if std::arch::is_x86_feature_detected!("avx512f") => {
-            // SAFETY: the feature was just detected.
-            unsafe { widen_q8_avx512(rows, scales, head_dim, dst) }
-        }
-        #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx512 | KernelPath::Avx2 if std::arch::is_x86_feature_detected!("avx2") => {
-            // SAFETY: the feature was just detected.
-            unsafe { widen_q8_avx2(rows, scales, head_dim, dst) }
-        }
-        _ => widen_q8_scalar(rows, scales, head_dim, dst),
-    }
-}
-
-/// The reference of [`widen_q8_rows`].
-pub fn widen_q8_scalar(rows: &[i8], scales: &[f32], head_dim: usize, dst: &mut [f32]) {
-    for ((row, &scale), out) in rows
-        .chunks_exact(head_dim)
-        .zip(scales)
-        .zip(dst.chunks_exact_mut(head_dim))
-    {
-        for (o, &q) in out.iter_mut().zip(row) {
-            *o = q as f32 * scale;
-        }
-    }
-}
-
-// The SIMD versions are the scalar loop compiled for wider registers: the loop is a plain
-// convert-and-multiply the compiler vectorizes fully, and no reassociation is involved, so the
-// results are the scalar bits.
-
-/// # Safety
-/// The CPU has AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn widen_q8_avx2(rows: &[i8], scales: &[f32], head_dim: usize, dst: &mut [f32]) {
-    widen_q8_scalar(rows, scales, head_dim, dst)
-}
-
-/// # Safety
-/// The CPU has AVX-512 F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn widen_q8_avx512(rows: &[i8], scales: &[f32], head_dim: usize, dst: &mut [f32]) {
-    widen_q8_scalar(rows, scales, head_dim, dst)
-}
-
 /// An element type of the cache: rows of f32 are stored into it and read back widened.
 pub trait KvElement: KvElem + Copy + Send + Sync {
     fn store(k: Kernels, src: &[f32], dst: &mut [Self]);
@@ -548,28 +649,6 @@ mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
-
-    #[test]
-    fn every_widen_path_matches_the_scalar_reference() {
-        let mut rng = ChaCha8Rng::seed_from_u64(5);
-        for head_dim in [1, 7, 16, 33, 64, 100] {
-            for count in [0, 1, 3, 17] {
-                let rows: Vec<i8> = (0..count * head_dim).map(|_| rng.gen()).collect();
-                let scales: Vec<f32> = (0..count).map(|_| rng.gen_range(1e-4..2.0)).collect();
-                let mut want = vec![0.0; count * head_dim];
-                widen_q8_scalar(&rows, &scales, head_dim, &mut want);
-                for path in KernelPath::ALL {
-                    let mut got = vec![f32::NAN; count * head_dim];
-                    widen_q8_rows(path, &rows, &scales, head_dim, &mut got);
-                    let same = want
-                        .iter()
-                        .zip(&got)
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(same, "{path:?} head_dim {head_dim} count {count}");
-                }
-            }
-        }
-    }
 
     #[test]
     fn q8_rows_round_trip_within_half_a_step() {

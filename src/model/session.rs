@@ -15,7 +15,7 @@ use rayon::ThreadPool;
 
 use super::exact;
 use super::fast::{self, FastPass};
-use super::kv::{KvShape, KvStore};
+use super::kv::{KvShape, KvStore, RowSpan};
 use super::options::{ActivationFormat, KvFormat, Precision};
 use super::snapshot::{KvSnapshot, SnapshotError};
 use super::team::{with_team, Team};
@@ -243,18 +243,29 @@ impl Session {
         xxhash_rust::xxh3::xxh3_64(identity.as_bytes())
     }
 
-    /// The state after every token the cache holds, with the last token's logits.
+    /// The state after every token the cache holds, with the last token's logits, restorable to
+    /// any prefix.
     pub fn snapshot(&self) -> Result<KvSnapshot, SnapshotError> {
+        self.snapshot_restorable_from(0)
+    }
+
+    /// [`Session::snapshot`] for restores of `floor` tokens or more only: the sliding-window
+    /// layers keep just the rows such restores read (a query at position `floor` sees the last
+    /// `sliding_window` of them), about half the snapshot of a long chat.
+    pub fn snapshot_restorable_from(&self, floor: usize) -> Result<KvSnapshot, SnapshotError> {
         if self.is_empty() {
             return Err(SnapshotError::Empty);
         }
         let len = self.len();
+        let rows = RowSpan::restorable_from(&self.model.config, floor.min(len));
+        let tensors = self.sequence.kv.capture(len, &rows);
         KvSnapshot::new(
             self.kv_fingerprint(),
             self.sequence.kv.shape(),
+            rows,
             self.sequence.tokens.clone(),
             self.logits.clone(),
-            self.sequence.kv.capture(len),
+            tensors,
         )
     }
 
@@ -282,6 +293,15 @@ impl Session {
                 found: snapshot.shape,
             });
         }
+        let expected_rows = RowSpan::all(&self.model.config);
+        if (&snapshot.rows.sliding, snapshot.rows.window)
+            != (&expected_rows.sliding, expected_rows.window)
+        {
+            return Err(SnapshotError::Layers {
+                expected: expected_rows.window,
+                found: snapshot.rows.window,
+            });
+        }
         let limit = self.context_limit();
         if len == 0 || len > snapshot.len() || len > limit {
             return Err(SnapshotError::Length {
@@ -300,9 +320,15 @@ impl Session {
                 found: snapshot.logits.len(),
             });
         }
+        if len < snapshot.min_restore() {
+            return Err(SnapshotError::Window {
+                len,
+                min: snapshot.min_restore(),
+            });
+        }
         self.sequence
             .kv
-            .restore(&snapshot.tensors, snapshot.len(), len);
+            .restore(&snapshot.tensors, &snapshot.rows, snapshot.len(), len);
         self.sequence.tokens.clear();
         self.sequence
             .tokens

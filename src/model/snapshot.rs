@@ -1,9 +1,10 @@
 //! A KV snapshot: the state of a session after a token sequence (its ids, every layer's keys and
 //! values of those positions, the logits of the last one), restorable into any session of the same
 //! model, path and formats. Restoring copies rows: the restored session continues exactly as the
-//! one that computed them, bit for bit.
+//! one that computed them, bit for bit. A snapshot may leave out the rows of the sliding-window
+//! layers that no restore it allows will read ([`RowSpan`]).
 
-use super::kv::{KvShape, Tensors};
+use super::kv::{KvShape, RowSpan, Tensors};
 use super::options::KvFormat;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -26,6 +27,10 @@ pub enum SnapshotError {
     Logits { expected: usize, found: usize },
     #[error("the snapshot's tensors do not hold {tokens} positions of its shape")]
     Tensors { tokens: usize },
+    #[error("the snapshot keeps the sliding-window rows for restores of {min} tokens or more, not {len}")]
+    Window { len: usize, min: usize },
+    #[error("the snapshot's sliding-window layers (window {found}) are not this model's (window {expected})")]
+    Layers { expected: usize, found: usize },
     #[error("nothing to snapshot: the session holds no tokens")]
     Empty,
 }
@@ -37,6 +42,8 @@ pub struct KvSnapshot {
     /// ([`super::Session::kv_fingerprint`]).
     pub fingerprint: u64,
     pub shape: KvShape,
+    /// The positions the tensors hold per layer.
+    pub rows: RowSpan,
     pub tokens: Vec<u32>,
     /// Logits after the last token.
     pub logits: Vec<f32>,
@@ -45,10 +52,11 @@ pub struct KvSnapshot {
 }
 
 impl KvSnapshot {
-    /// Builds a snapshot from its parts, checking that the tensors hold one row per token.
+    /// Builds a snapshot from its parts, checking that the tensors hold the rows `rows` says.
     pub fn new(
         fingerprint: u64,
         shape: KvShape,
+        rows: RowSpan,
         tokens: Vec<u32>,
         logits: Vec<f32>,
         tensors: Tensors,
@@ -56,12 +64,18 @@ impl KvSnapshot {
         let snapshot = KvSnapshot {
             fingerprint,
             shape,
+            rows,
             tokens,
             logits,
             tensors,
         };
-        let expected = Tensors::byte_len(snapshot.format(), shape, snapshot.len());
-        if snapshot.tensor_bytes() != expected {
+        let expected = Tensors::byte_len(snapshot.format(), shape, &snapshot.rows, snapshot.len());
+        let positions: Vec<usize> = snapshot.rows.tensor_positions(snapshot.len()).collect();
+        if snapshot.rows.sliding.len() != shape.layers
+            || snapshot.rows.sliding_from > snapshot.len()
+            || snapshot.tensor_bytes() != expected
+            || snapshot.tensors.positions_each(shape) != positions
+        {
             return Err(SnapshotError::Tensors {
                 tokens: snapshot.len(),
             });
@@ -83,15 +97,12 @@ impl KvSnapshot {
 
     /// Bytes of the keys and values (scales included).
     pub fn tensor_bytes(&self) -> usize {
-        let per_tensor = |values: usize, bytes: usize| values * bytes;
-        match &self.tensors {
-            Tensors::F16(t) => t.iter().map(|t| per_tensor(t.len(), 2)).sum(),
-            Tensors::F32(t) => t.iter().map(|t| per_tensor(t.len(), 4)).sum(),
-            Tensors::Q8 { rows, scales } => {
-                rows.iter().map(Vec::len).sum::<usize>()
-                    + scales.iter().map(|s| 4 * s.len()).sum::<usize>()
-            }
-        }
+        self.tensors.total_bytes()
+    }
+
+    /// The shortest prefix this snapshot can be restored to.
+    pub fn min_restore(&self) -> usize {
+        self.rows.min_restore()
     }
 
     /// Memory the snapshot holds (tensors, logits and ids).

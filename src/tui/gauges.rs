@@ -35,6 +35,8 @@ pub struct Gauges {
     pub decode_rates: VecDeque<u64>,
     pub settings_progress: Option<SettingsProgress>,
     pub latency: Latency,
+    /// Rows only this engine reports (a remote engine's server and network figures).
+    pub engine_rows: Vec<(String, String)>,
 }
 
 impl Gauges {

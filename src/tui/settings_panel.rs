@@ -14,6 +14,10 @@ pub struct SettingsPanel {
     pub cursor: usize,
     /// The panel's upper end for threads.
     pub max_threads: usize,
+    /// Config keys of the settings the engine does not control, and what the panel shows for
+    /// them instead of a value.
+    pub fixed: Vec<String>,
+    pub fixed_shown_as: String,
 }
 
 impl SettingsPanel {
@@ -24,7 +28,28 @@ impl SettingsPanel {
             current,
             engine: None,
             cursor: 0,
+            fixed: Vec::new(),
+            fixed_shown_as: String::new(),
         }
+    }
+
+    /// The engine decides the settings with these config keys: they show `shown_as` and stay.
+    pub fn fix(&mut self, keys: Vec<String>, shown_as: String) {
+        self.fixed = keys;
+        self.fixed_shown_as = shown_as;
+    }
+
+    /// What the panel shows instead of `setting`'s value, when the engine decides it.
+    pub fn fixed_value(&self, setting: &Setting) -> Option<&str> {
+        self.fixed
+            .iter()
+            .any(|key| key == setting.key)
+            .then_some(self.fixed_shown_as.as_str())
+    }
+
+    /// [`SettingsPanel::fixed_value`] by config key.
+    pub fn fixed_key(&self, key: &str) -> Option<&str> {
+        crate::settings::by_key(key).and_then(|setting| self.fixed_value(setting))
     }
 
     /// The setting under the cursor.

@@ -57,6 +57,9 @@ pub enum Effect {
     Generate(GenerateJob),
     /// File work; the loop answers with [`Msg::Stored`].
     Store(StoreRequest),
+    /// An opened chat for the engine to resume from its KV snapshot at once (its conversation is
+    /// built off the UI thread, as a request's is).
+    Resume(Box<ChatSnapshot>),
     /// Put this text on the clipboard (OSC 52).
     Copy(String),
     /// Repaint every cell of the screen, not only the ones that changed. Terminals disagree with
@@ -320,6 +323,7 @@ impl App {
             } => {
                 self.load_conversation(*conversation, path.clone());
                 self.notice = Some(format!("Opened {}", path.display()));
+                self.effects.push(Effect::Resume(Box::new(self.snapshot())));
             }
             StoreOutcome::Opened {
                 result: Err(error), ..
@@ -452,6 +456,19 @@ impl App {
 
     fn on_settings_key(&mut self, key: KeyEvent) {
         let setting = self.settings.selected();
+        let changes = matches!(
+            key.code,
+            KeyCode::Left | KeyCode::Right | KeyCode::Char('-' | '+') | KeyCode::Enter
+        );
+        if changes {
+            if let Some(shown_as) = self.settings.fixed_value(setting) {
+                self.notice = Some(format!(
+                    "{} is set by the {shown_as}, not here",
+                    capitalize(setting.name)
+                ));
+                return;
+            }
+        }
         match key.code {
             KeyCode::Up => self.settings.move_cursor(true),
             KeyCode::Down => self.settings.move_cursor(false),
@@ -758,6 +775,8 @@ impl App {
                 }
                 self.gauges.stats = Some(sample);
             }
+            Event::EngineGauges(rows) => self.gauges.engine_rows = rows,
+            Event::SettingsFixed { keys, shown_as } => self.settings.fix(keys, shown_as),
             Event::TurnDone {
                 id,
                 reason,

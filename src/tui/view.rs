@@ -321,6 +321,13 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
             format!("{:.2} s", time.as_secs_f64())
         }),
     ));
+    // Rows only this engine has (a remote engine's server and network) come first, so they stay
+    // on a short screen.
+    for (label, value) in &app.gauges.engine_rows {
+        rows.push(gauge_row(label, terminal_safe(value).into_owned()));
+    }
+    // Rows of what the engine does not control (a server decides it) are left out.
+    let shown = |key: &str| app.settings.fixed_key(key).is_none();
     let memory =
         match stats.and_then(|stats| stats.process_memory_bytes.zip(stats.machine_memory_bytes)) {
             Some((process, machine)) => format!(
@@ -341,11 +348,13 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
             stats.kv_tokens_capacity
         )
     });
-    rows.push(gauge_row("KV cache", kv));
-    rows.push(gauge_row(
-        "KV format",
-        stats.map_or("-".to_string(), |stats| stats.kv_cache.to_string()),
-    ));
+    if shown("engine.kv_cache") {
+        rows.push(gauge_row("KV cache", kv));
+        rows.push(gauge_row(
+            "KV format",
+            stats.map_or("-".to_string(), |stats| stats.kv_cache.to_string()),
+        ));
+    }
     let context = stats.map_or("-".to_string(), |stats| {
         let ratio = stats.context_used as f64 / stats.context_limit.max(1) as f64;
         format!(
@@ -367,33 +376,37 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
             )
         }),
     ));
-    rows.push(gauge_row(
-        "KV tiers",
-        stats.map_or("-".to_string(), |stats| {
-            let tiers = stats.kv_tiers;
-            format!(
-                "RAM {} GiB ({}) · disk {} GiB ({})",
-                gib(tiers.ram_bytes),
-                tiers.ram_snapshots,
-                gib(tiers.disk_bytes),
-                tiers.disk_snapshots
-            )
-        }),
-    ));
-    rows.push(gauge_row(
-        "threads",
-        stats.map_or("-".to_string(), |stats| stats.threads.to_string()),
-    ));
-    let kernel = stats.map(|stats| stats.kernel_path.clone()).or_else(|| {
-        app.gauges
-            .engine_info
-            .as_ref()
-            .map(|info| info.kernel_path.clone())
-    });
-    rows.push(gauge_row(
-        "kernels",
-        kernel.unwrap_or_else(|| "-".to_string()),
-    ));
+    if shown("engine.kv_cache") {
+        rows.push(gauge_row(
+            "KV tiers",
+            stats.map_or("-".to_string(), |stats| {
+                let tiers = stats.kv_tiers;
+                format!(
+                    "RAM {} GiB ({}) · disk {} GiB ({})",
+                    gib(tiers.ram_bytes),
+                    tiers.ram_snapshots,
+                    gib(tiers.disk_bytes),
+                    tiers.disk_snapshots
+                )
+            }),
+        ));
+    }
+    if shown("engine.threads") {
+        rows.push(gauge_row(
+            "threads",
+            stats.map_or("-".to_string(), |stats| stats.threads.to_string()),
+        ));
+        let kernel = stats.map(|stats| stats.kernel_path.clone()).or_else(|| {
+            app.gauges
+                .engine_info
+                .as_ref()
+                .map(|info| info.kernel_path.clone())
+        });
+        rows.push(gauge_row(
+            "kernels",
+            kernel.unwrap_or_else(|| "-".to_string()),
+        ));
+    }
     let serving = stats.map(|stats| stats.weight_format);
     let weights = match (serving, &app.gauges.settings_progress) {
         (Some(format), Some((_, done, total))) => format!(
@@ -404,7 +417,9 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
         (Some(format), None) => format.to_string(),
         (None, _) => "-".to_string(),
     };
-    rows.push(gauge_row("weights", weights));
+    if shown("engine.weight_format") {
+        rows.push(gauge_row("weights", weights));
+    }
     // Until the engine answers a change, the serving format lags the setting.
     let activations = match stats.map(|stats| stats.activations) {
         Some(serving) if serving != app.settings.current.activations => {
@@ -413,7 +428,9 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
         Some(serving) => serving.to_string(),
         None => "-".to_string(),
     };
-    rows.push(gauge_row("activations", activations));
+    if shown("engine.activations") {
+        rows.push(gauge_row("activations", activations));
+    }
     let latency = &app.gauges.latency;
     let ui = if latency.samples > 0 {
         format!(
@@ -445,7 +462,11 @@ fn draw_settings(frame: &mut Frame, app: &App, area: Rect) {
         .iter()
         .enumerate()
         .map(|(index, setting)| {
-            let mut value = terminal_safe(&setting.display(&app.settings.current)).into_owned();
+            let fixed = app.settings.fixed_value(setting);
+            let mut value = match fixed {
+                Some(shown_as) => shown_as.to_string(),
+                None => terminal_safe(&setting.display(&app.settings.current)).into_owned(),
+            };
             if text_width(&value) > value_width {
                 value = value
                     .chars()
@@ -454,18 +475,23 @@ fn draw_settings(frame: &mut Frame, app: &App, area: Rect) {
                     + "…";
             }
             let selected = focused && index == app.settings.cursor;
-            let style = if selected {
+            let mut style = if selected {
                 Style::new().add_modifier(Modifier::REVERSED)
             } else {
                 Style::new()
             };
+            if fixed.is_some() {
+                style = style.fg(Color::DarkGray);
+            }
             let cursor = if selected { "›" } else { " " };
             Line::styled(format!("{cursor}{:<17} {value}", setting.label), style)
         })
         .collect();
     if focused {
         let setting = app.settings.selected();
-        let hint = if setting.is_text() {
+        let hint = if app.settings.fixed_value(setting).is_some() {
+            "set by the engine"
+        } else if setting.is_text() {
             "Enter edits"
         } else {
             "←/→ change"

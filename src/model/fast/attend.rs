@@ -120,16 +120,15 @@ impl FastPass<'_> {
                 }
                 let span = rows.start * hd..rows.end * hd;
                 let (keys, values) = (&mut keys[..rows.len() * hd], &mut values[..rows.len() * hd]);
-                let path = k.path();
                 widen_q8_rows(
-                    path,
+                    k,
                     &head.keys[span.clone()],
                     &head.key_scales[rows.clone()],
                     hd,
                     keys,
                 );
                 widen_q8_rows(
-                    path,
+                    k,
                     &head.values[span],
                     &head.value_scales[rows.clone()],
                     hd,
