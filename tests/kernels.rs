@@ -684,8 +684,26 @@ fn kernel_bench_reports_every_kernel_with_positive_rates() {
     let per_format = max_gemv + config.gemm_tokens.len();
     assert_eq!(
         report.results.len(),
-        config.thread_counts.len() * 3 * per_format
+        config.thread_counts.len() * (3 * per_format + config.stream_tokens.len())
     );
+    // The streamed products read every matrix once per run, with each token count asked for.
+    let streamed: Vec<usize> = report
+        .results
+        .iter()
+        .filter(|r| r.kernel == "mxfp4_stream" && r.threads == config.thread_counts[0])
+        .map(|r| {
+            assert_eq!(
+                r.weight_bytes,
+                config.experts * config.rows * config.cols / 32 * 17
+            );
+            assert_eq!(
+                r.macs,
+                config.experts * config.rows * config.cols * r.tokens
+            );
+            r.tokens
+        })
+        .collect();
+    assert_eq!(streamed, config.stream_tokens);
     for r in &report.results {
         assert!(
             r.best_seconds > 0.0 && r.best_seconds <= r.median_seconds,
@@ -728,7 +746,7 @@ fn kernel_bench_reports_every_kernel_with_positive_rates() {
         for r in &report.results {
             assert_eq!(
                 r.peak_fraction.is_some(),
-                r.kernel.ends_with("gemm"),
+                !r.kernel.ends_with("gemv"),
                 "{r:?}"
             );
         }

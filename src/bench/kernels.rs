@@ -27,6 +27,10 @@ pub struct KernelBenchConfig {
     pub thread_counts: Vec<usize>,
     /// Token counts M for the GEMM measurement (on one `rows x cols` matrix).
     pub gemm_tokens: Vec<usize>,
+    /// Token counts M for the streamed MXFP4 measurement: M tokens against every one of the
+    /// `experts` matrices, as a short prompt's experts are multiplied (the GEMV up to
+    /// [`MAX_GEMV_TOKENS`], the GEMM beyond), weights read from memory rather than cache.
+    pub stream_tokens: Vec<usize>,
     /// Timed runs per measurement; the report gives the best and the median.
     pub repetitions: usize,
     /// Each timed run repeats the kernel until it lasts at least this long.
@@ -42,6 +46,7 @@ impl KernelBenchConfig {
             cols: 2880,
             thread_counts: vec![1, 2],
             gemm_tokens: vec![1, 4, 8, 16, 32, 64, 128, 256],
+            stream_tokens: vec![2, 4, 6, 8, 12, 16, 24, 32],
             repetitions: 5,
             min_run_time: Duration::from_millis(20),
         }
@@ -55,6 +60,7 @@ impl KernelBenchConfig {
             cols: 160,
             thread_counts: vec![1, 2],
             gemm_tokens: vec![1, 5],
+            stream_tokens: vec![3, 6],
             repetitions: 2,
             min_run_time: Duration::from_micros(200),
         }
@@ -79,7 +85,8 @@ pub struct KernelBenchResult {
     pub best_gb_per_s: f64,
     /// Multiply-accumulates per second at the best run, in 1e9.
     pub best_gmac_per_s: f64,
-    /// GEMMs: `best_gmac_per_s` over the int8 peak measured with the same thread count.
+    /// GEMMs and streamed products: `best_gmac_per_s` over the int8 peak measured with the same
+    /// thread count.
     pub peak_fraction: Option<f64>,
 }
 
@@ -109,7 +116,7 @@ impl fmt::Display for KernelBenchReport {
         writeln!(f, "cpu {}", self.cpu)?;
         writeln!(
             f,
-            "kernel path {}; GEMV over {} matrices of {}x{}, GEMM on one",
+            "kernel path {}; GEMV and stream over {} matrices of {}x{}, GEMM on one",
             self.path, self.experts, self.rows, self.cols
         )?;
         for p in &self.int8_peak {
@@ -337,7 +344,8 @@ pub fn run_kernel_bench(
     let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
     let weights = BenchWeights::random(&mut rng, config.experts, config.rows, config.cols)?;
     let max_tokens = config.gemm_tokens.iter().copied().max().unwrap_or(1).max(1);
-    let activations: Vec<f32> = (0..max_tokens * config.cols)
+    let max_stream = config.stream_tokens.iter().copied().max().unwrap_or(1);
+    let activations: Vec<f32> = (0..max_tokens.max(max_stream) * config.cols)
         .map(|_| rng.gen_range(-2.0..2.0))
         .collect();
     let mut results = Vec::new();
@@ -443,9 +451,42 @@ pub fn run_kernel_bench(
                 ));
             }
         }
+        // Streamed: M tokens against every expert matrix in turn, each thread on its rows of
+        // each, through the kernel the forward pass picks for M tokens.
+        for &tokens in &config.stream_tokens {
+            let tokens = tokens.max(1);
+            let mut x = Q8Activations::with_capacity(tokens, config.cols);
+            kernels.quantize_activation_rows(
+                &activations[..tokens * config.cols],
+                config.cols,
+                &mut x,
+            )?;
+            let mut states = thread_states(&ranges, tokens, config.cols);
+            let (best, median) = time_runs(config.repetitions, config.min_run_time, || {
+                pool.install(|| {
+                    states.par_iter_mut().try_for_each(|s| {
+                        let (out, scratch) = (&mut s.out, &mut s.scratch);
+                        for e in 0..config.experts {
+                            let w = weights.mxfp4(e)?;
+                            kernels.mxfp4_product(&w, &x, s.rows.clone(), out, scratch)?;
+                        }
+                        Ok(())
+                    })
+                })
+            })?;
+            results.push(result(
+                "mxfp4_stream".to_string(),
+                threads,
+                tokens,
+                Format::Mxfp4.matrix_bytes(&weights) * config.experts,
+                config,
+                best,
+                median,
+            ));
+        }
         if let Some(peak) = peak {
             for r in &mut results[first_result..] {
-                if r.kernel.ends_with("gemm") {
+                if !r.kernel.ends_with("gemv") {
                     r.peak_fraction = Some(r.best_gmac_per_s / peak.gmac_per_s);
                 }
             }
@@ -488,7 +529,7 @@ fn result(
     best: f64,
     median: f64,
 ) -> KernelBenchResult {
-    let matrices = if kernel.ends_with("gemv") {
+    let matrices = if kernel.ends_with("gemv") || kernel.ends_with("stream") {
         config.experts
     } else {
         1

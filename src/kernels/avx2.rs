@@ -579,16 +579,26 @@ unsafe fn gemm<W: PairSource>(
         let groups = w.groups();
         let stride = rows.len();
         let tokens = x.rows();
+        // While one tile is multiplied, the next tile's weights are prefetched, a share before
+        // each micro-kernel call: with few tokens per expert (a short prompt) the tile decode
+        // would otherwise wait on every cache miss.
+        let spans_from = |start: usize| w.byte_spans(start..(start + GEMM_TILE_ROWS).min(rows.end));
+        prefetch_share(&spans_from(rows.start), 0, 1);
         let mut tile_start = rows.start;
         while tile_start < rows.end {
             let count = (rows.end - tile_start).min(GEMM_TILE_ROWS);
             decode_tile(w, tile_start, count, scratch);
+            let next = spans_from(tile_start + count);
+            let calls = tokens.div_ceil(2) * count.div_ceil(2);
+            let mut call = 0;
             let out_column = out.as_mut_ptr().add(tile_start - rows.start);
             let mut token = 0;
             while token < tokens {
                 let t_count = (tokens - token).min(2);
                 let mut i = 0;
                 while i < count {
+                    prefetch_share(&next, call, calls);
+                    call += 1;
                     let r_count = if count - i >= 2 { 2 } else { 1 };
                     let o = out_column.add(token * stride + i);
                     match (r_count, t_count) {

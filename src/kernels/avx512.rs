@@ -707,6 +707,7 @@ unsafe fn decode_tile<W: GroupSource>(
     count: usize,
     scratch: &mut GemmScratch,
     slot: usize,
+    prefetch: Prefetch,
 ) {
     // SAFETY: the caller upholds this function's contract (rows inside the matrix, `count <=
     // GEMM_TILE_ROWS` (16), `slot < GEMM_TILE_SLOTS`, scratch sized for the matrix's columns),
@@ -722,6 +723,7 @@ unsafe fn decode_tile<W: GroupSource>(
             .as_mut_ptr()
             .add(slot * tile_slot_scales(groups));
         for group in 0..groups {
+            prefetch.share(group, groups);
             let mut first = [_mm512_setzero_si512(); GEMM_TILE_ROWS];
             let mut second = [_mm512_setzero_si512(); GEMM_TILE_ROWS];
             for r in 0..count {
@@ -771,6 +773,7 @@ unsafe fn gemm_tile<const T: usize>(
     out: *mut f32,
     stride: usize,
     rows: usize,
+    prefetch: Prefetch,
 ) {
     // SAFETY: the caller upholds this function's contract (The tile was decoded into `scratch` for
     // `groups` groups; tokens `first_token..+T` exist in `x`; `out[t * stride + r]` is in bounds
@@ -786,6 +789,7 @@ unsafe fn gemm_tile<const T: usize>(
         let act_scales = x.scale_lanes.as_ptr().add(token_lanes);
         let (quant_stride, lane_stride) = (x.groups * GROUP_LEN, x.groups * GROUP_LANES);
         for group in 0..groups {
+            prefetch.share(group, groups);
             let weights = tile.add(group * GEMM_TILE_ROWS * GROUP_LEN);
             let quants = token_quants.add(group * GROUP_LEN);
             let lanes = group * GROUP_LANES;
@@ -837,7 +841,7 @@ unsafe fn gemm_tile<const T: usize>(
 /// # Safety
 /// Both tiles were decoded into `scratch` (slots 0 and 1) for `groups` groups; tokens
 /// `first_token..+T` exist in `x`; `out[t * stride + r]` is in bounds for t < T, r < `rows`;
-/// `16 < rows <= 32`.
+/// `16 < rows <= 32`. `prefetch` as in [`gemm_tile`].
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
@@ -851,6 +855,7 @@ unsafe fn gemm_tile_pair<const T: usize>(
     out: *mut f32,
     stride: usize,
     rows: usize,
+    prefetch: Prefetch,
 ) {
     // SAFETY: the caller upholds this function's contract (both tiles decoded for `groups`
     // groups, tokens `first_token..+T` in `x`, `out[t * stride + r]` in bounds for t < T,
@@ -867,6 +872,7 @@ unsafe fn gemm_tile_pair<const T: usize>(
         let act_scales = x.scale_lanes.as_ptr().add(token_lanes);
         let (quant_stride, lane_stride) = (x.groups * GROUP_LEN, x.groups * GROUP_LANES);
         for group in 0..groups {
+            prefetch.share(group, groups);
             let weights = tile.add(group * GEMM_TILE_ROWS * GROUP_LEN);
             let quants = token_quants.add(group * GROUP_LEN);
             let lanes = group * GROUP_LANES;
@@ -924,6 +930,36 @@ unsafe fn gemm_tile_pair<const T: usize>(
     }
 }
 
+/// Bytes a tile decode or a GEMM micro-kernel call prefetches while it works: its share of
+/// `spans` (the next pair of tiles) is part `batch` of `batches`, spread over its groups.
+/// Spreading the lines over all the work on a pair, not only its first token batch, keeps the
+/// requests below what the core can have in flight (issued in one short batch, M = 8 read half
+/// as fast as M = 6 or 12) and memory busy while the tiles are decoded.
+#[derive(Clone, Copy)]
+struct Prefetch {
+    spans: [(*const u8, usize); 2],
+    batch: usize,
+    batches: usize,
+}
+
+impl Prefetch {
+    const NOTHING: Prefetch = Prefetch {
+        spans: [(std::ptr::null(), 0); 2],
+        batch: 0,
+        batches: 1,
+    };
+
+    /// Prefetches this call's share of the lines for `group` of `groups`.
+    #[inline(always)]
+    fn share(&self, group: usize, groups: usize) {
+        prefetch_share(
+            &self.spans,
+            self.batch * groups + group,
+            self.batches * groups,
+        );
+    }
+}
+
 /// Tokens per call of [`gemm_tile_pair`].
 const GEMM_PAIR_TOKENS: usize = 6;
 
@@ -953,34 +989,51 @@ unsafe fn gemm<W: GroupSource>(
         let groups = w.groups();
         let stride = rows.len();
         let tokens = x.rows();
+        // The weights come from memory once per call, so while one pair of tiles is multiplied
+        // the next pair's bytes are prefetched: without it, with few tokens per expert (a short
+        // prompt) the tile decode waited on every cache miss and 2 threads read 7 GB/s.
+        let pair_rows = GEMM_TILE_SLOTS * GEMM_TILE_ROWS;
+        let spans_from = |start: usize| w.byte_spans(start..(start + pair_rows).min(rows.end));
+        // The first pair has nothing to overlap with: ask for all of it at once.
+        prefetch_share(&spans_from(rows.start), 0, 1);
         let mut tile_start = rows.start;
         while tile_start < rows.end {
             let remaining = rows.end - tile_start;
             let out_column = out.as_mut_ptr().add(tile_start - rows.start);
+            let next = spans_from((tile_start + pair_rows).min(rows.end));
             if remaining > GEMM_TILE_ROWS {
                 // Two tiles at once: 17 to 32 rows.
-                let count = remaining.min(GEMM_TILE_SLOTS * GEMM_TILE_ROWS);
-                decode_tile(w, tile_start, GEMM_TILE_ROWS, scratch, 0);
+                let count = remaining.min(pair_rows);
+                // Even batches: a short last batch would leave too few independent sums to
+                // cover the `vpdpbusd` latency (7 tokens run as 4 + 3, not 6 + 1).
+                let batch = tokens.div_ceil(tokens.div_ceil(GEMM_PAIR_TOKENS));
+                // The next pair's lines are spread over both decodes and every token batch.
+                let parts = GEMM_TILE_SLOTS + tokens.div_ceil(batch);
+                let part = |index: usize| Prefetch {
+                    spans: next,
+                    batch: index,
+                    batches: parts,
+                };
+                decode_tile(w, tile_start, GEMM_TILE_ROWS, scratch, 0, part(0));
                 decode_tile(
                     w,
                     tile_start + GEMM_TILE_ROWS,
                     count - GEMM_TILE_ROWS,
                     scratch,
                     1,
+                    part(1),
                 );
-                // Even batches: a short last batch would leave too few independent sums to
-                // cover the `vpdpbusd` latency (7 tokens run as 4 + 3, not 6 + 1).
-                let batch = tokens.div_ceil(tokens.div_ceil(GEMM_PAIR_TOKENS));
                 let mut token = 0;
                 while token < tokens {
                     let t_count = (tokens - token).min(batch);
                     let o = out_column.add(token * stride);
                     let s = &*scratch;
+                    let p = part(GEMM_TILE_SLOTS + token / batch);
                     macro_rules! pair_for {
                         ($($n:literal)*) => {
                             match t_count {
-                                $($n => gemm_tile_pair::<$n>(s, groups, x, token, lane, factor, o, stride, count),)*
-                                _ => gemm_tile_pair::<1>(s, groups, x, token, lane, factor, o, stride, count),
+                                $($n => gemm_tile_pair::<$n>(s, groups, x, token, lane, factor, o, stride, count, p),)*
+                                _ => gemm_tile_pair::<1>(s, groups, x, token, lane, factor, o, stride, count, p),
                             }
                         };
                     }
@@ -991,18 +1044,20 @@ unsafe fn gemm<W: GroupSource>(
                 continue;
             }
             let count = remaining;
-            decode_tile(w, tile_start, count, scratch, 0);
+            decode_tile(w, tile_start, count, scratch, 0, Prefetch::NOTHING);
             let batch = tokens.div_ceil(tokens.div_ceil(GEMM_TOKENS));
             let mut token = 0;
             while token < tokens {
                 let t_count = (tokens - token).min(batch);
                 let o = out_column.add(token * stride);
                 let s = &*scratch;
+                // A single tile is a call's last: nothing follows it to prefetch.
+                let p = Prefetch::NOTHING;
                 macro_rules! tile_for {
                 ($($n:literal)*) => {
                     match t_count {
-                        $($n => gemm_tile::<$n>(s, groups, x, token, lane, factor, o, stride, count),)*
-                        _ => gemm_tile::<1>(s, groups, x, token, lane, factor, o, stride, count),
+                        $($n => gemm_tile::<$n>(s, groups, x, token, lane, factor, o, stride, count, p),)*
+                        _ => gemm_tile::<1>(s, groups, x, token, lane, factor, o, stride, count, p),
                     }
                 };
             }

@@ -547,6 +547,23 @@ impl Kernels {
         Ok(())
     }
 
+    /// `out[t * rows.len() + i] = W[rows.start + i] . x[t]` through the kernel that is fastest
+    /// for `x.rows()` tokens: the GEMV up to [`MAX_GEMV_TOKENS`], the GEMM beyond.
+    pub fn mxfp4_product(
+        &self,
+        w: &Mxfp4Matrix,
+        x: &Q8Activations,
+        rows: Range<usize>,
+        out: &mut [f32],
+        scratch: &mut GemmScratch,
+    ) -> Result<(), KernelError> {
+        if x.rows() <= MAX_GEMV_TOKENS {
+            self.mxfp4_gemv(w, x, rows, out)
+        } else {
+            self.mxfp4_gemm(w, x, rows, out, scratch)
+        }
+    }
+
     /// Like [`Kernels::mxfp4_gemv`] for a [`Q8Matrix`].
     pub fn q8_gemv(
         &self,

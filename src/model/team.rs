@@ -21,6 +21,7 @@
 use std::cell::UnsafeCell;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::Instant;
 
 use rayon::prelude::*;
 use rayon::ThreadPool;
@@ -105,6 +106,10 @@ impl Team {
     }
 
     fn region(&self, count: usize, task: Task<'_>) {
+        if contention::solo() {
+            (0..count).for_each(task);
+            return;
+        }
         // SAFETY: only the lifetime is erased. No helper reads the closure after this region's
         // last task completes, and this function does not return before that (see `Sync`).
         let erased: Task<'static> = unsafe { std::mem::transmute(task) };
@@ -113,13 +118,28 @@ impl Team {
         unsafe { *self.task.get() = Some(erased) };
         self.completed.store(0, Ordering::Relaxed);
         let region = region_of(self.claim.load(Ordering::Relaxed)).wrapping_add(1);
+        let start = Instant::now();
         self.claim.store(pack(region, 0, count), Ordering::Release);
+        let mut own = 0u32;
         while let Some(i) = self.claim_task(region, End::Front) {
             self.run_claimed(i);
+            own += 1;
         }
-        let mut idle = Idle::default();
-        while self.completed.load(Ordering::Acquire) < count {
-            idle.wait();
+        if self.completed.load(Ordering::Acquire) < count {
+            // A helper still runs a task. Normally it ends within about one task's time; far
+            // longer means its core was taken by another process (see `contention`).
+            let waiting = Instant::now();
+            let limit = contention::stall_limit(waiting - start, own);
+            let mut idle = Idle::default();
+            let mut checks = 0u32;
+            while self.completed.load(Ordering::Acquire) < count {
+                idle.wait();
+                checks = checks.wrapping_add(1);
+                if checks.is_multiple_of(64) && waiting.elapsed() > limit {
+                    contention::go_solo();
+                    checks = 1;
+                }
+            }
         }
         if self.panicked.load(Ordering::Relaxed) {
             panic!("a task of the forward pass panicked on a team thread");
@@ -171,9 +191,63 @@ impl Team {
                     self.run_claimed(i);
                     idle = Idle::default();
                 }
+                // While the leader works alone, sleep rather than compete with whatever took
+                // the cores; the sleep is short so the helper is back soon after.
+                None if idle.yielding() && contention::solo() => {
+                    std::thread::sleep(contention::HELPER_NAP)
+                }
                 None => idle.wait(),
             }
         }
+    }
+}
+
+/// Decode on a machine whose cores other processes also want. A region's tasks are claimed as
+/// they go, so a helper that is merely slow costs nothing; but a helper descheduled in the middle
+/// of a task holds that task for a whole scheduler slice (milliseconds, where a decode region
+/// lasts a fraction of one), and the leader waits for it. With one busy neighbour on 2 cores,
+/// decode fell from 16.6 to 4.7 tokens/s that way. When the leader sees such a stall, the team
+/// works on the leader alone for a while (helpers sleep) and then tries again: one thread
+/// reads most of the machine's bandwidth, so this costs far less than the stalls. The state is
+/// process-wide because contention is a property of the machine, not of one forward pass.
+mod contention {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+    use std::time::{Duration, Instant};
+
+    /// How long the leader works alone after a stall before it tries the team again; a try
+    /// under lasting contention costs about one stall (a few ms) per period.
+    const SOLO_PERIOD: Duration = Duration::from_millis(250);
+    /// A helper's sleep while the leader works alone.
+    pub(super) const HELPER_NAP: Duration = Duration::from_micros(200);
+    /// The least wait that counts as a stall: well above the imbalance of a quiet machine's
+    /// regions, well below a scheduler slice.
+    pub(super) const MIN_STALL: Duration = Duration::from_micros(400);
+
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    /// Microseconds since `EPOCH` until which teams work on their leader alone.
+    static SOLO_UNTIL: AtomicU64 = AtomicU64::new(0);
+
+    fn now_micros() -> u64 {
+        EPOCH.get_or_init(Instant::now).elapsed().as_micros() as u64
+    }
+
+    /// Whether teams currently work on their leader alone.
+    pub(super) fn solo() -> bool {
+        let until = SOLO_UNTIL.load(Ordering::Relaxed);
+        until != 0 && now_micros() < until
+    }
+
+    /// Starts (or extends) a period of working alone.
+    pub(super) fn go_solo() {
+        let until = now_micros() + SOLO_PERIOD.as_micros() as u64;
+        SOLO_UNTIL.fetch_max(until, Ordering::Relaxed);
+    }
+
+    /// How long the leader may wait for a helper's last task before calling it a stall, given
+    /// it ran `own` tasks itself in `busy`: a few of its own tasks' length, at least `MIN_STALL`.
+    pub(super) fn stall_limit(busy: Duration, own: u32) -> Duration {
+        (busy / own.max(1)) * 4 + MIN_STALL
     }
 }
 
@@ -187,6 +261,11 @@ struct Idle {
 
 impl Idle {
     const SPINS_BEFORE_YIELDING: u32 = 1 << 12;
+
+    /// Whether the spinning phase is over.
+    fn yielding(&self) -> bool {
+        self.spins >= Self::SPINS_BEFORE_YIELDING
+    }
 
     fn wait(&mut self) {
         if self.spins < Self::SPINS_BEFORE_YIELDING {
@@ -315,6 +394,54 @@ mod tests {
             })
         });
         assert_eq!(sum.load(Ordering::Relaxed), 4950);
+    }
+
+    #[test]
+    fn a_helper_stalled_in_a_task_makes_the_leader_work_alone() {
+        use std::sync::atomic::AtomicBool;
+        use std::time::Duration;
+        let p = pool(2);
+        let stalled = with_team(&p, |team| {
+            let team = team.expect("two threads make a team");
+            let leader = std::thread::current().id();
+            // Task 0 (the leader's) waits until the helper holds task 1, which then sleeps far
+            // past the stall limit, as a helper whose core was taken would. If the helper never
+            // comes (a busy machine), the leader runs both and the round is tried again.
+            for _ in 0..50 {
+                let helper_in = AtomicBool::new(false);
+                team.for_each(2, &|i| {
+                    if std::thread::current().id() != leader {
+                        helper_in.store(true, Ordering::Release);
+                        std::thread::sleep(Duration::from_millis(30));
+                    } else if i == 0 {
+                        let until = Instant::now() + Duration::from_millis(100);
+                        while !helper_in.load(Ordering::Acquire) && Instant::now() < until {
+                            std::hint::spin_loop();
+                        }
+                    }
+                });
+                if helper_in.load(Ordering::Acquire) {
+                    // Right after the stall the leader works alone: tasks long enough that a
+                    // spinning helper would claim some of them otherwise.
+                    let off_leader = AtomicUsize::new(0);
+                    team.for_each(16, &|_| {
+                        if std::thread::current().id() != leader {
+                            off_leader.fetch_add(1, Ordering::Relaxed);
+                        }
+                        std::thread::sleep(Duration::from_millis(2));
+                    });
+                    return Some(off_leader.load(Ordering::Relaxed));
+                }
+            }
+            None
+        });
+        if let Some(off_leader) = stalled {
+            assert_eq!(
+                off_leader, 0,
+                "tasks ran on a helper during the solo period"
+            );
+        }
+        assert!(contention::stall_limit(Duration::from_micros(100), 4) >= contention::MIN_STALL);
     }
 
     #[test]
