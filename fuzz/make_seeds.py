@@ -170,6 +170,32 @@ def gguf():
     write("gguf", cases)
 
 
+def server_request():
+    # First byte: bit 0 picks the endpoint (0 chat completions, 1 responses), bits 1-2 the
+    # context (16, 96, 512, 4096 tokens); the rest is the body.
+    chat = {"model": "m", "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}],
+        "stream": True, "stream_options": {"include_usage": True}, "stop": ["a", "b"],
+        "max_tokens": 30, "temperature": 0.5, "top_p": 0.9, "seed": 3, "reasoning_effort": "low"}
+    small = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5}
+    text = {"model": "m", "input": "hi", "instructions": "Be brief.",
+            "reasoning": {"effort": "high"}, "max_output_tokens": 40, "stream": True,
+            "temperature": 0.7}
+    items = {"input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "a"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "b"}]},
+        {"role": "developer", "content": "c"}], "seed": 1}
+    cases = [(name, bytes([selector]) + json.dumps(body).encode())
+             for name, selector, body in [("chat_full.json", 6, chat),
+                                          ("chat_small_context.json", 2, small),
+                                          ("responses_text.json", 7, text),
+                                          ("responses_items.json", 7, items)]]
+    write("server_request", cases)
+
+
 def main():
     app_config()
     conversation_file()
@@ -178,6 +204,7 @@ def main():
     tokenize_decode()
     checkpoint()
     gguf()
+    server_request()
     total = sum(1 for _ in SEEDS.rglob("*") if _.is_file())
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(SEEDS.rglob("*")) if p.is_file()))
     print(f"{total} seed files, sha256 {digest.hexdigest()[:16]}")

@@ -66,6 +66,7 @@ impl Server {
             model_id: "synthetic-tiny".into(),
             max_body_bytes: 1 << 20,
             handle_signals: false,
+            drain_grace: Duration::ZERO,
         };
         let running = start(session, options, listener).unwrap();
         let base = format!("http://{}", running.addr);

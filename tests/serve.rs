@@ -46,6 +46,7 @@ impl Server {
             // the 413 instead of a reset connection.
             max_body_bytes: 256 << 10,
             handle_signals: false,
+            drain_grace: Duration::ZERO,
         };
         let running = start(session, options, listener).unwrap();
         let base = format!("http://{}", running.addr);
@@ -98,6 +99,10 @@ impl Server {
 
     fn stop(mut self) {
         self.running.take().unwrap().stop().unwrap();
+    }
+
+    fn drain(mut self, grace: Duration) {
+        self.running.take().unwrap().drain(grace).unwrap();
     }
 }
 
@@ -461,4 +466,232 @@ fn stopping_the_server_ends_running_streams() {
             .contains("shutting down"),
         "{error}"
     );
+}
+
+/// The `data:` payloads of a streamed chat started on another thread.
+fn stream_in_background(server: &Server, body: String) -> std::thread::JoinHandle<Vec<String>> {
+    let url = server.url("/v1/chat/completions");
+    std::thread::spawn(move || {
+        let response = agent().post(&url).send_string(&body).unwrap();
+        BufReader::new(response.into_reader())
+            .lines()
+            .map_while(Result::ok)
+            .filter_map(|line| line.strip_prefix("data: ").map(str::to_owned))
+            .collect()
+    })
+}
+
+#[test]
+fn draining_refuses_new_requests_and_lets_running_ones_finish() {
+    let server = Server::start(Precision::Fast, options(2, 4096, 4), None);
+    let reader = stream_in_background(
+        &server,
+        chat(
+            user("long"),
+            json!({"max_tokens": 300, "stream": true, "stream_options": {"include_usage": true}}),
+        ),
+    );
+    server.wait_for_metric("ossterm_tokens_generated_total", |v| v > 0.0);
+    let url = server.url("/v1/chat/completions");
+    let probe = chat(user("late"), json!({"max_tokens": 2}));
+    std::thread::scope(|scope| {
+        let draining = scope.spawn(|| server.drain(Duration::from_secs(120)));
+        // Once the drain has begun, a new request is refused: 503 while the listener is still
+        // open, a refused connection after. Requests sent just before are served like the rest.
+        let until = Instant::now() + Duration::from_secs(30);
+        loop {
+            match agent().post(&url).send_string(&probe) {
+                Err(ureq::Error::Status(status, response)) => {
+                    assert_eq!(status, 503);
+                    let body: Value =
+                        serde_json::from_str(&response.into_string().unwrap()).unwrap();
+                    assert_eq!(body["error"]["code"], "shutting_down", "{body}");
+                    break;
+                }
+                Err(ureq::Error::Transport(_)) => break,
+                Ok(_) => assert!(Instant::now() < until, "still accepting requests"),
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        draining.join().unwrap();
+    });
+    let events = reader.join().unwrap();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    assert!(
+        events.iter().all(|e| !e.contains("\"error\"")),
+        "a drained stream got an error: {events:?}"
+    );
+    let usage: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    let finish = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .find_map(|v| v["choices"][0]["finish_reason"].as_str().map(str::to_owned));
+    assert!(
+        matches!(finish.as_deref(), Some("length" | "stop")),
+        "{events:?}"
+    );
+    if finish.as_deref() == Some("length") {
+        assert_eq!(usage["usage"]["completion_tokens"], 300, "{usage}");
+    }
+}
+
+#[test]
+fn draining_cancels_what_still_runs_after_the_grace_time() {
+    let server = Server::start(Precision::Fast, options(2, 4096, 4), None);
+    let reader = stream_in_background(
+        &server,
+        chat(user("long"), json!({"max_tokens": 4000, "stream": true})),
+    );
+    server.wait_for_metric("ossterm_tokens_generated_total", |v| v > 0.0);
+    let started = Instant::now();
+    server.drain(Duration::from_millis(50));
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let events = reader.join().unwrap();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let error: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("shutting down"),
+        "{error}"
+    );
+}
+
+#[test]
+fn the_responses_api_answers_whole_and_streamed_with_the_same_text() {
+    let server = Server::start(Precision::Exact, options(4, 1024, 8), None);
+    let url = server.url("/v1/responses");
+    let body = json!({"model": "synthetic-tiny", "instructions": "You answer briefly.",
+                      "input": [{"role": "user", "content": [{"type": "input_text", "text": "stream please"}]}],
+                      "reasoning": {"effort": "low"}, "max_output_tokens": 90, "seed": 3});
+    let (status, whole) = read_json(agent().post(&url).send_string(&body.to_string()));
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["object"], "response");
+    assert!(whole["id"].as_str().unwrap().starts_with("resp_"));
+    assert!(matches!(
+        whole["status"].as_str(),
+        Some("completed" | "incomplete")
+    ));
+    assert_eq!(whole["reasoning"]["effort"], "low");
+    assert_eq!(whole["instructions"], "You answer briefly.");
+    let usage = &whole["usage"];
+    assert_eq!(
+        usage["total_tokens"],
+        usage["input_tokens"].as_u64().unwrap() + usage["output_tokens"].as_u64().unwrap()
+    );
+    let text_of = |response: &Value, kind: &str| -> String {
+        response["output"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|item| item["type"] == kind)
+            .flat_map(|item| item["content"].as_array().unwrap().clone())
+            .map(|part| part["text"].as_str().unwrap().to_owned())
+            .collect()
+    };
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let response = agent()
+        .post(&url)
+        .send_string(&streamed.to_string())
+        .unwrap();
+    assert_eq!(response.header("content-type"), Some("text/event-stream"));
+    let mut kinds = Vec::new();
+    let mut events = Vec::new();
+    for line in BufReader::new(response.into_reader()).lines() {
+        let line = line.unwrap();
+        if let Some(kind) = line.strip_prefix("event: ") {
+            kinds.push(kind.to_owned());
+        } else if let Some(data) = line.strip_prefix("data: ") {
+            events.push(serde_json::from_str::<Value>(data).unwrap());
+        }
+    }
+    assert_eq!(kinds.len(), events.len());
+    for (index, (kind, event)) in kinds.iter().zip(&events).enumerate() {
+        assert_eq!(event["type"], kind.as_str());
+        assert_eq!(event["sequence_number"], index as u64);
+    }
+    assert_eq!(kinds[..2], ["response.created", "response.in_progress"]);
+    let last = &events.last().unwrap()["response"];
+    assert_eq!(
+        kinds.last().unwrap(),
+        &format!("response.{}", last["status"].as_str().unwrap())
+    );
+    let deltas = |kind: &str| -> String {
+        events
+            .iter()
+            .filter(|e| e["type"] == kind)
+            .map(|e| e["delta"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    // Seeded: the streamed reply is the whole one, and the deltas add up to the final items.
+    assert_eq!(last["output"], whole["output"].clone().tap_ids(last));
+    assert_eq!(
+        deltas("response.reasoning_text.delta"),
+        text_of(last, "reasoning")
+    );
+    assert_eq!(
+        deltas("response.output_text.delta"),
+        text_of(last, "message")
+    );
+    assert!(!(text_of(last, "reasoning") + &text_of(last, "message")).is_empty());
+
+    // Errors name the Responses fields.
+    let (status, error) = read_json(
+        agent()
+            .post(&url)
+            .send_string(r#"{"input": "hi", "max_output_tokens": 0}"#),
+    );
+    assert_eq!(status, 400);
+    assert_eq!(error["error"]["param"], "max_output_tokens", "{error}");
+    server.stop();
+}
+
+/// The same output items with the ids of `other` (each response numbers its own items).
+trait TapIds {
+    fn tap_ids(self, other: &Value) -> Value;
+}
+
+impl TapIds for Value {
+    fn tap_ids(mut self, other: &Value) -> Value {
+        if let (Some(items), Some(theirs)) = (self.as_array_mut(), other["output"].as_array()) {
+            for (item, their) in items.iter_mut().zip(theirs) {
+                item["id"] = their["id"].clone();
+            }
+        }
+        self
+    }
+}
+
+#[test]
+fn slots_that_cannot_fit_in_memory_are_refused_before_loading() {
+    let serve = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_ossterm"))
+            .args([
+                "serve",
+                "--synthetic",
+                "tiny",
+                "--threads",
+                "1",
+                "--port",
+                "0",
+            ])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = serve(&["--parallel", "1000000000", "--context", "4096"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("not enough memory") && stderr.contains("KV cache"),
+        "{stderr}"
+    );
+    let out = serve(&["--parallel", "1", "--context", "100000000"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("--context 100000000"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
 }

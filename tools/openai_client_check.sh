@@ -2,7 +2,8 @@
 # A real OpenAI client against `ossterm serve`: installs the `openai` Python package into a venv
 # (target/openai-venv, reused), starts the server on a free loopback port with the synthetic tiny
 # model, lists the models, streams a chat completion (reasoning and content deltas, usage) and
-# asks for one without streaming, then stops the server with SIGTERM and checks it exits cleanly.
+# asks for one without streaming, streams a Responses API reply, then sends SIGTERM while a stream
+# runs and checks that the stream finishes and the server exits cleanly.
 # Skips (exit 0, with a message) when python3 or its venv module is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -82,9 +83,58 @@ reply = client.chat.completions.create(
     model=models[0], messages=[{"role": "user", "content": "hi"}], max_tokens=8)
 assert reply.choices[0].finish_reason in ("stop", "length")
 assert reply.usage.completion_tokens <= 8
+
+# The Responses API: streamed semantic events, the reasoning item and the message.
+kinds, reasoning, text, final = [], "", "", None
+# (`client.responses.stream` would read only `response.completed`, not the `response.incomplete`
+# a reply cut at max_output_tokens ends with, so the raw events are read.)
+for event in client.responses.create(
+    model=models[0], instructions="Answer briefly.", input="What is the capital of France?",
+    reasoning={"effort": "low"}, max_output_tokens=120, stream=True, extra_body={"seed": 1},
+):
+    kinds.append(event.type)
+    if event.type == "response.reasoning_text.delta":
+        reasoning += event.delta
+    elif event.type == "response.output_text.delta":
+        text += event.delta
+    elif event.type in ("response.completed", "response.incomplete"):
+        final = event.response
+assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete"), kinds
+assert final.status in ("completed", "incomplete"), final.status
+assert final.output_text == text, (final.output_text, text)
+items = {item.type: item for item in final.output}
+if reasoning:
+    assert items["reasoning"].content[0].text == reasoning
+assert final.usage.output_tokens > 0 and final.usage.input_tokens_details is not None
+whole = client.responses.create(model=models[0], input=[{"role": "user", "content": "hi"}],
+                                max_output_tokens=8)
+assert whole.status in ("completed", "incomplete") and whole.usage.output_tokens <= 8
+print(f"openai client check: responses streamed {len(kinds)} events, {len(reasoning)} chars of "
+      f"reasoning, {len(text)} of output text, status {final.status}")
 PY
 
-kill -TERM "$server"
+# Draining: SIGTERM while a stream runs lets it finish (a chat completion that ends normally),
+# refuses new connections, and the server exits with status 0.
+timeout 120 "$venv/bin/python" - "$port" "$server" <<'PY'
+import os, signal, sys, threading
+from openai import OpenAI
+
+client = OpenAI(base_url=f"http://127.0.0.1:{sys.argv[1]}/v1", api_key="unused", timeout=60)
+stream = client.chat.completions.create(
+    model="synthetic-tiny", messages=[{"role": "user", "content": "go on"}],
+    max_tokens=400, stream=True)
+finish, pieces = None, 0
+for chunk in stream:
+    if pieces == 0:
+        os.kill(int(sys.argv[2]), signal.SIGTERM)
+    pieces += 1
+    if chunk.choices:
+        finish = chunk.choices[0].finish_reason or finish
+assert finish in ("stop", "length"), f"the drained stream ended without a finish reason ({pieces} chunks)"
+print(f"openai client check: a stream running at SIGTERM finished ({pieces} chunks, {finish})")
+PY
+
+kill -TERM "$server" 2>/dev/null || true
 status=0
 wait "$server" || status=$?
 if [ "$status" -ne 0 ]; then
@@ -92,4 +142,4 @@ if [ "$status" -ne 0 ]; then
     echo "openai client check: the server exited with status $status after SIGTERM"
     exit 1
 fi
-echo "openai client check: passed (server stopped cleanly on SIGTERM)"
+echo "openai client check: passed (server drained and stopped cleanly on SIGTERM)"

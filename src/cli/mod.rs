@@ -31,7 +31,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
-use crate::model::memory::{check_before_load, Planned};
+use crate::model::memory::{check_before_load_sequences, Planned};
 use crate::model::{
     ActivationFormat, KvFormat, LoadOptions, Model, Precision, Preset, WeightFormat,
 };
@@ -112,6 +112,17 @@ impl ModelArgs {
     /// [`ModelArgs::load`], first checking that the weights and a KV cache of `context` tokens
     /// fit this machine's memory (a warning on stderr when the weights will be paged from disk).
     pub fn load_for_context(&self, exact: bool, context: usize) -> anyhow::Result<Arc<Model>> {
+        self.load_for_sequences(exact, 1, context)
+    }
+
+    /// [`ModelArgs::load_for_context`] for `sequences` KV caches of `context` tokens (a server's
+    /// slots).
+    pub fn load_for_sequences(
+        &self,
+        exact: bool,
+        sequences: usize,
+        context: usize,
+    ) -> anyhow::Result<Arc<Model>> {
         init_threads(self.threads)?;
         crate::kernels::init_kernel_path()?;
         let opts = LoadOptions {
@@ -131,7 +142,8 @@ impl ModelArgs {
             (None, None) => None,
         };
         if let Some(planned) = planned {
-            if let Some(warning) = check_before_load(planned, &opts, context)? {
+            if let Some(warning) = check_before_load_sequences(planned, &opts, sequences, context)?
+            {
                 eprintln!("warning: {warning}");
             }
         }

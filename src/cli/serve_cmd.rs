@@ -31,6 +31,10 @@ pub struct ServeArgs {
     /// Prompt tokens prefilled per step while other sequences decode (bounds their stall).
     #[arg(long, default_value_t = 64, value_name = "N")]
     pub prefill_chunk: usize,
+    /// On SIGTERM or Ctrl-C, seconds running requests get to finish before they are cancelled
+    /// (a second signal cancels them at once).
+    #[arg(long, default_value_t = 30, value_name = "SECONDS")]
+    pub drain_seconds: u64,
     /// Compute with the exact reference path (slow; for checks).
     #[arg(long)]
     pub exact: bool,
@@ -48,7 +52,17 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     let listener = std::net::TcpListener::bind((args.host.as_str(), args.port))
         .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
-    let model = args.model.load(args.exact)?;
+    // Every slot's KV cache is allocated at start: refuse what cannot fit before loading.
+    let model = args
+        .model
+        .load_for_sequences(args.exact, args.parallel, args.context)?;
+    let max_context = model.config.max_position_embeddings;
+    if args.context > max_context {
+        anyhow::bail!(
+            "--context {} is longer than the model's {max_context} positions",
+            args.context
+        );
+    }
     let pool = args.model.pool()?;
     let model_id = match (&args.model.model, args.model.synthetic) {
         (Some(dir), _) => dir
@@ -59,9 +73,9 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         (None, None) => "gpt-oss".into(),
     };
     let session = model.new_session(&pool, 1);
-    let kv_bytes = args.parallel
-        * args.context
-        * crate::model::kv::KvShape::of(&model.config).bytes_per_position(session.kv_format());
+    let kv_bytes = (args.parallel.saturating_mul(args.context)).saturating_mul(
+        crate::model::kv::KvShape::of(&model.config).bytes_per_position(session.kv_format()),
+    );
     let options = ServeOptions {
         scheduler: SchedulerOptions {
             parallel: args.parallel,
@@ -73,6 +87,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         model_id: model_id.clone(),
         max_body_bytes: crate::server::MAX_BODY_BYTES,
         handle_signals: true,
+        drain_grace: std::time::Duration::from_secs(args.drain_seconds),
     };
     let server = crate::server::start(session, options, listener)?;
     eprintln!(

@@ -27,6 +27,16 @@ pub fn check_before_load(
     opts: &LoadOptions,
     context: usize,
 ) -> Result<Option<String>, ModelError> {
+    check_before_load_sequences(planned, opts, 1, context)
+}
+
+/// [`check_before_load`] for `sequences` KV caches of `context` tokens each (a server's slots).
+pub fn check_before_load_sequences(
+    planned: Planned<'_>,
+    opts: &LoadOptions,
+    sequences: usize,
+    context: usize,
+) -> Result<Option<String>, ModelError> {
     let Some(memory) = SystemMemory::read() else {
         return Ok(None);
     };
@@ -47,7 +57,9 @@ pub fn check_before_load(
             }
         }
     };
-    let context = context.min(config.max_position_embeddings);
+    let context = context
+        .min(config.max_position_embeddings)
+        .saturating_mul(sequences);
     MemoryNeeds::estimate(
         &config,
         source,
@@ -182,11 +194,12 @@ impl MemoryNeeds {
             owned: loaded + converted,
             converted,
             source,
-            kv: 2
+            // Saturating: a server's slots times their context can be any size the flags give.
+            kv: (2
                 * config.num_hidden_layers as u64
-                * context as u64
                 * config.num_key_value_heads as u64
-                * row_bytes,
+                * row_bytes)
+                .saturating_mul(context as u64),
             context,
         }
     }
@@ -218,7 +231,7 @@ impl MemoryNeeds {
     /// beside it (they will be read from disk as needed).
     pub fn check(&self, memory: SystemMemory) -> Result<Option<String>, ModelError> {
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-        let anonymous = self.owned + self.kv;
+        let anonymous = self.owned.saturating_add(self.kv);
         if anonymous > memory.available {
             let kv = if self.context > 0 {
                 format!(

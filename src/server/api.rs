@@ -133,20 +133,24 @@ const MAX_STOPS: usize = 4;
 
 /// Parses the body; a wrong type or a missing field is an error naming the field's path.
 pub fn parse_chat_request(body: &[u8]) -> Result<ChatCompletionRequest, ApiError> {
+    parse_json(body)
+}
+
+/// Parses a JSON request body into `T`; errors name the field's path.
+pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     let mut deserializer = serde_json::Deserializer::from_slice(body);
-    let request: ChatCompletionRequest = serde_path_to_error::deserialize(&mut deserializer)
-        .map_err(|error| {
-            let path = error.path().to_string();
-            let inner = error.into_inner();
-            if inner.is_syntax() || inner.is_eof() {
-                ApiError::invalid(format!("the request body is not valid JSON: {inner}"), None)
-                    .with_code("invalid_json")
-            } else if path == "." {
-                ApiError::invalid(format!("invalid request: {inner}"), None)
-            } else {
-                ApiError::invalid(format!("invalid value of `{path}`: {inner}"), Some(&path))
-            }
-        })?;
+    let request: T = serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
+        let path = error.path().to_string();
+        let inner = error.into_inner();
+        if inner.is_syntax() || inner.is_eof() {
+            ApiError::invalid(format!("the request body is not valid JSON: {inner}"), None)
+                .with_code("invalid_json")
+        } else if path == "." {
+            ApiError::invalid(format!("invalid request: {inner}"), None)
+        } else {
+            ApiError::invalid(format!("invalid value of `{path}`: {inner}"), Some(&path))
+        }
+    })?;
     deserializer.end().map_err(|error| {
         ApiError::invalid(format!("the request body is not valid JSON: {error}"), None)
             .with_code("invalid_json")

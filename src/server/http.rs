@@ -18,8 +18,11 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
-use super::api::{parse_chat_request, prepare_chat, ApiError};
+use super::api::{parse_chat_request, prepare_chat, ApiError, ChatJob};
 use super::metrics::Metrics;
+use super::responses::{
+    parse_responses_request, prepare_responses, status_of, Outcome, ResponseBuilder,
+};
 use super::scheduler::{Event, Finish, Job, Scheduler, SubmitError, Usage};
 use crate::chat::Tokenizer;
 
@@ -62,13 +65,18 @@ impl AppState {
 /// socket under it, and it would see a broken pipe instead of the 413.
 const OVERSIZED_BODY_DRAIN_BYTES: usize = 64 << 20;
 
-/// The router: `/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`; bodies larger than
+/// The router: `/v1/chat/completions`, `/v1/responses`, `/v1/models`, `/health`, `/metrics`;
+/// bodies larger than
 /// `max_body` bytes are refused with 413.
 pub fn router(state: Arc<AppState>, max_body: usize) -> Router {
     Router::new()
         .route(
             "/v1/chat/completions",
             post(move |state, headers, body| chat_completions(state, headers, body, max_body)),
+        )
+        .route(
+            "/v1/responses",
+            post(move |state, headers, body| responses(state, headers, body, max_body)),
         )
         .route("/v1/models", get(models))
         .route("/health", get(health))
@@ -186,6 +194,102 @@ async fn chat_completions(
     }
 }
 
+async fn responses(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+    max_body: usize,
+) -> Response {
+    let body = read_body(&headers, body, max_body).await;
+    let started = (|| {
+        authorize(&state, &headers)?;
+        let request = parse_responses_request(&body?)?;
+        let (job, echo) = prepare_responses(request, state.tokenizer, state.context)?;
+        let (accepted, events) = submit(&state, job)?;
+        Ok((accepted, events, echo))
+    })();
+    match started {
+        Ok((accepted, events, echo)) => {
+            let id = format!("resp_{:x}", state.next_id.fetch_add(1, Ordering::Relaxed));
+            let builder = ResponseBuilder::new(id, unix_seconds(), state.model_id.clone(), echo);
+            if accepted.stream {
+                stream_response(builder, events).into_response()
+            } else {
+                whole_response(builder, events).await
+            }
+        }
+        Err(error) => reject(&state, error),
+    }
+}
+
+/// The whole reply as one `response` object (status completed, or incomplete at the token
+/// limit).
+async fn whole_response(
+    mut builder: ResponseBuilder,
+    mut events: mpsc::UnboundedReceiver<Event>,
+) -> Response {
+    loop {
+        match events.recv().await {
+            Some(Event::Delta { reasoning, content }) => builder.push(&reasoning, &content),
+            Some(Event::Done(finish)) => {
+                let status = status_of(finish.reason);
+                return Json(builder.response(status, Some(&finish.usage), None)).into_response();
+            }
+            Some(Event::Failed(message)) => return failure(message).into_response(),
+            None => return failure("the request was dropped".into()).into_response(),
+        }
+    }
+}
+
+/// The Responses API's semantic events (`event:` the type, `data:` the event object), ending
+/// with `response.completed`, `response.incomplete` or `response.failed`. Hanging up cancels
+/// the sequence, as for chat completions.
+fn stream_response(
+    mut builder: ResponseBuilder,
+    mut events: mpsc::UnboundedReceiver<Event>,
+) -> impl IntoResponse {
+    let (sender, receiver) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
+    tokio::spawn(async move {
+        let sse = |(kind, value): (String, Value)| {
+            Ok(SseEvent::default().event(kind).data(value.to_string()))
+        };
+        for event in builder.start() {
+            if sender.send(sse(event)).await.is_err() {
+                return;
+            }
+        }
+        loop {
+            let event = tokio::select! {
+                _ = sender.closed() => return,
+                event = events.recv() => event,
+            };
+            let (out, last) = match event {
+                Some(Event::Delta { reasoning, content }) => {
+                    (builder.delta(&reasoning, &content), false)
+                }
+                Some(Event::Done(finish)) => (
+                    builder.finish(Outcome::Finished(finish.reason, &finish.usage)),
+                    true,
+                ),
+                Some(Event::Failed(message)) => (builder.finish(Outcome::Failed(&message)), true),
+                None => (
+                    builder.finish(Outcome::Failed("the request was dropped")),
+                    true,
+                ),
+            };
+            for event in out {
+                if sender.send(sse(event)).await.is_err() {
+                    return;
+                }
+            }
+            if last {
+                return;
+            }
+        }
+    });
+    Sse::new(ReceiverStream::new(receiver)).keep_alive(KeepAlive::default())
+}
+
 /// What the handler keeps of a request once the scheduler has it.
 struct Accepted {
     stream: bool,
@@ -240,6 +344,14 @@ fn start_chat(
     let body = body?;
     let request = parse_chat_request(&body)?;
     let job = prepare_chat(request, state.tokenizer, state.context)?;
+    submit(state, job)
+}
+
+/// Hands a checked job to the scheduler; the receiver hears its events.
+fn submit(
+    state: &AppState,
+    job: ChatJob,
+) -> Result<(Accepted, mpsc::UnboundedReceiver<Event>), ApiError> {
     let (sender, receiver) = mpsc::unbounded_channel();
     let accepted = Accepted {
         stream: job.stream,

@@ -9,11 +9,13 @@ pub mod api;
 pub mod http;
 pub mod metrics;
 pub mod reply;
+pub mod responses;
 pub mod scheduler;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use crate::chat::{Tokenizer, TokenizerError};
 use crate::model::Session;
@@ -47,6 +49,8 @@ pub struct ServeOptions {
     pub max_body_bytes: usize,
     /// Stop on SIGTERM and Ctrl-C (the command does; tests stop the server themselves).
     pub handle_signals: bool,
+    /// How long a signal lets running requests finish before they are cancelled.
+    pub drain_grace: Duration,
 }
 
 /// Refuses a non-loopback address without an API key.
@@ -67,15 +71,22 @@ pub fn check_exposure(host: &str, api_key: Option<&str>) -> Result<(), ServeErro
 /// A server running on its own threads (the HTTP runtime and the scheduler).
 pub struct RunningServer {
     pub addr: SocketAddr,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    /// Carries the grace time running requests get.
+    stop: Option<tokio::sync::oneshot::Sender<Duration>>,
     thread: Option<JoinHandle<Result<(), ServeError>>>,
 }
 
 impl RunningServer {
     /// Cancels in-flight requests, closes connections and waits for the threads.
-    pub fn stop(mut self) -> Result<(), ServeError> {
+    pub fn stop(self) -> Result<(), ServeError> {
+        self.drain(Duration::ZERO)
+    }
+
+    /// Stops accepting connections and requests, lets running and queued requests finish for up
+    /// to `grace` (then cancels them) and waits for the threads.
+    pub fn drain(mut self, grace: Duration) -> Result<(), ServeError> {
         if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
+            let _ = stop.send(grace);
         }
         self.wait_inner()
     }
@@ -96,7 +107,7 @@ impl RunningServer {
 impl Drop for RunningServer {
     fn drop(&mut self) {
         if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
+            let _ = stop.send(Duration::ZERO);
         }
         let _ = self.wait_inner();
     }
@@ -127,7 +138,7 @@ pub fn start(
         options.model_id.clone(),
         options.api_key.clone(),
     ));
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<Duration>();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("ossterm-http")
@@ -135,6 +146,7 @@ pub fn start(
         .build()
         .map_err(io_error)?;
     let handle_signals = options.handle_signals;
+    let signal_grace = options.drain_grace;
     let max_body = options.max_body_bytes;
     let thread = std::thread::Builder::new()
         .name("ossterm-serve".into())
@@ -144,12 +156,22 @@ pub fn start(
                 let app = http::router(state.clone(), max_body);
                 let shutdown_state = state.clone();
                 let shutdown = async move {
-                    wait_for_stop(stopped, handle_signals).await;
-                    // Streams end once the scheduler has cancelled their sequences; only then
-                    // can the connections drain.
-                    let _ =
-                        tokio::task::spawn_blocking(move || shutdown_state.scheduler.shutdown())
-                            .await;
+                    let grace = wait_for_stop(stopped, handle_signals, signal_grace).await;
+                    // New requests get 503 from now on; once this future resolves the listener
+                    // closes, and the server waits for the open connections, whose streams end
+                    // as the scheduler finishes or, after the grace time, cancels them.
+                    shutdown_state.scheduler.drain(grace);
+                    if handle_signals && !grace.is_zero() {
+                        eprintln!(
+                            "ossterm serve: finishing running requests (up to {} s; again to cancel them)",
+                            grace.as_secs()
+                        );
+                        let state = shutdown_state.clone();
+                        tokio::spawn(async move {
+                            signal().await;
+                            state.scheduler.drain(Duration::ZERO);
+                        });
+                    }
                 };
                 axum::serve(listener, app)
                     .with_graceful_shutdown(shutdown)
@@ -167,12 +189,24 @@ pub fn start(
     })
 }
 
-/// Resolves on the stop message, or on SIGTERM / Ctrl-C when `signals`.
-async fn wait_for_stop(stopped: tokio::sync::oneshot::Receiver<()>, signals: bool) {
+/// Resolves with the grace time of the stop message, or `signal_grace` on SIGTERM / Ctrl-C when
+/// `signals`.
+async fn wait_for_stop(
+    stopped: tokio::sync::oneshot::Receiver<Duration>,
+    signals: bool,
+    signal_grace: Duration,
+) -> Duration {
     if !signals {
-        let _ = stopped.await;
-        return;
+        return stopped.await.unwrap_or(Duration::ZERO);
     }
+    tokio::select! {
+        grace = stopped => grace.unwrap_or(Duration::ZERO),
+        _ = signal() => signal_grace,
+    }
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+async fn signal() {
     #[cfg(unix)]
     let terminate = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
@@ -185,7 +219,6 @@ async fn wait_for_stop(stopped: tokio::sync::oneshot::Receiver<()>, signals: boo
     #[cfg(not(unix))]
     let terminate = std::future::pending::<()>();
     tokio::select! {
-        _ = stopped => {}
         _ = tokio::signal::ctrl_c() => {}
         _ = terminate => {}
     }

@@ -120,7 +120,8 @@ pub struct SchedulerOptions {
 
 enum Command {
     Submit(Job),
-    Shutdown,
+    /// Finish what was accepted, cancelling whatever still runs at the deadline.
+    Drain(Instant),
 }
 
 /// The HTTP side's handle on the scheduler thread.
@@ -146,13 +147,14 @@ impl Scheduler {
         // Published before the thread starts, so the first /metrics already shows the budget.
         let bytes_per_token = crate::model::kv::KvShape::of(&session.model().config)
             .bytes_per_position(session.kv_format());
-        let capacity = options.parallel * options.context;
+        let capacity = options.parallel.saturating_mul(options.context);
         metrics
             .kv_capacity_tokens
             .store(capacity, Ordering::Relaxed);
-        metrics
-            .kv_capacity_bytes
-            .store((capacity * bytes_per_token) as u64, Ordering::Relaxed);
+        metrics.kv_capacity_bytes.store(
+            capacity.saturating_mul(bytes_per_token) as u64,
+            Ordering::Relaxed,
+        );
         let thread = {
             let metrics = metrics.clone();
             std::thread::Builder::new()
@@ -186,11 +188,18 @@ impl Scheduler {
         })
     }
 
-    /// Cancels every running and waiting request (their clients get an error event) and stops
-    /// the thread.
-    pub fn shutdown(&self) {
+    /// Refuses new requests from now on; the thread finishes the running and waiting ones and
+    /// stops, cancelling (their clients get an error event) those still running after `grace`.
+    /// Returns at once; a later call with a shorter grace brings the deadline forward.
+    pub fn drain(&self, grace: Duration) {
         self.shutting_down.store(true, Ordering::Release);
-        let _ = self.commands.send(Command::Shutdown);
+        let _ = self.commands.send(Command::Drain(Instant::now() + grace));
+    }
+
+    /// Cancels every running and waiting request (their clients get an error event) and waits
+    /// for the thread to stop.
+    pub fn shutdown(&self) {
+        self.drain(Duration::ZERO);
         let thread = self.thread.lock().map(|mut t| t.take()).unwrap_or(None);
         if let Some(thread) = thread {
             let _ = thread.join();
@@ -267,8 +276,12 @@ impl Worker {
     }
 
     fn run(mut self, commands: Receiver<Command>) {
+        let mut deadline: Option<Instant> = None;
         loop {
             let busy = !self.waiting.is_empty() || self.slots.iter().any(|s| s.active.is_some());
+            if deadline.is_some() && !busy {
+                break;
+            }
             // Idle: block for the next command; busy: take what arrived and go on stepping.
             let first = if busy {
                 commands.try_recv().ok()
@@ -279,14 +292,15 @@ impl Worker {
                     Err(RecvTimeoutError::Disconnected) => break,
                 }
             };
-            let mut shutdown = false;
             for command in first.into_iter().chain(commands.try_iter()) {
                 match command {
                     Command::Submit(job) => self.waiting.push_back(job),
-                    Command::Shutdown => shutdown = true,
+                    Command::Drain(until) => {
+                        deadline = Some(deadline.map_or(until, |d| d.min(until)));
+                    }
                 }
             }
-            if shutdown {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
                 self.cancel_all("the server is shutting down");
                 break;
             }

@@ -2,13 +2,150 @@
 //! expert's output weighted into its tokens' mixture.
 
 use super::jobs::{fold_rows, Job};
-use super::{FastPass, Scratch};
+use super::{FastPass, Scratch, PREFILL_CHUNK};
 use crate::model::ops::{add_bias_rows, add_weighted, swiglu, MAX_EXPERTS_PER_TOKEN};
 use crate::model::options::Product;
 use crate::model::profile::Phase;
 use crate::model::weights::Layer;
 
+/// Most experts whose products share one parallel region (a group): each has its own input and
+/// activation buffers in [`Scratch`].
+pub(super) const GROUP_SLOTS: usize = 32;
+
+/// Most tokens routed to an expert for it to join a group. An expert with more runs alone: its
+/// products are long enough that their own regions cost little, and a slot's buffers stay small.
+const GROUPED_TOKENS: usize = 32;
+
 impl FastPass<'_> {
+    /// Several tokens (a batch of decoded sequences, a prefill chunk): the experts in index
+    /// order, those with few tokens in groups whose gate_up products run in one parallel region
+    /// and down products in another. One region pair per expert would cost a batched decode step
+    /// ~1,700 region barriers, more than the products themselves at a few tokens per expert.
+    /// Each token's expert outputs are added in expert order, as [`Self::decode_experts`] does.
+    pub(super) fn batch_experts(&self, layer: &Layer, s: &mut Scratch) {
+        // The group's tokens fit the chunk-sized product buffers.
+        let capacity = PREFILL_CHUNK.max(self.config.num_experts_per_tok);
+        s.group.clear();
+        let mut tokens = 0;
+        for expert in 0..s.routes.len() {
+            let m = s.routes[expert].len();
+            if m == 0 {
+                continue;
+            }
+            if m > GROUPED_TOKENS {
+                // The pending group first, to keep the expert order of each token's sum.
+                self.run_group(layer, s);
+                tokens = 0;
+                self.prefill_expert(layer, expert, s);
+                continue;
+            }
+            if tokens + m > capacity || s.group.len() == GROUP_SLOTS {
+                self.run_group(layer, s);
+                tokens = 0;
+            }
+            s.group.push(expert);
+            tokens += m;
+        }
+        self.run_group(layer, s);
+    }
+
+    /// The experts in `s.group`, each over its routed tokens: all gate_up products in one region,
+    /// all down products in another; empties the group.
+    fn run_group(&self, layer: &Layer, s: &mut Scratch) {
+        let count = s.group.len();
+        if count == 0 {
+            return;
+        }
+        let c = self.config;
+        let (h, inter) = (c.hidden_size, c.intermediate_size);
+        let per_gate_up = self
+            .activations
+            .split(Product::ExpertGateUp)
+            .rows_per_token();
+        let down_split = self.activations.split(Product::ExpertDown);
+        let per_down = down_split.rows_per_token();
+
+        // Slot k's tokens start at token `first[k]` of the group.
+        let mut first = [0usize; GROUP_SLOTS + 1];
+        for (slot, &expert) in s.group.iter().enumerate() {
+            first[slot + 1] = first[slot] + s.routes[expert].len();
+            s.route_rows.clear();
+            for &(i, _) in &s.routes[expert] {
+                s.route_rows.extend(per_gate_up * i..per_gate_up * (i + 1));
+            }
+            s.group_in[slot]
+                .gather_rows(&s.expert_in_q, &s.route_rows)
+                .expect("routed rows are chunk rows");
+        }
+        let total = first[count];
+
+        // Fixed arrays of jobs (slots past `count` repeat the first and are never run).
+        let group = &s.group;
+        let group_in = &s.group_in;
+        let jobs: [Job<'_>; GROUP_SLOTS] = std::array::from_fn(|slot| {
+            let slot = if slot < count { slot } else { 0 };
+            let m = first[slot + 1] - first[slot];
+            let at = per_gate_up * first[slot] * 2 * inter;
+            Job::expert(
+                &layer.gate_up,
+                group[slot],
+                &group_in[slot],
+                per_gate_up * m,
+                at,
+            )
+        });
+        let gate_up = &mut s.gate_up[..per_gate_up * total * 2 * inter];
+        s.work.run(self.kernels, self.team, &jobs[..count], gate_up);
+        for (slot, &expert) in s.group.iter().enumerate() {
+            let (start, m) = (first[slot], first[slot + 1] - first[slot]);
+            let block = &mut s.gate_up[per_gate_up * start * 2 * inter..];
+            fold_rows(block, m, per_gate_up, 2 * inter);
+            let block = &mut block[..m * 2 * inter];
+            add_bias_rows(block, layer.gate_up.bias(expert));
+            let activated = &mut s.activated[start * inter..(start + m) * inter];
+            for (pair, out) in block
+                .chunks_exact(2 * inter)
+                .zip(activated.chunks_exact_mut(inter))
+            {
+                swiglu(c, pair, out);
+            }
+            s.work.quantize(
+                self.kernels,
+                activated,
+                inter,
+                down_split,
+                &mut s.activated_q[slot],
+            );
+        }
+
+        let activated_q = &s.activated_q;
+        let jobs: [Job<'_>; GROUP_SLOTS] = std::array::from_fn(|slot| {
+            let slot = if slot < count { slot } else { 0 };
+            let m = first[slot + 1] - first[slot];
+            let at = per_down * first[slot] * h;
+            Job::expert(
+                &layer.down,
+                group[slot],
+                &activated_q[slot],
+                per_down * m,
+                at,
+            )
+        });
+        let expert_out = &mut s.expert_out[..per_down * total * h];
+        s.work
+            .run(self.kernels, self.team, &jobs[..count], expert_out);
+        for (slot, &expert) in s.group.iter().enumerate() {
+            let (start, m) = (first[slot], first[slot + 1] - first[slot]);
+            let block = &mut s.expert_out[per_down * start * h..];
+            fold_rows(block, m, per_down, h);
+            for (y, &(i, weight)) in block[..m * h].chunks_exact_mut(h).zip(&s.routes[expert]) {
+                add_bias_rows(y, layer.down.bias(expert));
+                add_weighted(&mut s.moe_out[i * h..(i + 1) * h], weight, y);
+            }
+        }
+        s.group.clear();
+    }
+
     /// One token: the gate_up products of all its experts in one region, then all down products.
     pub(super) fn decode_experts(&self, layer: &Layer, s: &mut Scratch) {
         let c = self.config;

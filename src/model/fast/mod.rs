@@ -51,11 +51,16 @@ pub struct Scratch {
     /// The rows of `expert_in_q` routed to one expert (prefill).
     route_rows: Vec<usize>,
     gathered: Q8Activations,
+    /// The experts whose products run together (see `experts.rs`), and each one's routed rows.
+    /// The slots' buffers grow once, to the most tokens a grouped expert gets.
+    group: Vec<usize>,
+    group_in: Vec<Q8Activations>,
     /// The experts' input: one or two quantized rows per token (see [`ActivationFormat`]).
     expert_in_q: Q8Activations,
     gate_up: Vec<f32>,
     activated: Vec<f32>,
-    /// The down products' inputs: one per routed expert of a decoded token, the first in prefill.
+    /// The down products' inputs: one per routed expert of a decoded token or per expert of a
+    /// group, the first for an expert run alone.
     activated_q: Vec<Q8Activations>,
     expert_out: Vec<f32>,
     moe_out: Vec<f32>,
@@ -105,11 +110,21 @@ impl Scratch {
             routes: (0..e).map(|_| Vec::with_capacity(n)).collect(),
             route_rows: Vec::with_capacity(2 * n),
             gathered: Q8Activations::with_capacity(2 * n, h),
+            group: Vec::with_capacity(experts::GROUP_SLOTS),
+            group_in: (0..experts::GROUP_SLOTS)
+                .map(|_| Q8Activations::new())
+                .collect(),
             expert_in_q: Q8Activations::with_capacity(2 * n, h),
             gate_up: vec![0.0; expert_rows * 2 * i],
             activated: vec![0.0; n.max(top_k) * i],
-            activated_q: (0..top_k)
-                .map(|_| Q8Activations::with_capacity(2 * n, i))
+            activated_q: (0..top_k.max(experts::GROUP_SLOTS))
+                .map(|slot| {
+                    if slot < top_k {
+                        Q8Activations::with_capacity(2 * n, i)
+                    } else {
+                        Q8Activations::new()
+                    }
+                })
                 .collect(),
             expert_out: vec![0.0; expert_rows * h],
             moe_out: vec![0.0; n * h],
@@ -375,11 +390,7 @@ impl FastPass<'_> {
         if n == 1 {
             self.decode_experts(layer, s);
         } else {
-            for expert in 0..e {
-                if !s.routes[expert].is_empty() {
-                    self.prefill_expert(layer, expert, s);
-                }
-            }
+            self.batch_experts(layer, s);
         }
     }
 

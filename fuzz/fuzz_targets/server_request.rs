@@ -1,0 +1,49 @@
+//! `ossterm serve`'s request bodies, as a client could send them: the first byte picks the
+//! endpoint (even: `/v1/chat/completions` through `parse_chat_request` and `prepare_chat`, odd:
+//! `/v1/responses` through `parse_responses_request` and `prepare_responses`) and the context
+//! size; the rest is the body.
+//! Invariants: no panic; a refusal is a 4xx whose OpenAI-style body names a message; an accepted
+//! request's prompt and token budget fit the context.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use ossterm::server::api::{parse_chat_request, prepare_chat, ApiError, ChatJob};
+use ossterm::server::responses::{parse_responses_request, prepare_responses};
+use ossterm_fuzz::{tokenizer, LimitingAllocator};
+
+/// The tokenizer's tables and a few KiB of request.
+#[global_allocator]
+static ALLOC: LimitingAllocator = LimitingAllocator::with_limit_mib(256);
+
+fn check(result: Result<ChatJob, ApiError>, context: usize) {
+    match result {
+        Ok(job) => {
+            assert!(job.prompt.len() < context, "the prompt fills the context");
+            assert!(job.max_tokens >= 1, "no room to answer");
+            assert!(job.prompt.len() + job.max_tokens <= context, "the budget overflows");
+        }
+        Err(error) => {
+            assert!(error.status.is_client_error(), "{error:?}");
+            let body = error.body();
+            assert!(!body["error"]["message"].as_str().unwrap_or("").is_empty(), "{body}");
+        }
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    let Some((&selector, body)) = data.split_first() else {
+        return;
+    };
+    // Contexts from tiny (most prompts do not fit) to the server's default.
+    let context = [16, 96, 512, 4096][usize::from(selector >> 1) % 4];
+    if selector & 1 == 0 {
+        let result = parse_chat_request(body)
+            .and_then(|request| prepare_chat(request, tokenizer(), context));
+        check(result, context);
+    } else {
+        let result = parse_responses_request(body)
+            .and_then(|request| prepare_responses(request, tokenizer(), context))
+            .map(|(job, _)| job);
+        check(result, context);
+    }
+});

@@ -1,0 +1,658 @@
+//! The OpenAI Responses API (`POST /v1/responses`), the subset a chat client uses: `input` as a
+//! string or a list of messages, `instructions`, `reasoning.effort`, `max_output_tokens`,
+//! `temperature`, `top_p`, `stream` (and `seed`, as in chat completions). A request is turned into the chat-completions form and
+//! checked by the same code ([`prepare_chat`]); the reply is a `response` object whose output
+//! holds a reasoning item (the analysis channel) and a message (the final channel).
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::api::{
+    parse_json, prepare_chat, ApiError, ChatCompletionRequest, ChatJob, Content, Message,
+};
+use super::scheduler::{FinishReason, Usage};
+use crate::chat::Tokenizer;
+
+/// `input`: one user message as a string, or a list of items.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Input {
+    Text(String),
+    Items(Vec<InputItem>),
+}
+
+/// An input item. Messages are read; reasoning items a client sends back from an earlier reply
+/// are dropped (gpt-oss does not see earlier turns' reasoning); other kinds are refused.
+#[derive(Debug, Deserialize)]
+pub struct InputItem {
+    #[serde(rename = "type", default)]
+    pub kind: Option<String>,
+    #[serde(default)]
+    pub role: Option<String>,
+    #[serde(default)]
+    pub content: Option<ItemContent>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum ItemContent {
+    Text(String),
+    Parts(Vec<ItemPart>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ItemPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+pub struct ReasoningParam {
+    #[serde(default)]
+    pub effort: Option<String>,
+}
+
+/// The fields of a Responses request this server reads; others are ignored.
+#[derive(Debug, Deserialize)]
+pub struct ResponsesRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub input: Input,
+    #[serde(default)]
+    pub instructions: Option<String>,
+    #[serde(default)]
+    pub reasoning: Option<ReasoningParam>,
+    #[serde(default)]
+    pub max_output_tokens: Option<u64>,
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    #[serde(default)]
+    pub stream: Option<bool>,
+    /// Not in OpenAI's Responses API; taken as chat completions take it, for repeatable replies.
+    #[serde(default)]
+    pub seed: Option<u64>,
+    #[serde(default)]
+    pub previous_response_id: Option<String>,
+    #[serde(default)]
+    pub tools: Option<Vec<Value>>,
+}
+
+/// Parses the body; a wrong type or a missing field is an error naming the field's path.
+pub fn parse_responses_request(body: &[u8]) -> Result<ResponsesRequest, ApiError> {
+    parse_json(body)
+}
+
+/// What a reply repeats from its request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Echo {
+    pub instructions: Option<String>,
+    pub effort: String,
+    pub max_output_tokens: Option<u64>,
+    pub temperature: f32,
+    pub top_p: f32,
+}
+
+/// Checks the request and renders it as a harmony prompt: `instructions` first as developer
+/// instructions, then the input messages.
+pub fn prepare_responses(
+    request: ResponsesRequest,
+    tokenizer: &Tokenizer,
+    context: usize,
+) -> Result<(ChatJob, Echo), ApiError> {
+    if request.previous_response_id.is_some() {
+        return Err(ApiError::invalid(
+            "this server keeps no responses: send the whole conversation as `input` instead of `previous_response_id`",
+            Some("previous_response_id"),
+        ));
+    }
+    if request
+        .tools
+        .as_ref()
+        .is_some_and(|tools| !tools.is_empty())
+    {
+        return Err(ApiError::invalid(
+            "tools are not supported by this server",
+            Some("tools"),
+        ));
+    }
+    let mut messages = Vec::new();
+    if let Some(instructions) = &request.instructions {
+        messages.push(Message {
+            role: "developer".into(),
+            content: Some(Content::Text(instructions.clone())),
+        });
+    }
+    match request.input {
+        Input::Text(text) => messages.push(Message {
+            role: "user".into(),
+            content: Some(Content::Text(text)),
+        }),
+        Input::Items(items) => {
+            for (index, item) in items.into_iter().enumerate() {
+                if let Some(message) = input_message(item, index)? {
+                    messages.push(message);
+                }
+            }
+        }
+    }
+    if messages.iter().all(|m| m.role == "developer") {
+        return Err(ApiError::invalid(
+            "`input` holds no message: give a string or at least one message",
+            Some("input"),
+        ));
+    }
+    let effort = request.reasoning.and_then(|r| r.effort);
+    let chat = ChatCompletionRequest {
+        model: request.model,
+        messages,
+        stream: request.stream,
+        stream_options: None,
+        max_tokens: None,
+        max_completion_tokens: request.max_output_tokens,
+        temperature: request.temperature,
+        top_p: request.top_p,
+        seed: request.seed,
+        stop: None,
+        reasoning_effort: effort.clone(),
+        n: None,
+    };
+    let job = prepare_chat(chat, tokenizer, context).map_err(rename_param)?;
+    let echo = Echo {
+        instructions: request.instructions,
+        effort: effort.unwrap_or_else(|| "medium".into()),
+        max_output_tokens: request.max_output_tokens,
+        temperature: job.sampler.temperature,
+        top_p: job.sampler.top_p,
+    };
+    Ok((job, echo))
+}
+
+/// The chat checks name chat-completions fields; a Responses client knows these names.
+fn rename_param(mut error: ApiError) -> ApiError {
+    let renamed = match error.param.as_deref() {
+        Some("max_completion_tokens") => Some("max_output_tokens"),
+        Some("reasoning_effort") => Some("reasoning.effort"),
+        Some("messages") => Some("input"),
+        _ => None,
+    };
+    if let Some(param) = renamed {
+        let old = error.param.take().unwrap_or_default();
+        error.message = error
+            .message
+            .replace(&format!("`{old}`"), &format!("`{param}`"));
+        error.param = Some(param.into());
+    }
+    error
+}
+
+fn input_message(item: InputItem, index: usize) -> Result<Option<Message>, ApiError> {
+    let param = format!("input[{index}]");
+    match item.kind.as_deref() {
+        None | Some("message") => {}
+        Some("reasoning") => return Ok(None),
+        Some(other) => {
+            return Err(ApiError::invalid(
+                format!("{param} is a {other:?} item; this server takes messages"),
+                Some(&format!("{param}.type")),
+            ))
+        }
+    }
+    let Some(role) = item.role else {
+        return Err(ApiError::invalid(
+            format!("{param} has no `role`"),
+            Some(&format!("{param}.role")),
+        ));
+    };
+    let text = match item.content {
+        None => String::new(),
+        Some(ItemContent::Text(text)) => text,
+        Some(ItemContent::Parts(parts)) => {
+            let mut text = String::new();
+            for (part_index, part) in parts.into_iter().enumerate() {
+                match (part.kind.as_str(), part.text) {
+                    ("input_text" | "output_text" | "text", Some(piece)) => text.push_str(&piece),
+                    (kind, _) => {
+                        return Err(ApiError::invalid(
+                            format!("{param}.content[{part_index}] is a {kind:?} part; only text parts are supported"),
+                            Some(&format!("{param}.content[{part_index}]")),
+                        ))
+                    }
+                }
+            }
+            text
+        }
+    };
+    if !matches!(role.as_str(), "user" | "assistant" | "system" | "developer") {
+        return Err(ApiError::invalid(
+            format!("{param}.role is {role:?}; this server takes system, developer, user and assistant messages"),
+            Some(&format!("{param}.role")),
+        ));
+    }
+    Ok(Some(Message {
+        role,
+        content: Some(Content::Text(text)),
+    }))
+}
+
+/// The state of a response as it is built: ids, text so far and which output items are open.
+/// Streaming and the whole reply both go through it, so their objects agree.
+pub struct ResponseBuilder {
+    pub id: String,
+    pub created_at: u64,
+    pub model: String,
+    pub echo: Echo,
+    reasoning: String,
+    content: String,
+    /// Output items opened so far: reasoning, then the message, each at most once.
+    reasoning_open: bool,
+    message_open: bool,
+    sequence: u64,
+}
+
+/// How a response ended.
+pub enum Outcome<'a> {
+    Finished(FinishReason, &'a Usage),
+    Failed(&'a str),
+}
+
+impl ResponseBuilder {
+    pub fn new(id: String, created_at: u64, model: String, echo: Echo) -> ResponseBuilder {
+        ResponseBuilder {
+            id,
+            created_at,
+            model,
+            echo,
+            reasoning: String::new(),
+            content: String::new(),
+            reasoning_open: false,
+            message_open: false,
+            sequence: 0,
+        }
+    }
+
+    fn reasoning_id(&self) -> String {
+        format!("rs_{}", self.id.trim_start_matches("resp_"))
+    }
+
+    fn message_id(&self) -> String {
+        format!("msg_{}", self.id.trim_start_matches("resp_"))
+    }
+
+    fn event(&mut self, kind: &str, mut fields: Value) -> (String, Value) {
+        fields["type"] = json!(kind);
+        fields["sequence_number"] = json!(self.sequence);
+        self.sequence += 1;
+        (kind.to_owned(), fields)
+    }
+
+    fn reasoning_item(&self, status: &str) -> Value {
+        let content = if status == "in_progress" {
+            json!([])
+        } else {
+            json!([{"type": "reasoning_text", "text": self.reasoning}])
+        };
+        json!({"id": self.reasoning_id(), "type": "reasoning", "status": status,
+               "summary": [], "content": content})
+    }
+
+    fn message_item(&self, status: &str) -> Value {
+        let content = if status == "in_progress" {
+            json!([])
+        } else {
+            json!([{"type": "output_text", "text": self.content, "annotations": [], "logprobs": []}])
+        };
+        json!({"id": self.message_id(), "type": "message", "role": "assistant",
+               "status": status, "content": content})
+    }
+
+    /// Index of the message among the output items.
+    fn message_index(&self) -> usize {
+        usize::from(!self.reasoning.is_empty())
+    }
+
+    /// The `response` object: `status` is in_progress, completed, incomplete or failed.
+    pub fn response(&self, status: &str, usage: Option<&Usage>, error: Option<&str>) -> Value {
+        let mut output = Vec::new();
+        if status != "in_progress" {
+            let item_status = if status == "completed" {
+                "completed"
+            } else {
+                "incomplete"
+            };
+            if !self.reasoning.is_empty() {
+                output.push(self.reasoning_item(item_status));
+            }
+            if !self.content.is_empty() || status == "completed" {
+                output.push(self.message_item(item_status));
+            }
+        }
+        json!({
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "model": self.model,
+            "output": output,
+            "error": error.map(|message| json!({"code": "server_error", "message": message})),
+            "incomplete_details": (status == "incomplete")
+                .then(|| json!({"reason": "max_output_tokens"})),
+            "instructions": self.echo.instructions,
+            "max_output_tokens": self.echo.max_output_tokens,
+            "temperature": self.echo.temperature,
+            "top_p": self.echo.top_p,
+            "reasoning": {"effort": self.echo.effort, "summary": null},
+            "parallel_tool_calls": false,
+            "tool_choice": "none",
+            "tools": [],
+            "text": {"format": {"type": "text"}},
+            "store": false,
+            "metadata": {},
+            "usage": usage.map(usage_json),
+        })
+    }
+
+    /// The events that open the stream.
+    pub fn start(&mut self) -> Vec<(String, Value)> {
+        let created = self.response("in_progress", None, None);
+        vec![
+            self.event("response.created", json!({"response": created})),
+            self.event("response.in_progress", json!({"response": created})),
+        ]
+    }
+
+    /// The events for new reasoning and answer text (opening the output items they belong to).
+    pub fn delta(&mut self, reasoning: &str, content: &str) -> Vec<(String, Value)> {
+        let mut events = Vec::new();
+        if !reasoning.is_empty() && !self.message_open {
+            if !self.reasoning_open {
+                self.reasoning_open = true;
+                let item = self.reasoning_item("in_progress");
+                events.push(self.event(
+                    "response.output_item.added",
+                    json!({"output_index": 0, "item": item}),
+                ));
+                let id = self.reasoning_id();
+                events.push(self.event(
+                    "response.content_part.added",
+                    json!({"item_id": id, "output_index": 0, "content_index": 0,
+                           "part": {"type": "reasoning_text", "text": ""}}),
+                ));
+            }
+            self.reasoning.push_str(reasoning);
+            let id = self.reasoning_id();
+            events.push(self.event(
+                "response.reasoning_text.delta",
+                json!({"item_id": id, "output_index": 0, "content_index": 0, "delta": reasoning}),
+            ));
+        }
+        if !content.is_empty() {
+            events.extend(self.close_reasoning("completed"));
+            if !self.message_open {
+                self.message_open = true;
+                let index = self.message_index();
+                let item = self.message_item("in_progress");
+                events.push(self.event(
+                    "response.output_item.added",
+                    json!({"output_index": index, "item": item}),
+                ));
+                let id = self.message_id();
+                events.push(self.event(
+                    "response.content_part.added",
+                    json!({"item_id": id, "output_index": index, "content_index": 0,
+                           "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}),
+                ));
+            }
+            self.content.push_str(content);
+            let (id, index) = (self.message_id(), self.message_index());
+            events.push(self.event(
+                "response.output_text.delta",
+                json!({"item_id": id, "output_index": index, "content_index": 0,
+                       "delta": content, "logprobs": []}),
+            ));
+        }
+        events
+    }
+
+    fn close_reasoning(&mut self, status: &str) -> Vec<(String, Value)> {
+        if !self.reasoning_open {
+            return Vec::new();
+        }
+        self.reasoning_open = false;
+        let id = self.reasoning_id();
+        let text = self.reasoning.clone();
+        let item = self.reasoning_item(status);
+        vec![
+            self.event(
+                "response.reasoning_text.done",
+                json!({"item_id": id, "output_index": 0, "content_index": 0, "text": text}),
+            ),
+            self.event(
+                "response.content_part.done",
+                json!({"item_id": id, "output_index": 0, "content_index": 0,
+                       "part": {"type": "reasoning_text", "text": text}}),
+            ),
+            self.event(
+                "response.output_item.done",
+                json!({"output_index": 0, "item": item}),
+            ),
+        ]
+    }
+
+    fn close_message(&mut self, status: &str) -> Vec<(String, Value)> {
+        if !self.message_open {
+            return Vec::new();
+        }
+        self.message_open = false;
+        let (id, index) = (self.message_id(), self.message_index());
+        let text = self.content.clone();
+        let item = self.message_item(status);
+        vec![
+            self.event(
+                "response.output_text.done",
+                json!({"item_id": id, "output_index": index, "content_index": 0,
+                       "text": text, "logprobs": []}),
+            ),
+            self.event(
+                "response.content_part.done",
+                json!({"item_id": id, "output_index": index, "content_index": 0,
+                       "part": {"type": "output_text", "text": text, "annotations": [], "logprobs": []}}),
+            ),
+            self.event(
+                "response.output_item.done",
+                json!({"output_index": index, "item": item}),
+            ),
+        ]
+    }
+
+    /// The events that close the open items and end the stream (`response.completed`,
+    /// `response.incomplete` or `response.failed`; the Responses API sends no `[DONE]`).
+    pub fn finish(&mut self, outcome: Outcome<'_>) -> Vec<(String, Value)> {
+        let (status, usage, error) = match outcome {
+            Outcome::Finished(FinishReason::Stop, usage) => ("completed", Some(usage), None),
+            Outcome::Finished(FinishReason::Length, usage) => ("incomplete", Some(usage), None),
+            Outcome::Failed(message) => ("failed", None, Some(message)),
+        };
+        let item_status = if status == "completed" {
+            "completed"
+        } else {
+            "incomplete"
+        };
+        let mut events = self.close_reasoning(item_status);
+        events.extend(self.close_message(item_status));
+        let response = self.response(status, usage, error);
+        events.push(self.event(&format!("response.{status}"), json!({"response": response})));
+        events
+    }
+
+    /// Records text without producing events (the whole, non-streamed reply).
+    pub fn push(&mut self, reasoning: &str, content: &str) {
+        self.reasoning.push_str(reasoning);
+        self.content.push_str(content);
+    }
+}
+
+fn usage_json(usage: &Usage) -> Value {
+    json!({
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {
+            "cached_tokens": usage.cached_tokens,
+            "cache_write_tokens": usage.prompt_tokens - usage.cached_tokens,
+        },
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    })
+}
+
+/// The status a finish reason gives a whole response.
+pub fn status_of(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Stop => "completed",
+        FinishReason::Length => "incomplete",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prepare(body: &str) -> Result<(ChatJob, Echo), ApiError> {
+        let request = parse_responses_request(body.as_bytes())?;
+        prepare_responses(request, Tokenizer::shared().unwrap(), 4096)
+    }
+
+    #[test]
+    fn a_string_and_the_same_message_list_give_the_same_prompt() {
+        let (text, echo) = prepare(r#"{"input": "hi", "instructions": "be brief"}"#).unwrap();
+        let (items, _) = prepare(
+            r#"{"instructions": "be brief", "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(text.prompt, items.prompt);
+        assert_eq!(echo.instructions.as_deref(), Some("be brief"));
+        assert_eq!(echo.effort, "medium");
+    }
+
+    #[test]
+    fn effort_and_limits_are_read_and_errors_name_responses_fields() {
+        let (job, echo) = prepare(
+            r#"{"input": "hi", "reasoning": {"effort": "low"}, "max_output_tokens": 7, "stream": true}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (job.max_tokens, job.stream, echo.effort.as_str()),
+            (7, true, "low")
+        );
+        let cases = [
+            (
+                r#"{"input": "hi", "max_output_tokens": 0}"#,
+                "max_output_tokens",
+            ),
+            (
+                r#"{"input": "hi", "reasoning": {"effort": "huge"}}"#,
+                "reasoning.effort",
+            ),
+            (r#"{"input": []}"#, "input"),
+            (
+                r#"{"input": "hi", "previous_response_id": "resp_1"}"#,
+                "previous_response_id",
+            ),
+            (
+                r#"{"input": "hi", "tools": [{"type": "web_search"}]}"#,
+                "tools",
+            ),
+            (
+                r#"{"input": [{"type": "function_call_output"}]}"#,
+                "input[0].type",
+            ),
+            (
+                r#"{"input": [{"role": "tool", "content": "x"}]}"#,
+                "input[0].role",
+            ),
+            (r#"{"input": 5}"#, "input"),
+        ];
+        for (body, param) in cases {
+            let error = prepare(body).unwrap_err();
+            assert_eq!(error.param.as_deref(), Some(param), "{body}: {error:?}");
+        }
+    }
+
+    #[test]
+    fn earlier_reasoning_items_are_dropped() {
+        let (with, _) = prepare(
+            r#"{"input": [{"role": "user", "content": "a"},
+                {"type": "reasoning", "id": "rs_1", "summary": []},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "b"}]},
+                {"role": "user", "content": "c"}]}"#,
+        )
+        .unwrap();
+        let (without, _) = prepare(
+            r#"{"input": [{"role": "user", "content": "a"},
+                {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(with.prompt, without.prompt);
+    }
+
+    #[test]
+    fn streamed_events_are_numbered_and_close_every_item_they_open() {
+        let echo = Echo {
+            instructions: None,
+            effort: "low".into(),
+            max_output_tokens: None,
+            temperature: 1.0,
+            top_p: 1.0,
+        };
+        let mut builder = ResponseBuilder::new("resp_1".into(), 0, "m".into(), echo);
+        let mut events = builder.start();
+        events.extend(builder.delta("think", ""));
+        events.extend(builder.delta(" more", "An"));
+        events.extend(builder.delta("", "swer"));
+        let usage = Usage {
+            prompt_tokens: 10,
+            cached_tokens: 4,
+            completion_tokens: 5,
+            reasoning_tokens: 2,
+        };
+        events.extend(builder.finish(Outcome::Finished(FinishReason::Stop, &usage)));
+        let kinds: Vec<&str> = events.iter().map(|(kind, _)| kind.as_str()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+        );
+        for (index, (kind, value)) in events.iter().enumerate() {
+            assert_eq!(value["sequence_number"], index as u64);
+            assert_eq!(value["type"], kind.as_str());
+        }
+        let done = &events.last().unwrap().1["response"];
+        assert_eq!(done["status"], "completed");
+        assert_eq!(done["output"][0]["content"][0]["text"], "think more");
+        assert_eq!(done["output"][1]["content"][0]["text"], "Answer");
+        assert_eq!(done["output"][1]["id"], events[9].1["item"]["id"]);
+        assert_eq!(done["usage"]["input_tokens_details"]["cached_tokens"], 4);
+        assert_eq!(done["usage"]["total_tokens"], 15);
+    }
+}
