@@ -21,7 +21,10 @@ set -euo pipefail
 script=soak
 label=soak
 turns="${1:-200}"
-source "$(dirname "$0")/tmux_common.sh" "${@:2}"
+# `source FILE` with no further words would hand tmux_common.sh this script's own arguments (the
+# turn count as the binary), so the binary, if any, becomes the only positional argument first.
+set -- "${@:2}"
+source "$(dirname "$0")/tmux_common.sh" "$@"
 command -v jq >/dev/null 2>&1 || { echo "soak: jq not found, skipping"; exit 0; }
 seed="${SOAK_SEED:-$((RANDOM * 32768 + RANDOM))}"
 RANDOM=$seed
