@@ -222,8 +222,8 @@ keys C-q
 wait_for "EXIT=0" 10
 check_restored "after Ctrl-Q"
 check_files
-actions="$(tr ' ' '\n' <<<"$counts" | grep . | sort | uniq -c | awk '{ printf "%s %s, ", $2, $1 }')"
-files=$(ls "$work"/chats/*.json | wc -l)
+actions="$(tr ' ' '\n' <<<"$counts" | { grep . || true; } | sort | uniq -c | awk '{ printf "%s %s, ", $2, $1 }')"
+files=$(find "$work/chats" -maxdepth 1 -name "*.json" 2>/dev/null | wc -l)
 echo "soak: actions: ${actions%, }"
 echo "soak: RSS after warm-up at most $((peak_after / 1024)) MB, warm-up peak $((warm_peak / 1024)) MB" \
     "(bound +$rss_bound_mb MB); $files chat files, all valid JSON; KV accounting held on" \
