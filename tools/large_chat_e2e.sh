@@ -67,7 +67,7 @@ opened_at=$SECONDS
 keys C-o
 wait_for "Open a saved chat" 60
 keys Enter
-wait_for "Opened " 120
+wait_for "Opened |Resumed [0-9,]+ tokens" 120
 echo "large_chat_e2e: listed and opened in $((SECONDS - opened_at)) s"
 
 probe="largechatprobe" samples=()

@@ -165,7 +165,8 @@ for ((turn = 1; turn <= turns; turn++)); do
             if screen | grep -q "Open a saved chat"; then
                 for ((down = RANDOM % 3; down > 0; down--)); do keys Down; done
                 keys Enter
-                wait_for "Opened " 10
+                # Opening restores the chat's KV snapshot at once; its notice may replace "Opened".
+                wait_for "Opened |Resumed [0-9,]+ tokens" 10
             fi
             count open
             ;;
