@@ -334,6 +334,17 @@ fn sizes_past_the_context_or_the_machine_are_refused_with_the_numbers() {
     ] {
         assert_fails_with(wanted, &output, wanted);
     }
+    // A grace that no clock can add is refused by the argument parser (usage error: status 2).
+    let output = run(&[
+        "serve",
+        "--synthetic",
+        "tiny",
+        "--drain-seconds",
+        "18446744073709551615",
+    ]);
+    assert_no_panic("--drain-seconds", &output);
+    assert_eq!(output.status.code(), Some(2));
+    assert!(stderr_of(&output).contains("18446744073709551615 is not in 0..=86400"));
     // More ids than the context (64 positions in this fixture) are refused before anything
     // is allocated; the logits themselves are streamed to the file a chunk at a time.
     let ids = vec!["1"; 100].join(",");

@@ -695,3 +695,12 @@ fn slots_that_cannot_fit_in_memory_are_refused_before_loading() {
     assert!(stderr.contains("--context 100000000"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+#[test]
+fn an_unbounded_grace_drains_an_idle_server_without_overflow() {
+    // Duration::MAX does not fit in an Instant; the drain must still stop an idle server.
+    let server = Server::start(Precision::Fast, options(1, 256, 2), None);
+    let started = Instant::now();
+    server.drain(Duration::MAX);
+    assert!(started.elapsed() < Duration::from_secs(10));
+}

@@ -33,7 +33,9 @@ pub struct ServeArgs {
     pub prefill_chunk: usize,
     /// On SIGTERM or Ctrl-C, seconds running requests get to finish before they are cancelled
     /// (a second signal cancels them at once).
-    #[arg(long, default_value_t = 30, value_name = "SECONDS")]
+    /// At most a day: a longer grace would only keep a stopping server from stopping.
+    #[arg(long, default_value_t = 30, value_name = "SECONDS",
+          value_parser = clap::value_parser!(u64).range(0..=86_400))]
     pub drain_seconds: u64,
     /// Compute with the exact reference path (slow; for checks).
     #[arg(long)]

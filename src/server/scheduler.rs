@@ -193,7 +193,12 @@ impl Scheduler {
     /// Returns at once; a later call with a shorter grace brings the deadline forward.
     pub fn drain(&self, grace: Duration) {
         self.shutting_down.store(true, Ordering::Release);
-        let _ = self.commands.send(Command::Drain(Instant::now() + grace));
+        // A grace past what an Instant can hold means "no deadline" in practice: a day.
+        let now = Instant::now();
+        let deadline = now
+            .checked_add(grace)
+            .unwrap_or_else(|| now + Duration::from_secs(86_400));
+        let _ = self.commands.send(Command::Drain(deadline));
     }
 
     /// Cancels every running and waiting request (their clients get an error event) and waits
