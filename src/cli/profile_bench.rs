@@ -45,6 +45,7 @@ pub fn run(
         Ok(gen_tokens as f64 / started.elapsed().as_secs_f64())
     };
     let pool_for_runs = Arc::clone(pool);
+    let team_before = crate::model::team::team_stats();
     pool_for_runs.install(|| -> anyhow::Result<()> {
         for round in 0..rounds {
             output::note!("round {} of {rounds}", round + 1);
@@ -67,6 +68,7 @@ pub fn run(
         }
         Ok(())
     })?;
+    let team = crate::model::team::team_stats().since(&team_before);
     let off = Summary::of(&rates[0]).median;
     let on = Summary::of(&rates[1]).median;
     let threads = pool.current_num_threads();
@@ -133,6 +135,17 @@ pub fn run(
         "  {:<13}{outside:8.2} ms  {:5.1}%",
         "outside",
         outside / step_ms * 100.0
+    )?;
+    // Every decoded token of both halves of every round went through the team.
+    let tokens = (2 * rounds * gen_tokens).max(1) as f64;
+    writeln!(
+        out,
+        "team: {:.0} parallel regions per step, leader waiting for a helper {:.2} ms per step; \
+         {} stalls (solo periods started), {:.1}% of regions run alone",
+        team.regions as f64 / tokens,
+        team.wait_nanos as f64 / tokens / 1e6,
+        team.solo_periods,
+        team.solo_regions as f64 / team.regions.max(1) as f64 * 100.0
     )?;
     let used = bytes as f64 * on / 1e9;
     writeln!(

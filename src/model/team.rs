@@ -106,7 +106,9 @@ impl Team {
     }
 
     fn region(&self, count: usize, task: Task<'_>) {
+        stats::REGIONS.fetch_add(1, Ordering::Relaxed);
         if contention::solo() {
+            stats::SOLO_REGIONS.fetch_add(1, Ordering::Relaxed);
             (0..count).for_each(task);
             return;
         }
@@ -140,6 +142,7 @@ impl Team {
                     checks = 1;
                 }
             }
+            stats::WAIT_NANOS.fetch_add(waiting.elapsed().as_nanos() as u64, Ordering::Relaxed);
         }
         if self.panicked.load(Ordering::Relaxed) {
             panic!("a task of the forward pass panicked on a team thread");
@@ -242,12 +245,59 @@ mod contention {
     pub(super) fn go_solo() {
         let until = now_micros() + SOLO_PERIOD.as_micros() as u64;
         SOLO_UNTIL.fetch_max(until, Ordering::Relaxed);
+        super::stats::SOLO_PERIODS.fetch_add(1, Ordering::Relaxed);
     }
 
     /// How long the leader may wait for a helper's last task before calling it a stall, given
     /// it ran `own` tasks itself in `busy`: a few of its own tasks' length, at least `MIN_STALL`.
     pub(super) fn stall_limit(busy: Duration, own: u32) -> Duration {
         (busy / own.max(1)) * 4 + MIN_STALL
+    }
+}
+
+/// Process-wide counts of what teams did, for `bench --profile`: how often the leader waited for
+/// a helper's last task, how long, and how often it worked alone (see `contention`).
+mod stats {
+    use std::sync::atomic::AtomicU64;
+
+    pub(super) static REGIONS: AtomicU64 = AtomicU64::new(0);
+    pub(super) static SOLO_REGIONS: AtomicU64 = AtomicU64::new(0);
+    pub(super) static SOLO_PERIODS: AtomicU64 = AtomicU64::new(0);
+    pub(super) static WAIT_NANOS: AtomicU64 = AtomicU64::new(0);
+}
+
+/// Totals of every team in this process since it started: see [`team_stats`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TeamStats {
+    /// Parallel regions published (one per `for_each` batch of more than one task).
+    pub regions: u64,
+    /// Of those, regions the leader ran alone because a stall had been seen shortly before.
+    pub solo_regions: u64,
+    /// Stalls seen: each started or extended a period of working alone.
+    pub solo_periods: u64,
+    /// Time leaders spent waiting for a helper's last task of a region.
+    pub wait_nanos: u64,
+}
+
+impl TeamStats {
+    /// What happened between `earlier` and `self`.
+    pub fn since(&self, earlier: &TeamStats) -> TeamStats {
+        TeamStats {
+            regions: self.regions - earlier.regions,
+            solo_regions: self.solo_regions - earlier.solo_regions,
+            solo_periods: self.solo_periods - earlier.solo_periods,
+            wait_nanos: self.wait_nanos - earlier.wait_nanos,
+        }
+    }
+}
+
+/// The process's team totals so far (relaxed counters: exact once the teams are idle).
+pub fn team_stats() -> TeamStats {
+    TeamStats {
+        regions: stats::REGIONS.load(Ordering::Relaxed),
+        solo_regions: stats::SOLO_REGIONS.load(Ordering::Relaxed),
+        solo_periods: stats::SOLO_PERIODS.load(Ordering::Relaxed),
+        wait_nanos: stats::WAIT_NANOS.load(Ordering::Relaxed),
     }
 }
 
