@@ -36,10 +36,12 @@ fn logits(path: &Path, tokens: &[u32], precision: Precision) -> Vec<f32> {
     out
 }
 
-/// (safetensors case, GGUF file with the same weight bytes)
-const SAME_BYTES: [(&str, &str); 2] = [
+/// (safetensors case, GGUF file with the same weight bytes); `tiny_single_fused` holds gate and up
+/// experts in one `ffn_gate_up_exps` tensor, as the converter's `--fuse-gate-up-exps` writes them.
+const SAME_BYTES: [(&str, &str); 3] = [
     ("tiny_single", "tiny_single.gguf"),
     ("tiny_gqa8", "tiny_gqa8.gguf"),
+    ("tiny_single", "tiny_single_fused.gguf"),
 ];
 
 #[test]
