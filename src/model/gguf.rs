@@ -179,11 +179,11 @@ fn ggml_type(id: u32) -> Option<(&'static str, usize, usize)> {
     })
 }
 
-const GGML_F32: u32 = 0;
-const GGML_F16: u32 = 1;
-const GGML_Q8_0: u32 = 8;
-const GGML_BF16: u32 = 30;
-const GGML_MXFP4: u32 = 39;
+pub(crate) const GGML_F32: u32 = 0;
+pub(crate) const GGML_F16: u32 = 1;
+pub(crate) const GGML_Q8_0: u32 = 8;
+pub(crate) const GGML_BF16: u32 = 30;
+pub(crate) const GGML_MXFP4: u32 = 39;
 /// Bytes of a Q8_0 block: f16 scale, then 32 int8 values.
 const Q8_0_BLOCK_BYTES: usize = 34;
 /// Bytes of a GGUF MXFP4 block: E8M0 scale, then 16 bytes of FP4 codes.
