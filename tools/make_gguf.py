@@ -313,8 +313,11 @@ def o200k_ranks(path=None):
     crate is a dependency of ossterm, so `cargo metadata` finds it offline."""
     import base64
     if path is None:
-        meta = json.loads(subprocess.check_output(
-            ["cargo", "metadata", "--format-version", "1", "--manifest-path", os.path.join(ROOT, "Cargo.toml")]))
+        cmd = ["cargo", "metadata", "--format-version", "1", "--manifest-path", os.path.join(ROOT, "Cargo.toml")]
+        try:  # offline first: a built checkout has the crate already
+            meta = json.loads(subprocess.check_output(cmd + ["--offline"], stderr=subprocess.DEVNULL))
+        except subprocess.CalledProcessError:
+            meta = json.loads(subprocess.check_output(cmd))
         crates = [p for p in meta["packages"] if p["name"] == "tiktoken-rs"]
         if not crates:
             sys.exit("tiktoken-rs is not among ossterm's dependencies; give --o200k FILE")
