@@ -1011,11 +1011,6 @@ impl KvTiers {
         self.busy.store(busy, Ordering::Relaxed);
     }
 
-    /// The flag [`KvTiers::set_busy`] sets, for a writer outside the tiers (the benchmark).
-    pub fn busy_flag(&self) -> Arc<AtomicBool> {
-        Arc::clone(&self.busy)
-    }
-
     /// Waits for every queued disk write (a command's exit, tests and the benchmark).
     pub fn flush(&mut self) {
         self.set_busy(false);
