@@ -810,10 +810,10 @@ unsafe fn decode_tile<W: GroupSource>(
 /// `2^(e - 127)` scale lanes as the integer `(e - 127) << 23` to add to a float's bits (0 for
 /// the tile's padding lanes, whose scale is 1). Unused unless the kernel runs with `EXP`; the
 /// compiler drops it then.
-#[inline(always)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 fn exponent_offsets(w_scales: __m512) -> __m512i {
-    // SAFETY: plain register arithmetic; the callers run with the module's features enabled.
-    unsafe { _mm512_sub_epi32(_mm512_castps_si512(w_scales), _mm512_set1_epi32(127 << 23)) }
+    _mm512_sub_epi32(_mm512_castps_si512(w_scales), _mm512_set1_epi32(127 << 23))
 }
 
 /// A block's weight scales times one token's activation scale at `a_scale`.
@@ -828,7 +828,8 @@ fn exponent_offsets(w_scales: __m512) -> __m512i {
 ///
 /// # Safety
 /// `a_scale` is readable; the CPU has the module's features.
-#[inline(always)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn combined_scale<const EXP: bool>(
     w_scales: __m512,
     w_exponents: __m512i,
@@ -1035,7 +1036,7 @@ unsafe fn gemm_tile_pair<const T: usize, const EXP: bool>(
                     _mm512_loadu_ps(tile_scales.add(at)),
                     _mm512_loadu_ps(tile_scales.add(second_scales + at)),
                 ];
-                let w_exponents = w_scales.map(|s| exponent_offsets(s));
+                let w_exponents = [exponent_offsets(w_scales[0]), exponent_offsets(w_scales[1])];
                 for t in 0..T {
                     let a_scale = act_scales.add(t * lane_stride + lanes + 4 * j);
                     for half in 0..2 {
