@@ -110,7 +110,7 @@ unsafe fn sum_lines_avx2(start: *const u8, bytes: usize) -> u64 {
 /// Sums a 64-byte-aligned slice with the widest loads the kernel path uses.
 fn sum_lines(path: crate::kernels::KernelPath, lines: &[u8]) -> u64 {
     use crate::kernels::KernelPath;
-    debug_assert!(lines.as_ptr() as usize % 64 == 0 && lines.len() % 256 == 0);
+    debug_assert!((lines.as_ptr() as usize).is_multiple_of(64) && lines.len().is_multiple_of(256));
     match path {
         // SAFETY: a Kernels value holds AVX-512 or AVX2 only after detecting them (the AVX-512
         // path needs AVX-512 F among its features); the slice is readable, and aligned as the

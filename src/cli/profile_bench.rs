@@ -141,10 +141,10 @@ pub fn run(
     writeln!(
         out,
         "team: {:.0} parallel regions per step, leader waiting for a helper {:.2} ms per step; \
-         {} stalls (solo periods started), {:.1}% of regions run alone",
+         {} regions with a stall (each starts a solo period), {:.1}% of regions run alone",
         team.regions as f64 / tokens,
         team.wait_nanos as f64 / tokens / 1e6,
-        team.solo_periods,
+        team.stalls,
         team.solo_regions as f64 / team.regions.max(1) as f64 * 100.0
     )?;
     let used = bytes as f64 * on / 1e9;

@@ -134,12 +134,17 @@ impl Team {
             let limit = contention::stall_limit(waiting - start, own);
             let mut idle = Idle::default();
             let mut checks = 0u32;
+            let mut stalled = false;
             while self.completed.load(Ordering::Acquire) < count {
                 idle.wait();
                 checks = checks.wrapping_add(1);
                 if checks.is_multiple_of(64) && waiting.elapsed() > limit {
                     contention::go_solo();
                     checks = 1;
+                    if !stalled {
+                        stalled = true;
+                        stats::STALLS.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
             }
             stats::WAIT_NANOS.fetch_add(waiting.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -245,7 +250,6 @@ mod contention {
     pub(super) fn go_solo() {
         let until = now_micros() + SOLO_PERIOD.as_micros() as u64;
         SOLO_UNTIL.fetch_max(until, Ordering::Relaxed);
-        super::stats::SOLO_PERIODS.fetch_add(1, Ordering::Relaxed);
     }
 
     /// How long the leader may wait for a helper's last task before calling it a stall, given
@@ -262,7 +266,7 @@ mod stats {
 
     pub(super) static REGIONS: AtomicU64 = AtomicU64::new(0);
     pub(super) static SOLO_REGIONS: AtomicU64 = AtomicU64::new(0);
-    pub(super) static SOLO_PERIODS: AtomicU64 = AtomicU64::new(0);
+    pub(super) static STALLS: AtomicU64 = AtomicU64::new(0);
     pub(super) static WAIT_NANOS: AtomicU64 = AtomicU64::new(0);
 }
 
@@ -273,8 +277,9 @@ pub struct TeamStats {
     pub regions: u64,
     /// Of those, regions the leader ran alone because a stall had been seen shortly before.
     pub solo_regions: u64,
-    /// Stalls seen: each started or extended a period of working alone.
-    pub solo_periods: u64,
+    /// Regions in which the leader saw a stall (a helper's last task far past the limit); each
+    /// started or extended a period of working alone.
+    pub stalls: u64,
     /// Time leaders spent waiting for a helper's last task of a region.
     pub wait_nanos: u64,
 }
@@ -285,7 +290,7 @@ impl TeamStats {
         TeamStats {
             regions: self.regions - earlier.regions,
             solo_regions: self.solo_regions - earlier.solo_regions,
-            solo_periods: self.solo_periods - earlier.solo_periods,
+            stalls: self.stalls - earlier.stalls,
             wait_nanos: self.wait_nanos - earlier.wait_nanos,
         }
     }
@@ -296,7 +301,7 @@ pub fn team_stats() -> TeamStats {
     TeamStats {
         regions: stats::REGIONS.load(Ordering::Relaxed),
         solo_regions: stats::SOLO_REGIONS.load(Ordering::Relaxed),
-        solo_periods: stats::SOLO_PERIODS.load(Ordering::Relaxed),
+        stalls: stats::STALLS.load(Ordering::Relaxed),
         wait_nanos: stats::WAIT_NANOS.load(Ordering::Relaxed),
     }
 }
