@@ -818,8 +818,28 @@ fn kernel_bench_reports_every_kernel_with_positive_rates() {
             );
         }
     }
+    // The plain read bandwidth per thread count, and every GEMV and streamed product (never a
+    // GEMM) as a fraction of it.
+    let threads: Vec<usize> = report.read_bandwidth.iter().map(|b| b.threads).collect();
+    assert_eq!(threads, config.thread_counts);
+    assert!(report
+        .read_bandwidth
+        .iter()
+        .all(|b| b.best_gb_per_s > 0.0 && b.best_gb_per_s >= b.median_gb_per_s));
+    assert!(
+        text.contains("read bandwidth") && text.contains("% read"),
+        "{text}"
+    );
+    for r in &report.results {
+        assert_eq!(
+            r.bandwidth_fraction.is_some(),
+            !r.kernel.ends_with("gemm"),
+            "{r:?}"
+        );
+    }
     let json = serde_json::to_value(&report).unwrap();
     assert!(json["cpu"]["flags"].is_array() && json["int8_peak"].is_array());
+    assert!(json["read_bandwidth"].is_array());
 }
 
 #[test]

@@ -9,7 +9,7 @@ use std::ops::Range;
 
 use half::f16;
 
-use super::avx2::prefetch_share;
+use super::avx2::{prefetch_share, prefetch_share_into};
 use super::formats::{
     ByteSpans, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN, CORRECTION_LANE_MXFP4,
     CORRECTION_LANE_Q4, CORRECTION_LANE_Q8, GROUP_BLOCKS, GROUP_LANES, GROUP_LEN,
@@ -257,6 +257,8 @@ unsafe fn q8_group(w: &Q8Matrix, row: usize, group: usize) -> (__m512i, __m512i,
 /// A matrix whose groups decode to unsigned weights (evens, odds) and scale lanes.
 trait GroupSource: ByteSpans {
     const FORMAT: u8;
+    /// The GEMV prefetches the next rows into L2 only (see `avx2::prefetch_share_into`).
+    const PREFETCH_L2: bool;
     fn groups(&self) -> usize;
     /// # Safety
     /// `row < rows()`, `group < groups()`; the CPU has the module's features.
@@ -347,6 +349,7 @@ unsafe fn f16_scale_bits(
 }
 
 impl GroupSource for Mxfp4Matrix<'_> {
+    const PREFETCH_L2: bool = false;
     const FORMAT: u8 = FORMAT_MXFP4;
     fn groups(&self) -> usize {
         self.cols.div_ceil(GROUP_LEN)
@@ -456,6 +459,7 @@ impl GroupSource for Mxfp4Matrix<'_> {
 }
 
 impl GroupSource for Q4Matrix {
+    const PREFETCH_L2: bool = false;
     const FORMAT: u8 = FORMAT_Q4;
     fn groups(&self) -> usize {
         self.groups
@@ -497,6 +501,7 @@ impl GroupSource for Q4Matrix {
 }
 
 impl GroupSource for Q8Matrix {
+    const PREFETCH_L2: bool = true;
     const FORMAT: u8 = FORMAT_Q8;
     fn groups(&self) -> usize {
         self.groups
@@ -566,7 +571,11 @@ unsafe fn gemv_rows<W: GroupSource, const R: usize, const T: usize>(
         let groups = w.groups();
         let spans = w.byte_spans(prefetch);
         for group in 0..groups {
-            prefetch_share(&spans, group, groups);
+            if W::PREFETCH_L2 {
+                prefetch_share_into::<true>(&spans, group, groups)
+            } else {
+                prefetch_share_into::<false>(&spans, group, groups)
+            }
             let a: [ActGroup; T] =
                 std::array::from_fn(|t| ActGroup::load(x, t, group, correction_mask(W::FORMAT)));
             for (i, acc_row) in acc.iter_mut().enumerate() {
