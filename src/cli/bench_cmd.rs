@@ -34,8 +34,9 @@ pub struct BenchArgs {
     #[arg(long)]
     pub json: bool,
     /// Measure resuming a chat of --depth tokens (default 4096): time to first token of the next
-    /// turn cold, from a RAM snapshot and from a disk snapshot; snapshot size, compression, write
-    /// time and the cost of a background write to a running decode.
+    /// turn cold, from a RAM snapshot and from a disk snapshot (its pages evicted), each split
+    /// into render, restore and the turn's prefill, medians of --repeat rounds (at least 3);
+    /// snapshot size, compression, write time and the cost of a background write to a decode.
     #[arg(long)]
     pub resume: bool,
     /// Measure what the engine view's decode counters cost: --gen-tokens decoded with them on and
