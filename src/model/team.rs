@@ -138,7 +138,10 @@ impl Team {
             while self.completed.load(Ordering::Acquire) < count {
                 idle.wait();
                 checks = checks.wrapping_add(1);
-                if checks.is_multiple_of(64) && waiting.elapsed() > limit {
+                // Once the wait yields the core, each check may come a scheduler slice after the
+                // last (a busy machine), so the clock is read on every one: reading it only every
+                // 64th check could notice a stall hundreds of milliseconds late, or never.
+                if (checks.is_multiple_of(64) || idle.yielding()) && waiting.elapsed() > limit {
                     contention::go_solo();
                     checks = 1;
                     if !stalled {
