@@ -36,10 +36,12 @@ fn logits(path: &Path, tokens: &[u32], precision: Precision) -> Vec<f32> {
     out
 }
 
-/// (safetensors case, GGUF file with the same weight bytes)
-const SAME_BYTES: [(&str, &str); 2] = [
+/// (safetensors case, GGUF file with the same weight bytes); `tiny_single_fused` holds gate and up
+/// experts in one `ffn_gate_up_exps` tensor, as the converter's `--fuse-gate-up-exps` writes them.
+const SAME_BYTES: [(&str, &str); 3] = [
     ("tiny_single", "tiny_single.gguf"),
     ("tiny_gqa8", "tiny_gqa8.gguf"),
+    ("tiny_single", "tiny_single_fused.gguf"),
 ];
 
 #[test]
@@ -644,4 +646,123 @@ fn q8_0_blocks_with_the_full_int8_range_compute_alike_on_every_kernel_path() {
         paths += 1;
     }
     assert!(paths >= 1);
+}
+
+/// Counts the bytes live on the heap, so a test can measure what a load really holds.
+struct CountingAlloc;
+
+static LIVE_BYTES: std::sync::atomic::AtomicIsize = std::sync::atomic::AtomicIsize::new(0);
+
+// SAFETY: every call forwards to the system allocator unchanged; the counter is only arithmetic.
+unsafe impl std::alloc::GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        LIVE_BYTES.fetch_add(layout.size() as isize, std::sync::atomic::Ordering::Relaxed);
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        LIVE_BYTES.fetch_sub(layout.size() as isize, std::sync::atomic::Ordering::Relaxed);
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        LIVE_BYTES.fetch_add(layout.size() as isize, std::sync::atomic::Ordering::Relaxed);
+        unsafe { std::alloc::System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new: usize) -> *mut u8 {
+        LIVE_BYTES.fetch_add(
+            new as isize - layout.size() as isize,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        unsafe { std::alloc::System.realloc(ptr, layout, new) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc;
+
+const HELD_ENV: &str = "OSSTERM_TEST_HELD_GGUF";
+
+/// Child of `memory_estimate_counts_what_a_gguf_load_holds`: loads the GGUF named by the
+/// environment alone in its process, and prints the heap bytes the weights and the fast path's
+/// q8 matrices hold.
+#[test]
+#[ignore = "run by memory_estimate_counts_what_a_gguf_load_holds in a process of its own"]
+fn held_bytes_child() {
+    use ossterm::model::gguf::{GgufFile, GgufSource};
+    use ossterm::model::{FastWeights, Weights};
+    let Some(path) = std::env::var_os(HELD_ENV) else {
+        return;
+    };
+    let live = || LIVE_BYTES.load(std::sync::atomic::Ordering::SeqCst);
+    let load = || {
+        let source = GgufSource::new(GgufFile::open(Path::new(&path)).unwrap());
+        let config = source.file.config().unwrap();
+        let weights = Weights::load(&config, &source).unwrap();
+        let fast =
+            FastWeights::build(&weights, ossterm::model::WeightFormat::Q8, &mut |_, _| {}).unwrap();
+        (weights, fast)
+    };
+    // A first load starts rayon's pool and whatever else is built once per process.
+    drop(load());
+    let before = live();
+    let held = load();
+    let after = live();
+    println!("HELD {}", after - before);
+    drop(held);
+}
+
+#[test]
+fn memory_estimate_counts_what_a_gguf_load_holds() {
+    use ossterm::model::gguf::GgufFile;
+    use ossterm::model::memory::{GgufHeld, MemoryNeeds, WeightSource};
+    use ossterm::model::{KvFormat, WeightFormat};
+    for file in [
+        "tiny_single.gguf",
+        "tiny_single_q8_0.gguf",
+        "tiny_gqa8.gguf",
+        "tiny_single_fused.gguf",
+    ] {
+        let path = fixtures().join("gguf").join(file);
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "held_bytes_child",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(HELD_ENV, &path)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let measured: i64 = stdout
+            .lines()
+            .find_map(|l| l.split_once("HELD ").map(|(_, n)| n))
+            .unwrap_or_else(|| panic!("{file}: no measurement in {stdout}"))
+            .trim()
+            .parse()
+            .unwrap();
+        let gguf = GgufFile::open(&path).unwrap();
+        let config = gguf.config().unwrap();
+        let held = GgufHeld::of(&gguf, &config);
+        let needs = MemoryNeeds::estimate(
+            &config,
+            WeightSource::Gguf(held),
+            Precision::Fast,
+            WeightFormat::Q8,
+            KvFormat::F16,
+            0,
+        );
+        // Vec headers, names and the layer structs are not counted: a few KiB.
+        let estimate = needs.owned as i64;
+        eprintln!("{file}: held {measured}, estimated {estimate}");
+        assert!(
+            (measured - estimate).abs() <= estimate / 50 + (16 << 10),
+            "{file}: the load holds {measured} bytes, the estimate says {estimate} ({held:?})"
+        );
+        if file.contains("q8_0") {
+            assert!(held.dense_copies > 0 && held.native_q8 > 0, "{held:?}");
+        } else {
+            assert_eq!(held.dense_copies, 0, "{file}: BF16 matrices are lent");
+        }
+    }
 }

@@ -180,6 +180,36 @@ fn lying_offsets_and_misaligned_data_are_refused() {
 }
 
 #[test]
+fn fused_gate_up_experts_load_and_lying_ones_are_refused() {
+    let mut b = valid();
+    b.fuse_gate_up();
+    let dir = tempfile::tempdir().unwrap();
+    let model = load(&write(&b, dir.path())).unwrap();
+    assert_eq!(model.config.intermediate_size, 32);
+    // Rows that are not gate and up of the configured width.
+    let mut b = valid();
+    b.fuse_gate_up();
+    b.find("blk.0.ffn_gate_up_exps.weight").dims = vec![32, 48, 2];
+    refused(&b, &["blk.0.ffn_gate_up_exps.weight", "shape"]);
+    let mut b = valid();
+    b.fuse_gate_up();
+    b.find("blk.0.ffn_gate_up_exps.weight").dims = vec![32, 33, 2];
+    refused(&b, &["blk.0.ffn_gate_up_exps.weight", "even"]);
+    let mut b = valid();
+    b.fuse_gate_up();
+    b.find("blk.0.ffn_gate_up_exps.weight").ty = BF16;
+    refused(&b, &["blk.0.ffn_gate_up_exps.weight", "MXFP4"]);
+    let mut b = valid();
+    b.fuse_gate_up();
+    b.find("blk.0.ffn_gate_up_exps.bias").dims = vec![32, 2];
+    refused(&b, &["blk.0.ffn_gate_up_exps.bias", "shape"]);
+    // Neither form present: the separate tensors are the ones named missing.
+    let mut b = valid();
+    b.tensors.retain(|t| !t.name.contains("ffn_gate_exps"));
+    refused(&b, &["blk.0.ffn_gate_exps.weight", "missing"]);
+}
+
+#[test]
 fn wrong_model_and_missing_keys_are_named() {
     let mut b = valid();
     b.set("general.architecture", Val::Str("llama".into()));

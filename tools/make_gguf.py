@@ -3,7 +3,7 @@
 (convert_hf_to_gguf.py, class GptOssModel) writes them.
 
     python3 tools/make_gguf.py --fixtures            # tests/fixtures/gguf/*.gguf from the golden cases
-    python3 tools/make_gguf.py --checkpoint DIR --out FILE.gguf [--dense bf16|q8_0]
+    python3 tools/make_gguf.py --checkpoint DIR --out FILE.gguf [--dense bf16|q8_0] [--fuse-gate-up]
 
 The script installs its dependencies (the `gguf` package from PyPI, numpy) into a venv of its own
 ($OSSTERM_GGUF_VENV, default ~/.cache/ossterm-gguf-venv) and re-runs itself there.
@@ -11,8 +11,12 @@ The script installs its dependencies (the `gguf` package from PyPI, numpy) into 
 Layout (the converter's, checked against its source): tensor names token_embd, output_norm, output,
 blk.N.{attn_norm, post_attention_norm, attn_q, attn_k, attn_v, attn_output, attn_sinks, ffn_gate_inp,
 ffn_gate_exps, ffn_up_exps, ffn_down_exps}; HF's interleaved gate_up rows (gate even, up odd) split into
-ffn_gate_exps / ffn_up_exps; MXFP4 experts as 17-byte blocks (E8M0 scale, then 16 bytes whose low nibbles
-are values 0..15 and high nibbles values 16..31); 1-D tensors and biases F32; metadata gpt-oss.*.
+ffn_gate_exps / ffn_up_exps, or with --fuse-gate-up one ffn_gate_up_exps (each expert's gate rows, then
+its up rows: the converter's --fuse-gate-up-exps); MXFP4 experts as 17-byte blocks (E8M0 scale, then 16
+bytes whose low nibbles are values 0..15 and high nibbles values 16..31); 1-D tensors and biases F32;
+metadata gpt-oss.*. The vocabulary is o200k_harmony as a byte-level BPE vocabulary (tokens, token types,
+merges, pre-tokenizer "gpt-4o", special ids), read from the o200k_base.tiktoken that the tiktoken-rs crate
+embeds, so llama.cpp-family programs load the files; a fixture's small vocabulary is o200k's first ids.
 Tensors are streamed to the file one at a time, so a 13 GB checkpoint converts in little memory.
 """
 
@@ -96,7 +100,7 @@ def mxfp4_to_ggml(blocks, scales):
     return np.ascontiguousarray(packed.reshape(packed.shape[0], packed.shape[1], -1))
 
 
-def plan(ck, dense):
+def plan(ck, dense, fuse=False):
     """(gguf name, shape maker, data maker) for every tensor, in the converter's order. The shape
     maker reads only the safetensors header, so the file's header can be written before any data."""
     c = ck.config
@@ -126,28 +130,36 @@ def plan(ck, dense):
     def f32(hf, half=None):
         def info():
             shape = shape_of(hf)
-            if half is not None:
+            if half in (0, 1):
                 shape[-1] //= 2
             return tuple(shape), np.float32, 4 * int(np.prod(shape)), None
 
         def make():
             dtype, data = ck.get(hf)
             data = to_f32(dtype, np.asarray(data))
-            if half is not None:
+            if half == "fused":
+                data = np.concatenate([data[..., 0::2], data[..., 1::2]], axis=-1)
+            elif half is not None:
                 data = data[..., half::2]
             return np.ascontiguousarray(data)
         return info, make
 
     def experts(prefix, half=None):
+        """half 0/1: the gate/up rows of HF's interleaved gate_up; "fused": gate rows then up rows
+        of each expert in one tensor (the converter's --fuse-gate-up-exps)."""
         def info():
             e, rows, nb, _ = shape_of(prefix + "_blocks")
-            if half is not None:
+            if half in (0, 1):
                 rows //= 2
             return (e, rows, nb * 17), np.uint8, e * rows * nb * 17, MXFP4
 
         def make():
             _, blocks = ck.get(prefix + "_blocks")
             _, scales = ck.get(prefix + "_scales")
+            if half == "fused":
+                gate = mxfp4_to_ggml(np.asarray(blocks[:, 0::2]), np.asarray(scales[:, 0::2]))
+                up = mxfp4_to_ggml(np.asarray(blocks[:, 1::2]), np.asarray(scales[:, 1::2]))
+                return np.ascontiguousarray(np.concatenate([gate, up], axis=1))
             if half is not None:
                 blocks, scales = blocks[:, half::2], scales[:, half::2]
             return mxfp4_to_ggml(np.asarray(blocks), np.asarray(scales))
@@ -167,16 +179,27 @@ def plan(ck, dense):
                 (b + g + ".weight", *matrix(p + f"self_attn.{hf}.weight")),
                 (b + g + ".bias", *f32(p + f"self_attn.{hf}.bias")),
             ]
+        gate_up = p + "mlp.experts.gate_up_proj"
         out += [
             (b + "ffn_gate_inp.weight", *matrix(p + "mlp.router.weight")),
             (b + "ffn_gate_inp.bias", *f32(p + "mlp.router.bias")),
-            (b + "ffn_gate_exps.weight", *experts(p + "mlp.experts.gate_up_proj", 0)),
-            (b + "ffn_up_exps.weight", *experts(p + "mlp.experts.gate_up_proj", 1)),
-            (b + "ffn_down_exps.weight", *experts(p + "mlp.experts.down_proj")),
-            (b + "ffn_gate_exps.bias", *f32(p + "mlp.experts.gate_up_proj_bias", 0)),
-            (b + "ffn_up_exps.bias", *f32(p + "mlp.experts.gate_up_proj_bias", 1)),
-            (b + "ffn_down_exps.bias", *f32(p + "mlp.experts.down_proj_bias")),
         ]
+        if fuse:
+            out.append((b + "ffn_gate_up_exps.weight", *experts(gate_up, "fused")))
+        else:
+            out += [
+                (b + "ffn_gate_exps.weight", *experts(gate_up, 0)),
+                (b + "ffn_up_exps.weight", *experts(gate_up, 1)),
+            ]
+        out.append((b + "ffn_down_exps.weight", *experts(p + "mlp.experts.down_proj")))
+        if fuse:
+            out.append((b + "ffn_gate_up_exps.bias", *f32(gate_up + "_bias", "fused")))
+        else:
+            out += [
+                (b + "ffn_gate_exps.bias", *f32(gate_up + "_bias", 0)),
+                (b + "ffn_up_exps.bias", *f32(gate_up + "_bias", 1)),
+            ]
+        out.append((b + "ffn_down_exps.bias", *f32(p + "mlp.experts.down_proj_bias")))
     out.append(("output_norm.weight", *f32("model.norm.weight")))
     if not c.get("tie_word_embeddings", False):
         out.append(("output.weight", *matrix("lm_head.weight")))
@@ -189,7 +212,7 @@ def rope(c):
     return theta, scaling
 
 
-def write(ck, out_path, dense, tokens):
+def write(ck, out_path, dense, vocab, fuse=False):
     c = ck.config
     w = gguf.GGUFWriter(out_path, ARCH)
     w.add_name(os.path.basename(os.path.normpath(ck.dir)))
@@ -224,10 +247,20 @@ def write(ck, out_path, dense, tokens):
         # llama.cpp's own per-layer form, needed for a fixture with another pattern.
         w.add_sliding_window_pattern([k == "sliding_attention" for k in kinds])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if dense == "q8_0" else gguf.LlamaFileType.MOSTLY_BF16)
+    tokens, types, merges = vocab
     w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-4o")  # the converter's name for o200k's pre-tokenizer
     w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    if len(tokens) == O200K_SIZE:
+        # As the converter takes them from gpt-oss's tokenizer_config.json.
+        w.add_bos_token_id(199998)
+        w.add_eos_token_id(200002)
+        w.add_pad_token_id(199999)
+        w.add_chat_template(CHAT_TEMPLATE)
 
-    items = plan(ck, dense)
+    items = plan(ck, dense, fuse)
     # Shapes and sizes first (the header holds them), then the data, one tensor at a time.
     for name, info, _ in items:
         shape, dtype, nbytes, qtype = info()
@@ -243,21 +276,94 @@ def write(ck, out_path, dense, tokens):
     w.close()
 
 
-def vocabulary(size):
-    """Placeholder strings, with o200k_harmony's special tokens at their ids where they fit."""
-    specials = {
-        199998: "<|startoftext|>", 199999: "<|endoftext|>", 200002: "<|return|>",
-        200003: "<|constrain|>", 200005: "<|channel|>", 200006: "<|start|>", 200007: "<|end|>",
-        200008: "<|message|>", 200012: "<|call|>",
-    }
-    return [specials.get(i, f"<|reserved_{i}|>" if i >= 200000 else f"t{i}") for i in range(size)]
+# o200k_harmony's special tokens (ids 199998..201087); every other id at or above 199998 is
+# <|reserved_ID|>, as in tiktoken-rs and Hugging Face's tokenizer.json for gpt-oss.
+SPECIALS = {
+    199998: "<|startoftext|>", 199999: "<|endoftext|>", 200002: "<|return|>",
+    200003: "<|constrain|>", 200005: "<|channel|>", 200006: "<|start|>", 200007: "<|end|>",
+    200008: "<|message|>", 200012: "<|call|>",
+}
+FIRST_SPECIAL = 199998
+O200K_SIZE = 201088
+# A minimal harmony template (ours): enough for llama.cpp's server to render chats for gpt-oss
+# (it recognises the family by "<|start|>" and "<|channel|>"); the real file carries OpenAI's.
+CHAT_TEMPLATE = (
+    "{#- harmony: <|start|>role<|channel|>channel<|message|>text<|end|> -#}"
+    "{%- for m in messages -%}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}"
+)
+
+
+def byte_to_unicode():
+    """GPT-2's byte-level alphabet: every byte as a printable character (what tokenizer.json and
+    llama.cpp's BPE vocabularies spell tokens in)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def o200k_ranks(path=None):
+    """o200k_base's mergeable ranks (bytes -> rank) from the .tiktoken file tiktoken-rs embeds: the
+    crate is a dependency of ossterm, so `cargo metadata` finds it offline."""
+    import base64
+    if path is None:
+        cmd = ["cargo", "metadata", "--format-version", "1", "--manifest-path", os.path.join(ROOT, "Cargo.toml")]
+        try:  # offline first: a built checkout has the crate already
+            meta = json.loads(subprocess.check_output(cmd + ["--offline"], stderr=subprocess.DEVNULL))
+        except subprocess.CalledProcessError:
+            meta = json.loads(subprocess.check_output(cmd))
+        crates = [p for p in meta["packages"] if p["name"] == "tiktoken-rs"]
+        if not crates:
+            sys.exit("tiktoken-rs is not among ossterm's dependencies; give --o200k FILE")
+        path = os.path.join(os.path.dirname(crates[0]["manifest_path"]), "assets", "o200k_base.tiktoken")
+    ranks = {}
+    with open(path) as f:
+        for line in f:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def vocabulary(size, ranks):
+    """(tokens, token types, merges) of o200k_harmony cut to `size` ids, as llama.cpp's converter
+    writes a byte-level BPE vocabulary: tokens spelled in GPT-2's alphabet, type 1 (normal) for
+    mergeable ranks and 3 (control) for specials, merges "a b" ordered by the rank of their result.
+    The merges are derived from the ranks as transformers' tiktoken converter derives them (every
+    split of a token into two tokens of lower rank). A fixture's small vocabulary is o200k's first
+    `size` ranks, so it is a real (if short) BPE vocabulary llama.cpp can load."""
+    alphabet = byte_to_unicode()
+    spell = lambda b: "".join(alphabet[x] for x in b)
+    by_rank = sorted((r, b) for b, r in ranks.items() if r < min(size, FIRST_SPECIAL))
+    assert [r for r, _ in by_rank] == list(range(len(by_rank))), "o200k ranks are not dense"
+    tokens = [spell(b) for _, b in by_rank]
+    types = [1] * len(tokens)
+    for i in range(len(tokens), size):
+        tokens.append(SPECIALS.get(i, f"<|reserved_{i}|>"))
+        types.append(3)
+    kept = {b: r for r, b in by_rank}
+    merges = []
+    for rank, token in by_rank:
+        if len(token) == 1:
+            continue
+        splits = [(token[:i], token[i:]) for i in range(1, len(token))
+                  if token[:i] in kept and token[i:] in kept]
+        splits.sort(key=lambda lr: (kept[lr[0]], kept[lr[1]]))
+        merges += [f"{spell(l)} {spell(r)}" for l, r in splits]
+    return tokens, types, merges
 
 
 FIXTURES = [
-    # (case directory, output name, dense format)
-    ("tiny_single", "tiny_single.gguf", "bf16"),
-    ("tiny_gqa8", "tiny_gqa8.gguf", "bf16"),
-    ("tiny_single", "tiny_single_q8_0.gguf", "q8_0"),
+    # (case directory, output name, dense format, gate and up experts fused)
+    ("tiny_single", "tiny_single.gguf", "bf16", False),
+    ("tiny_gqa8", "tiny_gqa8.gguf", "bf16", False),
+    ("tiny_single", "tiny_single_q8_0.gguf", "q8_0", False),
+    ("tiny_single", "tiny_single_fused.gguf", "bf16", True),
 ]
 
 
@@ -267,18 +373,22 @@ def main():
     ap.add_argument("--checkpoint", help="HF checkpoint directory")
     ap.add_argument("--out", help="output .gguf")
     ap.add_argument("--dense", choices=["bf16", "q8_0"], default="bf16", help="type of the dense matrices")
+    ap.add_argument("--fuse-gate-up", action="store_true",
+                    help="gate and up experts in one ffn_gate_up_exps tensor (the converter's --fuse-gate-up-exps)")
+    ap.add_argument("--o200k", help="o200k_base.tiktoken (default: the one tiktoken-rs embeds)")
     a = ap.parse_args()
+    ranks = o200k_ranks(a.o200k) if (a.fixtures or (a.checkpoint and a.out)) else None
     if a.fixtures:
         out_dir = os.path.join(ROOT, "tests", "fixtures", "gguf")
         os.makedirs(out_dir, exist_ok=True)
-        for case, name, dense in FIXTURES:
+        for case, name, dense, fuse in FIXTURES:
             ck = Checkpoint(os.path.join(ROOT, "tests", "fixtures", case))
             path = os.path.join(out_dir, name)
-            write(ck, path, dense, vocabulary(ck.config["vocab_size"]))
+            write(ck, path, dense, vocabulary(ck.config["vocab_size"], ranks), fuse)
             print(f"{path}: {os.path.getsize(path)} bytes")
     elif a.checkpoint and a.out:
         ck = Checkpoint(a.checkpoint)
-        write(ck, a.out, a.dense, vocabulary(ck.config["vocab_size"]))
+        write(ck, a.out, a.dense, vocabulary(ck.config["vocab_size"], ranks), a.fuse_gate_up)
         print(f"{a.out}: {os.path.getsize(a.out)} bytes")
     else:
         ap.error("give --fixtures, or --checkpoint DIR --out FILE")

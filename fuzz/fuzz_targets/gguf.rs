@@ -93,6 +93,10 @@ fn valid(u: &mut Unstructured<'_>) -> Result<(GgufBuilder, Shape)> {
     };
     let dense = *u.choose(&[BF16, F32, F16, Q8_0])?;
     let mut b = GgufBuilder::model(shape, dense);
+    // Gate and up experts as two tensors (the converter's default) or one fused tensor.
+    if u.arbitrary()? {
+        b.fuse_gate_up();
+    }
     // Finite values for every type written (0x3C3C is 1.06 as f16, 0.0115 as bf16; 0x3C a sane
     // E8M0 scale).
     b.fill = *u.choose(&[0x00u8, 0x3C])?;

@@ -90,7 +90,12 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     if args.resume {
         progress.show("measuring resume", 0, 1);
         let depth = if args.depth == 0 { 4096 } else { args.depth };
-        return super::resume_bench::run(&model, &pool, depth);
+        let plan = super::resume_bench::ResumePlan {
+            depth,
+            repeat: args.repeat,
+        };
+        progress.clear();
+        return super::resume_bench::run(&model, &pool, plan);
     }
     if let Some(sizes) = &args.batch {
         progress.clear();

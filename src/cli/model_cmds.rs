@@ -11,7 +11,7 @@ use super::output::{self, note, Out};
 use super::{limits, ModelArgs};
 use crate::model::checkpoint::{Checkpoint, ValueScan};
 use crate::model::gguf;
-use crate::model::memory::{MemoryNeeds, SystemMemory, WeightSource};
+use crate::model::memory::{GgufHeld, MemoryNeeds, SystemMemory, WeightSource};
 use crate::model::{
     synthetic, KvFormat, ModelConfig, Precision, Preset, RopeScaling, WeightFormat,
 };
@@ -111,7 +111,8 @@ pub fn info(args: InfoArgs) -> anyhow::Result<()> {
                 for (_, tensor) in file.tensors() {
                     add_size(&mut by_type, tensor.type_name(), tensor.byte_len());
                 }
-                (config, WeightSource::Gguf, by_type)
+                let held = GgufHeld::of(&file, &config);
+                (config, WeightSource::Gguf(held), by_type)
             } else {
                 if !path.is_dir() {
                     return Err(crate::model::ModelError::MissingDir(path).into());
@@ -196,14 +197,17 @@ pub fn info(args: InfoArgs) -> anyhow::Result<()> {
     );
     writeln!(
         out,
-        "memory:             weights {} (bf16 dense, MXFP4 experts), held in memory {} (q8 \
-         attention/unembedding{}), f16 KV cache at {context} tokens {}",
+        "memory:             weights {} ({}), held in memory {} (q8 attention/unembedding, f32 \
+         vectors{}), f16 KV cache at {context} tokens {}",
         human_bytes(needs.weights),
+        match source {
+            WeightSource::Gguf(_) => "as the file stores them",
+            _ => "bf16 dense, MXFP4 experts",
+        },
         human_bytes(needs.owned),
-        if source == WeightSource::Gguf {
-            ", repacked GGUF experts"
-        } else {
-            ""
+        match source {
+            WeightSource::Gguf(held) => held.describe(),
+            _ => String::new(),
         },
         human_bytes(needs.kv)
     )?;

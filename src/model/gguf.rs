@@ -14,8 +14,9 @@
 //!   each 32-value block as 17 bytes (E8M0 scale, then 16 bytes whose low nibbles hold values 0..15 and
 //!   high nibbles 16..31), Hugging Face keeps scales apart and packs neighbours (value 2j low, 2j+1
 //!   high). The converter also split HF's gate_up (gate rows even, up rows odd) into `ffn_gate_exps` and
-//!   `ffn_up_exps`; the repack interleaves them again. The scale bytes and FP4 codes are copied, never
-//!   rounded, so the experts are bit for bit the checkpoint's.
+//!   `ffn_up_exps` (or, with its `--fuse-gate-up-exps`, into one `ffn_gate_up_exps` holding each
+//!   expert's gate rows then its up rows); the repack interleaves them again. The scale bytes and FP4
+//!   codes are copied, never rounded, so the experts are bit for bit the checkpoint's.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -178,11 +179,11 @@ fn ggml_type(id: u32) -> Option<(&'static str, usize, usize)> {
     })
 }
 
-const GGML_F32: u32 = 0;
-const GGML_F16: u32 = 1;
-const GGML_Q8_0: u32 = 8;
-const GGML_BF16: u32 = 30;
-const GGML_MXFP4: u32 = 39;
+pub(crate) const GGML_F32: u32 = 0;
+pub(crate) const GGML_F16: u32 = 1;
+pub(crate) const GGML_Q8_0: u32 = 8;
+pub(crate) const GGML_BF16: u32 = 30;
+pub(crate) const GGML_MXFP4: u32 = 39;
 /// Bytes of a Q8_0 block: f16 scale, then 32 int8 values.
 const Q8_0_BLOCK_BYTES: usize = 34;
 /// Bytes of a GGUF MXFP4 block: E8M0 scale, then 16 bytes of FP4 codes.
@@ -1109,6 +1110,49 @@ impl GgufSource {
         Ok((Dtype::Bf16, TensorBytes::from_vec(bytes)))
     }
 
+    /// Where the rows of `parts` are: each part as its own tensor (`ffn_gate_exps`, `ffn_up_exps`,
+    /// the converter's default), or gate and up as the two halves of one `ffn_gate_up_exps`
+    /// tensor (each expert's gate rows, then its up rows: the converter's `--fuse-gate-up-exps`,
+    /// which llama.cpp and ik_llama.cpp also read). Returns one (tensor name, tensor, first row
+    /// within an expert) per part, and whether the parts share one fused tensor.
+    fn expert_parts(
+        &self,
+        parts: &[String],
+        suffix: &str,
+    ) -> Result<(Vec<(String, &GgufTensor, usize)>, bool), ModelError> {
+        if let [gate, _] = parts {
+            if let Some(fused) = gate.strip_suffix("ffn_gate_exps") {
+                let name = format!("{fused}ffn_gate_up_exps.{suffix}");
+                let separate = format!("{gate}.{suffix}");
+                if self.file.tensor(&separate).is_none() {
+                    if let Some(tensor) = self.file.tensor(&name) {
+                        let rows = if suffix == "bias" {
+                            tensor.dims[0]
+                        } else {
+                            tensor.dims.get(1).copied().unwrap_or(0)
+                        };
+                        if !rows.is_multiple_of(2) {
+                            return Err(self.file.err(format!(
+                                "{name} has {rows} rows per expert; gate and up need an even count"
+                            )));
+                        }
+                        return Ok((
+                            vec![(name.clone(), tensor, 0), (name, tensor, rows / 2)],
+                            true,
+                        ));
+                    }
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(parts.len());
+        for part in parts {
+            let name = format!("{part}.{suffix}");
+            let tensor = self.get(&name)?;
+            out.push((name, tensor, 0));
+        }
+        Ok((out, false))
+    }
+
     /// Expert weights in the Hugging Face layout: returns (blocks [E, rows, cols/32, 16],
     /// scales [E, rows, cols/32]) for `parts` interleaved row by row.
     fn repack_experts(
@@ -1120,20 +1164,22 @@ impl GgufSource {
         let (experts, rows, nblocks) = (shape[0], shape[1], shape[2]);
         let part_rows = rows / parts.len();
         let cols = nblocks * MXFP4_BLOCK;
-        let mut sources = Vec::with_capacity(parts.len());
-        for part in parts {
-            let name = format!("{part}.weight");
-            let tensor = self.get(&name)?;
+        let (sources, fused) = self.expert_parts(parts, "weight")?;
+        // Rows per expert in each source tensor: its own part's, or (fused) all of them.
+        let expected_rows = if fused { rows } else { part_rows };
+        for (name, tensor, _) in &sources {
             if tensor.type_id != GGML_MXFP4 {
-                return Err(Self::wrong_type(&name, tensor, "MXFP4"));
+                return Err(Self::wrong_type(name, tensor, "MXFP4"));
             }
-            self.check_shape(&name, tensor, &[experts, part_rows, cols])?;
-            sources.push(tensor);
+            self.check_shape(name, tensor, &[experts, expected_rows, cols])?;
         }
         let row_blocks = nblocks * 16;
         let mut blocks = vec![0u8; experts * rows * row_blocks];
         let mut scales = vec![0u8; experts * rows * nblocks];
-        let src: Vec<&[u8]> = sources.iter().map(|t| self.file.bytes(t)).collect();
+        let src: Vec<(&[u8], usize)> = sources
+            .iter()
+            .map(|(_, t, first)| (self.file.bytes(t), *first))
+            .collect();
         let src_row = nblocks * MXFP4_BLOCK_BYTES;
         blocks
             .par_chunks_mut(row_blocks)
@@ -1142,9 +1188,9 @@ impl GgufSource {
             .for_each(|(global_row, (dst_blocks, dst_scales))| {
                 let (expert, row) = (global_row / rows, global_row % rows);
                 // Interleaved parts: HF row r is row r / parts of part r % parts.
-                let part = row % src.len();
-                let part_row = expert * part_rows + row / src.len();
-                let row_src = &src[part][part_row * src_row..(part_row + 1) * src_row];
+                let (bytes, first) = src[row % src.len()];
+                let part_row = expert * expected_rows + first + row / src.len();
+                let row_src = &bytes[part_row * src_row..(part_row + 1) * src_row];
                 for (b, block) in row_src.chunks_exact(MXFP4_BLOCK_BYTES).enumerate() {
                     dst_scales[b] = block[0];
                     let codes = &block[1..];
@@ -1159,7 +1205,7 @@ impl GgufSource {
                 }
             });
         // The copy is what the kernels read: let the OS drop the file's pages from this process.
-        for tensor in sources {
+        for (_, tensor, _) in sources {
             self.file.view(tensor).release_pages();
         }
         Ok((blocks, scales))
@@ -1219,20 +1265,18 @@ impl GgufSource {
             )));
         }
         let part_rows = rows / parts.len();
-        let mut sources = Vec::with_capacity(parts.len());
-        for name in parts {
-            let (_, bytes) = self.dense(
-                &format!("{name}.bias"),
-                &[experts, part_rows],
-                &[Dtype::F32],
-            )?;
-            sources.push(bytes);
+        let (found, fused) = self.expert_parts(parts, "bias")?;
+        let expected_rows = if fused { rows } else { part_rows };
+        let mut sources = Vec::with_capacity(found.len());
+        for (name, _, first) in found {
+            let (_, bytes) = self.dense(&name, &[experts, expected_rows], &[Dtype::F32])?;
+            sources.push((bytes, first));
         }
         let mut out = Vec::with_capacity(experts * rows * 4);
         for e in 0..experts {
             for r in 0..rows {
-                let part = &sources[r % parts.len()];
-                let at = (e * part_rows + r / parts.len()) * 4;
+                let (part, first) = &sources[r % parts.len()];
+                let at = (e * expected_rows + first + r / parts.len()) * 4;
                 out.extend_from_slice(&part.as_slice()[at..at + 4]);
             }
         }

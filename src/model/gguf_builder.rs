@@ -178,6 +178,29 @@ impl GgufBuilder {
         b
     }
 
+    /// Replaces each layer's `ffn_gate_exps` and `ffn_up_exps` (weights and biases) by one
+    /// `ffn_gate_up_exps` holding both (gate rows, then up rows, per expert), as llama.cpp's
+    /// converter writes them with `--fuse-gate-up-exps`.
+    pub fn fuse_gate_up(&mut self) {
+        let mut fused = Vec::new();
+        for t in &self.tensors {
+            if let Some(prefix) = t.name.strip_suffix("ffn_gate_exps.weight") {
+                let mut dims = t.dims.clone();
+                dims[1] *= 2;
+                fused.push((format!("{prefix}ffn_gate_up_exps.weight"), dims, t.ty));
+            } else if let Some(prefix) = t.name.strip_suffix("ffn_gate_exps.bias") {
+                let mut dims = t.dims.clone();
+                dims[0] *= 2;
+                fused.push((format!("{prefix}ffn_gate_up_exps.bias"), dims, t.ty));
+            }
+        }
+        self.tensors
+            .retain(|t| !t.name.contains("ffn_gate_exps") && !t.name.contains("ffn_up_exps"));
+        for (name, dims, ty) in fused {
+            self.tensor(&name, &dims, ty);
+        }
+    }
+
     pub fn tensor(&mut self, name: &str, dims: &[u64], ty: u32) {
         self.tensors.push(Tensor {
             name: name.into(),

@@ -9,6 +9,7 @@ use std::path::Path;
 
 use super::config::{ModelConfig, Preset, MXFP4_BLOCK};
 use super::{gguf, resolve_model_path, KvFormat, LoadOptions, ModelError, Precision, WeightFormat};
+use crate::kernels::{GROUP_BLOCKS, GROUP_LEN};
 
 /// What to load, for [`check_before_load`].
 #[derive(Debug, Clone, Copy)]
@@ -45,9 +46,11 @@ pub fn check_before_load_sequences(
         Planned::Path(spec) => {
             let path = resolve_model_path(spec)?;
             let read = if gguf::is_gguf(&path) {
-                gguf::GgufFile::open(&path)
-                    .and_then(|f| f.config())
-                    .map(|c| (c, WeightSource::Gguf))
+                gguf::GgufFile::open(&path).and_then(|f| {
+                    let config = f.config()?;
+                    let held = GgufHeld::of(&f, &config);
+                    Ok((config, WeightSource::Gguf(held)))
+                })
             } else {
                 ModelConfig::from_file(&path.join("config.json")).map(|c| (c, WeightSource::Mapped))
             };
@@ -104,10 +107,117 @@ impl SystemMemory {
 pub enum WeightSource {
     /// Safetensors: every tensor stays in the mapping.
     Mapped,
-    /// GGUF: experts are repacked into owned memory; dense tensors other than BF16 are converted.
-    Gguf,
+    /// GGUF: what the loader copies out of this file (see [`GgufHeld`]).
+    Gguf(GgufHeld),
     /// Generated in memory.
     Synthetic,
+}
+
+/// What loading a GGUF file holds in memory of its own, read from the tensor table (types and
+/// shapes) as [`gguf::GgufSource`] serves the tensors: BF16 and F32 tensors are lent from the
+/// mapping, everything else is a copy.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GgufHeld {
+    /// Bytes of all tensors in the file.
+    pub file_bytes: u64,
+    /// MXFP4 experts repacked into the kernels' layout: as many bytes as the file's blocks.
+    pub experts: u64,
+    /// bf16 copies of dense matrices stored as F32, F16 or Q8_0 (embedding, attention, router,
+    /// unembedding): the exact path and the embedding lookup read bf16.
+    pub dense_copies: u64,
+    /// Q8_0 attention and unembedding matrices placed in the fast path's Q8 layout at load (shared
+    /// with `--weights q8`, kept with the other formats).
+    pub native_q8: u64,
+    /// Q8 bytes `--weights q8` adds for the converted matrices that have no Q8_0 form in the file.
+    pub q8_to_convert: u64,
+}
+
+impl GgufHeld {
+    /// What `file` (of configuration `config`) holds once loaded.
+    pub fn of(file: &gguf::GgufFile, config: &ModelConfig) -> GgufHeld {
+        let mut held = GgufHeld::default();
+        for (name, tensor) in file.tensors() {
+            held.file_bytes += tensor.byte_len() as u64;
+            if tensor.type_id == gguf::GGML_MXFP4 {
+                held.experts += tensor.byte_len() as u64;
+                continue;
+            }
+            if tensor.dims.len() != 2 || name.ends_with("_exps.bias") {
+                // Vectors and expert biases: counted for every source in `vector_bytes`.
+                continue;
+            }
+            let (cols, rows) = (tensor.dims[0] as u64, tensor.dims[1] as u64);
+            if tensor.type_id != gguf::GGML_BF16 {
+                held.dense_copies += 2 * rows * cols;
+            }
+            let converted = name == "output.weight"
+                || (name == "token_embd.weight" && config.tie_word_embeddings)
+                || (name.starts_with("blk.")
+                    && ["attn_q", "attn_k", "attn_v", "attn_output"]
+                        .iter()
+                        .any(|m| name.ends_with(&format!(".{m}.weight"))));
+            if converted {
+                if tensor.type_id == gguf::GGML_Q8_0 {
+                    held.native_q8 += q8_bytes(rows, cols);
+                } else {
+                    held.q8_to_convert += q8_bytes(rows, cols);
+                }
+            }
+        }
+        held
+    }
+
+    /// What the held bytes are, for `info`'s memory line.
+    pub fn describe(&self) -> String {
+        let gib = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+        let mut parts = vec![format!("repacked GGUF experts {}", gib(self.experts))];
+        if self.dense_copies > 0 {
+            parts.push(format!(
+                "bf16 copies of F32/F16/Q8_0 matrices {}",
+                gib(self.dense_copies)
+            ));
+        }
+        if self.native_q8 > 0 {
+            parts.push(format!(
+                "Q8_0 matrices in the kernels' layout {}",
+                gib(self.native_q8)
+            ));
+        }
+        format!(", {}", parts.join(", "))
+    }
+
+    /// A file as llama.cpp's converter writes `config` by default (BF16 dense, F32 vectors, MXFP4
+    /// experts), for when there is no file to read.
+    pub fn converter_default(config: &ModelConfig) -> GgufHeld {
+        GgufHeld {
+            file_bytes: config.checkpoint_bytes(),
+            experts: config.expert_bytes(),
+            dense_copies: 0,
+            native_q8: 0,
+            q8_to_convert: config
+                .converted_shapes()
+                .map(|(rows, cols)| q8_bytes(rows, cols))
+                .sum(),
+        }
+    }
+}
+
+/// Bytes of a [`crate::kernels::Q8Matrix`] of this shape (groups of 128 int8 values with four f16
+/// scales, rows padded to whole groups); 0 when the columns are not whole blocks of 32, which the
+/// fast path leaves in bf16.
+fn q8_bytes(rows: u64, cols: u64) -> u64 {
+    if !cols.is_multiple_of(32) {
+        return 0;
+    }
+    rows * cols.div_ceil(GROUP_LEN as u64) * (GROUP_LEN + 2 * GROUP_BLOCKS) as u64
+}
+
+/// Bytes of a [`crate::kernels::Q4Matrix`] of this shape (as [`q8_bytes`], packed nibbles).
+fn q4_bytes(rows: u64, cols: u64) -> u64 {
+    if !cols.is_multiple_of(32) {
+        return 0;
+    }
+    rows * cols.div_ceil(GROUP_LEN as u64) * (GROUP_LEN / 2 + 2 * GROUP_BLOCKS) as u64
 }
 
 /// A model's memory needs, in bytes.
@@ -150,14 +260,32 @@ impl ModelConfig {
         2 * (self.total_parameters() - expert_params) + self.expert_bytes()
     }
 
-    /// Parameters of the matrices the fast path converts (attention projections, unembedding).
-    fn converted_parameters(&self) -> u64 {
+    /// (rows, columns) of the matrices the fast path converts: every layer's attention
+    /// projections, and the unembedding.
+    fn converted_shapes(&self) -> impl Iterator<Item = (u64, u64)> {
         let (h, q, kv) = (
             self.hidden_size as u64,
             self.q_width() as u64,
             self.kv_width() as u64,
         );
-        self.num_hidden_layers as u64 * (2 * h * q + 2 * h * kv) + self.vocab_size as u64 * h
+        (0..self.num_hidden_layers)
+            .flat_map(move |_| [(q, h), (kv, h), (kv, h), (h, q)])
+            .chain([(self.vocab_size as u64, h)])
+    }
+
+    /// Bytes of the f32 vectors every load holds of its own (norms, biases, sinks, expert biases),
+    /// whatever the file stores them as.
+    pub fn vector_bytes(&self) -> u64 {
+        let (h, q, kv, e, i) = (
+            self.hidden_size as u64,
+            self.q_width() as u64,
+            self.kv_width() as u64,
+            self.num_local_experts as u64,
+            self.intermediate_size as u64,
+        );
+        let per_layer =
+            2 * h + (q + 2 * kv + h) + self.num_attention_heads as u64 + e + e * (2 * i + h);
+        4 * (self.num_hidden_layers as u64 * per_layer + h)
     }
 }
 
@@ -170,19 +298,31 @@ impl MemoryNeeds {
         kv: KvFormat,
         context: usize,
     ) -> MemoryNeeds {
-        let total = config.checkpoint_bytes();
-        let loaded = match source {
-            WeightSource::Mapped => 0,
-            WeightSource::Gguf => config.expert_bytes(),
-            WeightSource::Synthetic => total,
+        let (total, loaded, q8_converted) = match source {
+            WeightSource::Mapped => (config.checkpoint_bytes(), 0, None),
+            WeightSource::Gguf(held) => (
+                held.file_bytes,
+                held.experts + held.dense_copies + held.native_q8,
+                Some(held.q8_to_convert),
+            ),
+            WeightSource::Synthetic => (config.checkpoint_bytes(), config.checkpoint_bytes(), None),
         };
-        // Q8 keeps 34 bytes per 32 weights, Q4 18; converted pages of the mapping are released.
-        let params = config.converted_parameters();
+        // The fast path's conversion of attention and unembedding; converted pages of the mapping
+        // are released. A GGUF's Q8_0 matrices are already held in that form (in `loaded`).
         let converted = match (precision, weights) {
             (Precision::Exact, _) | (_, WeightFormat::Native) => 0,
-            (_, WeightFormat::Q8) => params * 34 / 32,
-            (_, WeightFormat::Q4) => params * 18 / 32,
+            (_, WeightFormat::Q8) => q8_converted.unwrap_or_else(|| {
+                config
+                    .converted_shapes()
+                    .map(|(rows, cols)| q8_bytes(rows, cols))
+                    .sum()
+            }),
+            (_, WeightFormat::Q4) => config
+                .converted_shapes()
+                .map(|(rows, cols)| q4_bytes(rows, cols))
+                .sum(),
         };
+        let loaded = loaded + config.vector_bytes();
         let kv_format = match precision {
             Precision::Exact => KvFormat::F32,
             Precision::Fast => kv,
@@ -214,7 +354,7 @@ impl MemoryNeeds {
             WeightSource::Synthetic => ways.push(
                 "pick a smaller synthetic preset: random weights are generated in memory".into(),
             ),
-            WeightSource::Gguf => ways.push(
+            WeightSource::Gguf(_) => ways.push(
                 "use the Hugging Face safetensors checkpoint, which stays mapped (a GGUF's \
                  experts are repacked into memory)"
                     .into(),
@@ -247,7 +387,7 @@ impl MemoryNeeds {
                  all, but {:.1} GiB of {:.1} GiB are available: {}",
                 match self.source {
                     WeightSource::Synthetic => "generated",
-                    WeightSource::Gguf => "repacked experts, converted matrices",
+                    WeightSource::Gguf(_) => "repacked experts, converted matrices",
                     WeightSource::Mapped => "converted matrices",
                 },
                 gib(self.owned),
@@ -343,7 +483,7 @@ mod tests {
         // A GGUF 120b's repacked experts must be owned: refused on 24 GiB, with the way out named.
         let gguf = MemoryNeeds::estimate(
             &c,
-            WeightSource::Gguf,
+            WeightSource::Gguf(GgufHeld::converter_default(&c)),
             Precision::Fast,
             WeightFormat::Q8,
             KvFormat::F16,
