@@ -49,9 +49,13 @@ pub struct BenchArgs {
     pub kernels: bool,
     /// Measure batched decode steps (as `ossterm serve` runs them) of these batch sizes, e.g.
     /// 1,2,4,8,16: step time split by phase, sampling, and the bounds of weight bytes and
-    /// multiply-adds; --gen-tokens steps per size (default here 4) x --repeat rounds, interleaved.
+    /// multiply-adds; --batch-steps steps per size x --repeat rounds, interleaved.
     #[arg(long, value_delimiter = ',', value_name = "N,N,...")]
     pub batch: Option<Vec<usize>>,
+    /// Decode steps of each batch size per round of --batch (a step of 16 sequences takes most of
+    /// a second, so a few are enough).
+    #[arg(long, default_value_t = 4, value_name = "N", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1000))]
+    pub batch_steps: usize,
 }
 
 /// Most repeats of a measurement: more tells nothing new, and each one is a full run.
@@ -100,13 +104,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     }
     if let Some(sizes) = &args.batch {
         progress.clear();
-        // 128 decode steps per size would take minutes at 16 sequences: unless asked, 4.
-        let steps = if args.gen_tokens == 128 {
-            4
-        } else {
-            args.gen_tokens
-        };
-        return super::batch_bench::run(&model, &pool, sizes, steps, args.repeat);
+        return super::batch_bench::run(&model, &pool, sizes, args.batch_steps, args.repeat);
     }
     if args.profile {
         progress.clear();
