@@ -157,6 +157,73 @@ fn mxfp4_gemv_and_gemm_match_scalar_on_every_path() {
     }
 }
 
+/// The AVX-512 GEMM multiplies MXFP4's power-of-two scales by adding exponents where every
+/// product stays a normal float, and multiplies elsewhere: a weight scale byte of 0, an all-zero
+/// activation block (scale 0), products below the normal range (tiny activations against small
+/// scales) and the extreme exponents 1 and 254 must all give the scalar results, with no NaN
+/// from the padding lanes of ragged tiles.
+#[test]
+fn mxfp4_gemm_matches_scalar_at_zero_and_extreme_scales() {
+    let mut rng = rng(11);
+    for (rows, cols) in [(37, 160), (21, 2880), (19, 96)] {
+        for case in 0..6 {
+            let mut data = Mxfp4Data::random(&mut rng, rows, cols, 118..=130);
+            let mut x_values = random_f32(&mut rng, 7 * cols, 3.0);
+            match case {
+                // One zero scale byte in one row: that tile pair multiplies.
+                0 => data.scales[(rows / 2) * (cols / 32) + 1] = 0,
+                // An all-zero activation block: the whole call multiplies.
+                1 => x_values[cols + 32..cols + 64].fill(0.0),
+                // Tiny activations against small scales: products below the normal range.
+                2 => {
+                    data.scales.iter_mut().for_each(|s| *s = 1 + *s % 8);
+                    x_values.iter_mut().for_each(|v| *v *= 1e-30);
+                }
+                // The smallest scale byte with activations that keep every product just
+                // normal: exponents added.
+                3 => {
+                    data.scales.fill(1);
+                    x_values.iter_mut().for_each(|v| *v *= 150.0);
+                }
+                // Large and small scale bytes side by side, products normal: exponents added.
+                4 => {
+                    for (i, s) in data.scales.iter_mut().enumerate() {
+                        *s = if i % 3 == 0 { 240 } else { 14 };
+                    }
+                }
+                // Only the padding of ragged tiles differs from the usual case.
+                _ => {}
+            }
+            let w = data.matrix();
+            let mut x = Q8Activations::new();
+            kernels()
+                .quantize_activation_rows(&x_values, cols, &mut x)
+                .unwrap();
+            let range = 1..rows;
+            let n = range.len();
+            let mut scratch = GemmScratch::new(cols);
+            let mut expected = vec![0.0; 7 * n];
+            scalar()
+                .mxfp4_gemm(&w, &x, range.clone(), &mut expected, &mut scratch)
+                .unwrap();
+            let bounds = magnitude_bounds(
+                range.clone(),
+                cols,
+                |r, out| w.dequantize_row(r, out).unwrap(),
+                &x,
+            );
+            for k in simd_paths() {
+                let mut got = vec![f32::NAN; 7 * n];
+                k.mxfp4_gemm(&w, &x, range.clone(), &mut got, &mut scratch)
+                    .unwrap();
+                let what = format!("MXFP4 GEMM {} {rows}x{cols} case {case}", k.path());
+                assert!(got.iter().all(|v| v.is_finite()), "{what}: not finite");
+                assert_close(&what, &got, &expected, &bounds);
+            }
+        }
+    }
+}
+
 /// Activations whose blocks each hold +-127 (so the scale is exactly 1/8) and small integers
 /// elsewhere: every product and partial sum is exact in f32, so all paths must agree bit for bit.
 fn exact_activations(rng: &mut ChaCha8Rng, tokens: usize, cols: usize) -> Vec<f32> {
@@ -751,8 +818,28 @@ fn kernel_bench_reports_every_kernel_with_positive_rates() {
             );
         }
     }
+    // The plain read bandwidth per thread count, and every GEMV and streamed product (never a
+    // GEMM) as a fraction of it.
+    let threads: Vec<usize> = report.read_bandwidth.iter().map(|b| b.threads).collect();
+    assert_eq!(threads, config.thread_counts);
+    assert!(report
+        .read_bandwidth
+        .iter()
+        .all(|b| b.best_gb_per_s > 0.0 && b.best_gb_per_s >= b.median_gb_per_s));
+    assert!(
+        text.contains("read bandwidth") && text.contains("% read"),
+        "{text}"
+    );
+    for r in &report.results {
+        assert_eq!(
+            r.bandwidth_fraction.is_some(),
+            !r.kernel.ends_with("gemm"),
+            "{r:?}"
+        );
+    }
     let json = serde_json::to_value(&report).unwrap();
     assert!(json["cpu"]["flags"].is_array() && json["int8_peak"].is_array());
+    assert!(json["read_bandwidth"].is_array());
 }
 
 #[test]

@@ -212,10 +212,17 @@ fn only_file(dir: &Path) -> PathBuf {
     files[0].clone()
 }
 
+/// Through real files and a fresh tier, as a restarted app resumes: every path and KV type.
 #[test]
 fn a_disk_snapshot_resumes_a_later_process_bit_exactly() {
-    let dir = temp_dir("resume");
-    let model = tiny(Precision::Fast, KvFormat::Q8, 3);
+    for (precision, kv) in variants() {
+        check_disk_resume(precision, kv);
+    }
+}
+
+fn check_disk_resume(precision: Precision, kv: KvFormat) {
+    let dir = temp_dir(&format!("resume-{precision:?}-{kv}"));
+    let model = tiny(precision, kv, 3);
     let prompt = tokens(50, 6);
     let mut tiers = disk_tiers(&dir, 1 << 30);
     tiers.store(snapshot_of(&model, &prompt), "chat one");
@@ -236,7 +243,7 @@ fn a_disk_snapshot_resumes_a_later_process_bit_exactly() {
     let mut cold = model.new_session(&pool, 256);
     cold.prefill(&prompt).unwrap();
     let want = cold.prefill(&longer[50..]).unwrap().to_vec();
-    assert!(same_bits(&want, &got));
+    assert!(same_bits(&want, &got), "{precision:?} {kv}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -267,6 +274,7 @@ fn check_rejected(name: &str, damage: impl Fn(&mut Vec<u8>)) {
     let notices = tiers.take_notices();
     assert_eq!(notices.len(), 1, "{name}: {notices:?}");
     assert!(notices[0].contains("ignored"), "{name}: {notices:?}");
+    assert!(!notices[0].contains('\n'), "{name}: one line: {notices:?}");
     assert!(!path.exists(), "{name}: the damaged file is still there");
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -485,4 +493,42 @@ fn the_tiers_skip_a_snapshot_whose_window_does_not_reach_the_prompt() {
     let got = fresh.prefill(&longer[60..]).unwrap().to_vec();
     let want = session.prefill(&longer[60..]).unwrap().to_vec();
     assert!(same_bits(&want, &got));
+}
+
+/// While a turn computes the writer touches nothing on disk (it waits before its first block);
+/// once the turn is done it writes the snapshot.
+#[test]
+fn the_writer_waits_while_a_turn_computes() {
+    let dir = temp_dir("busy");
+    let model = tiny(Precision::Fast, KvFormat::F16, 3);
+    let mut tiers = disk_tiers(&dir, 1 << 30);
+    tiers.set_busy(true);
+    tiers.store(snapshot_of(&model, &tokens(40, 50)), "busy");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let files = std::fs::read_dir(&dir).unwrap().count();
+    assert_eq!(files, 0, "the writer wrote while a turn computed");
+    tiers.set_busy(false);
+    tiers.flush();
+    only_file(&dir);
+    assert_eq!(tiers.usage().disk_snapshots, 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A file written in pausing pieces is the file, and the pause runs between the pieces.
+#[test]
+fn pausing_writes_write_every_byte() {
+    let dir = temp_dir("pieces");
+    let path = dir.join("x.kv");
+    let bytes: Vec<u8> = (0..(3 * kv_tiers::BLOCK_BYTES + 17))
+        .map(|i| (i * 31 % 251) as u8)
+        .collect();
+    let pauses = std::sync::atomic::AtomicUsize::new(0);
+    kv_tiers::write_atomic_pausing(&path, &bytes, &|| {
+        pauses.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    })
+    .unwrap();
+    assert_eq!(std::fs::read(&path).unwrap(), bytes);
+    // Before each of the four pieces and before the fsync.
+    assert_eq!(pauses.into_inner(), 5);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -173,6 +173,13 @@ fn health_models_metrics_and_unknown_paths() {
     let models = read_json(agent().get(&server.url("/v1/models")).call()).1;
     assert_eq!(models["object"], "list");
     assert_eq!(models["data"][0]["id"], "synthetic-tiny");
+    // The context a request may use, as vLLM (`max_model_len`) and llama-server (`meta.n_ctx`)
+    // report it.
+    assert_eq!(models["data"][0]["max_model_len"], 4096);
+    assert_eq!(models["data"][0]["meta"]["n_ctx"], 4096);
+    assert!(models["data"][0]["meta"]["n_ctx_train"].as_u64().unwrap() >= 4096);
+    assert!(models["data"][0]["meta"]["n_vocab"].as_u64().unwrap() > 0);
+    assert_eq!(models["data"][0]["meta"]["n_parallel"], 4);
     let metrics = agent().get(&server.url("/metrics")).call().unwrap();
     assert!(metrics.content_type().starts_with("text/plain"));
     let text = metrics.into_string().unwrap();

@@ -57,3 +57,107 @@ fn opening_a_chat_asks_the_engine_to_resume_it() {
         .iter()
         .any(|e| matches!(e, Effect::Engine(_))));
 }
+
+/// Draws `app` as the loop does (layout message, then the frame) and returns the screen's text.
+fn screen(app: &mut App, width: u16, height: u16) -> String {
+    use ratatui::backend::TestBackend;
+    use ratatui::layout::Rect;
+    let mut terminal = ratatui::Terminal::new(TestBackend::new(width, height)).unwrap();
+    let (pane_width, pane_height) =
+        ossterm::tui::view::conversation_viewport(Rect::new(0, 0, width, height), app);
+    app.update(
+        Msg::Layout {
+            width: pane_width,
+            height: pane_height,
+        },
+        Instant::now(),
+    );
+    terminal
+        .draw(|frame| ossterm::tui::view::draw(frame, app))
+        .unwrap();
+    let buffer = terminal.backend().buffer().clone();
+    let mut text = String::new();
+    for y in 0..buffer.area.height {
+        for x in 0..buffer.area.width {
+            text.push_str(buffer[(x, y)].symbol());
+        }
+        text.push('\n');
+    }
+    text
+}
+
+/// What the engine says after resuming shows on the status line, and the gauges show the tiers'
+/// use and the resumed turns.
+#[test]
+fn the_resume_notice_and_the_tiers_show_on_screen() {
+    use ossterm::engine::kv_tiers::TierUsage;
+    use ossterm::engine::protocol::{CacheHits, StatsSample};
+    let dir = tempfile::tempdir().unwrap();
+    let mut app = App::new(
+        Settings::default(),
+        ChatStore::new(dir.path().to_path_buf()),
+        EngineStatus::Loading {
+            stage: "weights".to_string(),
+            done: 0,
+            total: 1,
+        },
+    );
+    let info = EngineInfo {
+        model_label: "synthetic tiny".to_string(),
+        random_weights: true,
+        kernel_path: "avx2".to_string(),
+        settings: Settings::default(),
+    };
+    let now = Instant::now();
+    app.update(Msg::Engine(Event::Ready(info)), now);
+    // The engine's words for a disk resume (`Resumed::describe`, first letter raised).
+    let resumed = ossterm::engine::Resumed {
+        tokens: 4096,
+        tier: ossterm::engine::kv_tiers::Tier::Disk,
+        took: std::time::Duration::from_millis(310),
+    };
+    let mut notice = resumed.describe();
+    notice[..1].make_ascii_uppercase();
+    assert_eq!(notice, "Resumed 4,096 tokens from disk in 0.3 s");
+    app.update(Msg::Engine(Event::Notice(notice.clone())), now);
+    let sample = StatsSample {
+        decode_tokens_per_second: None,
+        prefill_tokens_per_second: None,
+        time_to_first_token: None,
+        process_memory_bytes: None,
+        machine_memory_bytes: None,
+        kv_tokens_used: 4096,
+        kv_tokens_capacity: 8192,
+        kv_cache: ossterm::engine::protocol::KvCacheType::F16,
+        context_used: 4096,
+        context_limit: 8192,
+        turn_hits: CacheHits::default(),
+        session_hits: CacheHits {
+            reused: 4096,
+            prompt: 4200,
+        },
+        threads: 2,
+        kernel_path: "avx2".to_string(),
+        weight_format: Default::default(),
+        activations: Default::default(),
+        kv_tiers: TierUsage {
+            ram_bytes: 3 << 29,
+            ram_snapshots: 2,
+            disk_bytes: 5 << 29,
+            disk_snapshots: 7,
+            snapshot_hits: 3,
+        },
+    };
+    app.update(Msg::Engine(Event::Stats(sample)), now);
+    let text = screen(&mut app, 120, 40);
+    assert!(text.contains(&notice), "no resume notice:\n{text}");
+    assert!(
+        text.contains("KV tiers    RAM 1.5G · disk 2.5G "),
+        "no tiers gauge:\n{text}"
+    );
+    // The restored tokens count as cache hits.
+    assert!(
+        text.contains("cache hit   turn - · chat 98% "),
+        "no cache hits:\n{text}"
+    );
+}

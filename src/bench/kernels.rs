@@ -35,6 +35,9 @@ pub struct KernelBenchConfig {
     pub repetitions: usize,
     /// Each timed run repeats the kernel until it lasts at least this long.
     pub min_run_time: Duration,
+    /// Bytes the plain read-bandwidth probe streams per pass (split over the threads); the GEMVs
+    /// are printed as a fraction of its rate.
+    pub probe_bytes: usize,
 }
 
 impl KernelBenchConfig {
@@ -49,6 +52,7 @@ impl KernelBenchConfig {
             stream_tokens: vec![2, 4, 6, 8, 12, 16, 24, 32],
             repetitions: 5,
             min_run_time: Duration::from_millis(20),
+            probe_bytes: 1 << 30,
         }
     }
 
@@ -63,6 +67,7 @@ impl KernelBenchConfig {
             stream_tokens: vec![3, 6],
             repetitions: 2,
             min_run_time: Duration::from_micros(200),
+            probe_bytes: 1 << 20,
         }
     }
 }
@@ -88,6 +93,18 @@ pub struct KernelBenchResult {
     /// GEMMs and streamed products: `best_gmac_per_s` over the int8 peak measured with the same
     /// thread count.
     pub peak_fraction: Option<f64>,
+    /// GEMVs and streamed products: `best_gb_per_s` over the plain read bandwidth measured with
+    /// the same thread count (what streaming the weights could reach at most).
+    pub bandwidth_fraction: Option<f64>,
+}
+
+/// The plain read bandwidth on some threads (widest loads of the kernel path, no arithmetic).
+#[derive(Clone, Debug, Serialize)]
+pub struct ReadBandwidthResult {
+    pub threads: usize,
+    /// All threads together, best and median pass, in GB/s.
+    pub best_gb_per_s: f64,
+    pub median_gb_per_s: f64,
 }
 
 /// The int8 arithmetic peak on some threads ([`Kernels::int8_mac_probe`] on each at once).
@@ -105,6 +122,8 @@ pub struct KernelBenchReport {
     pub cpu: CpuInfo,
     /// The int8 peak per thread count (empty on the scalar path, which has no such instruction).
     pub int8_peak: Vec<PeakResult>,
+    /// The read bandwidth per thread count, which GEMVs are related to.
+    pub read_bandwidth: Vec<ReadBandwidthResult>,
     pub experts: usize,
     pub rows: usize,
     pub cols: usize,
@@ -130,18 +149,34 @@ impl fmt::Display for KernelBenchReport {
                 p.gmac_per_s / p.threads.max(1) as f64
             )?;
         }
-        writeln!(
-            f,
-            "{:<12} {:>7} {:>6} {:>11} {:>11} {:>9} {:>9} {:>7}",
-            "kernel", "threads", "M", "best ms", "median ms", "GB/s", "GMAC/s", "% peak"
-        )?;
-        for r in &self.results {
-            let peak = r
-                .peak_fraction
-                .map_or(String::new(), |p| format!("{:.0}%", 100.0 * p));
+        if !self.int8_peak.is_empty() {
             writeln!(
                 f,
-                "{:<12} {:>7} {:>6} {:>11.3} {:>11.3} {:>9.1} {:>9.1} {:>7}",
+                "% peak: best GMAC/s over the int8 peak above for the same thread count (the \
+                 higher of a probe before and one after that thread count's kernels)"
+            )?;
+        }
+        for b in &self.read_bandwidth {
+            writeln!(
+                f,
+                "read bandwidth ({} loads) on {} thread{}: {:.1} GB/s best, {:.1} median",
+                read_loads(&self.path),
+                b.threads,
+                if b.threads == 1 { "" } else { "s" },
+                b.best_gb_per_s,
+                b.median_gb_per_s
+            )?;
+        }
+        writeln!(
+            f,
+            "{:<12} {:>7} {:>6} {:>11} {:>11} {:>9} {:>9} {:>7} {:>7}",
+            "kernel", "threads", "M", "best ms", "median ms", "GB/s", "GMAC/s", "% peak", "% read"
+        )?;
+        let percent = |p: Option<f64>| p.map_or(String::new(), |p| format!("{:.0}%", 100.0 * p));
+        for r in &self.results {
+            writeln!(
+                f,
+                "{:<12} {:>7} {:>6} {:>11.3} {:>11.3} {:>9.1} {:>9.1} {:>7} {:>7}",
                 r.kernel,
                 r.threads,
                 r.tokens,
@@ -149,7 +184,8 @@ impl fmt::Display for KernelBenchReport {
                 r.median_seconds * 1e3,
                 r.best_gb_per_s,
                 r.best_gmac_per_s,
-                peak
+                percent(r.peak_fraction),
+                percent(r.bandwidth_fraction)
             )?;
         }
         Ok(())
@@ -161,6 +197,15 @@ fn peak_instructions(path: &str) -> &'static str {
     match path {
         "avx512" => "vpdpbusd, 16 chains",
         "avx2" => "vpmaddubsw + vpmaddwd",
+        _ => "scalar",
+    }
+}
+
+/// What the read-bandwidth probe of `path` loads with, for the report.
+fn read_loads(path: &str) -> &'static str {
+    match path {
+        "avx512" => "512-bit",
+        "avx2" => "256-bit",
         _ => "scalar",
     }
 }
@@ -350,6 +395,7 @@ pub fn run_kernel_bench(
         .collect();
     let mut results = Vec::new();
     let mut int8_peak = Vec::new();
+    let mut read_bandwidth = Vec::new();
     for &threads in &config.thread_counts {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads.max(1))
@@ -358,6 +404,18 @@ pub fn run_kernel_bench(
         let peak = (kernels.path() != KernelPath::Scalar)
             .then(|| measure_peak(kernels, &pool, config))
             .transpose()?;
+        // Best of at least five passes, as the GEMVs are timed: the ratio compares like with like.
+        let (best_read, median_read) = super::probe::simd_read_bandwidth_gbps(
+            kernels,
+            &pool,
+            config.probe_bytes,
+            config.repetitions.max(5),
+        );
+        read_bandwidth.push(ReadBandwidthResult {
+            threads: pool.current_num_threads(),
+            best_gb_per_s: best_read,
+            median_gb_per_s: median_read,
+        });
         let first_result = results.len();
         let ranges = split_rows(config.rows, threads.max(1));
         for format in [Format::Mxfp4, Format::Q8, Format::Q4] {
@@ -484,6 +542,25 @@ pub fn run_kernel_bench(
                 median,
             ));
         }
+        // Measured again after this thread count's kernels, the higher of the two kept: on a
+        // shared machine one probe can land in a neighbour's burst, and a low peak would
+        // overstate every ratio to it. Each ratio is to the peak of its own thread count.
+        let peak = match peak {
+            Some(before) => {
+                let after = measure_peak(kernels, &pool, config)?;
+                Some(if after.gmac_per_s > before.gmac_per_s {
+                    after
+                } else {
+                    before
+                })
+            }
+            None => None,
+        };
+        for r in &mut results[first_result..] {
+            if !r.kernel.ends_with("gemm") && best_read > 0.0 {
+                r.bandwidth_fraction = Some(r.best_gb_per_s / best_read);
+            }
+        }
         if let Some(peak) = peak {
             for r in &mut results[first_result..] {
                 if !r.kernel.ends_with("gemv") {
@@ -497,6 +574,7 @@ pub fn run_kernel_bench(
         path: kernels.path().name().to_string(),
         cpu: CpuInfo::current(),
         int8_peak,
+        read_bandwidth,
         experts: config.experts,
         rows: config.rows,
         cols: config.cols,
@@ -546,6 +624,7 @@ fn result(
         best_gb_per_s: bytes as f64 / best / 1e9,
         best_gmac_per_s: macs as f64 / best / 1e9,
         peak_fraction: None,
+        bandwidth_fraction: None,
     }
 }
 

@@ -51,6 +51,116 @@ pub fn read_bandwidth_gbps_over(bytes: usize, threads: usize) -> f64 {
     (words * 8) as f64 / super::stats::Summary::of(&seconds).median / 1e9
 }
 
+/// Sums `bytes` (a multiple of 256, 64-byte aligned) with 512-bit loads into four independent
+/// accumulators: the plainest way one core can stream memory, which the GEMVs are measured
+/// against (`bench --kernels`).
+///
+/// # Safety
+/// The CPU has AVX-512 F; `start..start + bytes` is readable and 64-byte aligned.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn sum_lines_avx512(start: *const u8, bytes: usize) -> u64 {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller guarantees the range is readable and aligned, and the CPU's features.
+    unsafe {
+        let mut acc = [_mm512_setzero_si512(); 4];
+        let mut at = 0;
+        while at + 256 <= bytes {
+            for (k, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm512_add_epi64(*acc, _mm512_load_si512(start.add(at + 64 * k).cast()));
+            }
+            at += 256;
+        }
+        let sum = _mm512_add_epi64(
+            _mm512_add_epi64(acc[0], acc[1]),
+            _mm512_add_epi64(acc[2], acc[3]),
+        );
+        _mm512_reduce_add_epi64(sum) as u64
+    }
+}
+
+/// As [`sum_lines_avx512`] with 256-bit loads, for CPUs without AVX-512.
+///
+/// # Safety
+/// The CPU has AVX2; `start..start + bytes` is readable and 32-byte aligned.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn sum_lines_avx2(start: *const u8, bytes: usize) -> u64 {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller guarantees the range is readable and aligned, and the CPU's features.
+    unsafe {
+        let mut acc = [_mm256_setzero_si256(); 4];
+        let mut at = 0;
+        while at + 128 <= bytes {
+            for (k, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm256_add_epi64(*acc, _mm256_load_si256(start.add(at + 32 * k).cast()));
+            }
+            at += 128;
+        }
+        let mut lanes = [0u64; 4];
+        let sum = _mm256_add_epi64(
+            _mm256_add_epi64(acc[0], acc[1]),
+            _mm256_add_epi64(acc[2], acc[3]),
+        );
+        _mm256_storeu_si256(lanes.as_mut_ptr().cast(), sum);
+        lanes.iter().fold(0u64, |a, &b| a.wrapping_add(b))
+    }
+}
+
+/// Sums a 64-byte-aligned slice with the widest loads the kernel path uses.
+fn sum_lines(path: crate::kernels::KernelPath, lines: &[u8]) -> u64 {
+    use crate::kernels::KernelPath;
+    debug_assert!(lines.as_ptr() as usize % 64 == 0 && lines.len() % 256 == 0);
+    match path {
+        // SAFETY: a Kernels value holds AVX-512 or AVX2 only after detecting them (the AVX-512
+        // path needs AVX-512 F among its features); the slice is readable, and aligned as the
+        // callers in this module make it.
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Avx512 => unsafe { sum_lines_avx512(lines.as_ptr(), lines.len()) },
+        // SAFETY: as above, for AVX2.
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Avx2 => unsafe { sum_lines_avx2(lines.as_ptr(), lines.len()) },
+        _ => lines
+            .chunks_exact(8)
+            .fold(0u64, |a, w| a.wrapping_add(w[0] as u64 + w[7] as u64)),
+    }
+}
+
+/// Memory read bandwidth of `kernels`' widest plain loads on every thread of `pool` at once,
+/// each thread reading its own contiguous part of a `bytes` buffer (rounded to whole 256-byte
+/// steps per thread): (best, median) GB/s over `repetitions` passes. This is what a GEMV on the
+/// same threads can at most stream, so `bench --kernels` prints each GEMV as a fraction of it.
+pub fn simd_read_bandwidth_gbps(
+    kernels: crate::kernels::Kernels,
+    pool: &rayon::ThreadPool,
+    bytes: usize,
+    repetitions: usize,
+) -> (f64, f64) {
+    let threads = pool.current_num_threads().max(1);
+    let part = (bytes / threads / 256).max(1) * 256;
+    // One spare line so the start can be moved to a 64-byte boundary; filled with non-zero bytes
+    // so every page is really mapped before timing.
+    let buffer = vec![1u8; part * threads + 64];
+    let skip = buffer.as_ptr().align_offset(64);
+    let lines = &buffer[skip..skip + part * threads];
+    let path = kernels.path();
+    let mut seconds = Vec::with_capacity(repetitions.max(1));
+    // One untimed pass first: the pages are touched, the threads awake.
+    for pass in 0..=repetitions.max(1) {
+        let started = Instant::now();
+        pool.broadcast(|ctx| {
+            let own = &lines[ctx.index() * part..(ctx.index() + 1) * part];
+            std::hint::black_box(sum_lines(path, own));
+        });
+        if pass > 0 {
+            seconds.push(started.elapsed().as_secs_f64());
+        }
+    }
+    let summary = super::stats::Summary::of(&seconds);
+    let gbps = |s: f64| (part * threads) as f64 / s / 1e9;
+    (gbps(summary.min), gbps(summary.median))
+}
+
 /// Peak resident set size of this process (VmHWM), in bytes; 0 where /proc is unavailable.
 pub fn peak_rss_bytes() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();

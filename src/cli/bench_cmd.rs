@@ -46,6 +46,11 @@ pub struct BenchArgs {
     /// Measure the kernels alone (GEMV GB/s, GEMM GMAC/s on the 20b expert shape) instead of a model.
     #[arg(long)]
     pub kernels: bool,
+    /// Measure batched decode steps (as `ossterm serve` runs them) of these batch sizes, e.g.
+    /// 1,2,4,8,16: step time split by phase, sampling, and the bounds of weight bytes and
+    /// multiply-adds; --gen-tokens steps per size (default here 4) x --repeat rounds, interleaved.
+    #[arg(long, value_delimiter = ',', value_name = "N,N,...")]
+    pub batch: Option<Vec<usize>>,
 }
 
 /// Most repeats of a measurement: more tells nothing new, and each one is a full run.
@@ -85,7 +90,22 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     if args.resume {
         progress.show("measuring resume", 0, 1);
         let depth = if args.depth == 0 { 4096 } else { args.depth };
-        return super::resume_bench::run(&model, &pool, depth);
+        let plan = super::resume_bench::ResumePlan {
+            depth,
+            repeat: args.repeat,
+        };
+        progress.clear();
+        return super::resume_bench::run(&model, &pool, plan);
+    }
+    if let Some(sizes) = &args.batch {
+        progress.clear();
+        // 128 decode steps per size would take minutes at 16 sequences: unless asked, 4.
+        let steps = if args.gen_tokens == 128 {
+            4
+        } else {
+            args.gen_tokens
+        };
+        return super::batch_bench::run(&model, &pool, sizes, steps, args.repeat);
     }
     if args.profile {
         progress.clear();

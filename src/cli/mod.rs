@@ -14,6 +14,7 @@ macro_rules! choice_parser {
 }
 
 pub mod app;
+mod batch_bench;
 mod bench_cmd;
 mod cache_cmd;
 mod chat_cmds;

@@ -1,49 +1,219 @@
 //! `ossterm bench --resume`: the time to the first token of the next turn after reopening a chat
 //! of `--depth` tokens (default 4096): cold (prefill everything), from a RAM snapshot, from a disk
-//! snapshot (page cache dropped when the system lets us). Also the snapshot's size per token, the
-//! compression of lz4 against zstd on its real rows, the write time, and what a background write
-//! costs a decode running at the same time.
+//! snapshot whose pages were evicted from the page cache. Each resumed time is printed as its
+//! parts: rendering the prompt, the restore, and the prefill of the new turn (what no snapshot can
+//! hold). Also the snapshot's size per token, lz4 against zstd on its real rows, the write time,
+//! and what a background write costs a decode running at the same time (interleaved rounds).
+//!
+//! The chat is a real harmony conversation (user questions, final answers) rendered with the
+//! tokenizer, and the next turn is what the app prefills after reopening it: the `<|end|>` that
+//! closes the last reply in history (the session generated `<|return|>` there), then
+//! `<|start|>user<|message|>`, a short question, `<|end|><|start|>assistant`.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
+use crate::chat::tokenizer::special;
+use crate::chat::{
+    render_for_completion, render_history, Channel, ChatMessage, Conversation, RenderOptions,
+    Tokenizer,
+};
 use crate::engine::kv_tiers::{self, KvTiers, TierConfig};
 use crate::engine::resume_from_tiers;
-use crate::model::{KvFormat, Model, Session};
+use crate::model::{KvFormat, KvSnapshot, Model, Session};
 
-/// Tokens of the new user turn that follows the reopened chat.
-const TURN_TOKENS: usize = 32;
-/// Decoded tokens per decode-speed measurement.
-const DECODE_TOKENS: usize = 24;
-/// RAM resumes measured (medians reported).
-const RAM_REPEATS: usize = 5;
+/// The question of the new turn: a typical follow-up, 12 tokens of text.
+const NEXT_QUESTION: &str = "Thanks! Could you show the second step with a short example?";
+/// Decoded tokens per decode-speed run.
+const DECODE_TOKENS: usize = 16;
+/// At least this many resumes of each kind and rounds of the decode comparison.
+const MIN_ROUNDS: usize = 3;
 
-fn median(d: &[Duration]) -> f64 {
-    let mut v: Vec<f64> = d.iter().map(|d| d.as_secs_f64()).collect();
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+/// What the benchmark is asked to do.
+pub struct ResumePlan {
+    /// Tokens of the reopened chat (the conversation is built to about this length).
+    pub depth: usize,
+    /// Resumes of each kind, and rounds of the decode comparison (at least [`MIN_ROUNDS`]).
+    pub repeat: usize,
 }
 
-/// Deterministic ids spread over the vocabulary's ordinary tokens.
-fn chat_tokens(count: usize, vocab: usize, salt: u32) -> Vec<u32> {
-    let range = vocab.min(199_998) as u64;
-    (0..count as u64)
-        .map(|i| ((i * 7919 + salt as u64 * 104_729 + 11) % range) as u32)
-        .collect()
+fn median_secs(d: &[Duration]) -> f64 {
+    let mut v: Vec<f64> = d.iter().map(|d| d.as_secs_f64()).collect();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }
 
 fn seconds(d: Duration) -> f64 {
     d.as_secs_f64()
 }
 
-/// Asks the kernel to drop the page cache; false when not permitted (containers, non-root).
-fn drop_page_cache() -> bool {
-    // SAFETY: sync has no preconditions.
-    unsafe { libc::sync() };
-    std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
+/// Deterministic prose: words from a fixed list picked by a linear congruential generator, in
+/// sentences, so the chat tokenizes like text (not like random ids).
+struct Prose(u64);
+
+impl Prose {
+    const WORDS: [&'static str; 48] = [
+        "the",
+        "model",
+        "reads",
+        "a",
+        "cache",
+        "of",
+        "keys",
+        "and",
+        "values",
+        "for",
+        "every",
+        "layer",
+        "when",
+        "you",
+        "open",
+        "chat",
+        "again",
+        "it",
+        "restores",
+        "rows",
+        "from",
+        "disk",
+        "instead",
+        "computing",
+        "them",
+        "so",
+        "first",
+        "token",
+        "comes",
+        "sooner",
+        "this",
+        "is",
+        "why",
+        "snapshot",
+        "matters",
+        "on",
+        "slow",
+        "machine",
+        "with",
+        "two",
+        "cores",
+        "but",
+        "memory",
+        "bandwidth",
+        "limits",
+        "decode",
+        "speed",
+        "then",
+    ];
+
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        self.0 >> 33
+    }
+
+    fn text(&mut self, words: usize) -> String {
+        let mut out = String::new();
+        let mut in_sentence = 0;
+        for i in 0..words {
+            let word = Prose::WORDS[self.next() as usize % Prose::WORDS.len()];
+            if in_sentence == 0 {
+                let mut chars = word.chars();
+                if let Some(first) = chars.next() {
+                    out.extend(first.to_uppercase());
+                    out.push_str(chars.as_str());
+                }
+            } else {
+                out.push_str(word);
+            }
+            in_sentence += 1;
+            let end = i + 1 == words || (in_sentence >= 6 && self.next().is_multiple_of(5));
+            if end {
+                out.push('.');
+                in_sentence = 0;
+            }
+            if i + 1 < words {
+                out.push(' ');
+            }
+        }
+        out
+    }
+}
+
+/// A conversation of questions and final answers whose history renders to at least `depth`
+/// tokens (its last message an answer), and that history's ids.
+fn build_chat(tokenizer: &Tokenizer, depth: usize) -> anyhow::Result<(Conversation, Vec<u32>)> {
+    let options = RenderOptions::default();
+    let mut prose = Prose(0x5eed);
+    let mut chat = Conversation::default();
+    loop {
+        let history = render_history(tokenizer, &chat, &options)?;
+        if history.len() >= depth && !chat.messages.is_empty() {
+            return Ok((chat, history));
+        }
+        let question = 12 + prose.next() as usize % 30;
+        let answer = 60 + prose.next() as usize % 140;
+        chat.messages.push(ChatMessage::user(prose.text(question)));
+        chat.messages
+            .push(ChatMessage::assistant(Channel::Final, prose.text(answer)));
+    }
+}
+
+/// Evicts `path`'s pages from the page cache (the file was fsynced, so they are clean).
+#[cfg(target_os = "linux")]
+fn evict_from_page_cache(path: &Path) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::File::open(path)?;
+    file.sync_all()?;
+    // SAFETY: a plain syscall on an open descriptor.
+    let code = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    if code != 0 {
+        return Err(std::io::Error::from_raw_os_error(code));
+    }
+    Ok(())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn evict_from_page_cache(_: &Path) -> std::io::Result<()> {
+    Err(std::io::Error::other("not supported on this system"))
+}
+
+/// The share of `path`'s pages in the page cache (mincore over a mapping of it), `None` when it
+/// cannot be asked.
+#[cfg(target_os = "linux")]
+fn resident_share(path: &Path) -> Option<f64> {
+    let file = std::fs::File::open(path).ok()?;
+    // SAFETY: read-only private mapping of a file nobody truncates while this runs (the
+    // benchmark's own temporary directory); mincore reads no byte of it.
+    let map = unsafe { memmap2::Mmap::map(&file) }.ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as usize;
+    let pages = map.len().div_ceil(page);
+    let mut flags = vec![0u8; pages];
+    // SAFETY: the range is the mapping, `flags` has one byte per page.
+    let code = unsafe {
+        libc::mincore(
+            map.as_ptr() as *mut libc::c_void,
+            map.len(),
+            flags.as_mut_ptr(),
+        )
+    };
+    if code != 0 || pages == 0 {
+        return None;
+    }
+    Some(flags.iter().filter(|f| *f & 1 == 1).count() as f64 / pages as f64)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn resident_share(_: &Path) -> Option<f64> {
+    None
 }
 
 /// Compression of the raw payload by one codec: (compressed bytes, compress time, decompress time).
@@ -79,117 +249,266 @@ fn shuffle_bytes(src: &[u8], width: usize, dst: &mut [u8]) {
     dst[count * width..].copy_from_slice(&src[count * width..]);
 }
 
-/// Seconds per decoded token over `DECODE_TOKENS` tokens, each token's (start, end) returned.
-fn decode_run(session: &mut Session, first: u32) -> anyhow::Result<Vec<(Instant, Instant)>> {
-    let mut marks = Vec::with_capacity(DECODE_TOKENS);
+/// The time of each of `DECODE_TOKENS` decoded tokens.
+fn decode_run(session: &mut Session, first: u32) -> anyhow::Result<Vec<Duration>> {
+    let mut times = Vec::with_capacity(DECODE_TOKENS);
     let mut token = first;
     for _ in 0..DECODE_TOKENS {
         let started = Instant::now();
         let logits = session.decode(token)?;
         token = crate::engine::sampler::argmax(logits).unwrap_or(0);
-        marks.push((started, Instant::now()));
+        times.push(started.elapsed());
     }
-    Ok(marks)
+    Ok(times)
 }
 
-pub fn run(model: &Arc<Model>, pool: &Arc<rayon::ThreadPool>, depth: usize) -> anyhow::Result<()> {
+/// How a decode run shares the machine with the snapshot writer.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum WriterMode {
+    /// No writer.
+    Alone,
+    /// The writer writes the snapshot again and again, never pausing: the raw cost of a write
+    /// on the same cores (at the writer's idle CPU priority).
+    BackToBack,
+    /// As the engine runs it: a write is under way when the turn starts; the turn sets the busy
+    /// flag and the writer waits at its next 1 MiB block.
+    AsTheApp,
+}
+
+impl WriterMode {
+    fn describe(self) -> &'static str {
+        match self {
+            WriterMode::Alone => "alone",
+            WriterMode::BackToBack => "writer writing back to back, never pausing",
+            WriterMode::AsTheApp => "a write under way as the turn starts, as in the app",
+        }
+    }
+}
+
+/// Decodes `DECODE_TOKENS` tokens after `depth` with the writer running as `mode` says; returns
+/// the token times and the bytes the writer wrote meanwhile.
+fn decode_beside_writer(
+    pool: &rayon::ThreadPool,
+    decoder: &mut Session,
+    depth: usize,
+    snapshot: &Arc<KvSnapshot>,
+    dir: &Path,
+    mode: WriterMode,
+) -> anyhow::Result<(Vec<Duration>, u64)> {
+    decoder.truncate(depth);
+    if mode == WriterMode::Alone {
+        return Ok((pool.install(|| decode_run(decoder, 1))?, 0));
+    }
+    let busy = Arc::new(AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
+    let written = Arc::new(AtomicU64::new(0));
+    let path = dir.join("during.kv");
+    let writer = {
+        let (snapshot, busy, stop, written) = (
+            Arc::clone(snapshot),
+            Arc::clone(&busy),
+            Arc::clone(&stop),
+            Arc::clone(&written),
+        );
+        std::thread::Builder::new()
+            .name("ossterm-bench-writer".into())
+            .spawn(move || -> std::io::Result<()> {
+                kv_tiers::lower_thread_priority();
+                let pause = || {
+                    while busy.load(Ordering::Relaxed) && !stop.load(Ordering::Relaxed) {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                };
+                while !stop.load(Ordering::Relaxed) {
+                    let bytes = kv_tiers::encode_pausing(&snapshot, "bench", &pause);
+                    kv_tiers::write_atomic_pausing(&path, &bytes, &pause)?;
+                    // Only writes finished while the decode ran count.
+                    if !stop.load(Ordering::Relaxed) {
+                        written.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                    }
+                }
+                Ok(())
+            })?
+    };
+    if mode == WriterMode::AsTheApp {
+        // The write has started (the last turn ended); the user's next message arrives.
+        std::thread::sleep(Duration::from_millis(30));
+        busy.store(true, Ordering::Relaxed);
+    }
+    let times = pool.install(|| decode_run(decoder, 1));
+    stop.store(true, Ordering::Relaxed);
+    let outcome = writer.join();
+    let times = times?;
+    match outcome {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => return Err(error).context("the background write failed"),
+        Err(_) => anyhow::bail!("the background writer panicked"),
+    }
+    Ok((times, written.load(Ordering::Relaxed)))
+}
+
+/// Restore and turn prefill of one resume.
+struct ResumeTimes {
+    restore: Duration,
+    prefill: Duration,
+}
+
+/// Resumes `prompt` from `tiers` into `session` and prefills the rest; checks the logits.
+fn resume_once(
+    pool: &rayon::ThreadPool,
+    session: &mut Session,
+    tiers: &mut KvTiers,
+    prompt: &[u32],
+    want: &[f32],
+    what: &str,
+) -> anyhow::Result<ResumeTimes> {
+    let started = Instant::now();
+    let resumed = pool
+        .install(|| resume_from_tiers(session, tiers, prompt))
+        .with_context(|| format!("no {what} hit"))?;
+    let restore = started.elapsed();
+    let started = Instant::now();
+    pool.install(|| session.prefill(&prompt[resumed.tokens..]))?;
+    let prefill = started.elapsed();
+    anyhow::ensure!(
+        session.logits() == want,
+        "the {what} resume changed the logits"
+    );
+    Ok(ResumeTimes { restore, prefill })
+}
+
+pub fn run(
+    model: &Arc<Model>,
+    pool: &Arc<rayon::ThreadPool>,
+    plan: ResumePlan,
+) -> anyhow::Result<()> {
+    let rounds = plan.repeat.max(MIN_ROUNDS);
+    let tokenizer = Tokenizer::shared()?;
     let vocab = model.config.vocab_size;
-    let chat = chat_tokens(depth, vocab, 1);
-    let mut prompt = chat.clone();
-    prompt.extend(chat_tokens(TURN_TOKENS, vocab, 2));
+    anyhow::ensure!(
+        vocab >= crate::chat::tokenizer::VOCAB_SIZE,
+        "the resume benchmark renders harmony text: it needs the o200k_harmony vocabulary ({} tokens), this model has {vocab}",
+        crate::chat::tokenizer::VOCAB_SIZE
+    );
+    let options = RenderOptions::default();
+    let (chat, history) = build_chat(tokenizer, plan.depth)?;
+    // What the session held after the chat's last turn: the reply ended in `<|return|>`, which
+    // history renders as `<|end|>`.
+    let mut held = history.clone();
+    *held.last_mut().expect("a chat of one message at least") = special::RETURN;
+    let depth = held.len();
+    // Where the snapshot must be restorable from: the start of the last turn's question, as the
+    // engine computes it after that turn.
+    let before_last_turn = Conversation {
+        messages: chat.messages[..chat.messages.len() - 2].to_vec(),
+        ..chat.clone()
+    };
+    let floor = kv_tiers::resume_floor(
+        &held,
+        &render_for_completion(tokenizer, &before_last_turn, &options)?,
+    );
+    let mut next = chat.clone();
+    next.messages.push(ChatMessage::user(NEXT_QUESTION));
+    // The engine renders the whole conversation for every turn: timed as part of the TTFT.
+    let mut render_times = Vec::new();
+    let mut prompt = Vec::new();
+    for _ in 0..rounds {
+        let started = Instant::now();
+        prompt = render_for_completion(tokenizer, &next, &options)?;
+        render_times.push(started.elapsed());
+    }
+    let render = Duration::from_secs_f64(median_secs(&render_times));
+    let common = crate::engine::common_prefix_len(&held, &prompt);
+    anyhow::ensure!(common == depth - 1, "the next prompt extends the chat");
+    let turn = prompt.len() - common;
+    let question_tokens = tokenizer.encode_text(NEXT_QUESTION)?.len();
     let context = prompt.len() + DECODE_TOKENS + 8;
     let kv = model.kv_format;
     println!(
-        "resume benchmark: {} · {} threads · KV {kv} · chat {depth} tokens + turn {TURN_TOKENS}",
+        "resume benchmark: {} · {} threads · KV {kv} · chat of {} messages, {depth} tokens",
         model.source,
-        pool.current_num_threads()
+        pool.current_num_threads(),
+        chat.messages.len(),
+    );
+    println!(
+        "next turn: {turn} tokens = <|end|> closing the last reply + <|start|>user<|message|> + {question_tokens} tokens of question + <|end|><|start|>assistant"
     );
 
-    // Cold: the chat as a reopened one is today without snapshots: everything prefilled.
+    // Cold: the chat as a reopened one is without snapshots: everything prefilled. The session
+    // first computes the shared prefix, then the last turn's `<|return|>` (the state a snapshot
+    // holds), then, rewound, the next turn.
     let mut original = model.new_session(pool, context);
     let started = Instant::now();
-    pool.install(|| original.prefill(&chat))?;
+    pool.install(|| original.prefill(&prompt[..common]))?;
     let chat_prefill = started.elapsed();
-    // The state after the chat, as the engine keeps it at the end of a turn: restorable from the
-    // chat's end on (the sliding-window layers keep their last window of rows only).
+    pool.install(|| original.prefill(&held[common..]))?;
     let started = Instant::now();
-    let snapshot = pool.install(|| original.snapshot_restorable_from(depth))?;
+    let snapshot = pool.install(|| original.snapshot_restorable_from(floor))?;
     let capture = started.elapsed();
     let full_bytes = original.snapshot()?.tensor_bytes();
+    original.truncate(common);
     let started = Instant::now();
-    pool.install(|| original.prefill(&prompt[depth..]))?;
+    pool.install(|| original.prefill(&prompt[common..]))?;
     let turn_prefill = started.elapsed();
-    let cold = chat_prefill + turn_prefill;
+    let cold = render + chat_prefill + turn_prefill;
     let want = original.logits().to_vec();
 
-    // RAM: restore + prefill the turn; into a fresh session (the app's first turn after start:
-    // the cache's pages are mapped as the restore writes them) and into a used one (every later
-    // switch), several times each.
+    // RAM: restore + prefill of the turn, into a fresh session (the first turn after the app
+    // starts: the cache's pages are mapped as the restore writes them) and into a used one
+    // (every later switch), interleaved.
     let mut ram = KvTiers::new(TierConfig {
         ram_budget_bytes: u64::MAX,
         disk_dir: None,
         disk_budget_bytes: 0,
     });
     ram.store(snapshot.clone(), "bench");
-    let (mut fresh_restores, mut used_restores, mut ram_ttfts) =
-        (Vec::new(), Vec::new(), Vec::new());
+    let (mut fresh, mut used_runs) = (Vec::new(), Vec::new());
     let mut used = model.new_session(pool, context);
-    for _ in 0..RAM_REPEATS {
+    for _ in 0..rounds {
         let mut session = model.new_session(pool, context);
-        let started = Instant::now();
-        let resumed = pool
-            .install(|| resume_from_tiers(&mut session, &mut ram, &prompt))
-            .context("a RAM hit")?;
-        pool.install(|| session.prefill(&prompt[resumed.tokens..]))?;
-        ram_ttfts.push(started.elapsed());
-        fresh_restores.push(resumed.took);
-        anyhow::ensure!(
-            session.logits() == &want[..],
-            "RAM resume changed the logits"
-        );
-        // The used session holds another chat's rows before each restore.
+        fresh.push(resume_once(
+            pool,
+            &mut session,
+            &mut ram,
+            &prompt,
+            &want,
+            "RAM",
+        )?);
+        drop(session);
+        // The used session holds another chat's rows (the last round's) before each restore.
         used.truncate(0);
-        let resumed = pool
-            .install(|| resume_from_tiers(&mut used, &mut ram, &prompt))
-            .context("a RAM hit")?;
-        used_restores.push(resumed.took);
-        pool.install(|| used.prefill(&prompt[resumed.tokens..]))?;
-        anyhow::ensure!(used.logits() == &want[..], "RAM resume changed the logits");
+        used_runs.push(resume_once(
+            pool, &mut used, &mut ram, &prompt, &want, "RAM",
+        )?);
     }
-    let ram_ttft = median(&ram_ttfts);
-    let ram_restore = median(&fresh_restores);
-    let used_restore = median(&used_restores);
+    // How the turn's prefill grows with its length at this depth: what is fixed (every weight
+    // read once, as a decoded token reads them) and what each token adds.
+    let lengths: Vec<usize> = [1, 4, 8, 16, turn]
+        .into_iter()
+        .filter(|&m| m <= turn)
+        .collect();
+    let mut by_length = vec![Vec::new(); lengths.len()];
+    for _ in 0..rounds {
+        for (times, &m) in by_length.iter_mut().zip(&lengths) {
+            used.truncate(common);
+            let started = Instant::now();
+            pool.install(|| used.prefill(&prompt[common..common + m]))?;
+            times.push(started.elapsed());
+        }
+    }
 
-    // Disk: write, drop the page cache, a new tier reads the directory, restore + prefill.
+    // Disk: the file as the writer leaves it, its pages evicted from the page cache before every
+    // read; a tier with no RAM budget, so every resume reads the file.
     let dir = std::env::temp_dir().join(format!("ossterm-resume-bench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let raw = kv_tiers::raw_payload(&snapshot);
-    let started = Instant::now();
-    let file = kv_tiers::encode(&snapshot, "bench");
-    let encode_time = started.elapsed();
-    let path = dir.join(kv_tiers::file_name(&snapshot));
-    let started = Instant::now();
-    kv_tiers::write_atomic(&path, &file)?;
-    let write_time = started.elapsed();
-    let dropped = drop_page_cache();
-    let mut disk = KvTiers::new(TierConfig {
-        ram_budget_bytes: u64::MAX,
-        disk_dir: Some(dir.clone()),
-        disk_budget_bytes: u64::MAX,
-    });
-    let mut session = model.new_session(pool, context);
-    let started = Instant::now();
-    let resumed = pool
-        .install(|| resume_from_tiers(&mut session, &mut disk, &prompt))
-        .context("a disk hit")?;
-    pool.install(|| session.prefill(&prompt[resumed.tokens..]))?;
-    let disk_ttft = started.elapsed();
-    let disk_restore = resumed.took;
-    anyhow::ensure!(
-        session.logits() == &want[..],
-        "disk resume changed the logits"
+    std::fs::create_dir_all(&dir)?;
+    let outcome = disk_and_writes(
+        model, pool, &dir, &snapshot, &prompt, &want, context, depth, rounds,
     );
+    let _ = std::fs::remove_dir_all(&dir);
+    let disk = outcome?;
 
+    let raw = kv_tiers::raw_payload(&snapshot);
     let width = if kv == KvFormat::F32 { 4 } else { 2 };
     let shuffled = {
         let mut out = vec![0u8; raw.len()];
@@ -210,96 +529,90 @@ pub fn run(model: &Arc<Model>, pool: &Arc<rayon::ThreadPool>, depth: usize) -> a
     ];
     codecs.extend(zstd_figures(&raw, &shuffled, width));
 
-    // Decode alone, then decode while the writer thread writes the snapshot.
-    let mut decoder = model.new_session(pool, context);
-    pool.install(|| decoder.restore(&snapshot, depth))?;
-    // Warm-up: the pool's per-thread scratch comes to life on the first decodes.
-    pool.install(|| decode_run(&mut decoder, 1))?;
-    decoder.truncate(depth);
-    let alone = pool.install(|| decode_run(&mut decoder, 1))?;
-    decoder.truncate(depth);
-    let alone_times: Vec<Duration> = alone.iter().map(|(s, e)| *e - *s).collect();
-    let base = median(&alone_times);
-    let shared = Arc::new(snapshot.clone());
-    // Without pausing (the raw cost of sharing the cores) and as the engine runs it (the writer
-    // waits between blocks while a turn computes).
-    let mut during_write = Vec::new();
-    for paused in [false, true] {
-        let busy = Arc::new(AtomicBool::new(paused));
-        let (done_sender, done) = std::sync::mpsc::channel();
-        let write_path = dir.join(format!("during-{paused}.kv"));
-        let writer = {
-            let (shared, busy) = (Arc::clone(&shared), Arc::clone(&busy));
-            std::thread::spawn(move || {
-                kv_tiers::lower_thread_priority();
-                let started = Instant::now();
-                let pause = || {
-                    while busy.load(Ordering::Relaxed) {
-                        std::thread::sleep(Duration::from_millis(5));
-                    }
-                };
-                let bytes = kv_tiers::encode_pausing(&shared, "bench", &pause);
-                pause();
-                let written = kv_tiers::write_atomic(&write_path, &bytes);
-                let _ = done_sender.send((started, Instant::now(), written.is_ok()));
-            })
-        };
-        let during = pool.install(|| decode_run(&mut decoder, 1))?;
-        decoder.truncate(depth);
-        busy.store(false, Ordering::Relaxed);
-        writer.join().ok();
-        let (write_start, write_end, written) = done.recv()?;
-        anyhow::ensure!(written, "the background write failed");
-        let times: Vec<Duration> = during.iter().map(|(s, e)| *e - *s).collect();
-        let overlapping = during
-            .iter()
-            .filter(|(s, e)| *s < write_end && *e > write_start)
-            .count();
-        during_write.push((paused, median(&times), overlapping, write_end - write_start));
-    }
-    let _ = std::fs::remove_dir_all(&dir);
-
-    let per_token = snapshot.tensor_bytes() as f64 / depth as f64;
+    let mib = |bytes: f64| bytes / (1u64 << 20) as f64;
+    let restore_of =
+        |runs: &[ResumeTimes]| median_secs(&runs.iter().map(|r| r.restore).collect::<Vec<_>>());
+    let prefill_of =
+        |runs: &[ResumeTimes]| median_secs(&runs.iter().map(|r| r.prefill).collect::<Vec<_>>());
+    let ttft_of = |runs: &[ResumeTimes]| {
+        median_secs(
+            &runs
+                .iter()
+                .map(|r| render + r.restore + r.prefill)
+                .collect::<Vec<_>>(),
+        )
+    };
     println!();
     println!("| measure | value |");
     println!("| --- | --- |");
     println!(
-        "| TTFT cold (prefill {} tokens) | {:.2} s |",
-        prompt.len(),
-        seconds(cold)
+        "| render the next prompt (tokenize the whole chat, as every turn does) | {:.1} ms |",
+        seconds(render) * 1e3
     );
     println!(
-        "| TTFT from RAM snapshot | {:.3} s = {:.0}x faster (median of {RAM_REPEATS}; restore {:.3} s into a fresh cache, {:.3} s into a used one; the rest is the turn's own prefill) |",
-        ram_ttft,
-        seconds(cold) / ram_ttft,
-        ram_restore,
-        used_restore,
-    );
-    println!(
-        "| bound: prefill of the turn's {TURN_TOKENS} tokens at depth {depth} | {:.3} s: no resume can beat {:.0}x |",
+        "| TTFT cold | {:.2} s: render, prefill of {common} tokens {:.2} s ({:.1} tokens/s), then the turn's {turn} at depth {common} {:.3} s |",
+        seconds(cold),
+        seconds(chat_prefill),
+        common as f64 / seconds(chat_prefill),
         seconds(turn_prefill),
-        seconds(cold) / seconds(turn_prefill)
+    );
+    for (name, runs) in [
+        ("RAM snapshot, into a fresh session", &fresh),
+        ("RAM snapshot, into a used session", &used_runs),
+        (
+            "disk snapshot (file evicted from the page cache)",
+            &disk.resumes,
+        ),
+    ] {
+        let ttft = ttft_of(runs);
+        println!(
+            "| TTFT from the {name} | {:.3} s = {:.0}x faster: render {:.1} ms + restore {:.3} s + the turn's prefill {:.3} s (medians of {}) |",
+            ttft,
+            seconds(cold) / ttft,
+            seconds(render) * 1e3,
+            restore_of(runs),
+            prefill_of(runs),
+            runs.len(),
+        );
+    }
+    println!(
+        "| bound: the turn's prefill alone (cold run) | {:.3} s: no resume can beat {:.0}x |",
+        seconds(turn_prefill),
+        seconds(cold) / (seconds(render) + seconds(turn_prefill))
+    );
+    let shape: Vec<String> = lengths
+        .iter()
+        .zip(&by_length)
+        .map(|(m, times)| format!("{m}: {:.3} s", median_secs(times)))
+        .collect();
+    println!(
+        "| prefill at depth {common} by tokens in the turn | {} (medians of {rounds}) |",
+        shape.join(", ")
     );
     println!(
-        "| TTFT from disk snapshot | {:.3} s (read + check + decompress + restore {:.3} s) = {:.0}x faster; page cache {} |",
-        seconds(disk_ttft),
-        seconds(disk_restore),
-        seconds(cold) / seconds(disk_ttft),
-        if dropped { "dropped" } else { "NOT dropped (not permitted)" }
+        "| disk restore, parts | read {:.3} s, checksums + decompression into the snapshot {:.3} s, copy into the cache {:.3} s (medians; {}) |",
+        median_secs(&disk.read),
+        median_secs(&disk.decode),
+        median_secs(&disk.copy),
+        match disk.resident {
+            Some(share) => format!("pages of the file in the page cache before a read: {:.1}% at most, evicted with posix_fadvise(DONTNEED) after fsync", share * 100.0),
+            None => "page cache residency unknown".to_string(),
+        }
     );
     println!(
-        "| snapshot ({kv}) | {:.0} bytes/token, {:.1} MiB for {depth} tokens (all rows: {:.1} MiB; the sliding-window layers keep their window); capture {:.3} s |",
-        per_token,
-        snapshot.tensor_bytes() as f64 / (1 << 20) as f64,
-        full_bytes as f64 / (1 << 20) as f64,
+        "| snapshot ({kv}) | {:.0} bytes/token, {:.1} MiB for {depth} tokens (all rows: {:.1} MiB; the sliding-window layers keep their window from position {}); capture {:.3} s |",
+        snapshot.tensor_bytes() as f64 / depth as f64,
+        mib(snapshot.tensor_bytes() as f64),
+        mib(full_bytes as f64),
+        snapshot.rows.sliding_from,
         seconds(capture)
     );
     println!(
         "| file | {:.1} MiB, ratio {:.3}; encode (lz4) {:.3} s, write + fsync {:.3} s |",
-        file.len() as f64 / (1 << 20) as f64,
-        raw.len() as f64 / file.len() as f64,
-        seconds(encode_time),
-        seconds(write_time)
+        mib(disk.file_bytes as f64),
+        raw.len() as f64 / disk.file_bytes as f64,
+        seconds(disk.encode),
+        seconds(disk.write),
     );
     for (name, (size, c, d)) in codecs {
         println!(
@@ -309,17 +622,142 @@ pub fn run(model: &Arc<Model>, pool: &Arc<rayon::ThreadPool>, depth: usize) -> a
             seconds(d)
         );
     }
-    for (paused, with_write, overlapping, took) in during_write {
+    let alone = median_secs(&disk.decode_times[0]);
+    for (mode, times) in [WriterMode::BackToBack, WriterMode::AsTheApp]
+        .into_iter()
+        .zip(&disk.decode_times[1..])
+    {
+        let with = median_secs(times);
         println!(
-            "| decode while a snapshot is written ({}) | {:.1} ms/token alone, {:.1} ms/token with the writer (medians of {DECODE_TOKENS}; {overlapping} overlapped the write, which took {:.2} s): {:+.1}% |",
-            if paused { "writer waits while a turn computes, as in the app" } else { "writer not paused" },
-            base * 1e3,
-            with_write * 1e3,
-            seconds(took),
-            (with_write / base - 1.0) * 100.0
+            "| decode at depth {depth} beside the snapshot writer ({}) | {:.1} ms/token alone, {:.1} with the writer: {:+.1}% (medians of {} tokens each, {rounds} interleaved rounds; the writer wrote {:.0} MiB meanwhile) |",
+            mode.describe(),
+            alone * 1e3,
+            with * 1e3,
+            (with / alone - 1.0) * 100.0,
+            times.len(),
+            mib(disk.written[mode as usize] as f64),
         );
     }
     Ok(())
+}
+
+/// What the disk part measures.
+struct DiskFigures {
+    resumes: Vec<ResumeTimes>,
+    read: Vec<Duration>,
+    decode: Vec<Duration>,
+    copy: Vec<Duration>,
+    /// The largest share of the file found in the page cache before a read.
+    resident: Option<f64>,
+    file_bytes: usize,
+    encode: Duration,
+    write: Duration,
+    /// Token times per [`WriterMode`] (in its order), and bytes written beside each.
+    decode_times: [Vec<Duration>; 3],
+    written: [u64; 3],
+}
+
+#[allow(clippy::too_many_arguments)]
+fn disk_and_writes(
+    model: &Arc<Model>,
+    pool: &Arc<rayon::ThreadPool>,
+    dir: &Path,
+    snapshot: &KvSnapshot,
+    prompt: &[u32],
+    want: &[f32],
+    context: usize,
+    depth: usize,
+    rounds: usize,
+) -> anyhow::Result<DiskFigures> {
+    let started = Instant::now();
+    let file = kv_tiers::encode(snapshot, "bench");
+    let encode = started.elapsed();
+    let path = dir.join(kv_tiers::file_name(snapshot));
+    let started = Instant::now();
+    kv_tiers::write_atomic(&path, &file)?;
+    let write = started.elapsed();
+    let file_bytes = file.len();
+    drop(file);
+    let mut disk = KvTiers::new(TierConfig {
+        ram_budget_bytes: 0,
+        disk_dir: Some(dir.to_path_buf()),
+        disk_budget_bytes: u64::MAX,
+    });
+    let evict = |resident: &mut Option<f64>| -> anyhow::Result<()> {
+        evict_from_page_cache(&path)
+            .with_context(|| format!("cannot evict {} from the page cache", path.display()))?;
+        if let Some(share) = resident_share(&path) {
+            *resident = Some(resident.unwrap_or(0.0).max(share));
+        }
+        Ok(())
+    };
+    let mut resident = None;
+    let (mut resumes, mut read, mut decode, mut copy) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut session = model.new_session(pool, context);
+    for _ in 0..rounds {
+        // Through the tiers, as the engine resumes.
+        session.truncate(0);
+        evict(&mut resident)?;
+        resumes.push(resume_once(
+            pool,
+            &mut session,
+            &mut disk,
+            prompt,
+            want,
+            "disk",
+        )?);
+        // The same steps one by one, for their parts.
+        session.truncate(0);
+        evict(&mut resident)?;
+        let started = Instant::now();
+        let bytes = std::fs::read(&path)?;
+        read.push(started.elapsed());
+        let started = Instant::now();
+        let (decoded, _) = pool.install(|| kv_tiers::decode(&path, &bytes))?;
+        decode.push(started.elapsed());
+        drop(bytes);
+        let started = Instant::now();
+        pool.install(|| session.restore(&decoded, depth - 1))?;
+        copy.push(started.elapsed());
+    }
+    drop(disk);
+
+    // Decode alone and beside the writer, interleaved round by round.
+    let shared = Arc::new(snapshot.clone());
+    let mut decoder = model.new_session(pool, context);
+    pool.install(|| decoder.restore(snapshot, depth))?;
+    // Warm-up: the pool's per-thread scratch comes to life on the first decodes.
+    pool.install(|| decode_run(&mut decoder, 1))?;
+    let mut decode_times: [Vec<Duration>; 3] = Default::default();
+    let mut written = [0u64; 3];
+    let modes = [
+        WriterMode::Alone,
+        WriterMode::BackToBack,
+        WriterMode::AsTheApp,
+    ];
+    for round in 0..rounds {
+        // Each round starts with another mode, so drift in the machine's load spreads evenly.
+        for k in 0..modes.len() {
+            let mode = modes[(round + k) % modes.len()];
+            let (times, bytes) =
+                decode_beside_writer(pool, &mut decoder, depth, &shared, dir, mode)?;
+            decode_times[mode as usize].extend(times);
+            written[mode as usize] += bytes;
+        }
+    }
+    Ok(DiskFigures {
+        resumes,
+        read,
+        decode,
+        copy,
+        resident,
+        file_bytes,
+        encode,
+        write,
+        decode_times,
+        written,
+    })
 }
 
 /// zstd at levels 1 and 3 on the plain and the shuffled payload: the comparison that picked lz4

@@ -558,6 +558,13 @@ pub fn decode(path: &Path, bytes: &[u8]) -> Result<(KvSnapshot, String), Snapsho
 /// Writes `bytes` to `path` atomically: a temporary file in the same directory, fsynced, renamed
 /// over the target, and the directory fsynced so the rename itself survives a crash.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    write_atomic_pausing(path, bytes, &|| {})
+}
+
+/// [`write_atomic`] in pieces of [`BLOCK_BYTES`], calling `pause` before each: copying a
+/// hundred megabytes into the page cache is CPU work too, and the writer must not hold a core
+/// through it while a turn computes.
+pub fn write_atomic_pausing(path: &Path, bytes: &[u8], pause: &dyn Fn()) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     fs::create_dir_all(dir)?;
     let name = path
@@ -567,7 +574,11 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let temp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
     let result = (|| {
         let mut file = File::create(&temp)?;
-        file.write_all(bytes)?;
+        for piece in bytes.chunks(BLOCK_BYTES) {
+            pause();
+            file.write_all(piece)?;
+        }
+        pause();
         file.sync_all()?;
         fs::rename(&temp, path)?;
         if let Ok(dir) = File::open(dir) {
@@ -777,9 +788,8 @@ impl Writer {
                         }
                     };
                     let bytes = encode_pausing(&job.snapshot, &job.label, &pause);
-                    pause();
                     let path = dir.join(file_name(&job.snapshot));
-                    let report = match write_atomic(&path, &bytes) {
+                    let report = match write_atomic_pausing(&path, &bytes, &pause) {
                         Ok(()) => {
                             let mut deleted = Vec::new();
                             for old in job.supersedes.into_iter().filter(|old| *old != path) {
@@ -839,13 +849,18 @@ impl Drop for Writer {
 }
 
 /// Runs the calling thread at the lowest CPU priority: the snapshot writer only uses cycles the
-/// forward pass leaves idle.
+/// forward pass leaves idle. On Linux that is the SCHED_IDLE policy: the thread runs only on a
+/// core nothing else wants and yields it the moment a forward-pass thread wakes (nice 19 alone
+/// still takes its time slices from a busy core, and the forward pass waits at every barrier for
+/// its slowest thread). Where SCHED_IDLE is refused, nice 19.
 pub fn lower_thread_priority() {
     #[cfg(target_os = "linux")]
-    // SAFETY: plain syscalls on the calling thread's own id.
+    // SAFETY: plain syscalls on the calling thread's own id; `param` is fully initialized.
     unsafe {
         let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
         libc::setpriority(libc::PRIO_PROCESS, tid, 19);
+        let param = libc::sched_param { sched_priority: 0 };
+        libc::sched_setscheduler(0, libc::SCHED_IDLE, &param);
     }
 }
 
@@ -994,11 +1009,6 @@ impl KvTiers {
     /// Marks a turn as computing (`true`) or done: background writes wait while it computes.
     pub fn set_busy(&self, busy: bool) {
         self.busy.store(busy, Ordering::Relaxed);
-    }
-
-    /// The flag [`KvTiers::set_busy`] sets, for a writer outside the tiers (the benchmark).
-    pub fn busy_flag(&self) -> Arc<AtomicBool> {
-        Arc::clone(&self.busy)
     }
 
     /// Waits for every queued disk write (a command's exit, tests and the benchmark).

@@ -49,8 +49,10 @@ impl<T: Plain> AlignedVec<T> {
 
     /// An empty buffer with room for `capacity` elements.
     pub(crate) fn with_capacity(capacity: usize) -> Self {
+        let lines = Vec::with_capacity(Self::lines_for(capacity));
+        advise_huge_pages(&lines);
         Self {
-            lines: Vec::with_capacity(Self::lines_for(capacity)),
+            lines,
             len: 0,
             _element: std::marker::PhantomData,
         }
@@ -74,10 +76,47 @@ impl<T: Plain> AlignedVec<T> {
     /// capacity is too small, like `Vec::resize`.
     pub(crate) fn resize(&mut self, len: usize, value: T) {
         let old = self.len;
-        self.lines.resize(Self::lines_for(len), Line([0; LINE]));
+        let lines = Self::lines_for(len);
+        if lines > self.lines.capacity() {
+            // Grow first (untouched), so the new storage can be advised before it is written.
+            self.lines.reserve_exact(lines - self.lines.len());
+            advise_huge_pages(&self.lines);
+        }
+        self.lines.resize(lines, Line([0; LINE]));
         self.len = len;
         if len > old {
             self[old..].fill(value);
+        }
+    }
+}
+
+/// Transparent huge pages: the size of one, and the least allocation worth advising.
+const HUGE_PAGE: usize = 2 << 20;
+
+/// Asks Linux to back the whole 2 MiB pages inside a large buffer's storage with transparent
+/// huge pages (`MADV_HUGEPAGE`; distributions often default THP to "madvise", where only advised
+/// ranges get them). The quantized weights live in these buffers and the GEMVs stream them once
+/// per token: with 4 KiB pages every 4 KiB costs a TLB miss and stops the hardware prefetchers,
+/// which do not cross pages. On a Zen 4 guest a plain 512-bit read loop over 4 KiB pages read 45
+/// GB/s on two threads against 61 over huge pages. Advice only: the contents do not change, and a
+/// kernel without THP ignores it.
+fn advise_huge_pages(lines: &Vec<Line>) {
+    let bytes = lines.capacity() * LINE;
+    if bytes < 2 * HUGE_PAGE {
+        return;
+    }
+    #[cfg(target_os = "linux")]
+    {
+        let start = lines.as_ptr() as usize;
+        let first = start.div_ceil(HUGE_PAGE) * HUGE_PAGE;
+        let end = (start + bytes) / HUGE_PAGE * HUGE_PAGE;
+        if end > first {
+            // SAFETY: the range lies inside this buffer's own allocation and is page aligned;
+            // MADV_HUGEPAGE changes only how the kernel backs those pages, never their contents
+            // or their mapping's lifetime. A failure (no THP in this kernel) is harmless.
+            unsafe {
+                libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE);
+            }
         }
     }
 }

@@ -9,7 +9,7 @@ use std::ops::Range;
 
 use half::f16;
 
-use super::avx2::prefetch_share;
+use super::avx2::{prefetch_share, prefetch_share_into};
 use super::formats::{
     ByteSpans, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN, CORRECTION_LANE_MXFP4,
     CORRECTION_LANE_Q4, CORRECTION_LANE_Q8, GROUP_BLOCKS, GROUP_LANES, GROUP_LEN,
@@ -257,6 +257,8 @@ unsafe fn q8_group(w: &Q8Matrix, row: usize, group: usize) -> (__m512i, __m512i,
 /// A matrix whose groups decode to unsigned weights (evens, odds) and scale lanes.
 trait GroupSource: ByteSpans {
     const FORMAT: u8;
+    /// The GEMV prefetches the next rows into L2 only (see `avx2::prefetch_share_into`).
+    const PREFETCH_L2: bool;
     fn groups(&self) -> usize;
     /// # Safety
     /// `row < rows()`, `group < groups()`; the CPU has the module's features.
@@ -283,7 +285,20 @@ trait GroupSource: ByteSpans {
     /// # Safety
     /// Rows inside the matrix, `count <= 16`, `group < groups()`; the CPU has the module's features.
     unsafe fn scale_columns(&self, first_row: usize, count: usize, group: usize) -> [__m512; 4];
+
+    /// The smallest and largest E8M0 scale byte of `rows`, for a format whose block scales are
+    /// powers of two (MXFP4); `None` for the others. The GEMM multiplies by such a scale with an
+    /// integer add to the exponent when every product stays a normal float.
+    ///
+    /// # Safety
+    /// Rows inside the matrix; the CPU has the module's features.
+    unsafe fn exponent_range(&self, _rows: Range<usize>) -> Option<(u32, u32)> {
+        None
+    }
 }
+
+/// Four E8M0 scale bytes of 127 (2^0): the scale lanes of a tile's padding.
+const PAD_SCALE_WORD: u32 = 0x7F7F_7F7F;
 
 /// Block j's f16 scale of each of 16 rows (four per row in `bits[r]`) as f32 in lane r of
 /// vector j.
@@ -334,6 +349,7 @@ unsafe fn f16_scale_bits(
 }
 
 impl GroupSource for Mxfp4Matrix<'_> {
+    const PREFETCH_L2: bool = false;
     const FORMAT: u8 = FORMAT_MXFP4;
     fn groups(&self) -> usize {
         self.cols.div_ceil(GROUP_LEN)
@@ -374,7 +390,11 @@ impl GroupSource for Mxfp4Matrix<'_> {
     unsafe fn scale_columns(&self, first_row: usize, count: usize, group: usize) -> [__m512; 4] {
         let blocks_per_row = self.cols / BLOCK_LEN;
         let blocks_here = (blocks_per_row - group * GROUP_BLOCKS).min(GROUP_BLOCKS);
-        let mut bytes = [0u32; 16];
+        // Lanes of rows past `count` and of blocks past a short last group get scale 1
+        // (E8M0 127), not 0: their integer sums are 0 (zero weights against zero padding), so
+        // the product is 0 either way, and 1 keeps the exponent-add kernel's combined scale a
+        // finite number there (see `gemm_tile_pair`).
+        let mut bytes = [PAD_SCALE_WORD; 16];
         let scales = self.scales.as_ptr();
         for (r, word) in bytes.iter_mut().enumerate().take(count) {
             let at = (first_row + r) * blocks_per_row + group * GROUP_BLOCKS;
@@ -384,8 +404,9 @@ impl GroupSource for Mxfp4Matrix<'_> {
                 if blocks_here == GROUP_BLOCKS {
                     scales.add(at).cast::<u32>().read_unaligned()
                 } else {
-                    (0..blocks_here)
-                        .fold(0, |word, j| word | (*scales.add(at + j) as u32) << (8 * j))
+                    (0..blocks_here).fold(PAD_SCALE_WORD, |word, j| {
+                        word & !(0xFF << (8 * j)) | (*scales.add(at + j) as u32) << (8 * j)
+                    })
                 }
             };
         }
@@ -398,9 +419,47 @@ impl GroupSource for Mxfp4Matrix<'_> {
             _mm512_castsi512_ps(_mm512_slli_epi32::<23>(e))
         })
     }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+    unsafe fn exponent_range(&self, rows: Range<usize>) -> Option<(u32, u32)> {
+        let blocks_per_row = self.cols / BLOCK_LEN;
+        let mut low = _mm512_set1_epi8(-1);
+        let mut high = _mm512_setzero_si512();
+        for row in rows {
+            let mut block = 0;
+            while block < blocks_per_row {
+                let n = (blocks_per_row - block).min(64);
+                let mask = u64::MAX >> (64 - n);
+                // SAFETY: the caller upholds the trait's contract (rows inside the matrix); the
+                // mask keeps the load inside the row's scale bytes.
+                let v = unsafe {
+                    _mm512_maskz_loadu_epi8(
+                        mask,
+                        self.scales
+                            .as_ptr()
+                            .add(row * blocks_per_row + block)
+                            .cast(),
+                    )
+                };
+                low = _mm512_mask_min_epu8(low, mask, low, v);
+                high = _mm512_max_epu8(high, v);
+                block += 64;
+            }
+        }
+        let (mut lows, mut highs) = ([0u8; 64], [0u8; 64]);
+        // SAFETY: both arrays are 64 writable bytes; storeu has no alignment requirement.
+        unsafe {
+            _mm512_storeu_si512(lows.as_mut_ptr().cast(), low);
+            _mm512_storeu_si512(highs.as_mut_ptr().cast(), high);
+        }
+        let low = lows.iter().copied().min().unwrap_or(u8::MAX);
+        let high = highs.iter().copied().max().unwrap_or(0);
+        Some((low as u32, high as u32))
+    }
 }
 
 impl GroupSource for Q4Matrix {
+    const PREFETCH_L2: bool = false;
     const FORMAT: u8 = FORMAT_Q4;
     fn groups(&self) -> usize {
         self.groups
@@ -442,6 +501,7 @@ impl GroupSource for Q4Matrix {
 }
 
 impl GroupSource for Q8Matrix {
+    const PREFETCH_L2: bool = true;
     const FORMAT: u8 = FORMAT_Q8;
     fn groups(&self) -> usize {
         self.groups
@@ -511,7 +571,11 @@ unsafe fn gemv_rows<W: GroupSource, const R: usize, const T: usize>(
         let groups = w.groups();
         let spans = w.byte_spans(prefetch);
         for group in 0..groups {
-            prefetch_share(&spans, group, groups);
+            if W::PREFETCH_L2 {
+                prefetch_share_into::<true>(&spans, group, groups)
+            } else {
+                prefetch_share_into::<false>(&spans, group, groups)
+            }
             let a: [ActGroup; T] =
                 std::array::from_fn(|t| ActGroup::load(x, t, group, correction_mask(W::FORMAT)));
             for (i, acc_row) in acc.iter_mut().enumerate() {
@@ -752,6 +816,82 @@ unsafe fn decode_tile<W: GroupSource>(
     }
 }
 
+/// `2^(e - 127)` scale lanes as the integer `(e - 127) << 23` to add to a float's bits (0 for
+/// the tile's padding lanes, whose scale is 1). Unused unless the kernel runs with `EXP`; the
+/// compiler drops it then.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+fn exponent_offsets(w_scales: __m512) -> __m512i {
+    _mm512_sub_epi32(_mm512_castps_si512(w_scales), _mm512_set1_epi32(127 << 23))
+}
+
+/// A block's weight scales times one token's activation scale at `a_scale`.
+///
+/// Without `EXP` a `vmulps`. With `EXP` (MXFP4, whose scales are powers of two, and a tile
+/// for which [`exponent_mode`] proved every product a normal float) the same bits from an
+/// integer add to the activation scale's exponent. On Zen 4 and Zen 5 `vmulps` and `vfmadd`
+/// issue on the two pipes that run `vpdpbusd`, so with the convert (another pipe) a block's 8
+/// `vpdpbusd` per token and tile shared their pipes with 2 float operations: at most 80% of the
+/// `vpdpbusd` peak (measured on Zen 4: 8 `vpdpbusd` + `vmulps` + `vfmadd` ran at 80%, with a
+/// `vpaddd` or `vcvtdq2ps` instead at 100%). The add leaves one (89%).
+///
+/// # Safety
+/// `a_scale` is readable; the CPU has the module's features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn combined_scale<const EXP: bool>(
+    w_scales: __m512,
+    w_exponents: __m512i,
+    a_scale: *const f32,
+) -> __m512 {
+    // SAFETY: the caller upholds the contract (`a_scale` readable, the module's features).
+    unsafe {
+        if EXP {
+            _mm512_castsi512_ps(_mm512_add_epi32(
+                _mm512_set1_epi32(a_scale.cast::<i32>().read()),
+                w_exponents,
+            ))
+        } else {
+            _mm512_mul_ps(w_scales, _mm512_set1_ps(*a_scale))
+        }
+    }
+}
+
+/// The biased exponents (1..=254) of every real block scale of `x`, lowest and highest; `None`
+/// if one is 0, subnormal, infinite or NaN (the exponent-add kernel then does not run).
+/// Padding blocks past the columns are skipped: the tile's scale there is 1 and its sums are 0.
+fn activation_exponent_range(x: &Q8Activations) -> Option<(u32, u32)> {
+    let blocks = x.cols() / BLOCK_LEN;
+    let (mut low, mut high) = (u32::MAX, 0);
+    for token in 0..x.rows() {
+        let lanes = x.row_scale_lanes(token);
+        for block in 0..blocks {
+            // The sign bit lands above the exponent: a negative scale fails the range test too.
+            let exponent = lanes[(block / GROUP_BLOCKS) * GROUP_LANES + 4 * (block % GROUP_BLOCKS)]
+                .to_bits()
+                >> 23;
+            if exponent == 0 || exponent >= 255 {
+                return None;
+            }
+            low = low.min(exponent);
+            high = high.max(exponent);
+        }
+    }
+    Some((low, high))
+}
+
+/// Whether every product of an activation scale (biased exponents `activations`) and a weight
+/// scale (E8M0 bytes `weights`) is a normal float, so adding exponents gives `vmulps`'s bits.
+/// A weight scale byte of 0 (scale 0) must be multiplied, not added.
+fn exponent_mode(activations: Option<(u32, u32)>, weights: Option<(u32, u32)>) -> bool {
+    match (activations, weights) {
+        (Some((a_low, a_high)), Some((w_low, w_high))) => {
+            w_low >= 1 && a_low + w_low >= 128 && a_high + w_high <= 381
+        }
+        _ => false,
+    }
+}
+
 /// Sixteen decoded tile rows x `T` tokens. Each of a block's eight dword positions is one weight
 /// vector (16 rows) times that token's four activations broadcast, so a block's integer sums
 /// for 16 rows build up in one register without any lane shuffling, and the float convert,
@@ -763,7 +903,7 @@ unsafe fn decode_tile<W: GroupSource>(
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_tile<const T: usize>(
+unsafe fn gemm_tile<const T: usize, const EXP: bool>(
     scratch: &GemmScratch,
     groups: usize,
     x: &Q8Activations,
@@ -812,11 +952,12 @@ unsafe fn gemm_tile<const T: usize>(
                 }
                 let w_scales =
                     _mm512_loadu_ps(tile_scales.add((group * GROUP_BLOCKS + j) * GEMM_TILE_ROWS));
+                let w_exponents = exponent_offsets(w_scales);
                 for (t, (acc_t, sum)) in acc.iter_mut().zip(sums).enumerate() {
-                    let a_scale = _mm512_set1_ps(*act_scales.add(t * lane_stride + lanes + 4 * j));
+                    let a_scale = act_scales.add(t * lane_stride + lanes + 4 * j);
                     *acc_t = _mm512_fmadd_ps(
                         _mm512_cvtepi32_ps(sum),
-                        _mm512_mul_ps(w_scales, a_scale),
+                        combined_scale::<EXP>(w_scales, w_exponents, a_scale),
                         *acc_t,
                     );
                 }
@@ -845,7 +986,7 @@ unsafe fn gemm_tile<const T: usize>(
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_tile_pair<const T: usize>(
+unsafe fn gemm_tile_pair<const T: usize, const EXP: bool>(
     scratch: &GemmScratch,
     groups: usize,
     x: &Q8Activations,
@@ -904,12 +1045,13 @@ unsafe fn gemm_tile_pair<const T: usize>(
                     _mm512_loadu_ps(tile_scales.add(at)),
                     _mm512_loadu_ps(tile_scales.add(second_scales + at)),
                 ];
+                let w_exponents = [exponent_offsets(w_scales[0]), exponent_offsets(w_scales[1])];
                 for t in 0..T {
-                    let a_scale = _mm512_set1_ps(*act_scales.add(t * lane_stride + lanes + 4 * j));
+                    let a_scale = act_scales.add(t * lane_stride + lanes + 4 * j);
                     for half in 0..2 {
                         acc[half][t] = _mm512_fmadd_ps(
                             _mm512_cvtepi32_ps(sums[half][t]),
-                            _mm512_mul_ps(w_scales[half], a_scale),
+                            combined_scale::<EXP>(w_scales[half], w_exponents[half], a_scale),
                             acc[half][t],
                         );
                     }
@@ -989,6 +1131,11 @@ unsafe fn gemm<W: GroupSource>(
         let groups = w.groups();
         let stride = rows.len();
         let tokens = x.rows();
+        let act_exponents = if W::FORMAT == FORMAT_MXFP4 {
+            activation_exponent_range(x)
+        } else {
+            None
+        };
         // The weights come from memory once per call, so while one pair of tiles is multiplied
         // the next pair's bytes are prefetched: without it, with few tokens per expert (a short
         // prompt) the tile decode waited on every cache miss and 2 threads read 7 GB/s.
@@ -1001,9 +1148,15 @@ unsafe fn gemm<W: GroupSource>(
             let remaining = rows.end - tile_start;
             let out_column = out.as_mut_ptr().add(tile_start - rows.start);
             let next = spans_from((tile_start + pair_rows).min(rows.end));
+            let count = remaining.min(pair_rows);
+            // Power-of-two weight scales (MXFP4) are applied by adding exponents where every
+            // product stays a normal float: the same bits, one float operation fewer per block.
+            let exp = exponent_mode(
+                act_exponents,
+                w.exponent_range(tile_start..tile_start + count),
+            );
             if remaining > GEMM_TILE_ROWS {
                 // Two tiles at once: 17 to 32 rows.
-                let count = remaining.min(pair_rows);
                 // Even batches: a short last batch would leave too few independent sums to
                 // cover the `vpdpbusd` latency (7 tokens run as 4 + 3, not 6 + 1).
                 let batch = tokens.div_ceil(tokens.div_ceil(GEMM_PAIR_TOKENS));
@@ -1031,9 +1184,11 @@ unsafe fn gemm<W: GroupSource>(
                     let p = part(GEMM_TILE_SLOTS + token / batch);
                     macro_rules! pair_for {
                         ($($n:literal)*) => {
-                            match t_count {
-                                $($n => gemm_tile_pair::<$n>(s, groups, x, token, lane, factor, o, stride, count, p),)*
-                                _ => gemm_tile_pair::<1>(s, groups, x, token, lane, factor, o, stride, count, p),
+                            match (t_count, exp) {
+                                $(($n, false) => gemm_tile_pair::<$n, false>(s, groups, x, token, lane, factor, o, stride, count, p),
+                                ($n, true) => gemm_tile_pair::<$n, true>(s, groups, x, token, lane, factor, o, stride, count, p),)*
+                                (_, false) => gemm_tile_pair::<1, false>(s, groups, x, token, lane, factor, o, stride, count, p),
+                                (_, true) => gemm_tile_pair::<1, true>(s, groups, x, token, lane, factor, o, stride, count, p),
                             }
                         };
                     }
@@ -1043,7 +1198,6 @@ unsafe fn gemm<W: GroupSource>(
                 tile_start += count;
                 continue;
             }
-            let count = remaining;
             decode_tile(w, tile_start, count, scratch, 0, Prefetch::NOTHING);
             let batch = tokens.div_ceil(tokens.div_ceil(GEMM_TOKENS));
             let mut token = 0;
@@ -1054,13 +1208,15 @@ unsafe fn gemm<W: GroupSource>(
                 // A single tile is a call's last: nothing follows it to prefetch.
                 let p = Prefetch::NOTHING;
                 macro_rules! tile_for {
-                ($($n:literal)*) => {
-                    match t_count {
-                        $($n => gemm_tile::<$n>(s, groups, x, token, lane, factor, o, stride, count, p),)*
-                        _ => gemm_tile::<1>(s, groups, x, token, lane, factor, o, stride, count, p),
-                    }
-                };
-            }
+                    ($($n:literal)*) => {
+                        match (t_count, exp) {
+                            $(($n, false) => gemm_tile::<$n, false>(s, groups, x, token, lane, factor, o, stride, count, p),
+                            ($n, true) => gemm_tile::<$n, true>(s, groups, x, token, lane, factor, o, stride, count, p),)*
+                            (_, false) => gemm_tile::<1, false>(s, groups, x, token, lane, factor, o, stride, count, p),
+                            (_, true) => gemm_tile::<1, true>(s, groups, x, token, lane, factor, o, stride, count, p),
+                        }
+                    };
+                }
                 tile_for!(8 7 6 5 4 3 2);
                 token += t_count;
             }

@@ -537,9 +537,13 @@ fn check_step(model: &Model, sequence: &Sequence, tokens: &[u32]) -> Result<(), 
     Ok(())
 }
 
-/// Most rows a pass runs on a team: their split activation rows (two per token) stay below the
-/// 16 rows from which the quantizer goes parallel on rayon.
-const TEAM_ROWS: usize = 7;
+/// Most rows a pass runs on a team: every decode step of a server's batch (one row per
+/// sequence, up to 64 sequences), and a few joining prompt rows. Inside a team, the activation
+/// quantization of 16 or more rows (which goes parallel on rayon) runs on the leader alone, as
+/// the team's threads spin rather than steal: for a few dozen rows that is microseconds, while
+/// rayon's sleeping threads would cost a wake-up per region of the ~100 a step has. A prefill
+/// chunk's regions are long and its quantization is not: those go to rayon.
+pub const TEAM_ROWS: usize = 96;
 
 /// One pass over `rows` tokens of `steps`, on a thread of `pool`.
 #[allow(clippy::too_many_arguments)]
@@ -572,9 +576,7 @@ fn forward(
                 pass.forward(steps, scratch, logits, all_logits)
             };
             // A decode step is ~100 short parallel regions: the team keeps the pool awake
-            // through it, also for a batch of a few sequences. A prefill chunk's regions are
-            // long, and the activation quantization of 16 or more rows (split rows count twice)
-            // spreads over rayon, which the team's spinning threads would not serve.
+            // through it, also for a server's batch of sequences (see TEAM_ROWS).
             if rows <= TEAM_ROWS {
                 with_team(pool, run)
             } else {

@@ -36,6 +36,11 @@ pub struct AppState {
     pub model_id: String,
     pub api_key: Option<String>,
     pub started: u64,
+    /// Positions the model was trained for and its vocabulary, for `/v1/models`.
+    pub trained_context: usize,
+    pub vocab: usize,
+    /// Sequences decoded at once (`--parallel`).
+    pub parallel: usize,
     next_id: AtomicU64,
 }
 
@@ -55,8 +60,25 @@ impl AppState {
             model_id,
             api_key,
             started: unix_seconds(),
+            trained_context: 0,
+            vocab: 0,
+            parallel: 1,
             next_id: AtomicU64::new(1),
         }
+    }
+
+    /// Adds what `/v1/models` reports about the model besides its id: the positions it was
+    /// trained for, its vocabulary and the sequences decoded at once.
+    pub fn with_model_facts(
+        mut self,
+        trained_context: usize,
+        vocab: usize,
+        parallel: usize,
+    ) -> Self {
+        self.trained_context = trained_context;
+        self.vocab = vocab;
+        self.parallel = parallel;
+        self
     }
 }
 
@@ -135,11 +157,20 @@ async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Respo
     if let Err(error) = authorize(&state, &headers) {
         return reject(&state, error);
     }
+    // The context a request may use under the names clients read: vLLM's `max_model_len`, and
+    // llama-server's `meta` (`n_ctx` per slot, `n_ctx_train` of the model).
     Json(json!({"object": "list", "data": [{
         "id": state.model_id,
         "object": "model",
         "created": state.started,
         "owned_by": "ossterm",
+        "max_model_len": state.context,
+        "meta": {
+            "n_ctx": state.context,
+            "n_ctx_train": state.trained_context,
+            "n_vocab": state.vocab,
+            "n_parallel": state.parallel,
+        },
     }]}))
     .into_response()
 }

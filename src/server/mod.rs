@@ -130,14 +130,19 @@ pub fn start(
     listener.set_nonblocking(true).map_err(io_error)?;
     let tokenizer = Tokenizer::shared()?;
     let metrics = Arc::new(Metrics::default());
+    let config = &session.model().config;
+    let (trained_context, vocab) = (config.max_position_embeddings, config.vocab_size);
     let scheduler = Scheduler::start(session, options.scheduler, metrics);
-    let state = Arc::new(http::AppState::new(
-        scheduler,
-        tokenizer,
-        options.scheduler.context,
-        options.model_id.clone(),
-        options.api_key.clone(),
-    ));
+    let state = Arc::new(
+        http::AppState::new(
+            scheduler,
+            tokenizer,
+            options.scheduler.context,
+            options.model_id.clone(),
+            options.api_key.clone(),
+        )
+        .with_model_facts(trained_context, vocab, options.scheduler.parallel.max(1)),
+    );
     let (stop, stopped) = tokio::sync::oneshot::channel::<Duration>();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

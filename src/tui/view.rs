@@ -413,11 +413,11 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
     rows.push(gauge_row(
         "cache hit",
         stats.map_or("-".to_string(), |stats| {
+            // Restored snapshot rows count as reused; the value stays within the side panel.
             format!(
-                "turn {} · chat {} · {} resumed",
+                "turn {} · chat {}",
                 percent(stats.turn_hits.rate()),
                 percent(stats.session_hits.rate()),
-                stats.kv_tiers.snapshot_hits
             )
         }),
     ));
@@ -425,13 +425,13 @@ fn draw_gauges(frame: &mut Frame, app: &App, area: Rect) {
         rows.push(gauge_row(
             "KV tiers",
             stats.map_or("-".to_string(), |stats| {
+                // Sizes only: with counts the row overflowed the side panel's 24 columns and
+                // the disk tier was cut off (`ossterm cache` lists the snapshots).
                 let tiers = stats.kv_tiers;
                 format!(
-                    "RAM {} GiB ({}) · disk {} GiB ({})",
+                    "RAM {}G · disk {}G",
                     gib(tiers.ram_bytes),
-                    tiers.ram_snapshots,
                     gib(tiers.disk_bytes),
-                    tiers.disk_snapshots
                 )
             }),
         ));

@@ -291,8 +291,10 @@ fn task_rows(total_rows: usize) -> usize {
 }
 
 fn run_task(k: Kernels, job: &Job<'_>, rows: Range<usize>, out: &mut [f32]) {
-    // A token and its split remainder (decode), or the few tokens an expert gets in a short
-    // prefill, stream the weights once through the GEMV.
+    // A token and its split remainder (decode), or the few tokens an expert gets in a batched
+    // step or a short prefill, stream the weights once through the GEMV; more go to the GEMM.
+    // For the experts the kernels decide (`Kernels::mxfp4_product`), so the choice is made in
+    // one place.
     let few = job.tokens <= kernels::MAX_GEMV_TOKENS;
     let result = match (job.weights, job.quantized) {
         (JobWeights::Bf16(m), _) => k.bf16_gemm(m.values(), m.cols(), job.plain, rows, out),
@@ -300,7 +302,6 @@ fn run_task(k: Kernels, job: &Job<'_>, rows: Range<usize>, out: &mut [f32]) {
             k.bf16_gemm(m.values(), m.cols(), job.plain, rows, out)
         }
         (JobWeights::Dense(DenseMatrix::Q8(m)), Some(x)) if few => k.q8_gemv(m, x, rows, out),
-        (JobWeights::Expert(m), Some(x)) if few => k.mxfp4_gemv(&m, x, rows, out),
         (JobWeights::Dense(DenseMatrix::Q4(m)), Some(x)) if few => k.q4_gemv(m, x, rows, out),
         (weights, Some(x)) => GEMM_SCRATCH.with(|scratch| {
             let mut guard = scratch.borrow_mut();
@@ -311,7 +312,7 @@ fn run_task(k: Kernels, job: &Job<'_>, rows: Range<usize>, out: &mut [f32]) {
             match weights {
                 JobWeights::Dense(DenseMatrix::Q8(m)) => k.q8_gemm(m, x, rows, out, scratch),
                 JobWeights::Dense(DenseMatrix::Q4(m)) => k.q4_gemm(m, x, rows, out, scratch),
-                JobWeights::Expert(m) => k.mxfp4_gemm(&m, x, rows, out, scratch),
+                JobWeights::Expert(m) => k.mxfp4_product(&m, x, rows, out, scratch),
                 _ => unreachable!("bf16 weights take the plain path above"),
             }
         }),
