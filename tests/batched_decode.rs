@@ -24,7 +24,12 @@ fn load(fixture: &str, precision: Precision) -> Arc<Model> {
 
 /// Three prompts of different lengths over the vocabulary of the tiny fixtures.
 fn prompts(vocab: usize) -> Vec<Vec<u32>> {
-    [5usize, 11, 17]
+    prompts_of(vocab, &[5, 11, 17])
+}
+
+/// Prompts of the given lengths, each different.
+fn prompts_of(vocab: usize, lengths: &[usize]) -> Vec<Vec<u32>> {
+    lengths
         .iter()
         .enumerate()
         .map(|(p, &len)| {
@@ -164,6 +169,43 @@ fn batched_logits_match_each_sequence_alone_on_the_fast_path() {
             worst < 0.06,
             "{fixture}: batched logits differ by {worst} of the largest logit"
         );
+    }
+}
+
+/// A server's batch of many sequences (more rows than the old team limit of 7): decode steps of
+/// ten rows run on the decode team and still give each sequence's greedy ids alone, exactly.
+#[test]
+fn ten_sequences_decoded_together_equal_each_alone() {
+    for precision in [Precision::Exact, Precision::Fast] {
+        let model = load("tiny_gqa8", precision);
+        let prompts = prompts_of(model.config.vocab_size, &[3, 4, 5, 6, 7, 8, 9, 10, 11, 12]);
+        let mut session = model.new_session(&pool(), 64);
+        let mut want_tokens = Vec::new();
+        let mut want_logits = Vec::new();
+        for prompt in &prompts {
+            let (tokens, logits) = alone(&mut session, prompt, None, 6);
+            want_tokens.push(tokens);
+            want_logits.push(logits);
+        }
+        match precision {
+            Precision::Exact => {
+                let (got, _) = batched(&mut session, &prompts, None, 6);
+                assert_eq!(got, want_tokens, "batched greedy ids differ");
+            }
+            Precision::Fast => {
+                let (_, got) = batched(&mut session, &prompts, Some(&want_tokens), 6);
+                for (want, got) in want_logits.iter().zip(&got) {
+                    for (w, g) in want.iter().zip(got) {
+                        let scale = w.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                        let error = w
+                            .iter()
+                            .zip(g)
+                            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+                        assert!(error / scale < 0.06, "batched logits differ by {error}");
+                    }
+                }
+            }
+        }
     }
 }
 

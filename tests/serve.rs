@@ -711,3 +711,45 @@ fn an_unbounded_grace_drains_an_idle_server_without_overflow() {
     server.drain(Duration::MAX);
     assert!(started.elapsed() < Duration::from_secs(10));
 }
+
+/// The spec's two-turn harmony example (section 5, rendered by openai-harmony 0.0.8): a system
+/// message from the client becomes the developer instructions, token for token.
+#[test]
+fn a_system_message_renders_as_harmony_developer_instructions() {
+    use ossterm::server::api::{parse_chat_request, prepare_chat_dated};
+    let tokenizer = ossterm::chat::Tokenizer::shared().unwrap();
+    let body = json!({
+        "messages": [
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "What is 2 + 2?"},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "And 3 + 3?"},
+        ],
+        "reasoning_effort": "low",
+    });
+    let render = |body: &Value| {
+        let request = parse_chat_request(body.to_string().as_bytes()).unwrap();
+        prepare_chat_dated(request, tokenizer, 4096, Some("2025-08-05"))
+            .unwrap()
+            .prompt
+    };
+    let want: Vec<u32> =
+        "200006 17360 200008 3575 553 17554 162016 11 261 4410 6439 2359 22203 656 \
+        7788 17527 558 87447 100594 25 220 1323 19 12 3218 198 6576 3521 25 220 1323 20 12 3062 12 \
+        2922 279 30377 289 25 4465 279 2 13888 18403 25 8450 11 49159 11 1721 13 21030 2804 413 \
+        7360 395 1753 3176 13 200007 200006 77944 200008 2 68406 279 17045 51088 13 200007 200006 \
+        1428 200008 4827 382 220 17 659 220 17 30 200007 200006 173781 200005 17196 200008 19 \
+        200007 200006 1428 200008 3436 220 18 659 220 18 30 200007 200006 173781"
+            .split_whitespace()
+            .map(|id| id.parse().unwrap())
+            .collect();
+    assert_eq!(render(&body), want);
+    // A developer message is the same; an empty system message adds no developer message.
+    let mut developer = body.clone();
+    developer["messages"][0]["role"] = json!("developer");
+    assert_eq!(render(&developer), want);
+    let mut empty = body.clone();
+    empty["messages"][0]["content"] = json!("");
+    let without: Vec<u32> = want[..61].iter().chain(&want[71..]).copied().collect();
+    assert_eq!(render(&empty), without);
+}

@@ -34,8 +34,9 @@ pub struct BenchArgs {
     #[arg(long)]
     pub json: bool,
     /// Measure resuming a chat of --depth tokens (default 4096): time to first token of the next
-    /// turn cold, from a RAM snapshot and from a disk snapshot; snapshot size, compression, write
-    /// time and the cost of a background write to a running decode.
+    /// turn cold, from a RAM snapshot and from a disk snapshot (its pages evicted), each split
+    /// into render, restore and the turn's prefill, medians of --repeat rounds (at least 3);
+    /// snapshot size, compression, write time and the cost of a background write to a decode.
     #[arg(long)]
     pub resume: bool,
     /// Measure what the engine view's decode counters cost: --gen-tokens decoded with them on and
@@ -48,9 +49,13 @@ pub struct BenchArgs {
     pub kernels: bool,
     /// Measure batched decode steps (as `ossterm serve` runs them) of these batch sizes, e.g.
     /// 1,2,4,8,16: step time split by phase, sampling, and the bounds of weight bytes and
-    /// multiply-adds; --gen-tokens steps per size (default here 4) x --repeat rounds, interleaved.
+    /// multiply-adds; --batch-steps steps per size x --repeat rounds, interleaved.
     #[arg(long, value_delimiter = ',', value_name = "N,N,...")]
     pub batch: Option<Vec<usize>>,
+    /// Decode steps of each batch size per round of --batch (a step of 16 sequences takes most of
+    /// a second, so a few are enough).
+    #[arg(long, default_value_t = 4, value_name = "N", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1000))]
+    pub batch_steps: usize,
 }
 
 /// Most repeats of a measurement: more tells nothing new, and each one is a full run.
@@ -99,13 +104,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     }
     if let Some(sizes) = &args.batch {
         progress.clear();
-        // 128 decode steps per size would take minutes at 16 sequences: unless asked, 4.
-        let steps = if args.gen_tokens == 128 {
-            4
-        } else {
-            args.gen_tokens
-        };
-        return super::batch_bench::run(&model, &pool, sizes, steps, args.repeat);
+        return super::batch_bench::run(&model, &pool, sizes, args.batch_steps, args.repeat);
     }
     if args.profile {
         progress.clear();

@@ -249,11 +249,16 @@ fn shuffle_bytes(src: &[u8], width: usize, dst: &mut [u8]) {
     dst[count * width..].copy_from_slice(&src[count * width..]);
 }
 
-/// The time of each of `DECODE_TOKENS` decoded tokens.
-fn decode_run(session: &mut Session, first: u32) -> anyhow::Result<Vec<Duration>> {
-    let mut times = Vec::with_capacity(DECODE_TOKENS);
-    let mut token = first;
-    for _ in 0..DECODE_TOKENS {
+/// The time of each of `count` decoded tokens; `before_token(i)` runs before token `i`.
+fn decode_run(
+    session: &mut Session,
+    count: usize,
+    before_token: &dyn Fn(usize),
+) -> anyhow::Result<Vec<Duration>> {
+    let mut times = Vec::with_capacity(count);
+    let mut token = 1;
+    for i in 0..count {
+        before_token(i);
         let started = Instant::now();
         let logits = session.decode(token)?;
         token = crate::engine::sampler::argmax(logits).unwrap_or(0);
@@ -262,43 +267,40 @@ fn decode_run(session: &mut Session, first: u32) -> anyhow::Result<Vec<Duration>
     Ok(times)
 }
 
-/// How a decode run shares the machine with the snapshot writer.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum WriterMode {
-    /// No writer.
-    Alone,
-    /// The writer writes the snapshot again and again, never pausing: the raw cost of a write
-    /// on the same cores (at the writer's idle CPU priority).
-    BackToBack,
-    /// As the engine runs it: a write is under way when the turn starts; the turn sets the busy
-    /// flag and the writer waits at its next 1 MiB block.
-    AsTheApp,
+/// Tokens per phase of the toggled writer: long enough for the writer to get going (it polls
+/// its pause every 5 ms), short enough that the machine's load drifts little within a pair.
+const PHASE_TOKENS: usize = 4;
+
+/// Token times of decodes beside the snapshot writer.
+#[derive(Default)]
+struct BesideWriter {
+    /// No writer thread at all (runs of their own).
+    alone: Vec<Duration>,
+    /// The writer writing back to back, never pausing.
+    writing: Vec<Duration>,
+    /// The writer paused at its next 1 MiB block, as the engine pauses it while a turn computes.
+    paused: Vec<Duration>,
+    /// Bytes of files the writer finished during the decodes.
+    written: u64,
 }
 
-impl WriterMode {
-    fn describe(self) -> &'static str {
-        match self {
-            WriterMode::Alone => "alone",
-            WriterMode::BackToBack => "writer writing back to back, never pausing",
-            WriterMode::AsTheApp => "a write under way as the turn starts, as in the app",
-        }
-    }
-}
-
-/// Decodes `DECODE_TOKENS` tokens after `depth` with the writer running as `mode` says; returns
-/// the token times and the bytes the writer wrote meanwhile.
+/// One round: `DECODE_TOKENS` tokens with no writer, then `2 * DECODE_TOKENS` with the writer
+/// writing the snapshot again and again while the pause flag flips every [`PHASE_TOKENS`]
+/// tokens. Writing and paused tokens alternate within one run, so drift in the machine's load
+/// hits both alike; the paused ones are what a turn sees in the app (the writer waits while a
+/// turn computes).
 fn decode_beside_writer(
     pool: &rayon::ThreadPool,
     decoder: &mut Session,
     depth: usize,
     snapshot: &Arc<KvSnapshot>,
     dir: &Path,
-    mode: WriterMode,
-) -> anyhow::Result<(Vec<Duration>, u64)> {
+    into: &mut BesideWriter,
+) -> anyhow::Result<()> {
     decoder.truncate(depth);
-    if mode == WriterMode::Alone {
-        return Ok((pool.install(|| decode_run(decoder, 1))?, 0));
-    }
+    let alone = pool.install(|| decode_run(decoder, DECODE_TOKENS, &|_| {}))?;
+    into.alone.extend(alone);
+    decoder.truncate(depth);
     let busy = Arc::new(AtomicBool::new(false));
     let stop = Arc::new(AtomicBool::new(false));
     let written = Arc::new(AtomicU64::new(0));
@@ -330,12 +332,14 @@ fn decode_beside_writer(
                 Ok(())
             })?
     };
-    if mode == WriterMode::AsTheApp {
-        // The write has started (the last turn ended); the user's next message arrives.
-        std::thread::sleep(Duration::from_millis(30));
-        busy.store(true, Ordering::Relaxed);
-    }
-    let times = pool.install(|| decode_run(decoder, 1));
+    // The writer is under way when the first phase starts.
+    std::thread::sleep(Duration::from_millis(30));
+    let paused_phase = |i: usize| (i / PHASE_TOKENS) % 2 == 1;
+    let times = pool.install(|| {
+        decode_run(decoder, 2 * DECODE_TOKENS, &|i| {
+            busy.store(paused_phase(i), Ordering::Relaxed)
+        })
+    });
     stop.store(true, Ordering::Relaxed);
     let outcome = writer.join();
     let times = times?;
@@ -344,7 +348,15 @@ fn decode_beside_writer(
         Ok(Err(error)) => return Err(error).context("the background write failed"),
         Err(_) => anyhow::bail!("the background writer panicked"),
     }
-    Ok((times, written.load(Ordering::Relaxed)))
+    for (i, time) in times.into_iter().enumerate() {
+        if paused_phase(i) {
+            into.paused.push(time);
+        } else {
+            into.writing.push(time);
+        }
+    }
+    into.written += written.load(Ordering::Relaxed);
+    Ok(())
 }
 
 /// Restore and turn prefill of one resume.
@@ -422,7 +434,7 @@ pub fn run(
     anyhow::ensure!(common == depth - 1, "the next prompt extends the chat");
     let turn = prompt.len() - common;
     let question_tokens = tokenizer.encode_text(NEXT_QUESTION)?.len();
-    let context = prompt.len() + DECODE_TOKENS + 8;
+    let context = prompt.len() + 2 * DECODE_TOKENS + 8;
     let kv = model.kv_format;
     println!(
         "resume benchmark: {} · {} threads · KV {kv} · chat of {} messages, {depth} tokens",
@@ -487,13 +499,19 @@ pub fn run(
         .into_iter()
         .filter(|&m| m <= turn)
         .collect();
+    // At depth 0 too: what attention over the chat adds to each token.
     let mut by_length = vec![Vec::new(); lengths.len()];
+    let mut by_length_at_0 = vec![Vec::new(); lengths.len()];
     for _ in 0..rounds {
-        for (times, &m) in by_length.iter_mut().zip(&lengths) {
+        for (i, &m) in lengths.iter().enumerate() {
             used.truncate(common);
             let started = Instant::now();
             pool.install(|| used.prefill(&prompt[common..common + m]))?;
-            times.push(started.elapsed());
+            by_length[i].push(started.elapsed());
+            used.truncate(0);
+            let started = Instant::now();
+            pool.install(|| used.prefill(&prompt[..m]))?;
+            by_length_at_0[i].push(started.elapsed());
         }
     }
 
@@ -580,15 +598,17 @@ pub fn run(
         seconds(turn_prefill),
         seconds(cold) / (seconds(render) + seconds(turn_prefill))
     );
-    let shape: Vec<String> = lengths
-        .iter()
-        .zip(&by_length)
-        .map(|(m, times)| format!("{m}: {:.3} s", median_secs(times)))
-        .collect();
-    println!(
-        "| prefill at depth {common} by tokens in the turn | {} (medians of {rounds}) |",
-        shape.join(", ")
-    );
+    for (at, runs) in [(common, &by_length), (0, &by_length_at_0)] {
+        let shape: Vec<String> = lengths
+            .iter()
+            .zip(runs)
+            .map(|(m, times)| format!("{m}: {:.3} s", median_secs(times)))
+            .collect();
+        println!(
+            "| prefill at depth {at} by tokens in the turn | {} (medians of {rounds}) |",
+            shape.join(", ")
+        );
+    }
     println!(
         "| disk restore, parts | read {:.3} s, checksums + decompression into the snapshot {:.3} s, copy into the cache {:.3} s (medians; {}) |",
         median_secs(&disk.read),
@@ -622,22 +642,24 @@ pub fn run(
             seconds(d)
         );
     }
-    let alone = median_secs(&disk.decode_times[0]);
-    for (mode, times) in [WriterMode::BackToBack, WriterMode::AsTheApp]
-        .into_iter()
-        .zip(&disk.decode_times[1..])
-    {
-        let with = median_secs(times);
-        println!(
-            "| decode at depth {depth} beside the snapshot writer ({}) | {:.1} ms/token alone, {:.1} with the writer: {:+.1}% (medians of {} tokens each, {rounds} interleaved rounds; the writer wrote {:.0} MiB meanwhile) |",
-            mode.describe(),
-            alone * 1e3,
-            with * 1e3,
-            (with / alone - 1.0) * 100.0,
-            times.len(),
-            mib(disk.written[mode as usize] as f64),
-        );
-    }
+    let beside = &disk.beside;
+    let (alone, writing, paused) = (
+        median_secs(&beside.alone),
+        median_secs(&beside.writing),
+        median_secs(&beside.paused),
+    );
+    println!(
+        "| decode at depth {depth} beside the snapshot writer | {:.1} ms/token with the writer writing back to back, {:.1} with it paused (as while a turn computes in the app): writing costs {:+.1}%; paused against no writer ({:.1}): {:+.1}% (medians of {} / {} / {} tokens; {rounds} rounds, the writer's pause flipped every {PHASE_TOKENS} tokens within a run; it wrote {:.0} MiB meanwhile) |",
+        writing * 1e3,
+        paused * 1e3,
+        (writing / paused - 1.0) * 100.0,
+        alone * 1e3,
+        (paused / alone - 1.0) * 100.0,
+        beside.writing.len(),
+        beside.paused.len(),
+        beside.alone.len(),
+        mib(beside.written as f64),
+    );
     Ok(())
 }
 
@@ -652,9 +674,7 @@ struct DiskFigures {
     file_bytes: usize,
     encode: Duration,
     write: Duration,
-    /// Token times per [`WriterMode`] (in its order), and bytes written beside each.
-    decode_times: [Vec<Duration>; 3],
-    written: [u64; 3],
+    beside: BesideWriter,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -728,23 +748,10 @@ fn disk_and_writes(
     let mut decoder = model.new_session(pool, context);
     pool.install(|| decoder.restore(snapshot, depth))?;
     // Warm-up: the pool's per-thread scratch comes to life on the first decodes.
-    pool.install(|| decode_run(&mut decoder, 1))?;
-    let mut decode_times: [Vec<Duration>; 3] = Default::default();
-    let mut written = [0u64; 3];
-    let modes = [
-        WriterMode::Alone,
-        WriterMode::BackToBack,
-        WriterMode::AsTheApp,
-    ];
-    for round in 0..rounds {
-        // Each round starts with another mode, so drift in the machine's load spreads evenly.
-        for k in 0..modes.len() {
-            let mode = modes[(round + k) % modes.len()];
-            let (times, bytes) =
-                decode_beside_writer(pool, &mut decoder, depth, &shared, dir, mode)?;
-            decode_times[mode as usize].extend(times);
-            written[mode as usize] += bytes;
-        }
+    pool.install(|| decode_run(&mut decoder, 4, &|_| {}))?;
+    let mut beside = BesideWriter::default();
+    for _ in 0..rounds {
+        decode_beside_writer(pool, &mut decoder, depth, &shared, dir, &mut beside)?;
     }
     Ok(DiskFigures {
         resumes,
@@ -755,8 +762,7 @@ fn disk_and_writes(
         file_bytes,
         encode,
         write,
-        decode_times,
-        written,
+        beside,
     })
 }
 

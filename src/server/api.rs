@@ -160,11 +160,24 @@ pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiE
 
 /// Renders the messages as a harmony prompt and checks every sampling field. System and
 /// developer messages become harmony's developer instructions (gpt-oss reserves the harmony
-/// system message for identity, dates and reasoning effort).
+/// system message for identity, dates and reasoning effort), as the model card's chat template
+/// does with a leading system message; the system message carries today's date (UTC), as it
+/// does in the app, vLLM and llama-server.
 pub fn prepare_chat(
     request: ChatCompletionRequest,
     tokenizer: &Tokenizer,
     context: usize,
+) -> Result<ChatJob, ApiError> {
+    let today = crate::tui::store::date_utc(std::time::SystemTime::now());
+    prepare_chat_dated(request, tokenizer, context, Some(&today))
+}
+
+/// [`prepare_chat`] with the system message's date given (`None`: no date line).
+pub fn prepare_chat_dated(
+    request: ChatCompletionRequest,
+    tokenizer: &Tokenizer,
+    context: usize,
+    date: Option<&str>,
 ) -> Result<ChatJob, ApiError> {
     if request.messages.is_empty() {
         return Err(ApiError::invalid(
@@ -187,7 +200,13 @@ pub fn prepare_chat(
         let param = format!("messages[{index}]");
         let text = content_text(message.content, &param)?;
         match message.role.as_str() {
-            "system" | "developer" => developer.push(text),
+            // Several are joined in order, wherever they stand; an empty one adds nothing (the
+            // chat template renders no developer message for an empty system message).
+            "system" | "developer" => {
+                if !text.trim().is_empty() {
+                    developer.push(text)
+                }
+            }
             "user" => messages.push(ChatMessage::user(text)),
             "assistant" => messages.push(ChatMessage::assistant(Channel::Final, text)),
             other => {
@@ -201,6 +220,7 @@ pub fn prepare_chat(
     let conversation = Conversation {
         system: SystemSettings {
             reasoning: Some(reasoning),
+            date: date.map(str::to_owned),
             ..SystemSettings::default()
         },
         developer: (!developer.is_empty()).then(|| developer.join("\n\n")),
