@@ -1022,6 +1022,9 @@ fn map_name(hf: &str) -> Option<Mapped> {
     })
 }
 
+/// One part of an expert projection: (GGUF tensor name, tensor, first row within an expert).
+type ExpertPart<'a> = (String, &'a GgufTensor, usize);
+
 /// A [`GgufFile`] serving tensors under Hugging Face names, converted as the module doc says.
 pub struct GgufSource {
     pub file: GgufFile,
@@ -1119,7 +1122,7 @@ impl GgufSource {
         &self,
         parts: &[String],
         suffix: &str,
-    ) -> Result<(Vec<(String, &GgufTensor, usize)>, bool), ModelError> {
+    ) -> Result<(Vec<ExpertPart<'_>>, bool), ModelError> {
         if let [gate, _] = parts {
             if let Some(fused) = gate.strip_suffix("ffn_gate_exps") {
                 let name = format!("{fused}ffn_gate_up_exps.{suffix}");
