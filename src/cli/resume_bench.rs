@@ -280,6 +280,10 @@ struct BesideWriter {
     writing: Vec<Duration>,
     /// The writer paused at its next 1 MiB block, as the engine pauses it while a turn computes.
     paused: Vec<Duration>,
+    /// The app's case: a write under way when a turn starts, paused for the whole turn (its
+    /// block in flight and the kernel's writeback of what it wrote so far still run), resumed
+    /// after the turn. Interleaved with `alone` round by round.
+    pending: Vec<Duration>,
     /// Bytes of files the writer finished during the decodes.
     written: u64,
 }
@@ -356,6 +360,39 @@ fn decode_beside_writer(
         }
     }
     into.written += written.load(Ordering::Relaxed);
+
+    // The app's case: the writer is under way when the turn starts and pauses for all of it.
+    decoder.truncate(depth);
+    let busy = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (snapshot, busy) = (Arc::clone(snapshot), Arc::clone(&busy));
+        let path = dir.join("pending.kv");
+        std::thread::Builder::new()
+            .name("ossterm-bench-writer".into())
+            .spawn(move || -> std::io::Result<()> {
+                kv_tiers::lower_thread_priority();
+                let pause = || {
+                    while busy.load(Ordering::Relaxed) {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                };
+                let bytes = kv_tiers::encode_pausing(&snapshot, "bench", &pause);
+                kv_tiers::write_atomic_pausing(&path, &bytes, &pause)
+            })?
+    };
+    // Mid-write when the turn starts: a third of the encode, as the app's writer would be a
+    // moment after the previous reply ended.
+    std::thread::sleep(Duration::from_millis(200));
+    busy.store(true, Ordering::Relaxed);
+    let times = pool.install(|| decode_run(decoder, DECODE_TOKENS, &|_| {}));
+    busy.store(false, Ordering::Relaxed);
+    let outcome = writer.join();
+    into.pending.extend(times?);
+    match outcome {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => return Err(error).context("the background write failed"),
+        Err(_) => anyhow::bail!("the background writer panicked"),
+    }
     Ok(())
 }
 
@@ -659,6 +696,15 @@ pub fn run(
         beside.paused.len(),
         beside.alone.len(),
         mib(beside.written as f64),
+    );
+    let pending = median_secs(&beside.pending);
+    println!(
+        "| decode at depth {depth} while a write is under way, as the app runs it (the writer mid-file when the turn starts, paused for the turn) | {:.1} ms/token against {:.1} with no writer: {:+.1}% (medians of {} / {} tokens, {rounds} rounds, each round's two runs back to back) |",
+        pending * 1e3,
+        alone * 1e3,
+        (pending / alone - 1.0) * 100.0,
+        beside.pending.len(),
+        beside.alone.len(),
     );
     Ok(())
 }
