@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use crate::bench::probe::{read_bandwidth_gbps, CpuInfo};
+use crate::bench::probe::read_bandwidth_gbps;
 use crate::bench::stats::Summary;
 use crate::engine::{Sampler, SamplerSettings};
 use crate::kernels::{Kernels, PROBE_ROUND_MACS};
@@ -173,13 +173,7 @@ pub fn run(
     let bandwidth = read_bandwidth_gbps(threads);
     let peak = int8_peak_gmacs(model.kernels, pool);
     let mut out = output::stdout();
-    writeln!(out, "cpu: {}", CpuInfo::current())?;
-    writeln!(
-        out,
-        "model: {}, {threads} threads, {}",
-        model.source,
-        model.weights_description()
-    )?;
+    super::bench_cmd::write_run_header(&mut out, model, threads)?;
     writeln!(
         out,
         "batched decode (Session::forward_batch): {steps} steps x {rounds} rounds per size, sizes interleaved, context {PROMPT_TOKENS}+; medians"

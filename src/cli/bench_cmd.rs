@@ -212,3 +212,19 @@ impl ProgressLine {
         }
     }
 }
+
+/// The first lines of every model bench mode's report: the CPU it ran on, the model, the thread
+/// count and the weight formats, so a figure is never read without its setting.
+pub(super) fn write_run_header(
+    out: &mut output::Out,
+    model: &crate::model::Model,
+    threads: usize,
+) -> Result<(), output::OutputError> {
+    writeln!(out, "cpu: {}", crate::bench::probe::CpuInfo::current())?;
+    writeln!(
+        out,
+        "model: {}, {threads} threads, {}",
+        model.source,
+        model.weights_description()
+    )
+}

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::bench::probe::{read_bandwidth_gbps, CpuInfo};
+use crate::bench::probe::read_bandwidth_gbps;
 use crate::bench::stats::Summary;
 use crate::model::profile::{boundary_cost_nanos, Phase, ProfileCounts};
 use crate::model::Model;
@@ -75,13 +75,7 @@ pub fn run(
     let bandwidth = read_bandwidth_gbps(threads);
     let bytes = model.decode_bytes_per_token(PROMPT_TOKENS + gen_tokens / 2);
     let mut out = output::stdout();
-    writeln!(out, "cpu: {}", CpuInfo::current())?;
-    writeln!(
-        out,
-        "model: {}, {threads} threads, {}",
-        model.source,
-        model.weights_description()
-    )?;
+    super::bench_cmd::write_run_header(&mut out, model, threads)?;
     writeln!(
         out,
         "decode {gen_tokens} tokens x {rounds} rounds, interleaved; median tok/s"

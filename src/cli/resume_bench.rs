@@ -10,7 +10,7 @@
 //! closes the last reply in history (the session generated `<|return|>` there), then
 //! `<|start|>user<|message|>`, a short question, `<|end|><|start|>assistant`.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -288,6 +288,50 @@ struct BesideWriter {
     written: u64,
 }
 
+/// Starts the benchmark's snapshot writer: the engine's encode and atomic write of `snapshot`
+/// to `path`, again and again until `stop`, waiting at each 1 MiB block while `busy` (as the
+/// engine's writer waits while a turn computes); files finished before `stop` add to `written`.
+fn spawn_writer(
+    snapshot: &Arc<KvSnapshot>,
+    path: PathBuf,
+    busy: &Arc<AtomicBool>,
+    stop: &Arc<AtomicBool>,
+    written: &Arc<AtomicU64>,
+) -> std::io::Result<std::thread::JoinHandle<std::io::Result<()>>> {
+    let (snapshot, busy, stop, written) = (
+        Arc::clone(snapshot),
+        Arc::clone(busy),
+        Arc::clone(stop),
+        Arc::clone(written),
+    );
+    std::thread::Builder::new()
+        .name("ossterm-bench-writer".into())
+        .spawn(move || -> std::io::Result<()> {
+            kv_tiers::lower_thread_priority();
+            let pause = || {
+                while busy.load(Ordering::Relaxed) && !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            };
+            while !stop.load(Ordering::Relaxed) {
+                let bytes = kv_tiers::encode_pausing(&snapshot, "bench", &pause);
+                kv_tiers::write_atomic_pausing(&path, &bytes, &pause)?;
+                if !stop.load(Ordering::Relaxed) {
+                    written.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                }
+            }
+            Ok(())
+        })
+}
+
+fn join_writer(writer: std::thread::JoinHandle<std::io::Result<()>>) -> anyhow::Result<()> {
+    match writer.join() {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(error)) => Err(error).context("the background write failed"),
+        Err(_) => anyhow::bail!("the background writer panicked"),
+    }
+}
+
 /// One round: `DECODE_TOKENS` tokens with no writer, then `2 * DECODE_TOKENS` with the writer
 /// writing the snapshot again and again while the pause flag flips every [`PHASE_TOKENS`]
 /// tokens. Writing and paused tokens alternate within one run, so drift in the machine's load
@@ -308,34 +352,7 @@ fn decode_beside_writer(
     let busy = Arc::new(AtomicBool::new(false));
     let stop = Arc::new(AtomicBool::new(false));
     let written = Arc::new(AtomicU64::new(0));
-    let path = dir.join("during.kv");
-    let writer = {
-        let (snapshot, busy, stop, written) = (
-            Arc::clone(snapshot),
-            Arc::clone(&busy),
-            Arc::clone(&stop),
-            Arc::clone(&written),
-        );
-        std::thread::Builder::new()
-            .name("ossterm-bench-writer".into())
-            .spawn(move || -> std::io::Result<()> {
-                kv_tiers::lower_thread_priority();
-                let pause = || {
-                    while busy.load(Ordering::Relaxed) && !stop.load(Ordering::Relaxed) {
-                        std::thread::sleep(Duration::from_millis(5));
-                    }
-                };
-                while !stop.load(Ordering::Relaxed) {
-                    let bytes = kv_tiers::encode_pausing(&snapshot, "bench", &pause);
-                    kv_tiers::write_atomic_pausing(&path, &bytes, &pause)?;
-                    // Only writes finished while the decode ran count.
-                    if !stop.load(Ordering::Relaxed) {
-                        written.fetch_add(bytes.len() as u64, Ordering::Relaxed);
-                    }
-                }
-                Ok(())
-            })?
-    };
+    let writer = spawn_writer(snapshot, dir.join("during.kv"), &busy, &stop, &written)?;
     // The writer is under way when the first phase starts.
     std::thread::sleep(Duration::from_millis(30));
     let paused_phase = |i: usize| (i / PHASE_TOKENS) % 2 == 1;
@@ -345,13 +362,9 @@ fn decode_beside_writer(
         })
     });
     stop.store(true, Ordering::Relaxed);
-    let outcome = writer.join();
+    let outcome = join_writer(writer);
     let times = times?;
-    match outcome {
-        Ok(Ok(())) => {}
-        Ok(Err(error)) => return Err(error).context("the background write failed"),
-        Err(_) => anyhow::bail!("the background writer panicked"),
-    }
+    outcome?;
     for (i, time) in times.into_iter().enumerate() {
         if paused_phase(i) {
             into.paused.push(time);
@@ -364,35 +377,19 @@ fn decode_beside_writer(
     // The app's case: the writer is under way when the turn starts and pauses for all of it.
     decoder.truncate(depth);
     let busy = Arc::new(AtomicBool::new(false));
-    let writer = {
-        let (snapshot, busy) = (Arc::clone(snapshot), Arc::clone(&busy));
-        let path = dir.join("pending.kv");
-        std::thread::Builder::new()
-            .name("ossterm-bench-writer".into())
-            .spawn(move || -> std::io::Result<()> {
-                kv_tiers::lower_thread_priority();
-                let pause = || {
-                    while busy.load(Ordering::Relaxed) {
-                        std::thread::sleep(Duration::from_millis(5));
-                    }
-                };
-                let bytes = kv_tiers::encode_pausing(&snapshot, "bench", &pause);
-                kv_tiers::write_atomic_pausing(&path, &bytes, &pause)
-            })?
-    };
-    // Mid-write when the turn starts: a third of the encode, as the app's writer would be a
-    // moment after the previous reply ended.
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = spawn_writer(snapshot, dir.join("pending.kv"), &busy, &stop, &written)?;
+    // Mid-write when the turn starts, as the app's writer would be a moment after the previous
+    // reply ended.
     std::thread::sleep(Duration::from_millis(200));
     busy.store(true, Ordering::Relaxed);
     let times = pool.install(|| decode_run(decoder, DECODE_TOKENS, &|_| {}));
+    // The turn is over: the writer finishes the file it is in and stops.
+    stop.store(true, Ordering::Relaxed);
     busy.store(false, Ordering::Relaxed);
-    let outcome = writer.join();
+    let outcome = join_writer(writer);
     into.pending.extend(times?);
-    match outcome {
-        Ok(Ok(())) => {}
-        Ok(Err(error)) => return Err(error).context("the background write failed"),
-        Err(_) => anyhow::bail!("the background writer panicked"),
-    }
+    outcome?;
     Ok(())
 }
 
