@@ -368,6 +368,39 @@ fn sizes_past_the_context_or_the_machine_are_refused_with_the_numbers() {
 }
 
 #[test]
+fn bench_batch_sizes_and_steps_out_of_range_are_refused() {
+    for (sizes, wanted) in [
+        ("0", "--batch sizes must be 1 to"),
+        ("1,100000", "--batch sizes must be 1 to"),
+    ] {
+        let output = run(&["bench", "--synthetic", "tiny", "--batch", sizes]);
+        assert_fails_with("--batch", &output, wanted);
+    }
+    for (args, wanted) in [
+        (&["--batch", "99999999999999999999999"][..], "invalid value"),
+        (
+            &["--batch", "1", "--batch-steps", "0"][..],
+            "0 is not in 1..=1000",
+        ),
+        (
+            &["--batch", "1", "--batch-steps", "18446744073709551615"][..],
+            "18446744073709551615 is not in 1..=1000",
+        ),
+    ] {
+        let mut all = vec!["bench", "--synthetic", "tiny"];
+        all.extend_from_slice(args);
+        let output = run(&all);
+        assert_no_panic("bench --batch", &output);
+        assert_eq!(output.status.code(), Some(2), "{args:?}");
+        assert!(
+            stderr_of(&output).contains(wanted),
+            "{args:?}: {}",
+            stderr_of(&output)
+        );
+    }
+}
+
+#[test]
 fn a_huge_context_is_checked_against_the_machines_memory() {
     // The tiny model's context is 131072 positions of 4 KB each in f32: fits. A config with a
     // context of 2^40 positions would need petabytes, which no machine has.
