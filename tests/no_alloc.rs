@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use ossterm::chat::{HarmonyParser, Tokenizer};
 use ossterm::engine::{build_pool, generate, GenerateLimits, Sampler, SamplerSettings};
-use ossterm::model::{LoadOptions, Model, Precision, Preset};
+use ossterm::model::{LoadOptions, Model, Precision, Preset, Sequence, SequenceStep, Session};
 use rayon::ThreadPool;
 
 mod counting_alloc;
@@ -100,6 +100,47 @@ fn decoding_a_token_allocates_nothing() {
         );
     }
     first_decode_on_a_new_pool_allocates_nothing();
+    batched_decode_allocates_nothing(&pool);
+}
+
+/// A server's decode step (`Session::forward_batch` over four sequences, each one token: eight
+/// split rows, which the dense products run as two GEMV passes, and attention as one region for
+/// all sequences) allocates nothing once warm.
+fn batched_decode_allocates_nothing(pool: &Arc<ThreadPool>) {
+    let model = model(Precision::Fast);
+    let mut session = model.new_session(pool, 64);
+    let mut sequences: Vec<Sequence> = (0..4).map(|_| session.new_sequence(64)).collect();
+    let mut next = [200006u32, 17360, 200008, 17360];
+    let step = |session: &mut Session, sequences: &mut [Sequence], next: &mut [u32; 4]| {
+        let [a, b, c, d] = sequences else {
+            unreachable!("four sequences")
+        };
+        let tokens = *next;
+        let mut row = 0;
+        // An array, not a Vec: the step itself is what is counted.
+        let mut steps = [a, b, c, d].map(|sequence| {
+            row += 1;
+            SequenceStep {
+                sequence,
+                tokens: &tokens[row - 1..row],
+            }
+        });
+        session.forward_batch(&mut steps).unwrap();
+        for (row, token) in next.iter_mut().enumerate() {
+            *token = ossterm::engine::sampler::argmax(session.batch_logits(row)).unwrap();
+        }
+    };
+    let used = pool.install(|| {
+        for _ in 0..4 {
+            step(&mut session, &mut sequences, &mut next);
+        }
+        let before = allocations();
+        for _ in 0..32 {
+            step(&mut session, &mut sequences, &mut next);
+        }
+        allocations() - before
+    });
+    assert_eq!(used, 0, "batched decode steps allocated");
 }
 
 /// The app builds a new pool when the thread count changes and moves its session there, which

@@ -20,6 +20,7 @@ use crate::engine::{Sampler, SamplerSettings};
 use crate::kernels::{Kernels, PROBE_ROUND_MACS};
 use crate::model::options::{ActivationFormat, Product};
 use crate::model::profile::{Phase, ProfileCounts};
+use crate::model::team::{team_stats, TeamStats};
 use crate::model::{Model, SequenceStep};
 
 use super::output;
@@ -38,6 +39,9 @@ struct Row {
     sampling: Vec<f64>,
     /// Median share of each phase, in seconds per step (the phase counters' sums over steps).
     phases: [f64; 5],
+    /// What the pool's team did over all of this size's steps: parallel regions, regions run on
+    /// the leader alone, the leader's waits for a helper's last task.
+    team: TeamStats,
 }
 
 /// Runs the batch benchmark: `sizes` batch sizes, `steps` decode steps each per round, `rounds`
@@ -96,6 +100,7 @@ pub fn run(
             step: Vec::new(),
             sampling: Vec::new(),
             phases: [0.0; 5],
+            team: TeamStats::default(),
         })
         .collect();
     let mut phase_steps: Vec<Vec<[f64; 5]>> = vec![Vec::new(); sizes.len()];
@@ -117,6 +122,7 @@ pub fn run(
                 let batch = sizes[index];
                 let mut next: Vec<u32> = (0..batch).map(|s| (s * 31 + 7) as u32).collect();
                 for _ in 0..steps {
+                    let team_before = team_stats();
                     let started = Instant::now();
                     {
                         let mut batch_steps: Vec<SequenceStep<'_>> = sequences[..batch]
@@ -130,6 +136,7 @@ pub fn run(
                         session.forward_batch(&mut batch_steps)?;
                     }
                     let stepped = started.elapsed().as_secs_f64();
+                    add_team(&mut rows[index].team, &team_stats().since(&team_before));
                     let sampled_at = Instant::now();
                     let session_ref = &session;
                     let drawn: Vec<_> = samplers[..batch]
@@ -235,6 +242,26 @@ pub fn run(
         )?;
         bounds.push((row.batch, step, bytes_ms.max(macs_ms), bytes_ms >= macs_ms));
     }
+    // Where a step waits between its parallel regions (see `model::team`): per step, the regions,
+    // those the leader ran alone (a helper stalled shortly before), and the leader's waits for a
+    // helper's last task.
+    writeln!(
+        out,
+        "{:>5} {:>9} {:>9} {:>9} {:>9}",
+        "batch", "regions", "solo", "wait ms", "stalls"
+    )?;
+    for row in &rows {
+        let per_step = |count: u64| count as f64 / row.step.len().max(1) as f64;
+        writeln!(
+            out,
+            "{:>5} {:>9.0} {:>9.0} {:>9.2} {:>9.2}",
+            row.batch,
+            per_step(row.team.regions),
+            per_step(row.team.solo_regions),
+            per_step(row.team.wait_nanos) / 1e6,
+            per_step(row.team.stalls)
+        )?;
+    }
     for (batch, step, bound, by_bytes) in bounds {
         writeln!(
             out,
@@ -302,6 +329,13 @@ pub fn macs_per_row(model: &Model) -> f64 {
     let router = c.num_local_experts as f64 * h;
     let per_layer = attention * dense + c.num_experts_per_tok as f64 * expert + router;
     c.num_hidden_layers as f64 * per_layer + c.vocab_size as f64 * h * dense
+}
+
+fn add_team(total: &mut TeamStats, step: &TeamStats) {
+    total.regions += step.regions;
+    total.solo_regions += step.solo_regions;
+    total.stalls += step.stalls;
+    total.wait_nanos += step.wait_nanos;
 }
 
 fn split_rows(activations: ActivationFormat, product: Product) -> f64 {

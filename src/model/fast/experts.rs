@@ -14,7 +14,7 @@ pub(super) const GROUP_SLOTS: usize = 32;
 
 /// Most tokens routed to an expert for it to join a group. An expert with more runs alone: its
 /// products are long enough that their own regions cost little, and a slot's buffers stay small.
-const GROUPED_TOKENS: usize = 32;
+pub(super) const GROUPED_TOKENS: usize = 32;
 
 impl FastPass<'_> {
     /// Several tokens (a batch of decoded sequences, a prefill chunk): the experts in index

@@ -125,6 +125,9 @@ pub struct Work {
     blocked: Vec<f32>,
     /// The f32 rows of a split quantization.
     split_staging: Vec<f32>,
+    /// A few-token dense job's input cut into GEMV passes ([`GEMV_PASSES`] slots per job);
+    /// each buffer grows once, to [`kernels::MAX_GEMV_TOKENS`] rows.
+    pass_in: Vec<Q8Activations>,
 }
 
 impl Work {
@@ -135,6 +138,7 @@ impl Work {
             tasks: Vec::with_capacity(1024),
             blocked: vec![0.0; blocked],
             split_staging: vec![0.0; 2 * split_values],
+            pass_in: Vec::new(),
         }
     }
 
@@ -202,6 +206,25 @@ impl Work {
             block_offset <= self.blocked.len(),
             "scratch sized for the widest job set"
         );
+        // Cut the input of each few-token dense job into GEMV passes (see `gemv_passes`).
+        let slots = jobs.len() * GEMV_PASSES;
+        if self.pass_in.len() < slots {
+            self.pass_in.resize_with(slots, Q8Activations::new);
+        }
+        for (index, job) in jobs.iter().enumerate() {
+            if let (Some(passes), Some(x)) = (gemv_passes(job), job.quantized) {
+                for pass in 0..passes {
+                    let first = pass * kernels::MAX_GEMV_TOKENS;
+                    let count = kernels::MAX_GEMV_TOKENS.min(job.tokens - first);
+                    let rows: [usize; kernels::MAX_GEMV_TOKENS] =
+                        std::array::from_fn(|i| first + i);
+                    self.pass_in[index * GEMV_PASSES + pass]
+                        .gather_rows(x, &rows[..count])
+                        .expect("a job's token rows are its input's rows");
+                }
+            }
+        }
+        let pass_in = &self.pass_in;
         let shared = SharedOut(self.blocked.as_mut_ptr());
         let run = |task: &RowTask| {
             let job = &jobs[task.job];
@@ -209,7 +232,10 @@ impl Work {
             // SAFETY: see `SharedOut`: this task's block [block_offset, block_offset + len) is its
             // own.
             let block = unsafe { shared.slice(task.block_offset, len) };
-            run_task(k, job, task.rows.0..task.rows.1, block);
+            let passes = gemv_passes(job).map_or(&[][..], |passes| {
+                &pass_in[task.job * GEMV_PASSES..task.job * GEMV_PASSES + passes]
+            });
+            run_task(k, job, task.rows.0..task.rows.1, block, passes);
         };
         if inline {
             tasks.iter().for_each(run);
@@ -290,13 +316,79 @@ fn task_rows(total_rows: usize) -> usize {
     target.div_ceil(kernels::GEMM_TILE_ROWS) * kernels::GEMM_TILE_ROWS
 }
 
-fn run_task(k: Kernels, job: &Job<'_>, rows: Range<usize>, out: &mut [f32]) {
+/// Most GEMV passes a dense job of a few tokens more than the GEMV takes is cut into.
+const GEMV_PASSES: usize = 2;
+
+/// Weight rows a GEMV pass covers before the next pass re-reads them: 64 rows of Q8 2,880 wide
+/// are 190 KB, which stay in L2 (1-2 MB per core), so only the first pass reads them from memory.
+const PASS_ROWS: usize = 64;
+
+/// How many GEMV passes of at most [`kernels::MAX_GEMV_TOKENS`] tokens a dense int8 job is cut
+/// into, or `None` when it takes one GEMV or the GEMM. Split activations give attention and the
+/// unembedding two rows per token, so a batch of a few sequences has a few rows more than the
+/// GEMV takes; the GEMM, made for many rows, ran them at a third of the GEMV's pace (a batch of
+/// four: attention 62 ms a step against 23 for one sequence). The experts' MXFP4 products keep
+/// their own choice (`Kernels::mxfp4_product`): their GEMV at four rows already runs at about
+/// half the read bandwidth (`bench --kernels`), so a second pass would not come nearly free.
+fn gemv_passes(job: &Job<'_>) -> Option<usize> {
+    let int8_dense = matches!(
+        job.weights,
+        JobWeights::Dense(DenseMatrix::Q8(_) | DenseMatrix::Q4(_))
+    );
+    let passes = job.tokens.div_ceil(kernels::MAX_GEMV_TOKENS);
+    (int8_dense && (2..=GEMV_PASSES).contains(&passes)).then_some(passes)
+}
+
+/// A dense int8 job's rows `rows` over its GEMV passes `passes` (see [`gemv_passes`]): for each
+/// block of [`PASS_ROWS`] weight rows, every pass in turn, so the block is read from memory once.
+fn run_passes(
+    k: Kernels,
+    w: &DenseMatrix,
+    passes: &[Q8Activations],
+    rows: Range<usize>,
+    out: &mut [f32],
+) -> Result<(), kernels::KernelError> {
+    let width = rows.len();
+    let mut staged = [0.0f32; kernels::MAX_GEMV_TOKENS * PASS_ROWS];
+    let mut start = rows.start;
+    while start < rows.end {
+        let block = start..(start + PASS_ROWS).min(rows.end);
+        let (at, len) = (block.start - rows.start, block.len());
+        let mut token = 0;
+        for x in passes {
+            let staged = &mut staged[..x.rows() * len];
+            match w {
+                DenseMatrix::Q8(m) => k.q8_gemv(m, x, block.clone(), staged)?,
+                DenseMatrix::Q4(m) => k.q4_gemv(m, x, block.clone(), staged)?,
+                DenseMatrix::Bf16(_) => unreachable!("only int8 jobs take GEMV passes"),
+            }
+            for (t, values) in staged.chunks_exact(len).enumerate() {
+                let dst = (token + t) * width + at;
+                out[dst..dst + len].copy_from_slice(values);
+            }
+            token += x.rows();
+        }
+        start = block.end;
+    }
+    Ok(())
+}
+
+fn run_task(
+    k: Kernels,
+    job: &Job<'_>,
+    rows: Range<usize>,
+    out: &mut [f32],
+    passes: &[Q8Activations],
+) {
     // A token and its split remainder (decode), or the few tokens an expert gets in a batched
     // step or a short prefill, stream the weights once through the GEMV; more go to the GEMM.
     // For the experts the kernels decide (`Kernels::mxfp4_product`), so the choice is made in
     // one place.
     let few = job.tokens <= kernels::MAX_GEMV_TOKENS;
     let result = match (job.weights, job.quantized) {
+        (JobWeights::Dense(m), Some(_)) if !passes.is_empty() => {
+            run_passes(k, m, passes, rows, out)
+        }
         (JobWeights::Bf16(m), _) => k.bf16_gemm(m.values(), m.cols(), job.plain, rows, out),
         (JobWeights::Dense(DenseMatrix::Bf16(m)), _) => {
             k.bf16_gemm(m.values(), m.cols(), job.plain, rows, out)

@@ -20,10 +20,11 @@ use super::options::{ActivationFormat, Product};
 use super::profile::{PassProfile, Phase};
 use super::rope::{apply_rope_rows, RopeTable};
 use super::session::SequenceStep;
+use super::team::parallel_for;
 use super::team::Team;
 use super::weights::{Layer, Weights};
 use crate::kernels::{Kernels, Q8Activations};
-use jobs::{fold_rows, Job, Work};
+use jobs::{fold_rows, Job, SharedOut, Work};
 
 /// Tokens per prefill chunk in the fast path: enough that each of 32 experts sees dozens of
 /// tokens, so a decoded weight tile is reused many times.
@@ -46,13 +47,16 @@ pub struct Scratch {
     /// o_proj's output.
     proj: Vec<f32>,
     router: Vec<f32>,
+    /// A batch's single-token steps as (step index, row), whose attention runs in one region.
+    decoded: Vec<(usize, usize)>,
     /// Per expert, the (token, weight) pairs routed to it.
     routes: Vec<Vec<(usize, f32)>>,
     /// The rows of `expert_in_q` routed to one expert (prefill).
     route_rows: Vec<usize>,
     gathered: Q8Activations,
-    /// The experts whose products run together (see `experts.rs`), and each one's routed rows.
-    /// The slots' buffers grow once, to the most tokens a grouped expert gets.
+    /// The experts whose products run together (see `experts.rs`), and each one's routed rows,
+    /// sized for the most a grouped expert gets: a batch's routing changes every step, so
+    /// buffers that grew on demand would allocate whenever an expert got more rows than before.
     group: Vec<usize>,
     group_in: Vec<Q8Activations>,
     /// The experts' input: one or two quantized rows per token (see [`ActivationFormat`]).
@@ -107,12 +111,13 @@ impl Scratch {
             attn_q: Q8Activations::with_capacity(2 * n, qw),
             proj: vec![0.0; 2 * n * h],
             router: vec![0.0; n * e],
+            decoded: Vec::with_capacity(n),
             routes: (0..e).map(|_| Vec::with_capacity(n)).collect(),
             route_rows: Vec::with_capacity(2 * n),
             gathered: Q8Activations::with_capacity(2 * n, h),
             group: Vec::with_capacity(experts::GROUP_SLOTS),
             group_in: (0..experts::GROUP_SLOTS)
-                .map(|_| Q8Activations::new())
+                .map(|_| Q8Activations::with_capacity(2 * experts::GROUPED_TOKENS, h))
                 .collect(),
             expert_in_q: Q8Activations::with_capacity(2 * n, h),
             gate_up: vec![0.0; expert_rows * 2 * i],
@@ -122,7 +127,7 @@ impl Scratch {
                     if slot < top_k {
                         Q8Activations::with_capacity(2 * n, i)
                     } else {
-                        Q8Activations::new()
+                        Q8Activations::with_capacity(2 * experts::GROUPED_TOKENS, i)
                     }
                 })
                 .collect(),
@@ -160,6 +165,34 @@ pub struct FastPass<'a> {
     pub activations: ActivationFormat,
     /// Pool threads kept awake for this pass (decode), or `None` to use rayon.
     pub team: Option<&'a Team>,
+}
+
+/// The steps of a batch, shared by the tasks of one parallel region that each take a different
+/// step.
+struct SharedSteps<'s, 'a>(
+    *mut SequenceStep<'a>,
+    std::marker::PhantomData<&'s mut [SequenceStep<'a>]>,
+);
+// SAFETY: every task of the region takes a distinct step (see `FastPass::attention`), and a
+// sequence's cache may be written from any thread (it is plain memory the session moves between
+// threads already).
+unsafe impl Send for SharedSteps<'_, '_> {}
+unsafe impl Sync for SharedSteps<'_, '_> {}
+
+impl<'s, 'a> SharedSteps<'s, 'a> {
+    fn new(steps: &'s mut [SequenceStep<'a>]) -> Self {
+        SharedSteps(steps.as_mut_ptr(), std::marker::PhantomData)
+    }
+
+    /// Step `index`.
+    ///
+    /// # Safety
+    /// `index` is inside the slice and no other live reference to that step exists.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn get(&self, index: usize) -> &mut SequenceStep<'a> {
+        // SAFETY: guaranteed by the caller.
+        unsafe { &mut *self.0.add(index) }
+    }
 }
 
 impl FastPass<'_> {
@@ -306,38 +339,84 @@ impl FastPass<'_> {
         add_bias_rows(v, &a.v.bias);
         apply_rope_rows(q, qw, hd, &s.cos, &s.sin);
         apply_rope_rows(k, kvw, hd, &s.cos, &s.sin);
+        let (q, k, v) = (&*q, &*k, &*v);
+        // Decoded rows (one token of a sequence) attend in one parallel region for all of a
+        // batch's sequences, a task per sequence: a step of 16 sequences would otherwise run 16
+        // regions per layer of a few microseconds' work each, and each region's barrier costs
+        // about as much as its work. Steps of several tokens (a prompt chunk joining the batch)
+        // have work enough for a region of their own, split by KV head and token.
+        let single = steps.iter().filter(|step| step.tokens.len() == 1).count();
+        let fused = self.team.is_some() && single > 1;
         let mut row = 0;
-        for step in steps.iter_mut() {
+        s.decoded.clear();
+        for (index, step) in steps.iter_mut().enumerate() {
             let len = step.tokens.len();
-            let start = step.sequence.len();
-            let (q, k, v) = (
-                &q[row * qw..(row + len) * qw],
-                &k[row * kvw..(row + len) * kvw],
-                &v[row * kvw..(row + len) * kvw],
-            );
-            let attn = &mut s.attn[row * qw..(row + len) * qw];
-            match step.sequence.kv.layer(l) {
-                LayerKvOf::F16(cache) => {
-                    self.store_and_attend(layer, start, len, (q, k, v), cache, attn)
-                }
-                LayerKvOf::F32(cache) => {
-                    self.store_and_attend(layer, start, len, (q, k, v), cache, attn)
-                }
-                LayerKvOf::Q8(mut cache) => {
-                    for (i, (key, value)) in
-                        k.chunks_exact(kvw).zip(v.chunks_exact(kvw)).enumerate()
-                    {
-                        cache.store(start + i, key, value);
-                    }
-                    self.attend_q8(layer, start, len, q, &cache, attn);
-                }
+            if fused && len == 1 {
+                s.decoded.push((index, row));
+            } else {
+                let attn = &mut s.attn[row * qw..(row + len) * qw];
+                self.sequence_attention(layer, l, step, row, (q, k, v), attn);
             }
             row += len;
+        }
+        if fused {
+            // A task's own pass has no team: its attention runs on the thread that took it.
+            let alone = FastPass {
+                team: None,
+                ..*self
+            };
+            let shared_steps = SharedSteps::new(steps);
+            let shared_attn = SharedOut(s.attn.as_mut_ptr());
+            let decoded = &s.decoded;
+            parallel_for(self.team, decoded.len(), &|task| {
+                let (index, row) = decoded[task];
+                // SAFETY: each task takes a different step (the indices in `decoded` are
+                // distinct) and the output row of that step's token, which no other task
+                // touches; `steps` and `s.attn` outlive the region.
+                let (step, attn) =
+                    unsafe { (shared_steps.get(index), shared_attn.slice(row * qw, qw)) };
+                alone.sequence_attention(layer, l, step, row, (q, k, v), attn);
+            });
         }
         let attn = &s.attn[..n * qw];
         let (xq, work, out) = (&mut s.attn_q, &mut s.work, &mut s.proj);
         self.project(&fast.o, attn, n, xq, work, out, &mut s.profile);
         add_bias_rows(&mut s.proj[..n * h], &a.o.bias);
+    }
+
+    /// Stores the keys and values of `step`'s tokens (rows `row..` of `q`, `k`, `v`) in its
+    /// sequence's cache of layer `l` and writes their attention into `attn`.
+    fn sequence_attention(
+        &self,
+        layer: &Layer,
+        l: usize,
+        step: &mut SequenceStep<'_>,
+        row: usize,
+        (q, k, v): (&[f32], &[f32], &[f32]),
+        attn: &mut [f32],
+    ) {
+        let (qw, kvw) = (self.config.q_width(), self.config.kv_width());
+        let len = step.tokens.len();
+        let start = step.sequence.len();
+        let (q, k, v) = (
+            &q[row * qw..(row + len) * qw],
+            &k[row * kvw..(row + len) * kvw],
+            &v[row * kvw..(row + len) * kvw],
+        );
+        match step.sequence.kv.layer(l) {
+            LayerKvOf::F16(cache) => {
+                self.store_and_attend(layer, start, len, (q, k, v), cache, attn)
+            }
+            LayerKvOf::F32(cache) => {
+                self.store_and_attend(layer, start, len, (q, k, v), cache, attn)
+            }
+            LayerKvOf::Q8(mut cache) => {
+                for (i, (key, value)) in k.chunks_exact(kvw).zip(v.chunks_exact(kvw)).enumerate() {
+                    cache.store(start + i, key, value);
+                }
+                self.attend_q8(layer, start, len, q, &cache, attn);
+            }
+        }
     }
 
     /// Stores the chunk's keys and values, then attends with its queries.
