@@ -295,6 +295,28 @@ trait GroupSource: ByteSpans {
     unsafe fn exponent_range(&self, _rows: Range<usize>) -> Option<(u32, u32)> {
         None
     }
+
+    /// Groups `0..full_groups()` hold whole blocks only (the rest: a short last group).
+    fn full_groups(&self) -> usize {
+        self.groups()
+    }
+
+    /// The GEMV's decode of one row's group: [`GroupSource::load_group`] unless the format has a
+    /// cheaper one (MXFP4: `vpermb` when `VBMI`, and the scale spread of `e8m0_spread`).
+    /// Inlined into the GEMV, whose target features it is compiled with.
+    ///
+    /// # Safety
+    /// As [`GroupSource::load_group`]; the CPU has AVX-512 VBMI if `VBMI`; `group <
+    /// full_groups()` if `FULL`.
+    #[inline(always)]
+    unsafe fn gemv_group<const VBMI: bool, const FULL: bool>(
+        &self,
+        row: usize,
+        group: usize,
+    ) -> (__m512i, __m512i, __m512) {
+        // SAFETY: the caller upholds `load_group`'s contract.
+        unsafe { self.load_group(row, group) }
+    }
 }
 
 /// Four E8M0 scale bytes of 127 (2^0): the scale lanes of a tile's padding.
@@ -353,6 +375,18 @@ impl GroupSource for Mxfp4Matrix<'_> {
     const FORMAT: u8 = FORMAT_MXFP4;
     fn groups(&self) -> usize {
         self.cols.div_ceil(GROUP_LEN)
+    }
+    fn full_groups(&self) -> usize {
+        self.cols / GROUP_LEN
+    }
+    #[inline(always)]
+    unsafe fn gemv_group<const VBMI: bool, const FULL: bool>(
+        &self,
+        row: usize,
+        group: usize,
+    ) -> (__m512i, __m512i, __m512) {
+        // SAFETY: the caller upholds the trait's contract for this method.
+        unsafe { self.mxfp4_gemv_group::<VBMI, FULL>(row, group) }
     }
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
@@ -545,16 +579,120 @@ impl GroupSource for Q8Matrix {
     }
 }
 
-/// `R` rows against `T` tokens (1 or 2: a token and its split remainder), decoding each weight
-/// group once for all tokens and sharing each activation load across the rows, while prefetching
-/// the rows `prefetch`. Writes `out[t * stride + at + i]`.
+/// [`MXFP4_UNSIGNED`] four times over: a `vpermb` table, which indexes with a byte's low six
+/// bits, so the neighbouring nibble's bits 4-5 that a byte carries select the same entry.
+const MXFP4_UNSIGNED_64: [i8; 64] = {
+    let mut table = [0i8; 64];
+    let mut i = 0;
+    while i < 64 {
+        table[i] = MXFP4_UNSIGNED[i % 16];
+        i += 1;
+    }
+    table
+};
+
+/// `vpshufb` control that puts scale byte j of a broadcast dword into the top byte of lanes
+/// 4j..4j+3 (the 128-bit lane j) and zeros the rest: `s << 24`, one shift away from the f32 bits
+/// of 2^(s-127).
+const E8M0_SPREAD: [i8; 64] = {
+    let mut control = [-1i8; 64];
+    let mut lane = 0;
+    while lane < 16 {
+        control[4 * lane + 3] = (lane / 4) as i8;
+        lane += 1;
+    }
+    control
+};
+
+/// Sixteen lanes of 2^(s-127) (0 for s = 0, as [`e8m0_lanes`]) from four E8M0 bytes held in
+/// every dword of `word`: one shuffle and one shift (`e8m0_lanes` takes a move, a shuffle, a
+/// cross-lane widening and a shift).
 ///
 /// # Safety
-/// `first_row + R <= w.rows()`, `x` has `T` tokens of `w`'s columns, the writes are in bounds.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+/// The CPU has the module's features.
+#[inline(always)]
+unsafe fn e8m0_spread(word: __m512i) -> __m512 {
+    // SAFETY: the caller guarantees the CPU features; the control is 64 readable bytes.
+    unsafe {
+        let control = _mm512_loadu_si512(E8M0_SPREAD.as_ptr().cast());
+        _mm512_castsi512_ps(_mm512_srli_epi32::<1>(_mm512_shuffle_epi8(word, control)))
+    }
+}
+
+impl Mxfp4Matrix<'_> {
+    /// [`GroupSource::gemv_group`] of MXFP4; `FULL` promises a group of four whole blocks, which
+    /// keeps the short-group branch and its arithmetic out of the GEMV's main loop.
+    ///
+    /// # Safety
+    /// As [`GroupSource::gemv_group`], and `group < cols / 128` if `FULL`.
+    #[inline(always)]
+    unsafe fn mxfp4_gemv_group<const VBMI: bool, const FULL: bool>(
+        &self,
+        row: usize,
+        group: usize,
+    ) -> (__m512i, __m512i, __m512) {
+        // SAFETY: the caller upholds the trait's contract (row and group inside the matrix; the
+        // CPU features), so every load below stays inside the row.
+        unsafe {
+            let blocks_per_row = self.cols / BLOCK_LEN;
+            let blocks_here = if FULL {
+                GROUP_BLOCKS
+            } else {
+                (blocks_per_row - group * GROUP_BLOCKS).min(GROUP_BLOCKS)
+            };
+            let bytes = self
+                .blocks
+                .as_ptr()
+                .add(row * (self.cols / 2) + group * GROUP_LEN / 2);
+            let scales = self
+                .scales
+                .as_ptr()
+                .add(row * blocks_per_row + group * GROUP_BLOCKS);
+            let (nibbles, scale_word) = if blocks_here == GROUP_BLOCKS {
+                (
+                    _mm512_loadu_si512(bytes.cast()),
+                    _mm512_set1_epi32(scales.cast::<i32>().read_unaligned()),
+                )
+            } else {
+                // A row's last group may hold 1-3 blocks: as `mxfp4_group`.
+                let mask = (1u64 << (blocks_here * 16)) - 1;
+                let mut word = 0u32;
+                for j in 0..blocks_here {
+                    word |= (*scales.add(j) as u32) << (8 * j);
+                }
+                (
+                    _mm512_maskz_loadu_epi8(mask, bytes.cast()),
+                    _mm512_set1_epi32(word as i32),
+                )
+            };
+            let (evens, odds) = if VBMI {
+                // `vpermb` ignores the index bits 6-7, so neither nibble needs a mask: three
+                // operations instead of the five of `split_nibbles`.
+                let table = _mm512_loadu_si512(MXFP4_UNSIGNED_64.as_ptr().cast());
+                (
+                    _mm512_permutexvar_epi8(nibbles, table),
+                    _mm512_permutexvar_epi8(_mm512_srli_epi16::<4>(nibbles), table),
+                )
+            } else {
+                split_nibbles::<FORMAT_MXFP4>(nibbles)
+            };
+            (evens, odds, e8m0_spread(scale_word))
+        }
+    }
+}
+
+/// `R` rows against the `T` tokens of `x` (1 to 4), decoding each weight group once for all
+/// tokens and sharing each activation load across the rows, while prefetching the rows
+/// `prefetch`. Writes `out[t * stride + at + i]`.
+///
+/// Inlined into [`gemv`] or [`gemv_vbmi`], whose target features it is compiled with.
+///
+/// # Safety
+/// `first_row + R <= w.rows()`, `x` has `T` tokens of `w`'s columns, the writes are in bounds;
+/// the CPU has the features of the function it is inlined into.
+#[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemv_rows<W: GroupSource, const R: usize, const T: usize>(
+unsafe fn gemv_rows<W: GroupSource, const R: usize, const T: usize, const VBMI: bool>(
     w: &W,
     x: &Q8Activations,
     first_row: usize,
@@ -563,27 +701,58 @@ unsafe fn gemv_rows<W: GroupSource, const R: usize, const T: usize>(
     stride: usize,
     at: usize,
 ) {
+    /// One group of the `R` rows; `FULL` as in [`GroupSource::gemv_group`].
+    ///
+    /// # Safety
+    /// As `gemv_rows`, with `group < w.groups()` (`< w.full_groups()` if `FULL`).
+    #[inline(always)]
+    unsafe fn step<
+        W: GroupSource,
+        const R: usize,
+        const T: usize,
+        const VBMI: bool,
+        const FULL: bool,
+    >(
+        w: &W,
+        x: &Q8Activations,
+        first_row: usize,
+        group: usize,
+        acc: &mut [[__m512; T]; R],
+    ) {
+        // SAFETY: the caller upholds this function's contract.
+        unsafe {
+            let a: [ActGroup; T] =
+                std::array::from_fn(|t| ActGroup::load(x, t, group, correction_mask(W::FORMAT)));
+            for (i, acc_row) in acc.iter_mut().enumerate() {
+                let (evens, odds, scales) = w.gemv_group::<VBMI, FULL>(first_row + i, group);
+                for (acc_t, a_t) in acc_row.iter_mut().zip(&a) {
+                    *acc_t = group_fma(*acc_t, evens, odds, scales, a_t);
+                }
+            }
+        }
+    }
+
     // SAFETY: the caller upholds this function's contract (`first_row + R <= w.rows()`, `x` has `T`
     // tokens of `w`'s columns, the writes are in bounds), which is what every pointer access and
     // target-feature call below relies on.
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); T]; R];
-        let groups = w.groups();
+        let (groups, full) = (w.groups(), w.full_groups());
         let spans = w.byte_spans(prefetch);
-        for group in 0..groups {
+        // Whole groups first, with no per-group test for a short one: on a CPU that splits
+        // 512-bit operations in two (Zen 4) the scalar bookkeeping of that test cost as much
+        // front-end bandwidth as the vector work.
+        for group in 0..full {
             if W::PREFETCH_L2 {
                 prefetch_share_into::<true>(&spans, group, groups)
             } else {
                 prefetch_share_into::<false>(&spans, group, groups)
             }
-            let a: [ActGroup; T] =
-                std::array::from_fn(|t| ActGroup::load(x, t, group, correction_mask(W::FORMAT)));
-            for (i, acc_row) in acc.iter_mut().enumerate() {
-                let (evens, odds, scales) = w.load_group(first_row + i, group);
-                for (acc_t, a_t) in acc_row.iter_mut().zip(&a) {
-                    *acc_t = group_fma(*acc_t, evens, odds, scales, a_t);
-                }
-            }
+            step::<W, R, T, VBMI, true>(w, x, first_row, group, &mut acc);
+        }
+        for group in full..groups {
+            prefetch_share_into::<false>(&spans, group, groups);
+            step::<W, R, T, VBMI, false>(w, x, first_row, group, &mut acc);
         }
         for (i, acc_row) in acc.iter().enumerate() {
             for (t, acc_t) in acc_row.iter().enumerate() {
@@ -594,52 +763,51 @@ unsafe fn gemv_rows<W: GroupSource, const R: usize, const T: usize>(
 }
 
 /// # Safety
-/// The CPU has the module's features; shapes were checked by `Kernels` (one token of `w`'s columns,
-/// `rows` inside the matrix, `out.len() == rows.len()`).
+/// The CPU has the module's features; shapes were checked by `Kernels` (1 to
+/// [`super::MAX_GEMV_TOKENS`] tokens of `w`'s columns, `rows` inside the matrix, `out.len() ==
+/// tokens x rows.len()`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn gemv<W: GroupSource>(w: &W, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
-    // SAFETY: the caller upholds this function's contract (The CPU has the module's features;
-    // shapes were checked by `Kernels` (one token of `w`'s columns, `rows` inside the matrix,
-    // `out.len() == rows.len()`)), which is what every pointer access and target-feature call
-    // below relies on.
-    unsafe {
-        match x.rows() {
-            1 => gemv_tokens::<W, 1>(w, x, rows, out),
-            2 => gemv_tokens::<W, 2>(w, x, rows, out),
-            3 => gemv_tokens::<W, 3>(w, x, rows, out),
-            _ => gemv_tokens::<W, 4>(w, x, rows, out),
-        }
-    }
+    // SAFETY: the caller upholds this function's contract, which `gemv_tokens` shares.
+    unsafe { gemv_tokens::<W, false>(w, x, rows, out) }
+}
+
+/// [`gemv`] with the MXFP4 nibbles decoded by `vpermb`.
+///
+/// # Safety
+/// As [`gemv`], and the CPU has AVX-512 VBMI.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+unsafe fn gemv_vbmi<W: GroupSource>(w: &W, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
+    // SAFETY: the caller upholds this function's contract, which `gemv_tokens` shares.
+    unsafe { gemv_tokens::<W, true>(w, x, rows, out) }
 }
 
 /// # Safety
-/// As [`gemv`], with `x` holding exactly `T` tokens.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-unsafe fn gemv_tokens<W: GroupSource, const T: usize>(
+/// As [`gemv`] (and AVX-512 VBMI if `VBMI`); inlined into it.
+#[inline(always)]
+unsafe fn gemv_tokens<W: GroupSource, const VBMI: bool>(
     w: &W,
     x: &Q8Activations,
     rows: Range<usize>,
     out: &mut [f32],
 ) {
-    // SAFETY: the caller upholds this function's contract (As [`gemv`], with `x` holding exactly
-    // `T` tokens), which is what every pointer access and target-feature call below relies on.
+    // SAFETY: the caller upholds this function's contract, which every arm's callee shares.
     unsafe {
-        // Four rows share each activation load; with four tokens their accumulators and activation
-        // operands would not fit the 32 registers, so two rows at a time.
-        if T > 3 {
-            gemv_row_blocks::<W, 2, T>(w, x, rows, out)
-        } else {
-            gemv_row_blocks::<W, 4, T>(w, x, rows, out)
+        // Four rows share each activation load; with four tokens their accumulators and
+        // activation operands would not fit the 32 registers, so two rows at a time.
+        match x.rows() {
+            1 => gemv_row_blocks::<W, 4, 1, VBMI>(w, x, rows, out),
+            2 => gemv_row_blocks::<W, 4, 2, VBMI>(w, x, rows, out),
+            3 => gemv_row_blocks::<W, 4, 3, VBMI>(w, x, rows, out),
+            _ => gemv_row_blocks::<W, 2, 4, VBMI>(w, x, rows, out),
         }
     }
 }
 
 /// # Safety
-/// As [`gemv_tokens`].
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-unsafe fn gemv_row_blocks<W: GroupSource, const R: usize, const T: usize>(
+/// As [`gemv_tokens`], with `x` holding exactly `T` tokens.
+#[inline(always)]
+unsafe fn gemv_row_blocks<W: GroupSource, const R: usize, const T: usize, const VBMI: bool>(
     w: &W,
     x: &Q8Activations,
     rows: Range<usize>,
@@ -658,14 +826,20 @@ unsafe fn gemv_row_blocks<W: GroupSource, const R: usize, const T: usize>(
         while at < stride {
             let row = rows.start + at;
             if stride - at >= R {
-                gemv_rows::<W, R, T>(w, x, row, ahead(row, R), out, stride, at);
+                gemv_rows::<W, R, T, VBMI>(w, x, row, ahead(row, R), out, stride, at);
                 at += R;
             } else {
-                gemv_rows::<W, 1, T>(w, x, row, ahead(row, 0), out, stride, at);
+                gemv_rows::<W, 1, T, VBMI>(w, x, row, ahead(row, 0), out, stride, at);
                 at += 1;
             }
         }
     }
+}
+
+/// Whether the MXFP4 GEMV may decode with `vpermb`: AVX-512 VBMI detected and not switched off
+/// (`Kernels::without_vbmi`, which tests and the benchmark use to run the other decode).
+pub(crate) fn vbmi_detected() -> bool {
+    is_x86_feature_detected!("avx512vbmi")
 }
 
 pub(crate) unsafe fn mxfp4_gemv(
@@ -673,11 +847,18 @@ pub(crate) unsafe fn mxfp4_gemv(
     x: &Q8Activations,
     rows: Range<usize>,
     out: &mut [f32],
+    vbmi: bool,
 ) {
     // SAFETY: the module's contract holds: the dispatcher runs this only on a CPU with every
-    // feature in `REQUIRED`, and the safe `Kernels` method checked the shapes, which is all the
-    // code below relies on.
-    unsafe { gemv(w, x, rows, out) }
+    // feature in `REQUIRED` (and passes `vbmi` only where `vbmi_detected`), and the safe
+    // `Kernels` method checked the shapes, which is all the code below relies on.
+    unsafe {
+        if vbmi {
+            gemv_vbmi(w, x, rows, out)
+        } else {
+            gemv(w, x, rows, out)
+        }
+    }
 }
 
 pub(crate) unsafe fn q4_gemv(w: &Q4Matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
