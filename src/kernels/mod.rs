@@ -7,7 +7,8 @@
 //! hands out a [`Kernels`] value whose methods run on that path. Tests and benchmarks build a
 //! [`Kernels`] for any supported path with [`Kernels::new`] and compare them side by side.
 //!
-//! * `Avx512`: AVX-512 F/BW with VNNI (`vpdpbusd`), F16C and FMA.
+//! * `Avx512`: AVX-512 F/BW with VNNI (`vpdpbusd`), F16C and FMA; where AVX-512 VBMI is detected
+//!   too, the MXFP4 GEMV decodes nibbles with `vpermb` ([`Kernels::without_vbmi`] turns it off).
 //! * `Avx2`: AVX2 (`vpmaddubsw` + `vpmaddwd`), F16C and FMA.
 //! * `Scalar`: always available; the reference the others are tested against.
 //!
