@@ -67,15 +67,6 @@ const fn format_factor(format: u8) -> f32 {
     }
 }
 
-/// Sixteen lanes of 2^(s-127) from four E8M0 bytes (lanes 4j..4j+3 from byte j).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-fn e8m0_lanes(bytes: u32) -> __m512 {
-    let spread = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    let exponents = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128(bytes as i32), spread));
-    _mm512_castsi512_ps(_mm512_slli_epi32::<23>(exponents))
-}
-
 /// Sixteen lanes from four f16 scales (lanes 4j..4j+3 from scale j).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
@@ -165,53 +156,14 @@ fn split_nibbles<const FORMAT: u8>(bytes: __m512i) -> (__m512i, __m512i) {
     }
 }
 
-/// Where one weight row's group lives, decoded to (evens, odds, scales).
+/// One Q4 row's group decoded to unsigned (evens, odds) and scale lanes.
 ///
 /// # Safety
-/// `row < rows` of the matrix, `group < ceil(cols / 128)`; the CPU has the module's features.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-unsafe fn mxfp4_group(w: &Mxfp4Matrix, row: usize, group: usize) -> (__m512i, __m512i, __m512) {
-    // SAFETY: the caller upholds this function's contract (`row < rows` of the matrix, `group <
-    // ceil(cols / 128)`; the CPU has the module's features), which is what every pointer access
-    // and target-feature call below relies on.
-    unsafe {
-        let blocks_per_row = w.cols / BLOCK_LEN;
-        let blocks_here = (blocks_per_row - group * GROUP_BLOCKS).min(GROUP_BLOCKS);
-        let bytes = w
-            .blocks
-            .as_ptr()
-            .add(row * (w.cols / 2) + group * GROUP_LEN / 2);
-        let scales = w
-            .scales
-            .as_ptr()
-            .add(row * blocks_per_row + group * GROUP_BLOCKS);
-        let (nibbles, scale_bytes) = if blocks_here == GROUP_BLOCKS {
-            (
-                _mm512_loadu_si512(bytes.cast()),
-                scales.cast::<u32>().read_unaligned(),
-            )
-        } else {
-            // A row's last group may hold 1-3 blocks; masked-off bytes are not read (no fault) and
-            // become nibble 0, whose weight meets zero padding activations.
-            let mask = (1u64 << (blocks_here * 16)) - 1;
-            let mut scale_bytes = 0u32;
-            for j in 0..blocks_here {
-                scale_bytes |= (*scales.add(j) as u32) << (8 * j);
-            }
-            (_mm512_maskz_loadu_epi8(mask, bytes.cast()), scale_bytes)
-        };
-        let (evens, odds) = split_nibbles::<FORMAT_MXFP4>(nibbles);
-        (evens, odds, e8m0_lanes(scale_bytes))
-    }
-}
-
-/// # Safety
-/// As [`mxfp4_group`], for a Q4 matrix.
+/// `row < rows` of the matrix, `group < groups`; the CPU has the module's features.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn q4_group(w: &Q4Matrix, row: usize, group: usize) -> (__m512i, __m512i, __m512) {
-    // SAFETY: the caller upholds this function's contract (as `mxfp4_group`, for a Q4 matrix),
+    // SAFETY: the caller upholds this function's contract (row and group inside the Q4 matrix; the CPU features),
     // which is what every pointer access and target-feature call below relies on.
     unsafe {
         let nibbles = _mm512_loadu_si512(
@@ -231,12 +183,14 @@ unsafe fn q4_group(w: &Q4Matrix, row: usize, group: usize) -> (__m512i, __m512i,
     }
 }
 
+/// As [`q4_group`], for a Q8 matrix.
+///
 /// # Safety
-/// As [`mxfp4_group`], for a Q8 matrix.
+/// As [`q4_group`], for a Q8 matrix.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn q8_group(w: &Q8Matrix, row: usize, group: usize) -> (__m512i, __m512i, __m512) {
-    // SAFETY: the caller upholds this function's contract (as `mxfp4_group`, for a Q8 matrix),
+    // SAFETY: the caller upholds this function's contract (as `q4_group`, for a Q8 matrix),
     // which is what every pointer access and target-feature call below relies on.
     unsafe {
         let quants = w.row_quants(row).as_ptr().add(group * GROUP_LEN);
@@ -379,21 +333,69 @@ impl GroupSource for Mxfp4Matrix<'_> {
     fn full_groups(&self) -> usize {
         self.cols / GROUP_LEN
     }
+    /// `vpermb` when `VBMI`; `FULL` keeps the short-group branch and its arithmetic out of the
+    /// GEMV's main loop.
     #[inline(always)]
     unsafe fn gemv_group<const VBMI: bool, const FULL: bool>(
         &self,
         row: usize,
         group: usize,
     ) -> (__m512i, __m512i, __m512) {
-        // SAFETY: the caller upholds the trait's contract for this method.
-        unsafe { self.mxfp4_gemv_group::<VBMI, FULL>(row, group) }
+        // SAFETY: the caller upholds the trait's contract (row and group inside the matrix; the
+        // CPU features), so every load below stays inside the row.
+        unsafe {
+            let blocks_per_row = self.cols / BLOCK_LEN;
+            let blocks_here = if FULL {
+                GROUP_BLOCKS
+            } else {
+                (blocks_per_row - group * GROUP_BLOCKS).min(GROUP_BLOCKS)
+            };
+            let bytes = self
+                .blocks
+                .as_ptr()
+                .add(row * (self.cols / 2) + group * GROUP_LEN / 2);
+            let scales = self
+                .scales
+                .as_ptr()
+                .add(row * blocks_per_row + group * GROUP_BLOCKS);
+            let (nibbles, scale_word) = if blocks_here == GROUP_BLOCKS {
+                (
+                    _mm512_loadu_si512(bytes.cast()),
+                    _mm512_set1_epi32(scales.cast::<i32>().read_unaligned()),
+                )
+            } else {
+                // A row's last group may hold 1-3 blocks; masked-off bytes are not read (no
+                // fault) and become nibble 0, whose weight meets zero padding activations.
+                let mask = (1u64 << (blocks_here * 16)) - 1;
+                let mut word = 0u32;
+                for j in 0..blocks_here {
+                    word |= (*scales.add(j) as u32) << (8 * j);
+                }
+                (
+                    _mm512_maskz_loadu_epi8(mask, bytes.cast()),
+                    _mm512_set1_epi32(word as i32),
+                )
+            };
+            let (evens, odds) = if VBMI {
+                // `vpermb` ignores the index bits 6-7, so neither nibble needs a mask: three
+                // operations instead of the five of `split_nibbles`.
+                let table = _mm512_loadu_si512(MXFP4_UNSIGNED_64.as_ptr().cast());
+                (
+                    _mm512_permutexvar_epi8(nibbles, table),
+                    _mm512_permutexvar_epi8(_mm512_srli_epi16::<4>(nibbles), table),
+                )
+            } else {
+                split_nibbles::<FORMAT_MXFP4>(nibbles)
+            };
+            (evens, odds, e8m0_spread(scale_word))
+        }
     }
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     unsafe fn load_group(&self, row: usize, group: usize) -> (__m512i, __m512i, __m512) {
         // SAFETY: the caller upholds the trait's contract for this method (row and group inside the
         // matrix; the CPU has this module's features), so every load below stays inside the row.
-        unsafe { mxfp4_group(self, row, group) }
+        unsafe { self.gemv_group::<false, false>(row, group) }
     }
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
@@ -449,7 +451,7 @@ impl GroupSource for Mxfp4Matrix<'_> {
         let byte = _mm512_set1_epi32(0xFF);
         std::array::from_fn(|j| {
             let e = _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(8 * j as i32)), byte);
-            // 2^(s - 127) as f32 bits, s = 0 flushing to 0: as `e8m0_lanes`.
+            // 2^(s - 127) as f32 bits, s = 0 flushing to 0: as `e8m0_spread`.
             _mm512_castsi512_ps(_mm512_slli_epi32::<23>(e))
         })
     }
@@ -604,9 +606,9 @@ const E8M0_SPREAD: [i8; 64] = {
     control
 };
 
-/// Sixteen lanes of 2^(s-127) (0 for s = 0, as [`e8m0_lanes`]) from four E8M0 bytes held in
-/// every dword of `word`: one shuffle and one shift (`e8m0_lanes` takes a move, a shuffle, a
-/// cross-lane widening and a shift).
+/// Sixteen lanes of 2^(s-127) (0 for s = 0) from four E8M0 bytes held in every dword of `word`
+/// (lanes 4j..4j+3 from byte j): one shuffle and one shift, where a widening from the four bytes
+/// takes a move, a shuffle, a cross-lane widening and a shift.
 ///
 /// # Safety
 /// The CPU has the module's features.
@@ -616,68 +618,6 @@ unsafe fn e8m0_spread(word: __m512i) -> __m512 {
     unsafe {
         let control = _mm512_loadu_si512(E8M0_SPREAD.as_ptr().cast());
         _mm512_castsi512_ps(_mm512_srli_epi32::<1>(_mm512_shuffle_epi8(word, control)))
-    }
-}
-
-impl Mxfp4Matrix<'_> {
-    /// [`GroupSource::gemv_group`] of MXFP4; `FULL` promises a group of four whole blocks, which
-    /// keeps the short-group branch and its arithmetic out of the GEMV's main loop.
-    ///
-    /// # Safety
-    /// As [`GroupSource::gemv_group`], and `group < cols / 128` if `FULL`.
-    #[inline(always)]
-    unsafe fn mxfp4_gemv_group<const VBMI: bool, const FULL: bool>(
-        &self,
-        row: usize,
-        group: usize,
-    ) -> (__m512i, __m512i, __m512) {
-        // SAFETY: the caller upholds the trait's contract (row and group inside the matrix; the
-        // CPU features), so every load below stays inside the row.
-        unsafe {
-            let blocks_per_row = self.cols / BLOCK_LEN;
-            let blocks_here = if FULL {
-                GROUP_BLOCKS
-            } else {
-                (blocks_per_row - group * GROUP_BLOCKS).min(GROUP_BLOCKS)
-            };
-            let bytes = self
-                .blocks
-                .as_ptr()
-                .add(row * (self.cols / 2) + group * GROUP_LEN / 2);
-            let scales = self
-                .scales
-                .as_ptr()
-                .add(row * blocks_per_row + group * GROUP_BLOCKS);
-            let (nibbles, scale_word) = if blocks_here == GROUP_BLOCKS {
-                (
-                    _mm512_loadu_si512(bytes.cast()),
-                    _mm512_set1_epi32(scales.cast::<i32>().read_unaligned()),
-                )
-            } else {
-                // A row's last group may hold 1-3 blocks: as `mxfp4_group`.
-                let mask = (1u64 << (blocks_here * 16)) - 1;
-                let mut word = 0u32;
-                for j in 0..blocks_here {
-                    word |= (*scales.add(j) as u32) << (8 * j);
-                }
-                (
-                    _mm512_maskz_loadu_epi8(mask, bytes.cast()),
-                    _mm512_set1_epi32(word as i32),
-                )
-            };
-            let (evens, odds) = if VBMI {
-                // `vpermb` ignores the index bits 6-7, so neither nibble needs a mask: three
-                // operations instead of the five of `split_nibbles`.
-                let table = _mm512_loadu_si512(MXFP4_UNSIGNED_64.as_ptr().cast());
-                (
-                    _mm512_permutexvar_epi8(nibbles, table),
-                    _mm512_permutexvar_epi8(_mm512_srli_epi16::<4>(nibbles), table),
-                )
-            } else {
-                split_nibbles::<FORMAT_MXFP4>(nibbles)
-            };
-            (evens, odds, e8m0_spread(scale_word))
-        }
     }
 }
 
