@@ -706,8 +706,9 @@ unsafe fn gemv_rows<W: GroupSource, const R: usize, const T: usize, const VBMI: 
             } else {
                 // Four tokens share one accumulator per row (`fold_tokens`' lane order): one
                 // convert, multiply and FMA per row and group instead of four, for nine integer
-                // shuffles and adds (measured +12% with the weights in L2, Zen 4; with two or
-                // three tokens the fold measured no better, so they keep one accumulator each).
+                // shuffles and adds (measured +12% with the weights in L2, Zen 4; two tokens
+                // folded measured 6% slower and three no better, so they keep one accumulator
+                // each).
                 let a_scales = fold_scales(&a);
                 for (i, acc_row) in acc.iter_mut().enumerate() {
                     let (evens, odds, scales) = w.gemv_group::<VBMI, FULL>(first_row + i, group);
