@@ -7,8 +7,7 @@ mod support;
 
 use crossterm::event::KeyCode;
 use ossterm::engine::protocol::{
-    CacheHits, Command, Event, KvCacheType, Phase, ProfileSample, Settings, StatsSample,
-    WeightFormat,
+    CacheHits, Command, Event, Phase, ProfileSample, Settings, StatsSample, WeightFormat,
 };
 use ossterm::model::profile::ProfileCounts;
 use ossterm::model::{LoadOptions, LoadStage, Model, Precision, Preset};
@@ -85,25 +84,7 @@ fn ready_app(dir: &Path) -> App {
 }
 
 fn stats() -> StatsSample {
-    StatsSample {
-        decode_tokens_per_second: Some(7.9),
-        prefill_tokens_per_second: Some(61.0),
-        time_to_first_token: Some(Duration::from_millis(900)),
-        process_memory_bytes: Some(13 << 30),
-        machine_memory_bytes: Some(24 << 30),
-        kv_tokens_used: 300,
-        kv_tokens_capacity: 8192,
-        kv_cache: KvCacheType::F16,
-        context_used: 300,
-        context_limit: 8192,
-        turn_hits: CacheHits::default(),
-        session_hits: CacheHits::default(),
-        threads: 2,
-        kernel_path: "avx512".to_string(),
-        weight_format: WeightFormat::Q8,
-        activations: Default::default(),
-        kv_tiers: Default::default(),
-    }
+    support::stats_sample()
 }
 
 /// A deterministic sample of the 20b's shape: each layer favours a few experts, differently.

@@ -339,12 +339,7 @@ fn a_client_that_disconnects_frees_its_sequence_and_a_full_queue_answers_503() {
 
 #[test]
 fn stopping_the_server_ends_running_streams() {
-    let server = serve(Precision::Fast, options(2, 4096, 4), None);
-    let reader = stream_in_background(
-        &server,
-        chat(user("long"), json!({"max_tokens": 4000, "stream": true})),
-    );
-    server.wait_for_metric("ossterm_tokens_generated_total", |v| v > 0.0);
+    let (server, reader) = serve_a_long_stream();
     let started = Instant::now();
     server.stop();
     assert!(started.elapsed() < Duration::from_secs(5));
@@ -362,6 +357,18 @@ fn assert_ended_by_shutdown(events: &[String]) {
             .contains("shutting down"),
         "{error}"
     );
+}
+
+/// A server streaming a long reply (4,000 tokens at most) on another thread, its first tokens
+/// generated; the thread returns the stream's `data:` payloads.
+fn serve_a_long_stream() -> (Server, std::thread::JoinHandle<Vec<String>>) {
+    let server = serve(Precision::Fast, options(2, 4096, 4), None);
+    let reader = stream_in_background(
+        &server,
+        chat(user("long"), json!({"max_tokens": 4000, "stream": true})),
+    );
+    server.wait_for_metric("ossterm_tokens_generated_total", |v| v > 0.0);
+    (server, reader)
 }
 
 /// The `data:` payloads of a streamed chat started on another thread.
@@ -433,12 +440,7 @@ fn draining_refuses_new_requests_and_lets_running_ones_finish() {
 
 #[test]
 fn draining_cancels_what_still_runs_after_the_grace_time() {
-    let server = serve(Precision::Fast, options(2, 4096, 4), None);
-    let reader = stream_in_background(
-        &server,
-        chat(user("long"), json!({"max_tokens": 4000, "stream": true})),
-    );
-    server.wait_for_metric("ossterm_tokens_generated_total", |v| v > 0.0);
+    let (server, reader) = serve_a_long_stream();
     let started = Instant::now();
     server.drain(Duration::from_millis(50));
     assert!(started.elapsed() < Duration::from_secs(10));

@@ -5,8 +5,8 @@ mod support;
 
 use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
 use ossterm::engine::protocol::{
-    ActivationFormat, CacheHits, Channel, Command, Event, KvCacheType, RequestKind, Settings,
-    StatsSample, StopReason, WeightFormat,
+    ActivationFormat, CacheHits, Channel, Command, Event, RequestKind, Settings, StatsSample,
+    StopReason, WeightFormat,
 };
 use ossterm::tui::store::ChatStore;
 use ossterm::tui::{App, Effect, EngineStatus, Msg};
@@ -102,12 +102,6 @@ fn stats(decode: f64) -> StatsSample {
         prefill_tokens_per_second: Some(123.4),
         time_to_first_token: Some(Duration::from_millis(850)),
         process_memory_bytes: Some(3 << 30),
-        machine_memory_bytes: Some(24 << 30),
-        kv_tokens_used: 300,
-        kv_tokens_capacity: 8192,
-        kv_cache: KvCacheType::F16,
-        context_used: 300,
-        context_limit: 8192,
         turn_hits: CacheHits {
             reused: 90,
             prompt: 100,
@@ -116,11 +110,8 @@ fn stats(decode: f64) -> StatsSample {
             reused: 90,
             prompt: 180,
         },
-        threads: 2,
-        kernel_path: "avx512".to_string(),
-        weight_format: WeightFormat::Q8,
         activations: ActivationFormat::Mixed,
-        kv_tiers: Default::default(),
+        ..support::stats_sample()
     }
 }
 

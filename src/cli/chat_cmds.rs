@@ -195,6 +195,37 @@ struct RunOutput {
     malformed: Vec<String>,
 }
 
+impl RunOutput {
+    /// The run's result once it ended: a failed write of its stream first (nobody read the
+    /// rest), then a failure of the run, `(message, error)`, after what the run generated
+    /// before it, which is the user's. Streamed, that is on the screen already and only its line
+    /// is ended; with `json`, it goes into the JSON object with the message beside it.
+    fn settle<T>(
+        &self,
+        json: bool,
+        write_error: Option<std::io::Error>,
+        result: Result<T, (String, anyhow::Error)>,
+    ) -> anyhow::Result<T> {
+        if let Some(error) = write_error {
+            return Err(error).context("cannot write the reply");
+        }
+        let (message, error) = match result {
+            Ok(result) => return Ok(result),
+            Err(failure) => failure,
+        };
+        let mut stdout = output::stdout();
+        if json {
+            let mut json = run_json(self, None);
+            json["error"] = message.into();
+            writeln!(stdout, "{json}")?;
+        } else if !self.answer.is_empty() && !self.answer.ends_with('\n') {
+            writeln!(stdout)?;
+        }
+        stdout.flush()?;
+        Err(error)
+    }
+}
+
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
     // Ctrl-C sets the flag and generation ends cleanly, printing what it has; a second Ctrl-C
     // exits at once. Installed first, so an early Ctrl-C during loading is not lost either.
@@ -340,26 +371,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             eprintln!("[{notice}]");
         }
     }
-    if let Some(error) = write_error {
-        return Err(error).context("cannot write the reply");
-    }
+    let result = output.settle(
+        args.json,
+        write_error,
+        result.map_err(|error| (error.to_string(), error.into())),
+    )?;
     let mut stdout = output::stdout();
-    let result = match result {
-        Ok(result) => result,
-        Err(error) => {
-            // What was generated before the failure is the user's: it was streamed already, or
-            // goes into the JSON object with the error beside it.
-            if args.json {
-                let mut json = run_json(&output, None);
-                json["error"] = error.to_string().into();
-                writeln!(stdout, "{json}")?;
-            } else if !output.answer.is_empty() && !output.answer.ends_with('\n') {
-                writeln!(stdout)?;
-            }
-            stdout.flush()?;
-            return Err(error.into());
-        }
-    };
     if args.json {
         let json = run_json(&output, Some(&result));
         writeln!(stdout, "{json}")?;
@@ -502,24 +519,12 @@ fn run_remote(
         },
     );
     drop(stdout);
-    if let Some(error) = write_error {
-        return Err(error).context("cannot write the reply");
-    }
+    let reply = output.settle(
+        args.json,
+        write_error,
+        result.map_err(|error| (error.describe(), anyhow::anyhow!(error.describe()))),
+    )?;
     let mut stdout = output::stdout();
-    let reply = match result {
-        Ok(reply) => reply,
-        Err(error) => {
-            if args.json {
-                let mut json = run_json(&output, None);
-                json["error"] = error.describe().into();
-                writeln!(stdout, "{json}")?;
-            } else if !output.answer.is_empty() && !output.answer.ends_with('\n') {
-                writeln!(stdout)?;
-            }
-            stdout.flush()?;
-            anyhow::bail!(error.describe());
-        }
-    };
     output.malformed = reply.malformed;
     let outcome = &reply.outcome;
     let (why, stop_reason) = match &outcome.finish {

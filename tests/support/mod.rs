@@ -4,7 +4,9 @@
 #![allow(dead_code)]
 
 use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
-use ossterm::engine::protocol::{EngineInfo, Event, Settings};
+use ossterm::engine::protocol::{
+    CacheHits, EngineInfo, Event, KvCacheType, Settings, StatsSample, WeightFormat,
+};
 use ossterm::tui::store::ChatStore;
 use ossterm::tui::view::{conversation_viewport, draw};
 use ossterm::tui::{App, EngineStatus, Msg};
@@ -12,7 +14,7 @@ use ratatui::backend::TestBackend;
 use ratatui::layout::Rect;
 use ratatui::Terminal;
 use std::path::Path;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 pub mod server;
 
@@ -88,4 +90,28 @@ pub fn cell_text(terminal: &Terminal<TestBackend>) -> String {
 /// [`draw_screen`] as text.
 pub fn screen(app: &mut App, width: u16, height: u16) -> String {
     cell_text(&draw_screen(app, width, height))
+}
+
+/// A stats sample of a 20b decoding at 7.9 tokens/s on two threads with the avx512 kernels, 300
+/// of 8,192 tokens used, no cache hits.
+pub fn stats_sample() -> StatsSample {
+    StatsSample {
+        decode_tokens_per_second: Some(7.9),
+        prefill_tokens_per_second: Some(61.0),
+        time_to_first_token: Some(Duration::from_millis(900)),
+        process_memory_bytes: Some(13 << 30),
+        machine_memory_bytes: Some(24 << 30),
+        kv_tokens_used: 300,
+        kv_tokens_capacity: 8192,
+        kv_cache: KvCacheType::F16,
+        context_used: 300,
+        context_limit: 8192,
+        turn_hits: CacheHits::default(),
+        session_hits: CacheHits::default(),
+        threads: 2,
+        kernel_path: "avx512".to_string(),
+        weight_format: WeightFormat::Q8,
+        activations: Default::default(),
+        kv_tiers: Default::default(),
+    }
 }
