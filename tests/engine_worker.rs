@@ -397,17 +397,27 @@ fn start_gated(
             kv_tiers: Default::default(),
         })
     });
-    let harness = Harness {
-        engine,
-        events,
-        journal,
-        sampler_configs,
-    };
-    harness.wait_for(|event| matches!(event, Event::Ready(_)));
-    harness
+    Harness::ready(engine, events, journal, sampler_configs)
 }
 
 impl Harness {
+    /// The harness of an engine just spawned, once the engine says it is ready.
+    fn ready(
+        engine: EngineHandle,
+        events: Receiver<Event>,
+        journal: Arc<Mutex<Journal>>,
+        sampler_configs: Arc<Mutex<Vec<SamplerSettings>>>,
+    ) -> Harness {
+        let harness = Harness {
+            engine,
+            events,
+            journal,
+            sampler_configs,
+        };
+        harness.wait_for(|event| matches!(event, Event::Ready(_)));
+        harness
+    }
+
     /// Collects events until `stop` matches one (included); fails after 10 s.
     fn wait_for(&self, stop: impl Fn(&Event) -> bool) -> Vec<Event> {
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -751,14 +761,11 @@ fn real_model_reuse_gives_the_same_logits_as_a_cold_prefill() {
     second.extend((0..9).map(|index| (index * 104_729 + 5) % vocab));
 
     let pool = ossterm::engine::build_pool(2).unwrap();
-    let mut warm = <Model as ModelBackend>::new_session(
-        &model,
-        &pool,
-        256,
-        KvCacheType::F32,
-        ActivationFormat::Mixed,
-    )
-    .unwrap();
+    let new_session = || {
+        let format = ActivationFormat::Mixed;
+        <Model as ModelBackend>::new_session(&model, &pool, 256, KvCacheType::F32, format).unwrap()
+    };
+    let mut warm = new_session();
     InferenceSession::prefill(&mut warm, &first).unwrap();
     InferenceSession::decode(&mut warm, 3).unwrap();
     let reused = rewind_for_prompt(&mut warm, &second);
@@ -767,14 +774,7 @@ fn real_model_reuse_gives_the_same_logits_as_a_cold_prefill() {
         .unwrap()
         .to_vec();
 
-    let mut cold = <Model as ModelBackend>::new_session(
-        &model,
-        &pool,
-        256,
-        KvCacheType::F32,
-        ActivationFormat::Mixed,
-    )
-    .unwrap();
+    let mut cold = new_session();
     let cold_logits = InferenceSession::prefill(&mut cold, &second)
         .unwrap()
         .to_vec();
@@ -1193,14 +1193,7 @@ fn start_real_with_tiers(
             kv_tiers,
         })
     });
-    let harness = Harness {
-        engine,
-        events,
-        journal,
-        sampler_configs,
-    };
-    harness.wait_for(|event| matches!(event, Event::Ready(_)));
-    harness
+    Harness::ready(engine, events, journal, sampler_configs)
 }
 
 fn notices(events: &[Event]) -> Vec<String> {

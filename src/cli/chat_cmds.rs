@@ -195,6 +195,17 @@ struct RunOutput {
     malformed: Vec<String>,
 }
 
+/// Appends `text` to `kept` and, when it is `shown`, writes it to `out` at once (flushed: the
+/// user watches it come).
+fn keep(kept: &mut String, text: &str, shown: bool, out: &mut impl Write) -> std::io::Result<()> {
+    kept.push_str(text);
+    if shown {
+        out.write_all(text.as_bytes()).and_then(|()| out.flush())
+    } else {
+        Ok(())
+    }
+}
+
 impl RunOutput {
     /// The run's result once it ended: a failed write of its stream first (nobody read the
     /// rest), then a failure of the run, `(message, error)`, after what the run generated
@@ -315,23 +326,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 let written = match event {
                     ParseEvent::Text { channel, text } => match channel {
                         Some(Channel::Analysis | Channel::Commentary) => {
-                            output.reasoning.push_str(text);
-                            if stream && args.show_reasoning {
-                                stderr.write_all(text.as_bytes())
-                            } else {
-                                Ok(())
-                            }
+                            let shown = stream && args.show_reasoning;
+                            keep(&mut output.reasoning, text, shown, &mut stderr)
                         }
                         // Text without a known channel is shown: the user asked for an answer.
                         Some(Channel::Final) | None => {
-                            output.answer.push_str(text);
-                            if stream {
-                                stdout
-                                    .write_all(text.as_bytes())
-                                    .and_then(|()| stdout.flush())
-                            } else {
-                                Ok(())
-                            }
+                            keep(&mut output.answer, text, stream, &mut stdout)
                         }
                     },
                     ParseEvent::MessageEnd {
@@ -489,27 +489,20 @@ fn run_remote(
         &mut |channel, text| {
             let written = match channel {
                 Channel::Analysis | Channel::Commentary => {
-                    output.reasoning.push_str(text);
                     reasoning_open = true;
-                    if stream && args.show_reasoning {
-                        stderr.write_all(text.as_bytes())
-                    } else {
-                        Ok(())
-                    }
+                    keep(
+                        &mut output.reasoning,
+                        text,
+                        stream && args.show_reasoning,
+                        &mut stderr,
+                    )
                 }
                 Channel::Final => {
-                    output.answer.push_str(text);
                     let ended_reasoning = std::mem::take(&mut reasoning_open);
                     if ended_reasoning && stream && args.show_reasoning {
                         let _ = stderr.write_all(b"\n");
                     }
-                    if stream {
-                        stdout
-                            .write_all(text.as_bytes())
-                            .and_then(|()| stdout.flush())
-                    } else {
-                        Ok(())
-                    }
+                    keep(&mut output.answer, text, stream, &mut stdout)
                 }
             };
             if let Err(error) = written {
