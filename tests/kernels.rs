@@ -20,10 +20,16 @@ fn scalar() -> Kernels {
     Kernels::new(KernelPath::Scalar).expect("scalar always runs")
 }
 
+/// Every SIMD path this CPU runs, and the AVX-512 path once more without its optional VBMI
+/// decode where the CPU has it, so both MXFP4 GEMV decodes meet every cross-path test.
 fn simd_paths() -> Vec<Kernels> {
     Kernels::all_supported()
         .into_iter()
         .filter(|k| k.path() != KernelPath::Scalar)
+        .flat_map(|k| {
+            let without = k.uses_vbmi().then(|| k.without_vbmi());
+            std::iter::once(k).chain(without)
+        })
         .collect()
 }
 
@@ -152,6 +158,39 @@ fn mxfp4_gemv_and_gemm_match_scalar_on_every_path() {
                         &bounds,
                     );
                 }
+            }
+        }
+    }
+}
+
+/// The AVX-512 MXFP4 GEMV decodes nibbles with `vpermb` where AVX-512 VBMI is present and with
+/// `vpshufb` elsewhere; both feed the same integer sums to the same float steps, so they must
+/// agree bit for bit, on ragged shapes (rows not a multiple of the row block, a short last group)
+/// and at the extreme scale bytes (0 flushes to zero).
+#[test]
+fn mxfp4_gemv_with_and_without_vbmi_agree_bit_for_bit() {
+    let Some(k) = simd_paths().into_iter().find(|k| k.uses_vbmi()) else {
+        eprintln!("skipped: this CPU has no AVX-512 VBMI");
+        return;
+    };
+    let mut rng = rng(11);
+    for (rows, cols) in [(1, 32), (7, 96), (13, 2880), (38, 160), (9, 4128)] {
+        for scales in [118..=130, 0..=3, 250..=254] {
+            let data = Mxfp4Data::random(&mut rng, rows, cols, scales);
+            let w = data.matrix();
+            for tokens in 1..=MAX_GEMV_TOKENS {
+                let x_values = random_f32(&mut rng, tokens * cols, 3.0);
+                let mut x = Q8Activations::new();
+                k.quantize_activation_rows(&x_values, cols, &mut x).unwrap();
+                let range = if rows > 2 { 1..rows - 1 } else { 0..rows };
+                let mut with = vec![f32::NAN; tokens * range.len()];
+                let mut without = with.clone();
+                k.mxfp4_gemv(&w, &x, range.clone(), &mut with).unwrap();
+                k.without_vbmi()
+                    .mxfp4_gemv(&w, &x, range, &mut without)
+                    .unwrap();
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&with), bits(&without), "{rows}x{cols} M={tokens}");
             }
         }
     }

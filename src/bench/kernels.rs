@@ -119,6 +119,9 @@ pub struct PeakResult {
 #[derive(Clone, Debug, Serialize)]
 pub struct KernelBenchReport {
     pub path: String,
+    /// How the MXFP4 GEMV decodes nibbles on this path: `vpermb` (AVX-512 VBMI), `vpshufb`,
+    /// or `scalar`.
+    pub gemv_decode: String,
     pub cpu: CpuInfo,
     /// The int8 peak per thread count (empty on the scalar path, which has no such instruction).
     pub int8_peak: Vec<PeakResult>,
@@ -135,8 +138,9 @@ impl fmt::Display for KernelBenchReport {
         writeln!(f, "cpu {}", self.cpu)?;
         writeln!(
             f,
-            "kernel path {}; GEMV and stream over {} matrices of {}x{}, GEMM on one",
-            self.path, self.experts, self.rows, self.cols
+            "kernel path {} (MXFP4 GEMV nibble decode: {}); GEMV and stream over {} matrices of \
+             {}x{}, GEMM on one",
+            self.path, self.gemv_decode, self.experts, self.rows, self.cols
         )?;
         for p in &self.int8_peak {
             writeln!(
@@ -189,6 +193,15 @@ impl fmt::Display for KernelBenchReport {
             )?;
         }
         Ok(())
+    }
+}
+
+/// The MXFP4 GEMV's nibble decode on `kernels`, for the report.
+fn gemv_decode(kernels: Kernels) -> &'static str {
+    match kernels.path() {
+        KernelPath::Avx512 if kernels.uses_vbmi() => "vpermb",
+        KernelPath::Avx512 | KernelPath::Avx2 => "vpshufb",
+        KernelPath::Scalar => "scalar",
     }
 }
 
@@ -572,6 +585,7 @@ pub fn run_kernel_bench(
     }
     Ok(KernelBenchReport {
         path: kernels.path().name().to_string(),
+        gemv_decode: gemv_decode(kernels).to_string(),
         cpu: CpuInfo::current(),
         int8_peak,
         read_bandwidth,

@@ -168,7 +168,8 @@ pub fn peak_rss_bytes() -> u64 {
 }
 
 /// CPU flags that decide which kernels run and how fast: the vector and int8/bf16 dot-product
-/// extensions and AMX, named as /proc/cpuinfo names them.
+/// extensions and AMX, named as /proc/cpuinfo names them (`avx512vbmi` has no underscore, unlike
+/// its successor `avx512_vbmi2`).
 pub const RELEVANT_FLAGS: [&str; 16] = [
     "avx2",
     "fma",
@@ -178,7 +179,7 @@ pub const RELEVANT_FLAGS: [&str; 16] = [
     "avx512bw",
     "avx512vl",
     "avx512_vnni",
-    "avx512_vbmi",
+    "avx512vbmi",
     "avx512_vbmi2",
     "avx512_bf16",
     "avx512_fp16",
@@ -268,17 +269,17 @@ mod tests {
     fn cpu_info_keeps_the_relevant_flags_in_a_fixed_order() {
         let text = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n\
                     model name\t: AMD EPYC\nflags\t\t: fpu avx512_vnni sse avx2 avx512f fma \
-                    avx512_vbmi\n\nprocessor\t: 1\nmodel name\t: other\n";
+                    avx512vbmi\n\nprocessor\t: 1\nmodel name\t: other\n";
         let info = CpuInfo::parse(text);
         assert_eq!(info.name, "AMD EPYC");
         assert_eq!((info.family, info.model), (Some(26), Some(2)));
         assert_eq!(
             info.flags,
-            ["avx2", "fma", "avx512f", "avx512_vnni", "avx512_vbmi"]
+            ["avx2", "fma", "avx512f", "avx512_vnni", "avx512vbmi"]
         );
         assert_eq!(
             info.to_string(),
-            "AMD EPYC (family 26 model 2); avx2 fma avx512f avx512_vnni avx512_vbmi"
+            "AMD EPYC (family 26 model 2); avx2 fma avx512f avx512_vnni avx512vbmi"
         );
         let bare = CpuInfo::parse("");
         assert!(bare.flags.is_empty() && bare.family.is_none());

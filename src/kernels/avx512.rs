@@ -67,15 +67,6 @@ const fn format_factor(format: u8) -> f32 {
     }
 }
 
-/// Sixteen lanes of 2^(s-127) from four E8M0 bytes (lanes 4j..4j+3 from byte j).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-fn e8m0_lanes(bytes: u32) -> __m512 {
-    let spread = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    let exponents = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128(bytes as i32), spread));
-    _mm512_castsi512_ps(_mm512_slli_epi32::<23>(exponents))
-}
-
 /// Sixteen lanes from four f16 scales (lanes 4j..4j+3 from scale j).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
@@ -165,53 +156,14 @@ fn split_nibbles<const FORMAT: u8>(bytes: __m512i) -> (__m512i, __m512i) {
     }
 }
 
-/// Where one weight row's group lives, decoded to (evens, odds, scales).
+/// One Q4 row's group decoded to unsigned (evens, odds) and scale lanes.
 ///
 /// # Safety
-/// `row < rows` of the matrix, `group < ceil(cols / 128)`; the CPU has the module's features.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-unsafe fn mxfp4_group(w: &Mxfp4Matrix, row: usize, group: usize) -> (__m512i, __m512i, __m512) {
-    // SAFETY: the caller upholds this function's contract (`row < rows` of the matrix, `group <
-    // ceil(cols / 128)`; the CPU has the module's features), which is what every pointer access
-    // and target-feature call below relies on.
-    unsafe {
-        let blocks_per_row = w.cols / BLOCK_LEN;
-        let blocks_here = (blocks_per_row - group * GROUP_BLOCKS).min(GROUP_BLOCKS);
-        let bytes = w
-            .blocks
-            .as_ptr()
-            .add(row * (w.cols / 2) + group * GROUP_LEN / 2);
-        let scales = w
-            .scales
-            .as_ptr()
-            .add(row * blocks_per_row + group * GROUP_BLOCKS);
-        let (nibbles, scale_bytes) = if blocks_here == GROUP_BLOCKS {
-            (
-                _mm512_loadu_si512(bytes.cast()),
-                scales.cast::<u32>().read_unaligned(),
-            )
-        } else {
-            // A row's last group may hold 1-3 blocks; masked-off bytes are not read (no fault) and
-            // become nibble 0, whose weight meets zero padding activations.
-            let mask = (1u64 << (blocks_here * 16)) - 1;
-            let mut scale_bytes = 0u32;
-            for j in 0..blocks_here {
-                scale_bytes |= (*scales.add(j) as u32) << (8 * j);
-            }
-            (_mm512_maskz_loadu_epi8(mask, bytes.cast()), scale_bytes)
-        };
-        let (evens, odds) = split_nibbles::<FORMAT_MXFP4>(nibbles);
-        (evens, odds, e8m0_lanes(scale_bytes))
-    }
-}
-
-/// # Safety
-/// As [`mxfp4_group`], for a Q4 matrix.
+/// `row < rows` of the matrix, `group < groups`; the CPU has the module's features.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn q4_group(w: &Q4Matrix, row: usize, group: usize) -> (__m512i, __m512i, __m512) {
-    // SAFETY: the caller upholds this function's contract (as `mxfp4_group`, for a Q4 matrix),
+    // SAFETY: the caller upholds this function's contract (row and group inside the Q4 matrix; the CPU features),
     // which is what every pointer access and target-feature call below relies on.
     unsafe {
         let nibbles = _mm512_loadu_si512(
@@ -231,12 +183,14 @@ unsafe fn q4_group(w: &Q4Matrix, row: usize, group: usize) -> (__m512i, __m512i,
     }
 }
 
+/// As [`q4_group`], for a Q8 matrix.
+///
 /// # Safety
-/// As [`mxfp4_group`], for a Q8 matrix.
+/// As [`q4_group`], for a Q8 matrix.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn q8_group(w: &Q8Matrix, row: usize, group: usize) -> (__m512i, __m512i, __m512) {
-    // SAFETY: the caller upholds this function's contract (as `mxfp4_group`, for a Q8 matrix),
+    // SAFETY: the caller upholds this function's contract (as `q4_group`, for a Q8 matrix),
     // which is what every pointer access and target-feature call below relies on.
     unsafe {
         let quants = w.row_quants(row).as_ptr().add(group * GROUP_LEN);
@@ -294,6 +248,28 @@ trait GroupSource: ByteSpans {
     /// Rows inside the matrix; the CPU has the module's features.
     unsafe fn exponent_range(&self, _rows: Range<usize>) -> Option<(u32, u32)> {
         None
+    }
+
+    /// Groups `0..full_groups()` hold whole blocks only (the rest: a short last group).
+    fn full_groups(&self) -> usize {
+        self.groups()
+    }
+
+    /// The GEMV's decode of one row's group: [`GroupSource::load_group`] unless the format has a
+    /// cheaper one (MXFP4: `vpermb` when `VBMI`, and the scale spread of `e8m0_spread`).
+    /// Inlined into the GEMV, whose target features it is compiled with.
+    ///
+    /// # Safety
+    /// As [`GroupSource::load_group`]; the CPU has AVX-512 VBMI if `VBMI`; `group <
+    /// full_groups()` if `FULL`.
+    #[inline(always)]
+    unsafe fn gemv_group<const VBMI: bool, const FULL: bool>(
+        &self,
+        row: usize,
+        group: usize,
+    ) -> (__m512i, __m512i, __m512) {
+        // SAFETY: the caller upholds `load_group`'s contract.
+        unsafe { self.load_group(row, group) }
     }
 }
 
@@ -354,12 +330,72 @@ impl GroupSource for Mxfp4Matrix<'_> {
     fn groups(&self) -> usize {
         self.cols.div_ceil(GROUP_LEN)
     }
+    fn full_groups(&self) -> usize {
+        self.cols / GROUP_LEN
+    }
+    /// `vpermb` when `VBMI`; `FULL` keeps the short-group branch and its arithmetic out of the
+    /// GEMV's main loop.
+    #[inline(always)]
+    unsafe fn gemv_group<const VBMI: bool, const FULL: bool>(
+        &self,
+        row: usize,
+        group: usize,
+    ) -> (__m512i, __m512i, __m512) {
+        // SAFETY: the caller upholds the trait's contract (row and group inside the matrix; the
+        // CPU features), so every load below stays inside the row.
+        unsafe {
+            let blocks_per_row = self.cols / BLOCK_LEN;
+            let blocks_here = if FULL {
+                GROUP_BLOCKS
+            } else {
+                (blocks_per_row - group * GROUP_BLOCKS).min(GROUP_BLOCKS)
+            };
+            let bytes = self
+                .blocks
+                .as_ptr()
+                .add(row * (self.cols / 2) + group * GROUP_LEN / 2);
+            let scales = self
+                .scales
+                .as_ptr()
+                .add(row * blocks_per_row + group * GROUP_BLOCKS);
+            let (nibbles, scale_word) = if blocks_here == GROUP_BLOCKS {
+                (
+                    _mm512_loadu_si512(bytes.cast()),
+                    _mm512_set1_epi32(scales.cast::<i32>().read_unaligned()),
+                )
+            } else {
+                // A row's last group may hold 1-3 blocks; masked-off bytes are not read (no
+                // fault) and become nibble 0, whose weight meets zero padding activations.
+                let mask = (1u64 << (blocks_here * 16)) - 1;
+                let mut word = 0u32;
+                for j in 0..blocks_here {
+                    word |= (*scales.add(j) as u32) << (8 * j);
+                }
+                (
+                    _mm512_maskz_loadu_epi8(mask, bytes.cast()),
+                    _mm512_set1_epi32(word as i32),
+                )
+            };
+            let (evens, odds) = if VBMI {
+                // `vpermb` ignores the index bits 6-7, so neither nibble needs a mask: three
+                // operations instead of the five of `split_nibbles`.
+                let table = _mm512_loadu_si512(MXFP4_UNSIGNED_64.as_ptr().cast());
+                (
+                    _mm512_permutexvar_epi8(nibbles, table),
+                    _mm512_permutexvar_epi8(_mm512_srli_epi16::<4>(nibbles), table),
+                )
+            } else {
+                split_nibbles::<FORMAT_MXFP4>(nibbles)
+            };
+            (evens, odds, e8m0_spread(scale_word))
+        }
+    }
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     unsafe fn load_group(&self, row: usize, group: usize) -> (__m512i, __m512i, __m512) {
         // SAFETY: the caller upholds the trait's contract for this method (row and group inside the
         // matrix; the CPU has this module's features), so every load below stays inside the row.
-        unsafe { mxfp4_group(self, row, group) }
+        unsafe { self.gemv_group::<false, false>(row, group) }
     }
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
@@ -415,7 +451,7 @@ impl GroupSource for Mxfp4Matrix<'_> {
         let byte = _mm512_set1_epi32(0xFF);
         std::array::from_fn(|j| {
             let e = _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(8 * j as i32)), byte);
-            // 2^(s - 127) as f32 bits, s = 0 flushing to 0: as `e8m0_lanes`.
+            // 2^(s - 127) as f32 bits, s = 0 flushing to 0: as `e8m0_spread`.
             _mm512_castsi512_ps(_mm512_slli_epi32::<23>(e))
         })
     }
@@ -545,16 +581,91 @@ impl GroupSource for Q8Matrix {
     }
 }
 
-/// `R` rows against `T` tokens (1 or 2: a token and its split remainder), decoding each weight
-/// group once for all tokens and sharing each activation load across the rows, while prefetching
-/// the rows `prefetch`. Writes `out[t * stride + at + i]`.
+/// [`MXFP4_UNSIGNED`] four times over: a `vpermb` table, which indexes with a byte's low six
+/// bits, so the neighbouring nibble's bits 4-5 that a byte carries select the same entry.
+const MXFP4_UNSIGNED_64: [i8; 64] = {
+    let mut table = [0i8; 64];
+    let mut i = 0;
+    while i < 64 {
+        table[i] = MXFP4_UNSIGNED[i % 16];
+        i += 1;
+    }
+    table
+};
+
+/// `vpshufb` control that puts scale byte j of a broadcast dword into the top byte of lanes
+/// 4j..4j+3 (the 128-bit lane j) and zeros the rest: `s << 24`, one shift away from the f32 bits
+/// of 2^(s-127).
+const E8M0_SPREAD: [i8; 64] = {
+    let mut control = [-1i8; 64];
+    let mut lane = 0;
+    while lane < 16 {
+        control[4 * lane + 3] = (lane / 4) as i8;
+        lane += 1;
+    }
+    control
+};
+
+/// Sixteen lanes of 2^(s-127) (0 for s = 0) from four E8M0 bytes held in every dword of `word`
+/// (lanes 4j..4j+3 from byte j): one shuffle and one shift, where a widening from the four bytes
+/// takes a move, a shuffle, a cross-lane widening and a shift.
 ///
 /// # Safety
-/// `first_row + R <= w.rows()`, `x` has `T` tokens of `w`'s columns, the writes are in bounds.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+/// The CPU has the module's features.
+#[inline(always)]
+unsafe fn e8m0_spread(word: __m512i) -> __m512 {
+    // SAFETY: the caller guarantees the CPU features; the control is 64 readable bytes.
+    unsafe {
+        let control = _mm512_loadu_si512(E8M0_SPREAD.as_ptr().cast());
+        _mm512_castsi512_ps(_mm512_srli_epi32::<1>(_mm512_shuffle_epi8(word, control)))
+    }
+}
+
+/// The integer sums of four tokens (lanes 4j..4j+3 of `sums[t]`: block j) folded into one
+/// vector whose lane 4j+t holds token t's whole block-j sum. Exact integer adds, so each row and
+/// group then needs one convert, one multiply and one FMA for all four tokens instead of one
+/// each. Generic only so that `gemv_rows` compiles for every `T`; called with `T == 4`.
+#[inline(always)]
+fn fold_tokens<const T: usize>(sums: &[__m512i; T]) -> __m512i {
+    debug_assert_eq!(T, 4);
+    // SAFETY: only register operations of AVX-512F, which every caller's target features hold.
+    unsafe {
+        let pair = |a: __m512i, b: __m512i| {
+            _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
+        };
+        let (low, high) = (pair(sums[0], sums[1]), pair(sums[2], sums[3]));
+        _mm512_add_epi32(
+            _mm512_unpacklo_epi64(low, high),
+            _mm512_unpackhi_epi64(low, high),
+        )
+    }
+}
+
+/// The four tokens' activation scales in [`fold_tokens`]' lane order (lane 4j+t: token t's
+/// block-j scale). Called with `T == 4`.
+#[inline(always)]
+fn fold_scales<const T: usize>(a: &[ActGroup; T]) -> __m512 {
+    debug_assert_eq!(T, 4);
+    // SAFETY: only register operations of AVX-512F, which every caller's target features hold.
+    unsafe {
+        let v = _mm512_mask_blend_ps(0x2222, a[0].scales, a[1].scales);
+        let v = _mm512_mask_blend_ps(0x4444, v, a[2].scales);
+        _mm512_mask_blend_ps(0x8888, v, a[3].scales)
+    }
+}
+
+/// `R` rows against the `T` tokens of `x` (1 to 4), decoding each weight group once for all
+/// tokens and sharing each activation load across the rows, while prefetching the rows
+/// `prefetch`. Writes `out[t * stride + at + i]`.
+///
+/// Inlined into [`gemv`] or [`gemv_vbmi`], whose target features it is compiled with.
+///
+/// # Safety
+/// `first_row + R <= w.rows()`, `x` has `T` tokens of `w`'s columns, the writes are in bounds;
+/// the CPU has the features of the function it is inlined into.
+#[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemv_rows<W: GroupSource, const R: usize, const T: usize>(
+unsafe fn gemv_rows<W: GroupSource, const R: usize, const T: usize, const VBMI: bool>(
     w: &W,
     x: &Q8Activations,
     first_row: usize,
@@ -563,83 +674,148 @@ unsafe fn gemv_rows<W: GroupSource, const R: usize, const T: usize>(
     stride: usize,
     at: usize,
 ) {
+    /// One group of the `R` rows; `FULL` as in [`GroupSource::gemv_group`].
+    ///
+    /// # Safety
+    /// As `gemv_rows`, with `group < w.groups()` (`< w.full_groups()` if `FULL`).
+    #[inline(always)]
+    unsafe fn step<
+        W: GroupSource,
+        const R: usize,
+        const T: usize,
+        const VBMI: bool,
+        const FULL: bool,
+    >(
+        w: &W,
+        x: &Q8Activations,
+        first_row: usize,
+        group: usize,
+        acc: &mut [[__m512; T]; R],
+    ) {
+        // SAFETY: the caller upholds this function's contract.
+        unsafe {
+            let a: [ActGroup; T] =
+                std::array::from_fn(|t| ActGroup::load(x, t, group, correction_mask(W::FORMAT)));
+            if T < 4 {
+                for (i, acc_row) in acc.iter_mut().enumerate() {
+                    let (evens, odds, scales) = w.gemv_group::<VBMI, FULL>(first_row + i, group);
+                    for (acc_t, a_t) in acc_row.iter_mut().zip(&a) {
+                        *acc_t = group_fma(*acc_t, evens, odds, scales, a_t);
+                    }
+                }
+            } else {
+                // Four tokens share one accumulator per row (`fold_tokens`' lane order): one
+                // convert, multiply and FMA per row and group instead of four, for nine integer
+                // shuffles and adds (measured +12% with the weights in L2, Zen 4; two tokens
+                // folded measured 6% slower and three no better, so they keep one accumulator
+                // each).
+                let a_scales = fold_scales(&a);
+                for (i, acc_row) in acc.iter_mut().enumerate() {
+                    let (evens, odds, scales) = w.gemv_group::<VBMI, FULL>(first_row + i, group);
+                    let sums: [__m512i; T] = std::array::from_fn(|t| {
+                        _mm512_dpbusd_epi32(
+                            _mm512_dpbusd_epi32(a[t].correction, evens, a[t].evens),
+                            odds,
+                            a[t].odds,
+                        )
+                    });
+                    acc_row[0] = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(fold_tokens(&sums)),
+                        _mm512_mul_ps(scales, a_scales),
+                        acc_row[0],
+                    );
+                }
+            }
+        }
+    }
+
     // SAFETY: the caller upholds this function's contract (`first_row + R <= w.rows()`, `x` has `T`
     // tokens of `w`'s columns, the writes are in bounds), which is what every pointer access and
     // target-feature call below relies on.
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); T]; R];
-        let groups = w.groups();
+        let (groups, full) = (w.groups(), w.full_groups());
         let spans = w.byte_spans(prefetch);
-        for group in 0..groups {
+        // Whole groups first, with no per-group test for a short one: on a CPU that splits
+        // 512-bit operations in two (Zen 4) the scalar bookkeeping of that test cost as much
+        // front-end bandwidth as the vector work.
+        for group in 0..full {
             if W::PREFETCH_L2 {
                 prefetch_share_into::<true>(&spans, group, groups)
             } else {
                 prefetch_share_into::<false>(&spans, group, groups)
             }
-            let a: [ActGroup; T] =
-                std::array::from_fn(|t| ActGroup::load(x, t, group, correction_mask(W::FORMAT)));
-            for (i, acc_row) in acc.iter_mut().enumerate() {
-                let (evens, odds, scales) = w.load_group(first_row + i, group);
-                for (acc_t, a_t) in acc_row.iter_mut().zip(&a) {
-                    *acc_t = group_fma(*acc_t, evens, odds, scales, a_t);
+            step::<W, R, T, VBMI, true>(w, x, first_row, group, &mut acc);
+        }
+        for group in full..groups {
+            prefetch_share_into::<false>(&spans, group, groups);
+            step::<W, R, T, VBMI, false>(w, x, first_row, group, &mut acc);
+        }
+        for (i, acc_row) in acc.iter().enumerate() {
+            if T < 4 {
+                for (t, acc_t) in acc_row.iter().enumerate() {
+                    out[t * stride + at + i] =
+                        format_factor(W::FORMAT) * _mm512_reduce_add_ps(*acc_t);
+                }
+            } else {
+                let mut lanes = [0.0f32; 16];
+                _mm512_storeu_ps(lanes.as_mut_ptr(), acc_row[0]);
+                // Token t's lanes: those whose index is t modulo 4.
+                for t in 0..T {
+                    let sum: f32 = lanes.iter().skip(t).step_by(4).sum();
+                    out[t * stride + at + i] = format_factor(W::FORMAT) * sum;
                 }
             }
         }
-        for (i, acc_row) in acc.iter().enumerate() {
-            for (t, acc_t) in acc_row.iter().enumerate() {
-                out[t * stride + at + i] = format_factor(W::FORMAT) * _mm512_reduce_add_ps(*acc_t);
-            }
-        }
     }
 }
 
 /// # Safety
-/// The CPU has the module's features; shapes were checked by `Kernels` (one token of `w`'s columns,
-/// `rows` inside the matrix, `out.len() == rows.len()`).
+/// The CPU has the module's features; shapes were checked by `Kernels` (1 to
+/// [`super::MAX_GEMV_TOKENS`] tokens of `w`'s columns, `rows` inside the matrix, `out.len() ==
+/// tokens x rows.len()`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn gemv<W: GroupSource>(w: &W, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
-    // SAFETY: the caller upholds this function's contract (The CPU has the module's features;
-    // shapes were checked by `Kernels` (one token of `w`'s columns, `rows` inside the matrix,
-    // `out.len() == rows.len()`)), which is what every pointer access and target-feature call
-    // below relies on.
-    unsafe {
-        match x.rows() {
-            1 => gemv_tokens::<W, 1>(w, x, rows, out),
-            2 => gemv_tokens::<W, 2>(w, x, rows, out),
-            3 => gemv_tokens::<W, 3>(w, x, rows, out),
-            _ => gemv_tokens::<W, 4>(w, x, rows, out),
-        }
-    }
+    // SAFETY: the caller upholds this function's contract, which `gemv_tokens` shares.
+    unsafe { gemv_tokens::<W, false>(w, x, rows, out) }
+}
+
+/// [`gemv`] with the MXFP4 nibbles decoded by `vpermb`.
+///
+/// # Safety
+/// As [`gemv`], and the CPU has AVX-512 VBMI.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+unsafe fn gemv_vbmi<W: GroupSource>(w: &W, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
+    // SAFETY: the caller upholds this function's contract, which `gemv_tokens` shares.
+    unsafe { gemv_tokens::<W, true>(w, x, rows, out) }
 }
 
 /// # Safety
-/// As [`gemv`], with `x` holding exactly `T` tokens.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-unsafe fn gemv_tokens<W: GroupSource, const T: usize>(
+/// As [`gemv`] (and AVX-512 VBMI if `VBMI`); inlined into it.
+#[inline(always)]
+unsafe fn gemv_tokens<W: GroupSource, const VBMI: bool>(
     w: &W,
     x: &Q8Activations,
     rows: Range<usize>,
     out: &mut [f32],
 ) {
-    // SAFETY: the caller upholds this function's contract (As [`gemv`], with `x` holding exactly
-    // `T` tokens), which is what every pointer access and target-feature call below relies on.
+    // SAFETY: the caller upholds this function's contract, which every arm's callee shares.
     unsafe {
-        // Four rows share each activation load; with four tokens their accumulators and activation
-        // operands would not fit the 32 registers, so two rows at a time.
-        if T > 3 {
-            gemv_row_blocks::<W, 2, T>(w, x, rows, out)
-        } else {
-            gemv_row_blocks::<W, 4, T>(w, x, rows, out)
+        // Four rows share each activation load. Four tokens fold their sums into one accumulator
+        // per row (`fold_tokens`), which keeps four rows inside the 32 registers.
+        match x.rows() {
+            1 => gemv_row_blocks::<W, 4, 1, VBMI>(w, x, rows, out),
+            2 => gemv_row_blocks::<W, 4, 2, VBMI>(w, x, rows, out),
+            3 => gemv_row_blocks::<W, 4, 3, VBMI>(w, x, rows, out),
+            _ => gemv_row_blocks::<W, 4, 4, VBMI>(w, x, rows, out),
         }
     }
 }
 
 /// # Safety
-/// As [`gemv_tokens`].
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-unsafe fn gemv_row_blocks<W: GroupSource, const R: usize, const T: usize>(
+/// As [`gemv_tokens`], with `x` holding exactly `T` tokens.
+#[inline(always)]
+unsafe fn gemv_row_blocks<W: GroupSource, const R: usize, const T: usize, const VBMI: bool>(
     w: &W,
     x: &Q8Activations,
     rows: Range<usize>,
@@ -658,14 +834,20 @@ unsafe fn gemv_row_blocks<W: GroupSource, const R: usize, const T: usize>(
         while at < stride {
             let row = rows.start + at;
             if stride - at >= R {
-                gemv_rows::<W, R, T>(w, x, row, ahead(row, R), out, stride, at);
+                gemv_rows::<W, R, T, VBMI>(w, x, row, ahead(row, R), out, stride, at);
                 at += R;
             } else {
-                gemv_rows::<W, 1, T>(w, x, row, ahead(row, 0), out, stride, at);
+                gemv_rows::<W, 1, T, VBMI>(w, x, row, ahead(row, 0), out, stride, at);
                 at += 1;
             }
         }
     }
+}
+
+/// Whether the MXFP4 GEMV may decode with `vpermb`: AVX-512 VBMI detected and not switched off
+/// (`Kernels::without_vbmi`, which tests and the benchmark use to run the other decode).
+pub(crate) fn vbmi_detected() -> bool {
+    is_x86_feature_detected!("avx512vbmi")
 }
 
 pub(crate) unsafe fn mxfp4_gemv(
@@ -673,11 +855,18 @@ pub(crate) unsafe fn mxfp4_gemv(
     x: &Q8Activations,
     rows: Range<usize>,
     out: &mut [f32],
+    vbmi: bool,
 ) {
     // SAFETY: the module's contract holds: the dispatcher runs this only on a CPU with every
-    // feature in `REQUIRED`, and the safe `Kernels` method checked the shapes, which is all the
-    // code below relies on.
-    unsafe { gemv(w, x, rows, out) }
+    // feature in `REQUIRED` (and passes `vbmi` only where `vbmi_detected`), and the safe
+    // `Kernels` method checked the shapes, which is all the code below relies on.
+    unsafe {
+        if vbmi {
+            gemv_vbmi(w, x, rows, out)
+        } else {
+            gemv(w, x, rows, out)
+        }
+    }
 }
 
 pub(crate) unsafe fn q4_gemv(w: &Q4Matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {

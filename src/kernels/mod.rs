@@ -7,7 +7,8 @@
 //! hands out a [`Kernels`] value whose methods run on that path. Tests and benchmarks build a
 //! [`Kernels`] for any supported path with [`Kernels::new`] and compare them side by side.
 //!
-//! * `Avx512`: AVX-512 F/BW with VNNI (`vpdpbusd`), F16C and FMA.
+//! * `Avx512`: AVX-512 F/BW with VNNI (`vpdpbusd`), F16C and FMA; where AVX-512 VBMI is detected
+//!   too, the MXFP4 GEMV decodes nibbles with `vpermb` ([`Kernels::without_vbmi`] turns it off).
 //! * `Avx2`: AVX2 (`vpmaddubsw` + `vpmaddwd`), F16C and FMA.
 //! * `Scalar`: always available; the reference the others are tested against.
 //!
@@ -243,9 +244,7 @@ pub fn kernel_path() -> KernelPath {
 
 /// Kernels on the process-wide path.
 pub fn kernels() -> Kernels {
-    Kernels {
-        path: kernel_path(),
-    }
+    Kernels::on_path(kernel_path())
 }
 
 /// Accumulator chains of the int8 peak probe ([`Kernels::int8_mac_probe`]): one `vpdpbusd`
@@ -418,6 +417,8 @@ pub(crate) use dispatch;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Kernels {
     path: KernelPath,
+    /// The AVX-512 MXFP4 GEMV decodes nibbles with `vpermb` (AVX-512 VBMI, detected at run time).
+    vbmi: bool,
 }
 
 impl Kernels {
@@ -430,7 +431,30 @@ impl Kernels {
                 missing: missing.join(", "),
             });
         }
-        Ok(Self { path })
+        Ok(Self::on_path(path))
+    }
+
+    /// Kernels on a path this CPU supports, with the optional features it has.
+    fn on_path(path: KernelPath) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        let vbmi = path == KernelPath::Avx512 && avx512::vbmi_detected();
+        #[cfg(not(target_arch = "x86_64"))]
+        let vbmi = false;
+        Self { path, vbmi }
+    }
+
+    /// The same kernels without the optional AVX-512 VBMI decode of the MXFP4 GEMV: what a CPU
+    /// with AVX-512 VNNI but no VBMI runs (tests compare the two; the benchmark can time both).
+    pub fn without_vbmi(self) -> Self {
+        Self {
+            vbmi: false,
+            ..self
+        }
+    }
+
+    /// Whether the MXFP4 GEMV decodes with `vpermb` (AVX-512 VBMI).
+    pub fn uses_vbmi(&self) -> bool {
+        self.vbmi
     }
 
     /// Kernels for every path this CPU supports, slowest (scalar) first.
@@ -528,7 +552,12 @@ impl Kernels {
         out: &mut [f32],
     ) -> Result<(), KernelError> {
         check_quantized("MXFP4 GEMV", w.rows, w.cols, x, &rows, out, true)?;
-        dispatch!(self, mxfp4_gemv(w, x, rows, out));
+        dispatch!(
+            self,
+            avx512: avx512::mxfp4_gemv(w, x, rows, out, self.vbmi),
+            avx2: avx2::mxfp4_gemv(w, x, rows, out),
+            scalar: scalar::mxfp4_gemv(w, x, rows, out),
+        );
         Ok(())
     }
 
