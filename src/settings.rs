@@ -135,16 +135,6 @@ macro_rules! field {
             },
         )
     };
-    (Real, $($path:ident).+) => {
-        (
-            |settings| Value::Real(settings.$($path).+),
-            |settings, value| {
-                if let Value::Real(real) = value {
-                    settings.$($path).+ = real;
-                }
-            },
-        )
-    };
     (Choice, $($path:ident).+, $ty:ty) => {
         (
             |settings| Value::Choice(settings.$($path).+.name()),
@@ -155,32 +145,13 @@ macro_rules! field {
             },
         )
     };
-    (Switch, $($path:ident).+) => {
+    // Real, Switch, Text and Seed: the value's variant holds the field's own type.
+    ($variant:ident, $($path:ident).+) => {
         (
-            |settings| Value::Switch(settings.$($path).+),
+            |settings| Value::$variant(Clone::clone(&settings.$($path).+)),
             |settings, value| {
-                if let Value::Switch(on) = value {
-                    settings.$($path).+ = on;
-                }
-            },
-        )
-    };
-    (Text, $($path:ident).+) => {
-        (
-            |settings| Value::Text(settings.$($path).+.clone()),
-            |settings, value| {
-                if let Value::Text(text) = value {
-                    settings.$($path).+ = text;
-                }
-            },
-        )
-    };
-    (Seed, $($path:ident).+) => {
-        (
-            |settings| Value::Seed(settings.$($path).+),
-            |settings, value| {
-                if let Value::Seed(seed) = value {
-                    settings.$($path).+ = seed;
+                if let Value::$variant(field) = value {
+                    settings.$($path).+ = field;
                 }
             },
         )

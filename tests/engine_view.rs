@@ -3,22 +3,21 @@
 //! rewritten with OSSTERM_UPDATE_SNAPSHOTS=1), the `--demo` script driving the app, and the load
 //! progress of a real checkpoint.
 
-use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+mod support;
+
+use crossterm::event::KeyCode;
 use ossterm::engine::protocol::{
-    CacheHits, Command, EngineInfo, Event, KvCacheType, Phase, ProfileSample, Settings,
-    StatsSample, WeightFormat,
+    CacheHits, Command, Event, Phase, ProfileSample, Settings, StatsSample, WeightFormat,
 };
 use ossterm::model::profile::ProfileCounts;
 use ossterm::model::{LoadOptions, LoadStage, Model, Precision, Preset};
-use ossterm::tui::store::ChatStore;
-use ossterm::tui::view::{conversation_viewport, draw};
-use ossterm::tui::{App, Effect, EngineStatus, Msg};
+use ossterm::tui::{App, Effect, Msg};
 use ratatui::backend::TestBackend;
-use ratatui::layout::Rect;
 use ratatui::Terminal;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use support::{draw_screen, key, random_engine};
 
 fn buffer_text(terminal: &Terminal<TestBackend>) -> String {
     let buffer = terminal.backend().buffer();
@@ -44,19 +43,9 @@ fn unicode_width(symbol: &str) -> usize {
     ossterm::tui::markdown::text_width(symbol)
 }
 
-/// Draws `app` as the loop does: the layout message first, then the frame.
+/// Draws `app` as the loop does, as a terminal's copy of the screen shows it.
 fn screen(app: &mut App, width: u16, height: u16) -> String {
-    let mut terminal = Terminal::new(TestBackend::new(width, height)).unwrap();
-    let (pane_width, pane_height) = conversation_viewport(Rect::new(0, 0, width, height), app);
-    app.update(
-        Msg::Layout {
-            width: pane_width,
-            height: pane_height,
-        },
-        Instant::now(),
-    );
-    terminal.draw(|frame| draw(frame, app)).unwrap();
-    buffer_text(&terminal)
+    buffer_text(&draw_screen(app, width, height))
 }
 
 /// Compares `text` with tests/snapshots/`name`.txt (or writes it there when
@@ -84,56 +73,18 @@ fn assert_snapshot(name: &str, text: &str) {
     );
 }
 
-fn key(code: KeyCode) -> Msg {
-    Msg::Key(KeyEvent::new(code, KeyModifiers::NONE))
-}
-
+/// The app with a 20b on random weights ready, on two threads.
 fn ready_app(dir: &Path) -> App {
-    let mut app = App::new(
-        Settings {
-            threads: 2,
-            ..Settings::default()
-        },
-        ChatStore::new(dir.to_path_buf()),
-        EngineStatus::Loading {
-            stage: "weights".to_string(),
-            done: 0,
-            total: 1,
-        },
-    );
-    let info = EngineInfo {
-        model_label: "synthetic 20b (random weights)".to_string(),
-        random_weights: true,
-        kernel_path: "avx512".to_string(),
-        settings: Settings {
-            threads: 2,
-            ..Settings::default()
-        },
+    let two = Settings {
+        threads: 2,
+        ..Settings::default()
     };
-    app.update(Msg::Engine(Event::Ready(info)), Instant::now());
-    app
+    let info = random_engine("synthetic 20b (random weights)", "avx512", two.clone());
+    support::ready_app(two, dir, info)
 }
 
 fn stats() -> StatsSample {
-    StatsSample {
-        decode_tokens_per_second: Some(7.9),
-        prefill_tokens_per_second: Some(61.0),
-        time_to_first_token: Some(Duration::from_millis(900)),
-        process_memory_bytes: Some(13 << 30),
-        machine_memory_bytes: Some(24 << 30),
-        kv_tokens_used: 300,
-        kv_tokens_capacity: 8192,
-        kv_cache: KvCacheType::F16,
-        context_used: 300,
-        context_limit: 8192,
-        turn_hits: CacheHits::default(),
-        session_hits: CacheHits::default(),
-        threads: 2,
-        kernel_path: "avx512".to_string(),
-        weight_format: WeightFormat::Q8,
-        activations: Default::default(),
-        kv_tiers: Default::default(),
-    }
+    support::stats_sample()
 }
 
 /// A deterministic sample of the 20b's shape: each layer favours a few experts, differently.

@@ -397,17 +397,27 @@ fn start_gated(
             kv_tiers: Default::default(),
         })
     });
-    let harness = Harness {
-        engine,
-        events,
-        journal,
-        sampler_configs,
-    };
-    harness.wait_for(|event| matches!(event, Event::Ready(_)));
-    harness
+    Harness::ready(engine, events, journal, sampler_configs)
 }
 
 impl Harness {
+    /// The harness of an engine just spawned, once the engine says it is ready.
+    fn ready(
+        engine: EngineHandle,
+        events: Receiver<Event>,
+        journal: Arc<Mutex<Journal>>,
+        sampler_configs: Arc<Mutex<Vec<SamplerSettings>>>,
+    ) -> Harness {
+        let harness = Harness {
+            engine,
+            events,
+            journal,
+            sampler_configs,
+        };
+        harness.wait_for(|event| matches!(event, Event::Ready(_)));
+        harness
+    }
+
     /// Collects events until `stop` matches one (included); fails after 10 s.
     fn wait_for(&self, stop: impl Fn(&Event) -> bool) -> Vec<Event> {
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -426,13 +436,19 @@ impl Harness {
         }
     }
 
-    fn generate(&self, id: u64, conversation: Conversation) -> Vec<Event> {
+    /// Sends a new turn without waiting for it.
+    fn start_turn(&self, id: u64, conversation: Conversation) {
         let request = GenerateRequest {
             id,
             kind: RequestKind::NewTurn,
             conversation,
         };
         self.engine.send(Command::Generate(request)).unwrap();
+    }
+
+    /// Runs a new turn: its events, through its end.
+    fn generate(&self, id: u64, conversation: Conversation) -> Vec<Event> {
+        self.start_turn(id, conversation);
         self.wait_for(|event| matches!(event, Event::TurnDone { id: done, .. } | Event::Error { id: Some(done), .. } if *done == id))
     }
 }
@@ -480,25 +496,28 @@ fn turn_done(events: &[Event]) -> (StopReason, u64, u64) {
         .expect("turn done")
 }
 
-#[test]
-fn common_prefix_and_rewind_keep_one_token_to_prefill() {
-    assert_eq!(common_prefix_len(&[1, 2, 3], &[1, 2, 4, 5]), 2);
-    assert_eq!(common_prefix_len(&[], &[1]), 0);
-    let model = Arc::new(ToyModel {
+/// A toy model outside any engine, and a session of 100 tokens on it.
+fn toy_model() -> Arc<ToyModel> {
+    Arc::new(ToyModel {
         format: WeightFormat::Q8,
         activations: ActivationFormat::Mixed,
         step_delay: Duration::ZERO,
         journal: Default::default(),
         requantize_gate: None,
-    });
-    let mut session = ToyModel::new_session(
-        &model,
-        &toy_pool(),
-        100,
-        KvCacheType::F16,
-        ActivationFormat::Mixed,
-    )
-    .unwrap();
+    })
+}
+
+fn toy_session(model: &Arc<ToyModel>) -> ToySession {
+    let format = ActivationFormat::Mixed;
+    ToyModel::new_session(model, &toy_pool(), 100, KvCacheType::F16, format).unwrap()
+}
+
+#[test]
+fn common_prefix_and_rewind_keep_one_token_to_prefill() {
+    assert_eq!(common_prefix_len(&[1, 2, 3], &[1, 2, 4, 5]), 2);
+    assert_eq!(common_prefix_len(&[], &[1]), 0);
+    let model = toy_model();
+    let mut session = toy_session(&model);
     session.prefill(&[5, 6, 7, 8]).unwrap();
     assert_eq!(rewind_for_prompt(&mut session, &[5, 6, 9]), 2);
     assert_eq!(session.tokens(), &[5, 6]);
@@ -509,39 +528,19 @@ fn common_prefix_and_rewind_keep_one_token_to_prefill() {
 
 #[test]
 fn reused_prefix_gives_the_same_logits_as_a_cold_prefill() {
-    let model = Arc::new(ToyModel {
-        format: WeightFormat::Q8,
-        activations: ActivationFormat::Mixed,
-        step_delay: Duration::ZERO,
-        journal: Default::default(),
-        requantize_gate: None,
-    });
+    let model = toy_model();
     let first: Vec<u32> = (0..40).map(|index| index % 26).collect();
     let mut second = first[..30].to_vec();
     second.extend([3, 1, 4, 1, 5, 9, 2, 6]);
 
-    let mut warm = ToyModel::new_session(
-        &model,
-        &toy_pool(),
-        100,
-        KvCacheType::F16,
-        ActivationFormat::Mixed,
-    )
-    .unwrap();
+    let mut warm = toy_session(&model);
     warm.prefill(&first).unwrap();
     warm.decode(7).unwrap();
     let reused = rewind_for_prompt(&mut warm, &second);
     assert_eq!(reused, 30);
     let warm_logits = warm.prefill(&second[reused..]).unwrap().to_vec();
 
-    let mut cold = ToyModel::new_session(
-        &model,
-        &toy_pool(),
-        100,
-        KvCacheType::F16,
-        ActivationFormat::Mixed,
-    )
-    .unwrap();
+    let mut cold = toy_session(&model);
     let cold_logits = cold.prefill(&second).unwrap().to_vec();
     assert_eq!(warm_logits, cold_logits);
 }
@@ -604,12 +603,7 @@ fn regenerate_rewinds_to_the_edit_point() {
 #[test]
 fn cancel_stops_within_one_token() {
     let harness = start(test_settings(100_000), Duration::from_millis(3));
-    let request = GenerateRequest {
-        id: 1,
-        kind: RequestKind::NewTurn,
-        conversation: conversation(&[(Role::User, None, "go")]),
-    };
-    harness.engine.send(Command::Generate(request)).unwrap();
+    harness.start_turn(1, conversation(&[(Role::User, None, "go")]));
     harness.wait_for(|event| matches!(event, Event::Token { .. }));
     let decodes_at_cancel = harness.journal.lock().unwrap().decodes;
     harness.engine.cancel(1);
@@ -679,12 +673,7 @@ fn cancel_before_start_skips_the_request() {
 fn cancel_between_prefill_chunks() {
     let harness = start(test_settings(50), Duration::from_millis(20));
     let long = "abcdefghij ".repeat(100);
-    let request = GenerateRequest {
-        id: 1,
-        kind: RequestKind::NewTurn,
-        conversation: conversation(&[(Role::User, None, &long)]),
-    };
-    harness.engine.send(Command::Generate(request)).unwrap();
+    harness.start_turn(1, conversation(&[(Role::User, None, &long)]));
     harness.wait_for(|event| matches!(event, Event::PrefillProgress { .. }));
     harness.engine.cancel(1);
     let events = harness.wait_for(|event| matches!(event, Event::TurnDone { .. }));
@@ -702,15 +691,9 @@ fn settings_apply_between_turns() {
     let mut settings = test_settings(8);
     settings.threads = 2;
     settings.sampling.top_k = 7;
-    harness
-        .engine
-        .send(Command::ApplySettings(Box::new(settings.clone())))
-        .unwrap();
-    let events = harness.wait_for(|event| matches!(event, Event::SettingsApplied(_)));
-    match events.last() {
-        Some(Event::SettingsApplied(applied)) => assert_eq!(applied.threads, 2),
-        other => panic!("expected settings applied, got {other:?}"),
-    }
+    let events = harness.apply(&settings, |_| true);
+    let applied = last_applied(&events);
+    assert_eq!(applied.threads, 2);
     let events = harness.wait_for(|event| matches!(event, Event::Stats(_)));
     match events.last() {
         Some(Event::Stats(stats)) => assert_eq!(stats.threads, 2),
@@ -729,25 +712,12 @@ fn settings_apply_between_turns() {
 
     // A new weight format re-quantizes in the background with progress, then swaps in.
     settings.weight_format = WeightFormat::Q4;
-    harness
-        .engine
-        .send(Command::ApplySettings(Box::new(settings)))
-        .unwrap();
-    let events = harness.wait_for(|event| matches!(event, Event::SettingsApplied(applied) if applied.weight_format == WeightFormat::Q4));
-    assert!(events.iter().any(|event| matches!(
-        event,
-        Event::SettingsProgress {
-            done: 4,
-            total: 4,
-            ..
-        }
-    )));
-    let after = harness.generate(1, conversation(&[(Role::User, None, "hi")]));
-    let stats = after.iter().rev().find_map(|event| match event {
-        Event::Stats(stats) => Some(stats.clone()),
-        _ => None,
+    let events = harness.apply(&settings, |applied| {
+        applied.weight_format == WeightFormat::Q4
     });
-    assert_eq!(stats.expect("stats").weight_format, WeightFormat::Q4);
+    assert!(conversion_finished(&events), "{events:?}");
+    let after = harness.generate(1, conversation(&[(Role::User, None, "hi")]));
+    assert_eq!(last_stats(&after).weight_format, WeightFormat::Q4);
 }
 
 #[test]
@@ -791,14 +761,11 @@ fn real_model_reuse_gives_the_same_logits_as_a_cold_prefill() {
     second.extend((0..9).map(|index| (index * 104_729 + 5) % vocab));
 
     let pool = ossterm::engine::build_pool(2).unwrap();
-    let mut warm = <Model as ModelBackend>::new_session(
-        &model,
-        &pool,
-        256,
-        KvCacheType::F32,
-        ActivationFormat::Mixed,
-    )
-    .unwrap();
+    let new_session = || {
+        let format = ActivationFormat::Mixed;
+        <Model as ModelBackend>::new_session(&model, &pool, 256, KvCacheType::F32, format).unwrap()
+    };
+    let mut warm = new_session();
     InferenceSession::prefill(&mut warm, &first).unwrap();
     InferenceSession::decode(&mut warm, 3).unwrap();
     let reused = rewind_for_prompt(&mut warm, &second);
@@ -807,14 +774,7 @@ fn real_model_reuse_gives_the_same_logits_as_a_cold_prefill() {
         .unwrap()
         .to_vec();
 
-    let mut cold = <Model as ModelBackend>::new_session(
-        &model,
-        &pool,
-        256,
-        KvCacheType::F32,
-        ActivationFormat::Mixed,
-    )
-    .unwrap();
+    let mut cold = new_session();
     let cold_logits = InferenceSession::prefill(&mut cold, &second)
         .unwrap()
         .to_vec();
@@ -843,6 +803,28 @@ fn last_stats(events: &[Event]) -> ossterm::engine::protocol::StatsSample {
         .expect("a stats sample")
 }
 
+/// The settings of the last event, which must be `SettingsApplied`.
+fn last_applied(events: &[Event]) -> &Settings {
+    match events.last() {
+        Some(Event::SettingsApplied(applied)) => applied,
+        other => panic!("expected settings applied, got {other:?}"),
+    }
+}
+
+/// A weight conversion reported its last step.
+fn conversion_finished(events: &[Event]) -> bool {
+    events.iter().any(|event| {
+        matches!(
+            event,
+            Event::SettingsProgress {
+                done: 4,
+                total: 4,
+                ..
+            }
+        )
+    })
+}
+
 impl Harness {
     /// Sends new settings and waits until the engine reports settings that satisfy `applied`.
     fn apply(&self, settings: &Settings, applied: impl Fn(&Settings) -> bool) -> Vec<Event> {
@@ -861,12 +843,8 @@ fn weight_format_change_requantizes_while_the_old_weights_keep_serving() {
     settings.weight_format = WeightFormat::Q4;
     // Applied at once, but still showing the serving format while the conversion runs.
     let events = harness.apply(&settings, |_| true);
-    match events.last() {
-        Some(Event::SettingsApplied(applied)) => {
-            assert_eq!(applied.weight_format, WeightFormat::Q8)
-        }
-        other => panic!("expected settings applied, got {other:?}"),
-    }
+    let applied = last_applied(&events);
+    assert_eq!(applied.weight_format, WeightFormat::Q8);
     harness.wait_for(|event| {
         matches!(
             event,
@@ -887,28 +865,28 @@ fn weight_format_change_requantizes_while_the_old_weights_keep_serving() {
     let events = harness.wait_for(|event| {
         matches!(event, Event::SettingsApplied(applied) if applied.weight_format == WeightFormat::Q4)
     });
-    assert!(events.iter().any(|event| matches!(
-        event,
-        Event::SettingsProgress {
-            done: 4,
-            total: 4,
-            ..
-        }
-    )));
+    assert!(conversion_finished(&events), "{events:?}");
     let after = harness.generate(2, conversation(&[(Role::User, None, "hi")]));
     assert_eq!(last_stats(&after).weight_format, WeightFormat::Q4);
     // New weights mean a new KV cache: the same prompt is prefilled from the start.
     assert_eq!(turn_done(&after).1, 0);
 }
 
-#[test]
-fn switching_back_to_the_serving_format_drops_the_conversion() {
+/// An engine (at most 4 tokens a turn) converting its weights to q4, the conversion held at 1 of
+/// 4 until the test waits at the returned barrier; and the settings that asked for it.
+fn start_held_conversion() -> (Harness, Arc<Barrier>, Settings) {
     let gate = Arc::new(Barrier::new(2));
     let harness = start_gated(test_settings(4), Duration::ZERO, Some(Arc::clone(&gate)));
     let mut settings = test_settings(4);
     settings.weight_format = WeightFormat::Q4;
     harness.apply(&settings, |_| true);
     harness.wait_for(|event| matches!(event, Event::SettingsProgress { done: 1, .. }));
+    (harness, gate, settings)
+}
+
+#[test]
+fn switching_back_to_the_serving_format_drops_the_conversion() {
+    let (harness, gate, mut settings) = start_held_conversion();
     settings.weight_format = WeightFormat::Q8;
     harness.apply(&settings, |applied| {
         applied.weight_format == WeightFormat::Q8
@@ -1045,13 +1023,11 @@ fn activation_change_during_a_conversion_switches_at_once_and_carries_into_the_n
     // session's, so it does not wait for it.
     settings.activations = ActivationFormat::Q8x2;
     let events = harness.apply(&settings, |_| true);
-    match events.last() {
-        Some(Event::SettingsApplied(applied)) => assert_eq!(
-            (applied.weight_format, applied.activations),
-            (WeightFormat::Q8, ActivationFormat::Q8x2)
-        ),
-        other => panic!("expected settings applied, got {other:?}"),
-    }
+    let applied = last_applied(&events);
+    assert_eq!(
+        (applied.weight_format, applied.activations),
+        (WeightFormat::Q8, ActivationFormat::Q8x2)
+    );
     let during = harness.generate(2, turn.clone());
     assert_eq!(last_stats(&during).activations, ActivationFormat::Q8x2);
     assert_eq!(turn_done(&during).1, 0, "the old cache holds other numbers");
@@ -1091,23 +1067,16 @@ fn activation_change_during_a_conversion_switches_at_once_and_carries_into_the_n
 
 #[test]
 fn activation_change_with_an_abandoned_conversion_applies_at_once() {
-    let gate = Arc::new(Barrier::new(2));
-    let harness = start_gated(test_settings(4), Duration::ZERO, Some(Arc::clone(&gate)));
-    let mut settings = test_settings(4);
-    settings.weight_format = WeightFormat::Q4;
-    harness.apply(&settings, |_| true);
-    harness.wait_for(|event| matches!(event, Event::SettingsProgress { done: 1, .. }));
+    let (harness, gate, mut settings) = start_held_conversion();
     // Back to q8 (the conversion is dropped but its thread still runs) and to q8 activations.
     settings.weight_format = WeightFormat::Q8;
     settings.activations = ActivationFormat::Q8;
     let events = harness.apply(&settings, |_| true);
-    match events.last() {
-        Some(Event::SettingsApplied(applied)) => assert_eq!(
-            (applied.weight_format, applied.activations),
-            (WeightFormat::Q8, ActivationFormat::Q8)
-        ),
-        other => panic!("expected settings applied, got {other:?}"),
-    }
+    let applied = last_applied(&events);
+    assert_eq!(
+        (applied.weight_format, applied.activations),
+        (WeightFormat::Q8, ActivationFormat::Q8)
+    );
     let during = harness.generate(1, conversation(&[(Role::User, None, "hi")]));
     assert_eq!(last_stats(&during).activations, ActivationFormat::Q8);
     gate.wait();
@@ -1224,14 +1193,7 @@ fn start_real_with_tiers(
             kv_tiers,
         })
     });
-    let harness = Harness {
-        engine,
-        events,
-        journal,
-        sampler_configs,
-    };
-    harness.wait_for(|event| matches!(event, Event::Ready(_)));
-    harness
+    Harness::ready(engine, events, journal, sampler_configs)
 }
 
 fn notices(events: &[Event]) -> Vec<String> {

@@ -3,11 +3,13 @@
 //! short, silence past the timeout, raw harmony text). Also `ossterm run --remote` and the
 //! settings panel's handling of the settings a server decides.
 
+mod support;
+
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::mpsc::{self, Receiver};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ossterm::chat::{ChatMessage, Conversation};
@@ -16,27 +18,13 @@ use ossterm::engine::protocol::{
     Settings, StopReason,
 };
 use ossterm::engine::worker::EngineHandle;
-use ossterm::model::{LoadOptions, Model, Precision, Preset};
+use ossterm::model::Precision;
 use ossterm::remote::{spawn_remote_engine, RemoteConfig, RemoteTarget, SERVER_SETTINGS};
-use ossterm::server::scheduler::SchedulerOptions;
-use ossterm::server::{start, RunningServer, ServeOptions};
 use serde_json::{json, Value};
+use support::server::{scheduler, Server};
 
 /// Generous bound on any one wait: the machine may be busy; a pass never comes near it.
 const PATIENCE: Duration = Duration::from_secs(120);
-
-fn tiny_model() -> Arc<Model> {
-    static MODEL: OnceLock<Arc<Model>> = OnceLock::new();
-    MODEL
-        .get_or_init(|| {
-            let opts = LoadOptions {
-                precision: Precision::Fast,
-                ..LoadOptions::default()
-            };
-            Arc::new(Model::synthetic(Preset::Tiny, 0, &opts).expect("synthetic tiny"))
-        })
-        .clone()
-}
 
 /// Long enough a reply that the random model's text gets past its garbled first header (the
 /// parser gives up on a header after 64 tokens and shows what follows).
@@ -45,51 +33,8 @@ const REPLY_TOKENS: usize = 100;
 /// `ossterm serve` on the tiny synthetic model. A reply on the fast path depends (in the last
 /// bits) on what the server had cached, so a comparison runs the same sequence of requests on
 /// two fresh servers.
-struct Server {
-    running: Option<RunningServer>,
-    base: String,
-}
-
-impl Server {
-    fn start(api_key: Option<&str>) -> Server {
-        let pool = ossterm::engine::build_pool(1).unwrap();
-        let session = tiny_model().new_session(&pool, 1);
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let options = ServeOptions {
-            scheduler: SchedulerOptions {
-                parallel: 2,
-                context: 4096,
-                queue: 8,
-                prefill_chunk: 32,
-            },
-            api_key: api_key.map(str::to_owned),
-            model_id: "synthetic-tiny".into(),
-            max_body_bytes: 1 << 20,
-            handle_signals: false,
-            drain_grace: Duration::ZERO,
-        };
-        let running = start(session, options, listener).unwrap();
-        let base = format!("http://{}", running.addr);
-        Server {
-            running: Some(running),
-            base,
-        }
-    }
-
-    fn metric(&self, name: &str) -> f64 {
-        let text = ureq::get(&format!("{}/metrics", self.base))
-            .call()
-            .unwrap()
-            .into_string()
-            .unwrap();
-        text.lines()
-            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-            .unwrap_or_else(|| panic!("no {name} in {text}"))
-    }
-
-    fn stop(mut self) {
-        self.running.take().unwrap().stop().unwrap();
-    }
+fn serve(api_key: Option<&str>) -> Server {
+    Server::start(Precision::Fast, 1, scheduler(2, 4096, 8), api_key, 1 << 20)
 }
 
 fn settings(max_tokens: usize) -> Settings {
@@ -265,8 +210,8 @@ fn direct_reply(server: &Server, text: &str, max_tokens: usize) -> (String, Stri
 
 #[test]
 fn the_app_engine_streams_what_the_server_answers_and_regenerates_it() {
-    let server = Server::start(None);
-    let reference = Server::start(None);
+    let server = serve(None);
+    let reference = serve(None);
     let (handle, events) = engine(
         &server.base,
         None,
@@ -350,7 +295,7 @@ fn the_app_engine_streams_what_the_server_answers_and_regenerates_it() {
 
 #[test]
 fn stop_closes_the_stream_and_the_server_cancels() {
-    let server = Server::start(None);
+    let server = serve(None);
     let (handle, events) = engine(
         &server.base,
         None,
@@ -387,7 +332,7 @@ fn stop_closes_the_stream_and_the_server_cancels() {
 
 #[test]
 fn an_api_key_is_sent_and_a_wrong_one_is_reported_with_the_servers_message() {
-    let server = Server::start(Some("sesame"));
+    let server = serve(Some("sesame"));
     let (handle, events) = engine(
         &server.base,
         None,
@@ -862,8 +807,8 @@ fn the_settings_panel_shows_server_settings_and_does_not_change_them() {
 
 #[test]
 fn run_remote_answers_one_prompt_as_json_and_reports_a_refused_connection() {
-    let server = Server::start(None);
-    let reference = Server::start(None);
+    let server = serve(None);
+    let reference = serve(None);
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_ossterm"))
         .args(["run", "--remote", &server.base, "--prompt", "Hello there"])
         .args([

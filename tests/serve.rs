@@ -2,135 +2,26 @@
 //! prefix reuse, cancellation on disconnect, a full queue and shutdown. The synthetic tiny model
 //! (random weights) answers; nothing leaves 127.0.0.1.
 
+mod support;
+
 use std::io::{BufRead, BufReader, Read, Write};
-use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use ossterm::model::{LoadOptions, Model, Precision, Preset};
+use ossterm::model::Precision;
+use ossterm::server::check_exposure;
 use ossterm::server::scheduler::SchedulerOptions;
-use ossterm::server::{check_exposure, start, RunningServer, ServeOptions};
 use serde_json::{json, Value};
+use support::server::{agent, read_json, scheduler as options, Server};
 
-fn model(precision: Precision) -> Arc<Model> {
-    static FAST: OnceLock<Arc<Model>> = OnceLock::new();
-    static EXACT: OnceLock<Arc<Model>> = OnceLock::new();
-    let cell = match precision {
-        Precision::Fast => &FAST,
-        Precision::Exact => &EXACT,
-    };
-    cell.get_or_init(|| {
-        let opts = LoadOptions {
-            precision,
-            ..LoadOptions::default()
-        };
-        Arc::new(Model::synthetic(Preset::Tiny, 0, &opts).expect("synthetic tiny"))
-    })
-    .clone()
+/// The server most tests use: a pool of two threads and a body limit small enough that an
+/// oversized body still fits the socket buffers, so the client reads the 413 instead of a reset
+/// connection.
+fn serve(precision: Precision, scheduler: SchedulerOptions, api_key: Option<&str>) -> Server {
+    Server::start(precision, 2, scheduler, api_key, 256 << 10)
 }
 
-struct Server {
-    running: Option<RunningServer>,
-    base: String,
-}
-
-impl Server {
-    fn start(precision: Precision, scheduler: SchedulerOptions, api_key: Option<&str>) -> Server {
-        let pool = ossterm::engine::build_pool(2).unwrap();
-        let session = model(precision).new_session(&pool, 1);
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let options = ServeOptions {
-            scheduler,
-            api_key: api_key.map(str::to_owned),
-            model_id: "synthetic-tiny".into(),
-            // Small, so an oversized body still fits the socket buffers and the client reads
-            // the 413 instead of a reset connection.
-            max_body_bytes: 256 << 10,
-            handle_signals: false,
-            drain_grace: Duration::ZERO,
-        };
-        let running = start(session, options, listener).unwrap();
-        let base = format!("http://{}", running.addr);
-        Server {
-            running: Some(running),
-            base,
-        }
-    }
-
-    fn default() -> Server {
-        Server::start(Precision::Fast, options(4, 4096, 8), None)
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.base)
-    }
-
-    fn post(&self, body: &str) -> (u16, Value) {
-        let result = agent()
-            .post(&self.url("/v1/chat/completions"))
-            .set("Content-Type", "application/json")
-            .send_string(body);
-        read_json(result)
-    }
-
-    fn metric(&self, name: &str) -> f64 {
-        let text = agent()
-            .get(&self.url("/metrics"))
-            .call()
-            .unwrap()
-            .into_string()
-            .unwrap();
-        text.lines()
-            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-            .unwrap_or_else(|| panic!("no {name} in {text}"))
-    }
-
-    /// Polls `name` until `accept` holds; fails after five seconds.
-    fn wait_for_metric(&self, name: &str, accept: impl Fn(f64) -> bool) {
-        let until = Instant::now() + Duration::from_secs(5);
-        loop {
-            let value = self.metric(name);
-            if accept(value) {
-                return;
-            }
-            assert!(Instant::now() < until, "{name} stayed at {value}");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    fn stop(mut self) {
-        self.running.take().unwrap().stop().unwrap();
-    }
-
-    fn drain(mut self, grace: Duration) {
-        self.running.take().unwrap().drain(grace).unwrap();
-    }
-}
-
-fn options(parallel: usize, context: usize, queue: usize) -> SchedulerOptions {
-    SchedulerOptions {
-        parallel,
-        context,
-        queue,
-        prefill_chunk: 32,
-    }
-}
-
-fn agent() -> ureq::Agent {
-    ureq::AgentBuilder::new()
-        .timeout(Duration::from_secs(60))
-        .build()
-}
-
-fn read_json(result: Result<ureq::Response, ureq::Error>) -> (u16, Value) {
-    let response = match result {
-        Ok(response) => response,
-        Err(ureq::Error::Status(_, response)) => response,
-        Err(error) => panic!("transport error: {error}"),
-    };
-    let status = response.status();
-    let text = response.into_string().unwrap();
-    let value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}"));
-    (status, value)
+fn default_server() -> Server {
+    serve(Precision::Fast, options(4, 4096, 8), None)
 }
 
 fn chat(messages: Value, extra: Value) -> String {
@@ -167,7 +58,7 @@ fn stream(server: &Server, body: &str) -> Vec<String> {
 
 #[test]
 fn health_models_metrics_and_unknown_paths() {
-    let server = Server::default();
+    let server = default_server();
     let health = read_json(agent().get(&server.url("/health")).call()).1;
     assert_eq!(health["status"], "ok");
     let models = read_json(agent().get(&server.url("/v1/models")).call()).1;
@@ -209,7 +100,7 @@ fn health_models_metrics_and_unknown_paths() {
 fn a_chat_completion_has_the_openai_shape_and_is_repeatable_with_a_seed() {
     // The exact path: a reply must not depend on how much of the prompt came from the cache (the
     // fast path's int8 sums differ in the last bits between a prefill chunk and one token).
-    let server = Server::start(Precision::Exact, options(4, 1024, 8), None);
+    let server = serve(Precision::Exact, options(4, 1024, 8), None);
     let body = chat(
         user("hello"),
         json!({"max_tokens": 80, "seed": 7, "temperature": 0.8}),
@@ -240,7 +131,7 @@ fn a_chat_completion_has_the_openai_shape_and_is_repeatable_with_a_seed() {
 
 #[test]
 fn streaming_sends_chunks_usage_and_done_with_the_same_text() {
-    let server = Server::start(Precision::Exact, options(4, 1024, 8), None);
+    let server = serve(Precision::Exact, options(4, 1024, 8), None);
     let extra = json!({"max_tokens": 90, "seed": 3, "stream": true,
                        "stream_options": {"include_usage": true}});
     let events = stream(&server, &chat(user("stream please"), extra.clone()));
@@ -279,7 +170,7 @@ fn streaming_sends_chunks_usage_and_done_with_the_same_text() {
 #[test]
 fn concurrent_requests_get_the_replies_they_get_alone() {
     // The exact path computes a batch exactly as each sequence alone, so greedy replies match.
-    let server = Server::start(Precision::Exact, options(4, 1024, 8), None);
+    let server = serve(Precision::Exact, options(4, 1024, 8), None);
     let bodies: Vec<String> = (0..4)
         .map(|i| {
             chat(
@@ -308,7 +199,7 @@ fn concurrent_requests_get_the_replies_they_get_alone() {
 
 #[test]
 fn bad_requests_get_openai_errors_naming_the_problem() {
-    let server = Server::start(Precision::Fast, options(2, 256, 8), None);
+    let server = serve(Precision::Fast, options(2, 256, 8), None);
     let cases: [(&str, u16, &str); 9] = [
         ("{\"messages\": [", 400, "not valid JSON"),
         (r#"{"messages": "hi"}"#, 400, "messages"),
@@ -396,7 +287,7 @@ fn bad_requests_get_openai_errors_naming_the_problem() {
 
 #[test]
 fn an_api_key_is_required_when_set_and_exposure_without_one_is_refused() {
-    let server = Server::start(Precision::Fast, options(1, 512, 4), Some("sekrit"));
+    let server = serve(Precision::Fast, options(1, 512, 4), Some("sekrit"));
     let body = chat(user("hi"), json!({"max_tokens": 2}));
     let (status, reply) = server.post(&body);
     assert_eq!(status, 401);
@@ -420,7 +311,7 @@ fn an_api_key_is_required_when_set_and_exposure_without_one_is_refused() {
 
 #[test]
 fn a_client_that_disconnects_frees_its_sequence_and_a_full_queue_answers_503() {
-    let server = Server::start(Precision::Fast, options(1, 4096, 1), None);
+    let server = serve(Precision::Fast, options(1, 4096, 1), None);
     let long = chat(user("go on"), json!({"max_tokens": 4000, "stream": true}));
     let response = agent()
         .post(&server.url("/v1/chat/completions"))
@@ -448,22 +339,15 @@ fn a_client_that_disconnects_frees_its_sequence_and_a_full_queue_answers_503() {
 
 #[test]
 fn stopping_the_server_ends_running_streams() {
-    let server = Server::start(Precision::Fast, options(2, 4096, 4), None);
-    let url = server.url("/v1/chat/completions");
-    let reader = std::thread::spawn(move || {
-        let body = chat(user("long"), json!({"max_tokens": 4000, "stream": true}));
-        let response = agent().post(&url).send_string(&body).unwrap();
-        BufReader::new(response.into_reader())
-            .lines()
-            .map_while(Result::ok)
-            .filter_map(|line| line.strip_prefix("data: ").map(str::to_owned))
-            .collect::<Vec<_>>()
-    });
-    server.wait_for_metric("ossterm_tokens_generated_total", |v| v > 0.0);
+    let (server, reader) = serve_a_long_stream();
     let started = Instant::now();
     server.stop();
     assert!(started.elapsed() < Duration::from_secs(5));
-    let events = reader.join().unwrap();
+    assert_ended_by_shutdown(&reader.join().unwrap());
+}
+
+/// A stream's `data:` payloads end with an error saying the server shuts down, then `[DONE]`.
+fn assert_ended_by_shutdown(events: &[String]) {
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     let error: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
     assert!(
@@ -473,6 +357,18 @@ fn stopping_the_server_ends_running_streams() {
             .contains("shutting down"),
         "{error}"
     );
+}
+
+/// A server streaming a long reply (4,000 tokens at most) on another thread, its first tokens
+/// generated; the thread returns the stream's `data:` payloads.
+fn serve_a_long_stream() -> (Server, std::thread::JoinHandle<Vec<String>>) {
+    let server = serve(Precision::Fast, options(2, 4096, 4), None);
+    let reader = stream_in_background(
+        &server,
+        chat(user("long"), json!({"max_tokens": 4000, "stream": true})),
+    );
+    server.wait_for_metric("ossterm_tokens_generated_total", |v| v > 0.0);
+    (server, reader)
 }
 
 /// The `data:` payloads of a streamed chat started on another thread.
@@ -490,7 +386,7 @@ fn stream_in_background(server: &Server, body: String) -> std::thread::JoinHandl
 
 #[test]
 fn draining_refuses_new_requests_and_lets_running_ones_finish() {
-    let server = Server::start(Precision::Fast, options(2, 4096, 4), None);
+    let server = serve(Precision::Fast, options(2, 4096, 4), None);
     let reader = stream_in_background(
         &server,
         chat(
@@ -544,30 +440,16 @@ fn draining_refuses_new_requests_and_lets_running_ones_finish() {
 
 #[test]
 fn draining_cancels_what_still_runs_after_the_grace_time() {
-    let server = Server::start(Precision::Fast, options(2, 4096, 4), None);
-    let reader = stream_in_background(
-        &server,
-        chat(user("long"), json!({"max_tokens": 4000, "stream": true})),
-    );
-    server.wait_for_metric("ossterm_tokens_generated_total", |v| v > 0.0);
+    let (server, reader) = serve_a_long_stream();
     let started = Instant::now();
     server.drain(Duration::from_millis(50));
     assert!(started.elapsed() < Duration::from_secs(10));
-    let events = reader.join().unwrap();
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
-    let error: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
-    assert!(
-        error["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("shutting down"),
-        "{error}"
-    );
+    assert_ended_by_shutdown(&reader.join().unwrap());
 }
 
 #[test]
 fn the_responses_api_answers_whole_and_streamed_with_the_same_text() {
-    let server = Server::start(Precision::Exact, options(4, 1024, 8), None);
+    let server = serve(Precision::Exact, options(4, 1024, 8), None);
     let url = server.url("/v1/responses");
     let body = json!({"model": "synthetic-tiny", "instructions": "You answer briefly.",
                       "input": [{"role": "user", "content": [{"type": "input_text", "text": "stream please"}]}],
@@ -706,7 +588,7 @@ fn slots_that_cannot_fit_in_memory_are_refused_before_loading() {
 #[test]
 fn an_unbounded_grace_drains_an_idle_server_without_overflow() {
     // Duration::MAX does not fit in an Instant; the drain must still stop an idle server.
-    let server = Server::start(Precision::Fast, options(1, 256, 2), None);
+    let server = serve(Precision::Fast, options(1, 256, 2), None);
     let started = Instant::now();
     server.drain(Duration::MAX);
     assert!(started.elapsed() < Duration::from_secs(10));

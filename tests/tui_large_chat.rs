@@ -2,17 +2,20 @@
 //! wrapped and drawn. Costs are compared with each other, not with a clock budget, so a loaded
 //! machine slows both alike.
 
-use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+mod support;
+
+use crossterm::event::KeyCode;
 use ossterm::engine::protocol::{
-    CacheHits, Channel, ChatMessage, Conversation, EngineInfo, Event, Settings, StopReason,
+    CacheHits, Channel, ChatMessage, Conversation, Event, Settings, StopReason,
 };
-use ossterm::tui::store::{ChatStore, StoreOutcome};
+use ossterm::tui::store::StoreOutcome;
 use ossterm::tui::view::{conversation_viewport, draw};
-use ossterm::tui::{App, EngineStatus, Msg};
+use ossterm::tui::{App, Msg};
 use ratatui::backend::TestBackend;
 use ratatui::layout::Rect;
 use ratatui::Terminal;
 use std::time::{Duration, Instant};
+use support::{key, random_engine, ready_app};
 
 fn chat(messages: usize) -> Conversation {
     let answer =
@@ -37,22 +40,11 @@ fn chat(messages: usize) -> Conversation {
 
 fn app_with(conversation: Conversation) -> App {
     let dir = std::env::temp_dir();
-    let mut app = App::new(
+    let mut app = ready_app(
         Settings::default(),
-        ChatStore::new(dir.clone()),
-        EngineStatus::Loading {
-            stage: "weights".to_string(),
-            done: 0,
-            total: 1,
-        },
+        &dir,
+        random_engine("synthetic tiny", "avx2", Settings::default()),
     );
-    let info = EngineInfo {
-        model_label: "synthetic tiny".to_string(),
-        random_weights: true,
-        kernel_path: "avx2".to_string(),
-        settings: Settings::default(),
-    };
-    app.update(Msg::Engine(Event::Ready(info)), Instant::now());
     app.update(
         Msg::Stored(StoreOutcome::Opened {
             path: dir.join("large-chat-test.json"),
@@ -66,11 +58,17 @@ fn app_with(conversation: Conversation) -> App {
 /// One key as the loop handles it: update, the layout message, the frame.
 fn key_to_frame(app: &mut App, terminal: &mut Terminal<TestBackend>, code: KeyCode) {
     let now = Instant::now();
-    app.update(Msg::Key(KeyEvent::new(code, KeyModifiers::NONE)), now);
+    app.update(key(code), now);
     let size = terminal.size().unwrap();
     let (width, height) = conversation_viewport(Rect::new(0, 0, size.width, size.height), app);
     app.update(Msg::Layout { width, height }, now);
     terminal.draw(|frame| draw(frame, app)).unwrap();
+}
+
+/// Every cell's symbol, in one line.
+fn shown(terminal: &Terminal<TestBackend>) -> String {
+    let cells = terminal.backend().buffer().content();
+    cells.iter().map(|cell| cell.symbol()).collect()
 }
 
 /// The fastest of a few rounds of typing, scrolling and resizing, per key.
@@ -171,27 +169,12 @@ fn a_key_costs_the_same_in_a_chat_of_ninety_thousand_messages() {
     );
     // Scrolled to the top and back, the view still shows the right lines.
     let mut terminal = Terminal::new(TestBackend::new(130, 40)).unwrap();
-    large.update(
-        Msg::Key(KeyEvent::new(KeyCode::Tab, KeyModifiers::NONE)),
-        Instant::now(),
-    );
+    large.update(key(KeyCode::Tab), Instant::now());
     key_to_frame(&mut large, &mut terminal, KeyCode::Home);
-    let top: String = terminal
-        .backend()
-        .buffer()
-        .content()
-        .iter()
-        .map(|cell| cell.symbol())
-        .collect();
+    let top = shown(&terminal);
     assert!(top.contains("question 0:"), "{top}");
     key_to_frame(&mut large, &mut terminal, KeyCode::End);
-    let bottom: String = terminal
-        .backend()
-        .buffer()
-        .content()
-        .iter()
-        .map(|cell| cell.symbol())
-        .collect();
+    let bottom = shown(&terminal);
     assert!(bottom.contains("89999 Here is"), "{bottom}");
     eprintln!("per key: 10 messages {small_cost:?}, 90,000 messages {large_cost:?}");
 }

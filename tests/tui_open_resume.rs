@@ -1,30 +1,22 @@
 //! Ctrl-O: opening a saved chat hands it to the engine at once, so the engine restores its KV
 //! snapshot while the user reads and types, not when the next message is sent.
 
-use ossterm::engine::protocol::{Channel, ChatMessage, Conversation, EngineInfo, Event, Settings};
-use ossterm::tui::store::{ChatStore, StoreOutcome};
-use ossterm::tui::{App, Effect, EngineStatus, Msg};
+mod support;
+
+use ossterm::engine::protocol::{Channel, ChatMessage, Conversation, Event, Settings};
+use ossterm::tui::store::StoreOutcome;
+use ossterm::tui::{Effect, Msg};
 use std::time::Instant;
+use support::{random_engine, ready_app, screen};
 
 #[test]
 fn opening_a_chat_asks_the_engine_to_resume_it() {
     let dir = std::env::temp_dir();
-    let mut app = App::new(
+    let mut app = ready_app(
         Settings::default(),
-        ChatStore::new(dir.clone()),
-        EngineStatus::Loading {
-            stage: "weights".to_string(),
-            done: 0,
-            total: 1,
-        },
+        &dir,
+        random_engine("synthetic tiny", "avx2", Settings::default()),
     );
-    let info = EngineInfo {
-        model_label: "synthetic tiny".to_string(),
-        random_weights: true,
-        kernel_path: "avx2".to_string(),
-        settings: Settings::default(),
-    };
-    app.update(Msg::Engine(Event::Ready(info)), Instant::now());
     let opened = Conversation {
         messages: vec![
             ChatMessage::user("what is the tide?"),
@@ -58,34 +50,6 @@ fn opening_a_chat_asks_the_engine_to_resume_it() {
         .any(|e| matches!(e, Effect::Engine(_))));
 }
 
-/// Draws `app` as the loop does (layout message, then the frame) and returns the screen's text.
-fn screen(app: &mut App, width: u16, height: u16) -> String {
-    use ratatui::backend::TestBackend;
-    use ratatui::layout::Rect;
-    let mut terminal = ratatui::Terminal::new(TestBackend::new(width, height)).unwrap();
-    let (pane_width, pane_height) =
-        ossterm::tui::view::conversation_viewport(Rect::new(0, 0, width, height), app);
-    app.update(
-        Msg::Layout {
-            width: pane_width,
-            height: pane_height,
-        },
-        Instant::now(),
-    );
-    terminal
-        .draw(|frame| ossterm::tui::view::draw(frame, app))
-        .unwrap();
-    let buffer = terminal.backend().buffer().clone();
-    let mut text = String::new();
-    for y in 0..buffer.area.height {
-        for x in 0..buffer.area.width {
-            text.push_str(buffer[(x, y)].symbol());
-        }
-        text.push('\n');
-    }
-    text
-}
-
 /// What the engine says after resuming shows on the status line, and the gauges show the tiers'
 /// use and the resumed turns.
 #[test]
@@ -93,23 +57,12 @@ fn the_resume_notice_and_the_tiers_show_on_screen() {
     use ossterm::engine::kv_tiers::TierUsage;
     use ossterm::engine::protocol::{CacheHits, StatsSample};
     let dir = tempfile::tempdir().unwrap();
-    let mut app = App::new(
+    let mut app = ready_app(
         Settings::default(),
-        ChatStore::new(dir.path().to_path_buf()),
-        EngineStatus::Loading {
-            stage: "weights".to_string(),
-            done: 0,
-            total: 1,
-        },
+        dir.path(),
+        random_engine("synthetic tiny", "avx2", Settings::default()),
     );
-    let info = EngineInfo {
-        model_label: "synthetic tiny".to_string(),
-        random_weights: true,
-        kernel_path: "avx2".to_string(),
-        settings: Settings::default(),
-    };
     let now = Instant::now();
-    app.update(Msg::Engine(Event::Ready(info)), now);
     // The engine's words for a disk resume (`Resumed::describe`, first letter raised).
     let resumed = ossterm::engine::Resumed {
         tokens: 4096,

@@ -1,42 +1,18 @@
 //! The screen in known states, rendered with ratatui's TestBackend and checked as text; the state
 //! is driven the way the app drives it: keys and engine events through `App::update`.
 
+mod support;
+
 use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
 use ossterm::engine::protocol::{
-    ActivationFormat, CacheHits, Channel, Command, EngineInfo, Event, KvCacheType, RequestKind,
-    Settings, StatsSample, StopReason, WeightFormat,
+    ActivationFormat, CacheHits, Channel, Command, Event, RequestKind, Settings, StatsSample,
+    StopReason, WeightFormat,
 };
 use ossterm::tui::store::ChatStore;
-use ossterm::tui::view::{conversation_viewport, draw};
 use ossterm::tui::{App, Effect, EngineStatus, Msg};
-use ratatui::backend::TestBackend;
-use ratatui::layout::Rect;
-use ratatui::Terminal;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-
-/// Draws `app` as the loop does: the layout message first, then the frame.
-fn screen(app: &mut App, width: u16, height: u16) -> String {
-    let mut terminal = Terminal::new(TestBackend::new(width, height)).unwrap();
-    let (pane_width, pane_height) = conversation_viewport(Rect::new(0, 0, width, height), app);
-    app.update(
-        Msg::Layout {
-            width: pane_width,
-            height: pane_height,
-        },
-        Instant::now(),
-    );
-    terminal.draw(|frame| draw(frame, app)).unwrap();
-    let buffer = terminal.backend().buffer().clone();
-    let mut text = String::new();
-    for y in 0..buffer.area.height {
-        for x in 0..buffer.area.width {
-            text.push_str(buffer[(x, y)].symbol());
-        }
-        text.push('\n');
-    }
-    text
-}
+use support::{ctrl, draw_screen, key, loading_app, random_engine, screen};
 
 /// `App::update` with the file work carried out as the loop does, and generation requests built
 /// as the loop's engine thread builds them; returns the effects for the engine and the terminal.
@@ -59,44 +35,43 @@ fn step(app: &mut App, message: Msg, now: Instant) -> Vec<Effect> {
     others
 }
 
-fn key(code: KeyCode) -> Msg {
-    Msg::Key(KeyEvent::new(code, KeyModifiers::NONE))
-}
-
-fn ctrl(character: char) -> Msg {
-    Msg::Key(KeyEvent::new(
-        KeyCode::Char(character),
-        KeyModifiers::CONTROL,
-    ))
-}
-
 fn type_text(app: &mut App, text: &str, now: Instant) {
     for character in text.chars() {
         step(app, key(KeyCode::Char(character)), now);
     }
 }
 
+/// The app with the engine ready: a tiny model on random weights, the avx512 kernels.
 fn ready_app(dir: &std::path::Path) -> App {
-    let mut app = App::new(
-        Settings {
-            threads: 2,
-            ..Settings::default()
-        },
-        ChatStore::new(dir.to_path_buf()),
-        EngineStatus::Loading {
-            stage: "weights".to_string(),
-            done: 0,
-            total: 1,
-        },
-    );
-    let info = EngineInfo {
-        model_label: "synthetic tiny".to_string(),
-        random_weights: true,
-        kernel_path: "avx512".to_string(),
-        settings: Settings::default(),
+    ready_with(dir, Settings::default())
+}
+
+/// The app when the engine reports it is ready with `engine` settings.
+fn ready_with(dir: &std::path::Path, engine: Settings) -> App {
+    let settings = Settings {
+        threads: 2,
+        ..Settings::default()
     };
+    let mut app = loading_app(settings, dir);
+    let info = random_engine("synthetic tiny", "avx512", engine);
     step(&mut app, Msg::Engine(Event::Ready(info)), Instant::now());
     app
+}
+
+/// Types `text` and presses Enter: the effects of sending it.
+fn send(app: &mut App, text: &str, now: Instant) -> Vec<Effect> {
+    type_text(app, text, now);
+    step(app, key(KeyCode::Enter), now)
+}
+
+/// The engine's end of turn `id`.
+fn turn_done(id: u64, reason: StopReason, generated_tokens: usize) -> Msg {
+    Msg::Engine(Event::TurnDone {
+        id,
+        reason,
+        hits: CacheHits::default(),
+        generated_tokens,
+    })
 }
 
 fn sent_request(effects: &[Effect]) -> (u64, RequestKind, usize) {
@@ -127,12 +102,6 @@ fn stats(decode: f64) -> StatsSample {
         prefill_tokens_per_second: Some(123.4),
         time_to_first_token: Some(Duration::from_millis(850)),
         process_memory_bytes: Some(3 << 30),
-        machine_memory_bytes: Some(24 << 30),
-        kv_tokens_used: 300,
-        kv_tokens_capacity: 8192,
-        kv_cache: KvCacheType::F16,
-        context_used: 300,
-        context_limit: 8192,
         turn_hits: CacheHits {
             reused: 90,
             prompt: 100,
@@ -141,11 +110,8 @@ fn stats(decode: f64) -> StatsSample {
             reused: 90,
             prompt: 180,
         },
-        threads: 2,
-        kernel_path: "avx512".to_string(),
-        weight_format: WeightFormat::Q8,
         activations: ActivationFormat::Mixed,
-        kv_tiers: Default::default(),
+        ..support::stats_sample()
     }
 }
 
@@ -185,8 +151,7 @@ fn streaming_then_collapsed_reasoning_then_expanded() {
     let dir = tempfile::tempdir().unwrap();
     let mut app = ready_app(dir.path());
     let start = Instant::now();
-    type_text(&mut app, "What is 2 + 2?", start);
-    let effects = step(&mut app, key(KeyCode::Enter), start);
+    let effects = send(&mut app, "What is 2 + 2?", start);
     let (id, kind, messages) = sent_request(&effects);
     assert_eq!((kind, messages), (RequestKind::NewTurn, 1));
 
@@ -224,16 +189,7 @@ fn streaming_then_collapsed_reasoning_then_expanded() {
         token(id, Channel::Final, "**4**, as `2+2` shows.\n- a list item"),
         answer_at,
     );
-    step(
-        &mut app,
-        Msg::Engine(Event::TurnDone {
-            id,
-            reason: StopReason::Finished,
-            hits: CacheHits::default(),
-            generated_tokens: 9,
-        }),
-        answer_at,
-    );
+    step(&mut app, turn_done(id, StopReason::Finished, 9), answer_at);
     let text = screen(&mut app, 100, 30);
     assert!(text.contains("▸ Thought (2 tokens, 1.5 s)"), "{text}");
     assert!(
@@ -311,23 +267,13 @@ fn error_cancel_regenerate_edit_and_saved_chats() {
     let dir = tempfile::tempdir().unwrap();
     let mut app = ready_app(dir.path());
     let now = Instant::now();
-    type_text(&mut app, "hello", now);
-    let (id, _, _) = sent_request(&step(&mut app, key(KeyCode::Enter), now));
+    let (id, _, _) = sent_request(&send(&mut app, "hello", now));
     step(&mut app, token(id, Channel::Final, "partial answer"), now);
 
     // Esc cancels: the engine is told, and the partial answer stays with a marker.
     let effects = step(&mut app, key(KeyCode::Esc), now);
     assert!(effects.contains(&Effect::Engine(Command::Cancel(id))));
-    step(
-        &mut app,
-        Msg::Engine(Event::TurnDone {
-            id,
-            reason: StopReason::Cancelled,
-            hits: CacheHits::default(),
-            generated_tokens: 2,
-        }),
-        now,
-    );
+    step(&mut app, turn_done(id, StopReason::Cancelled, 2), now);
     let text = screen(&mut app, 100, 30);
     assert!(text.contains("partial answer"), "{text}");
     assert!(text.contains("[stopped]"), "{text}");
@@ -358,20 +304,10 @@ fn error_cancel_regenerate_edit_and_saved_chats() {
     // Ctrl-E puts the last user message back in the input; Enter resends it as an edit.
     step(&mut app, ctrl('e'), now);
     assert_eq!(app.input.lines(), ["hello"]);
-    type_text(&mut app, " again", now);
-    let (edit_id, kind, _) = sent_request(&step(&mut app, key(KeyCode::Enter), now));
+    let (edit_id, kind, _) = sent_request(&send(&mut app, " again", now));
     assert_eq!(kind, RequestKind::EditAndResend);
     step(&mut app, token(edit_id, Channel::Final, "fine"), now);
-    step(
-        &mut app,
-        Msg::Engine(Event::TurnDone {
-            id: edit_id,
-            reason: StopReason::Finished,
-            hits: CacheHits::default(),
-            generated_tokens: 1,
-        }),
-        now,
-    );
+    step(&mut app, turn_done(edit_id, StopReason::Finished, 1), now);
     assert_eq!(
         step(&mut app, ctrl('y'), now),
         vec![Effect::Copy("fine".to_string())]
@@ -398,8 +334,7 @@ fn scrolling_up_stops_following_and_end_resumes() {
     let dir = tempfile::tempdir().unwrap();
     let mut app = ready_app(dir.path());
     let now = Instant::now();
-    type_text(&mut app, "count", now);
-    let (id, _, _) = sent_request(&step(&mut app, key(KeyCode::Enter), now));
+    let (id, _, _) = sent_request(&send(&mut app, "count", now));
     for number in 0..60 {
         step(
             &mut app,
@@ -433,18 +368,8 @@ fn history_recalls_sent_messages() {
     let dir = tempfile::tempdir().unwrap();
     let mut app = ready_app(dir.path());
     let now = Instant::now();
-    type_text(&mut app, "first", now);
-    let (id, _, _) = sent_request(&step(&mut app, key(KeyCode::Enter), now));
-    step(
-        &mut app,
-        Msg::Engine(Event::TurnDone {
-            id,
-            reason: StopReason::Finished,
-            hits: CacheHits::default(),
-            generated_tokens: 0,
-        }),
-        now,
-    );
+    let (id, _, _) = sent_request(&send(&mut app, "first", now));
+    step(&mut app, turn_done(id, StopReason::Finished, 0), now);
     step(&mut app, key(KeyCode::Up), now);
     assert_eq!(app.input.lines(), ["first"]);
     step(&mut app, key(KeyCode::Down), now);
@@ -513,18 +438,8 @@ fn activations_setting_is_sent_to_the_engine_and_the_gauge_follows_it() {
     let mut app = ready_app(dir.path());
     let now = Instant::now();
     step(&mut app, Msg::Engine(Event::Stats(stats(12.5))), now);
-    type_text(&mut app, "hello", now);
-    let (id, _, _) = sent_request(&step(&mut app, key(KeyCode::Enter), now));
-    step(
-        &mut app,
-        Msg::Engine(Event::TurnDone {
-            id,
-            reason: StopReason::Finished,
-            hits: CacheHits::default(),
-            generated_tokens: 1,
-        }),
-        now,
-    );
+    let (id, _, _) = sent_request(&send(&mut app, "hello", now));
+    step(&mut app, turn_done(id, StopReason::Finished, 1), now);
     select_setting(&mut app, "activations", now);
     let text = screen(&mut app, 110, 40);
     assert!(text.contains("›activations       mixed"), "{text}");
@@ -576,25 +491,11 @@ fn activations_setting_is_sent_to_the_engine_and_the_gauge_follows_it() {
 #[test]
 fn ready_shows_the_activation_format_the_engine_loaded() {
     let dir = tempfile::tempdir().unwrap();
-    let mut app = App::new(
-        Settings::default(),
-        ChatStore::new(dir.path().to_path_buf()),
-        EngineStatus::Loading {
-            stage: "weights".to_string(),
-            done: 0,
-            total: 1,
-        },
-    );
-    let info = EngineInfo {
-        model_label: "synthetic tiny".to_string(),
-        random_weights: true,
-        kernel_path: "avx512".to_string(),
-        settings: Settings {
-            activations: ActivationFormat::Q8,
-            ..Settings::default()
-        },
+    let engine = Settings {
+        activations: ActivationFormat::Q8,
+        ..Settings::default()
     };
-    step(&mut app, Msg::Engine(Event::Ready(info)), Instant::now());
+    let app = ready_with(dir.path(), engine);
     assert_eq!(app.settings.current.activations, ActivationFormat::Q8);
 }
 
@@ -603,19 +504,9 @@ fn changing_reasoning_effort_warns_about_the_re_prefill() {
     let dir = tempfile::tempdir().unwrap();
     let mut app = ready_app(dir.path());
     let now = Instant::now();
-    type_text(&mut app, "hello", now);
-    let (id, _, _) = sent_request(&step(&mut app, key(KeyCode::Enter), now));
+    let (id, _, _) = sent_request(&send(&mut app, "hello", now));
     step(&mut app, token(id, Channel::Final, "hi"), now);
-    step(
-        &mut app,
-        Msg::Engine(Event::TurnDone {
-            id,
-            reason: StopReason::Finished,
-            hits: CacheHits::default(),
-            generated_tokens: 1,
-        }),
-        now,
-    );
+    step(&mut app, turn_done(id, StopReason::Finished, 1), now);
     step(&mut app, key(KeyCode::Tab), now);
     step(&mut app, key(KeyCode::Tab), now);
     for _ in 0..4 {
@@ -636,8 +527,7 @@ fn changing_reasoning_effort_warns_about_the_re_prefill() {
     );
     // The next request carries the new effort in its system message.
     step(&mut app, key(KeyCode::Tab), now);
-    type_text(&mut app, "again", now);
-    let effects = step(&mut app, key(KeyCode::Enter), now);
+    let effects = send(&mut app, "again", now);
     let effort = effects.iter().find_map(|effect| match effect {
         Effect::Engine(Command::Generate(request)) => request.conversation.system.reasoning,
         _ => None,
@@ -650,8 +540,7 @@ fn engine_thread_ending_mid_turn_fails_the_reply_and_says_so() {
     let dir = tempfile::tempdir().unwrap();
     let mut app = ready_app(dir.path());
     let now = Instant::now();
-    type_text(&mut app, "hello", now);
-    let (id, _, _) = sent_request(&step(&mut app, key(KeyCode::Enter), now));
+    let (id, _, _) = sent_request(&send(&mut app, "hello", now));
     step(&mut app, token(id, Channel::Final, "half an ans"), now);
     step(
         &mut app,
@@ -676,8 +565,7 @@ fn control_characters_from_the_model_never_reach_the_terminal() {
     let dir = tempfile::tempdir().unwrap();
     let mut app = ready_app(dir.path());
     let now = Instant::now();
-    type_text(&mut app, "hi", now);
-    let (id, _, _) = sent_request(&step(&mut app, key(KeyCode::Enter), now));
+    let (id, _, _) = sent_request(&send(&mut app, "hi", now));
     // The prompt is read but no text has come yet (a header, or a random model).
     step(
         &mut app,
@@ -700,10 +588,8 @@ fn control_characters_from_the_model_never_reach_the_terminal() {
         ),
         now,
     );
-    let mut terminal = Terminal::new(TestBackend::new(100, 30)).unwrap();
-    terminal.draw(|frame| draw(frame, &app)).unwrap();
-    let buffer = terminal.backend().buffer().clone();
-    for cell in buffer.content() {
+    let terminal = draw_screen(&mut app, 100, 30);
+    for cell in terminal.backend().buffer().content() {
         assert!(
             !cell.symbol().chars().any(|character| character.is_control()
                 || ('\u{202a}'..='\u{202e}').contains(&character)),
@@ -720,14 +606,8 @@ fn a_finished_reply_and_ctrl_l_repaint_the_whole_screen() {
     let dir = tempfile::tempdir().unwrap();
     let mut app = ready_app(dir.path());
     let now = Instant::now();
-    type_text(&mut app, "hi", now);
-    let (id, _, _) = sent_request(&step(&mut app, key(KeyCode::Enter), now));
-    let done = Msg::Engine(Event::TurnDone {
-        id,
-        reason: StopReason::Finished,
-        hits: CacheHits::default(),
-        generated_tokens: 3,
-    });
+    let (id, _, _) = sent_request(&send(&mut app, "hi", now));
+    let done = turn_done(id, StopReason::Finished, 3);
     assert_eq!(step(&mut app, done.clone(), now), vec![Effect::Redraw]);
     // A late duplicate of an old request changes nothing.
     assert!(step(&mut app, done, now).is_empty());
@@ -736,16 +616,7 @@ fn a_finished_reply_and_ctrl_l_repaint_the_whole_screen() {
 
 /// Every cell of the screen is free of control characters.
 fn assert_no_control_cells(app: &mut App, width: u16, height: u16) {
-    let mut terminal = Terminal::new(TestBackend::new(width, height)).unwrap();
-    let (pane_width, pane_height) = conversation_viewport(Rect::new(0, 0, width, height), app);
-    app.update(
-        Msg::Layout {
-            width: pane_width,
-            height: pane_height,
-        },
-        Instant::now(),
-    );
-    terminal.draw(|frame| draw(frame, app)).unwrap();
+    let terminal = draw_screen(app, width, height);
     for cell in terminal.backend().buffer().content() {
         assert!(
             !cell.symbol().chars().any(char::is_control),

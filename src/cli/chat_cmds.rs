@@ -195,6 +195,48 @@ struct RunOutput {
     malformed: Vec<String>,
 }
 
+/// Appends `text` to `kept` and, when it is `shown`, writes it to `out` at once (flushed: the
+/// user watches it come).
+fn keep(kept: &mut String, text: &str, shown: bool, out: &mut impl Write) -> std::io::Result<()> {
+    kept.push_str(text);
+    if shown {
+        out.write_all(text.as_bytes()).and_then(|()| out.flush())
+    } else {
+        Ok(())
+    }
+}
+
+impl RunOutput {
+    /// The run's result once it ended: a failed write of its stream first (nobody read the
+    /// rest), then a failure of the run, `(message, error)`, after what the run generated
+    /// before it, which is the user's. Streamed, that is on the screen already and only its line
+    /// is ended; with `json`, it goes into the JSON object with the message beside it.
+    fn settle<T>(
+        &self,
+        json: bool,
+        write_error: Option<std::io::Error>,
+        result: Result<T, (String, anyhow::Error)>,
+    ) -> anyhow::Result<T> {
+        if let Some(error) = write_error {
+            return Err(error).context("cannot write the reply");
+        }
+        let (message, error) = match result {
+            Ok(result) => return Ok(result),
+            Err(failure) => failure,
+        };
+        let mut stdout = output::stdout();
+        if json {
+            let mut json = run_json(self, None);
+            json["error"] = message.into();
+            writeln!(stdout, "{json}")?;
+        } else if !self.answer.is_empty() && !self.answer.ends_with('\n') {
+            writeln!(stdout)?;
+        }
+        stdout.flush()?;
+        Err(error)
+    }
+}
+
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
     // Ctrl-C sets the flag and generation ends cleanly, printing what it has; a second Ctrl-C
     // exits at once. Installed first, so an early Ctrl-C during loading is not lost either.
@@ -284,23 +326,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 let written = match event {
                     ParseEvent::Text { channel, text } => match channel {
                         Some(Channel::Analysis | Channel::Commentary) => {
-                            output.reasoning.push_str(text);
-                            if stream && args.show_reasoning {
-                                stderr.write_all(text.as_bytes())
-                            } else {
-                                Ok(())
-                            }
+                            let shown = stream && args.show_reasoning;
+                            keep(&mut output.reasoning, text, shown, &mut stderr)
                         }
                         // Text without a known channel is shown: the user asked for an answer.
                         Some(Channel::Final) | None => {
-                            output.answer.push_str(text);
-                            if stream {
-                                stdout
-                                    .write_all(text.as_bytes())
-                                    .and_then(|()| stdout.flush())
-                            } else {
-                                Ok(())
-                            }
+                            keep(&mut output.answer, text, stream, &mut stdout)
                         }
                     },
                     ParseEvent::MessageEnd {
@@ -340,26 +371,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             eprintln!("[{notice}]");
         }
     }
-    if let Some(error) = write_error {
-        return Err(error).context("cannot write the reply");
-    }
+    let result = output.settle(
+        args.json,
+        write_error,
+        result.map_err(|error| (error.to_string(), error.into())),
+    )?;
     let mut stdout = output::stdout();
-    let result = match result {
-        Ok(result) => result,
-        Err(error) => {
-            // What was generated before the failure is the user's: it was streamed already, or
-            // goes into the JSON object with the error beside it.
-            if args.json {
-                let mut json = run_json(&output, None);
-                json["error"] = error.to_string().into();
-                writeln!(stdout, "{json}")?;
-            } else if !output.answer.is_empty() && !output.answer.ends_with('\n') {
-                writeln!(stdout)?;
-            }
-            stdout.flush()?;
-            return Err(error.into());
-        }
-    };
     if args.json {
         let json = run_json(&output, Some(&result));
         writeln!(stdout, "{json}")?;
@@ -472,27 +489,20 @@ fn run_remote(
         &mut |channel, text| {
             let written = match channel {
                 Channel::Analysis | Channel::Commentary => {
-                    output.reasoning.push_str(text);
                     reasoning_open = true;
-                    if stream && args.show_reasoning {
-                        stderr.write_all(text.as_bytes())
-                    } else {
-                        Ok(())
-                    }
+                    keep(
+                        &mut output.reasoning,
+                        text,
+                        stream && args.show_reasoning,
+                        &mut stderr,
+                    )
                 }
                 Channel::Final => {
-                    output.answer.push_str(text);
                     let ended_reasoning = std::mem::take(&mut reasoning_open);
                     if ended_reasoning && stream && args.show_reasoning {
                         let _ = stderr.write_all(b"\n");
                     }
-                    if stream {
-                        stdout
-                            .write_all(text.as_bytes())
-                            .and_then(|()| stdout.flush())
-                    } else {
-                        Ok(())
-                    }
+                    keep(&mut output.answer, text, stream, &mut stdout)
                 }
             };
             if let Err(error) = written {
@@ -502,24 +512,12 @@ fn run_remote(
         },
     );
     drop(stdout);
-    if let Some(error) = write_error {
-        return Err(error).context("cannot write the reply");
-    }
+    let reply = output.settle(
+        args.json,
+        write_error,
+        result.map_err(|error| (error.describe(), anyhow::anyhow!(error.describe()))),
+    )?;
     let mut stdout = output::stdout();
-    let reply = match result {
-        Ok(reply) => reply,
-        Err(error) => {
-            if args.json {
-                let mut json = run_json(&output, None);
-                json["error"] = error.describe().into();
-                writeln!(stdout, "{json}")?;
-            } else if !output.answer.is_empty() && !output.answer.ends_with('\n') {
-                writeln!(stdout)?;
-            }
-            stdout.flush()?;
-            anyhow::bail!(error.describe());
-        }
-    };
     output.malformed = reply.malformed;
     let outcome = &reply.outcome;
     let (why, stop_reason) = match &outcome.finish {

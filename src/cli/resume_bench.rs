@@ -22,7 +22,7 @@ use crate::chat::{
     render_for_completion, render_history, Channel, ChatMessage, Conversation, RenderOptions,
     Tokenizer,
 };
-use crate::engine::kv_tiers::{self, KvTiers, TierConfig};
+use crate::engine::kv_tiers::{self, KvTiers, PauseGate, TierConfig};
 use crate::engine::resume_from_tiers;
 use crate::model::{KvFormat, KvSnapshot, Model, Session};
 
@@ -289,18 +289,19 @@ struct BesideWriter {
 }
 
 /// Starts the benchmark's snapshot writer: the engine's encode and atomic write of `snapshot`
-/// to `path`, again and again until `stop`, waiting at each 1 MiB block while `busy` (as the
-/// engine's writer waits while a turn computes); files finished before `stop` add to `written`.
+/// to `path`, again and again until `stop`, waiting at each 1 MiB block while `gate` is closed
+/// (the engine's writer waits at its gate while a turn computes); files finished before `stop` add
+/// to `written`. Open the gate after setting `stop`, or a paused writer never sees it.
 fn spawn_writer(
     snapshot: &Arc<KvSnapshot>,
     path: PathBuf,
-    busy: &Arc<AtomicBool>,
+    gate: &Arc<PauseGate>,
     stop: &Arc<AtomicBool>,
     written: &Arc<AtomicU64>,
 ) -> std::io::Result<std::thread::JoinHandle<std::io::Result<()>>> {
-    let (snapshot, busy, stop, written) = (
+    let (snapshot, gate, stop, written) = (
         Arc::clone(snapshot),
-        Arc::clone(busy),
+        Arc::clone(gate),
         Arc::clone(stop),
         Arc::clone(written),
     );
@@ -308,11 +309,7 @@ fn spawn_writer(
         .name("ossterm-bench-writer".into())
         .spawn(move || -> std::io::Result<()> {
             kv_tiers::lower_thread_priority();
-            let pause = || {
-                while busy.load(Ordering::Relaxed) && !stop.load(Ordering::Relaxed) {
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-            };
+            let pause = || gate.wait();
             while !stop.load(Ordering::Relaxed) {
                 let bytes = kv_tiers::encode_pausing(&snapshot, "bench", &pause);
                 kv_tiers::write_atomic_pausing(&path, &bytes, &pause)?;
@@ -349,19 +346,20 @@ fn decode_beside_writer(
     let alone = pool.install(|| decode_run(decoder, DECODE_TOKENS, &|_| {}))?;
     into.alone.extend(alone);
     decoder.truncate(depth);
-    let busy = Arc::new(AtomicBool::new(false));
+    let gate = Arc::new(PauseGate::default());
     let stop = Arc::new(AtomicBool::new(false));
     let written = Arc::new(AtomicU64::new(0));
-    let writer = spawn_writer(snapshot, dir.join("during.kv"), &busy, &stop, &written)?;
+    let writer = spawn_writer(snapshot, dir.join("during.kv"), &gate, &stop, &written)?;
     // The writer is under way when the first phase starts.
     std::thread::sleep(Duration::from_millis(30));
     let paused_phase = |i: usize| (i / PHASE_TOKENS) % 2 == 1;
     let times = pool.install(|| {
         decode_run(decoder, 2 * DECODE_TOKENS, &|i| {
-            busy.store(paused_phase(i), Ordering::Relaxed)
+            gate.set_closed(paused_phase(i))
         })
     });
     stop.store(true, Ordering::Relaxed);
+    gate.set_closed(false);
     let outcome = join_writer(writer);
     let times = times?;
     outcome?;
@@ -376,17 +374,17 @@ fn decode_beside_writer(
 
     // The app's case: the writer is under way when the turn starts and pauses for all of it.
     decoder.truncate(depth);
-    let busy = Arc::new(AtomicBool::new(false));
+    let gate = Arc::new(PauseGate::default());
     let stop = Arc::new(AtomicBool::new(false));
-    let writer = spawn_writer(snapshot, dir.join("pending.kv"), &busy, &stop, &written)?;
+    let writer = spawn_writer(snapshot, dir.join("pending.kv"), &gate, &stop, &written)?;
     // Mid-write when the turn starts, as the app's writer would be a moment after the previous
     // reply ended.
     std::thread::sleep(Duration::from_millis(200));
-    busy.store(true, Ordering::Relaxed);
+    gate.set_closed(true);
     let times = pool.install(|| decode_run(decoder, DECODE_TOKENS, &|_| {}));
     // The turn is over: the writer finishes the file it is in and stops.
     stop.store(true, Ordering::Relaxed);
-    busy.store(false, Ordering::Relaxed);
+    gate.set_closed(false);
     let outcome = join_writer(writer);
     into.pending.extend(times?);
     outcome?;

@@ -27,9 +27,8 @@
 use std::fs::{self, File};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -762,6 +761,38 @@ struct WriteJob {
     supersedes: Vec<PathBuf>,
 }
 
+/// A gate a background writer waits at while a turn computes. The writer blocks on a condition
+/// variable, not a polling loop: paused it takes no wake-ups at all (a polling writer woke every
+/// few milliseconds for the whole turn, each wake a context switch on a core the forward pass
+/// wants), and it resumes the moment the gate opens instead of up to a poll period later.
+#[derive(Default)]
+pub struct PauseGate {
+    closed: Mutex<bool>,
+    opened: Condvar,
+}
+
+impl PauseGate {
+    /// Closes (`true`) or opens the gate; opening wakes every waiter at once.
+    pub fn set_closed(&self, closed: bool) {
+        // A waiter that panicked cannot leave the flag half-written: a poisoned lock still
+        // holds a valid bool.
+        *self.closed.lock().unwrap_or_else(PoisonError::into_inner) = closed;
+        if !closed {
+            self.opened.notify_all();
+        }
+    }
+
+    /// Returns at once while the gate is open; while it is closed, blocks until it opens.
+    pub fn wait(&self) {
+        let closed = self.closed.lock().unwrap_or_else(PoisonError::into_inner);
+        drop(
+            self.opened
+                .wait_while(closed, |closed| *closed)
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+    }
+}
+
 /// The background writer: encodes, compresses and writes snapshot files, then keeps the directory
 /// under its budget.
 struct Writer {
@@ -771,7 +802,7 @@ struct Writer {
 }
 
 impl Writer {
-    fn spawn(dir: PathBuf, budget: u64, busy: Arc<AtomicBool>) -> std::io::Result<Writer> {
+    fn spawn(dir: PathBuf, budget: u64, gate: Arc<PauseGate>) -> std::io::Result<Writer> {
         let (jobs, job_receiver) = mpsc::channel::<WriteJob>();
         let (report_sender, reports) = mpsc::channel();
         let thread = std::thread::Builder::new()
@@ -782,11 +813,7 @@ impl Writer {
                     let started = Instant::now();
                     // While a turn computes, the writer waits between blocks: it only uses the
                     // time between turns (the user reading and typing).
-                    let pause = || {
-                        while busy.load(Ordering::Relaxed) {
-                            std::thread::sleep(Duration::from_millis(5));
-                        }
-                    };
+                    let pause = || gate.wait();
                     let bytes = encode_pausing(&job.snapshot, &job.label, &pause);
                     let path = dir.join(file_name(&job.snapshot));
                     let report = match write_atomic_pausing(&path, &bytes, &pause) {
@@ -881,8 +908,8 @@ pub struct KvTiers {
     disk_limit: u64,
     disk: Vec<DiskEntry>,
     writer: Option<Writer>,
-    /// Set while a turn computes; the writer waits meanwhile.
-    busy: Arc<AtomicBool>,
+    /// Closed while a turn computes; the writer waits at it meanwhile.
+    gate: Arc<PauseGate>,
     /// Lines for the user (files skipped, writes that failed), taken by [`KvTiers::take_notices`].
     notices: Vec<String>,
     hits: u64,
@@ -926,7 +953,7 @@ impl KvTiers {
             disk_limit: config.disk_budget_bytes,
             disk: Vec::new(),
             writer: None,
-            busy: Arc::new(AtomicBool::new(false)),
+            gate: Arc::default(),
             notices: Vec::new(),
             hits: 0,
             last_write: None,
@@ -947,7 +974,7 @@ impl KvTiers {
             match Writer::spawn(
                 dir.clone(),
                 config.disk_budget_bytes,
-                Arc::clone(&tiers.busy),
+                Arc::clone(&tiers.gate),
             ) {
                 Ok(writer) => {
                     tiers.writer = Some(writer);
@@ -1008,7 +1035,7 @@ impl KvTiers {
 
     /// Marks a turn as computing (`true`) or done: background writes wait while it computes.
     pub fn set_busy(&self, busy: bool) {
-        self.busy.store(busy, Ordering::Relaxed);
+        self.gate.set_closed(busy);
     }
 
     /// Waits for every queued disk write (a command's exit, tests and the benchmark).
@@ -1020,7 +1047,7 @@ impl KvTiers {
         self.collect_reports();
         if let Some(dir) = self.disk_dir.clone() {
             // The writer is gone after finish; a new one serves later writes.
-            self.writer = Writer::spawn(dir, self.disk_limit, Arc::clone(&self.busy)).ok();
+            self.writer = Writer::spawn(dir, self.disk_limit, Arc::clone(&self.gate)).ok();
         }
     }
 
