@@ -322,8 +322,11 @@ pub(super) fn prefetch_share(spans: &[(*const u8, usize); 2], group: usize, grou
 /// its split remainder went from 14-18 to 24 GB/s on one thread and from 29-35 to 47-49 GB/s on
 /// two (a plain load loop: 32 / 62); Intel cores likewise have more L2 miss slots (the super
 /// queue) than L1 fill buffers, and on Zen 5 the L2 hit costs nothing the out-of-order window
-/// does not hide at the GEMV's rate. The MXFP4 and Q4 GEMVs, which compute more per byte, keep
-/// `prefetcht0`: there the two measured the same within the noise.
+/// does not hide at the GEMV's rate. The AVX-512 MXFP4 and Q4 GEMVs prefetch into L2 as well
+/// (same Zen 4 guest, `bench --kernels`, two A/B rounds each: MXFP4 GEMV on two threads at M = 1
+/// 3.5-4.5 ms against 7.4-7.7 ms, Q4 at M = 2 5.0-5.2 against 5.4-8.0 ms); this file's AVX2
+/// MXFP4 and Q4 GEMVs keep `prefetcht0`: with their lower compute rate per byte the two
+/// measured the same or worse into L2.
 #[inline]
 pub(super) fn prefetch_share_into<const L2: bool>(
     spans: &[(*const u8, usize); 2],

@@ -325,7 +325,7 @@ unsafe fn f16_scale_bits(
 }
 
 impl GroupSource for Mxfp4Matrix<'_> {
-    const PREFETCH_L2: bool = false;
+    const PREFETCH_L2: bool = true;
     const FORMAT: u8 = FORMAT_MXFP4;
     fn groups(&self) -> usize {
         self.cols.div_ceil(GROUP_LEN)
@@ -495,7 +495,7 @@ impl GroupSource for Mxfp4Matrix<'_> {
 }
 
 impl GroupSource for Q4Matrix {
-    const PREFETCH_L2: bool = false;
+    const PREFETCH_L2: bool = true;
     const FORMAT: u8 = FORMAT_Q4;
     fn groups(&self) -> usize {
         self.groups
