@@ -7,7 +7,9 @@
 //! order plus the <= 2 ulp exp give errors up to about 4e-7 there (measured); we allow 2e-6.
 
 use half::f16;
-use ossterm::bench::attention::{bench_attention_with, AttentionBenchConfig};
+use ossterm::bench::attention::{
+    bench_attention_with, bench_block_attention, AttentionBenchConfig,
+};
 use ossterm::kernels::attention::{
     attend_group, fast_exp, AttentionError, AttentionScratch, GroupQuery, KvElem, KvHead, TILE_KEYS,
 };
@@ -459,6 +461,9 @@ fn benchmark_agrees_with_the_per_key_loop() {
         let report = bench_attention_with(k, &AttentionBenchConfig::quick())
             .unwrap_or_else(|e| panic!("{}: {e}", k.path()));
         assert_eq!(report.rows.len(), 2);
+        let row = bench_block_attention(k, &AttentionBenchConfig::quick(), 5, 70)
+            .unwrap_or_else(|e| panic!("{}: {e}", k.path()));
+        assert!(row.block_ns > 0.0 && row.per_token_ns > 0.0, "{row}");
         for row in &report.rows {
             assert!(
                 row.tiled_best_ns.is_finite() && row.tiled_best_ns > 0.0,
@@ -480,5 +485,13 @@ fn benchmark_report() {
     for k in Kernels::all_supported() {
         let report = ossterm::bench::attention::bench_attention(k).expect("benchmark");
         println!("{report}");
+        let config = AttentionBenchConfig {
+            repetitions: 15,
+            ..AttentionBenchConfig::standard()
+        };
+        for (tokens, depth) in [(16, 128), (16, 4096), (32, 4096)] {
+            let row = bench_block_attention(k, &config, tokens, depth).expect("benchmark");
+            println!("{row}");
+        }
     }
 }

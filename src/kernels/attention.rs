@@ -1,5 +1,6 @@
-//! Grouped-query attention for one token and one KV head: the G query heads that share a KV head
-//! read each key and value row once, with the per-head sink logit in the softmax denominator.
+//! Grouped-query attention over one KV head: the G query heads that share a KV head read each key
+//! and value row once, with the per-head sink logit in the softmax denominator. [`attend_group`]
+//! is one token (decode); [`attend_block`] is a block of consecutive tokens (prefill), flash-style.
 //!
 //! ```text
 //! m_g   = max(S_g, max_j l_gj)            l_gj = scale * q_g . k_j
@@ -16,8 +17,13 @@
 //! and head. Then each value row (widened once) feeds all G heads: blocks of up to four heads times
 //! 64 (AVX-512) or 16 (AVX2) columns stay in registers across the whole tile.
 //!
-//! The scalar path is the straightforward reference: one key at a time, online softmax with
-//! `f32::exp`.
+//! A block of tokens runs the same steps over tokens x G query rows: a tile is widened once for
+//! the whole block (not once per token), tiles no token sees are skipped, and the keys of a tile
+//! past a token's causal end or before its window get a -inf logit. At depth the cache then
+//! streams from memory once per block instead of once per token.
+//!
+//! The scalar path is the straightforward reference: token by token, one key at a time, online
+//! softmax with `f32::exp`.
 //!
 //! Everything is single-threaded and allocation-free; [`AttentionScratch`] holds the buffers.
 
@@ -75,6 +81,21 @@ pub enum AttentionError {
     },
     #[error("attention key positions {start}..{end}: the start is past the end")]
     Positions { start: usize, end: usize },
+    #[error(
+        "attention block: token {token} sees keys starting or ending before the previous \
+         token's (visible ranges must grow with the token)"
+    )]
+    VisibleNotMonotone { token: usize },
+    #[error(
+        "attention block queries: {tokens} tokens {stride} elements apart, each {width} wide, \
+         do not fit in {len} elements (or the stride is below the width)"
+    )]
+    BlockQueries {
+        tokens: usize,
+        stride: usize,
+        width: usize,
+        len: usize,
+    },
     #[error(
         "attention {operand} cache: positions up to {last} need {needed} elements, the slice has {got}"
     )]
@@ -232,7 +253,8 @@ fn widen_rows_scalar<T: sealed::Sealed>(
     }
 }
 
-/// Buffers of [`attend_group`], sized once for the largest group and head_dim.
+/// Buffers of [`attend_group`] and [`attend_block`], sized once for the most query rows (G heads
+/// of one token, or tokens x G of a block) and the largest head_dim.
 #[derive(Clone, Debug)]
 pub struct AttentionScratch {
     max_heads: usize,
@@ -241,6 +263,8 @@ pub struct AttentionScratch {
     queries: Vec<f32>,
     /// Widened key tile, TILE_KEYS x padded.
     keys: Vec<f32>,
+    /// The key tile transposed for blocks, padded x TILE_KEYS.
+    keys_t: Vec<f32>,
     /// Widened value tile, TILE_KEYS x padded.
     values: Vec<f32>,
     /// Logits, then probabilities, heads x TILE_KEYS.
@@ -255,7 +279,8 @@ pub struct AttentionScratch {
 }
 
 impl AttentionScratch {
-    /// Scratch for groups of up to `max_heads` query heads of up to `max_head_dim` each.
+    /// Scratch for up to `max_heads` query rows (heads of a group, or tokens x heads of a block)
+    /// of up to `max_head_dim` each.
     pub fn new(max_heads: usize, max_head_dim: usize) -> Self {
         let padded = max_head_dim.next_multiple_of(PAD_LANES);
         Self {
@@ -263,6 +288,7 @@ impl AttentionScratch {
             max_head_dim,
             queries: vec![0.0; max_heads * padded],
             keys: vec![0.0; TILE_KEYS * padded],
+            keys_t: vec![0.0; TILE_KEYS * padded],
             values: vec![0.0; TILE_KEYS * padded],
             logits: vec![0.0; max_heads * TILE_KEYS],
             acc: vec![0.0; max_heads * padded],
@@ -371,67 +397,193 @@ pub fn attend_group<T: KvElem>(
 ) -> Result<(), AttentionError> {
     let heads = check_shapes(query, kv, &positions, out)?;
     scratch.check(heads, query.head_dim)?;
-    // check_shapes and scratch.check validated every shape attend_tiled relies on.
-    dispatch!(
-        k,
-        avx512: attend_tiled::<avx512::Tiles, T>(k, query, kv, positions, out, scratch),
-        avx2: attend_tiled::<avx2::Tiles, T>(k, query, kv, positions, out, scratch),
-        scalar: attend_scalar(query, kv, positions, out, scratch),
-    );
+    let block = BlockQuery {
+        queries: query.queries,
+        token_stride: query.queries.len(),
+        tokens: 1,
+        sinks: query.sinks,
+        head_dim: query.head_dim,
+        scale: query.scale,
+    };
+    // check_shapes and scratch.check validated every shape the block kernels rely on.
+    attend_checked(k, &block, kv, &|_| positions.clone(), out, scratch);
     Ok(())
 }
 
-/// The reference: one key at a time (widened once for all heads), online softmax per head with
-/// `f32::exp`.
-fn attend_scalar<T: KvElem>(
-    query: &GroupQuery<'_>,
+/// The query side of a block: `tokens` consecutive tokens, each with the G = `sinks.len()` query
+/// heads that share one KV head.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockQuery<'a> {
+    /// Token t's G x head_dim queries start at `t * token_stride` (rotary embedding applied).
+    pub queries: &'a [f32],
+    /// Elements from one token's queries to the next's (at least G x head_dim).
+    pub token_stride: usize,
+    pub tokens: usize,
+    /// One sink logit per query head (G values), the same for every token.
+    pub sinks: &'a [f32],
+    pub head_dim: usize,
+    /// Multiplies every logit (1/sqrt(head_dim) for gpt-oss); not applied to the sinks.
+    pub scale: f32,
+}
+
+/// Attention of a block of tokens over one KV head, flash-style: each tile of keys and values is
+/// read (and widened) once for all `tokens x G` query rows instead of once per token, and tiles no
+/// token of the block can see are skipped. Token t sees the cache rows `visible(t)`; both ends must
+/// be non-decreasing in t (causal masks and sliding windows are). Writes token t's G x head_dim
+/// outputs at `out[t * G * head_dim..]`.
+///
+/// The scratch must hold `tokens x G` heads ([`AttentionScratch::new`]). Allocation-free; runs
+/// on the path of `k`; every token's result is what [`attend_group`] gives over its own rows.
+pub fn attend_block<T: KvElem>(
+    k: Kernels,
+    query: &BlockQuery<'_>,
     kv: &KvHead<'_, T>,
-    positions: Range<usize>,
+    visible: &dyn Fn(usize) -> Range<usize>,
+    out: &mut [f32],
+    scratch: &mut AttentionScratch,
+) -> Result<(), AttentionError> {
+    check_block(query, kv, visible, out)?;
+    scratch.check(query.tokens * query.sinks.len(), query.head_dim)?;
+    attend_checked(k, query, kv, visible, out, scratch);
+    Ok(())
+}
+
+/// Checks what [`attend_block`] relies on beyond the scratch's size.
+fn check_block<T>(
+    query: &BlockQuery<'_>,
+    kv: &KvHead<'_, T>,
+    visible: &dyn Fn(usize) -> Range<usize>,
+    out: &[f32],
+) -> Result<(), AttentionError> {
+    let (d, heads) = (query.head_dim, query.sinks.len());
+    if d == 0 {
+        return Err(AttentionError::ZeroHeadDim);
+    }
+    if heads == 0 {
+        return Err(AttentionError::SinkCount {
+            expected: 1,
+            got: 0,
+        });
+    }
+    let width = heads * d;
+    let needed = match query.tokens {
+        0 => 0,
+        tokens => (tokens - 1) * query.token_stride + width,
+    };
+    if query.token_stride < width || query.queries.len() < needed {
+        return Err(AttentionError::BlockQueries {
+            tokens: query.tokens,
+            stride: query.token_stride,
+            width,
+            len: query.queries.len(),
+        });
+    }
+    if out.len() != query.tokens * width {
+        return Err(AttentionError::OutputLength {
+            expected: query.tokens * width,
+            got: out.len(),
+        });
+    }
+    if kv.offset + d > kv.row_stride {
+        return Err(AttentionError::HeadOutsideRow {
+            offset: kv.offset,
+            head_dim: d,
+            row_stride: kv.row_stride,
+        });
+    }
+    let mut previous = 0..0;
+    for t in 0..query.tokens {
+        let range = visible(t);
+        if range.start > range.end {
+            return Err(AttentionError::Positions {
+                start: range.start,
+                end: range.end,
+            });
+        }
+        if t > 0 && (range.start < previous.start || range.end < previous.end) {
+            return Err(AttentionError::VisibleNotMonotone { token: t });
+        }
+        check_cache("key", kv.keys, kv, d, &range)?;
+        check_cache("value", kv.values, kv, d, &range)?;
+        previous = range;
+    }
+    Ok(())
+}
+
+/// [`attend_block`] after its checks.
+fn attend_checked<T: KvElem>(
+    k: Kernels,
+    query: &BlockQuery<'_>,
+    kv: &KvHead<'_, T>,
+    visible: &dyn Fn(usize) -> Range<usize>,
+    out: &mut [f32],
+    scratch: &mut AttentionScratch,
+) {
+    if query.tokens == 0 {
+        return;
+    }
+    // The callers validated every shape attend_tiled relies on.
+    dispatch!(
+        k,
+        avx512: attend_tiled::<avx512::Tiles, T>(k, query, kv, visible, out, scratch),
+        avx2: attend_tiled::<avx2::Tiles, T>(k, query, kv, visible, out, scratch),
+        scalar: attend_scalar(query, kv, visible, out, scratch),
+    );
+}
+
+/// The reference: token by token, one key at a time (widened once for all heads), online softmax
+/// per head with `f32::exp`.
+fn attend_scalar<T: KvElem>(
+    query: &BlockQuery<'_>,
+    kv: &KvHead<'_, T>,
+    visible: &dyn Fn(usize) -> Range<usize>,
     out: &mut [f32],
     scratch: &mut AttentionScratch,
 ) {
     let d = query.head_dim;
-    let heads = query.queries.len() / d;
-    let (max, sum) = (
-        &mut scratch.running_max[..heads],
-        &mut scratch.running_sum[..heads],
-    );
-    max.copy_from_slice(query.sinks);
-    sum.fill(0.0);
-    out.fill(0.0);
-    let (key, value) = (&mut scratch.keys[..d], &mut scratch.values[..d]);
-    for j in positions {
-        let at = j * kv.row_stride + kv.offset;
-        for (dst, src) in key.iter_mut().zip(&kv.keys[at..at + d]) {
-            *dst = src.widen();
-        }
-        for (dst, src) in value.iter_mut().zip(&kv.values[at..at + d]) {
-            *dst = src.widen();
-        }
-        for (g, (q, acc)) in query
-            .queries
-            .chunks_exact(d)
-            .zip(out.chunks_exact_mut(d))
-            .enumerate()
-        {
-            let dot: f32 = q.iter().zip(key.iter()).map(|(a, b)| a * b).sum();
-            let logit = query.scale * dot;
-            if logit > max[g] {
-                let rescale = (max[g] - logit).exp();
-                sum[g] *= rescale;
-                acc.iter_mut().for_each(|o| *o *= rescale);
-                max[g] = logit;
+    let heads = query.sinks.len();
+    for (t, out) in out.chunks_exact_mut(heads * d).enumerate() {
+        let queries = &query.queries[t * query.token_stride..][..heads * d];
+        let (max, sum) = (
+            &mut scratch.running_max[..heads],
+            &mut scratch.running_sum[..heads],
+        );
+        max.copy_from_slice(query.sinks);
+        sum.fill(0.0);
+        out.fill(0.0);
+        let (key, value) = (&mut scratch.keys[..d], &mut scratch.values[..d]);
+        for j in visible(t) {
+            let at = j * kv.row_stride + kv.offset;
+            for (dst, src) in key.iter_mut().zip(&kv.keys[at..at + d]) {
+                *dst = src.widen();
             }
-            let weight = (logit - max[g]).exp();
-            sum[g] += weight;
-            for (o, v) in acc.iter_mut().zip(value.iter()) {
-                *o += weight * v;
+            for (dst, src) in value.iter_mut().zip(&kv.values[at..at + d]) {
+                *dst = src.widen();
+            }
+            for (g, (q, acc)) in queries
+                .chunks_exact(d)
+                .zip(out.chunks_exact_mut(d))
+                .enumerate()
+            {
+                let dot: f32 = q.iter().zip(key.iter()).map(|(a, b)| a * b).sum();
+                let logit = query.scale * dot;
+                if logit > max[g] {
+                    let rescale = (max[g] - logit).exp();
+                    sum[g] *= rescale;
+                    acc.iter_mut().for_each(|o| *o *= rescale);
+                    max[g] = logit;
+                }
+                let weight = (logit - max[g]).exp();
+                sum[g] += weight;
+                for (o, v) in acc.iter_mut().zip(value.iter()) {
+                    *o += weight * v;
+                }
             }
         }
-    }
-    for (g, acc) in out.chunks_exact_mut(d).enumerate() {
-        let denominator = sum[g] + (query.sinks[g] - max[g]).exp();
-        acc.iter_mut().for_each(|o| *o /= denominator);
+        for (g, acc) in out.chunks_exact_mut(d).enumerate() {
+            let denominator = sum[g] + (query.sinks[g] - max[g]).exp();
+            acc.iter_mut().for_each(|o| *o /= denominator);
+        }
     }
 }
 
@@ -471,6 +623,17 @@ trait TilePath {
         logits: *mut f32,
     );
 
+    /// `logits[r * TILE_KEYS + t] = queries_r . key_t` for r < rows and every t < TILE_KEYS, from
+    /// the tile transposed: `keys_t[c * TILE_KEYS + t]` is column c of key t (c < padded; zero
+    /// for keys past the tile's end, whose logits the caller overwrites).
+    unsafe fn logits_transposed(
+        queries: *const f32,
+        rows: usize,
+        padded: usize,
+        keys_t: *const f32,
+        logits: *mut f32,
+    );
+
     /// Turn one head's tile of logits (count, then -inf up to the vector width) into
     /// exp(logit - new running max) in place, update the running max and sum, return the factor
     /// the earlier accumulation must be scaled by.
@@ -490,18 +653,18 @@ trait TilePath {
 }
 
 /// # Safety
-/// The CPU has the features of `P`'s path; shapes were checked by [`check_shapes`] and the scratch
-/// by [`AttentionScratch::check`].
+/// The CPU has the features of `P`'s path; shapes were checked by [`check_shapes`] or
+/// [`check_block`] and the scratch by [`AttentionScratch::check`]; `query.tokens` > 0.
 unsafe fn attend_tiled<P: TilePath, T: KvElem>(
     k: Kernels,
-    query: &GroupQuery<'_>,
+    query: &BlockQuery<'_>,
     kv: &KvHead<'_, T>,
-    positions: Range<usize>,
+    visible: &dyn Fn(usize) -> Range<usize>,
     out: &mut [f32],
     scratch: &mut AttentionScratch,
 ) {
     let d = query.head_dim;
-    let heads = query.queries.len() / d;
+    let (heads, tokens) = (query.sinks.len(), query.tokens);
     let padded = d.next_multiple_of(PAD_LANES);
     let layout = RowLayout {
         row_stride: kv.row_stride,
@@ -509,74 +672,149 @@ unsafe fn attend_tiled<P: TilePath, T: KvElem>(
         head_dim: d,
         padded,
     };
-    for (dst, src) in scratch
+    // Rows are token-major: row t * heads + g is token t's head g.
+    for (r, dst) in scratch
         .queries
         .chunks_exact_mut(padded)
-        .zip(query.queries.chunks_exact(d))
+        .take(tokens * heads)
+        .enumerate()
     {
+        let (t, g) = (r / heads, r % heads);
+        let src = &query.queries[t * query.token_stride + g * d..][..d];
         for (s, q) in dst.iter_mut().zip(src) {
             *s = q * query.scale;
         }
         dst[d..].fill(0.0);
+        scratch.running_max[r] = query.sinks[g];
     }
-    scratch.running_max[..heads].copy_from_slice(query.sinks);
-    scratch.running_sum[..heads].fill(0.0);
-    scratch.acc[..heads * padded].fill(0.0);
+    scratch.running_sum[..tokens * heads].fill(0.0);
+    scratch.acc[..tokens * heads * padded].fill(0.0);
 
-    let mut start = positions.start;
-    while start < positions.end {
-        let count = TILE_KEYS.min(positions.end - start);
+    // Both ends of the visible ranges grow with the token, so the tokens that see any key of a
+    // tile are a contiguous run [first, last) that only moves forward.
+    let span = visible(0).start..visible(tokens - 1).end;
+    let (mut first, mut last) = (0, 0);
+    let mut start = span.start;
+    while start < span.end {
+        let count = TILE_KEYS.min(span.end - start);
         let tile = start..start + count;
+        start += count;
+        while first < tokens && visible(first).end <= tile.start {
+            first += 1;
+        }
+        last = last.max(first);
+        while last < tokens && visible(last).start < tile.end {
+            last += 1;
+        }
+        if first == last {
+            // A gap between windows: no token sees these keys.
+            continue;
+        }
+        let rows = first * heads..last * heads;
         let (keys, key_stride) = T::f32_rows(k, kv.keys, layout, tile.clone(), &mut scratch.keys);
-        // SAFETY: `keys` holds `count` rows of `padded` readable elements `key_stride` apart
-        // (f32_rows' contract, rows checked against the cache); the scratch buffers have the
-        // sizes TilePath asks for (scratch.check: heads <= max_heads, padded <= padded max).
-        unsafe {
-            P::logits(
-                scratch.queries.as_ptr(),
-                heads,
-                padded,
-                keys.as_ptr(),
-                key_stride,
-                count,
-                scratch.zero_row.as_ptr(),
-                scratch.logits.as_mut_ptr(),
-            );
-            for g in 0..heads {
-                scratch.rescale[g] = P::softmax(
-                    scratch.logits.as_mut_ptr().add(g * TILE_KEYS),
-                    count,
-                    &mut scratch.running_max[g],
-                    &mut scratch.running_sum[g],
+        if rows.len() >= TRANSPOSED_ROWS {
+            transpose_tile(keys, key_stride, count, padded, &mut scratch.keys_t);
+            // SAFETY: `keys_t` holds padded x TILE_KEYS elements, the queries and logits of
+            // `rows` lie inside the scratch (scratch.check: rows <= max_heads).
+            unsafe {
+                P::logits_transposed(
+                    scratch.queries.as_ptr().add(rows.start * padded),
+                    rows.len(),
+                    padded,
+                    scratch.keys_t.as_ptr(),
+                    scratch.logits.as_mut_ptr().add(rows.start * TILE_KEYS),
                 );
             }
+            if count < TILE_KEYS {
+                // Softmax reads whole vectors: past the tile's end the logits must be -inf.
+                for r in rows.clone() {
+                    scratch.logits[r * TILE_KEYS + count..(r + 1) * TILE_KEYS]
+                        .fill(f32::NEG_INFINITY);
+                }
+            }
+        } else {
+            // SAFETY: `keys` holds `count` rows of `padded` readable elements `key_stride` apart
+            // (f32_rows' contract, rows checked against the cache); the scratch buffers have the
+            // sizes TilePath asks for (scratch.check: rows <= max_heads, padded <= padded max).
+            unsafe {
+                P::logits(
+                    scratch.queries.as_ptr().add(rows.start * padded),
+                    rows.len(),
+                    padded,
+                    keys.as_ptr(),
+                    key_stride,
+                    count,
+                    scratch.zero_row.as_ptr(),
+                    scratch.logits.as_mut_ptr().add(rows.start * TILE_KEYS),
+                );
+            }
+        }
+        // Keys of the tile a token must not see (causal or window edge) get a -inf logit.
+        for t in first..last {
+            let seen = visible(t);
+            let (from, to) = (
+                seen.start.max(tile.start) - tile.start,
+                seen.end.min(tile.end).max(seen.start.max(tile.start)) - tile.start,
+            );
+            if from == 0 && to == count {
+                continue;
+            }
+            for g in 0..heads {
+                let row = &mut scratch.logits[(t * heads + g) * TILE_KEYS..][..count];
+                row[..from].fill(f32::NEG_INFINITY);
+                row[to..].fill(f32::NEG_INFINITY);
+            }
+        }
+        for r in rows.clone() {
+            // SAFETY: row r's logits lie inside the scratch (r < tokens x heads <= max_heads).
+            scratch.rescale[r] = unsafe {
+                P::softmax(
+                    scratch.logits.as_mut_ptr().add(r * TILE_KEYS),
+                    count,
+                    &mut scratch.running_max[r],
+                    &mut scratch.running_sum[r],
+                )
+            };
         }
         let (values, value_stride) = T::f32_rows(k, kv.values, layout, tile, &mut scratch.values);
         // SAFETY: as for the keys.
         unsafe {
             P::accumulate(
-                scratch.logits.as_ptr(),
-                heads,
-                scratch.rescale.as_ptr(),
+                scratch.logits.as_ptr().add(rows.start * TILE_KEYS),
+                rows.len(),
+                scratch.rescale.as_ptr().add(rows.start),
                 values.as_ptr(),
                 value_stride,
                 count,
-                scratch.acc.as_mut_ptr(),
+                scratch.acc.as_mut_ptr().add(rows.start * padded),
                 padded,
             );
         }
-        start += count;
     }
 
-    for g in 0..heads {
-        let denominator = scratch.running_sum[g] + (query.sinks[g] - scratch.running_max[g]).exp();
+    for (r, out) in out.chunks_exact_mut(d).take(tokens * heads).enumerate() {
+        let sink = query.sinks[r % heads];
+        let denominator = scratch.running_sum[r] + (sink - scratch.running_max[r]).exp();
         let inverse = 1.0 / denominator;
-        for (o, a) in out[g * d..(g + 1) * d]
-            .iter_mut()
-            .zip(&scratch.acc[g * padded..])
-        {
+        for (o, a) in out.iter_mut().zip(&scratch.acc[r * padded..]) {
             *o = a * inverse;
         }
+    }
+}
+
+/// From this many query rows on (a block of tokens), a key tile is transposed once so the logits
+/// are a small matrix product: each broadcast query element meets 16 keys in one FMA and no
+/// horizontal sums are needed. The copy costs about one load and store per key element, which a
+/// decode step's 8 rows would not earn back.
+const TRANSPOSED_ROWS: usize = 32;
+
+/// `keys_t[c * TILE_KEYS + t] = keys[t * stride + c]` for t < count, zero for t >= count.
+fn transpose_tile(keys: &[f32], stride: usize, count: usize, padded: usize, keys_t: &mut [f32]) {
+    for (c, column) in keys_t.chunks_exact_mut(TILE_KEYS).take(padded).enumerate() {
+        for (t, x) in column[..count].iter_mut().enumerate() {
+            *x = keys[t * stride + c];
+        }
+        column[count..].fill(0.0);
     }
 }
 
@@ -775,12 +1013,15 @@ mod avx512 {
         }
     }
 
-    /// HEADS heads x CHUNKS x 16 columns, held in registers across the tile.
+    /// HEADS heads x CHUNKS x 16 columns, held in registers across the tile. Head h's
+    /// probabilities are `probs_stride` apart; a null `rescale` starts from zero instead of the
+    /// scaled accumulator (the transposed logits are this same product).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
     unsafe fn accumulate_block<const HEADS: usize, const CHUNKS: usize>(
         probs: *const f32,
+        probs_stride: usize,
         rescale: *const f32,
         values: *const f32,
         stride: usize,
@@ -794,6 +1035,10 @@ mod avx512 {
         unsafe {
             let mut sums = [[_mm512_setzero_ps(); CHUNKS]; HEADS];
             for (h, row) in sums.iter_mut().enumerate() {
+                if rescale.is_null() {
+                    // A product from zero (the logits).
+                    continue;
+                }
                 let factor = _mm512_set1_ps(*rescale.add(h));
                 for (c, s) in row.iter_mut().enumerate() {
                     *s = _mm512_mul_ps(_mm512_loadu_ps(acc.add(h * padded + c * W)), factor);
@@ -806,7 +1051,7 @@ mod avx512 {
                     *x = _mm512_loadu_ps(v.add(c * W));
                 }
                 for (h, row) in sums.iter_mut().enumerate() {
-                    let p = _mm512_set1_ps(*probs.add(h * TILE_KEYS + t));
+                    let p = _mm512_set1_ps(*probs.add(h * probs_stride + t));
                     for (s, x) in row.iter_mut().zip(&value) {
                         *s = _mm512_fmadd_ps(p, *x, *s);
                     }
@@ -824,6 +1069,7 @@ mod avx512 {
     #[allow(clippy::too_many_arguments)]
     unsafe fn accumulate(
         probs: *const f32,
+        probs_stride: usize,
         heads: usize,
         rescale: *const f32,
         values: *const f32,
@@ -851,8 +1097,14 @@ mod avx512 {
                         _ => 4,
                     };
                     let args = (
-                        probs.add(g * TILE_KEYS),
-                        rescale.add(g),
+                        probs.add(g * probs_stride),
+                        probs_stride,
+                        // Null (a product from zero) stays null.
+                        if rescale.is_null() {
+                            rescale
+                        } else {
+                            rescale.add(g)
+                        },
                         values.add(column),
                         stride,
                         count,
@@ -861,31 +1113,31 @@ mod avx512 {
                     );
                     match (block, chunks) {
                         (4, 4) => accumulate_block::<4, 4>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
                         ),
                         (4, 2) => accumulate_block::<4, 2>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
                         ),
                         (4, _) => accumulate_block::<4, 1>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
                         ),
                         (2, 4) => accumulate_block::<2, 4>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
                         ),
                         (2, 2) => accumulate_block::<2, 2>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
                         ),
                         (2, _) => accumulate_block::<2, 1>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
                         ),
                         (_, 4) => accumulate_block::<1, 4>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
                         ),
                         (_, 2) => accumulate_block::<1, 2>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
                         ),
                         _ => accumulate_block::<1, 1>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
                         ),
                     }
                     g += block;
@@ -913,6 +1165,31 @@ mod avx512 {
             unsafe { logits(queries, heads, padded, rows, stride, count, zero_row, out) }
         }
 
+        unsafe fn logits_transposed(
+            queries: *const f32,
+            rows: usize,
+            padded: usize,
+            keys_t: *const f32,
+            logits: *mut f32,
+        ) {
+            // SAFETY: the caller upholds `TilePath`'s contract for this step.
+            // The logits are the same small product as the values' accumulation: rows of queries
+            // (inner dimension the columns) times the transposed keys, from zero.
+            unsafe {
+                accumulate(
+                    queries,
+                    padded,
+                    rows,
+                    std::ptr::null(),
+                    keys_t,
+                    TILE_KEYS,
+                    padded,
+                    logits,
+                    TILE_KEYS,
+                )
+            }
+        }
+
         unsafe fn softmax(logits: *mut f32, count: usize, max: &mut f32, sum: &mut f32) -> f32 {
             // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this
             // path's features; every buffer is as large as the trait's doc says), which is all the
@@ -933,7 +1210,11 @@ mod avx512 {
             // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this
             // path's features; every buffer is as large as the trait's doc says), which is all the
             // code below relies on.
-            unsafe { accumulate(probs, heads, rescale, values, stride, count, acc, padded) }
+            unsafe {
+                accumulate(
+                    probs, TILE_KEYS, heads, rescale, values, stride, count, acc, padded,
+                )
+            }
         }
     }
 }
@@ -1130,11 +1411,15 @@ mod avx2 {
         }
     }
 
-    /// HEADS heads x 16 columns, held in registers across the tile.
+    /// HEADS heads x 16 columns, held in registers across the tile. Head h's probabilities are
+    /// `probs_stride` apart; a null `rescale` starts from zero instead of the scaled accumulator
+    /// (the transposed logits are this same product).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
     unsafe fn accumulate_block<const HEADS: usize>(
         probs: *const f32,
+        probs_stride: usize,
         rescale: *const f32,
         values: *const f32,
         stride: usize,
@@ -1148,6 +1433,10 @@ mod avx2 {
         unsafe {
             let mut sums = [[_mm256_setzero_ps(); 2]; HEADS];
             for (h, row) in sums.iter_mut().enumerate() {
+                if rescale.is_null() {
+                    // A product from zero (the logits).
+                    continue;
+                }
                 let factor = _mm256_set1_ps(*rescale.add(h));
                 for (c, s) in row.iter_mut().enumerate() {
                     *s = _mm256_mul_ps(_mm256_loadu_ps(acc.add(h * padded + c * W)), factor);
@@ -1157,7 +1446,7 @@ mod avx2 {
                 let v = values.add(t * stride);
                 let value = [_mm256_loadu_ps(v), _mm256_loadu_ps(v.add(W))];
                 for (h, row) in sums.iter_mut().enumerate() {
-                    let p = _mm256_set1_ps(*probs.add(h * TILE_KEYS + t));
+                    let p = _mm256_set1_ps(*probs.add(h * probs_stride + t));
                     for (s, x) in row.iter_mut().zip(&value) {
                         *s = _mm256_fmadd_ps(p, *x, *s);
                     }
@@ -1175,6 +1464,7 @@ mod avx2 {
     #[allow(clippy::too_many_arguments)]
     unsafe fn accumulate(
         probs: *const f32,
+        probs_stride: usize,
         heads: usize,
         rescale: *const f32,
         values: *const f32,
@@ -1192,22 +1482,27 @@ mod avx2 {
                 let mut g = 0;
                 while g < heads {
                     let (p, r, v, a) = (
-                        probs.add(g * TILE_KEYS),
-                        rescale.add(g),
+                        probs.add(g * probs_stride),
+                        // Null (a product from zero) stays null.
+                        if rescale.is_null() {
+                            rescale
+                        } else {
+                            rescale.add(g)
+                        },
                         values.add(column),
                         acc.add(g * padded + column),
                     );
                     let block = match heads - g {
                         1 => {
-                            accumulate_block::<1>(p, r, v, stride, count, a, padded);
+                            accumulate_block::<1>(p, probs_stride, r, v, stride, count, a, padded);
                             1
                         }
                         2 | 3 => {
-                            accumulate_block::<2>(p, r, v, stride, count, a, padded);
+                            accumulate_block::<2>(p, probs_stride, r, v, stride, count, a, padded);
                             2
                         }
                         _ => {
-                            accumulate_block::<4>(p, r, v, stride, count, a, padded);
+                            accumulate_block::<4>(p, probs_stride, r, v, stride, count, a, padded);
                             4
                         }
                     };
@@ -1236,6 +1531,31 @@ mod avx2 {
             unsafe { logits(queries, heads, padded, rows, stride, count, zero_row, out) }
         }
 
+        unsafe fn logits_transposed(
+            queries: *const f32,
+            rows: usize,
+            padded: usize,
+            keys_t: *const f32,
+            logits: *mut f32,
+        ) {
+            // SAFETY: the caller upholds `TilePath`'s contract for this step.
+            // The logits are the same small product as the values' accumulation: rows of queries
+            // (inner dimension the columns) times the transposed keys, from zero.
+            unsafe {
+                accumulate(
+                    queries,
+                    padded,
+                    rows,
+                    std::ptr::null(),
+                    keys_t,
+                    TILE_KEYS,
+                    padded,
+                    logits,
+                    TILE_KEYS,
+                )
+            }
+        }
+
         unsafe fn softmax(logits: *mut f32, count: usize, max: &mut f32, sum: &mut f32) -> f32 {
             // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this
             // path's features; every buffer is as large as the trait's doc says), which is all the
@@ -1256,7 +1576,11 @@ mod avx2 {
             // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this
             // path's features; every buffer is as large as the trait's doc says), which is all the
             // code below relies on.
-            unsafe { accumulate(probs, heads, rescale, values, stride, count, acc, padded) }
+            unsafe {
+                accumulate(
+                    probs, TILE_KEYS, heads, rescale, values, stride, count, acc, padded,
+                )
+            }
         }
     }
 }
