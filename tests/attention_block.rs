@@ -1,8 +1,10 @@
 //! The flash-style block kernel (`attend_block`): every path, f16 and f32 caches, against an f64
-//! reference per token and against the one-token kernel (`attend_group`) on the scalar path, over
-//! ragged blocks: depths that are not multiples of the tile, causal ends inside a tile, sliding
-//! windows whose edges cross tiles and windows narrower than the block (tiles nobody sees), head
-//! dims that need padding, and query rows further apart than a group. Then the shape errors.
+//! reference per token, against the one-token kernel (`attend_group`) on the scalar path, and bit
+//! for bit against `attend_group` on its own path, over ragged blocks: depths that are not
+//! multiples of the tile, causal ends inside a tile, sliding windows whose edges cross tiles and
+//! windows narrower than the block (tiles nobody sees), head dims that need padding, and query
+//! rows further apart than a group. Then a sequence prefilled in different chunks (bit for bit),
+//! and the shape errors.
 //!
 //! Tolerance as in tests/attention.rs: relative to the largest |value| in the cache, 2e-6.
 
@@ -225,6 +227,17 @@ fn check(block: &Block, label: &str) {
         );
         let f16_out = block.run_block(k, &halves, &value_halves);
         assert_close(&format!("{label} f16 {path}"), &f16_out, &want, magnitude);
+        for (cache, out, tokens) in [
+            (
+                "f32",
+                &f32_out,
+                block.run_tokens(k, &block.keys, &block.values),
+            ),
+            ("f16", &f16_out, block.run_tokens(k, &halves, &value_halves)),
+        ] {
+            let what = format!("{label} {cache} {path} vs attend_group on the same path");
+            assert_same_bits(&what, out, &tokens, "attend_group");
+        }
     }
 }
 
@@ -288,4 +301,102 @@ fn block_shape_errors_are_reported() {
     let mut none = block.query();
     none.tokens = 0;
     attend_block(k, &none, &kv, &fine, &mut [], &mut scratch).expect("an empty block is fine");
+}
+
+/// Prefills positions `0..len` in chunks of `splits` (which sum to `len`) the way the model does:
+/// each chunk in blocks of [`MODEL_BLOCK`] tokens counted from the chunk's start, every block one
+/// `attend_block` call over the whole cache. Returns every position's G x head_dim outputs.
+fn prefill_in_chunks<T: KvElem>(
+    k: Kernels,
+    block: &Block,
+    (keys, values): (&[T], &[T]),
+    splits: &[usize],
+) -> Vec<f32> {
+    let (g, d) = (block.group, block.head_dim);
+    let len = block.tokens;
+    assert_eq!(
+        splits.iter().sum::<usize>(),
+        len,
+        "splits cover the sequence"
+    );
+    let mut scratch = AttentionScratch::new(MODEL_BLOCK * g, d);
+    let mut out = vec![f32::NAN; len * g * d];
+    let kv = block.kv(keys, values);
+    let mut chunk_start = 0;
+    for &chunk in splits {
+        let mut first = chunk_start;
+        while first < chunk_start + chunk {
+            let tokens = MODEL_BLOCK.min(chunk_start + chunk - first);
+            let query = BlockQuery {
+                queries: &block.queries[first * block.token_stride..],
+                tokens,
+                ..block.query()
+            };
+            let visible = |t: usize| block.visible(first + t);
+            let result = &mut out[first * g * d..(first + tokens) * g * d];
+            attend_block(k, &query, &kv, &visible, result, &mut scratch).expect("valid shapes");
+            first += tokens;
+        }
+        chunk_start += chunk;
+    }
+    out
+}
+
+const WHOLE: &str = "the whole sequence as one chunk";
+
+/// Tokens per `attend_block` call in the model's prefill (src/model/fast/attend.rs).
+const MODEL_BLOCK: usize = 16;
+
+fn assert_same_bits(what: &str, got: &[f32], want: &[f32], wanted_from: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            g.to_bits() == w.to_bits(),
+            "{what}: element {i} is {g:e}, {wanted_from} gave {w:e}"
+        );
+    }
+}
+
+/// A prompt's attention must not depend on how it was chunked: a cache reused from an earlier
+/// turn plus the rest of the prompt has to give what a cold prefill of the whole prompt gives, bit
+/// for bit, and so must a decoded token (a chunk of one, or `attend_group`).
+#[test]
+fn chunking_never_changes_a_bit() {
+    let mut rng = ChaCha8Rng::seed_from_u64(23);
+    let len = 301;
+    let splits: [&[usize]; 5] = [
+        &[37, 200, 64],
+        &[1, 16, 17, 63, 65, 139],
+        &[128, 128, 45],
+        &[5, 290, 1, 1, 1, 1, 1, 1],
+        &[300, 1],
+    ];
+    for (shape, window) in [((8, 64), None), ((8, 64), Some(128)), ((3, 24), Some(40))] {
+        // Positions 0..len: depth 0, one token per position.
+        let block = Block::random(&mut rng, shape, len, 0, window);
+        let halves: Vec<f16> = block.keys.iter().map(|x| f16::from_f32(*x)).collect();
+        let value_halves: Vec<f16> = block.values.iter().map(|x| f16::from_f32(*x)).collect();
+        for k in Kernels::all_supported() {
+            let label = format!("{shape:?} window {window:?} {}", k.path());
+            let f32_cache = (&block.keys[..], &block.values[..]);
+            let f16_cache = (&halves[..], &value_halves[..]);
+            let whole = prefill_in_chunks(k, &block, f32_cache, &[len]);
+            let whole_f16 = prefill_in_chunks(k, &block, f16_cache, &[len]);
+            for splits in splits {
+                let what = format!("{label} f32 chunks {splits:?}");
+                let chunked = prefill_in_chunks(k, &block, f32_cache, splits);
+                assert_same_bits(&what, &chunked, &whole, WHOLE);
+                let what = format!("{label} f16 chunks {splits:?}");
+                let chunked = prefill_in_chunks(k, &block, f16_cache, splits);
+                assert_same_bits(&what, &chunked, &whole_f16, WHOLE);
+            }
+            let decoded = block.run_tokens(k, f16_cache.0, f16_cache.1);
+            assert_same_bits(
+                &format!("{label} f16 attend_group"),
+                &decoded,
+                &whole_f16,
+                WHOLE,
+            );
+        }
+    }
 }

@@ -22,6 +22,11 @@
 //! past a token's causal end or before its window get a -inf logit. At depth the cache then
 //! streams from memory once per block instead of once per token.
 //!
+//! Tiles start at cache rows that are multiples of [`TILE_KEYS`], for one token as for a block,
+//! so a token's result does not depend on the block or chunk it came in: a key's tile and lane,
+//! and with them the order of every sum, follow from its row alone, and a masked key adds exact
+//! zeros. A prompt prefilled in any chunks, or decoded token by token, gives the same bits.
+//!
 //! The scalar path is the straightforward reference: token by token, one key at a time, online
 //! softmax with `f32::exp`.
 //!
@@ -33,7 +38,9 @@ use super::{dispatch, KernelError, Kernels};
 use half::f16;
 
 /// Keys per tile: a widened f16 tile of keys plus one of values (2 x 64 x 64 x 4 bytes for
-/// head_dim 64) stays in L1 while every head of the group uses it.
+/// head_dim 64) stays in L1 while every head of the group uses it. Tiles start at rows that are
+/// multiples of this, so a caller that passes part of a cache starts it at such a row to keep
+/// the results of the whole cache.
 pub const TILE_KEYS: usize = 64;
 
 /// Head dims are padded to a multiple of this in scratch, so SIMD loops need no column tails.
@@ -263,8 +270,6 @@ pub struct AttentionScratch {
     queries: Vec<f32>,
     /// Widened key tile, TILE_KEYS x padded.
     keys: Vec<f32>,
-    /// The key tile transposed for blocks, padded x TILE_KEYS.
-    keys_t: Vec<f32>,
     /// Widened value tile, TILE_KEYS x padded.
     values: Vec<f32>,
     /// Logits, then probabilities, heads x TILE_KEYS.
@@ -288,7 +293,6 @@ impl AttentionScratch {
             max_head_dim,
             queries: vec![0.0; max_heads * padded],
             keys: vec![0.0; TILE_KEYS * padded],
-            keys_t: vec![0.0; TILE_KEYS * padded],
             values: vec![0.0; TILE_KEYS * padded],
             logits: vec![0.0; max_heads * TILE_KEYS],
             acc: vec![0.0; max_heads * padded],
@@ -433,7 +437,8 @@ pub struct BlockQuery<'a> {
 /// outputs at `out[t * G * head_dim..]`.
 ///
 /// The scratch must hold `tokens x G` heads ([`AttentionScratch::new`]). Allocation-free; runs
-/// on the path of `k`; every token's result is what [`attend_group`] gives over its own rows.
+/// on the path of `k`; every token's result is, bit for bit, what [`attend_group`] gives over its
+/// own rows, whatever the block it is in.
 pub fn attend_block<T: KvElem>(
     k: Kernels,
     query: &BlockQuery<'_>,
@@ -623,17 +628,6 @@ trait TilePath {
         logits: *mut f32,
     );
 
-    /// `logits[r * TILE_KEYS + t] = queries_r . key_t` for r < rows and every t < TILE_KEYS, from
-    /// the tile transposed: `keys_t[c * TILE_KEYS + t]` is column c of key t (c < padded; zero
-    /// for keys past the tile's end, whose logits the caller overwrites).
-    unsafe fn logits_transposed(
-        queries: *const f32,
-        rows: usize,
-        padded: usize,
-        keys_t: *const f32,
-        logits: *mut f32,
-    );
-
     /// Turn one head's tile of logits (count, then -inf up to the vector width) into
     /// exp(logit - new running max) in place, update the running max and sum, return the factor
     /// the earlier accumulation must be scaled by.
@@ -694,7 +688,11 @@ unsafe fn attend_tiled<P: TilePath, T: KvElem>(
     // tile are a contiguous run [first, last) that only moves forward.
     let span = visible(0).start..visible(tokens - 1).end;
     let (mut first, mut last) = (0, 0);
-    let mut start = span.start;
+    // Tiles start at multiples of TILE_KEYS, whatever the block: which tile a key falls in, and
+    // its lane there, then depend only on its row, so each token's logits, maxima and sums are
+    // reduced in the same order in any block or chunk (and alone, as a decoded token). Keys of a
+    // tile the token does not see get a -inf logit and add exact zeros.
+    let mut start = span.start - span.start % TILE_KEYS;
     while start < span.end {
         let count = TILE_KEYS.min(span.end - start);
         let tile = start..start + count;
@@ -712,42 +710,20 @@ unsafe fn attend_tiled<P: TilePath, T: KvElem>(
         }
         let rows = first * heads..last * heads;
         let (keys, key_stride) = T::f32_rows(k, kv.keys, layout, tile.clone(), &mut scratch.keys);
-        if rows.len() >= TRANSPOSED_ROWS {
-            transpose_tile(keys, key_stride, count, padded, &mut scratch.keys_t);
-            // SAFETY: `keys_t` holds padded x TILE_KEYS elements, the queries and logits of
-            // `rows` lie inside the scratch (scratch.check: rows <= max_heads).
-            unsafe {
-                P::logits_transposed(
-                    scratch.queries.as_ptr().add(rows.start * padded),
-                    rows.len(),
-                    padded,
-                    scratch.keys_t.as_ptr(),
-                    scratch.logits.as_mut_ptr().add(rows.start * TILE_KEYS),
-                );
-            }
-            if count < TILE_KEYS {
-                // Softmax reads whole vectors: past the tile's end the logits must be -inf.
-                for r in rows.clone() {
-                    scratch.logits[r * TILE_KEYS + count..(r + 1) * TILE_KEYS]
-                        .fill(f32::NEG_INFINITY);
-                }
-            }
-        } else {
-            // SAFETY: `keys` holds `count` rows of `padded` readable elements `key_stride` apart
-            // (f32_rows' contract, rows checked against the cache); the scratch buffers have the
-            // sizes TilePath asks for (scratch.check: rows <= max_heads, padded <= padded max).
-            unsafe {
-                P::logits(
-                    scratch.queries.as_ptr().add(rows.start * padded),
-                    rows.len(),
-                    padded,
-                    keys.as_ptr(),
-                    key_stride,
-                    count,
-                    scratch.zero_row.as_ptr(),
-                    scratch.logits.as_mut_ptr().add(rows.start * TILE_KEYS),
-                );
-            }
+        // SAFETY: `keys` holds `count` rows of `padded` readable elements `key_stride` apart
+        // (f32_rows' contract, rows checked against the cache); the scratch buffers have the
+        // sizes TilePath asks for (scratch.check: rows <= max_heads, padded <= padded max).
+        unsafe {
+            P::logits(
+                scratch.queries.as_ptr().add(rows.start * padded),
+                rows.len(),
+                padded,
+                keys.as_ptr(),
+                key_stride,
+                count,
+                scratch.zero_row.as_ptr(),
+                scratch.logits.as_mut_ptr().add(rows.start * TILE_KEYS),
+            );
         }
         // Keys of the tile a token must not see (causal or window edge) get a -inf logit.
         for t in first..last {
@@ -799,22 +775,6 @@ unsafe fn attend_tiled<P: TilePath, T: KvElem>(
         for (o, a) in out.iter_mut().zip(&scratch.acc[r * padded..]) {
             *o = a * inverse;
         }
-    }
-}
-
-/// From this many query rows on (a block of tokens), a key tile is transposed once so the logits
-/// are a small matrix product: each broadcast query element meets 16 keys in one FMA and no
-/// horizontal sums are needed. The copy costs about one load and store per key element, which a
-/// decode step's 8 rows would not earn back.
-const TRANSPOSED_ROWS: usize = 32;
-
-/// `keys_t[c * TILE_KEYS + t] = keys[t * stride + c]` for t < count, zero for t >= count.
-fn transpose_tile(keys: &[f32], stride: usize, count: usize, padded: usize, keys_t: &mut [f32]) {
-    for (c, column) in keys_t.chunks_exact_mut(TILE_KEYS).take(padded).enumerate() {
-        for (t, x) in column[..count].iter_mut().enumerate() {
-            *x = keys[t * stride + c];
-        }
-        column[count..].fill(0.0);
     }
 }
 
@@ -1013,15 +973,12 @@ mod avx512 {
         }
     }
 
-    /// HEADS heads x CHUNKS x 16 columns, held in registers across the tile. Head h's
-    /// probabilities are `probs_stride` apart; a null `rescale` starts from zero instead of the
-    /// scaled accumulator (the transposed logits are this same product).
+    /// HEADS heads x CHUNKS x 16 columns, held in registers across the tile.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
     unsafe fn accumulate_block<const HEADS: usize, const CHUNKS: usize>(
         probs: *const f32,
-        probs_stride: usize,
         rescale: *const f32,
         values: *const f32,
         stride: usize,
@@ -1035,10 +992,6 @@ mod avx512 {
         unsafe {
             let mut sums = [[_mm512_setzero_ps(); CHUNKS]; HEADS];
             for (h, row) in sums.iter_mut().enumerate() {
-                if rescale.is_null() {
-                    // A product from zero (the logits).
-                    continue;
-                }
                 let factor = _mm512_set1_ps(*rescale.add(h));
                 for (c, s) in row.iter_mut().enumerate() {
                     *s = _mm512_mul_ps(_mm512_loadu_ps(acc.add(h * padded + c * W)), factor);
@@ -1051,7 +1004,7 @@ mod avx512 {
                     *x = _mm512_loadu_ps(v.add(c * W));
                 }
                 for (h, row) in sums.iter_mut().enumerate() {
-                    let p = _mm512_set1_ps(*probs.add(h * probs_stride + t));
+                    let p = _mm512_set1_ps(*probs.add(h * TILE_KEYS + t));
                     for (s, x) in row.iter_mut().zip(&value) {
                         *s = _mm512_fmadd_ps(p, *x, *s);
                     }
@@ -1069,7 +1022,6 @@ mod avx512 {
     #[allow(clippy::too_many_arguments)]
     unsafe fn accumulate(
         probs: *const f32,
-        probs_stride: usize,
         heads: usize,
         rescale: *const f32,
         values: *const f32,
@@ -1097,14 +1049,8 @@ mod avx512 {
                         _ => 4,
                     };
                     let args = (
-                        probs.add(g * probs_stride),
-                        probs_stride,
-                        // Null (a product from zero) stays null.
-                        if rescale.is_null() {
-                            rescale
-                        } else {
-                            rescale.add(g)
-                        },
+                        probs.add(g * TILE_KEYS),
+                        rescale.add(g),
                         values.add(column),
                         stride,
                         count,
@@ -1113,31 +1059,31 @@ mod avx512 {
                     );
                     match (block, chunks) {
                         (4, 4) => accumulate_block::<4, 4>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
                         (4, 2) => accumulate_block::<4, 2>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
                         (4, _) => accumulate_block::<4, 1>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
                         (2, 4) => accumulate_block::<2, 4>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
                         (2, 2) => accumulate_block::<2, 2>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
                         (2, _) => accumulate_block::<2, 1>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
                         (_, 4) => accumulate_block::<1, 4>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
                         (_, 2) => accumulate_block::<1, 2>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
                         _ => accumulate_block::<1, 1>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
                     }
                     g += block;
@@ -1165,31 +1111,6 @@ mod avx512 {
             unsafe { logits(queries, heads, padded, rows, stride, count, zero_row, out) }
         }
 
-        unsafe fn logits_transposed(
-            queries: *const f32,
-            rows: usize,
-            padded: usize,
-            keys_t: *const f32,
-            logits: *mut f32,
-        ) {
-            // SAFETY: the caller upholds `TilePath`'s contract for this step.
-            // The logits are the same small product as the values' accumulation: rows of queries
-            // (inner dimension the columns) times the transposed keys, from zero.
-            unsafe {
-                accumulate(
-                    queries,
-                    padded,
-                    rows,
-                    std::ptr::null(),
-                    keys_t,
-                    TILE_KEYS,
-                    padded,
-                    logits,
-                    TILE_KEYS,
-                )
-            }
-        }
-
         unsafe fn softmax(logits: *mut f32, count: usize, max: &mut f32, sum: &mut f32) -> f32 {
             // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this
             // path's features; every buffer is as large as the trait's doc says), which is all the
@@ -1210,11 +1131,7 @@ mod avx512 {
             // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this
             // path's features; every buffer is as large as the trait's doc says), which is all the
             // code below relies on.
-            unsafe {
-                accumulate(
-                    probs, TILE_KEYS, heads, rescale, values, stride, count, acc, padded,
-                )
-            }
+            unsafe { accumulate(probs, heads, rescale, values, stride, count, acc, padded) }
         }
     }
 }
@@ -1411,15 +1328,11 @@ mod avx2 {
         }
     }
 
-    /// HEADS heads x 16 columns, held in registers across the tile. Head h's probabilities are
-    /// `probs_stride` apart; a null `rescale` starts from zero instead of the scaled accumulator
-    /// (the transposed logits are this same product).
+    /// HEADS heads x 16 columns, held in registers across the tile.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
     unsafe fn accumulate_block<const HEADS: usize>(
         probs: *const f32,
-        probs_stride: usize,
         rescale: *const f32,
         values: *const f32,
         stride: usize,
@@ -1433,10 +1346,6 @@ mod avx2 {
         unsafe {
             let mut sums = [[_mm256_setzero_ps(); 2]; HEADS];
             for (h, row) in sums.iter_mut().enumerate() {
-                if rescale.is_null() {
-                    // A product from zero (the logits).
-                    continue;
-                }
                 let factor = _mm256_set1_ps(*rescale.add(h));
                 for (c, s) in row.iter_mut().enumerate() {
                     *s = _mm256_mul_ps(_mm256_loadu_ps(acc.add(h * padded + c * W)), factor);
@@ -1446,7 +1355,7 @@ mod avx2 {
                 let v = values.add(t * stride);
                 let value = [_mm256_loadu_ps(v), _mm256_loadu_ps(v.add(W))];
                 for (h, row) in sums.iter_mut().enumerate() {
-                    let p = _mm256_set1_ps(*probs.add(h * probs_stride + t));
+                    let p = _mm256_set1_ps(*probs.add(h * TILE_KEYS + t));
                     for (s, x) in row.iter_mut().zip(&value) {
                         *s = _mm256_fmadd_ps(p, *x, *s);
                     }
@@ -1464,7 +1373,6 @@ mod avx2 {
     #[allow(clippy::too_many_arguments)]
     unsafe fn accumulate(
         probs: *const f32,
-        probs_stride: usize,
         heads: usize,
         rescale: *const f32,
         values: *const f32,
@@ -1482,27 +1390,22 @@ mod avx2 {
                 let mut g = 0;
                 while g < heads {
                     let (p, r, v, a) = (
-                        probs.add(g * probs_stride),
-                        // Null (a product from zero) stays null.
-                        if rescale.is_null() {
-                            rescale
-                        } else {
-                            rescale.add(g)
-                        },
+                        probs.add(g * TILE_KEYS),
+                        rescale.add(g),
                         values.add(column),
                         acc.add(g * padded + column),
                     );
                     let block = match heads - g {
                         1 => {
-                            accumulate_block::<1>(p, probs_stride, r, v, stride, count, a, padded);
+                            accumulate_block::<1>(p, r, v, stride, count, a, padded);
                             1
                         }
                         2 | 3 => {
-                            accumulate_block::<2>(p, probs_stride, r, v, stride, count, a, padded);
+                            accumulate_block::<2>(p, r, v, stride, count, a, padded);
                             2
                         }
                         _ => {
-                            accumulate_block::<4>(p, probs_stride, r, v, stride, count, a, padded);
+                            accumulate_block::<4>(p, r, v, stride, count, a, padded);
                             4
                         }
                     };
@@ -1531,31 +1434,6 @@ mod avx2 {
             unsafe { logits(queries, heads, padded, rows, stride, count, zero_row, out) }
         }
 
-        unsafe fn logits_transposed(
-            queries: *const f32,
-            rows: usize,
-            padded: usize,
-            keys_t: *const f32,
-            logits: *mut f32,
-        ) {
-            // SAFETY: the caller upholds `TilePath`'s contract for this step.
-            // The logits are the same small product as the values' accumulation: rows of queries
-            // (inner dimension the columns) times the transposed keys, from zero.
-            unsafe {
-                accumulate(
-                    queries,
-                    padded,
-                    rows,
-                    std::ptr::null(),
-                    keys_t,
-                    TILE_KEYS,
-                    padded,
-                    logits,
-                    TILE_KEYS,
-                )
-            }
-        }
-
         unsafe fn softmax(logits: *mut f32, count: usize, max: &mut f32, sum: &mut f32) -> f32 {
             // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this
             // path's features; every buffer is as large as the trait's doc says), which is all the
@@ -1576,11 +1454,7 @@ mod avx2 {
             // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this
             // path's features; every buffer is as large as the trait's doc says), which is all the
             // code below relies on.
-            unsafe {
-                accumulate(
-                    probs, TILE_KEYS, heads, rescale, values, stride, count, acc, padded,
-                )
-            }
+            unsafe { accumulate(probs, heads, rescale, values, stride, count, acc, padded) }
         }
     }
 }

@@ -8,7 +8,9 @@ use std::ops::Range;
 
 use super::jobs::SharedOut;
 use super::FastPass;
-use crate::kernels::attention::{attend_block, AttentionScratch, BlockQuery, KvElem, KvHead};
+use crate::kernels::attention::{
+    attend_block, AttentionScratch, BlockQuery, KvElem, KvHead, TILE_KEYS,
+};
 use crate::kernels::Kernels;
 use crate::model::config::ModelConfig;
 use crate::model::kv::{widen_q8_rows, KvElement, LayerKv, LayerKvQ8};
@@ -154,7 +156,10 @@ impl FastPass<'_> {
         let (k, c) = (self.kernels, self.config);
         let hd = c.head_dim;
         assert!(out.len() >= n * c.q_width(), "scratch sized for the chunk");
-        let first = visible_keys(c, layer.kind, start).start;
+        // Staged from a row the kernel's tiles start at, so the tiles of the staged rows are those
+        // of the whole cache and a token's result does not depend on where its chunk began.
+        let seen = visible_keys(c, layer.kind, start).start;
+        let first = seen - seen % TILE_KEYS;
         let rows = first..start + n;
         let room = cache.positions() * hd;
         let shared = SharedOut(out.as_mut_ptr());
