@@ -2,9 +2,8 @@
 //! against the scalar one, on random data with ragged tiles, windows that do not start at 0,
 //! f16 and f32 caches and extreme sinks; shape errors; the polynomial exp.
 //!
-//! Tolerance: outputs are compared relative to the largest |value| of the head's value rows
-//! (an output is a convex combination of them, times at most 1). f32 arithmetic in a different
-//! order plus the <= 2 ulp exp give errors up to about 4e-7 there (measured); we allow 2e-6.
+//! Tolerance (tests/support/attention.rs): 2e-6 of the largest |value| of the head's visible value
+//! rows.
 
 use half::f16;
 use ossterm::bench::attention::{
@@ -17,7 +16,8 @@ use ossterm::kernels::{KernelPath, Kernels};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-const TOLERANCE: f64 = 2e-6;
+mod support;
+use support::attention::{assert_close, widen};
 
 fn scalar() -> Kernels {
     Kernels::new(KernelPath::Scalar).expect("scalar always runs")
@@ -166,21 +166,6 @@ impl Case {
             .flat_map(|j| self.values[j * stride + self.head * d..][..d].iter())
             .fold(1e-3f64, |m, v| m.max(v.abs() as f64))
     }
-}
-
-fn assert_close(what: &str, got: &[f32], want: &[f64], magnitude: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let error = (*g as f64 - w).abs() / magnitude;
-        assert!(
-            error <= TOLERANCE,
-            "{what}: element {i} is {g}, expected {w} (error {error:e} of the value magnitude)"
-        );
-    }
-}
-
-fn widen(v: &[f32]) -> Vec<f64> {
-    v.iter().map(|x| *x as f64).collect()
 }
 
 /// Every path, f16 and f32 caches, against the f64 reference and (SIMD) against scalar.

@@ -6,7 +6,7 @@
 //! rows further apart than a group. Then a sequence prefilled in different chunks (bit for bit),
 //! and the shape errors.
 //!
-//! Tolerance as in tests/attention.rs: relative to the largest |value| in the cache, 2e-6.
+//! Tolerance (tests/support/attention.rs): 2e-6 of the largest |value| in the cache.
 
 use std::ops::Range;
 
@@ -19,7 +19,8 @@ use ossterm::kernels::{KernelPath, Kernels};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-const TOLERANCE: f64 = 2e-6;
+mod support;
+use support::attention::{assert_close, widen};
 
 /// A block of `tokens` tokens at positions `depth..depth + tokens` over a cache of those
 /// positions, KV head 1 of 2, each token seeing the keys of `window` (all if `None`) up to its own.
@@ -191,21 +192,6 @@ impl Block {
             .iter()
             .fold(1e-3f64, |m, v| m.max(v.abs() as f64))
     }
-}
-
-fn assert_close(what: &str, got: &[f32], want: &[f64], magnitude: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let error = (*g as f64 - w).abs() / magnitude;
-        assert!(
-            error <= TOLERANCE,
-            "{what}: element {i} is {g}, expected {w} (error {error:e} of the value magnitude)"
-        );
-    }
-}
-
-fn widen(v: &[f32]) -> Vec<f64> {
-    v.iter().map(|x| *x as f64).collect()
 }
 
 fn check(block: &Block, label: &str) {
