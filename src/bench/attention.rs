@@ -262,7 +262,7 @@ impl fmt::Display for BlockBenchRow {
 }
 
 /// Times one [`BlockBenchRow`] (G = `config.group`, head_dim `config.head_dim`), after checking
-/// that both ways give the same result.
+/// that both ways give the same bits.
 pub fn bench_block_attention(
     k: Kernels,
     config: &AttentionBenchConfig,
@@ -323,12 +323,13 @@ pub fn bench_block_attention(
     };
     by_token()?;
     let (token_best, _) = time_runs(config.repetitions, config.min_run_time, &mut by_token)?;
-    let difference = block_out
-        .iter()
-        .zip(&token_out)
-        .map(|(a, b)| (a - b).abs() / b.abs().max(1e-3))
-        .fold(0.0f32, f32::max);
-    if difference.is_nan() || difference > 1e-3 {
+    // A token's result does not depend on the block it is in (the kernel's tiles sit at fixed
+    // rows), so the two ways agree to the bit.
+    let pairs = || block_out.iter().zip(&token_out);
+    if pairs().any(|(a, b)| a.to_bits() != b.to_bits()) {
+        let difference = pairs()
+            .map(|(a, b)| (a - b).abs() / b.abs().max(1e-3))
+            .fold(0.0f32, f32::max);
         return Err(AttentionError::BenchMismatch {
             keys: depth,
             difference,
