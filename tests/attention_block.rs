@@ -4,7 +4,7 @@
 //! multiples of the tile, causal ends inside a tile, sliding windows whose edges cross tiles and
 //! windows narrower than the block (tiles nobody sees), head dims that need padding, and query
 //! rows further apart than a group. Then a sequence prefilled in different chunks (bit for bit),
-//! and the shape errors.
+//! NaN rows before the window that must not be read, and the shape errors.
 //!
 //! Tolerance (tests/support/attention.rs): 2e-6 of the largest |value| in the cache.
 
@@ -383,6 +383,36 @@ fn chunking_never_changes_a_bit() {
                 &whole_f16,
                 WHOLE,
             );
+        }
+    }
+}
+
+/// Rows before a block's first visible key share a tile with rows it sees (tiles sit at fixed
+/// rows) but must not reach the result: a window-trimmed snapshot restores only the last window,
+/// so such rows may hold anything, here NaN.
+#[test]
+fn rows_before_the_window_are_never_read() {
+    let mut rng = ChaCha8Rng::seed_from_u64(24);
+    for (depth, tokens, window) in [(200, 7, 40), (300, 16, 128), (70, 1, 5)] {
+        let block = Block::random(&mut rng, (8, 64), tokens, depth, Some(window));
+        let first = block.visible(0).start;
+        assert!(
+            !first.is_multiple_of(TILE_KEYS),
+            "the window starts inside a tile"
+        );
+        let mut poisoned = (block.keys.clone(), block.values.clone());
+        let row_stride = KV_HEADS * block.head_dim;
+        poisoned.0[..first * row_stride].fill(f32::NAN);
+        poisoned.1[..first * row_stride].fill(f32::NAN);
+        let halves = |v: &[f32]| -> Vec<f16> { v.iter().map(|x| f16::from_f32(*x)).collect() };
+        for k in Kernels::all_supported() {
+            let label = format!("depth {depth} tokens {tokens} window {window} {}", k.path());
+            let clean = block.run_block(k, &block.keys, &block.values);
+            let got = block.run_block(k, &poisoned.0, &poisoned.1);
+            assert_same_bits(&format!("{label} f32"), &got, &clean, "finite rows");
+            let clean = block.run_block(k, &halves(&block.keys), &halves(&block.values));
+            let got = block.run_block(k, &halves(&poisoned.0), &halves(&poisoned.1));
+            assert_same_bits(&format!("{label} f16"), &got, &clean, "finite rows");
         }
     }
 }

@@ -25,7 +25,8 @@
 //! Tiles start at cache rows that are multiples of [`TILE_KEYS`], for one token as for a block,
 //! so a token's result does not depend on the block or chunk it came in: a key's tile and lane,
 //! and with them the order of every sum, follow from its row alone, and a masked key adds exact
-//! zeros. A prompt prefilled in any chunks, or decoded token by token, gives the same bits.
+//! zeros. A prompt prefilled in any chunks, or decoded token by token, gives the same bits. Value
+//! rows of a tile before the first key any token of the block sees are not read at all.
 //!
 //! The scalar path is the straightforward reference: token by token, one key at a time, online
 //! softmax with `f32::exp`.
@@ -633,7 +634,8 @@ trait TilePath {
     /// the earlier accumulation must be scaled by.
     unsafe fn softmax(logits: *mut f32, count: usize, max: &mut f32, sum: &mut f32) -> f32;
 
-    /// `acc_g = acc_g * rescale_g + sum_t p_gt v_t` for all heads, columns 0..padded.
+    /// `acc_g = acc_g * rescale_g + sum_t p_gt v_t` for all heads, columns 0..padded, t < count
+    /// (`p_gt` at `probs[g * TILE_KEYS + t]`, value rows `stride` apart).
     unsafe fn accumulate(
         probs: *const f32,
         heads: usize,
@@ -752,16 +754,20 @@ unsafe fn attend_tiled<P: TilePath, T: KvElem>(
                 )
             };
         }
-        let (values, value_stride) = T::f32_rows(k, kv.values, layout, tile, &mut scratch.values);
-        // SAFETY: as for the keys.
+        // The tile's value rows before the block's first visible key are never read: each would
+        // add exact zeros, and they may be rows a window-trimmed restore did not fill.
+        let skip = visible(first).start.clamp(tile.start, tile.end) - tile.start;
+        let seen = tile.start + skip..tile.end;
+        let (values, value_stride) = T::f32_rows(k, kv.values, layout, seen, &mut scratch.values);
+        // SAFETY: as for the keys; probabilities `skip..count` of each row lie inside the row.
         unsafe {
             P::accumulate(
-                scratch.logits.as_ptr().add(rows.start * TILE_KEYS),
+                scratch.logits.as_ptr().add(rows.start * TILE_KEYS + skip),
                 rows.len(),
                 scratch.rescale.as_ptr().add(rows.start),
                 values.as_ptr(),
                 value_stride,
-                count,
+                count - skip,
                 scratch.acc.as_mut_ptr().add(rows.start * padded),
                 padded,
             );
