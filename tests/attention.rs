@@ -2,12 +2,13 @@
 //! against the scalar one, on random data with ragged tiles, windows that do not start at 0,
 //! f16 and f32 caches and extreme sinks; shape errors; the polynomial exp.
 //!
-//! Tolerance: outputs are compared relative to the largest |value| of the head's value rows
-//! (an output is a convex combination of them, times at most 1). f32 arithmetic in a different
-//! order plus the <= 2 ulp exp give errors up to about 4e-7 there (measured); we allow 2e-6.
+//! Tolerance (tests/support/attention.rs): 2e-6 of the largest |value| of the head's visible value
+//! rows.
 
 use half::f16;
-use ossterm::bench::attention::{bench_attention_with, AttentionBenchConfig};
+use ossterm::bench::attention::{
+    bench_attention_with, bench_block_attention, AttentionBenchConfig,
+};
 use ossterm::kernels::attention::{
     attend_group, fast_exp, AttentionError, AttentionScratch, GroupQuery, KvElem, KvHead, TILE_KEYS,
 };
@@ -15,7 +16,8 @@ use ossterm::kernels::{KernelPath, Kernels};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-const TOLERANCE: f64 = 2e-6;
+mod support;
+use support::attention::{assert_close, widen};
 
 fn scalar() -> Kernels {
     Kernels::new(KernelPath::Scalar).expect("scalar always runs")
@@ -164,21 +166,6 @@ impl Case {
             .flat_map(|j| self.values[j * stride + self.head * d..][..d].iter())
             .fold(1e-3f64, |m, v| m.max(v.abs() as f64))
     }
-}
-
-fn assert_close(what: &str, got: &[f32], want: &[f64], magnitude: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let error = (*g as f64 - w).abs() / magnitude;
-        assert!(
-            error <= TOLERANCE,
-            "{what}: element {i} is {g}, expected {w} (error {error:e} of the value magnitude)"
-        );
-    }
-}
-
-fn widen(v: &[f32]) -> Vec<f64> {
-    v.iter().map(|x| *x as f64).collect()
 }
 
 /// Every path, f16 and f32 caches, against the f64 reference and (SIMD) against scalar.
@@ -459,6 +446,9 @@ fn benchmark_agrees_with_the_per_key_loop() {
         let report = bench_attention_with(k, &AttentionBenchConfig::quick())
             .unwrap_or_else(|e| panic!("{}: {e}", k.path()));
         assert_eq!(report.rows.len(), 2);
+        let row = bench_block_attention(k, &AttentionBenchConfig::quick(), 5, 70)
+            .unwrap_or_else(|e| panic!("{}: {e}", k.path()));
+        assert!(row.block_ns > 0.0 && row.per_token_ns > 0.0, "{row}");
         for row in &report.rows {
             assert!(
                 row.tiled_best_ns.is_finite() && row.tiled_best_ns > 0.0,
@@ -480,5 +470,13 @@ fn benchmark_report() {
     for k in Kernels::all_supported() {
         let report = ossterm::bench::attention::bench_attention(k).expect("benchmark");
         println!("{report}");
+        let config = AttentionBenchConfig {
+            repetitions: 15,
+            ..AttentionBenchConfig::standard()
+        };
+        for (tokens, depth) in [(16, 128), (16, 4096), (32, 4096)] {
+            let row = bench_block_attention(k, &config, tokens, depth).expect("benchmark");
+            println!("{row}");
+        }
     }
 }

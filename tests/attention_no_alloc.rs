@@ -1,10 +1,12 @@
-//! `attend_group` allocates nothing once its scratch exists, on every path and for both cache
-//! element types: a counting global allocator watches the calls.
+//! `attend_group` and `attend_block` allocate nothing once their scratch exists, on every path
+//! and for both cache element types: a counting global allocator watches the calls.
 //!
-//! `attend_group` runs on the calling thread, so only that thread's allocations are counted.
+//! Both run on the calling thread, so only that thread's allocations are counted.
 
 use half::f16;
-use ossterm::kernels::attention::{attend_group, AttentionScratch, GroupQuery, KvHead};
+use ossterm::kernels::attention::{
+    attend_block, attend_group, AttentionScratch, BlockQuery, GroupQuery, KvHead,
+};
 use ossterm::kernels::Kernels;
 
 mod counting_alloc;
@@ -30,6 +32,19 @@ fn attention_does_not_allocate() {
     };
     let mut out = vec![0.0f32; group * d];
     let mut scratch = AttentionScratch::new(group, d);
+    // A block of four tokens, each with the same queries.
+    let tokens = 4;
+    let block_queries: Vec<f32> = queries.repeat(tokens);
+    let block = BlockQuery {
+        queries: &block_queries,
+        token_stride: group * d,
+        tokens,
+        sinks: &sinks,
+        head_dim: d,
+        scale: 0.125,
+    };
+    let mut block_out = vec![0.0f32; tokens * group * d];
+    let mut block_scratch = AttentionScratch::new(tokens * group, d);
     let paths = Kernels::all_supported();
 
     let before = thread_allocations();
@@ -49,11 +64,31 @@ fn attention_does_not_allocate() {
                 row_stride: stride,
                 offset: d,
             };
-            attend_group(k, &query, &kv32, positions, &mut out, &mut scratch)
+            attend_group(k, &query, &kv32, positions.clone(), &mut out, &mut scratch)
                 .expect("f32 attention");
+            // Token t sees one more key than token t - 1, as in prefill.
+            let visible = |t: usize| positions.start..(positions.end + t).min(rows);
+            attend_block(
+                k,
+                &block,
+                &kv16,
+                &visible,
+                &mut block_out,
+                &mut block_scratch,
+            )
+            .expect("f16 block");
+            attend_block(
+                k,
+                &block,
+                &kv32,
+                &visible,
+                &mut block_out,
+                &mut block_scratch,
+            )
+            .expect("f32 block");
         }
     }
     let allocations = thread_allocations() - before;
-    assert_eq!(allocations, 0, "attend_group allocated {allocations} times");
-    assert!(out.iter().all(|o| o.is_finite()));
+    assert_eq!(allocations, 0, "attention allocated {allocations} times");
+    assert!(out.iter().chain(&block_out).all(|o| o.is_finite()));
 }

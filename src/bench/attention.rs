@@ -10,7 +10,7 @@ use rand_chacha::ChaCha8Rng;
 
 use super::kernels::time_runs;
 use crate::kernels::attention::{
-    attend_group, AttentionError, AttentionScratch, GroupQuery, KvHead,
+    attend_block, attend_group, AttentionError, AttentionScratch, BlockQuery, GroupQuery, KvHead,
 };
 use crate::kernels::{KernelPath, Kernels};
 
@@ -230,5 +230,117 @@ pub fn bench_attention_with(
         group,
         head_dim: d,
         rows,
+    })
+}
+
+/// A prefill block at depth: `tokens` consecutive tokens whose causal ranges end at `depth + 1 ..
+/// depth + tokens`, each (query head, key) pair once, token by token ([`attend_group`], how
+/// prefill ran before blocks) against [`attend_block`]; f16 cache, one KV head, one thread.
+#[derive(Clone, Debug)]
+pub struct BlockBenchRow {
+    pub tokens: usize,
+    pub depth: usize,
+    /// Nanoseconds per (query head, key), best of the runs: on a shared machine the best run is
+    /// the one least disturbed by other processes.
+    pub per_token_ns: f64,
+    pub block_ns: f64,
+}
+
+impl fmt::Display for BlockBenchRow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "block of {:>3} tokens at depth {:>5}: {:>6.3} ns per (query head, key) token by token, \
+             {:>6.3} as a block ({:.2}x)",
+            self.tokens,
+            self.depth,
+            self.per_token_ns,
+            self.block_ns,
+            self.per_token_ns / self.block_ns
+        )
+    }
+}
+
+/// Times one [`BlockBenchRow`] (G = `config.group`, head_dim `config.head_dim`), after checking
+/// that both ways give the same bits.
+pub fn bench_block_attention(
+    k: Kernels,
+    config: &AttentionBenchConfig,
+    tokens: usize,
+    depth: usize,
+) -> Result<BlockBenchRow, AttentionError> {
+    let (group, d) = (config.group, config.head_dim);
+    let tokens = tokens.max(1);
+    let rows = depth + tokens;
+    let mut rng = ChaCha8Rng::seed_from_u64(0xb10c);
+    let mut random = |n: usize, spread: f32| -> Vec<f32> {
+        (0..n).map(|_| rng.gen_range(-spread..spread)).collect()
+    };
+    let keys: Vec<f16> = random(rows * d, 1.0)
+        .into_iter()
+        .map(f16::from_f32)
+        .collect();
+    let values: Vec<f16> = random(rows * d, 1.0)
+        .into_iter()
+        .map(f16::from_f32)
+        .collect();
+    let queries = random(tokens * group * d, 1.0);
+    let sinks = random(group, 2.0);
+    let block = BlockQuery {
+        queries: &queries,
+        token_stride: group * d,
+        tokens,
+        sinks: &sinks,
+        head_dim: d,
+        scale: 1.0 / (d as f32).sqrt(),
+    };
+    let kv = KvHead {
+        keys: &keys,
+        values: &values,
+        row_stride: d,
+        offset: 0,
+    };
+    let visible = |t: usize| 0..depth + t + 1;
+    let mut block_scratch = AttentionScratch::new(tokens * group, d);
+    let mut token_scratch = AttentionScratch::new(group, d);
+    let mut block_out = vec![0.0f32; tokens * group * d];
+    let mut token_out = vec![0.0f32; tokens * group * d];
+    let mut as_block =
+        || attend_block(k, &block, &kv, &visible, &mut block_out, &mut block_scratch);
+    as_block()?;
+    let (block_best, _) = time_runs(config.repetitions, config.min_run_time, &mut as_block)?;
+    let mut by_token = || -> Result<(), AttentionError> {
+        for (t, out) in token_out.chunks_exact_mut(group * d).enumerate() {
+            let query = GroupQuery {
+                queries: &queries[t * group * d..(t + 1) * group * d],
+                sinks: &sinks,
+                head_dim: d,
+                scale: block.scale,
+            };
+            attend_group(k, &query, &kv, visible(t), out, &mut token_scratch)?;
+        }
+        Ok(())
+    };
+    by_token()?;
+    let (token_best, _) = time_runs(config.repetitions, config.min_run_time, &mut by_token)?;
+    // A token's result does not depend on the block it is in (the kernel's tiles sit at fixed
+    // rows), so the two ways agree to the bit.
+    let pairs = || block_out.iter().zip(&token_out);
+    if pairs().any(|(a, b)| a.to_bits() != b.to_bits()) {
+        let difference = pairs()
+            .map(|(a, b)| (a - b).abs() / b.abs().max(1e-3))
+            .fold(0.0f32, f32::max);
+        return Err(AttentionError::BenchMismatch {
+            keys: depth,
+            difference,
+        });
+    }
+    let keys_seen = tokens * (depth + 1) + tokens * (tokens - 1) / 2;
+    let per_pair = 1e9 / (group * keys_seen) as f64;
+    Ok(BlockBenchRow {
+        tokens,
+        depth,
+        per_token_ns: token_best * per_pair,
+        block_ns: block_best * per_pair,
     })
 }

@@ -1,5 +1,6 @@
-//! Grouped-query attention for one token and one KV head: the G query heads that share a KV head
-//! read each key and value row once, with the per-head sink logit in the softmax denominator.
+//! Grouped-query attention over one KV head: the G query heads that share a KV head read each key
+//! and value row once, with the per-head sink logit in the softmax denominator. [`attend_group`]
+//! is one token (decode); [`attend_block`] is a block of consecutive tokens (prefill), flash-style.
 //!
 //! ```text
 //! m_g   = max(S_g, max_j l_gj)            l_gj = scale * q_g . k_j
@@ -16,8 +17,19 @@
 //! and head. Then each value row (widened once) feeds all G heads: blocks of up to four heads times
 //! 64 (AVX-512) or 16 (AVX2) columns stay in registers across the whole tile.
 //!
-//! The scalar path is the straightforward reference: one key at a time, online softmax with
-//! `f32::exp`.
+//! A block of tokens runs the same steps over tokens x G query rows: a tile is widened once for
+//! the whole block (not once per token), tiles no token sees are skipped, and the keys of a tile
+//! past a token's causal end or before its window get a -inf logit. At depth the cache then
+//! streams from memory once per block instead of once per token.
+//!
+//! Tiles start at cache rows that are multiples of [`TILE_KEYS`], for one token as for a block,
+//! so a token's result does not depend on the block or chunk it came in: a key's tile and lane,
+//! and with them the order of every sum, follow from its row alone, and a masked key adds exact
+//! zeros. A prompt prefilled in any chunks, or decoded token by token, gives the same bits. Value
+//! rows of a tile before the first key any token of the block sees are not read at all.
+//!
+//! The scalar path is the straightforward reference: token by token, one key at a time, online
+//! softmax with `f32::exp`.
 //!
 //! Everything is single-threaded and allocation-free; [`AttentionScratch`] holds the buffers.
 
@@ -27,7 +39,9 @@ use super::{dispatch, KernelError, Kernels};
 use half::f16;
 
 /// Keys per tile: a widened f16 tile of keys plus one of values (2 x 64 x 64 x 4 bytes for
-/// head_dim 64) stays in L1 while every head of the group uses it.
+/// head_dim 64) stays in L1 while every head of the group uses it. Tiles start at rows that are
+/// multiples of this, so a caller that passes part of a cache starts it at such a row to keep
+/// the results of the whole cache.
 pub const TILE_KEYS: usize = 64;
 
 /// Head dims are padded to a multiple of this in scratch, so SIMD loops need no column tails.
@@ -75,6 +89,21 @@ pub enum AttentionError {
     },
     #[error("attention key positions {start}..{end}: the start is past the end")]
     Positions { start: usize, end: usize },
+    #[error(
+        "attention block: token {token} sees keys starting or ending before the previous \
+         token's (visible ranges must grow with the token)"
+    )]
+    VisibleNotMonotone { token: usize },
+    #[error(
+        "attention block queries: {tokens} tokens {stride} elements apart, each {width} wide, \
+         do not fit in {len} elements (or the stride is below the width)"
+    )]
+    BlockQueries {
+        tokens: usize,
+        stride: usize,
+        width: usize,
+        len: usize,
+    },
     #[error(
         "attention {operand} cache: positions up to {last} need {needed} elements, the slice has {got}"
     )]
@@ -232,7 +261,8 @@ fn widen_rows_scalar<T: sealed::Sealed>(
     }
 }
 
-/// Buffers of [`attend_group`], sized once for the largest group and head_dim.
+/// Buffers of [`attend_group`] and [`attend_block`], sized once for the most query rows (G heads
+/// of one token, or tokens x G of a block) and the largest head_dim.
 #[derive(Clone, Debug)]
 pub struct AttentionScratch {
     max_heads: usize,
@@ -255,7 +285,8 @@ pub struct AttentionScratch {
 }
 
 impl AttentionScratch {
-    /// Scratch for groups of up to `max_heads` query heads of up to `max_head_dim` each.
+    /// Scratch for up to `max_heads` query rows (heads of a group, or tokens x heads of a block)
+    /// of up to `max_head_dim` each.
     pub fn new(max_heads: usize, max_head_dim: usize) -> Self {
         let padded = max_head_dim.next_multiple_of(PAD_LANES);
         Self {
@@ -371,67 +402,194 @@ pub fn attend_group<T: KvElem>(
 ) -> Result<(), AttentionError> {
     let heads = check_shapes(query, kv, &positions, out)?;
     scratch.check(heads, query.head_dim)?;
-    // check_shapes and scratch.check validated every shape attend_tiled relies on.
-    dispatch!(
-        k,
-        avx512: attend_tiled::<avx512::Tiles, T>(k, query, kv, positions, out, scratch),
-        avx2: attend_tiled::<avx2::Tiles, T>(k, query, kv, positions, out, scratch),
-        scalar: attend_scalar(query, kv, positions, out, scratch),
-    );
+    let block = BlockQuery {
+        queries: query.queries,
+        token_stride: query.queries.len(),
+        tokens: 1,
+        sinks: query.sinks,
+        head_dim: query.head_dim,
+        scale: query.scale,
+    };
+    // check_shapes and scratch.check validated every shape the block kernels rely on.
+    attend_checked(k, &block, kv, &|_| positions.clone(), out, scratch);
     Ok(())
 }
 
-/// The reference: one key at a time (widened once for all heads), online softmax per head with
-/// `f32::exp`.
-fn attend_scalar<T: KvElem>(
-    query: &GroupQuery<'_>,
+/// The query side of a block: `tokens` consecutive tokens, each with the G = `sinks.len()` query
+/// heads that share one KV head.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockQuery<'a> {
+    /// Token t's G x head_dim queries start at `t * token_stride` (rotary embedding applied).
+    pub queries: &'a [f32],
+    /// Elements from one token's queries to the next's (at least G x head_dim).
+    pub token_stride: usize,
+    pub tokens: usize,
+    /// One sink logit per query head (G values), the same for every token.
+    pub sinks: &'a [f32],
+    pub head_dim: usize,
+    /// Multiplies every logit (1/sqrt(head_dim) for gpt-oss); not applied to the sinks.
+    pub scale: f32,
+}
+
+/// Attention of a block of tokens over one KV head, flash-style: each tile of keys and values is
+/// read (and widened) once for all `tokens x G` query rows instead of once per token, and tiles no
+/// token of the block can see are skipped. Token t sees the cache rows `visible(t)`; both ends must
+/// be non-decreasing in t (causal masks and sliding windows are). Writes token t's G x head_dim
+/// outputs at `out[t * G * head_dim..]`.
+///
+/// The scratch must hold `tokens x G` heads ([`AttentionScratch::new`]). Allocation-free; runs
+/// on the path of `k`; every token's result is, bit for bit, what [`attend_group`] gives over its
+/// own rows, whatever the block it is in.
+pub fn attend_block<T: KvElem>(
+    k: Kernels,
+    query: &BlockQuery<'_>,
     kv: &KvHead<'_, T>,
-    positions: Range<usize>,
+    visible: &dyn Fn(usize) -> Range<usize>,
+    out: &mut [f32],
+    scratch: &mut AttentionScratch,
+) -> Result<(), AttentionError> {
+    check_block(query, kv, visible, out)?;
+    scratch.check(query.tokens * query.sinks.len(), query.head_dim)?;
+    attend_checked(k, query, kv, visible, out, scratch);
+    Ok(())
+}
+
+/// Checks what [`attend_block`] relies on beyond the scratch's size.
+fn check_block<T>(
+    query: &BlockQuery<'_>,
+    kv: &KvHead<'_, T>,
+    visible: &dyn Fn(usize) -> Range<usize>,
+    out: &[f32],
+) -> Result<(), AttentionError> {
+    let (d, heads) = (query.head_dim, query.sinks.len());
+    if d == 0 {
+        return Err(AttentionError::ZeroHeadDim);
+    }
+    if heads == 0 {
+        return Err(AttentionError::SinkCount {
+            expected: 1,
+            got: 0,
+        });
+    }
+    let width = heads * d;
+    let needed = match query.tokens {
+        0 => 0,
+        tokens => (tokens - 1) * query.token_stride + width,
+    };
+    if query.token_stride < width || query.queries.len() < needed {
+        return Err(AttentionError::BlockQueries {
+            tokens: query.tokens,
+            stride: query.token_stride,
+            width,
+            len: query.queries.len(),
+        });
+    }
+    if out.len() != query.tokens * width {
+        return Err(AttentionError::OutputLength {
+            expected: query.tokens * width,
+            got: out.len(),
+        });
+    }
+    if kv.offset + d > kv.row_stride {
+        return Err(AttentionError::HeadOutsideRow {
+            offset: kv.offset,
+            head_dim: d,
+            row_stride: kv.row_stride,
+        });
+    }
+    let mut previous = 0..0;
+    for t in 0..query.tokens {
+        let range = visible(t);
+        if range.start > range.end {
+            return Err(AttentionError::Positions {
+                start: range.start,
+                end: range.end,
+            });
+        }
+        if t > 0 && (range.start < previous.start || range.end < previous.end) {
+            return Err(AttentionError::VisibleNotMonotone { token: t });
+        }
+        check_cache("key", kv.keys, kv, d, &range)?;
+        check_cache("value", kv.values, kv, d, &range)?;
+        previous = range;
+    }
+    Ok(())
+}
+
+/// [`attend_block`] after its checks.
+fn attend_checked<T: KvElem>(
+    k: Kernels,
+    query: &BlockQuery<'_>,
+    kv: &KvHead<'_, T>,
+    visible: &dyn Fn(usize) -> Range<usize>,
+    out: &mut [f32],
+    scratch: &mut AttentionScratch,
+) {
+    if query.tokens == 0 {
+        return;
+    }
+    // The callers validated every shape attend_tiled relies on.
+    dispatch!(
+        k,
+        avx512: attend_tiled::<avx512::Tiles, T>(k, query, kv, visible, out, scratch),
+        avx2: attend_tiled::<avx2::Tiles, T>(k, query, kv, visible, out, scratch),
+        scalar: attend_scalar(query, kv, visible, out, scratch),
+    );
+}
+
+/// The reference: token by token, one key at a time (widened once for all heads), online softmax
+/// per head with `f32::exp`.
+fn attend_scalar<T: KvElem>(
+    query: &BlockQuery<'_>,
+    kv: &KvHead<'_, T>,
+    visible: &dyn Fn(usize) -> Range<usize>,
     out: &mut [f32],
     scratch: &mut AttentionScratch,
 ) {
     let d = query.head_dim;
-    let heads = query.queries.len() / d;
-    let (max, sum) = (
-        &mut scratch.running_max[..heads],
-        &mut scratch.running_sum[..heads],
-    );
-    max.copy_from_slice(query.sinks);
-    sum.fill(0.0);
-    out.fill(0.0);
-    let (key, value) = (&mut scratch.keys[..d], &mut scratch.values[..d]);
-    for j in positions {
-        let at = j * kv.row_stride + kv.offset;
-        for (dst, src) in key.iter_mut().zip(&kv.keys[at..at + d]) {
-            *dst = src.widen();
-        }
-        for (dst, src) in value.iter_mut().zip(&kv.values[at..at + d]) {
-            *dst = src.widen();
-        }
-        for (g, (q, acc)) in query
-            .queries
-            .chunks_exact(d)
-            .zip(out.chunks_exact_mut(d))
-            .enumerate()
-        {
-            let dot: f32 = q.iter().zip(key.iter()).map(|(a, b)| a * b).sum();
-            let logit = query.scale * dot;
-            if logit > max[g] {
-                let rescale = (max[g] - logit).exp();
-                sum[g] *= rescale;
-                acc.iter_mut().for_each(|o| *o *= rescale);
-                max[g] = logit;
+    let heads = query.sinks.len();
+    for (t, out) in out.chunks_exact_mut(heads * d).enumerate() {
+        let queries = &query.queries[t * query.token_stride..][..heads * d];
+        let (max, sum) = (
+            &mut scratch.running_max[..heads],
+            &mut scratch.running_sum[..heads],
+        );
+        max.copy_from_slice(query.sinks);
+        sum.fill(0.0);
+        out.fill(0.0);
+        let (key, value) = (&mut scratch.keys[..d], &mut scratch.values[..d]);
+        for j in visible(t) {
+            let at = j * kv.row_stride + kv.offset;
+            for (dst, src) in key.iter_mut().zip(&kv.keys[at..at + d]) {
+                *dst = src.widen();
             }
-            let weight = (logit - max[g]).exp();
-            sum[g] += weight;
-            for (o, v) in acc.iter_mut().zip(value.iter()) {
-                *o += weight * v;
+            for (dst, src) in value.iter_mut().zip(&kv.values[at..at + d]) {
+                *dst = src.widen();
+            }
+            for (g, (q, acc)) in queries
+                .chunks_exact(d)
+                .zip(out.chunks_exact_mut(d))
+                .enumerate()
+            {
+                let dot: f32 = q.iter().zip(key.iter()).map(|(a, b)| a * b).sum();
+                let logit = query.scale * dot;
+                if logit > max[g] {
+                    let rescale = (max[g] - logit).exp();
+                    sum[g] *= rescale;
+                    acc.iter_mut().for_each(|o| *o *= rescale);
+                    max[g] = logit;
+                }
+                let weight = (logit - max[g]).exp();
+                sum[g] += weight;
+                for (o, v) in acc.iter_mut().zip(value.iter()) {
+                    *o += weight * v;
+                }
             }
         }
-    }
-    for (g, acc) in out.chunks_exact_mut(d).enumerate() {
-        let denominator = sum[g] + (query.sinks[g] - max[g]).exp();
-        acc.iter_mut().for_each(|o| *o /= denominator);
+        for (g, acc) in out.chunks_exact_mut(d).enumerate() {
+            let denominator = sum[g] + (query.sinks[g] - max[g]).exp();
+            acc.iter_mut().for_each(|o| *o /= denominator);
+        }
     }
 }
 
@@ -476,7 +634,8 @@ trait TilePath {
     /// the earlier accumulation must be scaled by.
     unsafe fn softmax(logits: *mut f32, count: usize, max: &mut f32, sum: &mut f32) -> f32;
 
-    /// `acc_g = acc_g * rescale_g + sum_t p_gt v_t` for all heads, columns 0..padded.
+    /// `acc_g = acc_g * rescale_g + sum_t p_gt v_t` for all heads, columns 0..padded, t < count
+    /// (`p_gt` at `probs[g * TILE_KEYS + t]`, value rows `stride` apart).
     unsafe fn accumulate(
         probs: *const f32,
         heads: usize,
@@ -490,18 +649,18 @@ trait TilePath {
 }
 
 /// # Safety
-/// The CPU has the features of `P`'s path; shapes were checked by [`check_shapes`] and the scratch
-/// by [`AttentionScratch::check`].
+/// The CPU has the features of `P`'s path; shapes were checked by [`check_shapes`] or
+/// [`check_block`] and the scratch by [`AttentionScratch::check`]; `query.tokens` > 0.
 unsafe fn attend_tiled<P: TilePath, T: KvElem>(
     k: Kernels,
-    query: &GroupQuery<'_>,
+    query: &BlockQuery<'_>,
     kv: &KvHead<'_, T>,
-    positions: Range<usize>,
+    visible: &dyn Fn(usize) -> Range<usize>,
     out: &mut [f32],
     scratch: &mut AttentionScratch,
 ) {
     let d = query.head_dim;
-    let heads = query.queries.len() / d;
+    let (heads, tokens) = (query.sinks.len(), query.tokens);
     let padded = d.next_multiple_of(PAD_LANES);
     let layout = RowLayout {
         row_stride: kv.row_stride,
@@ -509,72 +668,117 @@ unsafe fn attend_tiled<P: TilePath, T: KvElem>(
         head_dim: d,
         padded,
     };
-    for (dst, src) in scratch
+    // Rows are token-major: row t * heads + g is token t's head g.
+    for (r, dst) in scratch
         .queries
         .chunks_exact_mut(padded)
-        .zip(query.queries.chunks_exact(d))
+        .take(tokens * heads)
+        .enumerate()
     {
+        let (t, g) = (r / heads, r % heads);
+        let src = &query.queries[t * query.token_stride + g * d..][..d];
         for (s, q) in dst.iter_mut().zip(src) {
             *s = q * query.scale;
         }
         dst[d..].fill(0.0);
+        scratch.running_max[r] = query.sinks[g];
     }
-    scratch.running_max[..heads].copy_from_slice(query.sinks);
-    scratch.running_sum[..heads].fill(0.0);
-    scratch.acc[..heads * padded].fill(0.0);
+    scratch.running_sum[..tokens * heads].fill(0.0);
+    scratch.acc[..tokens * heads * padded].fill(0.0);
 
-    let mut start = positions.start;
-    while start < positions.end {
-        let count = TILE_KEYS.min(positions.end - start);
+    // Both ends of the visible ranges grow with the token, so the tokens that see any key of a
+    // tile are a contiguous run [first, last) that only moves forward.
+    let span = visible(0).start..visible(tokens - 1).end;
+    let (mut first, mut last) = (0, 0);
+    // Tiles start at multiples of TILE_KEYS, whatever the block: which tile a key falls in, and
+    // its lane there, then depend only on its row, so each token's logits, maxima and sums are
+    // reduced in the same order in any block or chunk (and alone, as a decoded token). Keys of a
+    // tile the token does not see get a -inf logit and add exact zeros.
+    let mut start = span.start - span.start % TILE_KEYS;
+    while start < span.end {
+        let count = TILE_KEYS.min(span.end - start);
         let tile = start..start + count;
+        start += count;
+        while first < tokens && visible(first).end <= tile.start {
+            first += 1;
+        }
+        last = last.max(first);
+        while last < tokens && visible(last).start < tile.end {
+            last += 1;
+        }
+        if first == last {
+            // A gap between windows: no token sees these keys.
+            continue;
+        }
+        let rows = first * heads..last * heads;
         let (keys, key_stride) = T::f32_rows(k, kv.keys, layout, tile.clone(), &mut scratch.keys);
         // SAFETY: `keys` holds `count` rows of `padded` readable elements `key_stride` apart
         // (f32_rows' contract, rows checked against the cache); the scratch buffers have the
-        // sizes TilePath asks for (scratch.check: heads <= max_heads, padded <= padded max).
+        // sizes TilePath asks for (scratch.check: rows <= max_heads, padded <= padded max).
         unsafe {
             P::logits(
-                scratch.queries.as_ptr(),
-                heads,
+                scratch.queries.as_ptr().add(rows.start * padded),
+                rows.len(),
                 padded,
                 keys.as_ptr(),
                 key_stride,
                 count,
                 scratch.zero_row.as_ptr(),
-                scratch.logits.as_mut_ptr(),
+                scratch.logits.as_mut_ptr().add(rows.start * TILE_KEYS),
             );
+        }
+        // Keys of the tile a token must not see (causal or window edge) get a -inf logit.
+        for t in first..last {
+            let seen = visible(t);
+            let (from, to) = (
+                seen.start.max(tile.start) - tile.start,
+                seen.end.min(tile.end).max(seen.start.max(tile.start)) - tile.start,
+            );
+            if from == 0 && to == count {
+                continue;
+            }
             for g in 0..heads {
-                scratch.rescale[g] = P::softmax(
-                    scratch.logits.as_mut_ptr().add(g * TILE_KEYS),
-                    count,
-                    &mut scratch.running_max[g],
-                    &mut scratch.running_sum[g],
-                );
+                let row = &mut scratch.logits[(t * heads + g) * TILE_KEYS..][..count];
+                row[..from].fill(f32::NEG_INFINITY);
+                row[to..].fill(f32::NEG_INFINITY);
             }
         }
-        let (values, value_stride) = T::f32_rows(k, kv.values, layout, tile, &mut scratch.values);
-        // SAFETY: as for the keys.
+        for r in rows.clone() {
+            // SAFETY: row r's logits lie inside the scratch (r < tokens x heads <= max_heads).
+            scratch.rescale[r] = unsafe {
+                P::softmax(
+                    scratch.logits.as_mut_ptr().add(r * TILE_KEYS),
+                    count,
+                    &mut scratch.running_max[r],
+                    &mut scratch.running_sum[r],
+                )
+            };
+        }
+        // The tile's value rows before the block's first visible key are never read: each would
+        // add exact zeros, and they may be rows a window-trimmed restore did not fill.
+        let skip = visible(first).start.clamp(tile.start, tile.end) - tile.start;
+        let seen = tile.start + skip..tile.end;
+        let (values, value_stride) = T::f32_rows(k, kv.values, layout, seen, &mut scratch.values);
+        // SAFETY: as for the keys; probabilities `skip..count` of each row lie inside the row.
         unsafe {
             P::accumulate(
-                scratch.logits.as_ptr(),
-                heads,
-                scratch.rescale.as_ptr(),
+                scratch.logits.as_ptr().add(rows.start * TILE_KEYS + skip),
+                rows.len(),
+                scratch.rescale.as_ptr().add(rows.start),
                 values.as_ptr(),
                 value_stride,
-                count,
-                scratch.acc.as_mut_ptr(),
+                count - skip,
+                scratch.acc.as_mut_ptr().add(rows.start * padded),
                 padded,
             );
         }
-        start += count;
     }
 
-    for g in 0..heads {
-        let denominator = scratch.running_sum[g] + (query.sinks[g] - scratch.running_max[g]).exp();
+    for (r, out) in out.chunks_exact_mut(d).take(tokens * heads).enumerate() {
+        let sink = query.sinks[r % heads];
+        let denominator = scratch.running_sum[r] + (sink - scratch.running_max[r]).exp();
         let inverse = 1.0 / denominator;
-        for (o, a) in out[g * d..(g + 1) * d]
-            .iter_mut()
-            .zip(&scratch.acc[g * padded..])
-        {
+        for (o, a) in out.iter_mut().zip(&scratch.acc[r * padded..]) {
             *o = a * inverse;
         }
     }

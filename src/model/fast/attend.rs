@@ -1,31 +1,106 @@
-//! Attention of a chunk's queries over one layer's cache: one task per (KV head, token) walks the
-//! visible keys once for all query heads of its group, so each cached row is read once. Tasks are
-//! ordered head by head, so a thread's working set is one head's keys and values.
+//! Attention of a chunk's queries over one layer's cache, flash-style: one task per (KV head,
+//! block of up to [`BLOCK_TOKENS`] consecutive tokens) walks the keys its tokens see once for all
+//! their query heads, so at depth each cached row is read once per block, not once per token.
+//! Tasks are ordered head by head, so a thread's working set is one head's keys and values.
 
 use std::cell::RefCell;
+use std::ops::Range;
 
 use super::jobs::SharedOut;
 use super::FastPass;
-use crate::kernels::attention::{attend_group, AttentionScratch, GroupQuery, KvHead};
+use crate::kernels::attention::{
+    attend_block, AttentionScratch, BlockQuery, KvElem, KvHead, TILE_KEYS,
+};
+use crate::kernels::Kernels;
+use crate::model::config::ModelConfig;
 use crate::model::kv::{widen_q8_rows, KvElement, LayerKv, LayerKvQ8};
 use crate::model::ops::{attention_scale, visible_keys};
 use crate::model::team::parallel_for;
 use crate::model::weights::Layer;
 
+/// Tokens per attention task in prefill. A block's rows (tokens x 8 heads) share every widened
+/// tile of keys and values; 16 tokens cut the cache traffic at depth 16-fold while the block's
+/// logits and accumulators (128 rows of 64 keys / 64 columns, 32 KiB each) stay in L2, and a
+/// 512-token chunk still makes 256 tasks for the team to balance.
+pub const BLOCK_TOKENS: usize = 16;
+
+/// Each pool thread's attention tiles and block output, with the (heads, head_dim) they were
+/// sized for.
+struct Tiles {
+    shape: (usize, usize),
+    scratch: AttentionScratch,
+    out: Vec<f32>,
+}
+
+impl Tiles {
+    fn sized(&mut self, group: usize, head_dim: usize) -> &mut Self {
+        if self.shape != (group, head_dim) {
+            *self = Self {
+                shape: (group, head_dim),
+                scratch: AttentionScratch::new(BLOCK_TOKENS * group, head_dim),
+                out: vec![0.0; BLOCK_TOKENS * group * head_dim],
+            };
+        }
+        self
+    }
+}
+
 thread_local! {
-    /// Each pool thread's attention tiles, with the (heads, head_dim) they were sized for.
-    static ATTENTION_SCRATCH: RefCell<((usize, usize), AttentionScratch)> =
-        RefCell::new(((0, 0), AttentionScratch::new(0, 0)));
+    static ATTENTION_SCRATCH: RefCell<Tiles> = RefCell::new(Tiles {
+        shape: (0, 0),
+        scratch: AttentionScratch::new(0, 0),
+        out: Vec::new(),
+    });
     /// Each pool thread's f32 copy of one int8 head's keys and values.
     static Q8_STAGING: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// Sizes the calling thread's attention tiles for groups of `group` heads of `head_dim`.
 pub fn prepare_attention_scratch(group: usize, head_dim: usize) {
-    ATTENTION_SCRATCH.with(|scratch| {
-        let mut guard = scratch.borrow_mut();
-        if guard.0 != (group, head_dim) {
-            *guard = ((group, head_dim), AttentionScratch::new(group, head_dim));
+    ATTENTION_SCRATCH.with(|tiles| {
+        tiles.borrow_mut().sized(group, head_dim);
+    });
+}
+
+/// One block's attention: tokens `block` of the chunk (at positions `start + i`), KV head
+/// `kv_head`'s query group, over `head` (whose row 0 is cache position `first`), into `out`.
+#[allow(clippy::too_many_arguments)]
+fn attend_tokens<T: KvElem>(
+    k: Kernels,
+    c: &ModelConfig,
+    layer: &Layer,
+    (start, first): (usize, usize),
+    block: Range<usize>,
+    kv_head: usize,
+    q: &[f32],
+    head: &KvHead<'_, T>,
+    out: SharedOut,
+) {
+    let (qw, hd) = (c.q_width(), c.head_dim);
+    let group = c.num_attention_heads / c.num_key_value_heads;
+    let heads = kv_head * group..(kv_head + 1) * group;
+    let query = BlockQuery {
+        queries: &q[block.start * qw + heads.start * hd..],
+        token_stride: qw,
+        tokens: block.len(),
+        sinks: &layer.attention.sinks[heads.clone()],
+        head_dim: hd,
+        scale: attention_scale(c),
+    };
+    let visible = |t: usize| {
+        let seen = visible_keys(c, layer.kind, start + block.start + t);
+        seen.start - first..seen.end - first
+    };
+    ATTENTION_SCRATCH.with(|tiles| {
+        let mut tiles = tiles.borrow_mut();
+        let tiles = tiles.sized(group, hd);
+        let result = &mut tiles.out[..block.len() * group * hd];
+        attend_block(k, &query, head, &visible, result, &mut tiles.scratch)
+            .expect("attention shapes follow the model config");
+        for (i, row) in block.clone().zip(result.chunks_exact(group * hd)) {
+            // SAFETY: (block, KV head) owns the group's query heads of its tokens in `out`, ranges
+            // no other task touches; the buffer outlives the parallel loop.
+            unsafe { out.slice(i * qw + heads.start * hd, group * hd) }.copy_from_slice(row);
         }
     });
 }
@@ -44,22 +119,13 @@ impl FastPass<'_> {
         out: &mut [f32],
     ) {
         let c = self.config;
-        let (qw, hd) = (c.q_width(), c.head_dim);
-        let kv_heads = c.num_key_value_heads;
-        let group = c.num_attention_heads / kv_heads;
-        let scale = attention_scale(c);
-        let sinks = &layer.attention.sinks;
-        assert!(out.len() >= n * qw, "scratch sized for the chunk");
+        let hd = c.head_dim;
+        assert!(out.len() >= n * c.q_width(), "scratch sized for the chunk");
         let shared = SharedOut(out.as_mut_ptr());
-        parallel_for(self.team, n * kv_heads, &|index| {
-            let (kv_head, i) = (index / n, index % n);
-            let heads = kv_head * group..(kv_head + 1) * group;
-            let query = GroupQuery {
-                queries: &q[i * qw + heads.start * hd..i * qw + heads.end * hd],
-                sinks: &sinks[heads.clone()],
-                head_dim: hd,
-                scale,
-            };
+        let blocks = n.div_ceil(BLOCK_TOKENS);
+        parallel_for(self.team, blocks * c.num_key_value_heads, &|index| {
+            let (kv_head, b) = (index / blocks, index % blocks);
+            let block = b * BLOCK_TOKENS..((b + 1) * BLOCK_TOKENS).min(n);
             let (keys, values) = cache.head(kv_head);
             let head = KvHead {
                 keys,
@@ -67,25 +133,16 @@ impl FastPass<'_> {
                 row_stride: hd,
                 offset: 0,
             };
-            // SAFETY: (token i, KV head) owns the group's query heads of token i in `out`, a
-            // range no other task touches; the buffer outlives the parallel loop.
-            let out = unsafe { shared.slice(i * qw + heads.start * hd, group * hd) };
-            ATTENTION_SCRATCH.with(|scratch| {
-                let mut scratch = scratch.borrow_mut();
-                if scratch.0 != (group, hd) {
-                    *scratch = ((group, hd), AttentionScratch::new(group, hd));
-                }
-                let visible = visible_keys(c, layer.kind, start + i);
-                attend_group(self.kernels, &query, &head, visible, out, &mut scratch.1)
-                    .expect("attention shapes follow the model config");
-            });
+            let k = self.kernels;
+            attend_tokens(k, c, layer, (start, 0), block, kv_head, q, &head, shared);
         });
     }
 }
 
 /// [`FastPass::attend`] over an int8 cache. The kernel reads f16 or f32 rows, so each task widens the rows
 /// its KV head's queries can see (once for the whole chunk) into f32 staging, then attends over
-/// that in place. One task per KV head: the widening is shared by the chunk's tokens.
+/// that in place, in blocks of tokens. One task per KV head: the widening is shared by the chunk's
+/// tokens.
 impl FastPass<'_> {
     pub(super) fn attend_q8(
         &self,
@@ -97,18 +154,16 @@ impl FastPass<'_> {
         out: &mut [f32],
     ) {
         let (k, c) = (self.kernels, self.config);
-        let (qw, hd) = (c.q_width(), c.head_dim);
-        let kv_heads = c.num_key_value_heads;
-        let group = c.num_attention_heads / kv_heads;
-        let scale = attention_scale(c);
-        let sinks = &layer.attention.sinks;
-        assert!(out.len() >= n * qw, "scratch sized for the chunk");
-        let first = visible_keys(c, layer.kind, start).start;
+        let hd = c.head_dim;
+        assert!(out.len() >= n * c.q_width(), "scratch sized for the chunk");
+        // Staged from a row the kernel's tiles start at, so the tiles of the staged rows are those
+        // of the whole cache and a token's result does not depend on where its chunk began.
+        let seen = visible_keys(c, layer.kind, start).start;
+        let first = seen - seen % TILE_KEYS;
         let rows = first..start + n;
         let room = cache.positions() * hd;
         let shared = SharedOut(out.as_mut_ptr());
-        parallel_for(self.team, kv_heads, &|kv_head| {
-            let heads = kv_head * group..(kv_head + 1) * group;
+        parallel_for(self.team, c.num_key_value_heads, &|kv_head| {
             let head = cache.head(kv_head);
             Q8_STAGING.with(|staging| {
                 let (keys, values) = &mut *staging.borrow_mut();
@@ -140,27 +195,14 @@ impl FastPass<'_> {
                     row_stride: hd,
                     offset: 0,
                 };
-                ATTENTION_SCRATCH.with(|scratch| {
-                    let mut scratch = scratch.borrow_mut();
-                    if scratch.0 != (group, hd) {
-                        *scratch = ((group, hd), AttentionScratch::new(group, hd));
-                    }
-                    for i in 0..n {
-                        let query = GroupQuery {
-                            queries: &q[i * qw + heads.start * hd..i * qw + heads.end * hd],
-                            sinks: &sinks[heads.clone()],
-                            head_dim: hd,
-                            scale,
-                        };
-                        // SAFETY: (token i, KV head) owns the group's query heads of token i in
-                        // `out`, a range no other task touches; the buffer outlives the loop.
-                        let out = unsafe { shared.slice(i * qw + heads.start * hd, group * hd) };
-                        let visible = visible_keys(c, layer.kind, start + i);
-                        let visible = visible.start - first..visible.end - first;
-                        attend_group(k, &query, &staged, visible, out, &mut scratch.1)
-                            .expect("attention shapes follow the model config");
-                    }
-                });
+                // The chunk's tokens in blocks over the staged rows, as in FastPass::attend.
+                let mut block = 0;
+                while block < n {
+                    let tokens = block..(block + BLOCK_TOKENS).min(n);
+                    block = tokens.end;
+                    let at = (start, first);
+                    attend_tokens(k, c, layer, at, tokens, kv_head, q, &staged, shared);
+                }
             });
         });
     }
