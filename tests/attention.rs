@@ -474,7 +474,7 @@ fn benchmark_report() {
             repetitions: 15,
             ..AttentionBenchConfig::standard()
         };
-        for (tokens, depth) in [(16, 128), (16, 4096), (32, 4096)] {
+        for (tokens, depth) in [(1, 4096), (16, 128), (16, 4096), (32, 4096)] {
             let row = bench_block_attention(k, &config, tokens, depth).expect("benchmark");
             println!("{row}");
         }

@@ -35,6 +35,7 @@
 
 use std::ops::Range;
 
+use super::aligned::AlignedVec;
 use super::{dispatch, KernelError, Kernels};
 use half::f16;
 
@@ -43,6 +44,14 @@ use half::f16;
 /// multiples of this, so a caller that passes part of a cache starts it at such a row to keep
 /// the results of the whole cache.
 pub const TILE_KEYS: usize = 64;
+
+/// Keys widened and turned into logits at a time: a multiple of every path's vector width.
+const SUB_KEYS: usize = 16;
+
+/// Up to this many query rows (one token's group of 8 in gpt-oss) read an f16 value tile straight
+/// from the cache: staging it would store and reload every value row for only a few heads. More
+/// rows reuse a staged tile enough to pay for it.
+const FUSED_VALUE_ROWS: usize = 8;
 
 /// Head dims are padded to a multiple of this in scratch, so SIMD loops need no column tails.
 const PAD_LANES: usize = 16;
@@ -172,6 +181,10 @@ mod sealed {
     pub trait Sealed: Copy + Send + Sync {
         fn widen(self) -> f32;
 
+        /// The cache as f16, if it is one: the SIMD paths can then widen value rows as they
+        /// use them instead of staging a tile.
+        fn as_f16(cache: &[Self]) -> Option<&[half::f16]>;
+
         /// Rows `rows` of one head as f32 rows of `layout.padded` elements, zero past head_dim:
         /// `(slice starting at the first row, elements between rows)`. Either the cache itself
         /// (f32 with head_dim a multiple of 16) or `tile`, filled here. The caller checked that
@@ -197,6 +210,10 @@ impl KvElem for f32 {}
 impl sealed::Sealed for f16 {
     fn widen(self) -> f32 {
         self.to_f32()
+    }
+
+    fn as_f16(cache: &[f16]) -> Option<&[f16]> {
+        Some(cache)
     }
 
     fn f32_rows<'a>(
@@ -226,6 +243,10 @@ impl sealed::Sealed for f16 {
 impl sealed::Sealed for f32 {
     fn widen(self) -> f32 {
         self
+    }
+
+    fn as_f16(_: &[f32]) -> Option<&[f16]> {
+        None
     }
 
     fn f32_rows<'a>(
@@ -268,17 +289,17 @@ pub struct AttentionScratch {
     max_heads: usize,
     max_head_dim: usize,
     /// Scaled queries, heads x padded.
-    queries: Vec<f32>,
+    queries: AlignedVec<f32>,
     /// Widened key tile, TILE_KEYS x padded.
-    keys: Vec<f32>,
+    keys: AlignedVec<f32>,
     /// Widened value tile, TILE_KEYS x padded.
-    values: Vec<f32>,
+    values: AlignedVec<f32>,
     /// Logits, then probabilities, heads x TILE_KEYS.
-    logits: Vec<f32>,
+    logits: AlignedVec<f32>,
     /// Unnormalized outputs, heads x padded.
-    acc: Vec<f32>,
+    acc: AlignedVec<f32>,
     /// Stands in for the keys past the end of a ragged tile (padded zeros).
-    zero_row: Vec<f32>,
+    zero_row: AlignedVec<f32>,
     running_max: Vec<f32>,
     running_sum: Vec<f32>,
     rescale: Vec<f32>,
@@ -292,12 +313,12 @@ impl AttentionScratch {
         Self {
             max_heads,
             max_head_dim,
-            queries: vec![0.0; max_heads * padded],
-            keys: vec![0.0; TILE_KEYS * padded],
-            values: vec![0.0; TILE_KEYS * padded],
-            logits: vec![0.0; max_heads * TILE_KEYS],
-            acc: vec![0.0; max_heads * padded],
-            zero_row: vec![0.0; padded],
+            queries: AlignedVec::filled(max_heads * padded, 0.0),
+            keys: AlignedVec::filled(TILE_KEYS * padded, 0.0),
+            values: AlignedVec::filled(TILE_KEYS * padded, 0.0),
+            logits: AlignedVec::filled(max_heads * TILE_KEYS, 0.0),
+            acc: AlignedVec::filled(max_heads * padded, 0.0),
+            zero_row: AlignedVec::filled(padded, 0.0),
             running_max: vec![0.0; max_heads],
             running_sum: vec![0.0; max_heads],
             rescale: vec![0.0; max_heads],
@@ -646,6 +667,22 @@ trait TilePath {
         acc: *mut f32,
         padded: usize,
     );
+
+    /// [`TilePath::accumulate`] reading the value rows straight from an f16 cache (`values`,
+    /// rows `layout.row_stride` apart, head_dim == padded), widening each as it is used: the
+    /// same products summed in the same order, without storing and reloading a widened tile.
+    /// Returns false, having done nothing, on a path without it.
+    unsafe fn accumulate_f16(
+        _probs: *const f32,
+        _heads: usize,
+        _rescale: *const f32,
+        _values: *const f16,
+        _layout: RowLayout,
+        _count: usize,
+        _acc: *mut f32,
+    ) -> bool {
+        false
+    }
 }
 
 /// # Safety
@@ -711,21 +748,34 @@ unsafe fn attend_tiled<P: TilePath, T: KvElem>(
             continue;
         }
         let rows = first * heads..last * heads;
-        let (keys, key_stride) = T::f32_rows(k, kv.keys, layout, tile.clone(), &mut scratch.keys);
-        // SAFETY: `keys` holds `count` rows of `padded` readable elements `key_stride` apart
-        // (f32_rows' contract, rows checked against the cache); the scratch buffers have the
-        // sizes TilePath asks for (scratch.check: rows <= max_heads, padded <= padded max).
-        unsafe {
-            P::logits(
-                scratch.queries.as_ptr().add(rows.start * padded),
-                rows.len(),
-                padded,
-                keys.as_ptr(),
-                key_stride,
-                count,
-                scratch.zero_row.as_ptr(),
-                scratch.logits.as_mut_ptr().add(rows.start * TILE_KEYS),
-            );
+        // Keys are widened SUB_KEYS rows at a time, just before their logits: the staged rows stay
+        // in L1 next to the value tile. Each logit is a sum over its own key only, so this
+        // changes no bit.
+        let mut sub = 0;
+        while sub < count {
+            let n = SUB_KEYS.min(count - sub);
+            let part = tile.start + sub..tile.start + sub + n;
+            let (keys, key_stride) = T::f32_rows(k, kv.keys, layout, part, &mut scratch.keys);
+            // SAFETY: `keys` holds `n` rows of `padded` readable elements `key_stride` apart
+            // (f32_rows' contract, rows checked against the cache); the scratch buffers have the
+            // sizes TilePath asks for (scratch.check: rows <= max_heads, padded <= padded max),
+            // and logits `sub..sub + n` rounded up to the vector width stay inside a row.
+            unsafe {
+                P::logits(
+                    scratch.queries.as_ptr().add(rows.start * padded),
+                    rows.len(),
+                    padded,
+                    keys.as_ptr(),
+                    key_stride,
+                    n,
+                    scratch.zero_row.as_ptr(),
+                    scratch
+                        .logits
+                        .as_mut_ptr()
+                        .add(rows.start * TILE_KEYS + sub),
+                );
+            }
+            sub += n;
         }
         // Keys of the tile a token must not see (causal or window edge) get a -inf logit.
         for t in first..last {
@@ -758,6 +808,27 @@ unsafe fn attend_tiled<P: TilePath, T: KvElem>(
         // add exact zeros, and they may be rows a window-trimmed restore did not fill.
         let skip = visible(first).start.clamp(tile.start, tile.end) - tile.start;
         let seen = tile.start + skip..tile.end;
+        if rows.len() <= FUSED_VALUE_ROWS && padded == d {
+            if let Some(cache) = T::as_f16(kv.values) {
+                let from = &cache[seen.start * kv.row_stride + kv.offset..];
+                // SAFETY: rows `seen` were checked against the cache, `from` starts at the first
+                // of them, and the scratch pointers are as for `P::accumulate` below.
+                let done = unsafe {
+                    P::accumulate_f16(
+                        scratch.logits.as_ptr().add(rows.start * TILE_KEYS + skip),
+                        rows.len(),
+                        scratch.rescale.as_ptr().add(rows.start),
+                        from.as_ptr(),
+                        layout,
+                        count - skip,
+                        scratch.acc.as_mut_ptr().add(rows.start * padded),
+                    )
+                };
+                if done {
+                    continue;
+                }
+            }
+        }
         let (values, value_stride) = T::f32_rows(k, kv.values, layout, seen, &mut scratch.values);
         // SAFETY: as for the keys; probabilities `skip..count` of each row lie inside the row.
         unsafe {
@@ -1099,6 +1170,126 @@ mod avx512 {
         }
     }
 
+    /// HEADS heads x CHUNKS x 16 columns in registers across the tile, each value row widened
+    /// from the f16 cache once for all HEADS heads.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn accumulate_f16_block<const HEADS: usize, const CHUNKS: usize>(
+        probs: *const f32,
+        rescale: *const f32,
+        values: *const f16,
+        stride: usize,
+        count: usize,
+        acc: *mut f32,
+        padded: usize,
+    ) {
+        // SAFETY: the caller upholds `TilePath::accumulate_f16`'s contract (the CPU has this
+        // path's features; every buffer is as large as the trait's doc says, each value row has
+        // CHUNKS x 16 readable elements from `values`), which is all the code below relies on.
+        unsafe {
+            let mut sums = [[_mm512_setzero_ps(); CHUNKS]; HEADS];
+            for (h, row) in sums.iter_mut().enumerate() {
+                let factor = _mm512_set1_ps(*rescale.add(h));
+                for (c, s) in row.iter_mut().enumerate() {
+                    *s = _mm512_mul_ps(_mm512_loadu_ps(acc.add(h * padded + c * W)), factor);
+                }
+            }
+            for t in 0..count {
+                let v = values.add(t * stride);
+                let mut value = [_mm512_setzero_ps(); CHUNKS];
+                for (c, x) in value.iter_mut().enumerate() {
+                    *x = _mm512_cvtph_ps(_mm256_loadu_si256(v.add(c * W).cast()));
+                }
+                for (h, row) in sums.iter_mut().enumerate() {
+                    let p = _mm512_set1_ps(*probs.add(h * TILE_KEYS + t));
+                    for (s, x) in row.iter_mut().zip(&value) {
+                        *s = _mm512_fmadd_ps(p, *x, *s);
+                    }
+                }
+            }
+            for (h, row) in sums.iter().enumerate() {
+                for (c, s) in row.iter().enumerate() {
+                    _mm512_storeu_ps(acc.add(h * padded + c * W), *s);
+                }
+            }
+        }
+    }
+
+    /// # Safety
+    /// `TilePath::accumulate_f16`'s contract.
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn accumulate_f16(
+        probs: *const f32,
+        heads: usize,
+        rescale: *const f32,
+        values: *const f16,
+        layout: RowLayout,
+        count: usize,
+        acc: *mut f32,
+    ) {
+        // SAFETY: the caller upholds `TilePath::accumulate_f16`'s contract (the CPU has this
+        // path's features; every buffer is as large as the trait's doc says; head_dim == padded,
+        // a multiple of 16), which is all the code below relies on.
+        unsafe {
+            let (stride, padded) = (layout.row_stride, layout.padded);
+            for t in 0..count {
+                super::prefetch_row_of_next_tile(values.add(t * stride), layout);
+            }
+            let mut column = 0;
+            while column < padded {
+                let chunks = if padded - column >= 2 * W { 2 } else { 1 };
+                let mut g = 0;
+                while g < heads {
+                    let block = match heads - g {
+                        1 => 1,
+                        2 | 3 => 2,
+                        4..=7 => 4,
+                        _ => 8,
+                    };
+                    let args = (
+                        probs.add(g * TILE_KEYS),
+                        rescale.add(g),
+                        values.add(column),
+                        stride,
+                        count,
+                        acc.add(g * padded + column),
+                        padded,
+                    );
+                    match (block, chunks) {
+                        (8, 2) => accumulate_f16_block::<8, 2>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                        (8, _) => accumulate_f16_block::<8, 1>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                        (4, 2) => accumulate_f16_block::<4, 2>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                        (4, _) => accumulate_f16_block::<4, 1>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                        (2, 2) => accumulate_f16_block::<2, 2>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                        (2, _) => accumulate_f16_block::<2, 1>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                        (_, 2) => accumulate_f16_block::<1, 2>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                        (_, _) => accumulate_f16_block::<1, 1>(
+                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
+                        ),
+                    }
+                    g += block;
+                }
+                column += chunks * W;
+            }
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
     impl TilePath for Tiles {
         unsafe fn logits(
@@ -1138,6 +1329,22 @@ mod avx512 {
             // path's features; every buffer is as large as the trait's doc says), which is all the
             // code below relies on.
             unsafe { accumulate(probs, heads, rescale, values, stride, count, acc, padded) }
+        }
+
+        unsafe fn accumulate_f16(
+            probs: *const f32,
+            heads: usize,
+            rescale: *const f32,
+            values: *const f16,
+            layout: RowLayout,
+            count: usize,
+            acc: *mut f32,
+        ) -> bool {
+            // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this
+            // path's features; every buffer is as large as the trait's doc says), which is all the
+            // code below relies on.
+            unsafe { accumulate_f16(probs, heads, rescale, values, layout, count, acc) };
+            true
         }
     }
 }
