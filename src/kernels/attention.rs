@@ -942,38 +942,109 @@ mod avx512 {
         _mm512_maskz_mul_ps(in_range, p, two_n)
     }
 
+    /// The first two levels of [`transpose_sum`] over 4 of its 16 vectors: lanes of the result
+    /// hold partial sums of `v[0..4]`. Split out so 4 keys can be reduced while the next 4 are
+    /// still being multiplied; the operations, and so the bits, are those of the whole tree.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn quarter_transpose_sum(v: &[__m512; 4]) -> __m512 {
+        // Each level halves the vectors: pairs interleave and add, so a vector holds partial sums
+        // of twice as many keys over half as many lanes.
+        let mut s1 = [_mm512_setzero_ps(); 2];
+        for i in 0..2 {
+            let (a, b) = (v[2 * i], v[2 * i + 1]);
+            s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+        }
+        let (a, b) = (_mm512_castps_pd(s1[0]), _mm512_castps_pd(s1[1]));
+        // The pd unpacks move pairs of f32 lanes; the sum is of f32 lanes.
+        _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
+        )
+    }
+
+    /// The third level of [`transpose_sum`]: two quarters (keys 8i..8i+4 and 8i+4..8i+8) into
+    /// a half.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn join_quarters(a: __m512, b: __m512) -> __m512 {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(a, b),
+            _mm512_shuffle_f32x4::<0xDD>(a, b),
+        )
+    }
+
+    /// The last level of [`transpose_sum`]: the halves of keys 0..8 and 8..16.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn join_halves(low: __m512, high: __m512) -> __m512 {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(low, high),
+            _mm512_shuffle_f32x4::<0xDD>(low, high),
+        )
+    }
+
     /// Lane t of the result: the sum of all lanes of `v[t]`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     unsafe fn transpose_sum(v: [__m512; W]) -> __m512 {
-        // Each level halves the vectors: pairs interleave and add, so a vector holds partial sums
-        // of twice as many keys over half as many lanes.
-        let mut s1 = [_mm512_setzero_ps(); 8];
-        for i in 0..8 {
-            let (a, b) = (v[2 * i], v[2 * i + 1]);
-            s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+        let mut q = [_mm512_setzero_ps(); 4];
+        for (i, x) in q.iter_mut().enumerate() {
+            let four: &[__m512; 4] = v[4 * i..4 * i + 4].try_into().expect("16 vectors");
+            // SAFETY: the caller has this path's features, all the helper needs.
+            *x = unsafe { quarter_transpose_sum(four) };
         }
-        let mut s2 = [_mm512_setzero_ps(); 4];
-        for i in 0..4 {
-            let (a, b) = (_mm512_castps_pd(s1[2 * i]), _mm512_castps_pd(s1[2 * i + 1]));
-            // The pd unpacks move pairs of f32 lanes; the sum is of f32 lanes.
-            s2[i] = _mm512_add_ps(
-                _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
-            );
+        // SAFETY: as above.
+        unsafe { join_halves(join_quarters(q[0], q[1]), join_quarters(q[2], q[3])) }
+    }
+
+    /// Head dims of 64 (gpt-oss): two heads at a time with their queries in registers, so each
+    /// key chunk loaded from the tile feeds two FMAs instead of one. Per logit the same FMAs in
+    /// the same order and the same reduction tree as the general loop.
+    ///
+    /// # Safety
+    /// As `logits`, with padded == 64; `row` holds 16 readable rows of 64 (the zero row past the
+    /// tile); `out` points at head g's logits of this block of 16 keys, `heads` >= g + 2.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn logits_pair_64(q: *const f32, row: &[*const f32; W], keep: u16, out: *mut f32) {
+        const CHUNKS: usize = 4;
+        // SAFETY: the caller upholds this function's contract, which is all the code below
+        // relies on.
+        unsafe {
+            let mut qs = [[_mm512_setzero_ps(); CHUNKS]; 2];
+            for (h, qh) in qs.iter_mut().enumerate() {
+                for (c, x) in qh.iter_mut().enumerate() {
+                    *x = _mm512_loadu_ps(q.add(h * CHUNKS * W + c * W));
+                }
+            }
+            let mut quarters = [[_mm512_setzero_ps(); 4]; 2];
+            for (quarter, rows) in row.chunks_exact(4).enumerate() {
+                let mut partial = [[_mm512_setzero_ps(); 4]; 2];
+                for c in 0..CHUNKS {
+                    for (t, r) in rows.iter().enumerate() {
+                        let key = _mm512_loadu_ps(r.add(c * W));
+                        partial[0][t] = _mm512_fmadd_ps(qs[0][c], key, partial[0][t]);
+                        partial[1][t] = _mm512_fmadd_ps(qs[1][c], key, partial[1][t]);
+                    }
+                }
+                for h in 0..2 {
+                    quarters[h][quarter] = quarter_transpose_sum(&partial[h]);
+                }
+            }
+            let mut halves = [[_mm512_setzero_ps(); 2]; 2];
+            for (half, q) in halves.iter_mut().zip(&quarters) {
+                *half = [join_quarters(q[0], q[1]), join_quarters(q[2], q[3])];
+            }
+            for (h, [low, high]) in halves.into_iter().enumerate() {
+                let sums = _mm512_mask_blend_ps(
+                    keep,
+                    _mm512_set1_ps(f32::NEG_INFINITY),
+                    join_halves(low, high),
+                );
+                _mm512_storeu_ps(out.add(h * TILE_KEYS), sums);
+            }
         }
-        let mut s3 = [_mm512_setzero_ps(); 2];
-        for i in 0..2 {
-            let (a, b) = (s2[2 * i], s2[2 * i + 1]);
-            s3[i] = _mm512_add_ps(
-                _mm512_shuffle_f32x4::<0x88>(a, b),
-                _mm512_shuffle_f32x4::<0xDD>(a, b),
-            );
-        }
-        _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0x88>(s3[0], s3[1]),
-            _mm512_shuffle_f32x4::<0xDD>(s3[0], s3[1]),
-        )
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
@@ -999,7 +1070,16 @@ mod avx512 {
                 for (t, r) in row.iter_mut().enumerate().take(valid) {
                     *r = rows.add((block + t) * stride);
                 }
-                for g in 0..heads {
+                let keep = ((1u32 << valid) - 1) as u16;
+                let mut g = 0;
+                if padded == 64 {
+                    while g + 2 <= heads {
+                        let out = logits.add(g * TILE_KEYS + block);
+                        logits_pair_64(queries.add(g * padded), &row, keep, out);
+                        g += 2;
+                    }
+                }
+                for g in g..heads {
                     let q = queries.add(g * padded);
                     let mut partial = [_mm512_setzero_ps(); W];
                     let mut c = 0;
@@ -1011,7 +1091,6 @@ mod avx512 {
                         }
                         c += W;
                     }
-                    let keep = ((1u32 << valid) - 1) as u16;
                     let sums = _mm512_mask_blend_ps(
                         keep,
                         _mm512_set1_ps(f32::NEG_INFINITY),
