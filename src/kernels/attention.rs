@@ -1012,20 +1012,21 @@ mod avx512 {
         // SAFETY: the caller upholds this function's contract, which is all the code below
         // relies on.
         unsafe {
-            let mut qs = [[_mm512_setzero_ps(); CHUNKS]; 2];
-            for (h, qh) in qs.iter_mut().enumerate() {
-                for (c, x) in qh.iter_mut().enumerate() {
+            // Chunk c of both heads' queries.
+            let mut qs = [[_mm512_setzero_ps(); 2]; CHUNKS];
+            for (c, pair) in qs.iter_mut().enumerate() {
+                for (h, x) in pair.iter_mut().enumerate() {
                     *x = _mm512_loadu_ps(q.add(h * CHUNKS * W + c * W));
                 }
             }
             let mut quarters = [[_mm512_setzero_ps(); 4]; 2];
             for (quarter, rows) in row.chunks_exact(4).enumerate() {
                 let mut partial = [[_mm512_setzero_ps(); 4]; 2];
-                for c in 0..CHUNKS {
+                for (c, [q0, q1]) in qs.iter().enumerate() {
                     for (t, r) in rows.iter().enumerate() {
                         let key = _mm512_loadu_ps(r.add(c * W));
-                        partial[0][t] = _mm512_fmadd_ps(qs[0][c], key, partial[0][t]);
-                        partial[1][t] = _mm512_fmadd_ps(qs[1][c], key, partial[1][t]);
+                        partial[0][t] = _mm512_fmadd_ps(*q0, key, partial[0][t]);
+                        partial[1][t] = _mm512_fmadd_ps(*q1, key, partial[1][t]);
                     }
                 }
                 for h in 0..2 {
