@@ -906,6 +906,14 @@ mod avx512 {
                 let from = src.add(t * layout.row_stride);
                 super::prefetch_row_of_next_tile(from, layout);
                 let to = dst.add(t * layout.padded);
+                if layout.head_dim == layout.padded {
+                    // Whole chunks only: no mask to build per chunk.
+                    for c in (0..layout.padded).step_by(W) {
+                        let bits = _mm256_loadu_si256(from.add(c).cast());
+                        _mm512_storeu_ps(to.add(c), _mm512_cvtph_ps(bits));
+                    }
+                    continue;
+                }
                 let mut c = 0;
                 while c < layout.padded {
                     let len = layout.head_dim.saturating_sub(c).min(W);
