@@ -457,8 +457,13 @@ unsafe fn gemv_row_blocks<W: PairSource, const R: usize, const T: usize>(
     unsafe {
         let prefetch_ahead = 8;
         let stride = rows.len();
+        // Past the end of `rows` into the matrix's next rows: a caller that walks a matrix in
+        // blocks (the GEMV passes of a batch's split rows, 64 rows at a time) has the next
+        // block's first rows in flight instead of starting each block on a cold miss; at the
+        // end of a row task the few extra lines are the next task's, which another core reads.
+        let limit = w.row_count();
         let ahead = |row: usize, count: usize| {
-            (row + prefetch_ahead).min(rows.end)..(row + prefetch_ahead + count).min(rows.end)
+            (row + prefetch_ahead).min(limit)..(row + prefetch_ahead + count).min(limit)
         };
         let mut at = 0;
         while at < stride {

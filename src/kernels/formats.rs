@@ -75,9 +75,15 @@ pub(crate) fn interleaved_position(k: usize) -> usize {
 /// The SIMD GEMVs prefetch the next rows from these.
 pub(crate) trait ByteSpans {
     fn byte_spans(&self, rows: std::ops::Range<usize>) -> [(*const u8, usize); 2];
+    /// The matrix's row count: how far a GEMV may prefetch past the rows it was given.
+    fn row_count(&self) -> usize;
 }
 
 impl ByteSpans for Mxfp4Matrix<'_> {
+    fn row_count(&self) -> usize {
+        self.rows()
+    }
+
     fn byte_spans(&self, rows: std::ops::Range<usize>) -> [(*const u8, usize); 2] {
         let (row_bytes, row_scales) = (self.cols / 2, self.cols / BLOCK_LEN);
         [
@@ -94,6 +100,10 @@ impl ByteSpans for Mxfp4Matrix<'_> {
 }
 
 impl ByteSpans for Q4Matrix {
+    fn row_count(&self) -> usize {
+        self.rows()
+    }
+
     fn byte_spans(&self, rows: std::ops::Range<usize>) -> [(*const u8, usize); 2] {
         let (row_bytes, row_scales) = (self.groups * GROUP_LEN / 2, self.groups * GROUP_BLOCKS * 2);
         [
@@ -113,6 +123,10 @@ impl ByteSpans for Q4Matrix {
 }
 
 impl ByteSpans for Q8Matrix {
+    fn row_count(&self) -> usize {
+        self.rows()
+    }
+
     fn byte_spans(&self, rows: std::ops::Range<usize>) -> [(*const u8, usize); 2] {
         let (row_bytes, row_scales) = (self.groups * GROUP_LEN, self.groups * GROUP_BLOCKS * 2);
         [
