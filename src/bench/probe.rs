@@ -1,5 +1,6 @@
 //! What the machine can do and what the process uses: memory read bandwidth, peak RSS, CPU name.
 
+use std::path::Path;
 use std::time::Instant;
 
 use rayon::prelude::*;
@@ -261,9 +262,78 @@ pub fn cpu_name() -> String {
         .unwrap_or_else(|| std::env::consts::ARCH.to_owned())
 }
 
+/// The share of `path`'s pages in the page cache (mincore over a mapping of it), `None` when it
+/// cannot be asked.
+#[cfg(target_os = "linux")]
+pub fn resident_share(path: &Path) -> Option<f64> {
+    let file = std::fs::File::open(path).ok()?;
+    // SAFETY: read-only private mapping of a file nobody truncates while this runs (a model
+    // file or the benchmark's own snapshot); mincore reads no byte of it.
+    let map = unsafe { memmap2::Mmap::map(&file) }.ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as usize;
+    let pages = map.len().div_ceil(page);
+    let mut flags = vec![0u8; pages];
+    // SAFETY: the range is the mapping, `flags` has one byte per page.
+    let code = unsafe {
+        libc::mincore(
+            map.as_ptr() as *mut libc::c_void,
+            map.len(),
+            flags.as_mut_ptr(),
+        )
+    };
+    if code != 0 || pages == 0 {
+        return None;
+    }
+    Some(flags.iter().filter(|f| *f & 1 == 1).count() as f64 / pages as f64)
+}
+
+#[cfg(not(target_os = "linux"))]
+pub fn resident_share(_: &Path) -> Option<f64> {
+    None
+}
+
+/// The share of a model's weight files that is in the page cache, weighted by their sizes: the
+/// `.safetensors` shards of a checkpoint directory, or the one file named (a GGUF). `None` when
+/// there is no such file or the system cannot say.
+pub fn model_resident_share(path: &Path) -> Option<f64> {
+    let files: Vec<std::path::PathBuf> = if path.is_dir() {
+        std::fs::read_dir(path)
+            .ok()?
+            .filter_map(|entry| entry.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect()
+    } else if path.is_file() {
+        vec![path.to_path_buf()]
+    } else {
+        return None;
+    };
+    let (mut resident, mut total) = (0.0, 0.0);
+    for file in &files {
+        let bytes = std::fs::metadata(file).ok()?.len() as f64;
+        resident += resident_share(file)? * bytes;
+        total += bytes;
+    }
+    (total > 0.0).then(|| resident / total)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_file_just_written_is_in_the_page_cache_and_a_missing_one_says_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let shard = dir.path().join("model-00001-of-00001.safetensors");
+        std::fs::write(&shard, vec![7u8; 1 << 20]).unwrap();
+        std::fs::write(dir.path().join("config.json"), b"{}").unwrap();
+        // Pages written a moment ago are cached (dirty or clean) on any machine not out of memory.
+        let share = model_resident_share(dir.path()).expect("linux answers");
+        assert!(share > 0.99, "{share}");
+        assert_eq!(model_resident_share(&dir.path().join("absent")), None);
+        let empty = tempfile::tempdir().unwrap();
+        assert_eq!(model_resident_share(empty.path()), None);
+    }
 
     #[test]
     fn cpu_info_keeps_the_relevant_flags_in_a_fixed_order() {

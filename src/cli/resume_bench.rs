@@ -185,37 +185,6 @@ fn evict_from_page_cache(_: &Path) -> std::io::Result<()> {
     Err(std::io::Error::other("not supported on this system"))
 }
 
-/// The share of `path`'s pages in the page cache (mincore over a mapping of it), `None` when it
-/// cannot be asked.
-#[cfg(target_os = "linux")]
-fn resident_share(path: &Path) -> Option<f64> {
-    let file = std::fs::File::open(path).ok()?;
-    // SAFETY: read-only private mapping of a file nobody truncates while this runs (the
-    // benchmark's own temporary directory); mincore reads no byte of it.
-    let map = unsafe { memmap2::Mmap::map(&file) }.ok()?;
-    // SAFETY: sysconf has no preconditions.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as usize;
-    let pages = map.len().div_ceil(page);
-    let mut flags = vec![0u8; pages];
-    // SAFETY: the range is the mapping, `flags` has one byte per page.
-    let code = unsafe {
-        libc::mincore(
-            map.as_ptr() as *mut libc::c_void,
-            map.len(),
-            flags.as_mut_ptr(),
-        )
-    };
-    if code != 0 || pages == 0 {
-        return None;
-    }
-    Some(flags.iter().filter(|f| *f & 1 == 1).count() as f64 / pages as f64)
-}
-
-#[cfg(not(target_os = "linux"))]
-fn resident_share(_: &Path) -> Option<f64> {
-    None
-}
-
 /// Compression of the raw payload by one codec: (compressed bytes, compress time, decompress time).
 fn codec_figures(
     raw: &[u8],
@@ -747,7 +716,7 @@ fn disk_and_writes(
     let evict = |resident: &mut Option<f64>| -> anyhow::Result<()> {
         evict_from_page_cache(&path)
             .with_context(|| format!("cannot evict {} from the page cache", path.display()))?;
-        if let Some(share) = resident_share(&path) {
+        if let Some(share) = crate::bench::probe::resident_share(&path) {
             *resident = Some(resident.unwrap_or(0.0).max(share));
         }
         Ok(())
