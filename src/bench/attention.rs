@@ -122,19 +122,10 @@ pub fn bench_attention_with(
     let row_stride = kv_heads * d;
     let depth = config.depths.iter().copied().max().unwrap_or(1).max(1);
     let mut rng = ChaCha8Rng::seed_from_u64(0xa77e);
-    let mut random = |n: usize, spread: f32| -> Vec<f32> {
-        (0..n).map(|_| rng.gen_range(-spread..spread)).collect()
-    };
-    let keys: Vec<f16> = random(depth * row_stride, 1.0)
-        .into_iter()
-        .map(f16::from_f32)
-        .collect();
-    let values: Vec<f16> = random(depth * row_stride, 1.0)
-        .into_iter()
-        .map(f16::from_f32)
-        .collect();
-    let queries = random(kv_heads * group * d, 1.0);
-    let sinks = random(kv_heads * group, 2.0);
+    let keys = random_f16(&mut rng, depth * row_stride);
+    let values = random_f16(&mut rng, depth * row_stride);
+    let queries = random(&mut rng, kv_heads * group * d, 1.0);
+    let sinks = random(&mut rng, kv_heads * group, 2.0);
     let scale = 1.0 / (d as f32).sqrt();
     let mut scratch = AttentionScratch::new(group, d);
     let mut tiled_out = vec![0.0f32; kv_heads * group * d];
@@ -273,19 +264,10 @@ pub fn bench_block_attention(
     let tokens = tokens.max(1);
     let rows = depth + tokens;
     let mut rng = ChaCha8Rng::seed_from_u64(0xb10c);
-    let mut random = |n: usize, spread: f32| -> Vec<f32> {
-        (0..n).map(|_| rng.gen_range(-spread..spread)).collect()
-    };
-    let keys: Vec<f16> = random(rows * d, 1.0)
-        .into_iter()
-        .map(f16::from_f32)
-        .collect();
-    let values: Vec<f16> = random(rows * d, 1.0)
-        .into_iter()
-        .map(f16::from_f32)
-        .collect();
-    let queries = random(tokens * group * d, 1.0);
-    let sinks = random(group, 2.0);
+    let keys = random_f16(&mut rng, rows * d);
+    let values = random_f16(&mut rng, rows * d);
+    let queries = random(&mut rng, tokens * group * d, 1.0);
+    let sinks = random(&mut rng, group, 2.0);
     let block = BlockQuery {
         queries: &queries,
         token_stride: group * d,
@@ -343,4 +325,14 @@ pub fn bench_block_attention(
         per_token_ns: token_best * per_pair,
         block_ns: block_best * per_pair,
     })
+}
+
+/// `n` values uniform in (-spread, spread).
+fn random(rng: &mut ChaCha8Rng, n: usize, spread: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.gen_range(-spread..spread)).collect()
+}
+
+/// `n` cache elements uniform in (-1, 1), rounded to f16.
+fn random_f16(rng: &mut ChaCha8Rng, n: usize) -> Vec<f16> {
+    random(rng, n, 1.0).into_iter().map(f16::from_f32).collect()
 }

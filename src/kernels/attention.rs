@@ -1138,22 +1138,48 @@ mod avx512 {
         }
     }
 
-    /// HEADS heads x CHUNKS x 16 columns, held in registers across the tile.
+    /// A value element the accumulation reads 16 at a time as f32 lanes: an f32 tile row, or an
+    /// f16 cache row widened in registers as it is used.
+    trait ValueLanes: Copy {
+        /// # Safety
+        /// 16 elements are readable from `at`; the CPU has AVX-512 F and F16C.
+        unsafe fn lanes(at: *const Self) -> __m512;
+    }
+
+    impl ValueLanes for f32 {
+        #[inline(always)]
+        unsafe fn lanes(at: *const f32) -> __m512 {
+            // SAFETY: the caller upholds this method's contract.
+            unsafe { _mm512_loadu_ps(at) }
+        }
+    }
+
+    impl ValueLanes for f16 {
+        #[inline(always)]
+        unsafe fn lanes(at: *const f16) -> __m512 {
+            // SAFETY: the caller upholds this method's contract.
+            unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(at.cast())) }
+        }
+    }
+
+    /// HEADS heads x CHUNKS x 16 columns, held in registers across the tile; each value row is
+    /// read (and for f16 widened) once for all HEADS heads.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn accumulate_block<const HEADS: usize, const CHUNKS: usize>(
+    unsafe fn accumulate_block<V: ValueLanes, const HEADS: usize, const CHUNKS: usize>(
         probs: *const f32,
         rescale: *const f32,
-        values: *const f32,
+        values: *const V,
         stride: usize,
         count: usize,
         acc: *mut f32,
         padded: usize,
     ) {
-        // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this path's
-        // features; every buffer is as large as the trait's doc says), which is all the code below
-        // relies on.
+        // SAFETY: the caller upholds `TilePath::accumulate`'s (or `accumulate_f16`'s) contract for
+        // this step (the CPU has this path's features; every buffer is as large as the trait's
+        // doc says, each value row has CHUNKS x 16 readable elements from `values`), which is all
+        // the code below relies on.
         unsafe {
             let mut sums = [[_mm512_setzero_ps(); CHUNKS]; HEADS];
             for (h, row) in sums.iter_mut().enumerate() {
@@ -1166,7 +1192,7 @@ mod avx512 {
                 let v = values.add(t * stride);
                 let mut value = [_mm512_setzero_ps(); CHUNKS];
                 for (c, x) in value.iter_mut().enumerate() {
-                    *x = _mm512_loadu_ps(v.add(c * W));
+                    *x = V::lanes(v.add(c * W));
                 }
                 for (h, row) in sums.iter_mut().enumerate() {
                     let p = _mm512_set1_ps(*probs.add(h * TILE_KEYS + t));
@@ -1223,83 +1249,37 @@ mod avx512 {
                         padded,
                     );
                     match (block, chunks) {
-                        (4, 4) => accumulate_block::<4, 4>(
+                        (4, 4) => accumulate_block::<f32, 4, 4>(
                             args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
-                        (4, 2) => accumulate_block::<4, 2>(
+                        (4, 2) => accumulate_block::<f32, 4, 2>(
                             args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
-                        (4, _) => accumulate_block::<4, 1>(
+                        (4, _) => accumulate_block::<f32, 4, 1>(
                             args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
-                        (2, 4) => accumulate_block::<2, 4>(
+                        (2, 4) => accumulate_block::<f32, 2, 4>(
                             args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
-                        (2, 2) => accumulate_block::<2, 2>(
+                        (2, 2) => accumulate_block::<f32, 2, 2>(
                             args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
-                        (2, _) => accumulate_block::<2, 1>(
+                        (2, _) => accumulate_block::<f32, 2, 1>(
                             args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
-                        (_, 4) => accumulate_block::<1, 4>(
+                        (_, 4) => accumulate_block::<f32, 1, 4>(
                             args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
-                        (_, 2) => accumulate_block::<1, 2>(
+                        (_, 2) => accumulate_block::<f32, 1, 2>(
                             args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
-                        _ => accumulate_block::<1, 1>(
+                        _ => accumulate_block::<f32, 1, 1>(
                             args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
                     }
                     g += block;
                 }
                 column += chunks * W;
-            }
-        }
-    }
-
-    /// HEADS heads x CHUNKS x 16 columns in registers across the tile, each value row widened
-    /// from the f16 cache once for all HEADS heads.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn accumulate_f16_block<const HEADS: usize, const CHUNKS: usize>(
-        probs: *const f32,
-        rescale: *const f32,
-        values: *const f16,
-        stride: usize,
-        count: usize,
-        acc: *mut f32,
-        padded: usize,
-    ) {
-        // SAFETY: the caller upholds `TilePath::accumulate_f16`'s contract (the CPU has this
-        // path's features; every buffer is as large as the trait's doc says, each value row has
-        // CHUNKS x 16 readable elements from `values`), which is all the code below relies on.
-        unsafe {
-            let mut sums = [[_mm512_setzero_ps(); CHUNKS]; HEADS];
-            for (h, row) in sums.iter_mut().enumerate() {
-                let factor = _mm512_set1_ps(*rescale.add(h));
-                for (c, s) in row.iter_mut().enumerate() {
-                    *s = _mm512_mul_ps(_mm512_loadu_ps(acc.add(h * padded + c * W)), factor);
-                }
-            }
-            for t in 0..count {
-                let v = values.add(t * stride);
-                let mut value = [_mm512_setzero_ps(); CHUNKS];
-                for (c, x) in value.iter_mut().enumerate() {
-                    *x = _mm512_cvtph_ps(_mm256_loadu_si256(v.add(c * W).cast()));
-                }
-                for (h, row) in sums.iter_mut().enumerate() {
-                    let p = _mm512_set1_ps(*probs.add(h * TILE_KEYS + t));
-                    for (s, x) in row.iter_mut().zip(&value) {
-                        *s = _mm512_fmadd_ps(p, *x, *s);
-                    }
-                }
-            }
-            for (h, row) in sums.iter().enumerate() {
-                for (c, s) in row.iter().enumerate() {
-                    _mm512_storeu_ps(acc.add(h * padded + c * W), *s);
-                }
             }
         }
     }
@@ -1346,28 +1326,28 @@ mod avx512 {
                         padded,
                     );
                     match (block, chunks) {
-                        (8, 2) => accumulate_f16_block::<8, 2>(
+                        (8, 2) => accumulate_block::<f16, 8, 2>(
                             args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
-                        (8, _) => accumulate_f16_block::<8, 1>(
+                        (8, _) => accumulate_block::<f16, 8, 1>(
                             args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
-                        (4, 2) => accumulate_f16_block::<4, 2>(
+                        (4, 2) => accumulate_block::<f16, 4, 2>(
                             args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
-                        (4, _) => accumulate_f16_block::<4, 1>(
+                        (4, _) => accumulate_block::<f16, 4, 1>(
                             args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
-                        (2, 2) => accumulate_f16_block::<2, 2>(
+                        (2, 2) => accumulate_block::<f16, 2, 2>(
                             args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
-                        (2, _) => accumulate_f16_block::<2, 1>(
+                        (2, _) => accumulate_block::<f16, 2, 1>(
                             args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
-                        (_, 2) => accumulate_f16_block::<1, 2>(
+                        (_, 2) => accumulate_block::<f16, 1, 2>(
                             args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
-                        (_, _) => accumulate_f16_block::<1, 1>(
+                        (_, _) => accumulate_block::<f16, 1, 1>(
                             args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                         ),
                     }
