@@ -1209,6 +1209,90 @@ mod avx512 {
         }
     }
 
+    /// All `heads` x `padded` columns in [`accumulate_block`]s of the largest power-of-two
+    /// sizes up to `(most_heads, most_chunks)` that fit what is left.
+    ///
+    /// # Safety
+    /// `accumulate_block`'s contract for the whole range.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn accumulate_tiles<V: ValueLanes>(
+        probs: *const f32,
+        heads: usize,
+        rescale: *const f32,
+        values: *const V,
+        stride: usize,
+        count: usize,
+        acc: *mut f32,
+        padded: usize,
+        (most_heads, most_chunks): (usize, usize),
+    ) {
+        let step = |left: usize, most: usize| {
+            let fit = left.min(most).max(1);
+            1 << fit.ilog2()
+        };
+        // SAFETY: the caller upholds `accumulate_block`'s contract for every block below.
+        unsafe {
+            let mut column = 0;
+            while column < padded {
+                let chunks = step((padded - column) / W, most_chunks);
+                let mut g = 0;
+                while g < heads {
+                    let block = step(heads - g, most_heads);
+                    accumulate_heads(
+                        block,
+                        chunks,
+                        probs.add(g * TILE_KEYS),
+                        rescale.add(g),
+                        values.add(column),
+                        stride,
+                        count,
+                        acc.add(g * padded + column),
+                        padded,
+                    );
+                    g += block;
+                }
+                column += chunks * W;
+            }
+        }
+    }
+
+    /// [`accumulate_block`] for `block` heads (1, 2, 4 or 8) and `chunks` x 16 columns (1, 2 or
+    /// 4).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn accumulate_heads<V: ValueLanes>(
+        block: usize,
+        chunks: usize,
+        probs: *const f32,
+        rescale: *const f32,
+        values: *const V,
+        stride: usize,
+        count: usize,
+        acc: *mut f32,
+        padded: usize,
+    ) {
+        let (p, r, v, a) = (probs, rescale, values, acc);
+        // SAFETY: the caller upholds `accumulate_block`'s contract for these sizes.
+        unsafe {
+            match (block, chunks) {
+                (8, 2) => accumulate_block::<V, 8, 2>(p, r, v, stride, count, a, padded),
+                (8, _) => accumulate_block::<V, 8, 1>(p, r, v, stride, count, a, padded),
+                (4, 4) => accumulate_block::<V, 4, 4>(p, r, v, stride, count, a, padded),
+                (4, 2) => accumulate_block::<V, 4, 2>(p, r, v, stride, count, a, padded),
+                (4, _) => accumulate_block::<V, 4, 1>(p, r, v, stride, count, a, padded),
+                (2, 4) => accumulate_block::<V, 2, 4>(p, r, v, stride, count, a, padded),
+                (2, 2) => accumulate_block::<V, 2, 2>(p, r, v, stride, count, a, padded),
+                (2, _) => accumulate_block::<V, 2, 1>(p, r, v, stride, count, a, padded),
+                (_, 4) => accumulate_block::<V, 1, 4>(p, r, v, stride, count, a, padded),
+                (_, 2) => accumulate_block::<V, 1, 2>(p, r, v, stride, count, a, padded),
+                _ => accumulate_block::<V, 1, 1>(p, r, v, stride, count, a, padded),
+            }
+        }
+    }
+
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
     unsafe fn accumulate(
@@ -1225,62 +1309,10 @@ mod avx512 {
         // features; every buffer is as large as the trait's doc says), which is all the code below
         // relies on.
         unsafe {
-            let mut column = 0;
-            while column < padded {
-                let chunks = match (padded - column) / W {
-                    1 => 1,
-                    2 | 3 => 2,
-                    _ => 4,
-                };
-                let mut g = 0;
-                while g < heads {
-                    let block = match heads - g {
-                        1 => 1,
-                        2 | 3 => 2,
-                        _ => 4,
-                    };
-                    let args = (
-                        probs.add(g * TILE_KEYS),
-                        rescale.add(g),
-                        values.add(column),
-                        stride,
-                        count,
-                        acc.add(g * padded + column),
-                        padded,
-                    );
-                    match (block, chunks) {
-                        (4, 4) => accumulate_block::<f32, 4, 4>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                        ),
-                        (4, 2) => accumulate_block::<f32, 4, 2>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                        ),
-                        (4, _) => accumulate_block::<f32, 4, 1>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                        ),
-                        (2, 4) => accumulate_block::<f32, 2, 4>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                        ),
-                        (2, 2) => accumulate_block::<f32, 2, 2>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                        ),
-                        (2, _) => accumulate_block::<f32, 2, 1>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                        ),
-                        (_, 4) => accumulate_block::<f32, 1, 4>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                        ),
-                        (_, 2) => accumulate_block::<f32, 1, 2>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                        ),
-                        _ => accumulate_block::<f32, 1, 1>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                        ),
-                    }
-                    g += block;
-                }
-                column += chunks * W;
-            }
+            let sizes = (4, 4);
+            accumulate_tiles(
+                probs, heads, rescale, values, stride, count, acc, padded, sizes,
+            );
         }
     }
 
@@ -1305,56 +1337,11 @@ mod avx512 {
             for t in 0..count {
                 super::prefetch_row_of_next_tile(values.add(t * stride), layout);
             }
-            let mut column = 0;
-            while column < padded {
-                let chunks = if padded - column >= 2 * W { 2 } else { 1 };
-                let mut g = 0;
-                while g < heads {
-                    let block = match heads - g {
-                        1 => 1,
-                        2 | 3 => 2,
-                        4..=7 => 4,
-                        _ => 8,
-                    };
-                    let args = (
-                        probs.add(g * TILE_KEYS),
-                        rescale.add(g),
-                        values.add(column),
-                        stride,
-                        count,
-                        acc.add(g * padded + column),
-                        padded,
-                    );
-                    match (block, chunks) {
-                        (8, 2) => accumulate_block::<f16, 8, 2>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                        ),
-                        (8, _) => accumulate_block::<f16, 8, 1>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                        ),
-                        (4, 2) => accumulate_block::<f16, 4, 2>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                        ),
-                        (4, _) => accumulate_block::<f16, 4, 1>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                        ),
-                        (2, 2) => accumulate_block::<f16, 2, 2>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                        ),
-                        (2, _) => accumulate_block::<f16, 2, 1>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                        ),
-                        (_, 2) => accumulate_block::<f16, 1, 2>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                        ),
-                        (_, _) => accumulate_block::<f16, 1, 1>(
-                            args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                        ),
-                    }
-                    g += block;
-                }
-                column += chunks * W;
-            }
+            // Eight heads of two chunks: 16 accumulators and the row's two widened chunks.
+            let sizes = (8, 2);
+            accumulate_tiles(
+                probs, heads, rescale, values, stride, count, acc, padded, sizes,
+            );
         }
     }
 
