@@ -11,8 +11,9 @@ use half::f16;
 
 use super::avx2::{prefetch_share, prefetch_share_into};
 use super::formats::{
-    ByteSpans, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN, CORRECTION_LANE_MXFP4,
-    CORRECTION_LANE_Q4, CORRECTION_LANE_Q8, GROUP_BLOCKS, GROUP_LANES, GROUP_LEN,
+    ByteSpans, Mxfp4Layout, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN,
+    CORRECTION_LANE_MXFP4, CORRECTION_LANE_Q4, CORRECTION_LANE_Q8, GROUP_BLOCKS, GROUP_LANES,
+    GROUP_LEN,
 };
 use super::{GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
 
@@ -866,7 +867,9 @@ pub(crate) unsafe fn mxfp4_gemv(
     // feature in `REQUIRED` (and passes `vbmi` only where `vbmi_detected`), and the safe
     // `Kernels` method checked the shapes, which is all the code below relies on.
     unsafe {
-        if vbmi {
+        if w.layout == Mxfp4Layout::Tiles {
+            super::scalar::mxfp4_gemv(w, x, rows, out)
+        } else if vbmi {
             gemv_vbmi(w, x, rows, out)
         } else {
             gemv(w, x, rows, out)
@@ -1425,11 +1428,18 @@ pub(crate) unsafe fn mxfp4_gemm(
     rows: Range<usize>,
     out: &mut [f32],
     scratch: &mut GemmScratch,
+    _vbmi: bool,
 ) {
     // SAFETY: the module's contract holds: the dispatcher runs this only on a CPU with every
     // feature in `REQUIRED`, and the safe `Kernels` method checked the shapes, which is all the
     // code below relies on.
-    unsafe { gemm(w, x, rows, out, scratch) }
+    unsafe {
+        if w.layout == Mxfp4Layout::Tiles {
+            super::scalar::mxfp4_gemm(w, x, rows, out, scratch)
+        } else {
+            gemm(w, x, rows, out, scratch)
+        }
+    }
 }
 
 pub(crate) unsafe fn q4_gemm(

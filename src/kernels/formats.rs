@@ -86,6 +86,15 @@ impl ByteSpans for Mxfp4Matrix<'_> {
 
     fn byte_spans(&self, rows: std::ops::Range<usize>) -> [(*const u8, usize); 2] {
         let (row_bytes, row_scales) = (self.cols / 2, self.cols / BLOCK_LEN);
+        // Tiles hold whole groups of rows: the span of the tiles the rows touch.
+        let rows = match self.layout {
+            Mxfp4Layout::Rows => rows,
+            Mxfp4Layout::Tiles if rows.is_empty() => rows,
+            Mxfp4Layout::Tiles => {
+                rows.start / MXFP4_TILE_ROWS * MXFP4_TILE_ROWS
+                    ..rows.end.div_ceil(MXFP4_TILE_ROWS) * MXFP4_TILE_ROWS
+            }
+        };
         [
             (
                 self.blocks.as_ptr().wrapping_add(rows.start * row_bytes),
@@ -981,6 +990,28 @@ pub struct Mxfp4Matrix<'a> {
     pub(super) cols: usize,
     pub(super) blocks: &'a [u8],
     pub(super) scales: &'a [u8],
+    pub(super) layout: Mxfp4Layout,
+}
+
+/// Rows per tile of the [`Mxfp4Layout::Tiles`] layout: one 512-bit vector holds a dword of each.
+pub const MXFP4_TILE_ROWS: usize = 16;
+
+/// How an [`Mxfp4Matrix`]'s bytes are ordered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mxfp4Layout {
+    /// The checkpoint's order: row after row, each row's blocks in column order.
+    Rows,
+    /// Tiles of [`MXFP4_TILE_ROWS`] rows, each block's bytes transposed by dword: for tile τ,
+    /// block b and dword s (bytes 4s..4s+4 of a row's 16-byte block), 64 bytes hold that dword of
+    /// rows 16τ..16τ+16 in order; scales likewise, 16 bytes per (tile, block), one per row.
+    ///
+    /// Why: a product's integer sums need a block's eight dwords in one lane. In row order a
+    /// vector holds one row's four blocks, so every 8 `vpdpbusd` of a token come with 4 float
+    /// conversions, scales and FMAs (one per block per lane group) or a fold across lanes; here a
+    /// vector is one dword of 16 rows, so a block of 16 rows and a token takes 8 `vpdpbusd` and
+    /// one convert, scale and FMA, with no transpose at run time. Same bytes, reordered:
+    /// [`tile_mxfp4`] does it once at load.
+    Tiles,
 }
 
 impl<'a> Mxfp4Matrix<'a> {
@@ -1007,7 +1038,27 @@ impl<'a> Mxfp4Matrix<'a> {
             cols,
             blocks,
             scales,
+            layout: Mxfp4Layout::Rows,
         })
+    }
+
+    /// A matrix whose bytes [`tile_mxfp4`] reordered into [`Mxfp4Layout::Tiles`]; `rows` a
+    /// multiple of [`MXFP4_TILE_ROWS`].
+    pub fn new_tiled(
+        rows: usize,
+        cols: usize,
+        blocks: &'a [u8],
+        scales: &'a [u8],
+    ) -> Result<Self, KernelError> {
+        check_tile_rows(rows)?;
+        Ok(Self {
+            layout: Mxfp4Layout::Tiles,
+            ..Self::new(rows, cols, blocks, scales)?
+        })
+    }
+
+    pub fn layout(&self) -> Mxfp4Layout {
+        self.layout
     }
 
     pub fn rows(&self) -> usize {
@@ -1021,7 +1072,10 @@ impl<'a> Mxfp4Matrix<'a> {
     /// Nibble of element `k` of row `r`.
     #[inline]
     pub(crate) fn nibble(&self, row: usize, k: usize) -> u8 {
-        let byte = self.blocks[row * (self.cols / 2) + k / 2];
+        let byte = self.blocks[match self.layout {
+            Mxfp4Layout::Rows => row * (self.cols / 2) + k / 2,
+            Mxfp4Layout::Tiles => tiled_byte(self.cols, row, k / 2),
+        }];
         if k.is_multiple_of(2) {
             byte & 0x0F
         } else {
@@ -1031,7 +1085,21 @@ impl<'a> Mxfp4Matrix<'a> {
 
     #[inline]
     pub(crate) fn scale_byte(&self, row: usize, block: usize) -> u8 {
-        self.scales[row * (self.cols / BLOCK_LEN) + block]
+        let blocks_per_row = self.cols / BLOCK_LEN;
+        self.scales[match self.layout {
+            Mxfp4Layout::Rows => row * blocks_per_row + block,
+            Mxfp4Layout::Tiles => tiled_scale(blocks_per_row, row, block),
+        }]
+    }
+
+    /// Where tile `tile`'s bytes start: its 64-byte dword vectors, then its scale bytes.
+    #[inline(always)]
+    pub(crate) fn tile_offsets(&self, tile: usize) -> (usize, usize) {
+        let blocks_per_row = self.cols / BLOCK_LEN;
+        (
+            tile * blocks_per_row * MXFP4_TILE_ROWS * BLOCK_LEN / 2,
+            tile * blocks_per_row * MXFP4_TILE_ROWS,
+        )
     }
 
     /// Row `row` as f32, exactly as the spec defines it (`FP4_E2M1[nibble] x e8m0_scale(s)`).
@@ -1050,6 +1118,75 @@ impl<'a> Mxfp4Matrix<'a> {
         }
         Ok(())
     }
+}
+
+fn check_tile_rows(rows: usize) -> Result<(), KernelError> {
+    if !rows.is_multiple_of(MXFP4_TILE_ROWS) {
+        return Err(KernelError::Length {
+            what: format!("rows of a tiled MXFP4 matrix (a multiple of {MXFP4_TILE_ROWS})"),
+            expected: rows.div_ceil(MXFP4_TILE_ROWS) * MXFP4_TILE_ROWS,
+            got: rows,
+        });
+    }
+    Ok(())
+}
+
+/// Index in [`Mxfp4Layout::Tiles`] order of byte `byte` (0..cols/2) of row `row`.
+#[inline(always)]
+fn tiled_byte(cols: usize, row: usize, byte: usize) -> usize {
+    let blocks_per_row = cols / BLOCK_LEN;
+    let (tile, r) = (row / MXFP4_TILE_ROWS, row % MXFP4_TILE_ROWS);
+    let (block, in_block) = (byte / (BLOCK_LEN / 2), byte % (BLOCK_LEN / 2));
+    let (dword, in_dword) = (in_block / 4, in_block % 4);
+    ((tile * blocks_per_row + block) * 4 + dword) * (4 * MXFP4_TILE_ROWS) + r * 4 + in_dword
+}
+
+/// Index in [`Mxfp4Layout::Tiles`] order of the scale of `block` of `row`.
+#[inline(always)]
+fn tiled_scale(blocks_per_row: usize, row: usize, block: usize) -> usize {
+    let (tile, r) = (row / MXFP4_TILE_ROWS, row % MXFP4_TILE_ROWS);
+    (tile * blocks_per_row + block) * MXFP4_TILE_ROWS + r
+}
+
+/// Reorders an MXFP4 matrix of `rows x cols` from the checkpoint's row order (`blocks`,
+/// `scales`) into [`Mxfp4Layout::Tiles`] (`tiled_blocks`, `tiled_scales`, the same sizes).
+/// Matrices stacked back to back (a tensor of experts) can be reordered in one call when each
+/// one's rows are a multiple of [`MXFP4_TILE_ROWS`]: tiles never cross a matrix.
+pub fn tile_mxfp4(
+    rows: usize,
+    cols: usize,
+    blocks: &[u8],
+    scales: &[u8],
+    tiled_blocks: &mut [u8],
+    tiled_scales: &mut [u8],
+) -> Result<(), KernelError> {
+    check_tile_rows(rows)?;
+    let source = Mxfp4Matrix::new(rows, cols, blocks, scales)?;
+    check_len("tiled MXFP4 blocks", tiled_blocks.len(), blocks.len())?;
+    check_len("tiled MXFP4 scales", tiled_scales.len(), scales.len())?;
+    let (row_bytes, blocks_per_row) = (cols / 2, cols / BLOCK_LEN);
+    let dwords_per_row = row_bytes / 4;
+    for tile in 0..rows / MXFP4_TILE_ROWS {
+        let first = tile * MXFP4_TILE_ROWS;
+        let (bytes_at, scales_at) =
+            Mxfp4Matrix::new_tiled(rows, cols, blocks, scales)?.tile_offsets(tile);
+        // Dword d of row r (in block d / 4) goes to vector d of the tile, lane r.
+        let out = &mut tiled_blocks[bytes_at..bytes_at + MXFP4_TILE_ROWS * row_bytes];
+        for r in 0..MXFP4_TILE_ROWS {
+            let row = &source.blocks[(first + r) * row_bytes..(first + r + 1) * row_bytes];
+            for d in 0..dwords_per_row {
+                let to = d * 4 * MXFP4_TILE_ROWS + r * 4;
+                out[to..to + 4].copy_from_slice(&row[4 * d..4 * d + 4]);
+            }
+        }
+        let out = &mut tiled_scales[scales_at..scales_at + MXFP4_TILE_ROWS * blocks_per_row];
+        for r in 0..MXFP4_TILE_ROWS {
+            for b in 0..blocks_per_row {
+                out[b * MXFP4_TILE_ROWS + r] = source.scales[(first + r) * blocks_per_row + b];
+            }
+        }
+    }
+    Ok(())
 }
 
 fn bf16_to_f32(bits: u16) -> f32 {

@@ -61,8 +61,8 @@ use std::sync::OnceLock;
 use half::f16;
 
 pub use formats::{
-    e8m0_scale, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN, FP4_E2M1, GROUP_BLOCKS,
-    GROUP_LEN,
+    e8m0_scale, tile_mxfp4, Mxfp4Layout, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN,
+    FP4_E2M1, GROUP_BLOCKS, GROUP_LEN, MXFP4_TILE_ROWS,
 };
 
 use aligned::AlignedVec;
@@ -452,6 +452,14 @@ impl Kernels {
         }
     }
 
+    /// Whether MXFP4 weights should be reordered into [`Mxfp4Layout::Tiles`] for these kernels:
+    /// the AVX-512 products have kernels for it that beat the row order at every token count.
+    /// Other paths take tiled matrices too (the scalar reference's way, correct but slow), so
+    /// the model tiles only when this says so.
+    pub fn prefers_tiled_mxfp4(&self) -> bool {
+        self.path == KernelPath::Avx512
+    }
+
     /// Whether the MXFP4 GEMV decodes with `vpermb` (AVX-512 VBMI).
     pub fn uses_vbmi(&self) -> bool {
         self.vbmi
@@ -555,7 +563,11 @@ impl Kernels {
         dispatch!(
             self,
             avx512: avx512::mxfp4_gemv(w, x, rows, out, self.vbmi),
-            avx2: avx2::mxfp4_gemv(w, x, rows, out),
+            avx2: if w.layout == Mxfp4Layout::Tiles {
+                scalar::mxfp4_gemv(w, x, rows, out)
+            } else {
+                avx2::mxfp4_gemv(w, x, rows, out)
+            },
             scalar: scalar::mxfp4_gemv(w, x, rows, out),
         );
         Ok(())
@@ -572,7 +584,16 @@ impl Kernels {
     ) -> Result<(), KernelError> {
         check_quantized("MXFP4 GEMM", w.rows, w.cols, x, &rows, out, false)?;
         scratch.check(w.cols)?;
-        dispatch!(self, mxfp4_gemm(w, x, rows, out, scratch));
+        dispatch!(
+            self,
+            avx512: avx512::mxfp4_gemm(w, x, rows, out, scratch, self.vbmi),
+            avx2: if w.layout == Mxfp4Layout::Tiles {
+                scalar::mxfp4_gemm(w, x, rows, out, scratch)
+            } else {
+                avx2::mxfp4_gemm(w, x, rows, out, scratch)
+            },
+            scalar: scalar::mxfp4_gemm(w, x, rows, out, scratch),
+        );
         Ok(())
     }
 
