@@ -3,8 +3,9 @@
 
 use half::f16;
 use ossterm::kernels::{
-    e8m0_scale, kernels, parse_kernel_path, select_kernel_path, GemmScratch, KernelError,
-    KernelPath, Kernels, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, FP4_E2M1, MAX_GEMV_TOKENS,
+    e8m0_scale, kernels, parse_kernel_path, select_kernel_path, tile_mxfp4, GemmScratch,
+    KernelError, KernelPath, Kernels, Mxfp4Layout, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix,
+    FP4_E2M1, MAX_GEMV_TOKENS, MXFP4_TILE_ROWS,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -76,6 +77,40 @@ impl Mxfp4Data {
     }
 }
 
+/// [`Mxfp4Data`] reordered into the tile layout.
+struct TiledData {
+    rows: usize,
+    cols: usize,
+    blocks: Vec<u8>,
+    scales: Vec<u8>,
+}
+
+impl TiledData {
+    fn from(data: &Mxfp4Data) -> Self {
+        let (mut blocks, mut scales) = (vec![0; data.blocks.len()], vec![0; data.scales.len()]);
+        tile_mxfp4(
+            data.rows,
+            data.cols,
+            &data.blocks,
+            &data.scales,
+            &mut blocks,
+            &mut scales,
+        )
+        .expect("rows are whole tiles");
+        Self {
+            rows: data.rows,
+            cols: data.cols,
+            blocks,
+            scales,
+        }
+    }
+
+    fn matrix(&self) -> Mxfp4Matrix<'_> {
+        Mxfp4Matrix::new_tiled(self.rows, self.cols, &self.blocks, &self.scales)
+            .expect("consistent tiled matrix")
+    }
+}
+
 /// Sum over k of |w_k| |x_k| for each (token, row) pair of a row range: the scale of rounding error.
 fn magnitude_bounds(
     rows: std::ops::Range<usize>,
@@ -99,8 +134,9 @@ fn assert_close(what: &str, got: &[f32], expected: &[f32], bounds: &[f32]) {
     assert_eq!(got.len(), expected.len(), "{what}: output length");
     for (i, ((g, e), b)) in got.iter().zip(expected).zip(bounds).enumerate() {
         let tolerance = SUM_ORDER_TOLERANCE * b + 1e-30;
+        // Equal infinities (scales near the top of E8M0) match too.
         assert!(
-            (g - e).abs() <= tolerance,
+            g == e || (g - e).abs() <= tolerance,
             "{what}: output {i}: got {g}, reference {e}, tolerance {tolerance}"
         );
     }
@@ -943,4 +979,102 @@ fn split_rows_hold_exactly_what_int8_missed() {
     }
     let mut small = vec![0.0; 10];
     assert!(kernels().split_rows(&[0.0; 32], 32, &mut small).is_err());
+}
+
+fn bits(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn tiling_keeps_every_weight_and_scale_and_refuses_partial_tiles() {
+    let mut rng = rng(21);
+    for (rows, cols) in [(16, 32), (32, 96), (48, 2880)] {
+        let data = Mxfp4Data::random(&mut rng, rows, cols, 0..=254);
+        let tiled = TiledData::from(&data);
+        assert_ne!(tiled.blocks, data.blocks, "{rows}x{cols}: bytes moved");
+        let (w, t) = (data.matrix(), tiled.matrix());
+        assert_eq!(t.layout(), Mxfp4Layout::Tiles);
+        let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
+        for r in 0..rows {
+            w.dequantize_row(r, &mut a).unwrap();
+            t.dequantize_row(r, &mut b).unwrap();
+            assert_eq!(bits(&a), bits(&b), "{rows}x{cols} row {r}");
+        }
+    }
+    let data = Mxfp4Data::random(&mut rng, 20, 64, 120..=130);
+    let (mut blocks, mut scales) = (vec![0; data.blocks.len()], vec![0; data.scales.len()]);
+    assert!(tile_mxfp4(20, 64, &data.blocks, &data.scales, &mut blocks, &mut scales).is_err());
+    assert!(Mxfp4Matrix::new_tiled(20, 64, &blocks, &scales).is_err());
+    assert!(tile_mxfp4(16, 64, &data.blocks, &data.scales, &mut blocks, &mut scales).is_err());
+}
+
+/// Tiled MXFP4 products on every path against the scalar reference on the row order, over
+/// ragged columns (short last groups), row ranges that start and end inside tiles, token counts
+/// on both sides of the in-register limit, and extreme or zero scales. On AVX-512 the tiled
+/// kernels run the row-order GEMM's integer sums and float steps in the same order, so they must
+/// equal it bit for bit (from 2 tokens: one token takes the row-order GEMV, a different order),
+/// with and without the VBMI decode, through either entry.
+#[test]
+fn tiled_mxfp4_products_match_the_row_order_on_every_path() {
+    let mut rng = rng(22);
+    let mut paths = vec![scalar()];
+    paths.extend(simd_paths());
+    for (rows, cols) in [(16, 32), (48, 160), (32, 96), (64, 2880), (32, 4128)] {
+        // The top range stays below f32 overflow (infinite sums cannot be compared closely).
+        for scales in [118..=130, 0..=3, 225..=235] {
+            let data = Mxfp4Data::random(&mut rng, rows, cols, scales.clone());
+            let tiled = TiledData::from(&data);
+            let (w, t) = (data.matrix(), tiled.matrix());
+            let ranges = [0..rows, 3..rows - 5, 16..rows, 1..MXFP4_TILE_ROWS - 1];
+            for tokens in [1usize, 2, 3, 4, 5, 8, 9, 13, 17] {
+                let x_values = random_f32(&mut rng, tokens * cols, 3.0);
+                let mut x = Q8Activations::new();
+                kernels()
+                    .quantize_activation_rows(&x_values, cols, &mut x)
+                    .unwrap();
+                let mut scratch = GemmScratch::new(cols);
+                for range in ranges.clone() {
+                    let n = range.len();
+                    let what = format!("{rows}x{cols} scales {scales:?} M={tokens} rows {range:?}");
+                    let mut expected = vec![0.0; tokens * n];
+                    scalar()
+                        .mxfp4_gemm(&w, &x, range.clone(), &mut expected, &mut scratch)
+                        .unwrap();
+                    let bounds = magnitude_bounds(
+                        range.clone(),
+                        cols,
+                        |r, out| w.dequantize_row(r, out).unwrap(),
+                        &x,
+                    );
+                    for k in &paths {
+                        let mut got = vec![f32::NAN; tokens * n];
+                        k.mxfp4_gemm(&t, &x, range.clone(), &mut got, &mut scratch)
+                            .unwrap();
+                        let what = format!("tiled GEMM {} {what}", k.path());
+                        assert_close(&what, &got, &expected, &bounds);
+                        if k.path() != KernelPath::Avx512 {
+                            continue;
+                        }
+                        if tokens > 1 {
+                            let mut rows_order = vec![f32::NAN; tokens * n];
+                            k.mxfp4_gemm(&w, &x, range.clone(), &mut rows_order, &mut scratch)
+                                .unwrap();
+                            assert_eq!(bits(&got), bits(&rows_order), "{what}: row order");
+                        }
+                        if tokens <= MAX_GEMV_TOKENS {
+                            let mut gemv = vec![f32::NAN; tokens * n];
+                            k.mxfp4_gemv(&t, &x, range.clone(), &mut gemv).unwrap();
+                            assert_eq!(bits(&got), bits(&gemv), "{what}: GEMV entry");
+                        }
+                        let mut other = vec![f32::NAN; tokens * n];
+                        let other_decode = if k.uses_vbmi() { k.without_vbmi() } else { *k };
+                        other_decode
+                            .mxfp4_gemm(&t, &x, range.clone(), &mut other, &mut scratch)
+                            .unwrap();
+                        assert_eq!(bits(&got), bits(&other), "{what}: other nibble decode");
+                    }
+                }
+            }
+        }
+    }
 }

@@ -13,8 +13,9 @@ use serde::Serialize;
 
 use super::probe::CpuInfo;
 use crate::kernels::{
-    GemmScratch, KernelError, KernelPath, Kernels, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix,
-    GROUP_BLOCKS, GROUP_LEN, MAX_GEMV_TOKENS, PROBE_ROUND_MACS,
+    tile_mxfp4, GemmScratch, KernelError, KernelPath, Kernels, Mxfp4Matrix, Q4Matrix,
+    Q8Activations, Q8Matrix, GROUP_BLOCKS, GROUP_LEN, MAX_GEMV_TOKENS, MXFP4_TILE_ROWS,
+    PROBE_ROUND_MACS,
 };
 
 /// What to measure.
@@ -254,6 +255,9 @@ struct BenchWeights {
     cols: usize,
     mxfp4_blocks: Vec<u8>,
     mxfp4_scales: Vec<u8>,
+    /// The MXFP4 bytes in the tile layout, when the kernels prefer it (as the model then loads
+    /// its experts).
+    mxfp4_tiles: Option<(Vec<u8>, Vec<u8>)>,
     q8: Vec<Q8Matrix>,
     q4: Vec<Q4Matrix>,
 }
@@ -264,6 +268,7 @@ impl BenchWeights {
         experts: usize,
         rows: usize,
         cols: usize,
+        tiles: bool,
     ) -> Result<Self, KernelError> {
         let groups = cols.div_ceil(GROUP_LEN);
         let blocks = cols / 32;
@@ -273,10 +278,24 @@ impl BenchWeights {
             v
         };
         let mxfp4_blocks = bytes(experts * rows * cols / 2);
-        let mxfp4_scales = bytes(experts * rows * blocks)
+        let mxfp4_scales: Vec<u8> = bytes(experts * rows * blocks)
             .iter()
             .map(|b| 118 + b % 12)
             .collect();
+        let mxfp4_tiles = if tiles && rows.is_multiple_of(MXFP4_TILE_ROWS) {
+            let mut tiled = (vec![0; mxfp4_blocks.len()], vec![0; mxfp4_scales.len()]);
+            tile_mxfp4(
+                experts * rows,
+                cols,
+                &mxfp4_blocks,
+                &mxfp4_scales,
+                &mut tiled.0,
+                &mut tiled.1,
+            )?;
+            Some(tiled)
+        } else {
+            None
+        };
         let scales = |rng: &mut ChaCha8Rng| -> Vec<f16> {
             (0..rows * groups * GROUP_BLOCKS)
                 .map(|_| f16::from_f32(rng.gen_range(1e-3..1e-2)))
@@ -298,6 +317,7 @@ impl BenchWeights {
             cols,
             mxfp4_blocks,
             mxfp4_scales,
+            mxfp4_tiles,
             q8,
             q4,
         })
@@ -312,11 +332,27 @@ impl BenchWeights {
             &self.mxfp4_scales[expert * scale_bytes..(expert + 1) * scale_bytes],
         )
     }
+
+    /// Expert `expert` in the tile layout (the row order if there are no tiles).
+    fn mxfp4_tiled(&self, expert: usize) -> Result<Mxfp4Matrix<'_>, KernelError> {
+        let Some((blocks, scales)) = &self.mxfp4_tiles else {
+            return self.mxfp4(expert);
+        };
+        let (block_bytes, scale_bytes) = (self.rows * self.cols / 2, self.rows * self.cols / 32);
+        Mxfp4Matrix::new_tiled(
+            self.rows,
+            self.cols,
+            &blocks[expert * block_bytes..(expert + 1) * block_bytes],
+            &scales[expert * scale_bytes..(expert + 1) * scale_bytes],
+        )
+    }
 }
 
 #[derive(Clone, Copy, PartialEq)]
 enum Format {
     Mxfp4,
+    /// MXFP4 in the tile layout.
+    Mxfp4Tiles,
     Q8,
     Q4,
 }
@@ -325,6 +361,7 @@ impl Format {
     fn name(self) -> &'static str {
         match self {
             Format::Mxfp4 => "mxfp4",
+            Format::Mxfp4Tiles => "mxfp4_tiles",
             Format::Q8 => "q8",
             Format::Q4 => "q4",
         }
@@ -332,7 +369,7 @@ impl Format {
 
     fn matrix_bytes(self, w: &BenchWeights) -> usize {
         match self {
-            Format::Mxfp4 => w.rows * w.cols / 32 * 17,
+            Format::Mxfp4 | Format::Mxfp4Tiles => w.rows * w.cols / 32 * 17,
             Format::Q8 => w.q8[0].size_bytes(),
             Format::Q4 => w.q4[0].size_bytes(),
         }
@@ -400,7 +437,13 @@ pub fn run_kernel_bench(
         });
     }
     let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
-    let weights = BenchWeights::random(&mut rng, config.experts, config.rows, config.cols)?;
+    let tiles = kernels.prefers_tiled_mxfp4();
+    let weights = BenchWeights::random(&mut rng, config.experts, config.rows, config.cols, tiles)?;
+    let formats: &[Format] = if weights.mxfp4_tiles.is_some() {
+        &[Format::Mxfp4, Format::Mxfp4Tiles, Format::Q8, Format::Q4]
+    } else {
+        &[Format::Mxfp4, Format::Q8, Format::Q4]
+    };
     let max_tokens = config.gemm_tokens.iter().copied().max().unwrap_or(1).max(1);
     let max_stream = config.stream_tokens.iter().copied().max().unwrap_or(1);
     let activations: Vec<f32> = (0..max_tokens.max(max_stream) * config.cols)
@@ -431,7 +474,7 @@ pub fn run_kernel_bench(
         });
         let first_result = results.len();
         let ranges = split_rows(config.rows, threads.max(1));
-        for format in [Format::Mxfp4, Format::Q8, Format::Q4] {
+        for &format in formats {
             // GEMV: one token (or a token and its split remainder, as decode with split
             // activations runs) against every expert matrix, each thread on its rows of each.
             for gemv_tokens in 1..=MAX_GEMV_TOKENS.min(max_tokens) {
@@ -449,6 +492,12 @@ pub fn run_kernel_bench(
                                 match format {
                                     Format::Mxfp4 => kernels.mxfp4_gemv(
                                         &weights.mxfp4(e)?,
+                                        &x,
+                                        s.rows.clone(),
+                                        &mut s.out,
+                                    )?,
+                                    Format::Mxfp4Tiles => kernels.mxfp4_gemv(
+                                        &weights.mxfp4_tiled(e)?,
                                         &x,
                                         s.rows.clone(),
                                         &mut s.out,
@@ -501,6 +550,13 @@ pub fn run_kernel_bench(
                                 Format::Mxfp4 => {
                                     kernels.mxfp4_gemm(&weights.mxfp4(0)?, &x, rows, out, scratch)
                                 }
+                                Format::Mxfp4Tiles => kernels.mxfp4_gemm(
+                                    &weights.mxfp4_tiled(0)?,
+                                    &x,
+                                    rows,
+                                    out,
+                                    scratch,
+                                ),
                                 Format::Q8 => {
                                     kernels.q8_gemm(&weights.q8[0], &x, rows, out, scratch)
                                 }
@@ -524,7 +580,16 @@ pub fn run_kernel_bench(
         }
         // Streamed: M tokens against every expert matrix in turn, each thread on its rows of
         // each, through the kernel the forward pass picks for M tokens.
-        for &tokens in &config.stream_tokens {
+        let stream_layouts: &[bool] = if weights.mxfp4_tiles.is_some() {
+            &[false, true]
+        } else {
+            &[false]
+        };
+        for (&tokens, &tiled) in config
+            .stream_tokens
+            .iter()
+            .flat_map(|t| stream_layouts.iter().map(move |l| (t, l)))
+        {
             let tokens = tokens.max(1);
             let mut x = Q8Activations::with_capacity(tokens, config.cols);
             kernels.quantize_activation_rows(
@@ -538,7 +603,11 @@ pub fn run_kernel_bench(
                     states.par_iter_mut().try_for_each(|s| {
                         let (out, scratch) = (&mut s.out, &mut s.scratch);
                         for e in 0..config.experts {
-                            let w = weights.mxfp4(e)?;
+                            let w = if tiled {
+                                weights.mxfp4_tiled(e)?
+                            } else {
+                                weights.mxfp4(e)?
+                            };
                             kernels.mxfp4_product(&w, &x, s.rows.clone(), out, scratch)?;
                         }
                         Ok(())
@@ -546,7 +615,11 @@ pub fn run_kernel_bench(
                 })
             })?;
             results.push(result(
-                "mxfp4_stream".to_string(),
+                if tiled {
+                    "mxfp4_tiles_stream".to_string()
+                } else {
+                    "mxfp4_stream".to_string()
+                },
                 threads,
                 tokens,
                 Format::Mxfp4.matrix_bytes(&weights) * config.experts,

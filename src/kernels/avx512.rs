@@ -17,6 +17,8 @@ use super::formats::{
 };
 use super::{GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
 
+mod tiles;
+
 const REQUIRED: [&str; 6] = ["avx512f", "avx512bw", "avx512vnni", "avx2", "fma", "f16c"];
 
 pub(crate) fn missing_features() -> Vec<&'static str> {
@@ -868,7 +870,7 @@ pub(crate) unsafe fn mxfp4_gemv(
     // `Kernels` method checked the shapes, which is all the code below relies on.
     unsafe {
         if w.layout == Mxfp4Layout::Tiles {
-            super::scalar::mxfp4_gemv(w, x, rows, out)
+            tiles::product(w, x, rows, out, None, vbmi)
         } else if vbmi {
             gemv_vbmi(w, x, rows, out)
         } else {
@@ -1428,14 +1430,14 @@ pub(crate) unsafe fn mxfp4_gemm(
     rows: Range<usize>,
     out: &mut [f32],
     scratch: &mut GemmScratch,
-    _vbmi: bool,
+    vbmi: bool,
 ) {
     // SAFETY: the module's contract holds: the dispatcher runs this only on a CPU with every
     // feature in `REQUIRED`, and the safe `Kernels` method checked the shapes, which is all the
     // code below relies on.
     unsafe {
         if w.layout == Mxfp4Layout::Tiles {
-            super::scalar::mxfp4_gemm(w, x, rows, out, scratch)
+            tiles::product(w, x, rows, out, Some(scratch), vbmi)
         } else {
             gemm(w, x, rows, out, scratch)
         }
