@@ -1026,7 +1026,7 @@ fn tiled_mxfp4_products_match_the_row_order_on_every_path() {
             let tiled = TiledData::from(&data);
             let (w, t) = (data.matrix(), tiled.matrix());
             let ranges = [0..rows, 3..rows - 5, 16..rows, 1..MXFP4_TILE_ROWS - 1];
-            for tokens in [1usize, 2, 3, 4, 5, 8, 9, 13, 17] {
+            for tokens in [1usize, 2, 3, 4, 5, 8, 9, 13, 17, 40] {
                 let x_values = random_f32(&mut rng, tokens * cols, 3.0);
                 let mut x = Q8Activations::new();
                 kernels()
@@ -1077,4 +1077,75 @@ fn tiled_mxfp4_products_match_the_row_order_on_every_path() {
             }
         }
     }
+}
+
+/// Tiled Q8 products as the tiled MXFP4 ones above: every path against the scalar reference on
+/// the row order, ragged columns and row ranges, token counts across the in-register limit and
+/// into the scratch path; on AVX-512 bit for bit the row-order GEMM (from 2 tokens) and the
+/// GEMV entry.
+#[test]
+fn tiled_q8_products_match_the_row_order_on_every_path() {
+    let mut rng = rng(23);
+    let mut paths = vec![scalar()];
+    paths.extend(simd_paths());
+    for (rows, cols) in [(16, 32), (48, 160), (32, 96), (64, 2880), (32, 4128)] {
+        let weights = to_bf16(&random_f32(&mut rng, rows * cols, 0.2));
+        let q8 = Q8Matrix::from_bf16(rows, cols, &weights).unwrap();
+        let tiled = q8.to_tiles().unwrap();
+        assert!(tiled.is_tiled() && !q8.is_tiled());
+        let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
+        for r in 0..rows {
+            q8.dequantize_row(r, &mut a).unwrap();
+            tiled.dequantize_row(r, &mut b).unwrap();
+            assert_eq!(bits(&a), bits(&b), "{rows}x{cols} row {r}");
+        }
+        let ranges = [0..rows, 3..rows - 5, 16..rows, 1..MXFP4_TILE_ROWS - 1];
+        for tokens in [1usize, 2, 3, 4, 5, 8, 9, 13, 17, 40] {
+            let mut x = Q8Activations::new();
+            kernels()
+                .quantize_activation_rows(&random_f32(&mut rng, tokens * cols, 2.0), cols, &mut x)
+                .unwrap();
+            let mut scratch = GemmScratch::new(cols);
+            for range in ranges.clone() {
+                let n = range.len();
+                let what = format!("{rows}x{cols} M={tokens} rows {range:?}");
+                let mut expected = vec![0.0; tokens * n];
+                scalar()
+                    .q8_gemm(&q8, &x, range.clone(), &mut expected, &mut scratch)
+                    .unwrap();
+                let bounds = magnitude_bounds(
+                    range.clone(),
+                    cols,
+                    |r, o| q8.dequantize_row(r, o).unwrap(),
+                    &x,
+                );
+                for k in &paths {
+                    let mut got = vec![f32::NAN; tokens * n];
+                    k.q8_gemm(&tiled, &x, range.clone(), &mut got, &mut scratch)
+                        .unwrap();
+                    let what = format!("tiled Q8 GEMM {} {what}", k.path());
+                    assert_close(&what, &got, &expected, &bounds);
+                    if k.path() != KernelPath::Avx512 {
+                        continue;
+                    }
+                    if tokens > 1 {
+                        let mut rows_order = vec![f32::NAN; tokens * n];
+                        k.q8_gemm(&q8, &x, range.clone(), &mut rows_order, &mut scratch)
+                            .unwrap();
+                        assert_eq!(bits(&got), bits(&rows_order), "{what}: row order");
+                    }
+                    if tokens <= MAX_GEMV_TOKENS {
+                        let mut gemv = vec![f32::NAN; tokens * n];
+                        k.q8_gemv(&tiled, &x, range.clone(), &mut gemv).unwrap();
+                        assert_eq!(bits(&got), bits(&gemv), "{what}: GEMV entry");
+                    }
+                }
+            }
+        }
+    }
+    let weights = to_bf16(&random_f32(&mut rng, 20 * 64, 0.2));
+    assert!(Q8Matrix::from_bf16(20, 64, &weights)
+        .unwrap()
+        .to_tiles()
+        .is_err());
 }

@@ -259,6 +259,8 @@ struct BenchWeights {
     /// its experts).
     mxfp4_tiles: Option<(Vec<u8>, Vec<u8>)>,
     q8: Vec<Q8Matrix>,
+    /// The Q8 matrices in the tile layout, when the kernels prefer it.
+    q8_tiles: Vec<Q8Matrix>,
     q4: Vec<Q4Matrix>,
 }
 
@@ -312,6 +314,13 @@ impl BenchWeights {
             rng.fill(&mut nibbles[..]);
             q4.push(Q4Matrix::from_parts(rows, cols, &nibbles, scales(rng))?);
         }
+        let q8_tiles = if tiles && rows.is_multiple_of(MXFP4_TILE_ROWS) {
+            q8.iter()
+                .map(Q8Matrix::to_tiles)
+                .collect::<Result<_, _>>()?
+        } else {
+            Vec::new()
+        };
         Ok(Self {
             rows,
             cols,
@@ -319,6 +328,7 @@ impl BenchWeights {
             mxfp4_scales,
             mxfp4_tiles,
             q8,
+            q8_tiles,
             q4,
         })
     }
@@ -354,6 +364,8 @@ enum Format {
     /// MXFP4 in the tile layout.
     Mxfp4Tiles,
     Q8,
+    /// Q8 in the tile layout.
+    Q8Tiles,
     Q4,
 }
 
@@ -363,6 +375,7 @@ impl Format {
             Format::Mxfp4 => "mxfp4",
             Format::Mxfp4Tiles => "mxfp4_tiles",
             Format::Q8 => "q8",
+            Format::Q8Tiles => "q8_tiles",
             Format::Q4 => "q4",
         }
     }
@@ -370,7 +383,7 @@ impl Format {
     fn matrix_bytes(self, w: &BenchWeights) -> usize {
         match self {
             Format::Mxfp4 | Format::Mxfp4Tiles => w.rows * w.cols / 32 * 17,
-            Format::Q8 => w.q8[0].size_bytes(),
+            Format::Q8 | Format::Q8Tiles => w.q8[0].size_bytes(),
             Format::Q4 => w.q4[0].size_bytes(),
         }
     }
@@ -440,7 +453,13 @@ pub fn run_kernel_bench(
     let tiles = kernels.prefers_tiled_mxfp4();
     let weights = BenchWeights::random(&mut rng, config.experts, config.rows, config.cols, tiles)?;
     let formats: &[Format] = if weights.mxfp4_tiles.is_some() {
-        &[Format::Mxfp4, Format::Mxfp4Tiles, Format::Q8, Format::Q4]
+        &[
+            Format::Mxfp4,
+            Format::Mxfp4Tiles,
+            Format::Q8,
+            Format::Q8Tiles,
+            Format::Q4,
+        ]
     } else {
         &[Format::Mxfp4, Format::Q8, Format::Q4]
     };
@@ -508,6 +527,12 @@ pub fn run_kernel_bench(
                                         s.rows.clone(),
                                         &mut s.out,
                                     )?,
+                                    Format::Q8Tiles => kernels.q8_gemv(
+                                        &weights.q8_tiles[e],
+                                        &x,
+                                        s.rows.clone(),
+                                        &mut s.out,
+                                    )?,
                                     Format::Q4 => kernels.q4_gemv(
                                         &weights.q4[e],
                                         &x,
@@ -559,6 +584,9 @@ pub fn run_kernel_bench(
                                 ),
                                 Format::Q8 => {
                                     kernels.q8_gemm(&weights.q8[0], &x, rows, out, scratch)
+                                }
+                                Format::Q8Tiles => {
+                                    kernels.q8_gemm(&weights.q8_tiles[0], &x, rows, out, scratch)
                                 }
                                 Format::Q4 => {
                                     kernels.q4_gemm(&weights.q4[0], &x, rows, out, scratch)

@@ -870,7 +870,7 @@ pub(crate) unsafe fn mxfp4_gemv(
     // `Kernels` method checked the shapes, which is all the code below relies on.
     unsafe {
         if w.layout == Mxfp4Layout::Tiles {
-            tiles::product(w, x, rows, out, None, vbmi)
+            tiles::mxfp4_product(w, x, rows, out, None, vbmi)
         } else if vbmi {
             gemv_vbmi(w, x, rows, out)
         } else {
@@ -890,7 +890,13 @@ pub(crate) unsafe fn q8_gemv(w: &Q8Matrix, x: &Q8Activations, rows: Range<usize>
     // SAFETY: the module's contract holds: the dispatcher runs this only on a CPU with every
     // feature in `REQUIRED`, and the safe `Kernels` method checked the shapes, which is all the
     // code below relies on.
-    unsafe { gemv(w, x, rows, out) }
+    unsafe {
+        if w.tiled {
+            tiles::q8_product(w, x, rows, out, None)
+        } else {
+            gemv(w, x, rows, out)
+        }
+    }
 }
 
 /// Transpose a 16 x 16 matrix of 32-bit values held as 16 row vectors.
@@ -1437,7 +1443,7 @@ pub(crate) unsafe fn mxfp4_gemm(
     // code below relies on.
     unsafe {
         if w.layout == Mxfp4Layout::Tiles {
-            tiles::product(w, x, rows, out, Some(scratch), vbmi)
+            tiles::mxfp4_product(w, x, rows, out, Some(scratch), vbmi)
         } else {
             gemm(w, x, rows, out, scratch)
         }
@@ -1467,7 +1473,13 @@ pub(crate) unsafe fn q8_gemm(
     // SAFETY: the module's contract holds: the dispatcher runs this only on a CPU with every
     // feature in `REQUIRED`, and the safe `Kernels` method checked the shapes, which is all the
     // code below relies on.
-    unsafe { gemm(w, x, rows, out, scratch) }
+    unsafe {
+        if w.tiled {
+            tiles::q8_product(w, x, rows, out, Some(scratch))
+        } else {
+            gemm(w, x, rows, out, scratch)
+        }
+    }
 }
 
 /// Sixteen bf16 weights at `ptr` (only the first `len` when `len < 16`) widened to f32.

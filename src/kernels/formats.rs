@@ -138,6 +138,13 @@ impl ByteSpans for Q8Matrix {
 
     fn byte_spans(&self, rows: std::ops::Range<usize>) -> [(*const u8, usize); 2] {
         let (row_bytes, row_scales) = (self.groups * GROUP_LEN, self.groups * GROUP_BLOCKS * 2);
+        // Tiles hold whole groups of rows: the span of the tiles the rows touch.
+        let rows = if self.tiled && !rows.is_empty() {
+            rows.start / MXFP4_TILE_ROWS * MXFP4_TILE_ROWS
+                ..rows.end.div_ceil(MXFP4_TILE_ROWS) * MXFP4_TILE_ROWS
+        } else {
+            rows
+        };
         [
             (
                 self.quants
@@ -1123,7 +1130,7 @@ impl<'a> Mxfp4Matrix<'a> {
 fn check_tile_rows(rows: usize) -> Result<(), KernelError> {
     if !rows.is_multiple_of(MXFP4_TILE_ROWS) {
         return Err(KernelError::Length {
-            what: format!("rows of a tiled MXFP4 matrix (a multiple of {MXFP4_TILE_ROWS})"),
+            what: format!("rows of a tiled matrix (a multiple of {MXFP4_TILE_ROWS})"),
             expected: rows.div_ceil(MXFP4_TILE_ROWS) * MXFP4_TILE_ROWS,
             got: rows,
         });
@@ -1207,6 +1214,8 @@ pub struct Q8Matrix {
     pub(super) quants: AlignedVec<i8>,
     /// `rows x groups x 4`; padding blocks have scale 0.
     pub(super) scales: Vec<f16>,
+    /// In the tile layout ([`Q8Matrix::to_tiles`]) instead of row order.
+    pub(super) tiled: bool,
 }
 
 /// Weights quantized to 4-bit blocks of 32 with an f16 scale per block (4.5 bits per weight).
@@ -1258,6 +1267,7 @@ impl Q8Matrix {
             groups,
             quants: AlignedVec::from_slice(quants),
             scales,
+            tiled: false,
         })
     }
 
@@ -1295,6 +1305,7 @@ impl Q8Matrix {
             groups,
             quants,
             scales,
+            tiled: false,
         })
     }
 
@@ -1331,6 +1342,7 @@ impl Q8Matrix {
             groups,
             quants,
             scales,
+            tiled: false,
         })
     }
 
@@ -1347,14 +1359,109 @@ impl Q8Matrix {
         self.quants.len() + 2 * self.scales.len()
     }
 
+    /// Row `row`'s int8 values in the group-interleaved order; row-order matrices only.
     pub(crate) fn row_quants(&self, row: usize) -> &[i8] {
+        debug_assert!(!self.tiled, "row slices of a tiled Q8 matrix");
         let stride = self.groups * GROUP_LEN;
         &self.quants[row * stride..(row + 1) * stride]
     }
 
+    /// Row `row`'s block scales; row-order matrices only.
     pub(crate) fn row_scales(&self, row: usize) -> &[f16] {
+        debug_assert!(!self.tiled, "row slices of a tiled Q8 matrix");
         let stride = self.groups * GROUP_BLOCKS;
         &self.scales[row * stride..(row + 1) * stride]
+    }
+
+    /// Whether the matrix is in the tile layout.
+    pub fn is_tiled(&self) -> bool {
+        self.tiled
+    }
+
+    /// The int8 value at group-interleaved position `p` of row `row`, in either layout.
+    #[inline]
+    pub(crate) fn quant(&self, row: usize, p: usize) -> i8 {
+        if self.tiled {
+            let (group, in_group) = (p / GROUP_LEN, p % GROUP_LEN);
+            let at = self.tile_vector(row / MXFP4_TILE_ROWS, group, in_group / 4)
+                + (row % MXFP4_TILE_ROWS) * 4
+                + in_group % 4;
+            (self.quants[at] as u8 ^ 0x80) as i8
+        } else {
+            self.quants[row * self.groups * GROUP_LEN + p]
+        }
+    }
+
+    /// The scale of block `block` of row `row`, in either layout.
+    #[inline]
+    pub(crate) fn scale(&self, row: usize, block: usize) -> f16 {
+        if self.tiled {
+            self.scales[self.tile_scales(row / MXFP4_TILE_ROWS, block) + row % MXFP4_TILE_ROWS]
+        } else {
+            self.scales[row * self.groups * GROUP_BLOCKS + block]
+        }
+    }
+
+    /// In the tile layout: where the 64-byte vector of dword `dword` (0..32) of `group` of tile
+    /// `tile` starts.
+    #[inline(always)]
+    pub(crate) fn tile_vector(&self, tile: usize, group: usize, dword: usize) -> usize {
+        ((tile * self.groups + group) * (GROUP_LEN / 4) + dword) * (4 * MXFP4_TILE_ROWS)
+    }
+
+    /// In the tile layout: where the 16 scales of block `block` of tile `tile` start.
+    #[inline(always)]
+    pub(crate) fn tile_scales(&self, tile: usize, block: usize) -> usize {
+        (tile * self.groups * GROUP_BLOCKS + block) * MXFP4_TILE_ROWS
+    }
+
+    /// The same matrix in the tile layout, for kernels that prefer it
+    /// ([`super::Kernels::prefers_tiled_q8`]): tiles of 16 rows in which each 64-byte vector is
+    /// one dword (four int8 values of a block, in the group-interleaved order) of the 16 rows,
+    /// stored plus 128 as the unsigned operand `vpdpbusd` takes, and 16 f16 scales per (tile,
+    /// block). A block's sums for 16 rows then build up in one register per token, with no
+    /// decode and no transpose: the reason [`Mxfp4Layout::Tiles`] exists, and more so here, where
+    /// the row-order GEMM transposes two register files per tile. Needs rows in whole tiles.
+    pub fn to_tiles(&self) -> Result<Q8Matrix, KernelError> {
+        check_tile_rows(self.rows)?;
+        if self.tiled {
+            return Ok(self.clone());
+        }
+        let mut tiled = Q8Matrix {
+            rows: self.rows,
+            cols: self.cols,
+            groups: self.groups,
+            quants: AlignedVec::filled(self.quants.len(), 0i8),
+            scales: vec![f16::ZERO; self.scales.len()],
+            tiled: true,
+        };
+        let dwords = GROUP_LEN / 4;
+        let tile_bytes = MXFP4_TILE_ROWS * self.groups * GROUP_LEN;
+        let tile_scales = MXFP4_TILE_ROWS * self.groups * GROUP_BLOCKS;
+        let (groups, blocks) = (self.groups, self.groups * GROUP_BLOCKS);
+        tiled
+            .quants
+            .par_chunks_mut(tile_bytes)
+            .zip(tiled.scales.par_chunks_mut(tile_scales))
+            .enumerate()
+            .for_each(|(tile, (quants, scales))| {
+                for r in 0..MXFP4_TILE_ROWS {
+                    let row = tile * MXFP4_TILE_ROWS + r;
+                    let source =
+                        &self.quants[row * groups * GROUP_LEN..(row + 1) * groups * GROUP_LEN];
+                    for (d, four) in source.chunks_exact(4).enumerate() {
+                        let (group, dword) = (d / dwords, d % dwords);
+                        let to = (group * dwords + dword) * 4 * MXFP4_TILE_ROWS + r * 4;
+                        for (i, &q) in four.iter().enumerate() {
+                            quants[to + i] = (q as u8 ^ 0x80) as i8;
+                        }
+                    }
+                    for b in 0..blocks {
+                        scales[b * MXFP4_TILE_ROWS + r] = self.scales[row * blocks + b];
+                    }
+                }
+            });
+        Ok(tiled)
     }
 
     /// Row `row` as f32 (scale x int8), natural element order.
@@ -1367,9 +1474,9 @@ impl Q8Matrix {
             });
         }
         check_len("dequantized Q8 row", out.len(), self.cols)?;
-        let (quants, scales) = (self.row_quants(row), self.row_scales(row));
         for (k, value) in out.iter_mut().enumerate() {
-            *value = quants[interleaved_position(k)] as f32 * scales[k / BLOCK_LEN].to_f32();
+            *value = self.quant(row, interleaved_position(k)) as f32
+                * self.scale(row, k / BLOCK_LEN).to_f32();
         }
         Ok(())
     }

@@ -460,6 +460,13 @@ impl Kernels {
         self.path == KernelPath::Avx512
     }
 
+    /// Whether Q8 matrices should be reordered into the tile layout ([`Q8Matrix::to_tiles`]) for
+    /// these kernels: as for MXFP4, the AVX-512 path has kernels for it, the others read it the
+    /// scalar reference's way.
+    pub fn prefers_tiled_q8(&self) -> bool {
+        self.path == KernelPath::Avx512
+    }
+
     /// Whether the MXFP4 GEMV decodes with `vpermb` (AVX-512 VBMI).
     pub fn uses_vbmi(&self) -> bool {
         self.vbmi
@@ -623,7 +630,16 @@ impl Kernels {
         out: &mut [f32],
     ) -> Result<(), KernelError> {
         check_quantized("Q8 GEMV", w.rows, w.cols, x, &rows, out, true)?;
-        dispatch!(self, q8_gemv(w, x, rows, out));
+        dispatch!(
+            self,
+            avx512: avx512::q8_gemv(w, x, rows, out),
+            avx2: if w.tiled {
+                scalar::q8_gemv(w, x, rows, out)
+            } else {
+                avx2::q8_gemv(w, x, rows, out)
+            },
+            scalar: scalar::q8_gemv(w, x, rows, out),
+        );
         Ok(())
     }
 
@@ -638,7 +654,16 @@ impl Kernels {
     ) -> Result<(), KernelError> {
         check_quantized("Q8 GEMM", w.rows, w.cols, x, &rows, out, false)?;
         scratch.check(w.cols)?;
-        dispatch!(self, q8_gemm(w, x, rows, out, scratch));
+        dispatch!(
+            self,
+            avx512: avx512::q8_gemm(w, x, rows, out, scratch),
+            avx2: if w.tiled {
+                scalar::q8_gemm(w, x, rows, out, scratch)
+            } else {
+                avx2::q8_gemm(w, x, rows, out, scratch)
+            },
+            scalar: scalar::q8_gemm(w, x, rows, out, scratch),
+        );
         Ok(())
     }
 

@@ -30,16 +30,15 @@ fn mxfp4_dot(w: &Mxfp4Matrix, row: usize, x: &Q8Activations, token: usize) -> f3
 }
 
 fn q8_dot(w: &Q8Matrix, row: usize, x: &Q8Activations, token: usize) -> f32 {
-    let (weights, scales) = (w.row_quants(row), w.row_scales(row));
     let quants = x.row_quants(token);
     let mut total = 0.0f32;
-    for (block, scale) in scales.iter().enumerate().take(w.cols / BLOCK_LEN) {
+    for block in 0..w.cols / BLOCK_LEN {
         let mut sum = 0i32;
         for e in 0..BLOCK_LEN {
             let p = interleaved_position(block * BLOCK_LEN + e);
-            sum += weights[p] as i32 * quants[p] as i32;
+            sum += w.quant(row, p) as i32 * quants[p] as i32;
         }
-        total += sum as f32 * (scale.to_f32() * x.block_scale(token, block));
+        total += sum as f32 * (w.scale(row, block).to_f32() * x.block_scale(token, block));
     }
     total
 }

@@ -1,11 +1,12 @@
-//! AVX-512 products of MXFP4 matrices in the tile layout ([`Mxfp4Layout::Tiles`]).
+//! AVX-512 products of MXFP4 and Q8 matrices in their tile layouts ([`Mxfp4Layout::Tiles`],
+//! [`Q8Matrix::to_tiles`]).
 //!
-//! One 64-byte vector of a tile is one dword (8 nibbles) of 16 rows, so its two decoded halves
-//! are `vpdpbusd` operands for an even and an odd activation dword as they stand: a block's sums
-//! for 16 rows build up in one register per token, and the float convert, scale and FMA run once
-//! per (16 rows, block, token), with nothing transposed at run time. Up to [`DIRECT_TOKENS`]
-//! tokens the nibbles are decoded in registers as they are used ([`tile_tokens`]); more tokens
-//! decode two tiles into the GEMM scratch once and reuse the row-order GEMM's micro-kernels.
+//! A tile vector holds one dword of each of 16 rows (MXFP4: 8 nibbles, whose two decoded halves
+//! meet an even and an odd activation dword; Q8: 4 unsigned bytes), so a block's sums for 16 rows
+//! build up in one register per token and the float convert, scale and FMA run once per (16
+//! rows, block, token), with nothing transposed at run time. Up to [`DIRECT_CALL_TOKENS`] tokens
+//! the operands are formed in registers as they are used ([`tile_tokens`]); more tokens form two
+//! tiles' operands in the GEMM scratch once and reuse the row-order GEMM's micro-kernels.
 //!
 //! The integer sums are the row-order kernels' sums and the float steps run block by block in
 //! the same order as [`super::gemm_tile`], so results are bit for bit those of the row-order GEMM.
@@ -15,14 +16,14 @@ use std::ops::Range;
 
 use super::super::avx2::prefetch_share_into;
 use super::super::formats::{
-    ByteSpans, Mxfp4Layout, Mxfp4Matrix, Q8Activations, BLOCK_LEN, CORRECTION_LANE_MXFP4,
-    GROUP_BLOCKS, GROUP_LANES, GROUP_LEN, MXFP4_TILE_ROWS,
+    ByteSpans, Mxfp4Layout, Mxfp4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN, GROUP_BLOCKS,
+    GROUP_LANES, GROUP_LEN, MXFP4_TILE_ROWS,
 };
 use super::super::{GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
 use super::{
-    activation_exponent_range, combined_scale, exponent_mode, exponent_offsets, format_factor,
-    gemm_tile, gemm_tile_pair, split_nibbles, Prefetch, FORMAT_MXFP4, GEMM_PAIR_TOKENS,
-    GEMM_TOKENS, GROUP_DWORDS, MXFP4_UNSIGNED_64,
+    activation_exponent_range, combined_scale, correction_lane, exponent_mode, exponent_offsets,
+    format_factor, gemm_tile, gemm_tile_pair, split_nibbles, Prefetch, FORMAT_MXFP4, FORMAT_Q8,
+    GEMM_PAIR_TOKENS, GEMM_TOKENS, GROUP_DWORDS, MXFP4_UNSIGNED_64,
 };
 
 /// Most tokens [`tile_tokens`] takes at once: their sums and accumulators (2 x 8 registers)
@@ -38,33 +39,128 @@ pub(super) const DIRECT_CALL_TOKENS: usize = 16;
 /// The tiles' 64-byte dword vectors per block of 32 columns.
 const BLOCK_VECTORS: usize = BLOCK_LEN / 8;
 
-/// Unsigned weights for the even (low nibbles) and odd (high nibbles) activation dwords of one
-/// tile vector: `vpermb` when `VBMI` (no masks: it ignores index bits 6-7 and the table repeats
-/// every 16), else `vpshufb` after masking.
-#[inline(always)]
-unsafe fn decode<const VBMI: bool>(bytes: __m512i) -> (__m512i, __m512i) {
-    // SAFETY: register operations and a 64-byte table read; the callers' target features hold
-    // AVX-512 F/BW (and VBMI when `VBMI`).
-    unsafe {
-        if VBMI {
-            let table = _mm512_loadu_si512(MXFP4_UNSIGNED_64.as_ptr().cast());
-            (
-                _mm512_permutexvar_epi8(bytes, table),
-                _mm512_permutexvar_epi8(_mm512_srli_epi16::<4>(bytes), table),
-            )
-        } else {
-            split_nibbles::<FORMAT_MXFP4>(bytes)
+/// A matrix in a tile layout as the kernels here read it: per tile of 16 rows, block and dword
+/// pair `s` (0..4) the unsigned operands for the block's even activation dword `s` and odd
+/// dword `s`, and per block 16 scales as f32 lanes.
+trait TileSource {
+    const FORMAT: u8;
+    /// Whether the scales are powers of two, so the exponent-add scaling may run.
+    const POWER_OF_TWO_SCALES: bool;
+    fn cols(&self) -> usize;
+    fn rows(&self) -> usize;
+    fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2];
+    /// Where tile `tile`'s vectors and scales start.
+    fn tile_base(&self, tile: usize) -> (*const u8, *const u8);
+    /// # Safety
+    /// `vectors` from `tile_base`, `block` a block of the row, `s < 4`; AVX-512 F/BW (and what
+    /// the source's decode needs) available.
+    unsafe fn operands(vectors: *const u8, block: usize, s: usize) -> (__m512i, __m512i);
+    /// # Safety
+    /// `scales` from `tile_base`, `block` a block of the row.
+    unsafe fn scales(scales: *const u8, block: usize) -> __m512;
+}
+
+/// A tiled MXFP4 matrix, decoded with `vpermb` when `VBMI` (no masks: it ignores index bits 6-7
+/// and the table repeats every 16), else with `vpshufb` after masking.
+struct Mxfp4Tiles<'a, const VBMI: bool>(&'a Mxfp4Matrix<'a>);
+
+impl<const VBMI: bool> TileSource for Mxfp4Tiles<'_, VBMI> {
+    const FORMAT: u8 = FORMAT_MXFP4;
+    const POWER_OF_TWO_SCALES: bool = true;
+    fn cols(&self) -> usize {
+        self.0.cols
+    }
+    fn rows(&self) -> usize {
+        self.0.rows
+    }
+    fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2] {
+        self.0.byte_spans(rows)
+    }
+    fn tile_base(&self, tile: usize) -> (*const u8, *const u8) {
+        let (bytes, scales) = self.0.tile_offsets(tile);
+        (
+            self.0.blocks.as_ptr().wrapping_add(bytes),
+            self.0.scales.as_ptr().wrapping_add(scales),
+        )
+    }
+    #[inline(always)]
+    unsafe fn operands(vectors: *const u8, block: usize, s: usize) -> (__m512i, __m512i) {
+        // SAFETY: the caller upholds the trait's contract.
+        unsafe {
+            let bytes = _mm512_loadu_si512(vectors.add((block * BLOCK_VECTORS + s) * 64).cast());
+            if VBMI {
+                let table = _mm512_loadu_si512(MXFP4_UNSIGNED_64.as_ptr().cast());
+                (
+                    _mm512_permutexvar_epi8(bytes, table),
+                    _mm512_permutexvar_epi8(_mm512_srli_epi16::<4>(bytes), table),
+                )
+            } else {
+                split_nibbles::<FORMAT_MXFP4>(bytes)
+            }
+        }
+    }
+    /// 2^(s - 127) (0 for s = 0, as everywhere else).
+    #[inline(always)]
+    unsafe fn scales(scales: *const u8, block: usize) -> __m512 {
+        // SAFETY: the caller upholds the trait's contract: 16 scale bytes per block.
+        unsafe {
+            let bytes =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(scales.add(block * MXFP4_TILE_ROWS).cast()));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<23>(bytes))
         }
     }
 }
 
-/// Sixteen rows' scales of one block, 2^(s - 127) (0 for s = 0, as everywhere else).
-#[inline(always)]
-unsafe fn block_scales(scales: *const u8) -> __m512 {
-    // SAFETY: the caller points `scales` at 16 readable bytes; AVX-512F holds.
-    unsafe {
-        let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(scales.cast()));
-        _mm512_castsi512_ps(_mm512_slli_epi32::<23>(bytes))
+/// A tiled Q8 matrix: its vectors are the operands as stored.
+struct Q8Tiles<'a>(&'a Q8Matrix);
+
+impl TileSource for Q8Tiles<'_> {
+    const FORMAT: u8 = FORMAT_Q8;
+    const POWER_OF_TWO_SCALES: bool = false;
+    fn cols(&self) -> usize {
+        self.0.cols
+    }
+    fn rows(&self) -> usize {
+        self.0.rows
+    }
+    fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2] {
+        self.0.byte_spans(rows)
+    }
+    fn tile_base(&self, tile: usize) -> (*const u8, *const u8) {
+        (
+            self.0
+                .quants
+                .as_ptr()
+                .cast::<u8>()
+                .wrapping_add(self.0.tile_vector(tile, 0, 0)),
+            self.0
+                .scales
+                .as_ptr()
+                .cast::<u8>()
+                .wrapping_add(2 * self.0.tile_scales(tile, 0)),
+        )
+    }
+    #[inline(always)]
+    unsafe fn operands(vectors: *const u8, block: usize, s: usize) -> (__m512i, __m512i) {
+        // SAFETY: the caller upholds the trait's contract: a group's 32 vectors follow each
+        // other, evens (dwords 0..16) first.
+        unsafe {
+            let (group, j) = (block / GROUP_BLOCKS, block % GROUP_BLOCKS);
+            let even = vectors.add((group * GROUP_DWORDS + 4 * j + s) * 64);
+            (
+                _mm512_loadu_si512(even.cast()),
+                _mm512_loadu_si512(even.add(GROUP_DWORDS / 2 * 64).cast()),
+            )
+        }
+    }
+    #[inline(always)]
+    unsafe fn scales(scales: *const u8, block: usize) -> __m512 {
+        // SAFETY: the caller upholds the trait's contract: 16 f16 scales per block.
+        unsafe {
+            _mm512_cvtph_ps(_mm256_loadu_si256(
+                scales.add(2 * block * MXFP4_TILE_ROWS).cast(),
+            ))
+        }
     }
 }
 
@@ -74,6 +170,7 @@ unsafe fn block_scales(scales: *const u8) -> __m512 {
 #[inline(always)]
 unsafe fn store_tile<const T: usize>(
     acc: &[__m512; T],
+    factor: f32,
     out: *mut f32,
     stride: usize,
     lanes: Range<usize>,
@@ -82,7 +179,7 @@ unsafe fn store_tile<const T: usize>(
     // masked stores do not access masked-off lanes.
     unsafe {
         let mask = (((1u32 << lanes.end) - 1) & !((1u32 << lanes.start) - 1)) as __mmask16;
-        let factor = _mm512_set1_ps(format_factor(FORMAT_MXFP4));
+        let factor = _mm512_set1_ps(factor);
         for (t, acc_t) in acc.iter().enumerate() {
             _mm512_mask_storeu_ps(
                 out.wrapping_add(t * stride),
@@ -93,15 +190,15 @@ unsafe fn store_tile<const T: usize>(
     }
 }
 
-/// One tile (16 rows) against tokens `first_token..first_token + T` of `x`, decoding each
-/// vector in registers once for all `T` tokens, while prefetching `prefetch` into L2.
+/// One tile (16 rows) against tokens `first_token..first_token + T` of `x`, forming each
+/// block's operands in registers once for all `T` tokens, while prefetching `prefetch` into L2.
 ///
 /// # Safety
-/// `tile` is inside `w` (tiled), the tokens exist in `x`, `out` as in [`store_tile`].
+/// `tile` is inside `w`, the tokens exist in `x`, `out` as in [`store_tile`].
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile_tokens<const T: usize, const VBMI: bool, const EXP: bool>(
-    w: &Mxfp4Matrix,
+unsafe fn tile_tokens<W: TileSource, const T: usize, const EXP: bool>(
+    w: &W,
     tile: usize,
     x: &Q8Activations,
     first_token: usize,
@@ -113,13 +210,14 @@ unsafe fn tile_tokens<const T: usize, const VBMI: bool, const EXP: bool>(
     // SAFETY: the caller upholds the contract; every offset below stays inside the tile's bytes
     // and the tokens' activation rows.
     unsafe {
-        let blocks_per_row = w.cols / BLOCK_LEN;
-        let (bytes_at, scales_at) = w.tile_offsets(tile);
-        let vectors = w.blocks.as_ptr().add(bytes_at);
-        let scales = w.scales.as_ptr().add(scales_at);
+        let blocks_per_row = w.cols() / BLOCK_LEN;
+        let (vectors, scales) = w.tile_base(tile);
         let token_quants = x.quants.as_ptr().add(first_token * x.groups * GROUP_LEN);
         let token_lanes = first_token * x.groups * GROUP_LANES;
-        let corrections = x.corrections.as_ptr().add(token_lanes);
+        let corrections = x
+            .corrections
+            .as_ptr()
+            .add(token_lanes + correction_lane(W::FORMAT));
         let act_scales = x.scale_lanes.as_ptr().add(token_lanes);
         let (quant_stride, lane_stride) = (x.groups * GROUP_LEN, x.groups * GROUP_LANES);
         let mut acc = [_mm512_setzero_ps(); T];
@@ -128,14 +226,11 @@ unsafe fn tile_tokens<const T: usize, const VBMI: bool, const EXP: bool>(
             let (group, j) = (block / GROUP_BLOCKS, block % GROUP_BLOCKS);
             let lane = group * GROUP_LANES + 4 * j;
             let mut sums: [__m512i; T] = std::array::from_fn(|t| {
-                _mm512_set1_epi32(*corrections.add(t * lane_stride + lane + CORRECTION_LANE_MXFP4))
+                _mm512_set1_epi32(*corrections.add(t * lane_stride + lane))
             });
             for s in 0..BLOCK_VECTORS {
-                let bytes =
-                    _mm512_loadu_si512(vectors.add((block * BLOCK_VECTORS + s) * 64).cast());
-                let (evens, odds) = decode::<VBMI>(bytes);
-                // Activation dword 4j + s holds the evens this vector's low nibbles meet, dword
-                // 16 + 4j + s the odds.
+                let (evens, odds) = W::operands(vectors, block, s);
+                // Activation dword 4j + s holds the evens, dword 16 + 4j + s the odds.
                 let at = group * GROUP_LEN + 4 * (4 * j + s);
                 for (t, sum) in sums.iter_mut().enumerate() {
                     let quants = token_quants.add(t * quant_stride + at);
@@ -145,7 +240,7 @@ unsafe fn tile_tokens<const T: usize, const VBMI: bool, const EXP: bool>(
                     *sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(*sum, evens, even), odds, odd);
                 }
             }
-            let w_scales = block_scales(scales.add(block * MXFP4_TILE_ROWS));
+            let w_scales = W::scales(scales, block);
             let w_exponents = exponent_offsets(w_scales);
             for (t, (acc_t, sum)) in acc.iter_mut().zip(sums).enumerate() {
                 *acc_t = _mm512_fmadd_ps(
@@ -159,20 +254,83 @@ unsafe fn tile_tokens<const T: usize, const VBMI: bool, const EXP: bool>(
                 );
             }
         }
-        store_tile(&acc, out, stride, lanes);
+        store_tile(&acc, format_factor(W::FORMAT), out, stride, lanes);
     }
 }
 
-/// Tiles covering `rows`, each against every token of `x` in groups of at most
-/// [`DIRECT_TOKENS`], prefetching one tile ahead (past `rows` up to the matrix's end, so the
-/// next task's first tile is not a cold miss either).
+/// Tokens `tokens` of `x` against the rows `lanes` of tile `tile`, in groups of at most
+/// [`DIRECT_TOKENS`], writing `out` (lane 0 of the tile for token 0, as [`store_tile`]); the
+/// first group prefetches `prefetch`.
 ///
 /// # Safety
-/// `w` tiled, `x` matches it, `rows` inside it, `out.len() == x.rows() * rows.len()`; the CPU
-/// has the features of the function this is inlined into.
+/// As [`tile_tokens`].
 #[inline(always)]
-unsafe fn direct<const VBMI: bool>(
-    w: &Mxfp4Matrix,
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_all_tokens<W: TileSource>(
+    w: &W,
+    tile: usize,
+    x: &Q8Activations,
+    out: *mut f32,
+    stride: usize,
+    lanes: Range<usize>,
+    prefetch: [(*const u8, usize); 2],
+    exp: bool,
+) {
+    // SAFETY: the caller upholds the contract, which every call below shares.
+    unsafe {
+        let tokens = x.rows();
+        let batch = tokens.div_ceil(tokens.div_ceil(DIRECT_TOKENS));
+        let mut token = 0;
+        while token < tokens {
+            let count = (tokens - token).min(batch);
+            let o = out.wrapping_add(token * stride);
+            let p = if token == 0 {
+                prefetch
+            } else {
+                [(std::ptr::null(), 0); 2]
+            };
+            let l = lanes.clone();
+            macro_rules! tokens_for {
+                ($($n:literal)*) => {
+                    match (count, exp) {
+                        $(($n, false) => tile_tokens::<W, $n, false>(w, tile, x, token, o, stride, l, &p),
+                        ($n, true) => tile_tokens::<W, $n, true>(w, tile, x, token, o, stride, l, &p),)*
+                        (_, false) => tile_tokens::<W, 1, false>(w, tile, x, token, o, stride, l, &p),
+                        (_, true) => tile_tokens::<W, 1, true>(w, tile, x, token, o, stride, l, &p),
+                    }
+                };
+            }
+            tokens_for!(8 7 6 5 4 3 2);
+            token += count;
+        }
+    }
+}
+
+/// `out` for row `first_row` of a buffer whose first row is `rows_start`: before the buffer
+/// when the tile starts before the rows (only lanes inside are ever written).
+#[inline(always)]
+fn tile_out(out: &mut [f32], first_row: usize, rows_start: usize) -> *mut f32 {
+    out.as_mut_ptr()
+        .wrapping_add(first_row)
+        .wrapping_sub(rows_start)
+}
+
+/// The rows of tile `tile` that `rows` covers, as lanes.
+#[inline(always)]
+fn tile_lanes(tile: usize, rows: &Range<usize>) -> Range<usize> {
+    let first_row = tile * MXFP4_TILE_ROWS;
+    rows.start.saturating_sub(first_row)..(rows.end - first_row).min(MXFP4_TILE_ROWS)
+}
+
+/// Tiles covering `rows`, each against every token of `x`, prefetching one tile ahead (past
+/// `rows` up to the matrix's end, so the next task's first tile is not a cold miss either).
+///
+/// # Safety
+/// `x` matches `w`, `rows` inside it, `out.len() == x.rows() * rows.len()`; the CPU has the
+/// features of the function this is inlined into.
+#[inline(always)]
+unsafe fn direct<W: TileSource>(
+    w: &W,
     x: &Q8Activations,
     rows: Range<usize>,
     out: &mut [f32],
@@ -181,59 +339,29 @@ unsafe fn direct<const VBMI: bool>(
     // SAFETY: the caller upholds the contract; `store_tile` writes only lanes of `rows`.
     unsafe {
         let stride = rows.len();
-        let tokens = x.rows();
-        let batch = tokens.div_ceil(tokens.div_ceil(DIRECT_TOKENS));
-        let limit = w.row_count();
+        let limit = w.rows();
         let mut tile = rows.start / MXFP4_TILE_ROWS;
         while tile * MXFP4_TILE_ROWS < rows.end {
-            let first_row = tile * MXFP4_TILE_ROWS;
-            let lanes =
-                rows.start.saturating_sub(first_row)..(rows.end - first_row).min(MXFP4_TILE_ROWS);
-            let next = (first_row + MXFP4_TILE_ROWS).min(limit);
-            let spans = w.byte_spans(next..(next + MXFP4_TILE_ROWS).min(limit));
-            // `out` for row `first_row`: before the buffer when the tile starts before `rows`.
-            let tile_out = out
-                .as_mut_ptr()
-                .wrapping_add(first_row)
-                .wrapping_sub(rows.start);
-            let mut token = 0;
-            while token < tokens {
-                let count = (tokens - token).min(batch);
-                let o = tile_out.wrapping_add(token * stride);
-                // The next tile is prefetched once, during the first token group.
-                let p = if token == 0 {
-                    spans
-                } else {
-                    [(std::ptr::null(), 0); 2]
-                };
-                macro_rules! tokens_for {
-                    ($($n:literal)*) => {
-                        match (count, exp) {
-                            $(($n, false) => tile_tokens::<$n, VBMI, false>(w, tile, x, token, o, stride, lanes.clone(), &p),
-                            ($n, true) => tile_tokens::<$n, VBMI, true>(w, tile, x, token, o, stride, lanes.clone(), &p),)*
-                            (_, false) => tile_tokens::<1, VBMI, false>(w, tile, x, token, o, stride, lanes.clone(), &p),
-                            (_, true) => tile_tokens::<1, VBMI, true>(w, tile, x, token, o, stride, lanes.clone(), &p),
-                        }
-                    };
-                }
-                tokens_for!(8 7 6 5 4 3 2);
-                token += count;
-            }
+            let next = ((tile + 1) * MXFP4_TILE_ROWS).min(limit);
+            let spans = w.spans(next..(next + MXFP4_TILE_ROWS).min(limit));
+            let o = tile_out(out, tile * MXFP4_TILE_ROWS, rows.start);
+            tile_all_tokens(w, tile, x, o, stride, tile_lanes(tile, &rows), spans, exp);
             tile += 1;
         }
     }
 }
 
-/// Decodes tile `tile` into slot `slot` of the scratch in the layout [`super::decode_tile`]
-/// writes (per group: vector q < 16 the evens of dword q, 16 + q the odds; scale lanes per
-/// block), prefetching `prefetch`'s share. Blocks past a short last group get scale 1 and keep
-/// whatever integers the scratch held: they meet zero activations and a zero correction.
+/// Forms tile `tile`'s operands into slot `slot` of the scratch in the layout
+/// [`super::decode_tile`] writes (per group: vector q < 16 the evens of dword q, 16 + q the
+/// odds; scale lanes per block), prefetching `prefetch`'s share. Blocks past a short last group
+/// get scale 1 and keep whatever integers the scratch held: they meet zero activations and a
+/// zero correction.
 ///
 /// # Safety
-/// `tile` inside the tiled `w`, scratch sized for its columns, `slot < GEMM_TILE_SLOTS`.
+/// `tile` inside `w`, scratch sized for its columns, `slot < GEMM_TILE_SLOTS`.
 #[inline(always)]
-unsafe fn decode_tile<const VBMI: bool>(
-    w: &Mxfp4Matrix,
+unsafe fn decode_tile<W: TileSource>(
+    w: &W,
     tile: usize,
     scratch: &mut GemmScratch,
     slot: usize,
@@ -241,11 +369,9 @@ unsafe fn decode_tile<const VBMI: bool>(
 ) {
     // SAFETY: the caller upholds the contract; writes stay inside the slot.
     unsafe {
-        let blocks_per_row = w.cols / BLOCK_LEN;
+        let blocks_per_row = w.cols() / BLOCK_LEN;
         let groups = blocks_per_row.div_ceil(GROUP_BLOCKS);
-        let (bytes_at, scales_at) = w.tile_offsets(tile);
-        let vectors = w.blocks.as_ptr().add(bytes_at);
-        let scales = w.scales.as_ptr().add(scales_at);
+        let (vectors, scales) = w.tile_base(tile);
         let slot_tile = scratch
             .tile
             .as_mut_ptr()
@@ -266,28 +392,26 @@ unsafe fn decode_tile<const VBMI: bool>(
                 }
                 let block = group * GROUP_BLOCKS + j;
                 for s in 0..BLOCK_VECTORS {
-                    let bytes =
-                        _mm512_loadu_si512(vectors.add((block * BLOCK_VECTORS + s) * 64).cast());
-                    let (evens, odds) = decode::<VBMI>(bytes);
+                    let (evens, odds) = W::operands(vectors, block, s);
                     let q = 4 * j + s;
                     _mm512_storeu_si512(at.add(q * 64).cast(), evens);
                     _mm512_storeu_si512(at.add((GROUP_DWORDS / 2 + q) * 64).cast(), odds);
                 }
-                _mm512_storeu_ps(to, block_scales(scales.add(block * MXFP4_TILE_ROWS)));
+                _mm512_storeu_ps(to, W::scales(scales, block));
             }
         }
     }
 }
 
-/// More than [`DIRECT_TOKENS`] tokens: pairs of tiles decoded into scratch once, then the
-/// row-order GEMM's micro-kernels over every token; a tile `rows` covers only in part (never
-/// in the model, whose tasks are whole tiles) goes through [`direct`].
+/// Many tokens: pairs of whole tiles inside `rows` formed into scratch once, then the
+/// row-order GEMM's micro-kernels over every token; tiles `rows` covers only in part (never in
+/// the model, whose tasks are whole tiles) go through [`tile_all_tokens`].
 ///
 /// # Safety
 /// As [`direct`], scratch sized for `w`'s columns.
 #[inline(always)]
-unsafe fn gemm<const VBMI: bool>(
-    w: &Mxfp4Matrix,
+unsafe fn gemm<W: TileSource>(
+    w: &W,
     x: &Q8Activations,
     rows: Range<usize>,
     out: &mut [f32],
@@ -300,29 +424,29 @@ unsafe fn gemm<const VBMI: bool>(
         let whole = rows.start.next_multiple_of(MXFP4_TILE_ROWS)
             ..rows.end / MXFP4_TILE_ROWS * MXFP4_TILE_ROWS;
         if whole.start >= whole.end {
-            return direct::<VBMI>(w, x, rows, out, exp);
+            return direct(w, x, rows, out, exp);
         }
         let stride = rows.len();
         let tokens = x.rows();
-        let lane = CORRECTION_LANE_MXFP4;
-        let factor = format_factor(FORMAT_MXFP4);
-        let groups = (w.cols / BLOCK_LEN).div_ceil(GROUP_BLOCKS);
-        // Edge tiles cut by `rows`, one row-range each, through the direct kernel into a view
-        // of `out` with the same stride: done as separate passes over the tokens.
+        let lane = correction_lane(W::FORMAT);
+        let factor = format_factor(W::FORMAT);
+        let groups = (w.cols() / BLOCK_LEN).div_ceil(GROUP_BLOCKS);
+        let none = [(std::ptr::null(), 0); 2];
         for edge in [rows.start..whole.start, whole.end..rows.end] {
-            if edge.is_empty() {
-                continue;
+            if !edge.is_empty() {
+                let tile = edge.start / MXFP4_TILE_ROWS;
+                let o = tile_out(out, tile * MXFP4_TILE_ROWS, rows.start);
+                tile_all_tokens(w, tile, x, o, stride, tile_lanes(tile, &edge), none, exp);
             }
-            edge_rows::<VBMI>(w, x, rows.clone(), edge, out, exp);
         }
         let pair_rows = GEMM_TILE_SLOTS * GEMM_TILE_ROWS;
-        let spans_from = |start: usize| w.byte_spans(start..(start + pair_rows).min(w.row_count()));
+        let spans_from = |start: usize| w.spans(start..(start + pair_rows).min(w.rows()));
         super::prefetch_share(&spans_from(whole.start), 0, 1);
         let mut tile_start = whole.start;
         while tile_start < whole.end {
             let count = (whole.end - tile_start).min(pair_rows);
             let out_column = out.as_mut_ptr().add(tile_start - rows.start);
-            let next = spans_from((tile_start + pair_rows).min(w.row_count()));
+            let next = spans_from((tile_start + pair_rows).min(w.rows()));
             let tile = tile_start / MXFP4_TILE_ROWS;
             if count > GEMM_TILE_ROWS {
                 let batch = tokens.div_ceil(tokens.div_ceil(GEMM_PAIR_TOKENS));
@@ -332,8 +456,8 @@ unsafe fn gemm<const VBMI: bool>(
                     batch: index,
                     batches: parts,
                 };
-                decode_tile::<VBMI>(w, tile, scratch, 0, part(0));
-                decode_tile::<VBMI>(w, tile + 1, scratch, 1, part(1));
+                decode_tile(w, tile, scratch, 0, part(0));
+                decode_tile(w, tile + 1, scratch, 1, part(1));
                 let mut token = 0;
                 while token < tokens {
                     let t_count = (tokens - token).min(batch);
@@ -354,7 +478,7 @@ unsafe fn gemm<const VBMI: bool>(
                     token += t_count;
                 }
             } else {
-                decode_tile::<VBMI>(w, tile, scratch, 0, Prefetch::NOTHING);
+                decode_tile(w, tile, scratch, 0, Prefetch::NOTHING);
                 let batch = tokens.div_ceil(tokens.div_ceil(GEMM_TOKENS));
                 let mut token = 0;
                 while token < tokens {
@@ -381,62 +505,18 @@ unsafe fn gemm<const VBMI: bool>(
     }
 }
 
-/// Rows `edge` (inside one tile, inside `rows`) of every token through [`direct`], written into
-/// `out` (whose rows are `rows`).
-///
-/// # Safety
-/// As [`gemm`].
-#[inline(always)]
-unsafe fn edge_rows<const VBMI: bool>(
-    w: &Mxfp4Matrix,
-    x: &Q8Activations,
-    rows: Range<usize>,
-    edge: Range<usize>,
-    out: &mut [f32],
-    exp: bool,
-) {
-    // SAFETY: the caller upholds the contract; each token's results land in its own row of
-    // `out` at the edge's columns.
-    unsafe {
-        let stride = rows.len();
-        let tokens = x.rows();
-        let tile = edge.start / MXFP4_TILE_ROWS;
-        let first_row = tile * MXFP4_TILE_ROWS;
-        let lanes = edge.start - first_row..edge.end - first_row;
-        let tile_out = out
-            .as_mut_ptr()
-            .wrapping_add(first_row)
-            .wrapping_sub(rows.start);
-        let none = [(std::ptr::null(), 0); 2];
-        let mut token = 0;
-        while token < tokens {
-            let count = (tokens - token).min(DIRECT_TOKENS);
-            let o = tile_out.wrapping_add(token * stride);
-            macro_rules! tokens_for {
-                ($($n:literal)*) => {
-                    match (count, exp) {
-                        $(($n, false) => tile_tokens::<$n, VBMI, false>(w, tile, x, token, o, stride, lanes.clone(), &none),
-                        ($n, true) => tile_tokens::<$n, VBMI, true>(w, tile, x, token, o, stride, lanes.clone(), &none),)*
-                        (_, false) => tile_tokens::<1, VBMI, false>(w, tile, x, token, o, stride, lanes.clone(), &none),
-                        (_, true) => tile_tokens::<1, VBMI, true>(w, tile, x, token, o, stride, lanes.clone(), &none),
-                    }
-                };
-            }
-            tokens_for!(8 7 6 5 4 3 2);
-            token += count;
-        }
-    }
-}
-
 /// Whether the exponent-add scaling may run for these rows and tokens (see
-/// [`super::combined_scale`]): the weights' scale bytes of the tiles `rows` touches are
-/// contiguous, so one pass finds their range.
-fn exponent_add_allowed(w: &Mxfp4Matrix, x: &Q8Activations, rows: &Range<usize>) -> bool {
-    let [_, (scales, len)] = w.byte_spans(rows.clone());
+/// [`super::combined_scale`]): power-of-two scales only; the scale bytes of the tiles `rows`
+/// touches are contiguous, so one pass finds their range.
+fn exponent_add_allowed<W: TileSource>(w: &W, x: &Q8Activations, rows: &Range<usize>) -> bool {
+    if !W::POWER_OF_TWO_SCALES {
+        return false;
+    }
+    let [_, (scales, len)] = w.spans(rows.clone());
     if len == 0 {
         return false;
     }
-    // SAFETY: `byte_spans` of rows inside the matrix is a range of its scale bytes.
+    // SAFETY: the spans of rows inside the matrix are a range of its scale bytes.
     let bytes = unsafe { std::slice::from_raw_parts(scales, len) };
     let (low, high) = bytes
         .iter()
@@ -447,54 +527,62 @@ fn exponent_add_allowed(w: &Mxfp4Matrix, x: &Q8Activations, rows: &Range<usize>)
     )
 }
 
+/// In registers up to [`DIRECT_CALL_TOKENS`] tokens (or without scratch, as the GEMV entries
+/// call it), through scratch tiles beyond.
+///
+/// # Safety
+/// As [`gemm`].
+#[inline(always)]
+unsafe fn product<W: TileSource>(
+    w: &W,
+    x: &Q8Activations,
+    rows: Range<usize>,
+    out: &mut [f32],
+    scratch: Option<&mut GemmScratch>,
+) {
+    if rows.is_empty() || x.rows() == 0 {
+        return;
+    }
+    let exp = exponent_add_allowed(w, x, &rows);
+    // SAFETY: the caller upholds the contract.
+    unsafe {
+        match scratch {
+            Some(scratch) if x.rows() > DIRECT_CALL_TOKENS => gemm(w, x, rows, out, scratch, exp),
+            _ => direct(w, x, rows, out, exp),
+        }
+    }
+}
+
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-unsafe fn product_plain(
+unsafe fn mxfp4_plain(
     w: &Mxfp4Matrix,
     x: &Q8Activations,
     rows: Range<usize>,
     out: &mut [f32],
     scratch: Option<&mut GemmScratch>,
-    exp: bool,
 ) {
-    // SAFETY: the caller upholds `product`'s contract.
-    unsafe {
-        match scratch {
-            Some(scratch) if x.rows() > DIRECT_CALL_TOKENS => {
-                gemm::<false>(w, x, rows, out, scratch, exp)
-            }
-            _ => direct::<false>(w, x, rows, out, exp),
-        }
-    }
+    // SAFETY: the caller upholds `mxfp4_product`'s contract.
+    unsafe { product(&Mxfp4Tiles::<false>(w), x, rows, out, scratch) }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma,f16c")]
-unsafe fn product_vbmi(
+unsafe fn mxfp4_vbmi(
     w: &Mxfp4Matrix,
     x: &Q8Activations,
     rows: Range<usize>,
     out: &mut [f32],
     scratch: Option<&mut GemmScratch>,
-    exp: bool,
 ) {
-    // SAFETY: the caller upholds `product`'s contract, and the CPU has AVX-512 VBMI.
-    unsafe {
-        match scratch {
-            Some(scratch) if x.rows() > DIRECT_CALL_TOKENS => {
-                gemm::<true>(w, x, rows, out, scratch, exp)
-            }
-            _ => direct::<true>(w, x, rows, out, exp),
-        }
-    }
+    // SAFETY: the caller upholds `mxfp4_product`'s contract, and the CPU has AVX-512 VBMI.
+    unsafe { product(&Mxfp4Tiles::<true>(w), x, rows, out, scratch) }
 }
 
-/// `out[t * rows.len() + i] = W[rows.start + i] . x[t]` for a tiled `w`: in registers up to
-/// [`DIRECT_TOKENS`] tokens (or without scratch, as the GEMV entry calls it), through decoded
-/// scratch tiles beyond.
+/// `out[t * rows.len() + i] = W[rows.start + i] . x[t]` for a tiled MXFP4 `w`.
 ///
 /// # Safety
 /// The CPU has the module's features (and VBMI if `vbmi`); `w` is tiled and the shapes were
 /// checked by `Kernels`; scratch sized for `w`'s columns.
-pub(in crate::kernels) unsafe fn product(
+pub(in crate::kernels) unsafe fn mxfp4_product(
     w: &Mxfp4Matrix,
     x: &Q8Activations,
     rows: Range<usize>,
@@ -503,16 +591,29 @@ pub(in crate::kernels) unsafe fn product(
     vbmi: bool,
 ) {
     debug_assert_eq!(w.layout, Mxfp4Layout::Tiles);
-    if rows.is_empty() || x.rows() == 0 {
-        return;
-    }
-    let exp = exponent_add_allowed(w, x, &rows);
     // SAFETY: the caller upholds the contract, which both entries share.
     unsafe {
         if vbmi {
-            product_vbmi(w, x, rows, out, scratch, exp)
+            mxfp4_vbmi(w, x, rows, out, scratch)
         } else {
-            product_plain(w, x, rows, out, scratch, exp)
+            mxfp4_plain(w, x, rows, out, scratch)
         }
     }
+}
+
+/// `out[t * rows.len() + i] = W[rows.start + i] . x[t]` for a tiled Q8 `w`.
+///
+/// # Safety
+/// As [`mxfp4_product`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+pub(in crate::kernels) unsafe fn q8_product(
+    w: &Q8Matrix,
+    x: &Q8Activations,
+    rows: Range<usize>,
+    out: &mut [f32],
+    scratch: Option<&mut GemmScratch>,
+) {
+    debug_assert!(w.tiled);
+    // SAFETY: the caller upholds the contract.
+    unsafe { product(&Q8Tiles(w), x, rows, out, scratch) }
 }
