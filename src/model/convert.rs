@@ -9,7 +9,7 @@ use super::config::MXFP4_BLOCK;
 use super::options::WeightFormat;
 use super::weights::{Bf16Matrix, Weights};
 use super::ModelError;
-use crate::kernels::{Q4Matrix, Q8Matrix};
+use crate::kernels::{Q4Matrix, Q8Matrix, MXFP4_TILE_ROWS};
 
 /// A dense weight matrix in one of the [`WeightFormat`]s.
 pub enum DenseMatrix {
@@ -20,7 +20,15 @@ pub enum DenseMatrix {
 }
 
 impl DenseMatrix {
-    fn convert(matrix: &Bf16Matrix, format: WeightFormat) -> Result<Self, ModelError> {
+    /// `tile_q8`: reorder Q8 matrices the conversion makes into the tile layout
+    /// ([`Q8Matrix::to_tiles`]) where their rows fill whole tiles. A file's own Q8 blocks stay
+    /// in row order: they are shared with the bf16 matrix they came from, so a tiled copy
+    /// would hold them twice.
+    fn convert(
+        matrix: &Bf16Matrix,
+        format: WeightFormat,
+        tile_q8: bool,
+    ) -> Result<Self, ModelError> {
         // Quantized blocks need whole blocks of 32 inputs; other widths stay exact.
         if format == WeightFormat::Native || !matrix.cols().is_multiple_of(MXFP4_BLOCK) {
             return Ok(DenseMatrix::Bf16(matrix.clone()));
@@ -31,6 +39,13 @@ impl DenseMatrix {
         }
         let quantized = match format {
             WeightFormat::Q8 => Q8Matrix::from_bf16(matrix.rows(), matrix.cols(), matrix.values())
+                .and_then(|m| {
+                    if tile_q8 && m.rows().is_multiple_of(MXFP4_TILE_ROWS) {
+                        m.to_tiles()
+                    } else {
+                        Ok(m)
+                    }
+                })
                 .map(|m| DenseMatrix::Q8(Arc::new(m))),
             _ => Q4Matrix::from_bf16(matrix.rows(), matrix.cols(), matrix.values())
                 .map(DenseMatrix::Q4),
@@ -98,19 +113,20 @@ pub struct FastWeights {
 
 impl FastWeights {
     /// Converts the attention projections and the unembedding to `format` on the current rayon
-    /// pool (callers install the session's: the engine, the CLI). `progress` hears
+    /// pool (callers install the session's: the engine, the CLI), Q8 in tiles if `tile_q8`. `progress` hears
     /// (matrices done, matrices in all). Quantizing reads the bf16 source once; its pages of the
     /// mapping are released afterwards so they do not count twice.
     pub fn build(
         weights: &Weights,
         format: WeightFormat,
+        tile_q8: bool,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<FastWeights, ModelError> {
         let started = Instant::now();
         let total = weights.layers.len() * 4 + 1;
         let mut done = 0;
         let mut step = |m: &Bf16Matrix| -> Result<DenseMatrix, ModelError> {
-            let converted = DenseMatrix::convert(m, format)?;
+            let converted = DenseMatrix::convert(m, format, tile_q8)?;
             if converted.needs_quantized_input() {
                 m.release_pages();
             }

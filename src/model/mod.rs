@@ -274,7 +274,12 @@ impl Model {
         let kernels = crate::kernels::Kernels::new(path)?;
         let fast = match opts.precision {
             Precision::Exact => None,
-            Precision::Fast => Some(FastWeights::build(&weights, opts.weights, progress)?),
+            Precision::Fast => Some(FastWeights::build(
+                &weights,
+                opts.weights,
+                kernels.prefers_tiled_q8(),
+                progress,
+            )?),
         };
         Ok(Model {
             config,

@@ -330,11 +330,15 @@ const PASS_ROWS: usize = 64;
 /// four: attention 62 ms a step against 23 for one sequence). The experts' MXFP4 products keep
 /// their own choice (`Kernels::mxfp4_product`): their GEMV at four rows already runs at about
 /// half the read bandwidth (`bench --kernels`), so a second pass would not come nearly free.
+///
+/// Tiled Q8 matrices take none: their kernel keeps up to 8 tokens' sums in registers per pass
+/// over a tile and runs up to 16 tokens a call that way, so one call beats cut passes.
 fn gemv_passes(job: &Job<'_>) -> Option<usize> {
-    let int8_dense = matches!(
-        job.weights,
-        JobWeights::Dense(DenseMatrix::Q8(_) | DenseMatrix::Q4(_))
-    );
+    let int8_dense = match job.weights {
+        JobWeights::Dense(DenseMatrix::Q8(m)) => !m.is_tiled(),
+        JobWeights::Dense(DenseMatrix::Q4(_)) => true,
+        _ => false,
+    };
     let passes = job.tokens.div_ceil(kernels::MAX_GEMV_TOKENS);
     (int8_dense && (2..=GEMV_PASSES).contains(&passes)).then_some(passes)
 }
