@@ -135,7 +135,7 @@ impl ModelArgs {
             weights: self.weights,
             kv: self.kv_cache,
             activations: self.activations,
-            kernels: None,
+            ..LoadOptions::default()
         };
         let planned = match (&self.model, self.synthetic) {
             (Some(path), _) => Some(Planned::Path(path)),

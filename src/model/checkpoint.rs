@@ -59,6 +59,12 @@ pub trait ByteOwner: Send + Sync {
     /// Lets the OS drop the resident pages of `range` if it can bring them back by itself
     /// (file-backed mappings); a no-op for heap memory.
     fn release(&self, _range: Range<usize>) {}
+
+    /// Whether the bytes are a file's pages, which the OS can drop and read again, rather than
+    /// memory the process owns.
+    fn is_mapped(&self) -> bool {
+        false
+    }
 }
 
 /// A read-only mapping of a weights file (safetensors shard or GGUF), watched by [`crate::fault`]
@@ -95,6 +101,10 @@ impl ByteOwner for WatchedMap {
         &self.map
     }
 
+    fn is_mapped(&self) -> bool {
+        true
+    }
+
     fn release(&self, range: Range<usize>) {
         // madvise wants page-aligned ranges: release only whole pages inside the range.
         const PAGE: usize = 4096;
@@ -119,6 +129,61 @@ impl ByteOwner for Vec<u8> {
     fn bytes(&self) -> &[u8] {
         self
     }
+}
+
+/// Zero-filled heap bytes starting on a 64-byte boundary, for data the kernels read in 512-bit
+/// vectors: a large `Vec<u8>` starts 16 bytes past a cache line, so every such load would touch
+/// two lines.
+pub struct AlignedBytes {
+    buffer: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl AlignedBytes {
+    const ALIGN: usize = 64;
+
+    /// `len` zero bytes. Large buffers come from the OS already zeroed and are backed by huge
+    /// pages where the kernel allows: gigabytes of weights in 4 KiB pages cost a TLB miss every
+    /// few rows.
+    pub fn zeroed(len: usize) -> Self {
+        let buffer = vec![0u8; len + Self::ALIGN - 1];
+        let start = buffer.as_ptr().align_offset(Self::ALIGN);
+        advise_huge_pages(&buffer);
+        AlignedBytes { buffer, start, len }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.buffer[self.start..self.start + self.len]
+    }
+}
+
+impl ByteOwner for AlignedBytes {
+    fn bytes(&self) -> &[u8] {
+        &self.buffer[self.start..self.start + self.len]
+    }
+}
+
+/// Asks for transparent huge pages over the whole 2 MiB pages inside `buffer`, before they are
+/// first touched. A kernel without them (or set to `never`) refuses, which is harmless.
+fn advise_huge_pages(buffer: &[u8]) {
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE_PAGE: usize = 2 << 20;
+        let start = buffer.as_ptr() as usize;
+        let first = start.div_ceil(HUGE_PAGE) * HUGE_PAGE;
+        let end = (start + buffer.len()) / HUGE_PAGE * HUGE_PAGE;
+        if end > first {
+            // SAFETY: the range lies inside `buffer`'s allocation and is page aligned;
+            // MADV_HUGEPAGE changes only how the kernel backs those pages, never their contents
+            // or lifetime.
+            unsafe {
+                libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE);
+            }
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = buffer;
 }
 
 /// A cheap, cloneable view of part of a mapping or buffer.
@@ -149,6 +214,11 @@ impl TensorBytes {
     /// Drops these bytes from the process's resident memory where the OS can reload them.
     pub fn release_pages(&self) {
         self.owner.release(self.range.clone());
+    }
+
+    /// Whether the bytes are a file's pages (see [`ByteOwner::is_mapped`]).
+    pub fn is_mapped(&self) -> bool {
+        self.owner.is_mapped()
     }
 
     pub fn len(&self) -> usize {

@@ -1,6 +1,6 @@
 //! Weight conversion for the fast path: the attention projections and the unembedding in the
 //! chosen [`WeightFormat`], built once at load (and again when the setting changes). Experts stay
-//! MXFP4 in the mapping.
+//! MXFP4, in the mapping or reordered into tiles at load (`Weights::tile_experts`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -97,6 +97,11 @@ pub struct FastWeights {
 }
 
 impl FastWeights {
+    /// How many matrices [`FastWeights::build`] converts (its progress total).
+    pub fn matrix_count(weights: &Weights) -> usize {
+        weights.layers.len() * 4 + 1
+    }
+
     /// Converts the attention projections and the unembedding to `format` on the current rayon
     /// pool (callers install the session's: the engine, the CLI). `progress` hears
     /// (matrices done, matrices in all). Quantizing reads the bf16 source once; its pages of the
@@ -107,7 +112,7 @@ impl FastWeights {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<FastWeights, ModelError> {
         let started = Instant::now();
-        let total = weights.layers.len() * 4 + 1;
+        let total = Self::matrix_count(weights);
         let mut done = 0;
         let mut step = |m: &Bf16Matrix| -> Result<DenseMatrix, ModelError> {
             let converted = DenseMatrix::convert(m, format)?;

@@ -74,6 +74,19 @@ pub fn check_before_load_sequences(
     .check(memory)
 }
 
+/// Memory left beside a copy of mapped experts into the tile layout: converted matrices, a KV
+/// cache at everyday contexts, the rest of the process and of the machine.
+const TILED_COPY_HEADROOM: u64 = 4 << 30;
+
+/// Whether `bytes` of mapped experts may be copied into the tile layout, in memory the process
+/// owns: only with [`TILED_COPY_HEADROOM`] to spare in `memory`'s available bytes (which count
+/// the checkpoint's cached pages: the copy releases those). A model larger than that keeps its
+/// experts in the mapping, paged from disk as tokens need them, rather than failing to load.
+/// Unknown memory allows the copy.
+pub fn tiled_copy_fits(bytes: u64, memory: Option<SystemMemory>) -> bool {
+    bytes == 0 || memory.is_none_or(|m| bytes.saturating_add(TILED_COPY_HEADROOM) <= m.available)
+}
+
 /// Bytes of RAM: installed and available now (free plus reclaimable cache), from /proc/meminfo.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SystemMemory {
