@@ -65,6 +65,12 @@ pub trait ByteOwner: Send + Sync {
     fn is_mapped(&self) -> bool {
         false
     }
+
+    /// The bytes for writing, where the owner allows it (heap buffers that nothing else reads
+    /// from: see [`TensorBytes::unique_aligned_mut`]).
+    fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+        None
+    }
 }
 
 /// A read-only mapping of a weights file (safetensors shard or GGUF), watched by [`crate::fault`]
@@ -162,6 +168,10 @@ impl ByteOwner for AlignedBytes {
     fn bytes(&self) -> &[u8] {
         &self.buffer[self.start..self.start + self.len]
     }
+
+    fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+        Some(self.as_mut_slice())
+    }
 }
 
 /// Asks for transparent huge pages over the whole 2 MiB pages inside `buffer`, before they are
@@ -205,6 +215,22 @@ impl TensorBytes {
     pub fn from_vec(bytes: Vec<u8>) -> Self {
         let len = bytes.len();
         TensorBytes::new(Arc::new(bytes), 0..len)
+    }
+
+    /// All of `bytes`.
+    pub fn from_aligned(bytes: AlignedBytes) -> Self {
+        let len = bytes.len;
+        TensorBytes::new(Arc::new(bytes), 0..len)
+    }
+
+    /// The bytes for writing in place, if no other view shares their owner, the owner lends
+    /// them for writing (an [`AlignedBytes`]) and they start on a 64-byte boundary.
+    pub fn unique_aligned_mut(&mut self) -> Option<&mut [u8]> {
+        let range = self.range.clone();
+        let bytes = &mut Arc::get_mut(&mut self.owner)?.bytes_mut()?[range];
+        (bytes.as_ptr() as usize)
+            .is_multiple_of(AlignedBytes::ALIGN)
+            .then_some(bytes)
     }
 
     pub fn as_slice(&self) -> &[u8] {

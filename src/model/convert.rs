@@ -92,6 +92,10 @@ pub struct FastWeights {
     pub lm_head: DenseMatrix,
     /// Time the conversion took.
     pub convert_time: Duration,
+    /// Time reordering the experts into tiles took before the conversion (zero when they were
+    /// not), and the bytes reordered.
+    pub tile_time: Duration,
+    pub tiled_bytes: usize,
     /// Memory the converted weights take outside the mapping.
     pub owned_bytes: usize,
 }
@@ -145,6 +149,8 @@ impl FastWeights {
             layers,
             lm_head,
             convert_time: started.elapsed(),
+            tile_time: Duration::ZERO,
+            tiled_bytes: 0,
             owned_bytes,
         })
     }

@@ -296,18 +296,25 @@ impl Model {
                     0
                 };
                 let total = tensors + FastWeights::matrix_count(&weights);
-                if tile {
+                let started = std::time::Instant::now();
+                let tiled_bytes = if tile {
                     let mut done = 0;
                     weights.tile_experts(&mut || {
                         done += 1;
                         progress(done, total);
-                    })?;
-                }
-                Some(FastWeights::build(
-                    &weights,
-                    opts.weights,
-                    &mut |done, _| progress(tensors + done, total),
-                )?)
+                    })?
+                } else {
+                    0
+                };
+                let tile_time = started.elapsed();
+                let fast = FastWeights::build(&weights, opts.weights, &mut |done, _| {
+                    progress(tensors + done, total)
+                })?;
+                Some(FastWeights {
+                    tile_time,
+                    tiled_bytes,
+                    ..fast
+                })
             }
         };
         Ok(Model {

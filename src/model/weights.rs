@@ -231,7 +231,7 @@ impl Mxfp4Experts {
         .expect("the shape was checked against the bytes when the tensor was built")
     }
 
-    /// Whether [`Self::tiled`] applies: the experts are in row order and their rows fill whole
+    /// Whether [`Self::tile`] applies: the experts are in row order and their rows fill whole
     /// tiles (small test shapes may not; those stay in row order).
     pub fn can_tile(&self) -> bool {
         self.layout == Mxfp4Layout::Rows && self.rows.is_multiple_of(MXFP4_TILE_ROWS)
@@ -242,41 +242,50 @@ impl Mxfp4Experts {
         self.blocks.is_mapped()
     }
 
-    /// The same experts with their bytes reordered into [`Mxfp4Layout::Tiles`] ([`Self::can_tile`]
-    /// must hold), in 64-byte aligned memory of their own, expert by expert on the current rayon
-    /// pool. A mapping's pages of the row-order bytes are released afterwards: the caller replaces
-    /// these experts with the tiled ones, and the bytes would otherwise stay resident twice.
-    pub fn tiled(&self) -> Result<Mxfp4Experts, ModelError> {
+    /// Reorders the bytes into [`Mxfp4Layout::Tiles`] ([`Self::can_tile`] must hold), expert by
+    /// expert on the current rayon pool. Aligned heap bytes nothing else shares (generated or
+    /// repacked at load) are reordered in place; others are copied into 64-byte aligned memory of
+    /// the tensor's own, and a mapping's pages of the row-order bytes are released: nothing
+    /// reads them any more, and they would otherwise stay resident beside the copy.
+    pub fn tile(&mut self) -> Result<(), ModelError> {
         assert!(self.can_tile(), "tiling experts that cannot be tiled");
-        let mut blocks = AlignedBytes::zeroed(self.blocks.len());
-        let mut scales = AlignedBytes::zeroed(self.scales.len());
-        let per_expert = (self.rows * self.cols / 2).max(1);
-        let per_expert_scales = (self.rows * self.cols / MXFP4_BLOCK).max(1);
-        blocks
-            .as_mut_slice()
-            .par_chunks_mut(per_expert)
-            .zip(scales.as_mut_slice().par_chunks_mut(per_expert_scales))
-            .enumerate()
-            .try_for_each(|(expert, (tiled_blocks, tiled_scales))| {
-                kernels::tile_mxfp4(
-                    self.rows,
-                    self.cols,
-                    self.blocks(expert),
-                    self.scales(expert),
-                    tiled_blocks,
-                    tiled_scales,
-                )
-            })?;
-        self.blocks.release_pages();
-        self.scales.release_pages();
-        let (blocks_len, scales_len) = (self.blocks.len(), self.scales.len());
-        Ok(Mxfp4Experts {
-            blocks: TensorBytes::new(Arc::new(blocks), 0..blocks_len),
-            scales: TensorBytes::new(Arc::new(scales), 0..scales_len),
-            layout: Mxfp4Layout::Tiles,
-            bias: self.bias.clone(),
-            ..*self
-        })
+        let (rows, cols) = (self.rows, self.cols);
+        // `max(1)`: chunks of a tensor without bytes must still have a size.
+        let per_expert = (rows * cols / 2).max(1);
+        let per_expert_scales = (rows * cols / MXFP4_BLOCK).max(1);
+        if let (Some(blocks), Some(scales)) = (
+            self.blocks.unique_aligned_mut(),
+            self.scales.unique_aligned_mut(),
+        ) {
+            blocks
+                .par_chunks_mut(per_expert)
+                .zip(scales.par_chunks_mut(per_expert_scales))
+                .try_for_each(|(blocks, scales)| tile_in_place(rows, cols, blocks, scales))?;
+        } else {
+            let mut blocks = AlignedBytes::zeroed(self.blocks.len());
+            let mut scales = AlignedBytes::zeroed(self.scales.len());
+            blocks
+                .as_mut_slice()
+                .par_chunks_mut(per_expert)
+                .zip(scales.as_mut_slice().par_chunks_mut(per_expert_scales))
+                .enumerate()
+                .try_for_each(|(expert, (tiled_blocks, tiled_scales))| {
+                    kernels::tile_mxfp4(
+                        rows,
+                        cols,
+                        self.blocks(expert),
+                        self.scales(expert),
+                        tiled_blocks,
+                        tiled_scales,
+                    )
+                })?;
+            self.blocks.release_pages();
+            self.scales.release_pages();
+            self.blocks = TensorBytes::from_aligned(blocks);
+            self.scales = TensorBytes::from_aligned(scales);
+        }
+        self.layout = Mxfp4Layout::Tiles;
+        Ok(())
     }
 
     pub fn num_experts(&self) -> usize {
@@ -424,18 +433,57 @@ impl Weights {
     /// Reorders every expert tensor that [`Mxfp4Experts::can_tile`] into
     /// [`Mxfp4Layout::Tiles`], one tensor at a time (each in parallel on the current rayon pool),
     /// so the row-order bytes of a tensor are dropped or released before the next is copied:
-    /// memory peaks one tensor above the model. `progress` hears each tensor done.
-    pub fn tile_experts(&mut self, progress: &mut dyn FnMut()) -> Result<(), ModelError> {
+    /// memory peaks one tensor above the model. `progress` hears each tensor done. Returns the
+    /// bytes reordered.
+    pub fn tile_experts(&mut self, progress: &mut dyn FnMut()) -> Result<usize, ModelError> {
+        let mut bytes = 0;
         for layer in &mut self.layers {
             for experts in [&mut layer.gate_up, &mut layer.down] {
                 if experts.can_tile() {
-                    *experts = experts.tiled()?;
+                    experts.tile()?;
+                    bytes += experts.byte_len();
                     progress();
                 }
             }
         }
-        Ok(())
+        Ok(bytes)
     }
+}
+
+/// Reorders one [rows, cols] matrix into [`Mxfp4Layout::Tiles`] in place. In that layout a tile
+/// takes the bytes its 16 rows take in row order, so each tile is rebuilt from a copy of its own
+/// rows alone: no second buffer the size of the matrix.
+fn tile_in_place(
+    rows: usize,
+    cols: usize,
+    blocks: &mut [u8],
+    scales: &mut [u8],
+) -> Result<(), ModelError> {
+    let tile_bytes = MXFP4_TILE_ROWS * cols / 2;
+    let tile_scales = MXFP4_TILE_ROWS * cols / MXFP4_BLOCK;
+    debug_assert_eq!(
+        Mxfp4Matrix::new_tiled(rows, cols, blocks, scales)?.tile_offsets(1),
+        (tile_bytes, tile_scales),
+        "a tile's bytes are where its rows were"
+    );
+    let mut rows_of_tile = vec![0u8; tile_bytes + tile_scales];
+    let (row_blocks, row_scales) = rows_of_tile.split_at_mut(tile_bytes);
+    for (tile_blocks, tile_scale_bytes) in blocks
+        .chunks_exact_mut(tile_bytes)
+        .zip(scales.chunks_exact_mut(tile_scales))
+    {
+        row_blocks.copy_from_slice(tile_blocks);
+        row_scales.copy_from_slice(tile_scale_bytes);
+        kernels::tile_mxfp4(
+            MXFP4_TILE_ROWS,
+            cols,
+            row_blocks,
+            row_scales,
+            tile_blocks,
+            tile_scale_bytes,
+        )?;
+    }
+    Ok(())
 }
 
 fn load_layer(
@@ -726,11 +774,42 @@ mod tests {
         .unwrap()
     }
 
+    /// `experts` with its bytes in aligned heap memory of their own, as generated weights are.
+    fn owned_aligned(experts: &Mxfp4Experts) -> Mxfp4Experts {
+        let aligned = |bytes: &TensorBytes| {
+            let mut copy = AlignedBytes::zeroed(bytes.len());
+            copy.as_mut_slice().copy_from_slice(bytes.as_slice());
+            TensorBytes::from_aligned(copy)
+        };
+        Mxfp4Experts {
+            blocks: aligned(&experts.blocks),
+            scales: aligned(&experts.scales),
+            bias: experts.bias.clone(),
+            ..*experts
+        }
+    }
+
     #[test]
     fn tiled_experts_hold_the_same_values_in_aligned_memory() {
         let rows = experts_of([3, 32, 96]);
         assert!(rows.can_tile() && !rows.is_mapped());
-        let tiled = rows.tiled().unwrap();
+        // A plain Vec is copied; aligned bytes of their own are reordered where they are.
+        let mut copied = rows.clone();
+        copied.tile().unwrap();
+        let mut in_place = owned_aligned(&rows);
+        let start = in_place.blocks.as_slice().as_ptr();
+        in_place.tile().unwrap();
+        assert_eq!(in_place.blocks.as_slice().as_ptr(), start);
+        assert_eq!(in_place.blocks.as_slice(), copied.blocks.as_slice());
+        assert_eq!(in_place.scales.as_slice(), copied.scales.as_slice());
+        // Shared bytes are copied, not written under the other reader.
+        let mut shared = owned_aligned(&rows);
+        let other = shared.clone();
+        shared.tile().unwrap();
+        assert_eq!(other.blocks.as_slice(), rows.blocks.as_slice());
+        assert_eq!(shared.blocks.as_slice(), copied.blocks.as_slice());
+
+        let tiled = copied;
         assert_eq!(tiled.layout(), Mxfp4Layout::Tiles);
         assert!(!tiled.can_tile(), "tiles are not tiled again");
         assert_eq!(tiled.blocks.as_slice().as_ptr() as usize % 64, 0);
@@ -779,7 +858,8 @@ mod tests {
         assert_eq!(weights.tileable_expert_tensors(), 1);
         assert_eq!(weights.tileable_mapped_bytes(), 0);
         let mut done = 0;
-        weights.tile_experts(&mut || done += 1).unwrap();
+        let bytes = weights.tile_experts(&mut || done += 1).unwrap();
+        assert_eq!(bytes, experts_of([2, 48, 64]).byte_len());
         assert_eq!(done, 1);
         let layer = &weights.layers[0];
         assert_eq!(layer.gate_up.layout(), Mxfp4Layout::Tiles);
