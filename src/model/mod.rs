@@ -278,17 +278,11 @@ impl Model {
         let fast = match opts.precision {
             Precision::Exact => None,
             Precision::Fast => {
-                let tile = match opts.expert_layout {
-                    ExpertLayout::Rows => false,
-                    ExpertLayout::Tiles => true,
-                    ExpertLayout::Auto => {
-                        kernels.prefers_tiled_mxfp4()
-                            && memory::tiled_copy_fits(
-                                weights.tileable_mapped_bytes(),
-                                memory::SystemMemory::read(),
-                            )
-                    }
-                };
+                let tile = memory::tiles_experts(
+                    opts,
+                    weights.tileable_mapped_bytes(),
+                    memory::SystemMemory::read(),
+                );
                 // Reordering and converting report as one stage: tensors, then matrices.
                 let tensors = if tile {
                     weights.tileable_expert_tensors()
