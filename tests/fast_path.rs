@@ -476,3 +476,48 @@ fn the_default_layout_follows_the_kernels_and_exact_reads_tiled_experts() {
         "exact logits differ with tiled experts"
     );
 }
+
+#[test]
+fn the_expert_layout_flag_reaches_the_model() {
+    let tiled_bytes = |layout: &str| {
+        let run = std::process::Command::new(env!("CARGO_BIN_EXE_ossterm"))
+            .args([
+                "bench",
+                "--synthetic",
+                "tiny",
+                "--json",
+                "--no-ttft",
+                "--repeat",
+                "1",
+            ])
+            .args(["--prompt-tokens", "1", "--gen-tokens", "1"])
+            .args(["--expert-layout", layout])
+            .env("OSSTERM_KERNELS", "scalar")
+            .output()
+            .unwrap();
+        assert!(
+            run.status.success(),
+            "{layout}: {}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let report: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
+        report["settings"]["tiled_bytes"].as_u64().unwrap()
+    };
+    // The scalar kernels do not ask for tiles: auto keeps the rows, tiles reorders them all.
+    let config = ossterm::model::Preset::Tiny.config();
+    assert_eq!(tiled_bytes("tiles"), config.tileable_expert_bytes());
+    assert!(config.tileable_expert_bytes() > 0);
+    assert_eq!(tiled_bytes("rows"), 0);
+    assert_eq!(tiled_bytes("auto"), 0);
+    let refused = std::process::Command::new(env!("CARGO_BIN_EXE_ossterm"))
+        .args(["logits", "--synthetic", "tiny", "--tokens", "1"])
+        .args(["--expert-layout", "columns"])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("auto") && stderr.contains("tiles"),
+        "{stderr}"
+    );
+}

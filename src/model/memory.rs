@@ -437,6 +437,9 @@ impl MemoryNeeds {
             ),
             WeightSource::Mapped => {}
         }
+        if self.tiled > 0 {
+            ways.push("--expert-layout rows keeps the experts in the mapping".into());
+        }
         if self.converted > 0 && self.source != WeightSource::Synthetic {
             ways.push("--weights native keeps attention and unembedding in the mapping".into());
         }
@@ -546,6 +549,15 @@ mod tests {
         assert_eq!(tiled.tiled, c.tileable_expert_bytes());
         assert_eq!(tiled.owned, rows.owned + tiled.tiled);
         assert_eq!(tiled.check(machine).unwrap(), None);
+        let small = SystemMemory {
+            total: 16 * GIB,
+            available: 10 * GIB,
+        };
+        let err = tiled.check(small).unwrap_err().to_string();
+        assert!(
+            err.contains("experts reordered into tiles") && err.contains("--expert-layout rows"),
+            "{err}"
+        );
         let kept = rows.with_tiled_experts(&c, &opts(ExpertLayout::Rows), Some(machine));
         assert_eq!(kept, rows);
         // Generated experts are reordered where they are.
