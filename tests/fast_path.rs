@@ -375,3 +375,149 @@ fn every_kv_cache_type_stays_close_to_the_exact_path() {
         "int8 KV top-1 {q8}/{total} against f16 {f16}/{total}"
     );
 }
+
+#[test]
+fn tiled_experts_compute_what_row_order_experts_do() {
+    use ossterm::kernels::{KernelPath, Kernels, Mxfp4Layout};
+    use ossterm::model::ExpertLayout;
+    for dir in fixture_dirs() {
+        for path in Kernels::all_supported().iter().map(|k| k.path()) {
+            let opts = |expert_layout| LoadOptions {
+                kernels: Some(path),
+                expert_layout,
+                ..LoadOptions::default()
+            };
+            let tiled = Model::load(&dir, &opts(ExpertLayout::Tiles)).unwrap();
+            // Every fixture's expert rows fill whole tiles: otherwise this would compare the
+            // row order with itself.
+            for layer in &tiled.weights.layers {
+                assert_eq!(layer.gate_up.layout(), Mxfp4Layout::Tiles);
+                assert_eq!(layer.down.layout(), Mxfp4Layout::Tiles);
+            }
+            let (rows, vocab) = all_logits(&dir, &opts(ExpertLayout::Rows));
+            let (tiles, _) = all_logits(&dir, &opts(ExpertLayout::Tiles));
+            if path == KernelPath::Scalar {
+                // The reference reads both layouts through the same accessors: the same sums in
+                // the same order.
+                assert!(
+                    rows.iter()
+                        .zip(&tiles)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{}: scalar logits differ between layouts",
+                    dir.display()
+                );
+                continue;
+            }
+            // Other paths may sum a tiled matrix in another order than a row-order one: the
+            // bounds of `every_kernel_path_computes_the_same_logits`.
+            let r = agreement(&rows, &tiles, vocab);
+            eprintln!(
+                "{} {path:?}: tiles vs rows top-1 {}/{}, median error {:.2e}",
+                dir.display(),
+                r.top1,
+                r.positions,
+                r.quantile(0.5)
+            );
+            assert!(r.quantile(0.5) < 5e-3, "{path:?}: {}", r.quantile(0.5));
+            assert!(r.top1 * 100 >= r.positions * 95, "{path:?}: {}", r.top1);
+        }
+    }
+}
+
+#[test]
+fn the_default_layout_follows_the_kernels_and_exact_reads_tiled_experts() {
+    use ossterm::kernels::{Kernels, Mxfp4Layout};
+    let dir = &fixture_dirs()[0];
+    for kernels in Kernels::all_supported() {
+        let opts = LoadOptions {
+            kernels: Some(kernels.path()),
+            ..LoadOptions::default()
+        };
+        let model = Model::load(dir, &opts).unwrap();
+        let want = if kernels.prefers_tiled_mxfp4() {
+            Mxfp4Layout::Tiles
+        } else {
+            Mxfp4Layout::Rows
+        };
+        assert_eq!(model.weights.layers[0].gate_up.layout(), want);
+    }
+    // An exact model reconfigured from a tiled one shares its experts: same logits, bit for bit,
+    // as an exact model loaded on its own.
+    let tiled = Model::load(
+        dir,
+        &LoadOptions {
+            expert_layout: ossterm::model::ExpertLayout::Tiles,
+            ..LoadOptions::default()
+        },
+    )
+    .unwrap();
+    let exact_opts = LoadOptions {
+        precision: Precision::Exact,
+        ..tiled.options()
+    };
+    let reconfigured = Arc::new(tiled.reconfigured(&exact_opts, &mut |_, _| {}).unwrap());
+    assert_eq!(
+        reconfigured.weights.layers[0].down.layout(),
+        Mxfp4Layout::Tiles
+    );
+    let tokens = tokens(dir);
+    let mut session = reconfigured.new_session(&pool(), tokens.len());
+    let mut got = Vec::new();
+    session.prefill_all_logits(&tokens, &mut got).unwrap();
+    let exact = LoadOptions {
+        precision: Precision::Exact,
+        ..LoadOptions::default()
+    };
+    let (want, _) = all_logits(dir, &exact);
+    assert!(
+        want.iter()
+            .zip(&got)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "exact logits differ with tiled experts"
+    );
+}
+
+#[test]
+fn the_expert_layout_flag_reaches_the_model() {
+    let tiled_bytes = |layout: &str| {
+        let run = std::process::Command::new(env!("CARGO_BIN_EXE_ossterm"))
+            .args([
+                "bench",
+                "--synthetic",
+                "tiny",
+                "--json",
+                "--no-ttft",
+                "--repeat",
+                "1",
+            ])
+            .args(["--prompt-tokens", "1", "--gen-tokens", "1"])
+            .args(["--expert-layout", layout])
+            .env("OSSTERM_KERNELS", "scalar")
+            .output()
+            .unwrap();
+        assert!(
+            run.status.success(),
+            "{layout}: {}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let report: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
+        report["settings"]["tiled_bytes"].as_u64().unwrap()
+    };
+    // The scalar kernels do not ask for tiles: auto keeps the rows, tiles reorders them all.
+    let config = ossterm::model::Preset::Tiny.config();
+    assert_eq!(tiled_bytes("tiles"), config.tileable_expert_bytes());
+    assert!(config.tileable_expert_bytes() > 0);
+    assert_eq!(tiled_bytes("rows"), 0);
+    assert_eq!(tiled_bytes("auto"), 0);
+    let refused = std::process::Command::new(env!("CARGO_BIN_EXE_ossterm"))
+        .args(["logits", "--synthetic", "tiny", "--tokens", "1"])
+        .args(["--expert-layout", "columns"])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("auto") && stderr.contains("tiles"),
+        "{stderr}"
+    );
+}

@@ -83,6 +83,10 @@ pub struct BenchSettings {
     /// Seconds spent converting weights to the chosen format, and the memory they took.
     pub convert_seconds: f64,
     pub converted_bytes: u64,
+    /// Seconds spent reordering the experts into the kernels' tile layout, and their bytes
+    /// (0 when the experts keep the file's row order).
+    pub tile_seconds: f64,
+    pub tiled_bytes: u64,
 }
 
 /// Receives progress: (what is running, steps done, steps in all).
@@ -319,13 +323,23 @@ pub fn render_table(report: &BenchReport) -> String {
         ),
     );
     line(&mut out, format!("cpu        {}", s.cpu_info));
+    let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
+    let tiling = if s.tiled_bytes > 0 {
+        format!(
+            ", {:.1} s reordering experts into tiles ({:.2} GiB)",
+            s.tile_seconds,
+            gib(s.tiled_bytes)
+        )
+    } else {
+        String::new()
+    };
     line(
         &mut out,
         format!(
-            "load       {:.1} s, of which {:.1} s converting weights ({:.2} GiB)",
+            "load       {:.1} s, of which {:.1} s converting weights ({:.2} GiB){tiling}",
             s.load_seconds,
             s.convert_seconds,
-            s.converted_bytes as f64 / (1u64 << 30) as f64
+            gib(s.converted_bytes)
         ),
     );
     line(&mut out, String::new());

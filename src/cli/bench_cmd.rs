@@ -152,6 +152,11 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
             .as_ref()
             .map_or(0.0, |f| f.convert_time.as_secs_f64()),
         converted_bytes: model.fast.as_ref().map_or(0, |f| f.owned_bytes as u64),
+        tile_seconds: model
+            .fast
+            .as_ref()
+            .map_or(0.0, |f| f.tile_time.as_secs_f64()),
+        tiled_bytes: model.fast.as_ref().map_or(0, |f| f.tiled_bytes as u64),
     };
     let report = bench::run(&model, &pool, &plan, settings, &mut |what, done, total| {
         progress.show(what, done, total)

@@ -34,7 +34,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::model::memory::{check_before_load_sequences, Planned};
 use crate::model::{
-    ActivationFormat, KvFormat, LoadOptions, Model, Precision, Preset, WeightFormat,
+    ActivationFormat, ExpertLayout, KvFormat, LoadOptions, Model, Precision, Preset, WeightFormat,
 };
 
 #[derive(Parser, Debug)]
@@ -102,6 +102,11 @@ pub struct ModelArgs {
     /// product) or mixed (two rows where one loses most: attention, unembedding, experts' down).
     #[arg(long, value_name = "FORMAT", default_value = "mixed", value_parser = choice_parser!(ActivationFormat))]
     pub activations: ActivationFormat,
+    /// Byte order of the MXFP4 experts in the fast path: tiles of 16 rows reordered at load
+    /// (where the kernels have products for them and the copy fits in memory, with auto) or the
+    /// file's rows.
+    #[arg(long, value_name = "LAYOUT", default_value = "auto", value_parser = choice_parser!(ExpertLayout))]
+    pub expert_layout: ExpertLayout,
 }
 
 impl ModelArgs {
@@ -135,7 +140,8 @@ impl ModelArgs {
             weights: self.weights,
             kv: self.kv_cache,
             activations: self.activations,
-            kernels: None,
+            expert_layout: self.expert_layout,
+            ..LoadOptions::default()
         };
         let planned = match (&self.model, self.synthetic) {
             (Some(path), _) => Some(Planned::Path(path)),

@@ -13,7 +13,7 @@ use crate::model::checkpoint::{Checkpoint, ValueScan};
 use crate::model::gguf;
 use crate::model::memory::{GgufHeld, MemoryNeeds, SystemMemory, WeightSource};
 use crate::model::{
-    synthetic, KvFormat, ModelConfig, Precision, Preset, RopeScaling, WeightFormat,
+    synthetic, KvFormat, LoadOptions, ModelConfig, Precision, Preset, RopeScaling, WeightFormat,
 };
 
 #[derive(Args, Debug)]
@@ -194,11 +194,20 @@ pub fn info(args: InfoArgs) -> anyhow::Result<()> {
         WeightFormat::Q8,
         KvFormat::F16,
         context,
-    );
+    )
+    .with_tiled_experts(&config, &LoadOptions::default(), SystemMemory::read());
+    let tiled = if needs.tiled > 0 {
+        format!(
+            ", MXFP4 experts reordered into tiles {}",
+            human_bytes(needs.tiled)
+        )
+    } else {
+        String::new()
+    };
     writeln!(
         out,
         "memory:             weights {} ({}), held in memory {} (q8 attention/unembedding, f32 \
-         vectors{}), f16 KV cache at {context} tokens {}",
+         vectors{tiled}{}), f16 KV cache at {context} tokens {}",
         human_bytes(needs.weights),
         match source {
             WeightSource::Gguf(_) => "as the file stores them",

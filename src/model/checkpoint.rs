@@ -59,6 +59,18 @@ pub trait ByteOwner: Send + Sync {
     /// Lets the OS drop the resident pages of `range` if it can bring them back by itself
     /// (file-backed mappings); a no-op for heap memory.
     fn release(&self, _range: Range<usize>) {}
+
+    /// Whether the bytes are a file's pages, which the OS can drop and read again, rather than
+    /// memory the process owns.
+    fn is_mapped(&self) -> bool {
+        false
+    }
+
+    /// The bytes for writing, where the owner allows it (heap buffers that nothing else reads
+    /// from: see [`TensorBytes::unique_aligned_mut`]).
+    fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+        None
+    }
 }
 
 /// A read-only mapping of a weights file (safetensors shard or GGUF), watched by [`crate::fault`]
@@ -95,6 +107,10 @@ impl ByteOwner for WatchedMap {
         &self.map
     }
 
+    fn is_mapped(&self) -> bool {
+        true
+    }
+
     fn release(&self, range: Range<usize>) {
         // madvise wants page-aligned ranges: release only whole pages inside the range.
         const PAGE: usize = 4096;
@@ -121,6 +137,65 @@ impl ByteOwner for Vec<u8> {
     }
 }
 
+/// Zero-filled heap bytes starting on a 64-byte boundary, for data the kernels read in 512-bit
+/// vectors: a large `Vec<u8>` starts 16 bytes past a cache line, so every such load would touch
+/// two lines.
+pub struct AlignedBytes {
+    buffer: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl AlignedBytes {
+    const ALIGN: usize = 64;
+
+    /// `len` zero bytes. Large buffers come from the OS already zeroed and are backed by huge
+    /// pages where the kernel allows: gigabytes of weights in 4 KiB pages cost a TLB miss every
+    /// few rows.
+    pub fn zeroed(len: usize) -> Self {
+        let buffer = vec![0u8; len + Self::ALIGN - 1];
+        let start = buffer.as_ptr().align_offset(Self::ALIGN);
+        advise_huge_pages(&buffer);
+        AlignedBytes { buffer, start, len }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.buffer[self.start..self.start + self.len]
+    }
+}
+
+impl ByteOwner for AlignedBytes {
+    fn bytes(&self) -> &[u8] {
+        &self.buffer[self.start..self.start + self.len]
+    }
+
+    fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+        Some(self.as_mut_slice())
+    }
+}
+
+/// Asks for transparent huge pages over the whole 2 MiB pages inside `buffer`, before they are
+/// first touched. A kernel without them (or set to `never`) refuses, which is harmless.
+fn advise_huge_pages(buffer: &[u8]) {
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE_PAGE: usize = 2 << 20;
+        let start = buffer.as_ptr() as usize;
+        let first = start.div_ceil(HUGE_PAGE) * HUGE_PAGE;
+        let end = (start + buffer.len()) / HUGE_PAGE * HUGE_PAGE;
+        if end > first {
+            // SAFETY: the range lies inside `buffer`'s allocation and is page aligned;
+            // MADV_HUGEPAGE changes only how the kernel backs those pages, never their contents
+            // or lifetime.
+            unsafe {
+                libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE);
+            }
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = buffer;
+}
+
 /// A cheap, cloneable view of part of a mapping or buffer.
 #[derive(Clone)]
 pub struct TensorBytes {
@@ -142,6 +217,22 @@ impl TensorBytes {
         TensorBytes::new(Arc::new(bytes), 0..len)
     }
 
+    /// All of `bytes`.
+    pub fn from_aligned(bytes: AlignedBytes) -> Self {
+        let len = bytes.len;
+        TensorBytes::new(Arc::new(bytes), 0..len)
+    }
+
+    /// The bytes for writing in place, if no other view shares their owner, the owner lends
+    /// them for writing (an [`AlignedBytes`]) and they start on a 64-byte boundary.
+    pub fn unique_aligned_mut(&mut self) -> Option<&mut [u8]> {
+        let range = self.range.clone();
+        let bytes = &mut Arc::get_mut(&mut self.owner)?.bytes_mut()?[range];
+        (bytes.as_ptr() as usize)
+            .is_multiple_of(AlignedBytes::ALIGN)
+            .then_some(bytes)
+    }
+
     pub fn as_slice(&self) -> &[u8] {
         &self.owner.bytes()[self.range.clone()]
     }
@@ -149,6 +240,11 @@ impl TensorBytes {
     /// Drops these bytes from the process's resident memory where the OS can reload them.
     pub fn release_pages(&self) {
         self.owner.release(self.range.clone());
+    }
+
+    /// Whether the bytes are a file's pages (see [`ByteOwner::is_mapped`]).
+    pub fn is_mapped(&self) -> bool {
+        self.owner.is_mapped()
     }
 
     pub fn len(&self) -> usize {

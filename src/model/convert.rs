@@ -1,6 +1,6 @@
 //! Weight conversion for the fast path: the attention projections and the unembedding in the
 //! chosen [`WeightFormat`], built once at load (and again when the setting changes). Experts stay
-//! MXFP4 in the mapping.
+//! MXFP4, in the mapping or reordered into tiles at load (`Weights::tile_experts`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -107,11 +107,20 @@ pub struct FastWeights {
     pub lm_head: DenseMatrix,
     /// Time the conversion took.
     pub convert_time: Duration,
+    /// Time reordering the experts into tiles took before the conversion (zero when they were
+    /// not), and the bytes reordered.
+    pub tile_time: Duration,
+    pub tiled_bytes: usize,
     /// Memory the converted weights take outside the mapping.
     pub owned_bytes: usize,
 }
 
 impl FastWeights {
+    /// How many matrices [`FastWeights::build`] converts (its progress total).
+    pub fn matrix_count(weights: &Weights) -> usize {
+        weights.layers.len() * 4 + 1
+    }
+
     /// Converts the attention projections and the unembedding to `format` on the current rayon
     /// pool (callers install the session's: the engine, the CLI), Q8 in tiles if `tile_q8`. `progress` hears
     /// (matrices done, matrices in all). Quantizing reads the bf16 source once; its pages of the
@@ -123,7 +132,7 @@ impl FastWeights {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<FastWeights, ModelError> {
         let started = Instant::now();
-        let total = weights.layers.len() * 4 + 1;
+        let total = Self::matrix_count(weights);
         let mut done = 0;
         let mut step = |m: &Bf16Matrix| -> Result<DenseMatrix, ModelError> {
             let converted = DenseMatrix::convert(m, format, tile_q8)?;
@@ -156,6 +165,8 @@ impl FastWeights {
             layers,
             lm_head,
             convert_time: started.elapsed(),
+            tile_time: Duration::ZERO,
+            tiled_bytes: 0,
             owned_bytes,
         })
     }

@@ -22,6 +22,7 @@ use super::weights::{
     bf16_to_f32, e8m0_to_f32, Bf16Matrix, Layer, Linear, Mxfp4Experts, FP4_VALUES,
 };
 use super::Model;
+use crate::kernels::{Mxfp4Layout, Mxfp4Matrix};
 
 /// Tokens per prefill chunk: large enough that a weight block is reused many times, small enough
 /// that the chunk's activations stay in cache.
@@ -388,12 +389,15 @@ impl DecodeRows for Bf16Matrix {
     }
 }
 
-/// One expert's [rows, cols] matrix inside an MXFP4 expert tensor.
+/// One expert's [rows, cols] matrix inside an MXFP4 expert tensor, in either layout: a model
+/// built for the fast path may have reordered its experts into tiles, and an exact model
+/// reconfigured from it shares them.
 struct ExpertMatrix<'a> {
     rows: usize,
     cols: usize,
     blocks: &'a [u8],
     scales: &'a [u8],
+    matrix: Mxfp4Matrix<'a>,
 }
 
 impl<'a> ExpertMatrix<'a> {
@@ -403,6 +407,7 @@ impl<'a> ExpertMatrix<'a> {
             cols: experts.cols(),
             blocks: experts.blocks(expert),
             scales: experts.scales(expert),
+            matrix: experts.matrix(expert),
         }
     }
 }
@@ -417,6 +422,14 @@ impl DecodeRows for ExpertMatrix<'_> {
     }
 
     fn decode(&self, r: usize, start: usize, out: &mut [f32]) {
+        if self.matrix.layout() == Mxfp4Layout::Tiles {
+            // Element by element through the layout's index: the same values, only slower.
+            for (k, value) in (start..).zip(out.iter_mut()) {
+                let scale = e8m0_to_f32(self.matrix.scale_byte(r, k / 32));
+                *value = FP4_VALUES[self.matrix.nibble(r, k) as usize] * scale;
+            }
+            return;
+        }
         let bytes =
             &self.blocks[(r * self.cols + start) / 2..(r * self.cols + start + out.len()) / 2];
         let scales = &self.scales[(r * self.cols + start) / 32..];

@@ -26,7 +26,9 @@ use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
 
-use super::checkpoint::{scan_units, ByteOwner, Dtype, TensorBytes, ValueScan, WatchedMap};
+use super::checkpoint::{
+    scan_units, AlignedBytes, ByteOwner, Dtype, TensorBytes, ValueScan, WatchedMap,
+};
 use super::config::{LayerKind, ModelConfig, RopeScaling, MXFP4_BLOCK};
 use super::weights::TensorSource;
 use super::ModelError;
@@ -1162,7 +1164,7 @@ impl GgufSource {
         &self,
         parts: &[String],
         shape: &[usize],
-    ) -> Result<(Vec<u8>, Vec<u8>), ModelError> {
+    ) -> Result<(AlignedBytes, AlignedBytes), ModelError> {
         // shape is HF's blocks shape [E, rows, nblocks, 16] with rows = parts x part rows.
         let (experts, rows, nblocks) = (shape[0], shape[1], shape[2]);
         let part_rows = rows / parts.len();
@@ -1177,16 +1179,18 @@ impl GgufSource {
             self.check_shape(name, tensor, &[experts, expected_rows, cols])?;
         }
         let row_blocks = nblocks * 16;
-        let mut blocks = vec![0u8; experts * rows * row_blocks];
-        let mut scales = vec![0u8; experts * rows * nblocks];
+        // Aligned heap bytes: the fast path can reorder them into tiles in place.
+        let mut blocks = AlignedBytes::zeroed(experts * rows * row_blocks);
+        let mut scales = AlignedBytes::zeroed(experts * rows * nblocks);
         let src: Vec<(&[u8], usize)> = sources
             .iter()
             .map(|(_, t, first)| (self.file.bytes(t), *first))
             .collect();
         let src_row = nblocks * MXFP4_BLOCK_BYTES;
         blocks
+            .as_mut_slice()
             .par_chunks_mut(row_blocks)
-            .zip(scales.par_chunks_mut(nblocks))
+            .zip(scales.as_mut_slice().par_chunks_mut(nblocks))
             .enumerate()
             .for_each(|(global_row, (dst_blocks, dst_scales))| {
                 let (expert, row) = (global_row / rows, global_row % rows);
@@ -1251,8 +1255,8 @@ impl GgufSource {
         self.pending
             .lock()
             .expect("no panics under this lock")
-            .insert(other_name, TensorBytes::from_vec(other));
-        Ok((Dtype::U8, TensorBytes::from_vec(wanted)))
+            .insert(other_name, TensorBytes::from_aligned(other));
+        Ok((Dtype::U8, TensorBytes::from_aligned(wanted)))
     }
 
     fn expert_bias(

@@ -8,8 +8,11 @@
 use std::path::Path;
 
 use super::config::{ModelConfig, Preset, MXFP4_BLOCK};
-use super::{gguf, resolve_model_path, KvFormat, LoadOptions, ModelError, Precision, WeightFormat};
-use crate::kernels::{GROUP_BLOCKS, GROUP_LEN};
+use super::{
+    gguf, resolve_model_path, ExpertLayout, KvFormat, LoadOptions, ModelError, Precision,
+    WeightFormat,
+};
+use crate::kernels::{Kernels, GROUP_BLOCKS, GROUP_LEN, MXFP4_TILE_ROWS};
 
 /// What to load, for [`check_before_load`].
 #[derive(Debug, Clone, Copy)]
@@ -71,7 +74,37 @@ pub fn check_before_load_sequences(
         opts.kv,
         context,
     )
+    .with_tiled_experts(&config, opts, Some(memory))
     .check(memory)
+}
+
+/// Whether a fast-path load with `opts` reorders its experts into the tile layout, copying
+/// `mapped_bytes` of them out of a file mapping (0 for experts the process owns, which are
+/// reordered in place).
+pub fn tiles_experts(opts: &LoadOptions, mapped_bytes: u64, memory: Option<SystemMemory>) -> bool {
+    opts.precision == Precision::Fast
+        && match opts.expert_layout {
+            ExpertLayout::Rows => false,
+            ExpertLayout::Tiles => true,
+            ExpertLayout::Auto => {
+                let path = opts.kernels.unwrap_or_else(crate::kernels::kernel_path);
+                Kernels::new(path).is_ok_and(|k| k.prefers_tiled_mxfp4())
+                    && tiled_copy_fits(mapped_bytes, memory)
+            }
+        }
+}
+
+/// Memory left beside a copy of mapped experts into the tile layout: converted matrices, a KV
+/// cache at everyday contexts, the rest of the process and of the machine.
+const TILED_COPY_HEADROOM: u64 = 4 << 30;
+
+/// Whether `bytes` of mapped experts may be copied into the tile layout, in memory the process
+/// owns: only with [`TILED_COPY_HEADROOM`] to spare in `memory`'s available bytes (which count
+/// the checkpoint's cached pages: the copy releases those). A model larger than that keeps its
+/// experts in the mapping, paged from disk as tokens need them, rather than failing to load.
+/// Unknown memory allows the copy.
+pub fn tiled_copy_fits(bytes: u64, memory: Option<SystemMemory>) -> bool {
+    bytes == 0 || memory.is_none_or(|m| bytes.saturating_add(TILED_COPY_HEADROOM) <= m.available)
 }
 
 /// Bytes of RAM: installed and available now (free plus reclaimable cache), from /proc/meminfo.
@@ -229,6 +262,9 @@ pub struct MemoryNeeds {
     pub owned: u64,
     /// Of `owned`, the fast path's converted attention and unembedding matrices.
     pub converted: u64,
+    /// Of `owned`, mapped experts the fast path copies into the kernels' tile layout (see
+    /// [`MemoryNeeds::with_tiled_experts`]).
+    pub tiled: u64,
     /// The KV cache when the context is full.
     pub kv: u64,
     pub context: usize,
@@ -247,6 +283,25 @@ impl ModelConfig {
         let mxfp4 = values / 2 + values / MXFP4_BLOCK as u64;
         let biases = 2 * e * (2 * i + h);
         self.num_hidden_layers as u64 * (mxfp4 + biases)
+    }
+
+    /// Bytes of the MXFP4 expert tensors whose rows fill whole tiles of the kernels' tile layout
+    /// (every tensor of the published shapes).
+    pub fn tileable_expert_bytes(&self) -> u64 {
+        let (h, i, e) = (
+            self.hidden_size as u64,
+            self.intermediate_size as u64,
+            self.num_local_experts as u64,
+        );
+        let tensor = |rows: u64, cols: u64| {
+            let values = e * rows * cols;
+            if rows.is_multiple_of(MXFP4_TILE_ROWS as u64) {
+                values / 2 + values / MXFP4_BLOCK as u64
+            } else {
+                0
+            }
+        };
+        self.num_hidden_layers as u64 * (tensor(2 * i, h) + tensor(h, i))
     }
 
     /// Bytes of a Hugging Face checkpoint of this shape: dense parameters in bf16, experts MXFP4.
@@ -333,6 +388,7 @@ impl MemoryNeeds {
             weights: total,
             owned: loaded + converted,
             converted,
+            tiled: 0,
             source,
             // Saturating: a server's slots times their context can be any size the flags give.
             kv: (2
@@ -342,6 +398,26 @@ impl MemoryNeeds {
                 .saturating_mul(context as u64),
             context,
         }
+    }
+
+    /// These needs with the copy of mapped experts into the tile layout that a load with `opts`
+    /// makes (see [`tiles_experts`]); experts generated or repacked from a GGUF are reordered
+    /// in place, and the pages of the mapped ones are released, so only a mapped source grows.
+    pub fn with_tiled_experts(
+        mut self,
+        config: &ModelConfig,
+        opts: &LoadOptions,
+        memory: Option<SystemMemory>,
+    ) -> MemoryNeeds {
+        if self.source != WeightSource::Mapped {
+            return self;
+        }
+        let bytes = config.tileable_expert_bytes();
+        if tiles_experts(opts, bytes, memory) {
+            self.tiled = bytes;
+            self.owned += bytes;
+        }
+        self
     }
 
     /// What would lower the owned memory, for the refusal message.
@@ -360,6 +436,9 @@ impl MemoryNeeds {
                     .into(),
             ),
             WeightSource::Mapped => {}
+        }
+        if self.tiled > 0 {
+            ways.push("--expert-layout rows keeps the experts in the mapping".into());
         }
         if self.converted > 0 && self.source != WeightSource::Synthetic {
             ways.push("--weights native keeps attention and unembedding in the mapping".into());
@@ -388,6 +467,9 @@ impl MemoryNeeds {
                 match self.source {
                     WeightSource::Synthetic => "generated",
                     WeightSource::Gguf(_) => "repacked experts, converted matrices",
+                    WeightSource::Mapped if self.tiled > 0 => {
+                        "experts reordered into tiles, converted matrices"
+                    }
                     WeightSource::Mapped => "converted matrices",
                 },
                 gib(self.owned),
@@ -436,6 +518,65 @@ mod tests {
         assert!((b20 - 12.8).abs() < 0.1, "20b {b20} GiB");
         let b120 = ModelConfig::gpt_oss_120b().checkpoint_bytes() as f64 / GIB as f64;
         assert!((b120 - 60.8).abs() < 0.5, "120b {b120} GiB");
+    }
+
+    #[test]
+    fn mapped_experts_reordered_into_tiles_are_owned_memory_when_they_fit() {
+        let c = ModelConfig::gpt_oss_20b();
+        // 24 layers x 32 experts x (5760 + 2880) rows x 2880 columns, 4.25 bits each.
+        let tiles = c.tileable_expert_bytes() as f64 / GIB as f64;
+        assert!((tiles - 9.46).abs() < 0.01, "{tiles} GiB");
+        let machine = SystemMemory {
+            total: 24 * GIB,
+            available: 20 * GIB,
+        };
+        let needs = |source| {
+            MemoryNeeds::estimate(
+                &c,
+                source,
+                Precision::Fast,
+                WeightFormat::Q8,
+                KvFormat::F16,
+                4096,
+            )
+        };
+        let opts = |expert_layout| LoadOptions {
+            expert_layout,
+            ..LoadOptions::default()
+        };
+        let rows = needs(WeightSource::Mapped);
+        let tiled = rows.with_tiled_experts(&c, &opts(ExpertLayout::Tiles), Some(machine));
+        assert_eq!(tiled.tiled, c.tileable_expert_bytes());
+        assert_eq!(tiled.owned, rows.owned + tiled.tiled);
+        assert_eq!(tiled.check(machine).unwrap(), None);
+        let small = SystemMemory {
+            total: 16 * GIB,
+            available: 10 * GIB,
+        };
+        let err = tiled.check(small).unwrap_err().to_string();
+        assert!(
+            err.contains("experts reordered into tiles") && err.contains("--expert-layout rows"),
+            "{err}"
+        );
+        let kept = rows.with_tiled_experts(&c, &opts(ExpertLayout::Rows), Some(machine));
+        assert_eq!(kept, rows);
+        // Generated experts are reordered where they are.
+        let synthetic = needs(WeightSource::Synthetic);
+        let opts_tiles = opts(ExpertLayout::Tiles);
+        assert_eq!(
+            synthetic.with_tiled_experts(&c, &opts_tiles, Some(machine)),
+            synthetic
+        );
+        // A copy that leaves no headroom is not made: the experts stay mapped.
+        let exact = LoadOptions {
+            precision: Precision::Exact,
+            ..opts_tiles
+        };
+        assert_eq!(rows.with_tiled_experts(&c, &exact, Some(machine)), rows);
+        assert!(tiled_copy_fits(c.tileable_expert_bytes(), Some(machine)));
+        let b120 = ModelConfig::gpt_oss_120b().tileable_expert_bytes();
+        assert!(!tiled_copy_fits(b120, Some(machine)));
+        assert!(tiled_copy_fits(b120, None) && tiled_copy_fits(0, Some(machine)));
     }
 
     #[test]

@@ -28,7 +28,7 @@ use rayon::ThreadPool;
 
 pub use config::{LayerKind, ModelConfig, Preset, RopeScaling};
 pub use convert::FastWeights;
-pub use options::{ActivationFormat, KvFormat, LoadOptions, Precision, WeightFormat};
+pub use options::{ActivationFormat, ExpertLayout, KvFormat, LoadOptions, Precision, WeightFormat};
 pub use session::{ForwardError, Sequence, SequenceStep, Session};
 pub use snapshot::{KvSnapshot, SnapshotError};
 pub use weights::Weights;
@@ -163,6 +163,9 @@ pub struct Model {
     /// The activation format new sessions start with; each session can switch its own.
     pub activations: ActivationFormat,
     pub kernels: crate::kernels::Kernels,
+    /// The expert layout asked for; [`Mxfp4Experts::layout`](weights::Mxfp4Experts::layout)
+    /// tells what each tensor got.
+    pub expert_layout: ExpertLayout,
     /// Where the weights came from, for display ("synthetic 20b (random weights)" or a path).
     pub source: String,
     /// Identifies the weights: a hash of config.json and the tensor headers, or of the synthetic
@@ -264,7 +267,7 @@ impl Model {
 
     fn from_parts(
         config: ModelConfig,
-        weights: Weights,
+        mut weights: Weights,
         opts: &LoadOptions,
         (source, fingerprint): (String, u64),
         progress: &mut dyn FnMut(usize, usize),
@@ -274,12 +277,42 @@ impl Model {
         let kernels = crate::kernels::Kernels::new(path)?;
         let fast = match opts.precision {
             Precision::Exact => None,
-            Precision::Fast => Some(FastWeights::build(
-                &weights,
-                opts.weights,
-                kernels.prefers_tiled_q8(),
-                progress,
-            )?),
+            Precision::Fast => {
+                let tile = memory::tiles_experts(
+                    opts,
+                    weights.tileable_mapped_bytes(),
+                    memory::SystemMemory::read(),
+                );
+                // Reordering and converting report as one stage: tensors, then matrices.
+                let tensors = if tile {
+                    weights.tileable_expert_tensors()
+                } else {
+                    0
+                };
+                let total = tensors + FastWeights::matrix_count(&weights);
+                let started = std::time::Instant::now();
+                let tiled_bytes = if tile {
+                    let mut done = 0;
+                    weights.tile_experts(&mut || {
+                        done += 1;
+                        progress(done, total);
+                    })?
+                } else {
+                    0
+                };
+                let tile_time = started.elapsed();
+                let fast = FastWeights::build(
+                    &weights,
+                    opts.weights,
+                    kernels.prefers_tiled_q8(),
+                    &mut |done, _| progress(tensors + done, total),
+                )?;
+                Some(FastWeights {
+                    tile_time,
+                    tiled_bytes,
+                    ..fast
+                })
+            }
         };
         Ok(Model {
             config,
@@ -293,6 +326,7 @@ impl Model {
             },
             activations: opts.activations,
             kernels,
+            expert_layout: opts.expert_layout,
             source,
             fingerprint,
         })
@@ -322,6 +356,7 @@ impl Model {
             kv: self.kv_format,
             activations: self.activations,
             kernels: Some(self.kernels.path()),
+            expert_layout: self.expert_layout,
         }
     }
 

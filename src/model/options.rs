@@ -110,6 +110,22 @@ impl Split {
     }
 }
 
+/// How the fast path orders the experts' MXFP4 bytes (see [`crate::kernels::Mxfp4Layout`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExpertLayout {
+    /// Tiles where the kernels have fast products for them and, for experts in a mapped file, the
+    /// copy fits in memory (see [`super::memory::tiled_copy_fits`]); the file's row order
+    /// otherwise.
+    #[default]
+    Auto,
+    /// The file's row order: mapped experts stay in the mapping.
+    Rows,
+    /// Tiles of 16 rows on any kernel path, memory permitting or not.
+    Tiles,
+}
+
+crate::choice::impl_choice!(ExpertLayout { Auto => "auto", Rows => "rows", Tiles => "tiles" });
+
 /// Options that shape a loaded model.
 #[derive(Debug, Clone, Default)]
 pub struct LoadOptions {
@@ -122,4 +138,7 @@ pub struct LoadOptions {
     pub activations: ActivationFormat,
     /// Kernel path to use instead of the process-wide one (tests compare paths this way).
     pub kernels: Option<crate::kernels::KernelPath>,
+    /// Byte order of the experts in the fast path. Experts reordered once stay so in a model
+    /// [`super::Model::reconfigured`] from it, whatever this says (every path reads both orders).
+    pub expert_layout: ExpertLayout,
 }

@@ -11,7 +11,7 @@ use std::path::Path;
 
 use rayon::prelude::*;
 
-use super::checkpoint::{Dtype, TensorBytes};
+use super::checkpoint::{AlignedBytes, Dtype, TensorBytes};
 use super::config::{ModelConfig, MXFP4_BLOCK};
 use super::weights::TensorSource;
 use super::ModelError;
@@ -194,7 +194,11 @@ impl TensorSource for SyntheticSource {
                 found: spec.shape.clone(),
             });
         }
-        Ok((spec.dtype, TensorBytes::from_vec(generate(spec, self.seed))))
+        // Aligned heap bytes: the fast path can reorder the experts in place (see
+        // `Mxfp4Experts::tile`).
+        let mut bytes = AlignedBytes::zeroed(spec.byte_len());
+        generate_into(spec, self.seed, bytes.as_mut_slice());
+        Ok((spec.dtype, TensorBytes::from_aligned(bytes)))
     }
 }
 
@@ -237,6 +241,12 @@ const PIECE: usize = 1 << 20;
 
 fn generate(spec: &TensorSpec, seed: u64) -> Vec<u8> {
     let mut bytes = vec![0u8; spec.byte_len()];
+    generate_into(spec, seed, &mut bytes);
+    bytes
+}
+
+/// Fills `bytes` (the tensor's size) with `spec`'s values for `seed`.
+fn generate_into(spec: &TensorSpec, seed: u64, bytes: &mut [u8]) {
     let name_seed = fnv1a(spec.name.as_bytes()) ^ seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
     bytes
         .par_chunks_mut(PIECE)
@@ -246,7 +256,6 @@ fn generate(spec: &TensorSpec, seed: u64) -> Vec<u8> {
                 SplitMix64(name_seed ^ (piece as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
             fill_piece(spec.fill, out, &mut rng);
         });
-    bytes
 }
 
 fn fill_piece(fill: Fill, out: &mut [u8], rng: &mut SplitMix64) {

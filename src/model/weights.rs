@@ -4,10 +4,10 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use super::checkpoint::{ByteOwner, Checkpoint, Dtype, TensorBytes};
+use super::checkpoint::{AlignedBytes, ByteOwner, Checkpoint, Dtype, TensorBytes};
 use super::config::{LayerKind, ModelConfig, MXFP4_BLOCK};
 use super::ModelError;
-use crate::kernels::Q8Matrix;
+use crate::kernels::{self, Mxfp4Layout, Mxfp4Matrix, Q8Matrix, MXFP4_TILE_ROWS};
 
 /// Anything that hands out tensors by name with shape and dtype checks: a mapped checkpoint or
 /// the synthetic generator.
@@ -161,8 +161,10 @@ pub struct Mxfp4Experts {
     num_experts: usize,
     rows: usize,
     cols: usize,
+    /// Expert after expert, each in `layout`.
     blocks: TensorBytes,
     scales: TensorBytes,
+    layout: Mxfp4Layout,
     /// [num_experts, rows]
     bias: Vec<f32>,
 }
@@ -209,8 +211,81 @@ impl Mxfp4Experts {
             cols,
             blocks,
             scales,
+            layout: Mxfp4Layout::Rows,
             bias,
         })
+    }
+
+    /// The order of the bytes [`Self::blocks`] and [`Self::scales`] return.
+    pub fn layout(&self) -> Mxfp4Layout {
+        self.layout
+    }
+
+    /// Expert `expert`'s matrix, in the tensor's layout.
+    pub fn matrix(&self, expert: usize) -> Mxfp4Matrix<'_> {
+        let (blocks, scales) = (self.blocks(expert), self.scales(expert));
+        match self.layout {
+            Mxfp4Layout::Rows => Mxfp4Matrix::new(self.rows, self.cols, blocks, scales),
+            Mxfp4Layout::Tiles => Mxfp4Matrix::new_tiled(self.rows, self.cols, blocks, scales),
+        }
+        .expect("the shape was checked against the bytes when the tensor was built")
+    }
+
+    /// Whether [`Self::tile`] applies: the experts are in row order and their rows fill whole
+    /// tiles (small test shapes may not; those stay in row order).
+    pub fn can_tile(&self) -> bool {
+        self.layout == Mxfp4Layout::Rows && self.rows.is_multiple_of(MXFP4_TILE_ROWS)
+    }
+
+    /// Whether the bytes are lent by a file mapping rather than owned by the process.
+    pub fn is_mapped(&self) -> bool {
+        self.blocks.is_mapped()
+    }
+
+    /// Reorders the bytes into [`Mxfp4Layout::Tiles`] ([`Self::can_tile`] must hold), expert by
+    /// expert on the current rayon pool. Aligned heap bytes nothing else shares (generated or
+    /// repacked at load) are reordered in place; others are copied into 64-byte aligned memory of
+    /// the tensor's own, and a mapping's pages of the row-order bytes are released: nothing
+    /// reads them any more, and they would otherwise stay resident beside the copy.
+    pub fn tile(&mut self) -> Result<(), ModelError> {
+        assert!(self.can_tile(), "tiling experts that cannot be tiled");
+        let (rows, cols) = (self.rows, self.cols);
+        // `max(1)`: chunks of a tensor without bytes must still have a size.
+        let per_expert = (rows * cols / 2).max(1);
+        let per_expert_scales = (rows * cols / MXFP4_BLOCK).max(1);
+        if let (Some(blocks), Some(scales)) = (
+            self.blocks.unique_aligned_mut(),
+            self.scales.unique_aligned_mut(),
+        ) {
+            blocks
+                .par_chunks_mut(per_expert)
+                .zip(scales.par_chunks_mut(per_expert_scales))
+                .try_for_each(|(blocks, scales)| tile_in_place(rows, cols, blocks, scales))?;
+        } else {
+            let mut blocks = AlignedBytes::zeroed(self.blocks.len());
+            let mut scales = AlignedBytes::zeroed(self.scales.len());
+            blocks
+                .as_mut_slice()
+                .par_chunks_mut(per_expert)
+                .zip(scales.as_mut_slice().par_chunks_mut(per_expert_scales))
+                .enumerate()
+                .try_for_each(|(expert, (tiled_blocks, tiled_scales))| {
+                    kernels::tile_mxfp4(
+                        rows,
+                        cols,
+                        self.blocks(expert),
+                        self.scales(expert),
+                        tiled_blocks,
+                        tiled_scales,
+                    )
+                })?;
+            self.blocks.release_pages();
+            self.scales.release_pages();
+            self.blocks = TensorBytes::from_aligned(blocks);
+            self.scales = TensorBytes::from_aligned(scales);
+        }
+        self.layout = Mxfp4Layout::Tiles;
+        Ok(())
     }
 
     pub fn num_experts(&self) -> usize {
@@ -227,11 +302,13 @@ impl Mxfp4Experts {
         self.cols
     }
 
+    /// Expert `expert`'s FP4 codes, in the tensor's [`Self::layout`].
     pub fn blocks(&self, expert: usize) -> &[u8] {
         let per_expert = self.rows * self.cols / 2;
         &self.blocks.as_slice()[expert * per_expert..(expert + 1) * per_expert]
     }
 
+    /// Expert `expert`'s scale bytes, in the tensor's [`Self::layout`].
     pub fn scales(&self, expert: usize) -> &[u8] {
         let per_expert = self.rows * self.cols / MXFP4_BLOCK;
         &self.scales.as_slice()[expert * per_expert..(expert + 1) * per_expert]
@@ -328,6 +405,85 @@ impl Weights {
             lm_head,
         })
     }
+}
+
+impl Weights {
+    /// The expert tensors [`Weights::tile_experts`] reorders.
+    fn tileable_experts(&self) -> impl Iterator<Item = &Mxfp4Experts> {
+        self.layers
+            .iter()
+            .flat_map(|layer| [&layer.gate_up, &layer.down])
+            .filter(|experts| experts.can_tile())
+    }
+
+    /// How many expert tensors [`Weights::tile_experts`] reorders.
+    pub fn tileable_expert_tensors(&self) -> usize {
+        self.tileable_experts().count()
+    }
+
+    /// Bytes of those tensors that are lent by a file mapping: reordering copies them into memory
+    /// the process owns (the mapping's pages are released, so they are not resident twice).
+    pub fn tileable_mapped_bytes(&self) -> u64 {
+        self.tileable_experts()
+            .filter(|experts| experts.is_mapped())
+            .map(|experts| experts.byte_len() as u64)
+            .sum()
+    }
+
+    /// Reorders every expert tensor that [`Mxfp4Experts::can_tile`] into
+    /// [`Mxfp4Layout::Tiles`], one tensor at a time (each in parallel on the current rayon pool),
+    /// so the row-order bytes of a tensor are dropped or released before the next is copied:
+    /// memory peaks one tensor above the model. `progress` hears each tensor done. Returns the
+    /// bytes reordered.
+    pub fn tile_experts(&mut self, progress: &mut dyn FnMut()) -> Result<usize, ModelError> {
+        let mut bytes = 0;
+        for layer in &mut self.layers {
+            for experts in [&mut layer.gate_up, &mut layer.down] {
+                if experts.can_tile() {
+                    experts.tile()?;
+                    bytes += experts.byte_len();
+                    progress();
+                }
+            }
+        }
+        Ok(bytes)
+    }
+}
+
+/// Reorders one [rows, cols] matrix into [`Mxfp4Layout::Tiles`] in place. In that layout a tile
+/// takes the bytes its 16 rows take in row order, so each tile is rebuilt from a copy of its own
+/// rows alone: no second buffer the size of the matrix.
+fn tile_in_place(
+    rows: usize,
+    cols: usize,
+    blocks: &mut [u8],
+    scales: &mut [u8],
+) -> Result<(), ModelError> {
+    let tile_bytes = MXFP4_TILE_ROWS * cols / 2;
+    let tile_scales = MXFP4_TILE_ROWS * cols / MXFP4_BLOCK;
+    debug_assert_eq!(
+        Mxfp4Matrix::new_tiled(rows, cols, blocks, scales)?.tile_offsets(1),
+        (tile_bytes, tile_scales),
+        "a tile's bytes are where its rows were"
+    );
+    let mut rows_of_tile = vec![0u8; tile_bytes + tile_scales];
+    let (row_blocks, row_scales) = rows_of_tile.split_at_mut(tile_bytes);
+    for (tile_blocks, tile_scale_bytes) in blocks
+        .chunks_exact_mut(tile_bytes)
+        .zip(scales.chunks_exact_mut(tile_scales))
+    {
+        row_blocks.copy_from_slice(tile_blocks);
+        row_scales.copy_from_slice(tile_scale_bytes);
+        kernels::tile_mxfp4(
+            MXFP4_TILE_ROWS,
+            cols,
+            row_blocks,
+            row_scales,
+            tile_blocks,
+            tile_scale_bytes,
+        )?;
+    }
+    Ok(())
 }
 
 fn load_layer(
@@ -601,6 +757,114 @@ mod tests {
             panic!("columns that are not whole blocks were accepted")
         };
         assert!(err.to_string().contains("e_blocks"), "{err}");
+    }
+
+    /// Experts of shape [experts, rows, cols] with bytes that differ everywhere.
+    fn experts_of(shape: [usize; 3]) -> Mxfp4Experts {
+        let [e, rows, cols] = shape;
+        let blocks = (0..e * rows * cols / 2).map(|i| (i * 7 + i / 251) as u8);
+        let scales = (0..e * rows * cols / 32).map(|i| 100 + (i % 50) as u8);
+        Mxfp4Experts::new(
+            "e",
+            shape,
+            TensorBytes::from_vec(blocks.collect()),
+            TensorBytes::from_vec(scales.collect()),
+            (0..e * rows).map(|i| i as f32).collect(),
+        )
+        .unwrap()
+    }
+
+    /// `experts` with its bytes in aligned heap memory of their own, as generated weights are.
+    fn owned_aligned(experts: &Mxfp4Experts) -> Mxfp4Experts {
+        let aligned = |bytes: &TensorBytes| {
+            let mut copy = AlignedBytes::zeroed(bytes.len());
+            copy.as_mut_slice().copy_from_slice(bytes.as_slice());
+            TensorBytes::from_aligned(copy)
+        };
+        Mxfp4Experts {
+            blocks: aligned(&experts.blocks),
+            scales: aligned(&experts.scales),
+            bias: experts.bias.clone(),
+            ..*experts
+        }
+    }
+
+    #[test]
+    fn tiled_experts_hold_the_same_values_in_aligned_memory() {
+        let rows = experts_of([3, 32, 96]);
+        assert!(rows.can_tile() && !rows.is_mapped());
+        // A plain Vec is copied; aligned bytes of their own are reordered where they are.
+        let mut copied = rows.clone();
+        copied.tile().unwrap();
+        let mut in_place = owned_aligned(&rows);
+        let start = in_place.blocks.as_slice().as_ptr();
+        in_place.tile().unwrap();
+        assert_eq!(in_place.blocks.as_slice().as_ptr(), start);
+        assert_eq!(in_place.blocks.as_slice(), copied.blocks.as_slice());
+        assert_eq!(in_place.scales.as_slice(), copied.scales.as_slice());
+        // Shared bytes are copied, not written under the other reader.
+        let mut shared = owned_aligned(&rows);
+        let other = shared.clone();
+        shared.tile().unwrap();
+        assert_eq!(other.blocks.as_slice(), rows.blocks.as_slice());
+        assert_eq!(shared.blocks.as_slice(), copied.blocks.as_slice());
+
+        let tiled = copied;
+        assert_eq!(tiled.layout(), Mxfp4Layout::Tiles);
+        assert!(!tiled.can_tile(), "tiles are not tiled again");
+        assert_eq!(tiled.blocks.as_slice().as_ptr() as usize % 64, 0);
+        assert_eq!(tiled.scales.as_slice().as_ptr() as usize % 64, 0);
+        assert_eq!(tiled.byte_len(), rows.byte_len());
+        let (mut want, mut got) = (vec![0.0; 96], vec![0.0; 96]);
+        for e in 0..3 {
+            assert_eq!(tiled.bias(e), rows.bias(e));
+            assert_ne!(tiled.blocks(e), rows.blocks(e), "the bytes were reordered");
+            for r in 0..32 {
+                rows.matrix(e).dequantize_row(r, &mut want).unwrap();
+                tiled.matrix(e).dequantize_row(r, &mut got).unwrap();
+                assert_eq!(want, got, "expert {e} row {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn experts_whose_rows_are_not_whole_tiles_stay_in_row_order() {
+        let mut weights = Weights {
+            embed: Bf16Matrix::new("m", 1, 1, bytes_at(0, &[0])).unwrap(),
+            layers: Vec::new(),
+            final_norm: Vec::new(),
+            lm_head: Bf16Matrix::new("m", 1, 1, bytes_at(0, &[0])).unwrap(),
+        };
+        assert!(!experts_of([2, 24, 64]).can_tile());
+        let attention = || Linear {
+            weight: Bf16Matrix::new("m", 1, 1, bytes_at(0, &[0])).unwrap(),
+            bias: Vec::new(),
+        };
+        weights.layers.push(Layer {
+            kind: LayerKind::Full,
+            input_norm: Vec::new(),
+            attention: Attention {
+                q: attention(),
+                k: attention(),
+                v: attention(),
+                o: attention(),
+                sinks: Vec::new(),
+            },
+            post_attention_norm: Vec::new(),
+            router: attention(),
+            gate_up: experts_of([2, 48, 64]),
+            down: experts_of([2, 24, 64]),
+        });
+        assert_eq!(weights.tileable_expert_tensors(), 1);
+        assert_eq!(weights.tileable_mapped_bytes(), 0);
+        let mut done = 0;
+        let bytes = weights.tile_experts(&mut || done += 1).unwrap();
+        assert_eq!(bytes, experts_of([2, 48, 64]).byte_len());
+        assert_eq!(done, 1);
+        let layer = &weights.layers[0];
+        assert_eq!(layer.gate_up.layout(), Mxfp4Layout::Tiles);
+        assert_eq!(layer.down.layout(), Mxfp4Layout::Rows);
+        assert_eq!(layer.down.blocks(1), experts_of([2, 24, 64]).blocks(1));
     }
 
     #[test]

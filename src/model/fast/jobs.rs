@@ -70,7 +70,7 @@ impl<'a> Job<'a> {
         }
     }
 
-    /// A job for one expert of an MXFP4 expert tensor on quantized rows.
+    /// A job for one expert of an MXFP4 expert tensor on quantized rows, in the tensor's layout.
     pub fn expert(
         experts: &'a Mxfp4Experts,
         expert: usize,
@@ -78,15 +78,8 @@ impl<'a> Job<'a> {
         tokens: usize,
         out_offset: usize,
     ) -> Self {
-        let matrix = Mxfp4Matrix::new(
-            experts.rows(),
-            experts.cols(),
-            experts.blocks(expert),
-            experts.scales(expert),
-        )
-        .expect("expert tensor shapes are checked at load");
         Job {
-            weights: JobWeights::Expert(matrix),
+            weights: JobWeights::Expert(experts.matrix(expert)),
             quantized: Some(quantized),
             plain: &[],
             tokens,
