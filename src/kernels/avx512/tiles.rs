@@ -36,6 +36,9 @@ pub(super) const DIRECT_TOKENS: usize = 8;
 /// against 65% through scratch; M = 32 58% against 73%.
 pub(super) const DIRECT_CALL_TOKENS: usize = 16;
 
+/// [`DIRECT_CALL_TOKENS`] for Q8, whose operands cost nothing to form again.
+pub(super) const Q8_DIRECT_CALL_TOKENS: usize = 64;
+
 /// The tiles' 64-byte dword vectors per block of 32 columns.
 const BLOCK_VECTORS: usize = BLOCK_LEN / 8;
 
@@ -44,6 +47,9 @@ const BLOCK_VECTORS: usize = BLOCK_LEN / 8;
 /// dword `s`, and per block 16 scales as f32 lanes.
 trait TileSource {
     const FORMAT: u8;
+    /// Most tokens of a call that run through [`direct`]; beyond, tiles are formed into
+    /// scratch once (see [`DIRECT_CALL_TOKENS`]).
+    const DIRECT_CALL_TOKENS: usize;
     /// Whether the scales are powers of two, so the exponent-add scaling may run.
     const POWER_OF_TWO_SCALES: bool;
     fn cols(&self) -> usize;
@@ -66,6 +72,7 @@ struct Mxfp4Tiles<'a, const VBMI: bool>(&'a Mxfp4Matrix<'a>);
 
 impl<const VBMI: bool> TileSource for Mxfp4Tiles<'_, VBMI> {
     const FORMAT: u8 = FORMAT_MXFP4;
+    const DIRECT_CALL_TOKENS: usize = DIRECT_CALL_TOKENS;
     const POWER_OF_TWO_SCALES: bool = true;
     fn cols(&self) -> usize {
         self.0.cols
@@ -116,6 +123,7 @@ struct Q8Tiles<'a>(&'a Q8Matrix);
 
 impl TileSource for Q8Tiles<'_> {
     const FORMAT: u8 = FORMAT_Q8;
+    const DIRECT_CALL_TOKENS: usize = Q8_DIRECT_CALL_TOKENS;
     const POWER_OF_TWO_SCALES: bool = false;
     fn cols(&self) -> usize {
         self.0.cols
@@ -547,7 +555,9 @@ unsafe fn product<W: TileSource>(
     // SAFETY: the caller upholds the contract.
     unsafe {
         match scratch {
-            Some(scratch) if x.rows() > DIRECT_CALL_TOKENS => gemm(w, x, rows, out, scratch, exp),
+            Some(scratch) if x.rows() > W::DIRECT_CALL_TOKENS => {
+                gemm(w, x, rows, out, scratch, exp)
+            }
             _ => direct(w, x, rows, out, exp),
         }
     }
