@@ -176,6 +176,28 @@ fn a_snapshot_never_restores_into_another_model_type_or_format() {
         session.restore(&snapshot, 11),
         Err(SnapshotError::Length { .. })
     ));
+    // Tiled and row-order experts may be summed in another order: the same weights otherwise.
+    let layout = |expert_layout| {
+        let opts = LoadOptions {
+            expert_layout,
+            ..LoadOptions::default()
+        };
+        Arc::new(Model::synthetic(Preset::Tiny, 3, &opts).unwrap())
+    };
+    let (rows, tiles) = (
+        layout(ossterm::model::ExpertLayout::Rows),
+        layout(ossterm::model::ExpertLayout::Tiles),
+    );
+    let mut row_session = rows.new_session(&pool, 64);
+    row_session.prefill(&tokens(10, 5)).unwrap();
+    let row_snapshot = row_session.snapshot().unwrap();
+    assert!(matches!(
+        tiles.new_session(&pool, 64).restore(&row_snapshot, 10),
+        Err(SnapshotError::Fingerprint { .. })
+    ));
+    rows.new_session(&pool, 64)
+        .restore(&row_snapshot, 10)
+        .unwrap();
     // The failed restores left the session alone.
     assert_eq!(session.len(), 10);
 }

@@ -138,7 +138,8 @@ impl SystemMemory {
 /// Where a model's weights come from, for the memory estimate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightSource {
-    /// Safetensors: every tensor stays in the mapping.
+    /// Safetensors: every tensor stays in the mapping (the experts unless they are copied into
+    /// tiles: [`MemoryNeeds::with_tiled_experts`]).
     Mapped,
     /// GGUF: what the loader copies out of this file (see [`GgufHeld`]).
     Gguf(GgufHeld),

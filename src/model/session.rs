@@ -260,7 +260,8 @@ impl Session {
     }
 
     /// Identifies what computed this session's cache rows: the weights (the model's fingerprint),
-    /// the path, the weight and activation formats and the kernels. A snapshot restores only into
+    /// the path, the weight and activation formats, the kernels and whether the fast path's experts
+    /// are tiled. A snapshot restores only into
     /// a session with the same value, so its rows are exactly what this session would compute.
     pub fn kv_fingerprint(&self) -> u64 {
         let model = &*self.model;
@@ -269,8 +270,17 @@ impl Session {
             Precision::Exact => "exact",
             Precision::Fast => model.kernels.path().name(),
         };
+        // The kernels may sum tiled experts in another order than row-order ones. Row order adds
+        // nothing, so snapshots written before tiles existed still restore.
+        let tiled = model.precision == Precision::Fast
+            && model.weights.layers.iter().any(|layer| {
+                [&layer.gate_up, &layer.down]
+                    .iter()
+                    .any(|experts| experts.layout() == crate::kernels::Mxfp4Layout::Tiles)
+            });
+        let layout = if tiled { " tiled experts" } else { "" };
         let identity = format!(
-            "{:016x} {:?} {} {} {path}",
+            "{:016x} {:?} {} {} {path}{layout}",
             model.fingerprint,
             model.precision,
             options.weights.name(),

@@ -1,9 +1,10 @@
 //! The fast forward pass: quantized SIMD kernels on the session's thread pool.
 //!
 //! Same steps as the exact path in `exact.rs` (which it is checked against), computed with the
-//! `kernels` module: experts stay MXFP4 in the mapping and multiply int8-quantized activations;
-//! attention projections and the unembedding are held in the weight format the settings choose
-//! (`convert.rs`); the KV cache is f16 by default. Every multiplication splits its weight rows
+//! `kernels` module: experts stay MXFP4 (in the tile layout where the kernels prefer it, see
+//! `Weights::tile_experts`) and multiply int8-quantized activations; attention projections and the
+//! unembedding are held in the weight format the settings choose (`convert.rs`); the KV cache is
+//! f16 by default. Every multiplication splits its weight rows
 //! into tasks on the pool; several matrices that read the same activations (q, k and v; the routed
 //! experts of a token) run in one parallel region. A quantized product with split activations
 //! (see [`ActivationFormat`]) writes two rows per token, folded into one afterwards.
