@@ -261,7 +261,7 @@ impl Session {
 
     /// Identifies what computed this session's cache rows: the weights (the model's fingerprint),
     /// the path, the weight and activation formats, the kernels and whether the fast path's experts
-    /// are tiled. A snapshot restores only into
+    /// and Q8 matrices are tiled. A snapshot restores only into
     /// a session with the same value, so its rows are exactly what this session would compute.
     pub fn kv_fingerprint(&self) -> u64 {
         let model = &*self.model;
@@ -278,7 +278,17 @@ impl Session {
                     .iter()
                     .any(|experts| experts.layout() == crate::kernels::Mxfp4Layout::Tiles)
             });
-        let layout = if tiled { " tiled experts" } else { "" };
+        // Likewise the Q8 matrices the conversion tiled (AVX-512): one token's products sum in
+        // another order than the row-order GEMV.
+        let tiled_q8 = model.fast.as_ref().is_some_and(|fast| {
+            matches!(&fast.lm_head, crate::model::convert::DenseMatrix::Q8(m) if m.is_tiled())
+        });
+        let layout = match (tiled, tiled_q8) {
+            (true, true) => " tiled experts tiled q8",
+            (true, false) => " tiled experts",
+            (false, true) => " tiled q8",
+            (false, false) => "",
+        };
         let identity = format!(
             "{:016x} {:?} {} {} {path}{layout}",
             model.fingerprint,
