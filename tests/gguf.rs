@@ -271,7 +271,8 @@ fn direct_q8_against_requantized(path: &Path, tokens: &[u32]) -> (bool, Vec<f32>
     }
     let vocab = model.config.vocab_size;
     let mut previous = Model::load(path, &opts).unwrap();
-    previous.fast = Some(FastWeights::build(&stripped, WeightFormat::Q8, &mut |_, _| {}).unwrap());
+    previous.fast =
+        Some(FastWeights::build(&stripped, WeightFormat::Q8, false, &mut |_, _| {}).unwrap());
     let want = session_logits(previous, tokens);
     let got = session_logits(model, tokens);
     (requantized_differs, position_errors(&want, &got, vocab))
@@ -697,8 +698,13 @@ fn held_bytes_child() {
         let source = GgufSource::new(GgufFile::open(Path::new(&path)).unwrap());
         let config = source.file.config().unwrap();
         let weights = Weights::load(&config, &source).unwrap();
-        let fast =
-            FastWeights::build(&weights, ossterm::model::WeightFormat::Q8, &mut |_, _| {}).unwrap();
+        let fast = FastWeights::build(
+            &weights,
+            ossterm::model::WeightFormat::Q8,
+            false,
+            &mut |_, _| {},
+        )
+        .unwrap();
         (weights, fast)
     };
     // A first load starts rayon's pool and whatever else is built once per process.
