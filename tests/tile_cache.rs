@@ -109,7 +109,7 @@ fn a_damaged_cache_file_is_written_again() {
     let (first, _, want) = load(&dir, &with_cache);
     let file = cache_file(&first, true);
     let len = std::fs::metadata(&file).unwrap().len();
-    let damages: [(&str, fn(&Path, u64)); 4] = [
+    let damages: [(&str, Damage); 4] = [
         ("truncated", |path, len| {
             let file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
             file.set_len(len - 4096).unwrap();
@@ -129,6 +129,9 @@ fn a_damaged_cache_file_is_written_again() {
         cache_file(&source, false);
     }
 }
+
+/// Damages the cache file at a path, given its length as written.
+type Damage = fn(&Path, u64);
 
 fn flip(path: &Path, at: usize) {
     let mut bytes = std::fs::read(path).unwrap();
