@@ -87,6 +87,10 @@ pub struct BenchSettings {
     /// (0 when the experts keep the file's row order).
     pub tile_seconds: f64,
     pub tiled_bytes: u64,
+    /// Where the tiles are ("mapped from FILE", "copied into memory", ...), and why the tile
+    /// cache was not used if it was meant to be.
+    pub tile_source: String,
+    pub tile_cache_note: Option<String>,
 }
 
 /// Receives progress: (what is running, steps done, steps in all).
@@ -326,9 +330,14 @@ pub fn render_table(report: &BenchReport) -> String {
     let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
     let tiling = if s.tiled_bytes > 0 {
         format!(
-            ", {:.1} s reordering experts into tiles ({:.2} GiB)",
+            ", {:.1} s reordering experts into tiles ({:.2} GiB, {}{})",
             s.tile_seconds,
-            gib(s.tiled_bytes)
+            gib(s.tiled_bytes),
+            s.tile_source,
+            s.tile_cache_note
+                .as_ref()
+                .map(|note| format!("; tile cache not used: {note}"))
+                .unwrap_or_default()
         )
     } else {
         String::new()

@@ -157,6 +157,11 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
             .as_ref()
             .map_or(0.0, |f| f.tile_time.as_secs_f64()),
         tiled_bytes: model.fast.as_ref().map_or(0, |f| f.tiled_bytes as u64),
+        tile_source: model
+            .fast
+            .as_ref()
+            .map_or_else(String::new, |f| f.tile_source.describe()),
+        tile_cache_note: model.fast.as_ref().and_then(|f| f.tile_cache_note.clone()),
     };
     let report = bench::run(&model, &pool, &plan, settings, &mut |what, done, total| {
         progress.show(what, done, total)

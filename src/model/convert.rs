@@ -111,6 +111,10 @@ pub struct FastWeights {
     /// not), and the bytes reordered.
     pub tile_time: Duration,
     pub tiled_bytes: usize,
+    /// Where the tiled experts are.
+    pub tile_source: super::tile_cache::TileSource,
+    /// Why the tile cache was not used, when it was meant to be (the tiles were copied instead).
+    pub tile_cache_note: Option<String>,
     /// Memory the converted weights take outside the mapping.
     pub owned_bytes: usize,
 }
@@ -167,6 +171,8 @@ impl FastWeights {
             convert_time: started.elapsed(),
             tile_time: Duration::ZERO,
             tiled_bytes: 0,
+            tile_source: super::tile_cache::TileSource::None,
+            tile_cache_note: None,
             owned_bytes,
         })
     }

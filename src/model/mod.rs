@@ -19,6 +19,7 @@ pub mod session;
 pub mod snapshot;
 pub mod synthetic;
 pub mod team;
+pub mod tile_cache;
 pub mod weights;
 
 use std::path::{Path, PathBuf};
@@ -28,7 +29,9 @@ use rayon::ThreadPool;
 
 pub use config::{LayerKind, ModelConfig, Preset, RopeScaling};
 pub use convert::FastWeights;
-pub use options::{ActivationFormat, ExpertLayout, KvFormat, LoadOptions, Precision, WeightFormat};
+pub use options::{
+    ActivationFormat, ExpertLayout, KvFormat, LoadOptions, Precision, TileCache, WeightFormat,
+};
 pub use session::{ForwardError, Sequence, SequenceStep, Session};
 pub use snapshot::{KvSnapshot, SnapshotError};
 pub use weights::Weights;
@@ -166,6 +169,10 @@ pub struct Model {
     /// The expert layout asked for; [`Mxfp4Experts::layout`](weights::Mxfp4Experts::layout)
     /// tells what each tensor got.
     pub expert_layout: ExpertLayout,
+    /// Where tiles of mapped experts are kept, as asked for.
+    pub tile_cache: TileCache,
+    /// Names this checkpoint's file in the tile cache (`None`: not a mapped checkpoint).
+    pub tile_key: Option<tile_cache::CacheKey>,
     /// Where the weights came from, for display ("synthetic 20b (random weights)" or a path).
     pub source: String,
     /// Identifies the weights: a hash of config.json and the tensor headers, or of the synthetic
@@ -198,7 +205,7 @@ impl Model {
                 format!("{} ({})", dir.display(), resolved.display())
             };
             let identity = (name, source.file.fingerprint());
-            return Model::from_parts(config, weights, opts, identity, &mut |done, total| {
+            return Model::from_parts(config, weights, opts, identity, None, &mut |done, total| {
                 progress(LoadStage::Converting, done as u64, total as u64)
             });
         }
@@ -222,11 +229,15 @@ impl Model {
         let mut hasher = xxhash_rust::xxh3::Xxh3::new();
         hasher.update(&config_bytes);
         hasher.update(&checkpoint.fingerprint().to_le_bytes());
+        let fingerprint = hasher.digest();
+        let tile_key =
+            tile_cache::CacheKey::of_checkpoint(dir, fingerprint, checkpoint.shard_paths());
         Model::from_parts(
             config,
             weights,
             opts,
-            (dir.display().to_string(), hasher.digest()),
+            (dir.display().to_string(), fingerprint),
+            tile_key,
             &mut |done, total| progress(LoadStage::Converting, done as u64, total as u64),
         )
     }
@@ -261,6 +272,7 @@ impl Model {
                 format!("synthetic {} (random weights)", preset.name()),
                 fingerprint,
             ),
+            None,
             &mut |done, total| progress(LoadStage::Converting, done as u64, total as u64),
         )
     }
@@ -270,6 +282,7 @@ impl Model {
         mut weights: Weights,
         opts: &LoadOptions,
         (source, fingerprint): (String, u64),
+        tile_key: Option<tile_cache::CacheKey>,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Model, ModelError> {
         let rope = RopeTable::new(&config);
@@ -291,12 +304,40 @@ impl Model {
                 };
                 let total = tensors + FastWeights::matrix_count(&weights);
                 let started = std::time::Instant::now();
+                let (mut tile_source, mut tile_cache_note) = (tile_cache::TileSource::None, None);
                 let tiled_bytes = if tile {
+                    let mapped = weights.tileable_mapped_bytes();
+                    let cache = tile_key.filter(|_| mapped > 0).and_then(|key| {
+                        tile_cache::cache_dir(&opts.tile_cache, mapped).map(|dir| (dir, key))
+                    });
                     let mut done = 0;
-                    weights.tile_experts(&mut || {
-                        done += 1;
-                        progress(done, total);
-                    })?
+                    let cached = cache.map(|(dir, key)| {
+                        tile_cache::tile_through_cache(&mut weights, &dir, key, &mut || {
+                            done += 1;
+                            progress(done, total);
+                        })
+                    });
+                    match cached {
+                        Some(Ok((bytes, source))) => {
+                            tile_source = source;
+                            bytes
+                        }
+                        other => {
+                            // The cache is an optimization: whatever went wrong with it, the
+                            // tiles are copied as without one.
+                            tile_cache_note = other.and_then(Result::err);
+                            tile_source = if mapped > 0 {
+                                tile_cache::TileSource::Copied
+                            } else {
+                                tile_cache::TileSource::InPlace
+                            };
+                            let mut done = 0;
+                            weights.tile_experts(&mut || {
+                                done += 1;
+                                progress(done, total);
+                            })?
+                        }
+                    }
                 } else {
                     0
                 };
@@ -310,6 +351,8 @@ impl Model {
                 Some(FastWeights {
                     tile_time,
                     tiled_bytes,
+                    tile_source,
+                    tile_cache_note,
                     ..fast
                 })
             }
@@ -327,6 +370,8 @@ impl Model {
             activations: opts.activations,
             kernels,
             expert_layout: opts.expert_layout,
+            tile_cache: opts.tile_cache.clone(),
+            tile_key,
             source,
             fingerprint,
         })
@@ -341,7 +386,7 @@ impl Model {
     ) -> Result<Model, ModelError> {
         let (config, weights) = (self.config.clone(), self.weights.clone());
         let identity = (self.source.clone(), self.fingerprint);
-        Model::from_parts(config, weights, opts, identity, progress)
+        Model::from_parts(config, weights, opts, identity, self.tile_key, progress)
     }
 
     /// The options this model was built with.
@@ -357,6 +402,7 @@ impl Model {
             activations: self.activations,
             kernels: Some(self.kernels.path()),
             expert_layout: self.expert_layout,
+            tile_cache: self.tile_cache.clone(),
         }
     }
 

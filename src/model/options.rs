@@ -126,6 +126,21 @@ pub enum ExpertLayout {
 
 crate::choice::impl_choice!(ExpertLayout { Auto => "auto", Rows => "rows", Tiles => "tiles" });
 
+/// Where the fast path keeps experts of a mapped checkpoint once reordered into tiles (see
+/// [`super::tile_cache`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum TileCache {
+    /// `OSSTERM_TILE_CACHE` if set (`off`, or a directory), else `tiles` in the platform cache
+    /// directory; either only for experts of [`super::tile_cache::MIN_CACHED_BYTES`] or more,
+    /// whose copy takes seconds.
+    #[default]
+    Auto,
+    /// This directory, whatever the size.
+    Dir(std::path::PathBuf),
+    /// No file: the tiles are copied into memory the process owns.
+    Off,
+}
+
 /// Options that shape a loaded model.
 #[derive(Debug, Clone, Default)]
 pub struct LoadOptions {
@@ -141,4 +156,6 @@ pub struct LoadOptions {
     /// Byte order of the experts in the fast path. Experts reordered once stay so in a model
     /// [`super::Model::reconfigured`] from it, whatever this says (every path reads both orders).
     pub expert_layout: ExpertLayout,
+    /// Where tiles of a mapped checkpoint's experts are kept.
+    pub tile_cache: TileCache,
 }

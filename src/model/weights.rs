@@ -264,26 +264,58 @@ impl Mxfp4Experts {
         } else {
             let mut blocks = AlignedBytes::zeroed(self.blocks.len());
             let mut scales = AlignedBytes::zeroed(self.scales.len());
-            blocks
-                .as_mut_slice()
-                .par_chunks_mut(per_expert)
-                .zip(scales.as_mut_slice().par_chunks_mut(per_expert_scales))
-                .enumerate()
-                .try_for_each(|(expert, (tiled_blocks, tiled_scales))| {
-                    kernels::tile_mxfp4(
-                        rows,
-                        cols,
-                        self.blocks(expert),
-                        self.scales(expert),
-                        tiled_blocks,
-                        tiled_scales,
-                    )
-                })?;
+            self.tile_into(blocks.as_mut_slice(), scales.as_mut_slice())?;
             self.blocks.release_pages();
             self.scales.release_pages();
             self.blocks = TensorBytes::from_aligned(blocks);
             self.scales = TensorBytes::from_aligned(scales);
         }
+        self.layout = Mxfp4Layout::Tiles;
+        Ok(())
+    }
+
+    /// Writes the bytes reordered into [`Mxfp4Layout::Tiles`] to `blocks` and `scales` (of the
+    /// tensor's sizes), expert by expert on the current rayon pool, leaving `self` as it is
+    /// ([`Self::can_tile`] must hold).
+    pub fn tile_into(&self, blocks: &mut [u8], scales: &mut [u8]) -> Result<(), ModelError> {
+        assert!(self.can_tile(), "tiling experts that cannot be tiled");
+        check_bytes("tiled MXFP4 blocks", blocks.len(), self.blocks.len())?;
+        check_bytes("tiled MXFP4 scales", scales.len(), self.scales.len())?;
+        let (rows, cols) = (self.rows, self.cols);
+        // `max(1)`: chunks of a tensor without bytes must still have a size.
+        let per_expert = (rows * cols / 2).max(1);
+        let per_expert_scales = (rows * cols / MXFP4_BLOCK).max(1);
+        blocks
+            .par_chunks_mut(per_expert)
+            .zip(scales.par_chunks_mut(per_expert_scales))
+            .enumerate()
+            .try_for_each(|(expert, (tiled_blocks, tiled_scales))| {
+                kernels::tile_mxfp4(
+                    rows,
+                    cols,
+                    self.blocks(expert),
+                    self.scales(expert),
+                    tiled_blocks,
+                    tiled_scales,
+                )
+            })?;
+        Ok(())
+    }
+
+    /// Points the experts at bytes already in [`Mxfp4Layout::Tiles`] (what [`Self::tile_into`]
+    /// wrote, e.g. into a cache file), releasing a mapping's pages of the row-order bytes.
+    pub fn use_tiled(
+        &mut self,
+        blocks: TensorBytes,
+        scales: TensorBytes,
+    ) -> Result<(), ModelError> {
+        assert!(self.can_tile(), "tiling experts that cannot be tiled");
+        check_bytes("tiled MXFP4 blocks", blocks.len(), self.blocks.len())?;
+        check_bytes("tiled MXFP4 scales", scales.len(), self.scales.len())?;
+        self.blocks.release_pages();
+        self.scales.release_pages();
+        self.blocks = blocks;
+        self.scales = scales;
         self.layout = Mxfp4Layout::Tiles;
         Ok(())
     }
@@ -414,6 +446,22 @@ impl Weights {
             .iter()
             .flat_map(|layer| [&layer.gate_up, &layer.down])
             .filter(|experts| experts.can_tile())
+    }
+
+    /// The expert tensors [`Weights::tile_experts`] reorders, each named by its layer and
+    /// projection (`layers.3.down`), for the tile cache.
+    pub fn tileable_experts_named(&mut self) -> Vec<(String, &mut Mxfp4Experts)> {
+        self.layers
+            .iter_mut()
+            .enumerate()
+            .flat_map(|(l, layer)| {
+                [
+                    (format!("layers.{l}.gate_up"), &mut layer.gate_up),
+                    (format!("layers.{l}.down"), &mut layer.down),
+                ]
+            })
+            .filter(|(_, experts)| experts.can_tile())
+            .collect()
     }
 
     /// How many expert tensors [`Weights::tile_experts`] reorders.
