@@ -1307,6 +1307,110 @@ impl Prefetch {
     }
 }
 
+/// One or two decoded tiles in the GEMM scratch and what their micro-kernels need besides the
+/// tokens: the row-order GEMM and the tile-layout GEMM ([`tiles`]) share these token loops.
+struct DecodedTiles<'a> {
+    scratch: &'a GemmScratch,
+    groups: usize,
+    lane: usize,
+    factor: f32,
+    exp: bool,
+}
+
+impl DecodedTiles<'_> {
+    /// Every token of `x` against the two tiles in slots 0 and 1 (`count` rows, 17 to 32), in
+    /// batches of `batch`; batch i prefetches `part(GEMM_TILE_SLOTS + i)`.
+    ///
+    /// # Safety
+    /// As [`gemm_tile_pair`] for every batch: `out_column[t * stride + r]` in bounds for every
+    /// token t of `x` and r < `count`; the CPU has the module's features.
+    #[inline(always)]
+    unsafe fn pair_tokens(
+        &self,
+        x: &Q8Activations,
+        batch: usize,
+        out_column: *mut f32,
+        stride: usize,
+        count: usize,
+        part: impl Fn(usize) -> Prefetch,
+    ) {
+        let Self {
+            scratch: s,
+            groups,
+            lane,
+            factor,
+            exp,
+        } = *self;
+        let tokens = x.rows();
+        let mut token = 0;
+        while token < tokens {
+            let t_count = (tokens - token).min(batch);
+            // SAFETY: the caller upholds the contract for every token batch.
+            unsafe {
+                let o = out_column.add(token * stride);
+                let p = part(GEMM_TILE_SLOTS + token / batch);
+                macro_rules! pair_for {
+                    ($($n:literal)*) => {
+                        match (t_count, exp) {
+                            $(($n, false) => gemm_tile_pair::<$n, false>(s, groups, x, token, lane, factor, o, stride, count, p),
+                            ($n, true) => gemm_tile_pair::<$n, true>(s, groups, x, token, lane, factor, o, stride, count, p),)*
+                            (_, false) => gemm_tile_pair::<1, false>(s, groups, x, token, lane, factor, o, stride, count, p),
+                            (_, true) => gemm_tile_pair::<1, true>(s, groups, x, token, lane, factor, o, stride, count, p),
+                        }
+                    };
+                }
+                pair_for!(6 5 4 3 2);
+            }
+            token += t_count;
+        }
+    }
+
+    /// Every token of `x` against the tile in slot 0 (`count` rows, at most 16), in even
+    /// batches of at most [`GEMM_TOKENS`], prefetching nothing.
+    ///
+    /// # Safety
+    /// As [`gemm_tile`] for every batch.
+    #[inline(always)]
+    unsafe fn single_tokens(
+        &self,
+        x: &Q8Activations,
+        out_column: *mut f32,
+        stride: usize,
+        count: usize,
+    ) {
+        let Self {
+            scratch: s,
+            groups,
+            lane,
+            factor,
+            exp,
+        } = *self;
+        let tokens = x.rows();
+        let batch = tokens.div_ceil(tokens.div_ceil(GEMM_TOKENS));
+        let p = Prefetch::NOTHING;
+        let mut token = 0;
+        while token < tokens {
+            let t_count = (tokens - token).min(batch);
+            // SAFETY: the caller upholds the contract for every token batch.
+            unsafe {
+                let o = out_column.add(token * stride);
+                macro_rules! tile_for {
+                    ($($n:literal)*) => {
+                        match (t_count, exp) {
+                            $(($n, false) => gemm_tile::<$n, false>(s, groups, x, token, lane, factor, o, stride, count, p),
+                            ($n, true) => gemm_tile::<$n, true>(s, groups, x, token, lane, factor, o, stride, count, p),)*
+                            (_, false) => gemm_tile::<1, false>(s, groups, x, token, lane, factor, o, stride, count, p),
+                            (_, true) => gemm_tile::<1, true>(s, groups, x, token, lane, factor, o, stride, count, p),
+                        }
+                    };
+                }
+                tile_for!(8 7 6 5 4 3 2);
+            }
+            token += t_count;
+        }
+    }
+}
+
 /// Tokens per call of [`gemm_tile_pair`].
 const GEMM_PAIR_TOKENS: usize = 6;
 
@@ -1381,50 +1485,27 @@ unsafe fn gemm<W: GroupSource>(
                     1,
                     part(1),
                 );
-                let mut token = 0;
-                while token < tokens {
-                    let t_count = (tokens - token).min(batch);
-                    let o = out_column.add(token * stride);
-                    let s = &*scratch;
-                    let p = part(GEMM_TILE_SLOTS + token / batch);
-                    macro_rules! pair_for {
-                        ($($n:literal)*) => {
-                            match (t_count, exp) {
-                                $(($n, false) => gemm_tile_pair::<$n, false>(s, groups, x, token, lane, factor, o, stride, count, p),
-                                ($n, true) => gemm_tile_pair::<$n, true>(s, groups, x, token, lane, factor, o, stride, count, p),)*
-                                (_, false) => gemm_tile_pair::<1, false>(s, groups, x, token, lane, factor, o, stride, count, p),
-                                (_, true) => gemm_tile_pair::<1, true>(s, groups, x, token, lane, factor, o, stride, count, p),
-                            }
-                        };
-                    }
-                    pair_for!(6 5 4 3 2);
-                    token += t_count;
-                }
+                let tiles = DecodedTiles {
+                    scratch,
+                    groups,
+                    lane,
+                    factor,
+                    exp,
+                };
+                tiles.pair_tokens(x, batch, out_column, stride, count, part);
                 tile_start += count;
                 continue;
             }
             decode_tile(w, tile_start, count, scratch, 0, Prefetch::NOTHING);
-            let batch = tokens.div_ceil(tokens.div_ceil(GEMM_TOKENS));
-            let mut token = 0;
-            while token < tokens {
-                let t_count = (tokens - token).min(batch);
-                let o = out_column.add(token * stride);
-                let s = &*scratch;
-                // A single tile is a call's last: nothing follows it to prefetch.
-                let p = Prefetch::NOTHING;
-                macro_rules! tile_for {
-                    ($($n:literal)*) => {
-                        match (t_count, exp) {
-                            $(($n, false) => gemm_tile::<$n, false>(s, groups, x, token, lane, factor, o, stride, count, p),
-                            ($n, true) => gemm_tile::<$n, true>(s, groups, x, token, lane, factor, o, stride, count, p),)*
-                            (_, false) => gemm_tile::<1, false>(s, groups, x, token, lane, factor, o, stride, count, p),
-                            (_, true) => gemm_tile::<1, true>(s, groups, x, token, lane, factor, o, stride, count, p),
-                        }
-                    };
-                }
-                tile_for!(8 7 6 5 4 3 2);
-                token += t_count;
-            }
+            // A single tile is a call's last: nothing follows it to prefetch.
+            let tiles = DecodedTiles {
+                scratch,
+                groups,
+                lane,
+                factor,
+                exp,
+            };
+            tiles.single_tokens(x, out_column, stride, count);
             tile_start += count;
         }
     }

@@ -22,8 +22,8 @@ use super::super::formats::{
 use super::super::{GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
 use super::{
     activation_exponent_range, combined_scale, correction_lane, exponent_mode, exponent_offsets,
-    format_factor, gemm_tile, gemm_tile_pair, split_nibbles, Prefetch, FORMAT_MXFP4, FORMAT_Q8,
-    GEMM_PAIR_TOKENS, GEMM_TOKENS, GROUP_DWORDS, MXFP4_UNSIGNED_64,
+    format_factor, split_nibbles, DecodedTiles, Prefetch, FORMAT_MXFP4, FORMAT_Q8,
+    GEMM_PAIR_TOKENS, GROUP_DWORDS, MXFP4_UNSIGNED_64,
 };
 
 /// Most tokens [`tile_tokens`] takes at once: their sums and accumulators (2 x 8 registers)
@@ -466,47 +466,24 @@ unsafe fn gemm<W: TileSource>(
                 };
                 decode_tile(w, tile, scratch, 0, part(0));
                 decode_tile(w, tile + 1, scratch, 1, part(1));
-                let mut token = 0;
-                while token < tokens {
-                    let t_count = (tokens - token).min(batch);
-                    let o = out_column.add(token * stride);
-                    let s = &*scratch;
-                    let p = part(GEMM_TILE_SLOTS + token / batch);
-                    macro_rules! pair_for {
-                        ($($n:literal)*) => {
-                            match (t_count, exp) {
-                                $(($n, false) => gemm_tile_pair::<$n, false>(s, groups, x, token, lane, factor, o, stride, count, p),
-                                ($n, true) => gemm_tile_pair::<$n, true>(s, groups, x, token, lane, factor, o, stride, count, p),)*
-                                (_, false) => gemm_tile_pair::<1, false>(s, groups, x, token, lane, factor, o, stride, count, p),
-                                (_, true) => gemm_tile_pair::<1, true>(s, groups, x, token, lane, factor, o, stride, count, p),
-                            }
-                        };
-                    }
-                    pair_for!(6 5 4 3 2);
-                    token += t_count;
-                }
+                let tiles = DecodedTiles {
+                    scratch,
+                    groups,
+                    lane,
+                    factor,
+                    exp,
+                };
+                tiles.pair_tokens(x, batch, out_column, stride, count, part);
             } else {
                 decode_tile(w, tile, scratch, 0, Prefetch::NOTHING);
-                let batch = tokens.div_ceil(tokens.div_ceil(GEMM_TOKENS));
-                let mut token = 0;
-                while token < tokens {
-                    let t_count = (tokens - token).min(batch);
-                    let o = out_column.add(token * stride);
-                    let s = &*scratch;
-                    let p = Prefetch::NOTHING;
-                    macro_rules! tile_for {
-                        ($($n:literal)*) => {
-                            match (t_count, exp) {
-                                $(($n, false) => gemm_tile::<$n, false>(s, groups, x, token, lane, factor, o, stride, count, p),
-                                ($n, true) => gemm_tile::<$n, true>(s, groups, x, token, lane, factor, o, stride, count, p),)*
-                                (_, false) => gemm_tile::<1, false>(s, groups, x, token, lane, factor, o, stride, count, p),
-                                (_, true) => gemm_tile::<1, true>(s, groups, x, token, lane, factor, o, stride, count, p),
-                            }
-                        };
-                    }
-                    tile_for!(8 7 6 5 4 3 2);
-                    token += t_count;
-                }
+                let tiles = DecodedTiles {
+                    scratch,
+                    groups,
+                    lane,
+                    factor,
+                    exp,
+                };
+                tiles.single_tokens(x, out_column, stride, count);
             }
             tile_start += count;
         }
