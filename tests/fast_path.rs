@@ -1,41 +1,22 @@
 //! The fast path (SIMD kernels, quantized weights and activations) against the exact path on the
 //! golden fixtures: top-1 agreement, bounded logit error, and decode agreeing with prefill.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use ossterm::model::{ActivationFormat, KvFormat, LoadOptions, Model, Precision, WeightFormat};
+
+mod support;
+use support::fixtures::{golden_dirs, golden_tokens};
 
 /// The pool sessions compute on, built as the app builds its own.
 fn pool() -> Arc<rayon::ThreadPool> {
     ossterm::engine::build_pool(2).expect("a pool of two threads")
 }
 
-fn fixture_dirs() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("golden.json").is_file())
-        .collect();
-    dirs.sort();
-    dirs
-}
-
-fn tokens(dir: &Path) -> Vec<u32> {
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
-    json["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap() as u32)
-        .collect()
-}
-
 fn all_logits(dir: &Path, opts: &LoadOptions) -> (Vec<f32>, usize) {
     let model = Arc::new(Model::load(dir, opts).unwrap());
-    let tokens = tokens(dir);
+    let tokens = golden_tokens(dir);
     let mut session = model.new_session(&pool(), tokens.len());
     let mut logits = Vec::new();
     session.prefill_all_logits(&tokens, &mut logits).unwrap();
@@ -104,7 +85,7 @@ fn default_fast_path_agrees_with_the_exact_path() {
     assert_eq!(opts.weights, WeightFormat::Q8);
     assert_eq!(opts.activations, ActivationFormat::Mixed);
     let (mut agree, mut total) = (0, 0);
-    for dir in fixture_dirs() {
+    for dir in golden_dirs() {
         let r = compare(&dir, &opts);
         let (median, p90, max) = (r.quantile(0.5), r.quantile(0.9), r.quantile(1.0));
         eprintln!(
@@ -179,7 +160,7 @@ const BOUNDS: [Bound; 9] = {
 
 #[test]
 fn every_format_stays_within_its_measured_accuracy() {
-    let dir = fixture_dirs()
+    let dir = golden_dirs()
         .into_iter()
         .find(|dir| dir.ends_with("small_wide"))
         .expect("the small_wide fixture");
@@ -214,9 +195,9 @@ fn every_format_stays_within_its_measured_accuracy() {
 
 #[test]
 fn fast_decode_agrees_with_fast_prefill() {
-    for dir in fixture_dirs() {
+    for dir in golden_dirs() {
         let model = Arc::new(Model::load(&dir, &LoadOptions::default()).unwrap());
-        let tokens = tokens(&dir);
+        let tokens = golden_tokens(&dir);
         let vocab = model.config.vocab_size;
         let mut batch = model.new_session(&pool(), tokens.len());
         let mut want = Vec::new();
@@ -247,7 +228,7 @@ fn fast_decode_agrees_with_fast_prefill() {
 #[test]
 fn every_kernel_path_computes_the_same_logits() {
     use ossterm::kernels::Kernels;
-    let dir = &fixture_dirs()[0];
+    let dir = &golden_dirs()[0];
     let paths: Vec<_> = Kernels::all_supported().iter().map(|k| k.path()).collect();
     let logits: Vec<Vec<f32>> = paths
         .iter()
@@ -353,7 +334,7 @@ fn every_kv_cache_type_stays_close_to_the_exact_path() {
             ..LoadOptions::default()
         };
         let (mut agree, mut total) = (0, 0);
-        for dir in fixture_dirs() {
+        for dir in golden_dirs() {
             let r = compare(&dir, &opts);
             let (p90, max) = (r.quantile(0.9), r.quantile(1.0));
             eprintln!(
@@ -380,7 +361,7 @@ fn every_kv_cache_type_stays_close_to_the_exact_path() {
 fn tiled_experts_compute_what_row_order_experts_do() {
     use ossterm::kernels::{KernelPath, Kernels, Mxfp4Layout};
     use ossterm::model::ExpertLayout;
-    for dir in fixture_dirs() {
+    for dir in golden_dirs() {
         for path in Kernels::all_supported().iter().map(|k| k.path()) {
             let opts = |expert_layout| LoadOptions {
                 kernels: Some(path),
@@ -427,7 +408,7 @@ fn tiled_experts_compute_what_row_order_experts_do() {
 #[test]
 fn the_default_layout_follows_the_kernels_and_exact_reads_tiled_experts() {
     use ossterm::kernels::{Kernels, Mxfp4Layout};
-    let dir = &fixture_dirs()[0];
+    let dir = &golden_dirs()[0];
     for kernels in Kernels::all_supported() {
         let opts = LoadOptions {
             kernels: Some(kernels.path()),
@@ -460,7 +441,7 @@ fn the_default_layout_follows_the_kernels_and_exact_reads_tiled_experts() {
         reconfigured.weights.layers[0].down.layout(),
         Mxfp4Layout::Tiles
     );
-    let tokens = tokens(dir);
+    let tokens = golden_tokens(dir);
     let mut session = reconfigured.new_session(&pool(), tokens.len());
     let mut got = Vec::new();
     session.prefill_all_logits(&tokens, &mut got).unwrap();

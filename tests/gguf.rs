@@ -2,25 +2,13 @@
 //! layout) against the safetensors checkpoints they came from, and `ollama:` names resolved through
 //! a fake ollama store.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use ossterm::model::{ollama, LoadOptions, Model, ModelError, Precision};
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
-}
-
-fn tokens(dir: &Path) -> Vec<u32> {
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
-    json["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap() as u32)
-        .collect()
-}
+mod support;
+use support::fixtures::{golden_tokens, root};
 
 fn logits(path: &Path, tokens: &[u32], precision: Precision) -> Vec<f32> {
     let opts = LoadOptions {
@@ -47,10 +35,9 @@ const SAME_BYTES: [(&str, &str); 3] = [
 #[test]
 fn gguf_configs_equal_the_config_json_ones() {
     for (case, file) in SAME_BYTES {
-        let dir = fixtures().join(case);
+        let dir = root().join(case);
         let from_json = ossterm::model::ModelConfig::from_file(&dir.join("config.json")).unwrap();
-        let gguf =
-            ossterm::model::gguf::GgufFile::open(&fixtures().join("gguf").join(file)).unwrap();
+        let gguf = ossterm::model::gguf::GgufFile::open(&root().join("gguf").join(file)).unwrap();
         assert_eq!(gguf.config().unwrap(), from_json, "{file}");
     }
 }
@@ -58,9 +45,9 @@ fn gguf_configs_equal_the_config_json_ones() {
 #[test]
 fn gguf_logits_are_bit_identical_to_safetensors_on_both_paths() {
     for (case, file) in SAME_BYTES {
-        let dir = fixtures().join(case);
-        let gguf = fixtures().join("gguf").join(file);
-        let tokens = tokens(&dir);
+        let dir = root().join(case);
+        let gguf = root().join("gguf").join(file);
+        let tokens = golden_tokens(&dir);
         for precision in [Precision::Exact, Precision::Fast] {
             let want = logits(&dir, &tokens, precision);
             let got = logits(&gguf, &tokens, precision);
@@ -77,8 +64,8 @@ fn gguf_logits_are_bit_identical_to_safetensors_on_both_paths() {
 
 #[test]
 fn q8_0_gguf_weights_are_the_checkpoints_within_quantization_error() {
-    let dir = fixtures().join("tiny_single");
-    let gguf = fixtures().join("gguf/tiny_single_q8_0.gguf");
+    let dir = root().join("tiny_single");
+    let gguf = root().join("gguf/tiny_single_q8_0.gguf");
     let opts = LoadOptions {
         precision: Precision::Exact,
         ..LoadOptions::default()
@@ -135,7 +122,7 @@ fn q8_0_gguf_weights_are_the_checkpoints_within_quantization_error() {
     }
 
     // And the model still computes: top-1 agrees with the checkpoint's almost everywhere.
-    let tokens = tokens(&dir);
+    let tokens = golden_tokens(&dir);
     let vocab = want.config.vocab_size;
     for precision in [Precision::Exact, Precision::Fast] {
         let a = logits(&dir, &tokens, precision);
@@ -283,9 +270,9 @@ fn q8_0_matrices_are_the_fast_paths_q8_weights_bit_for_bit() {
     // Written by the gguf package's Q8_0 quantizer, as llama.cpp's converter does: each block's
     // largest value is exactly 127 steps, so quantizing its bf16 rounding again happens to land
     // on the same blocks here; the logits must agree within Q8 accuracy in any case.
-    let dir = fixtures().join("tiny_single");
-    let path = fixtures().join("gguf/tiny_single_q8_0.gguf");
-    let (requantized_differs, errors) = direct_q8_against_requantized(&path, &tokens(&dir));
+    let dir = root().join("tiny_single");
+    let path = root().join("gguf/tiny_single_q8_0.gguf");
+    let (requantized_differs, errors) = direct_q8_against_requantized(&path, &golden_tokens(&dir));
     let (p90, max) = (errors[errors.len() * 9 / 10], errors[errors.len() - 1]);
     eprintln!("fixture: requantizing changes weights: {requantized_differs}; p90 {p90}, max {max}");
     assert!(p90 < 0.04 && max < 0.25, "p90 {p90}, max {max}");
@@ -393,7 +380,7 @@ fn info_check_reads_every_value_of_a_gguf() {
         "{stderr}"
     );
 
-    let clean = fixtures().join("gguf/tiny_single_q8_0.gguf");
+    let clean = root().join("gguf/tiny_single_q8_0.gguf");
     let output = ossterm(&["info", "--check", "--model", clean.to_str().unwrap()]);
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(
@@ -437,14 +424,14 @@ fn fake_store(root: &Path, name: &str, tag: &str, blob_source: &Path) {
 #[test]
 fn ollama_names_resolve_through_the_manifest() {
     let store = tempfile::tempdir().unwrap();
-    let gguf = fixtures().join("gguf/tiny_single.gguf");
+    let gguf = root().join("gguf/tiny_single.gguf");
     fake_store(store.path(), "gpt-oss", "20b", &gguf);
     let blob = ollama::resolve("ollama:gpt-oss:20b", store.path()).unwrap();
     assert_eq!(std::fs::read(&blob).unwrap(), std::fs::read(&gguf).unwrap());
 
     // Through Model::load and $OLLAMA_MODELS, as `--model ollama:gpt-oss:20b` runs it.
     std::env::set_var("OLLAMA_MODELS", store.path());
-    let tokens = tokens(&fixtures().join("tiny_single"));
+    let tokens = golden_tokens(&root().join("tiny_single"));
     let via_ollama = logits(Path::new("ollama:gpt-oss:20b"), &tokens, Precision::Exact);
     assert_eq!(via_ollama, logits(&gguf, &tokens, Precision::Exact));
 
@@ -468,7 +455,7 @@ fn ollama_names_resolve_through_the_manifest() {
 #[test]
 fn ollama_manifest_without_model_layer_or_blob_is_refused() {
     let store = tempfile::tempdir().unwrap();
-    let gguf = fixtures().join("gguf/tiny_single.gguf");
+    let gguf = root().join("gguf/tiny_single.gguf");
     fake_store(store.path(), "gpt-oss", "20b", &gguf);
     let manifest = store
         .path()
@@ -509,8 +496,8 @@ fn ossterm(args: &[&str]) -> std::process::Output {
 fn cli_takes_a_gguf_wherever_it_takes_a_checkpoint() {
     let out = tempfile::tempdir().unwrap();
     let (a, b) = (out.path().join("a.bin"), out.path().join("b.bin"));
-    let gguf = fixtures().join("gguf/tiny_single.gguf");
-    let dir = fixtures().join("tiny_single");
+    let gguf = root().join("gguf/tiny_single.gguf");
+    let dir = root().join("tiny_single");
     for (model, file) in [(&gguf, &a), (&dir, &b)] {
         let run = ossterm(&[
             "logits",
@@ -559,17 +546,17 @@ fn info_describes_the_120b_layout_without_building_it() {
 #[test]
 fn the_app_treats_gguf_files_and_ollama_names_as_models() {
     use ossterm::model::looks_loadable;
-    assert!(looks_loadable(&fixtures().join("gguf/tiny_single.gguf")));
-    assert!(looks_loadable(&fixtures().join("tiny_single")));
+    assert!(looks_loadable(&root().join("gguf/tiny_single.gguf")));
+    assert!(looks_loadable(&root().join("tiny_single")));
     assert!(looks_loadable(Path::new("ollama:gpt-oss:20b")));
-    assert!(!looks_loadable(&fixtures().join("gguf/absent.gguf")));
-    assert!(!looks_loadable(&fixtures().join("harmony")));
+    assert!(!looks_loadable(&root().join("gguf/absent.gguf")));
+    assert!(!looks_loadable(&root().join("harmony")));
 }
 
 #[test]
 fn gguf_fingerprints_tell_files_apart() {
     use ossterm::model::gguf::GgufFile;
-    let open = |name: &str| GgufFile::open(&fixtures().join("gguf").join(name)).unwrap();
+    let open = |name: &str| GgufFile::open(&root().join("gguf").join(name)).unwrap();
     let single = open("tiny_single.gguf").fingerprint();
     assert_eq!(single, open("tiny_single.gguf").fingerprint());
     assert_ne!(single, open("tiny_single_q8_0.gguf").fingerprint());
@@ -727,7 +714,7 @@ fn memory_estimate_counts_what_a_gguf_load_holds() {
         "tiny_gqa8.gguf",
         "tiny_single_fused.gguf",
     ] {
-        let path = fixtures().join("gguf").join(file);
+        let path = root().join("gguf").join(file);
         let out = std::process::Command::new(std::env::current_exe().unwrap())
             .args([
                 "--exact",

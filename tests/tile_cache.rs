@@ -8,26 +8,11 @@ use ossterm::kernels::Mxfp4Layout;
 use ossterm::model::tile_cache::TileSource;
 use ossterm::model::{ExpertLayout, LoadOptions, Model, TileCache};
 
-fn fixture() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("golden.json").is_file())
-        .collect();
-    dirs.sort();
-    dirs.remove(0)
-}
+mod support;
+use support::fixtures::{golden_dirs, golden_tokens};
 
-fn tokens(dir: &Path) -> Vec<u32> {
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
-    json["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap() as u32)
-        .collect()
+fn fixture() -> PathBuf {
+    golden_dirs().remove(0)
 }
 
 fn opts(tile_cache: TileCache) -> LoadOptions {
@@ -50,7 +35,7 @@ fn load(dir: &Path, opts: &LoadOptions) -> (TileSource, Option<String>, Vec<u32>
     assert!(fast.tiled_bytes > 0);
     let (source, note) = (fast.tile_source.clone(), fast.tile_cache_note.clone());
     let pool = ossterm::engine::build_pool(2).unwrap();
-    let tokens = tokens(dir);
+    let tokens = golden_tokens(dir);
     let mut session = model.new_session(&pool, tokens.len());
     let mut logits = Vec::new();
     session.prefill_all_logits(&tokens, &mut logits).unwrap();

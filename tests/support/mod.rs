@@ -1,6 +1,6 @@
 //! What the test files share: for the TUI, an app as `main` builds it, keys, and the screen drawn
-//! on a ratatui TestBackend the way the loop draws it; `server` for the HTTP tests and `attention`
-//! for the kernel's. Included with `mod support;`.
+//! on a ratatui TestBackend the way the loop draws it; `server` for the HTTP tests, `attention`
+//! for the kernel's, `fixtures` for the golden fixtures. Included with `mod support;`.
 // Each test binary uses its own part of this module.
 #![allow(dead_code)]
 
@@ -18,6 +18,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 pub mod attention;
+pub mod fixtures;
 pub mod server;
 
 /// The app as it starts: chats saved in `dir`, the engine still loading its weights.
