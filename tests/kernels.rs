@@ -1,6 +1,8 @@
 //! Every SIMD kernel path against the scalar reference, on random data and ragged shapes, plus the
 //! numeric contracts of the block formats.
 
+use std::ops::Range;
+
 use half::f16;
 use ossterm::kernels::{
     e8m0_scale, kernels, parse_kernel_path, select_kernel_path, tile_mxfp4, GemmScratch,
@@ -1008,87 +1010,111 @@ fn tiling_keeps_every_weight_and_scale_and_refuses_partial_tiles() {
     assert!(tile_mxfp4(16, 64, &data.blocks, &data.scales, &mut blocks, &mut scales).is_err());
 }
 
-/// Tiled MXFP4 products on every path against the scalar reference on the row order, over
-/// ragged columns (short last groups), row ranges that start and end inside tiles, token counts
-/// on both sides of the in-register limit, and extreme or zero scales. On AVX-512 the tiled
-/// kernels run the row-order GEMM's integer sums and float steps in the same order, so they must
-/// equal it bit for bit (from 2 tokens: one token takes the row-order GEMV, a different order),
-/// with and without the VBMI decode, through either entry.
-#[test]
-fn tiled_mxfp4_products_match_the_row_order_on_every_path() {
-    let mut rng = rng(22);
-    let mut paths = vec![scalar()];
-    paths.extend(simd_paths());
-    for (rows, cols) in [(16, 32), (48, 160), (32, 96), (64, 2880), (32, 4128)] {
-        // The top range stays below f32 overflow (infinite sums cannot be compared closely).
-        for scales in [118..=130, 0..=3, 225..=235] {
-            let data = Mxfp4Data::random(&mut rng, rows, cols, scales.clone());
-            let tiled = TiledData::from(&data);
-            let (w, t) = (data.matrix(), tiled.matrix());
-            let ranges = [0..rows, 3..rows - 5, 16..rows, 1..MXFP4_TILE_ROWS - 1];
-            for tokens in [1usize, 2, 3, 4, 5, 8, 9, 13, 17, 40] {
-                let x_values = random_f32(&mut rng, tokens * cols, 3.0);
-                let mut x = Q8Activations::new();
-                kernels()
-                    .quantize_activation_rows(&x_values, cols, &mut x)
-                    .unwrap();
-                let mut scratch = GemmScratch::new(cols);
-                for range in ranges.clone() {
-                    let n = range.len();
-                    let what = format!("{rows}x{cols} scales {scales:?} M={tokens} rows {range:?}");
-                    let mut expected = vec![0.0; tokens * n];
-                    scalar()
-                        .mxfp4_gemm(&w, &x, range.clone(), &mut expected, &mut scratch)
-                        .unwrap();
-                    let bounds = magnitude_bounds(
-                        range.clone(),
-                        cols,
-                        |r, out| w.dequantize_row(r, out).unwrap(),
-                        &x,
-                    );
-                    for k in &paths {
-                        let mut got = vec![f32::NAN; tokens * n];
-                        k.mxfp4_gemm(&t, &x, range.clone(), &mut got, &mut scratch)
-                            .unwrap();
-                        let what = format!("tiled GEMM {} {what}", k.path());
-                        assert_close(&what, &got, &expected, &bounds);
-                        if k.path() != KernelPath::Avx512 {
-                            continue;
-                        }
-                        if tokens > 1 {
-                            let mut rows_order = vec![f32::NAN; tokens * n];
-                            k.mxfp4_gemm(&w, &x, range.clone(), &mut rows_order, &mut scratch)
-                                .unwrap();
-                            assert_eq!(bits(&got), bits(&rows_order), "{what}: row order");
-                        }
-                        if tokens <= MAX_GEMV_TOKENS {
-                            let mut gemv = vec![f32::NAN; tokens * n];
-                            k.mxfp4_gemv(&t, &x, range.clone(), &mut gemv).unwrap();
-                            assert_eq!(bits(&got), bits(&gemv), "{what}: GEMV entry");
-                        }
-                        let mut other = vec![f32::NAN; tokens * n];
-                        let other_decode = if k.uses_vbmi() { k.without_vbmi() } else { *k };
-                        other_decode
-                            .mxfp4_gemm(&t, &x, range.clone(), &mut other, &mut scratch)
-                            .unwrap();
-                        assert_eq!(bits(&got), bits(&other), "{what}: other nibble decode");
-                    }
-                }
+/// A product on row-order (`tiled` false) or tiled weights, as the tiled-layout tests run it.
+type Product<'a> = &'a dyn Fn(Kernels, bool, &Q8Activations, Range<usize>, &mut [f32]);
+
+/// One matrix's tiled products on every path in `paths`, for the tokens of `x`: against the
+/// scalar reference on the row order, over row ranges that start and end inside tiles; on
+/// AVX-512 bit for bit the row-order GEMM (from 2 tokens: one token in row order takes the
+/// GEMV, another summing order), the GEMV entry (up to its token limit) and, where the CPU has
+/// VBMI, the other nibble decode. `gemm` and `gemv` run the product; `dequantize` gives a
+/// row-order row for the error bounds.
+fn check_tiled_products(
+    what: &str,
+    (rows, cols): (usize, usize),
+    x: &Q8Activations,
+    paths: &[Kernels],
+    dequantize: &dyn Fn(usize, &mut [f32]),
+    gemm: Product<'_>,
+    gemv: Product<'_>,
+) {
+    let tokens = x.rows();
+    for range in [0..rows, 3..rows - 5, 16..rows, 1..MXFP4_TILE_ROWS - 1] {
+        let n = range.len();
+        let what = format!("{what} {rows}x{cols} M={tokens} rows {range:?}");
+        let mut expected = vec![0.0; tokens * n];
+        gemm(scalar(), false, x, range.clone(), &mut expected);
+        let bounds = magnitude_bounds(range.clone(), cols, dequantize, x);
+        for &k in paths {
+            let mut got = vec![f32::NAN; tokens * n];
+            gemm(k, true, x, range.clone(), &mut got);
+            let what = format!("{what} {}", k.path());
+            assert_close(&what, &got, &expected, &bounds);
+            if k.path() != KernelPath::Avx512 {
+                continue;
+            }
+            let mut other = vec![f32::NAN; tokens * n];
+            if tokens > 1 {
+                gemm(k, false, x, range.clone(), &mut other);
+                assert_eq!(bits(&got), bits(&other), "{what}: row order");
+            }
+            if tokens <= MAX_GEMV_TOKENS {
+                gemv(k, true, x, range.clone(), &mut other);
+                assert_eq!(bits(&got), bits(&other), "{what}: GEMV entry");
+            }
+            if k.uses_vbmi() {
+                gemm(k.without_vbmi(), true, x, range.clone(), &mut other);
+                assert_eq!(bits(&got), bits(&other), "{what}: other nibble decode");
             }
         }
     }
 }
 
-/// Tiled Q8 products as the tiled MXFP4 ones above: every path against the scalar reference on
-/// the row order, ragged columns and row ranges, token counts across the in-register limit and
-/// into the scratch path; on AVX-512 bit for bit the row-order GEMM (from 2 tokens) and the
-/// GEMV entry.
+/// Token counts on both sides of the in-register limits and into the scratch path.
+const TILED_TOKENS: [usize; 10] = [1, 2, 3, 4, 5, 8, 9, 13, 17, 40];
+
+/// Ragged columns (short last groups) and the model's 2880.
+const TILED_SHAPES: [(usize, usize); 5] = [(16, 32), (48, 160), (32, 96), (64, 2880), (32, 4128)];
+
+/// Tiled MXFP4 products ([`check_tiled_products`]), also at extreme and zero scales.
+#[test]
+fn tiled_mxfp4_products_match_the_row_order_on_every_path() {
+    let mut rng = rng(22);
+    let mut paths = vec![scalar()];
+    paths.extend(simd_paths());
+    for shape @ (rows, cols) in TILED_SHAPES {
+        // The top range stays below f32 overflow (infinite sums cannot be compared closely).
+        for scales in [118..=130, 0..=3, 225..=235] {
+            let data = Mxfp4Data::random(&mut rng, rows, cols, scales.clone());
+            let tiled = TiledData::from(&data);
+            let (w, t) = (data.matrix(), tiled.matrix());
+            let mut scratch = GemmScratch::new(cols);
+            let scratch = std::cell::RefCell::new(&mut scratch);
+            let pick = |tiled: bool| if tiled { t } else { w };
+            for tokens in TILED_TOKENS {
+                let mut x = Q8Activations::new();
+                kernels()
+                    .quantize_activation_rows(
+                        &random_f32(&mut rng, tokens * cols, 3.0),
+                        cols,
+                        &mut x,
+                    )
+                    .unwrap();
+                check_tiled_products(
+                    &format!("tiled MXFP4 scales {scales:?}"),
+                    shape,
+                    &x,
+                    &paths,
+                    &|r, out| w.dequantize_row(r, out).unwrap(),
+                    &|k, tiled, x, range, out| {
+                        let mut scratch = scratch.borrow_mut();
+                        k.mxfp4_gemm(&pick(tiled), x, range, out, &mut scratch)
+                            .unwrap()
+                    },
+                    &|k, tiled, x, range, out| k.mxfp4_gemv(&pick(tiled), x, range, out).unwrap(),
+                );
+            }
+        }
+    }
+}
+
+/// Tiled Q8 products ([`check_tiled_products`]); rows that do not fill whole tiles are refused.
 #[test]
 fn tiled_q8_products_match_the_row_order_on_every_path() {
     let mut rng = rng(23);
     let mut paths = vec![scalar()];
     paths.extend(simd_paths());
-    for (rows, cols) in [(16, 32), (48, 160), (32, 96), (64, 2880), (32, 4128)] {
+    for shape @ (rows, cols) in TILED_SHAPES {
         let weights = to_bf16(&random_f32(&mut rng, rows * cols, 0.2));
         let q8 = Q8Matrix::from_bf16(rows, cols, &weights).unwrap();
         let tiled = q8.to_tiles().unwrap();
@@ -1099,48 +1125,27 @@ fn tiled_q8_products_match_the_row_order_on_every_path() {
             tiled.dequantize_row(r, &mut b).unwrap();
             assert_eq!(bits(&a), bits(&b), "{rows}x{cols} row {r}");
         }
-        let ranges = [0..rows, 3..rows - 5, 16..rows, 1..MXFP4_TILE_ROWS - 1];
-        for tokens in [1usize, 2, 3, 4, 5, 8, 9, 13, 17, 40] {
+        let mut scratch = GemmScratch::new(cols);
+        let scratch = std::cell::RefCell::new(&mut scratch);
+        let pick = |is_tiled: bool| if is_tiled { &tiled } else { &q8 };
+        for tokens in TILED_TOKENS {
             let mut x = Q8Activations::new();
             kernels()
                 .quantize_activation_rows(&random_f32(&mut rng, tokens * cols, 2.0), cols, &mut x)
                 .unwrap();
-            let mut scratch = GemmScratch::new(cols);
-            for range in ranges.clone() {
-                let n = range.len();
-                let what = format!("{rows}x{cols} M={tokens} rows {range:?}");
-                let mut expected = vec![0.0; tokens * n];
-                scalar()
-                    .q8_gemm(&q8, &x, range.clone(), &mut expected, &mut scratch)
-                    .unwrap();
-                let bounds = magnitude_bounds(
-                    range.clone(),
-                    cols,
-                    |r, o| q8.dequantize_row(r, o).unwrap(),
-                    &x,
-                );
-                for k in &paths {
-                    let mut got = vec![f32::NAN; tokens * n];
-                    k.q8_gemm(&tiled, &x, range.clone(), &mut got, &mut scratch)
-                        .unwrap();
-                    let what = format!("tiled Q8 GEMM {} {what}", k.path());
-                    assert_close(&what, &got, &expected, &bounds);
-                    if k.path() != KernelPath::Avx512 {
-                        continue;
-                    }
-                    if tokens > 1 {
-                        let mut rows_order = vec![f32::NAN; tokens * n];
-                        k.q8_gemm(&q8, &x, range.clone(), &mut rows_order, &mut scratch)
-                            .unwrap();
-                        assert_eq!(bits(&got), bits(&rows_order), "{what}: row order");
-                    }
-                    if tokens <= MAX_GEMV_TOKENS {
-                        let mut gemv = vec![f32::NAN; tokens * n];
-                        k.q8_gemv(&tiled, &x, range.clone(), &mut gemv).unwrap();
-                        assert_eq!(bits(&got), bits(&gemv), "{what}: GEMV entry");
-                    }
-                }
-            }
+            check_tiled_products(
+                "tiled Q8",
+                shape,
+                &x,
+                &paths,
+                &|r, o| q8.dequantize_row(r, o).unwrap(),
+                &|k, is_tiled, x, range, out| {
+                    let mut scratch = scratch.borrow_mut();
+                    k.q8_gemm(pick(is_tiled), x, range, out, &mut scratch)
+                        .unwrap()
+                },
+                &|k, is_tiled, x, range, out| k.q8_gemv(pick(is_tiled), x, range, out).unwrap(),
+            );
         }
     }
     let weights = to_bf16(&random_f32(&mut rng, 20 * 64, 0.2));
