@@ -1307,107 +1307,106 @@ impl Prefetch {
     }
 }
 
-/// The GEMM's pass over `rows` in pairs of tiles decoded into scratch, every token of `x`
-/// against each pair (the last tile alone if the rows end on one), shared by the row-order GEMM
-/// and the tile-layout one ([`tiles`]), which differ only in how a tile is decoded:
-/// `decode(scratch, first_row, count, slot, prefetch)` writes rows `first_row..+count` into
-/// `slot`. While a pair is multiplied the next pair's bytes (`spans_from(start)`) are
-/// prefetched; `exp_for(rows)` says whether a pair may scale by adding exponents.
-///
-/// # Safety
-/// `out[t * stride + r - rows.start]` is in bounds for every token t of `x` and row r of
-/// `rows`; `decode` fills a slot for `groups` groups as [`decode_tile`] does; the CPU has the
-/// module's features.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_pairs(
-    x: &Q8Activations,
-    rows: Range<usize>,
-    out: *mut f32,
-    stride: usize,
-    scratch: &mut GemmScratch,
-    (groups, lane, factor): (usize, usize, f32),
-    spans_from: impl Fn(usize) -> [(*const u8, usize); 2],
-    exp_for: impl Fn(Range<usize>) -> bool,
-    mut decode: impl FnMut(&mut GemmScratch, usize, usize, usize, Prefetch),
-) {
-    // SAFETY: the caller upholds the contract; each micro-kernel call writes `t_count x count`
-    // values of `out` inside the rows and tokens above.
-    unsafe {
+/// One or two decoded tiles in the GEMM scratch and what their micro-kernels need besides the
+/// tokens: the row-order GEMM and the tile-layout GEMM ([`tiles`]) share these token loops.
+struct DecodedTiles<'a> {
+    scratch: &'a GemmScratch,
+    groups: usize,
+    lane: usize,
+    factor: f32,
+    exp: bool,
+}
+
+impl DecodedTiles<'_> {
+    /// Every token of `x` against the two tiles in slots 0 and 1 (`count` rows, 17 to 32), in
+    /// batches of `batch`; batch i prefetches `part(GEMM_TILE_SLOTS + i)`.
+    ///
+    /// # Safety
+    /// As [`gemm_tile_pair`] for every batch: `out_column[t * stride + r]` in bounds for every
+    /// token t of `x` and r < `count`; the CPU has the module's features.
+    #[inline(always)]
+    unsafe fn pair_tokens(
+        &self,
+        x: &Q8Activations,
+        batch: usize,
+        out_column: *mut f32,
+        stride: usize,
+        count: usize,
+        part: impl Fn(usize) -> Prefetch,
+    ) {
+        let Self {
+            scratch: s,
+            groups,
+            lane,
+            factor,
+            exp,
+        } = *self;
         let tokens = x.rows();
-        let pair_rows = GEMM_TILE_SLOTS * GEMM_TILE_ROWS;
-        // The first pair has nothing to overlap with: ask for all of it at once.
-        prefetch_share(&spans_from(rows.start), 0, 1);
-        let mut tile_start = rows.start;
-        while tile_start < rows.end {
-            let count = (rows.end - tile_start).min(pair_rows);
-            let out_column = out.add(tile_start - rows.start);
-            let exp = exp_for(tile_start..tile_start + count);
-            if count > GEMM_TILE_ROWS {
-                // Two tiles at once: 17 to 32 rows. Even batches: a short last batch would leave
-                // too few independent sums to cover the `vpdpbusd` latency (7 tokens run as
-                // 4 + 3, not 6 + 1).
-                let batch = tokens.div_ceil(tokens.div_ceil(GEMM_PAIR_TOKENS));
-                // The next pair's lines are spread over both decodes and every token batch.
-                let next = spans_from((tile_start + pair_rows).min(rows.end));
-                let parts = GEMM_TILE_SLOTS + tokens.div_ceil(batch);
-                let part = |index: usize| Prefetch {
-                    spans: next,
-                    batch: index,
-                    batches: parts,
-                };
-                decode(scratch, tile_start, GEMM_TILE_ROWS, 0, part(0));
-                decode(
-                    scratch,
-                    tile_start + GEMM_TILE_ROWS,
-                    count - GEMM_TILE_ROWS,
-                    1,
-                    part(1),
-                );
-                let s = &*scratch;
-                let mut token = 0;
-                while token < tokens {
-                    let t_count = (tokens - token).min(batch);
-                    let o = out_column.add(token * stride);
-                    let p = part(GEMM_TILE_SLOTS + token / batch);
-                    macro_rules! pair_for {
-                        ($($n:literal)*) => {
-                            match (t_count, exp) {
-                                $(($n, false) => gemm_tile_pair::<$n, false>(s, groups, x, token, lane, factor, o, stride, count, p),
-                                ($n, true) => gemm_tile_pair::<$n, true>(s, groups, x, token, lane, factor, o, stride, count, p),)*
-                                (_, false) => gemm_tile_pair::<1, false>(s, groups, x, token, lane, factor, o, stride, count, p),
-                                (_, true) => gemm_tile_pair::<1, true>(s, groups, x, token, lane, factor, o, stride, count, p),
-                            }
-                        };
-                    }
-                    pair_for!(6 5 4 3 2);
-                    token += t_count;
+        let mut token = 0;
+        while token < tokens {
+            let t_count = (tokens - token).min(batch);
+            // SAFETY: the caller upholds the contract for every token batch.
+            unsafe {
+                let o = out_column.add(token * stride);
+                let p = part(GEMM_TILE_SLOTS + token / batch);
+                macro_rules! pair_for {
+                    ($($n:literal)*) => {
+                        match (t_count, exp) {
+                            $(($n, false) => gemm_tile_pair::<$n, false>(s, groups, x, token, lane, factor, o, stride, count, p),
+                            ($n, true) => gemm_tile_pair::<$n, true>(s, groups, x, token, lane, factor, o, stride, count, p),)*
+                            (_, false) => gemm_tile_pair::<1, false>(s, groups, x, token, lane, factor, o, stride, count, p),
+                            (_, true) => gemm_tile_pair::<1, true>(s, groups, x, token, lane, factor, o, stride, count, p),
+                        }
+                    };
                 }
-            } else {
-                // A single tile is a call's last: nothing follows it to prefetch.
-                decode(scratch, tile_start, count, 0, Prefetch::NOTHING);
-                let s = &*scratch;
-                let batch = tokens.div_ceil(tokens.div_ceil(GEMM_TOKENS));
-                let p = Prefetch::NOTHING;
-                let mut token = 0;
-                while token < tokens {
-                    let t_count = (tokens - token).min(batch);
-                    let o = out_column.add(token * stride);
-                    macro_rules! tile_for {
-                        ($($n:literal)*) => {
-                            match (t_count, exp) {
-                                $(($n, false) => gemm_tile::<$n, false>(s, groups, x, token, lane, factor, o, stride, count, p),
-                                ($n, true) => gemm_tile::<$n, true>(s, groups, x, token, lane, factor, o, stride, count, p),)*
-                                (_, false) => gemm_tile::<1, false>(s, groups, x, token, lane, factor, o, stride, count, p),
-                                (_, true) => gemm_tile::<1, true>(s, groups, x, token, lane, factor, o, stride, count, p),
-                            }
-                        };
-                    }
-                    tile_for!(8 7 6 5 4 3 2);
-                    token += t_count;
-                }
+                pair_for!(6 5 4 3 2);
             }
-            tile_start += count;
+            token += t_count;
+        }
+    }
+
+    /// Every token of `x` against the tile in slot 0 (`count` rows, at most 16), in even
+    /// batches of at most [`GEMM_TOKENS`], prefetching nothing.
+    ///
+    /// # Safety
+    /// As [`gemm_tile`] for every batch.
+    #[inline(always)]
+    unsafe fn single_tokens(
+        &self,
+        x: &Q8Activations,
+        out_column: *mut f32,
+        stride: usize,
+        count: usize,
+    ) {
+        let Self {
+            scratch: s,
+            groups,
+            lane,
+            factor,
+            exp,
+        } = *self;
+        let tokens = x.rows();
+        let batch = tokens.div_ceil(tokens.div_ceil(GEMM_TOKENS));
+        let p = Prefetch::NOTHING;
+        let mut token = 0;
+        while token < tokens {
+            let t_count = (tokens - token).min(batch);
+            // SAFETY: the caller upholds the contract for every token batch.
+            unsafe {
+                let o = out_column.add(token * stride);
+                macro_rules! tile_for {
+                    ($($n:literal)*) => {
+                        match (t_count, exp) {
+                            $(($n, false) => gemm_tile::<$n, false>(s, groups, x, token, lane, factor, o, stride, count, p),
+                            ($n, true) => gemm_tile::<$n, true>(s, groups, x, token, lane, factor, o, stride, count, p),)*
+                            (_, false) => gemm_tile::<1, false>(s, groups, x, token, lane, factor, o, stride, count, p),
+                            (_, true) => gemm_tile::<1, true>(s, groups, x, token, lane, factor, o, stride, count, p),
+                        }
+                    };
+                }
+                tile_for!(8 7 6 5 4 3 2);
+            }
+            token += t_count;
         }
     }
 }
@@ -1437,6 +1436,10 @@ unsafe fn gemm<W: GroupSource>(
         if x.rows() == 1 {
             return gemv(w, x, rows, out);
         }
+        let (lane, factor) = (correction_lane(W::FORMAT), format_factor(W::FORMAT));
+        let groups = w.groups();
+        let stride = rows.len();
+        let tokens = x.rows();
         let act_exponents = if W::FORMAT == FORMAT_MXFP4 {
             activation_exponent_range(x)
         } else {
@@ -1446,26 +1449,65 @@ unsafe fn gemm<W: GroupSource>(
         // the next pair's bytes are prefetched: without it, with few tokens per expert (a short
         // prompt) the tile decode waited on every cache miss and 2 threads read 7 GB/s.
         let pair_rows = GEMM_TILE_SLOTS * GEMM_TILE_ROWS;
-        let end = rows.end;
-        gemm_pairs(
-            x,
-            rows.clone(),
-            out.as_mut_ptr(),
-            rows.len(),
-            scratch,
-            (
-                w.groups(),
-                correction_lane(W::FORMAT),
-                format_factor(W::FORMAT),
-            ),
-            |start| w.byte_spans(start..(start + pair_rows).min(end)),
+        let spans_from = |start: usize| w.byte_spans(start..(start + pair_rows).min(rows.end));
+        // The first pair has nothing to overlap with: ask for all of it at once.
+        prefetch_share(&spans_from(rows.start), 0, 1);
+        let mut tile_start = rows.start;
+        while tile_start < rows.end {
+            let remaining = rows.end - tile_start;
+            let out_column = out.as_mut_ptr().add(tile_start - rows.start);
+            let next = spans_from((tile_start + pair_rows).min(rows.end));
+            let count = remaining.min(pair_rows);
             // Power-of-two weight scales (MXFP4) are applied by adding exponents where every
             // product stays a normal float: the same bits, one float operation fewer per block.
-            |pair| exponent_mode(act_exponents, w.exponent_range(pair)),
-            |scratch, first_row, count, slot, prefetch| {
-                decode_tile(w, first_row, count, scratch, slot, prefetch)
-            },
-        );
+            let exp = exponent_mode(
+                act_exponents,
+                w.exponent_range(tile_start..tile_start + count),
+            );
+            if remaining > GEMM_TILE_ROWS {
+                // Two tiles at once: 17 to 32 rows.
+                // Even batches: a short last batch would leave too few independent sums to
+                // cover the `vpdpbusd` latency (7 tokens run as 4 + 3, not 6 + 1).
+                let batch = tokens.div_ceil(tokens.div_ceil(GEMM_PAIR_TOKENS));
+                // The next pair's lines are spread over both decodes and every token batch.
+                let parts = GEMM_TILE_SLOTS + tokens.div_ceil(batch);
+                let part = |index: usize| Prefetch {
+                    spans: next,
+                    batch: index,
+                    batches: parts,
+                };
+                decode_tile(w, tile_start, GEMM_TILE_ROWS, scratch, 0, part(0));
+                decode_tile(
+                    w,
+                    tile_start + GEMM_TILE_ROWS,
+                    count - GEMM_TILE_ROWS,
+                    scratch,
+                    1,
+                    part(1),
+                );
+                let tiles = DecodedTiles {
+                    scratch,
+                    groups,
+                    lane,
+                    factor,
+                    exp,
+                };
+                tiles.pair_tokens(x, batch, out_column, stride, count, part);
+                tile_start += count;
+                continue;
+            }
+            decode_tile(w, tile_start, count, scratch, 0, Prefetch::NOTHING);
+            // A single tile is a call's last: nothing follows it to prefetch.
+            let tiles = DecodedTiles {
+                scratch,
+                groups,
+                lane,
+                factor,
+                exp,
+            };
+            tiles.single_tokens(x, out_column, stride, count);
+            tile_start += count;
+        }
     }
 }
 

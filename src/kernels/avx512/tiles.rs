@@ -22,8 +22,8 @@ use super::super::formats::{
 use super::super::{GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
 use super::{
     activation_exponent_range, combined_scale, correction_lane, exponent_mode, exponent_offsets,
-    format_factor, split_nibbles, Prefetch, FORMAT_MXFP4, FORMAT_Q8, GROUP_DWORDS,
-    MXFP4_UNSIGNED_64,
+    format_factor, split_nibbles, DecodedTiles, Prefetch, FORMAT_MXFP4, FORMAT_Q8,
+    GEMM_PAIR_TOKENS, GROUP_DWORDS, MXFP4_UNSIGNED_64,
 };
 
 /// Most tokens [`tile_tokens`] takes at once: their sums and accumulators (2 x 8 registers)
@@ -435,6 +435,10 @@ unsafe fn gemm<W: TileSource>(
             return direct(w, x, rows, out, exp);
         }
         let stride = rows.len();
+        let tokens = x.rows();
+        let lane = correction_lane(W::FORMAT);
+        let factor = format_factor(W::FORMAT);
+        let groups = (w.cols() / BLOCK_LEN).div_ceil(GROUP_BLOCKS);
         let none = [(std::ptr::null(), 0); 2];
         for edge in [rows.start..whole.start, whole.end..rows.end] {
             if !edge.is_empty() {
@@ -444,40 +448,53 @@ unsafe fn gemm<W: TileSource>(
             }
         }
         let pair_rows = GEMM_TILE_SLOTS * GEMM_TILE_ROWS;
-        let limit = w.rows();
-        super::gemm_pairs(
-            x,
-            whole.clone(),
-            out.as_mut_ptr().add(whole.start - rows.start),
-            stride,
-            scratch,
-            (
-                (w.cols() / BLOCK_LEN).div_ceil(GROUP_BLOCKS),
-                correction_lane(W::FORMAT),
-                format_factor(W::FORMAT),
-            ),
-            // Past `rows` to the matrix's end, as the direct kernel prefetches.
-            |start| w.spans(start..(start + pair_rows).min(limit)),
-            |_| exp,
-            |scratch, first_row, _, slot, prefetch| {
-                decode_tile(w, first_row / MXFP4_TILE_ROWS, scratch, slot, prefetch)
-            },
-        );
+        let spans_from = |start: usize| w.spans(start..(start + pair_rows).min(w.rows()));
+        super::prefetch_share(&spans_from(whole.start), 0, 1);
+        let mut tile_start = whole.start;
+        while tile_start < whole.end {
+            let count = (whole.end - tile_start).min(pair_rows);
+            let out_column = out.as_mut_ptr().add(tile_start - rows.start);
+            let next = spans_from((tile_start + pair_rows).min(w.rows()));
+            let tile = tile_start / MXFP4_TILE_ROWS;
+            if count > GEMM_TILE_ROWS {
+                let batch = tokens.div_ceil(tokens.div_ceil(GEMM_PAIR_TOKENS));
+                let parts = GEMM_TILE_SLOTS + tokens.div_ceil(batch);
+                let part = |index: usize| Prefetch {
+                    spans: next,
+                    batch: index,
+                    batches: parts,
+                };
+                decode_tile(w, tile, scratch, 0, part(0));
+                decode_tile(w, tile + 1, scratch, 1, part(1));
+                let tiles = DecodedTiles {
+                    scratch,
+                    groups,
+                    lane,
+                    factor,
+                    exp,
+                };
+                tiles.pair_tokens(x, batch, out_column, stride, count, part);
+            } else {
+                decode_tile(w, tile, scratch, 0, Prefetch::NOTHING);
+                let tiles = DecodedTiles {
+                    scratch,
+                    groups,
+                    lane,
+                    factor,
+                    exp,
+                };
+                tiles.single_tokens(x, out_column, stride, count);
+            }
+            tile_start += count;
+        }
     }
 }
 
-/// Fewest tokens for which [`exponent_add_allowed`] scans the weights' scales: below, a call
-/// streams its rows at the read bandwidth and the float operation the exponent add saves is not
-/// what it waits on, while the scan is a second pass over the scale bytes on decode's hot path
-/// (one decoded token: about 75 MB of them a step on the 20b).
-const EXPONENT_ADD_MIN_TOKENS: usize = 4;
-
 /// Whether the exponent-add scaling may run for these rows and tokens (see
-/// [`super::combined_scale`]): power-of-two scales and enough tokens only; the scale bytes of
-/// the tiles `rows` touches are contiguous, so one pass finds their range. Either answer gives
-/// the same bits.
+/// [`super::combined_scale`]): power-of-two scales only; the scale bytes of the tiles `rows`
+/// touches are contiguous, so one pass finds their range.
 fn exponent_add_allowed<W: TileSource>(w: &W, x: &Q8Activations, rows: &Range<usize>) -> bool {
-    if !W::POWER_OF_TWO_SCALES || x.rows() < EXPONENT_ADD_MIN_TOKENS {
+    if !W::POWER_OF_TWO_SCALES {
         return false;
     }
     let [_, (scales, len)] = w.spans(rows.clone());
