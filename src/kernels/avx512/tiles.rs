@@ -490,11 +490,18 @@ unsafe fn gemm<W: TileSource>(
     }
 }
 
+/// Fewest tokens for which [`exponent_add_allowed`] scans the weights' scales: below, a call
+/// streams its rows at the read bandwidth and the float operation the exponent add saves is not
+/// what it waits on, while the scan is a second pass over the scale bytes on decode's hot path
+/// (one decoded token: about 75 MB of them a step on the 20b).
+const EXPONENT_ADD_MIN_TOKENS: usize = 4;
+
 /// Whether the exponent-add scaling may run for these rows and tokens (see
-/// [`super::combined_scale`]): power-of-two scales only; the scale bytes of the tiles `rows`
-/// touches are contiguous, so one pass finds their range.
+/// [`super::combined_scale`]): power-of-two scales and enough tokens only; the scale bytes of
+/// the tiles `rows` touches are contiguous, so one pass finds their range. Either answer gives
+/// the same bits.
 fn exponent_add_allowed<W: TileSource>(w: &W, x: &Q8Activations, rows: &Range<usize>) -> bool {
-    if !W::POWER_OF_TWO_SCALES {
+    if !W::POWER_OF_TWO_SCALES || x.rows() < EXPONENT_ADD_MIN_TOKENS {
         return false;
     }
     let [_, (scales, len)] = w.spans(rows.clone());
