@@ -452,7 +452,7 @@ pub fn run_kernel_bench(
     let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
     let tiles = kernels.prefers_tiled_mxfp4();
     let weights = BenchWeights::random(&mut rng, config.experts, config.rows, config.cols, tiles)?;
-    let formats: &[Format] = if weights.mxfp4_tiles.is_some() {
+    let formats: &[Format] = if weights.mxfp4_tiles.is_some() && kernels.prefers_tiled_q8() {
         &[
             Format::Mxfp4,
             Format::Mxfp4Tiles,
@@ -460,6 +460,8 @@ pub fn run_kernel_bench(
             Format::Q8Tiles,
             Format::Q4,
         ]
+    } else if weights.mxfp4_tiles.is_some() {
+        &[Format::Mxfp4, Format::Mxfp4Tiles, Format::Q8, Format::Q4]
     } else {
         &[Format::Mxfp4, Format::Q8, Format::Q4]
     };

@@ -20,6 +20,8 @@ use super::formats::{
 };
 use super::{GemmScratch, GEMM_TILE_ROWS};
 
+pub(super) mod tiles;
+
 const REQUIRED: [&str; 3] = ["avx2", "fma", "f16c"];
 
 pub(crate) fn missing_features() -> Vec<&'static str> {

@@ -453,16 +453,16 @@ impl Kernels {
     }
 
     /// Whether MXFP4 weights should be reordered into [`Mxfp4Layout::Tiles`] for these kernels:
-    /// the AVX-512 products have kernels for it that beat the row order at every token count.
-    /// Other paths take tiled matrices too (the scalar reference's way, correct but slow), so
-    /// the model tiles only when this says so.
+    /// the AVX-512 and AVX2 products have kernels for it that beat the row order. The scalar
+    /// path takes tiled matrices too (correct but slow), so the model tiles only when this says
+    /// so.
     pub fn prefers_tiled_mxfp4(&self) -> bool {
-        self.path == KernelPath::Avx512
+        matches!(self.path, KernelPath::Avx512 | KernelPath::Avx2)
     }
 
     /// Whether Q8 matrices should be reordered into the tile layout ([`Q8Matrix::to_tiles`]) for
-    /// these kernels: as for MXFP4, the AVX-512 path has kernels for it, the others read it the
-    /// scalar reference's way.
+    /// these kernels: the AVX-512 path has kernels for it; the others read it the scalar
+    /// reference's way (AVX2's `vpmaddubsw` would saturate on the tiles' unsigned bytes).
     pub fn prefers_tiled_q8(&self) -> bool {
         self.path == KernelPath::Avx512
     }
@@ -571,7 +571,7 @@ impl Kernels {
             self,
             avx512: avx512::mxfp4_gemv(w, x, rows, out, self.vbmi),
             avx2: if w.layout == Mxfp4Layout::Tiles {
-                scalar::mxfp4_gemv(w, x, rows, out)
+                avx2::tiles::mxfp4_product(w, x, rows, out)
             } else {
                 avx2::mxfp4_gemv(w, x, rows, out)
             },
@@ -595,7 +595,7 @@ impl Kernels {
             self,
             avx512: avx512::mxfp4_gemm(w, x, rows, out, scratch, self.vbmi),
             avx2: if w.layout == Mxfp4Layout::Tiles {
-                scalar::mxfp4_gemm(w, x, rows, out, scratch)
+                avx2::tiles::mxfp4_product(w, x, rows, out)
             } else {
                 avx2::mxfp4_gemm(w, x, rows, out, scratch)
             },
