@@ -93,6 +93,9 @@ impl<T: Plain> AlignedVec<T> {
 /// Transparent huge pages: the size of one, and the least allocation worth advising.
 const HUGE_PAGE: usize = 2 << 20;
 
+/// Bytes [`collapse_into_huge_pages`] asks for in one call.
+const COLLAPSE_STEP: usize = 32 << 20;
+
 /// Asks Linux to back the whole 2 MiB pages inside a large buffer's storage with transparent
 /// huge pages (`MADV_HUGEPAGE`; distributions often default THP to "madvise", where only advised
 /// ranges get them). The quantized weights live in these buffers and the GEMVs stream them once
@@ -119,6 +122,53 @@ fn advise_huge_pages(lines: &Vec<Line>) {
             }
         }
     }
+}
+
+impl<T: Plain> AlignedVec<T> {
+    /// See [`collapse_into_huge_pages`]: for a buffer whose contents are written and will be
+    /// read for the process's lifetime (weights).
+    pub(crate) fn collapse_huge_pages(&self) {
+        let bytes = self.lines.len() * LINE;
+        // SAFETY: the lines are initialized plain bytes.
+        collapse_into_huge_pages(unsafe {
+            std::slice::from_raw_parts(self.lines.as_ptr().cast::<u8>(), bytes)
+        });
+    }
+}
+
+/// Asks Linux to move the whole 2 MiB pages inside `buffer` onto transparent huge pages now
+/// (`MADV_COLLAPSE`, Linux 6.1 and later), after they were written.
+///
+/// Why: `MADV_HUGEPAGE` only asks for huge pages when a page is first touched, and a machine
+/// whose memory is full of page cache (the checkpoint just read, earlier models) often has no free
+/// 2 MiB page then, so the fault falls back to 4 KiB pages for good. On the Zen 4 guest a loaded
+/// 20b held its unembedding 12% in huge pages and half the later layers' experts in 4 KiB
+/// pages, and its dense products streamed about a quarter slower per byte than the experts that
+/// had them. A collapse may reclaim and compact to find the pages (a second or two of load at
+/// most); where it cannot, or the kernel is older, the pages stay as they were: same contents,
+/// only the backing changes.
+pub(crate) fn collapse_into_huge_pages(buffer: &[u8]) {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        let start = buffer.as_ptr() as usize;
+        let first = start.div_ceil(HUGE_PAGE) * HUGE_PAGE;
+        let end = (start + buffer.len()) / HUGE_PAGE * HUGE_PAGE;
+        // In steps: the kernel gives up on a whole call at the first huge page it cannot get,
+        // and a step that fails leaves the next ones a chance once reclaim has caught up.
+        let mut at = first;
+        while at < end {
+            let step = (end - at).min(COLLAPSE_STEP);
+            // SAFETY: the range lies inside `buffer`'s allocation and is page aligned;
+            // MADV_COLLAPSE changes only which physical pages back it, never its contents or
+            // its mapping's lifetime. A failure (older kernel, no memory) is harmless.
+            unsafe {
+                libc::madvise(at as *mut libc::c_void, step, libc::MADV_COLLAPSE);
+            }
+            at += step;
+        }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    let _ = buffer;
 }
 
 impl<T: Plain> Deref for AlignedVec<T> {
@@ -164,5 +214,29 @@ mod tests {
         let f = AlignedVec::<f32>::from_slice(&[1.0, 2.5, -3.0]);
         assert_eq!(&f[..], &[1.0, 2.5, -3.0]);
         assert_eq!(f.as_ptr() as usize % 64, 0);
+    }
+
+    #[test]
+    fn collapsing_into_huge_pages_keeps_every_value() {
+        // Below one huge page, across a few (with partial pages at both ends), and a slice that
+        // starts inside a page.
+        for len in [1000, (5 << 20) + 12_345] {
+            let mut v = AlignedVec::<i8>::with_capacity(len);
+            v.resize(len, 0);
+            for (i, x) in v.iter_mut().enumerate() {
+                *x = (i * 31 % 251) as i8;
+            }
+            v.collapse_huge_pages();
+            collapse_into_huge_pages(&bytes_of(&v)[3..]);
+            assert!(v
+                .iter()
+                .enumerate()
+                .all(|(i, &x)| x == (i * 31 % 251) as i8));
+        }
+    }
+
+    fn bytes_of(v: &AlignedVec<i8>) -> &[u8] {
+        // SAFETY: i8 and u8 have the same size and every bit pattern is valid for both.
+        unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), v.len()) }
     }
 }

@@ -1299,6 +1299,7 @@ impl Q8Matrix {
                     }
                 }
             });
+        quants.collapse_huge_pages();
         Ok(Self {
             rows,
             cols,
@@ -1336,6 +1337,7 @@ impl Q8Matrix {
                     }
                 }
             });
+        quants.collapse_huge_pages();
         Ok(Self {
             rows,
             cols,
@@ -1461,6 +1463,7 @@ impl Q8Matrix {
                     }
                 }
             });
+        tiled.quants.collapse_huge_pages();
         Ok(tiled)
     }
 
@@ -1550,6 +1553,7 @@ impl Q4Matrix {
                     }
                 }
             });
+        nibbles.collapse_huge_pages();
         Ok(Self {
             rows,
             cols,

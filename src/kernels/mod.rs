@@ -65,6 +65,7 @@ pub use formats::{
     FP4_E2M1, GROUP_BLOCKS, GROUP_LEN, MXFP4_TILE_ROWS,
 };
 
+pub(crate) use aligned::collapse_into_huge_pages;
 use aligned::AlignedVec;
 use formats::{check_len, GROUP_LANES};
 

@@ -162,6 +162,12 @@ impl AlignedBytes {
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         &mut self.buffer[self.start..self.start + self.len]
     }
+
+    /// Moves the written bytes onto huge pages where the kernel can find them (see
+    /// [`crate::kernels::collapse_into_huge_pages`]).
+    pub fn collapse_huge_pages(&self) {
+        crate::kernels::collapse_into_huge_pages(self.bytes());
+    }
 }
 
 impl ByteOwner for AlignedBytes {

@@ -1211,6 +1211,8 @@ impl GgufSource {
                     }
                 }
             });
+        blocks.collapse_huge_pages();
+        scales.collapse_huge_pages();
         // The copy is what the kernels read: let the OS drop the file's pages from this process.
         for (_, tensor, _) in sources {
             self.file.view(tensor).release_pages();

@@ -198,6 +198,7 @@ impl TensorSource for SyntheticSource {
         // `Mxfp4Experts::tile`).
         let mut bytes = AlignedBytes::zeroed(spec.byte_len());
         generate_into(spec, self.seed, bytes.as_mut_slice());
+        bytes.collapse_huge_pages();
         Ok((spec.dtype, TensorBytes::from_aligned(bytes)))
     }
 }

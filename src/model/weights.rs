@@ -265,6 +265,8 @@ impl Mxfp4Experts {
             let mut blocks = AlignedBytes::zeroed(self.blocks.len());
             let mut scales = AlignedBytes::zeroed(self.scales.len());
             self.tile_into(blocks.as_mut_slice(), scales.as_mut_slice())?;
+            blocks.collapse_huge_pages();
+            scales.collapse_huge_pages();
             self.blocks.release_pages();
             self.scales.release_pages();
             self.blocks = TensorBytes::from_aligned(blocks);
