@@ -1003,6 +1003,23 @@ pub struct Mxfp4Matrix<'a> {
 /// Rows per tile of the [`Mxfp4Layout::Tiles`] layout: one 512-bit vector holds a dword of each.
 pub const MXFP4_TILE_ROWS: usize = 16;
 
+/// Where a tile kernel writes tile `tile`'s lane 0 for token 0: `out` for row `first_row` of a
+/// buffer whose first row is `rows_start`, before the buffer when the tile starts before the
+/// rows (only lanes inside are ever written).
+#[inline(always)]
+pub(super) fn tile_out(out: &mut [f32], first_row: usize, rows_start: usize) -> *mut f32 {
+    out.as_mut_ptr()
+        .wrapping_add(first_row)
+        .wrapping_sub(rows_start)
+}
+
+/// The rows of tile `tile` that `rows` covers, as lanes (0..[`MXFP4_TILE_ROWS`]).
+#[inline(always)]
+pub(super) fn tile_lanes(tile: usize, rows: &std::ops::Range<usize>) -> std::ops::Range<usize> {
+    let first_row = tile * MXFP4_TILE_ROWS;
+    rows.start.saturating_sub(first_row)..(rows.end - first_row).min(MXFP4_TILE_ROWS)
+}
+
 /// How an [`Mxfp4Matrix`]'s bytes are ordered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mxfp4Layout {

@@ -16,8 +16,8 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::super::formats::{
-    ByteSpans, Mxfp4Layout, Mxfp4Matrix, Q8Activations, BLOCK_LEN, CORRECTION_LANE_MXFP4,
-    GROUP_BLOCKS, GROUP_LANES, GROUP_LEN, MXFP4_TILE_ROWS,
+    tile_lanes, tile_out, ByteSpans, Mxfp4Layout, Mxfp4Matrix, Q8Activations, BLOCK_LEN,
+    CORRECTION_LANE_MXFP4, GROUP_BLOCKS, GROUP_LANES, GROUP_LEN, MXFP4_TILE_ROWS,
 };
 use super::{prefetch_share_into, MXFP4_UNSIGNED};
 
@@ -209,13 +209,8 @@ pub(in crate::kernels) unsafe fn mxfp4_product(
             let first_row = tile * MXFP4_TILE_ROWS;
             let next = (first_row + MXFP4_TILE_ROWS).min(limit);
             let spans = w.byte_spans(next..(next + MXFP4_TILE_ROWS).min(limit));
-            let lanes =
-                rows.start.saturating_sub(first_row)..(rows.end - first_row).min(MXFP4_TILE_ROWS);
-            let o = out
-                .as_mut_ptr()
-                .wrapping_add(first_row)
-                .wrapping_sub(rows.start);
-            tile_all_tokens(w, tile, x, o, stride, lanes, spans);
+            let o = tile_out(out, first_row, rows.start);
+            tile_all_tokens(w, tile, x, o, stride, tile_lanes(tile, &rows), spans);
             tile += 1;
         }
     }

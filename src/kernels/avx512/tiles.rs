@@ -16,8 +16,8 @@ use std::ops::Range;
 
 use super::super::avx2::prefetch_share_into;
 use super::super::formats::{
-    ByteSpans, Mxfp4Layout, Mxfp4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN, GROUP_BLOCKS,
-    GROUP_LANES, GROUP_LEN, MXFP4_TILE_ROWS,
+    tile_lanes, tile_out, ByteSpans, Mxfp4Layout, Mxfp4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN,
+    GROUP_BLOCKS, GROUP_LANES, GROUP_LEN, MXFP4_TILE_ROWS,
 };
 use super::super::{GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
 use super::{
@@ -312,22 +312,6 @@ unsafe fn tile_all_tokens<W: TileSource>(
             token += count;
         }
     }
-}
-
-/// `out` for row `first_row` of a buffer whose first row is `rows_start`: before the buffer
-/// when the tile starts before the rows (only lanes inside are ever written).
-#[inline(always)]
-fn tile_out(out: &mut [f32], first_row: usize, rows_start: usize) -> *mut f32 {
-    out.as_mut_ptr()
-        .wrapping_add(first_row)
-        .wrapping_sub(rows_start)
-}
-
-/// The rows of tile `tile` that `rows` covers, as lanes.
-#[inline(always)]
-fn tile_lanes(tile: usize, rows: &Range<usize>) -> Range<usize> {
-    let first_row = tile * MXFP4_TILE_ROWS;
-    rows.start.saturating_sub(first_row)..(rows.end - first_row).min(MXFP4_TILE_ROWS)
 }
 
 /// Tiles covering `rows`, each against every token of `x`, prefetching one tile ahead (past
