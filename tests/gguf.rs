@@ -146,6 +146,15 @@ fn q8_0_gguf_weights_are_the_checkpoints_within_quantization_error() {
 }
 
 /// A small deterministic generator for test data.
+/// What `FastWeights::build` makes for these tests: row-order Q8, no draft unembedding.
+fn full_unembedding() -> ossterm::model::convert::BuildChoices {
+    ossterm::model::convert::BuildChoices {
+        tile_q8: false,
+        unembedding: ossterm::model::Unembedding::Full,
+        draft_candidates: None,
+    }
+}
+
 fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
     move || {
         seed ^= seed << 13;
@@ -258,8 +267,15 @@ fn direct_q8_against_requantized(path: &Path, tokens: &[u32]) -> (bool, Vec<f32>
     }
     let vocab = model.config.vocab_size;
     let mut previous = Model::load(path, &opts).unwrap();
-    previous.fast =
-        Some(FastWeights::build(&stripped, WeightFormat::Q8, false, &mut |_, _| {}).unwrap());
+    previous.fast = Some(
+        FastWeights::build(
+            &stripped,
+            WeightFormat::Q8,
+            full_unembedding(),
+            &mut |_, _| {},
+        )
+        .unwrap(),
+    );
     let want = session_logits(previous, tokens);
     let got = session_logits(model, tokens);
     (requantized_differs, position_errors(&want, &got, vocab))
@@ -688,7 +704,7 @@ fn held_bytes_child() {
         let fast = FastWeights::build(
             &weights,
             ossterm::model::WeightFormat::Q8,
-            false,
+            full_unembedding(),
             &mut |_, _| {},
         )
         .unwrap();

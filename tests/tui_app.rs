@@ -36,7 +36,8 @@ fn synthetic_load_reports_generation_and_conversion_and_matches_model_synthetic(
         .filter(|(stage, ..)| stage == "converting weights to q8")
         .collect();
     // Where the kernels take tiled experts, the 4 layers' gate_up and down tensors reordered;
-    // then q, k, v and o of each layer, and the unembedding.
+    // then the unembedding's q4 draft (two-stage unembedding), q, k, v and o of each layer, and
+    // the unembedding.
     let tiled = if ossterm::kernels::kernels().prefers_tiled_mxfp4() {
         8
     } else {
@@ -44,7 +45,7 @@ fn synthetic_load_reports_generation_and_conversion_and_matches_model_synthetic(
     };
     assert_eq!(
         converting.last().map(|report| (report.1, report.2)),
-        Some((tiled + 17, tiled + 17))
+        Some((tiled + 18, tiled + 18))
     );
 
     // Same weights, same fast path as the model's own constructor.

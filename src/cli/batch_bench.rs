@@ -328,7 +328,12 @@ pub fn macs_per_row(model: &Model) -> f64 {
     let expert = 2.0 * i * h * rows(Product::ExpertGateUp) + h * i * rows(Product::ExpertDown);
     let router = c.num_local_experts as f64 * h;
     let per_layer = attention * dense + c.num_experts_per_tok as f64 * expert + router;
-    c.num_hidden_layers as f64 * per_layer + c.vocab_size as f64 * h * dense
+    // A two-stage unembedding: the draft on one int8 row, its candidates in the session's format.
+    let unembedding = match model.fast.as_ref().and_then(|fast| fast.draft.as_ref()) {
+        Some(draft) => c.vocab_size as f64 * h + draft.candidates as f64 * h * dense,
+        None => c.vocab_size as f64 * h * dense,
+    };
+    c.num_hidden_layers as f64 * per_layer + unembedding
 }
 
 fn add_team(total: &mut TeamStats, step: &TeamStats) {

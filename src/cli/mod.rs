@@ -34,7 +34,8 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::model::memory::{check_before_load_sequences, Planned};
 use crate::model::{
-    ActivationFormat, ExpertLayout, KvFormat, LoadOptions, Model, Precision, Preset, WeightFormat,
+    ActivationFormat, ExpertLayout, KvFormat, LoadOptions, Model, Precision, Preset, Unembedding,
+    WeightFormat,
 };
 
 #[derive(Parser, Debug)]
@@ -107,6 +108,11 @@ pub struct ModelArgs {
     /// file's rows.
     #[arg(long, value_name = "LAYOUT", default_value = "auto", value_parser = choice_parser!(ExpertLayout))]
     pub expert_layout: ExpertLayout,
+    /// Logits of decoded tokens: two-stage (a q4 draft of every vocabulary row, then the 64
+    /// best-scored rows again in the weight format; fewer bytes per token, a q4 copy of the
+    /// unembedding in memory) or full (every row in the weight format).
+    #[arg(long, value_name = "MODE", default_value = "two-stage", value_parser = choice_parser!(Unembedding))]
+    pub unembedding: Unembedding,
 }
 
 impl ModelArgs {
@@ -141,6 +147,7 @@ impl ModelArgs {
             kv: self.kv_cache,
             activations: self.activations,
             expert_layout: self.expert_layout,
+            unembedding: self.unembedding,
             ..LoadOptions::default()
         };
         let planned = match (&self.model, self.synthetic) {

@@ -195,7 +195,8 @@ pub fn info(args: InfoArgs) -> anyhow::Result<()> {
         KvFormat::F16,
         context,
     )
-    .with_tiled_experts(&config, &LoadOptions::default(), SystemMemory::read());
+    .with_tiled_experts(&config, &LoadOptions::default(), SystemMemory::read())
+    .with_draft_unembedding(&config, &LoadOptions::default());
     let tiled = if needs.tiled > 0 {
         format!(
             ", MXFP4 experts reordered into tiles {}",

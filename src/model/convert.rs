@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::config::MXFP4_BLOCK;
-use super::options::WeightFormat;
+use super::options::{Unembedding, WeightFormat, DRAFT_CANDIDATES};
 use super::weights::{Bf16Matrix, Weights};
 use super::ModelError;
 use crate::kernels::{Q4Matrix, Q8Matrix, MXFP4_TILE_ROWS};
@@ -78,6 +78,15 @@ impl DenseMatrix {
         }
     }
 
+    /// Bytes computing one row alone reads: a tiled Q8 matrix's kernels compute whole tiles.
+    pub fn row_read_bytes(&self) -> usize {
+        let rows = match self {
+            DenseMatrix::Q8(m) if m.is_tiled() => MXFP4_TILE_ROWS,
+            _ => 1,
+        };
+        self.byte_len() / self.rows().max(1) * rows
+    }
+
     /// Bytes held outside the checkpoint mapping.
     fn owned_bytes(&self) -> usize {
         match self {
@@ -100,11 +109,42 @@ pub struct FastLayer {
     pub o: DenseMatrix,
 }
 
+/// The q4 copy of the unembedding a two-stage unembedding scores every row with (see
+/// [`Unembedding::TwoStage`]).
+pub struct DraftUnembedding {
+    /// Always [`DenseMatrix::Q4`].
+    pub matrix: DenseMatrix,
+    /// Rows per decoded token recomputed with the session's `lm_head`.
+    pub candidates: usize,
+}
+
+impl DraftUnembedding {
+    /// Whether a fast-path unembedding in `format`, `cols` wide, gets a draft: a q4 copy only
+    /// lightens one held in a wider format, and q4 needs whole blocks of 32 inputs.
+    pub fn applies(unembedding: Unembedding, format: WeightFormat, cols: usize) -> bool {
+        unembedding == Unembedding::TwoStage
+            && format != WeightFormat::Q4
+            && cols.is_multiple_of(MXFP4_BLOCK)
+    }
+}
+
+/// What [`FastWeights::build`] makes besides the format.
+#[derive(Debug, Clone, Copy)]
+pub struct BuildChoices {
+    /// Reorder Q8 matrices into tiles (see [`DenseMatrix::convert`]).
+    pub tile_q8: bool,
+    pub unembedding: Unembedding,
+    /// Candidates per row of a two-stage unembedding (`None`: [`DRAFT_CANDIDATES`]).
+    pub draft_candidates: Option<usize>,
+}
+
 /// The dense weights in the chosen format, built once at load (or again when the setting changes).
 pub struct FastWeights {
     pub format: WeightFormat,
     pub layers: Vec<FastLayer>,
     pub lm_head: DenseMatrix,
+    /// Present for a two-stage unembedding.
+    pub draft: Option<DraftUnembedding>,
     /// Time the conversion took.
     pub convert_time: Duration,
     /// Time reordering the experts into tiles took before the conversion (zero when they were
@@ -121,23 +161,49 @@ pub struct FastWeights {
 
 impl FastWeights {
     /// How many matrices [`FastWeights::build`] converts (its progress total).
-    pub fn matrix_count(weights: &Weights) -> usize {
-        weights.layers.len() * 4 + 1
+    pub fn matrix_count(
+        weights: &Weights,
+        format: WeightFormat,
+        unembedding: Unembedding,
+    ) -> usize {
+        let draft = DraftUnembedding::applies(unembedding, format, weights.lm_head.cols());
+        weights.layers.len() * 4 + 1 + usize::from(draft)
     }
 
     /// Converts the attention projections and the unembedding to `format` on the current rayon
-    /// pool (callers install the session's: the engine, the CLI), Q8 in tiles if `tile_q8`. `progress` hears
-    /// (matrices done, matrices in all). Quantizing reads the bf16 source once; its pages of the
-    /// mapping are released afterwards so they do not count twice.
+    /// pool (callers install the session's: the engine, the CLI), with the draft a two-stage
+    /// unembedding reads. `progress` hears (matrices done, matrices in all). Quantizing reads the
+    /// bf16 source once; its pages of the mapping are released afterwards so they do not count
+    /// twice.
     pub fn build(
         weights: &Weights,
         format: WeightFormat,
-        tile_q8: bool,
+        choices: BuildChoices,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<FastWeights, ModelError> {
         let started = Instant::now();
-        let total = Self::matrix_count(weights);
+        let total = Self::matrix_count(weights, format, choices.unembedding);
+        let tile_q8 = choices.tile_q8;
         let mut done = 0;
+        // Before the unembedding's own conversion, which releases the pages of its source.
+        let draft =
+            if DraftUnembedding::applies(choices.unembedding, format, weights.lm_head.cols()) {
+                let m = &weights.lm_head;
+                let matrix = Q4Matrix::from_bf16(m.rows(), m.cols(), m.values())
+                    .map(DenseMatrix::Q4)
+                    .map_err(|e| ModelError::Quantize(e.to_string()))?;
+                done += 1;
+                progress(done, total);
+                Some(DraftUnembedding {
+                    matrix,
+                    candidates: choices
+                        .draft_candidates
+                        .unwrap_or(DRAFT_CANDIDATES)
+                        .clamp(1, m.rows()),
+                })
+            } else {
+                None
+            };
         let mut step = |m: &Bf16Matrix| -> Result<DenseMatrix, ModelError> {
             let converted = DenseMatrix::convert(m, format, tile_q8)?;
             if converted.needs_quantized_input() {
@@ -163,11 +229,13 @@ impl FastWeights {
             .flat_map(|l| [&l.q, &l.k, &l.v, &l.o])
             .map(|m| m.owned_bytes())
             .sum::<usize>()
-            + lm_head.owned_bytes();
+            + lm_head.owned_bytes()
+            + draft.as_ref().map_or(0, |d| d.matrix.owned_bytes());
         Ok(FastWeights {
             format,
             layers,
             lm_head,
+            draft,
             convert_time: started.elapsed(),
             tile_time: Duration::ZERO,
             tiled_bytes: 0,

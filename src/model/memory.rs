@@ -75,6 +75,7 @@ pub fn check_before_load_sequences(
         context,
     )
     .with_tiled_experts(&config, opts, Some(memory))
+    .with_draft_unembedding(&config, opts)
     .check(memory)
 }
 
@@ -416,6 +417,24 @@ impl MemoryNeeds {
         let bytes = config.tileable_expert_bytes();
         if tiles_experts(opts, bytes, memory) {
             self.tiled = bytes;
+            self.owned += bytes;
+        }
+        self
+    }
+
+    /// These needs with the q4 draft of the unembedding a load with `opts` builds (see
+    /// [`crate::model::Unembedding::TwoStage`]).
+    pub fn with_draft_unembedding(
+        mut self,
+        config: &ModelConfig,
+        opts: &LoadOptions,
+    ) -> MemoryNeeds {
+        let h = config.hidden_size;
+        if opts.precision == Precision::Fast
+            && crate::model::convert::DraftUnembedding::applies(opts.unembedding, opts.weights, h)
+        {
+            let bytes = q4_bytes(config.vocab_size as u64, h as u64);
+            self.converted += bytes;
             self.owned += bytes;
         }
         self

@@ -30,13 +30,15 @@ use rayon::ThreadPool;
 pub use config::{LayerKind, ModelConfig, Preset, RopeScaling};
 pub use convert::FastWeights;
 pub use options::{
-    ActivationFormat, ExpertLayout, KvFormat, LoadOptions, Precision, TileCache, WeightFormat,
+    ActivationFormat, ExpertLayout, KvFormat, LoadOptions, Precision, TileCache, Unembedding,
+    WeightFormat,
 };
 pub use session::{ForwardError, Sequence, SequenceStep, Session};
 pub use snapshot::{KvSnapshot, SnapshotError};
 pub use weights::Weights;
 
 use checkpoint::Checkpoint;
+use convert::BuildChoices;
 use rope::RopeTable;
 
 /// Everything that can go wrong turning files into a model. Each variant names the file, key or
@@ -302,7 +304,8 @@ impl Model {
                 } else {
                     0
                 };
-                let total = tensors + FastWeights::matrix_count(&weights);
+                let total =
+                    tensors + FastWeights::matrix_count(&weights, opts.weights, opts.unembedding);
                 let started = std::time::Instant::now();
                 let (mut tile_source, mut tile_cache_note) = (tile_cache::TileSource::None, None);
                 let tiled_bytes = if tile {
@@ -342,12 +345,14 @@ impl Model {
                     0
                 };
                 let tile_time = started.elapsed();
-                let fast = FastWeights::build(
-                    &weights,
-                    opts.weights,
-                    kernels.prefers_tiled_q8(),
-                    &mut |done, _| progress(tensors + done, total),
-                )?;
+                let choices = BuildChoices {
+                    tile_q8: kernels.prefers_tiled_q8(),
+                    unembedding: opts.unembedding,
+                    draft_candidates: opts.draft_candidates,
+                };
+                let fast = FastWeights::build(&weights, opts.weights, choices, &mut |done, _| {
+                    progress(tensors + done, total)
+                })?;
                 Some(FastWeights {
                     tile_time,
                     tiled_bytes,
@@ -403,6 +408,21 @@ impl Model {
             kernels: Some(self.kernels.path()),
             expert_layout: self.expert_layout,
             tile_cache: self.tile_cache.clone(),
+            unembedding: self.unembedding(),
+            draft_candidates: self
+                .fast
+                .as_ref()
+                .and_then(|f| f.draft.as_ref())
+                .map(|d| d.candidates),
+        }
+    }
+
+    /// How decoded tokens' logits are computed: two-stage only where the fast weights hold a
+    /// draft.
+    pub fn unembedding(&self) -> Unembedding {
+        match self.fast.as_ref().and_then(|f| f.draft.as_ref()) {
+            Some(_) => Unembedding::TwoStage,
+            None => Unembedding::Full,
         }
     }
 
@@ -411,9 +431,16 @@ impl Model {
         match &self.fast {
             None => "bf16 (exact)".into(),
             Some(fast) => format!(
-                "experts mxfp4 x {} activations, rest {}",
+                "experts mxfp4 x {} activations, rest {}{}",
                 self.activations.name(),
-                fast.format.name()
+                fast.format.name(),
+                match &fast.draft {
+                    Some(draft) => format!(
+                        ", unembedding two-stage (q4 draft, {} candidates)",
+                        draft.candidates
+                    ),
+                    None => String::new(),
+                }
             ),
         }
     }
@@ -443,6 +470,11 @@ impl Model {
         let kv_bytes_per_position =
             2 * c.num_key_value_heads * self.kv_format.row_bytes(c.head_dim);
         let lm_head = match &self.fast {
+            Some(FastWeights {
+                draft: Some(draft),
+                lm_head,
+                ..
+            }) => draft.matrix.byte_len() + draft.candidates * lm_head.row_read_bytes(),
             Some(fast) => fast.lm_head.byte_len(),
             None => w.lm_head.byte_len(),
         };

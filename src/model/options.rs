@@ -141,6 +141,31 @@ pub enum TileCache {
     Off,
 }
 
+/// How the fast path computes a decoded token's logits.
+///
+/// The unembedding is the largest dense matrix (201,088 x 2,880 on gpt-oss: a quarter of the bytes
+/// a decoded token reads in q8). Sampling only ever picks among the best-scored tokens, so a 4-bit
+/// pass over every row can find them and the session's own format recompute just those.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Unembedding {
+    /// Every row in the session's weight format.
+    Full,
+    /// A q4 draft of every row on one int8 activation row, then the [`DRAFT_CANDIDATES`] best
+    /// rows of each token again in the session's format; the other logits keep the draft's
+    /// values. The draft is an extra copy of the matrix in memory (4.5 bits per weight). Prefill
+    /// that asks for every position's logits (scoring) always computes them in full.
+    #[default]
+    TwoStage,
+}
+
+crate::choice::impl_choice!(Unembedding { Full => "full", TwoStage => "two-stage" });
+
+/// Tokens per decoded row whose logits a two-stage unembedding recomputes in the session's
+/// format: far more than top-k or top-p sampling keeps on a real model's vocabulary, and cheap
+/// (64 rows of 2,880 against 201,088).
+pub const DRAFT_CANDIDATES: usize = 64;
+
 /// Options that shape a loaded model.
 #[derive(Debug, Clone, Default)]
 pub struct LoadOptions {
@@ -158,4 +183,9 @@ pub struct LoadOptions {
     pub expert_layout: ExpertLayout,
     /// Where tiles of a mapped checkpoint's experts are kept.
     pub tile_cache: TileCache,
+    /// How decoded tokens' logits are computed in the fast path.
+    pub unembedding: Unembedding,
+    /// Candidates per row of a two-stage unembedding; `None` for [`DRAFT_CANDIDATES`] (tests
+    /// ask for fewer, to reach the draft's values on tiny vocabularies).
+    pub draft_candidates: Option<usize>,
 }

@@ -12,6 +12,7 @@
 mod attend;
 mod experts;
 mod jobs;
+mod unembed;
 
 use super::config::ModelConfig;
 use super::convert::{DenseMatrix, FastLayer, FastWeights};
@@ -55,6 +56,8 @@ pub struct Scratch {
     /// The rows of `expert_in_q` routed to one expert (prefill).
     route_rows: Vec<usize>,
     gathered: Q8Activations,
+    /// The final-normed rows as one int8 row each, a two-stage unembedding's draft input.
+    draft_in: Q8Activations,
     /// The experts whose products run together (see `experts.rs`), and each one's routed rows,
     /// sized for the most a grouped expert gets: a batch's routing changes every step, so
     /// buffers that grew on demand would allocate whenever an expert got more rows than before.
@@ -116,6 +119,7 @@ impl Scratch {
             routes: (0..e).map(|_| Vec::with_capacity(n)).collect(),
             route_rows: Vec::with_capacity(2 * n),
             gathered: Q8Activations::with_capacity(2 * n, h),
+            draft_in: Q8Activations::with_capacity(n, h),
             group: Vec::with_capacity(experts::GROUP_SLOTS),
             group_in: (0..experts::GROUP_SLOTS)
                 .map(|_| Q8Activations::with_capacity(2 * experts::GROUPED_TOKENS, h))
@@ -154,6 +158,7 @@ pub fn prepare_thread_scratch(config: &ModelConfig) {
         config.num_attention_heads / config.num_key_value_heads,
         config.head_dim,
     );
+    unembed::prepare_candidate_scratch(crate::model::options::DRAFT_CANDIDATES, config.hidden_size);
 }
 
 /// What the fast forward pass reads for one call.
@@ -290,6 +295,12 @@ impl FastPass<'_> {
                 eps,
                 &mut s.normed[r * h..(r + 1) * h],
             );
+        }
+        if let Some(draft) = &self.fast.draft {
+            self.two_stage_unembedding(draft, rows, s);
+            logits[..rows * vocab].copy_from_slice(&s.logits[..rows * vocab]);
+            s.profile.end();
+            return;
         }
         let per_token = self.rows_per_token(lm_head);
         if s.logits.len() < per_token * rows * vocab {
