@@ -4,7 +4,7 @@
 //! read from [`SETTINGS`], so a new setting is one entry here (plus its field in `Settings`).
 
 use crate::engine::protocol::{
-    ActivationFormat, KvCacheType, ReasoningEffort, Settings, WeightFormat,
+    ActivationFormat, KvCacheType, ReasoningEffort, Settings, Unembedding, WeightFormat,
 };
 
 /// A setting's value in the shape its [`Kind`] gives it.
@@ -289,6 +289,13 @@ pub static SETTINGS: &[Setting] = &[
         cost: Cost::NewCache, field: (Choice, activations, ActivationFormat),
     },
     setting! {
+        name: "unembedding", label: "unembedding", key: "engine.unembedding",
+        flag: Some("unembedding"), value_name: "MODE",
+        help: "Decoded logits: a q4 draft of every row and the 64 best again (two-stage), or every row (full)",
+        kind: Kind::Choice { names: Unembedding::NAMES },
+        cost: Cost::Requantize, field: (Choice, unembedding, Unembedding),
+    },
+    setting! {
         name: "system prompt", label: "system prompt", key: "chat.system_prompt", flag: None,
         value_name: "TEXT", help: "Identity line of the harmony system message",
         kind: Kind::Text, cost: Cost::PromptPrefix, field: (Text, system_prompt),
@@ -568,6 +575,10 @@ impl Setting {
             Cost::PromptPrefix if self.is_text() => Some(format!("The {} changed", self.name)),
             Cost::PromptPrefix => Some(format!("{name} {value} changes the system message")),
             Cost::NewCache => Some(format!("{name} {value} needs a new cache")),
+            Cost::Requantize if self.key == "engine.unembedding" => Some(format!(
+                "Rebuilding the weights for a {value} unembedding in the background; the old \
+                 weights keep serving"
+            )),
             Cost::Requantize => Some(format!(
                 "Re-quantizing to {value} in the background; the old weights keep serving"
             )),

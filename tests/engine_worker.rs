@@ -5,7 +5,7 @@ use ossterm::chat::{ParseEvent, StopToken};
 use ossterm::engine::protocol::{
     ActivationFormat, Channel, ChatMessage, Command, Conversation, Event, GenerateRequest,
     KvCacheType, ReasoningEffort, RequestKind, Role, SamplingSettings, Settings, StopReason,
-    SystemSettings, WeightFormat,
+    SystemSettings, Unembedding, WeightFormat,
 };
 use ossterm::engine::worker::{ChatCodec, EngineError, EngineHandle, EngineParts, ModelBackend};
 use ossterm::engine::{
@@ -54,6 +54,7 @@ fn current_pool() -> (bool, usize) {
 
 struct ToyModel {
     format: WeightFormat,
+    unembedding: Unembedding,
     activations: ActivationFormat,
     step_delay: Duration,
     journal: Arc<Mutex<Journal>>,
@@ -203,7 +204,7 @@ impl ModelBackend for ToyModel {
 
     fn requantized(
         &self,
-        format: WeightFormat,
+        (format, unembedding): (WeightFormat, Unembedding),
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<ToyModel, EngineError> {
         self.journal.lock().unwrap().requantizations += 1;
@@ -218,6 +219,7 @@ impl ModelBackend for ToyModel {
         }
         Ok(ToyModel {
             format,
+            unembedding,
             // Like the real model: the new weights keep the options of the old ones.
             activations: self.activations,
             step_delay: self.step_delay,
@@ -228,6 +230,10 @@ impl ModelBackend for ToyModel {
 
     fn weight_format(&self) -> WeightFormat {
         self.format
+    }
+
+    fn unembedding(&self) -> Unembedding {
+        self.unembedding
     }
 
     fn activations(&self) -> ActivationFormat {
@@ -383,6 +389,7 @@ fn start_gated(
         Ok(EngineParts {
             model: Arc::new(ToyModel {
                 format: WeightFormat::Q8,
+                unembedding: settings.unembedding,
                 activations: settings.activations,
                 step_delay,
                 journal: model_journal,
@@ -500,6 +507,7 @@ fn turn_done(events: &[Event]) -> (StopReason, u64, u64) {
 fn toy_model() -> Arc<ToyModel> {
     Arc::new(ToyModel {
         format: WeightFormat::Q8,
+        unembedding: Unembedding::TwoStage,
         activations: ActivationFormat::Mixed,
         step_delay: Duration::ZERO,
         journal: Default::default(),
@@ -870,6 +878,43 @@ fn weight_format_change_requantizes_while_the_old_weights_keep_serving() {
     assert_eq!(last_stats(&after).weight_format, WeightFormat::Q4);
     // New weights mean a new KV cache: the same prompt is prefilled from the start.
     assert_eq!(turn_done(&after).1, 0);
+}
+
+#[test]
+fn unembedding_change_rebuilds_the_weights_while_the_old_ones_keep_serving() {
+    let gate = Arc::new(Barrier::new(2));
+    let harness = start_gated(test_settings(6), Duration::ZERO, Some(Arc::clone(&gate)));
+    let mut settings = test_settings(6);
+    assert_eq!(settings.unembedding, Unembedding::TwoStage);
+    settings.unembedding = Unembedding::Full;
+    let events = harness.apply(&settings, |_| true);
+    assert_eq!(last_applied(&events).unembedding, Unembedding::TwoStage);
+    let progress =
+        harness.wait_for(|event| matches!(event, Event::SettingsProgress { done: 1, .. }));
+    assert!(
+        progress.iter().any(|event| matches!(
+            event,
+            Event::SettingsProgress { what, .. } if what.contains("full unembedding")
+        )),
+        "{progress:?}"
+    );
+    let during = harness.generate(1, conversation(&[(Role::User, None, "hi")]));
+    assert_eq!(last_stats(&during).unembedding, Unembedding::TwoStage);
+
+    gate.wait();
+    harness.wait_for(|event| {
+        matches!(event, Event::SettingsApplied(applied) if applied.unembedding == Unembedding::Full)
+    });
+    let after = harness.generate(2, conversation(&[(Role::User, None, "hi")]));
+    let stats = last_stats(&after);
+    assert_eq!(
+        (stats.weight_format, stats.unembedding),
+        (WeightFormat::Q8, Unembedding::Full)
+    );
+    // Asking again for what now serves starts nothing.
+    harness.apply(&settings, |_| true);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(harness.journal.lock().unwrap().requantizations, 1);
 }
 
 /// An engine (at most 4 tokens a turn) converting its weights to q4, the conversion held at 1 of

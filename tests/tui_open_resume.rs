@@ -92,6 +92,7 @@ fn the_resume_notice_and_the_tiers_show_on_screen() {
         threads: 2,
         kernel_path: "avx2".to_string(),
         weight_format: Default::default(),
+        unembedding: Default::default(),
         activations: Default::default(),
         kv_tiers: TierUsage {
             ram_bytes: 3 << 29,

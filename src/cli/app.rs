@@ -704,6 +704,7 @@ pub fn load_model(
         weights: settings.weight_format,
         kv: settings.kv_cache,
         activations: settings.activations,
+        unembedding: settings.unembedding,
         ..LoadOptions::default()
     };
     let converting = format!("converting weights to {}", settings.weight_format);

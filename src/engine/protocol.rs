@@ -11,7 +11,9 @@ use std::time::Duration;
 /// told apart from the current one. Ids only grow.
 pub type RequestId = u64;
 
-pub use crate::model::options::{ActivationFormat, KvFormat as KvCacheType, WeightFormat};
+pub use crate::model::options::{
+    ActivationFormat, KvFormat as KvCacheType, Unembedding, WeightFormat,
+};
 
 /// The conversation types are the chat module's own, so a request carries exactly what is
 /// rendered and a saved chat is exactly the chat module's JSON file.
@@ -63,6 +65,9 @@ impl Default for SamplingSettings {
 pub struct Settings {
     pub threads: usize,
     pub weight_format: WeightFormat,
+    /// How decoded tokens' logits are computed (a q4 draft and candidates, or every row).
+    #[serde(default)]
+    pub unembedding: Unembedding,
     /// How the inputs of quantized products are quantized (one int8 row per token, or two).
     pub activations: ActivationFormat,
     pub kv_cache: KvCacheType,
@@ -85,6 +90,7 @@ impl Default for Settings {
         Settings {
             threads: crate::engine::default_threads(),
             weight_format: WeightFormat::Q8,
+            unembedding: Unembedding::TwoStage,
             activations: ActivationFormat::Mixed,
             kv_cache: KvCacheType::F16,
             context_limit: 8192,
@@ -213,6 +219,8 @@ pub struct StatsSample {
     pub threads: usize,
     pub kernel_path: String,
     pub weight_format: WeightFormat,
+    /// How the serving model computes decoded tokens' logits.
+    pub unembedding: Unembedding,
     /// The activation format the serving session computes with.
     pub activations: ActivationFormat,
     /// Use of the KV snapshot tiers (RAM and disk) and turns resumed from them.

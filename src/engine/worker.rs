@@ -18,7 +18,8 @@ use crate::engine::generate::{
 use crate::engine::kv_tiers::{self, conversation_label, KvTiers, TierConfig};
 use crate::engine::protocol::{
     ActivationFormat, CacheHits, Channel, Command, Conversation, EngineInfo, Event,
-    GenerateRequest, KvCacheType, ProfileSample, RequestId, Settings, StatsSample, WeightFormat,
+    GenerateRequest, KvCacheType, ProfileSample, RequestId, Settings, StatsSample, Unembedding,
+    WeightFormat,
 };
 use crate::model::profile::{ProfileCounts, SharedProfile};
 use rayon::ThreadPool;
@@ -49,6 +50,9 @@ pub enum EngineError {
     Stopped,
 }
 
+/// The weight format and the unembedding a model is built with: what a re-quantization changes.
+pub type WeightChoice = (WeightFormat, Unembedding);
+
 /// The loaded weights: makes sessions and, for a weight-format change, a re-quantized copy.
 pub trait ModelBackend: Send + Sync + 'static {
     type Session: InferenceSession + Send;
@@ -65,17 +69,27 @@ pub trait ModelBackend: Send + Sync + 'static {
     /// Moves `session`'s computation to `pool` (a new thread count), keeping its cache.
     fn set_session_pool(session: &mut Self::Session, pool: &Arc<ThreadPool>);
 
-    /// Builds the same model with attention/unembedding weights in `format`. Runs on a background
-    /// thread while this one keeps serving; `progress(done, total)` reports how far it got.
+    /// Builds the same model with attention/unembedding weights in `weights.0` and the
+    /// unembedding `weights.1`. Runs on a background thread while this one keeps serving;
+    /// `progress(done, total)` reports how far it got.
     fn requantized(
         &self,
-        format: WeightFormat,
+        weights: WeightChoice,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Self, EngineError>
     where
         Self: Sized;
 
     fn weight_format(&self) -> WeightFormat;
+
+    /// The unembedding the model was built with (as asked: a model that cannot hold a draft
+    /// computes every row).
+    fn unembedding(&self) -> Unembedding;
+
+    /// What a re-quantization builds: the weight format and the unembedding.
+    fn weight_choice(&self) -> WeightChoice {
+        (self.weight_format(), self.unembedding())
+    }
 
     /// The activation format the loader built the model with: the first session's.
     fn activations(&self) -> ActivationFormat;
@@ -406,7 +420,7 @@ pub struct Worker<M: ModelBackend, C, S> {
     timings: TurnTimings,
     last_stats: Instant,
     /// A re-quantized model being built in the background, with the format it will have.
-    pending_model: Option<(WeightFormat, Receiver<Result<M, EngineError>>)>,
+    pending_model: Option<(WeightChoice, Receiver<Result<M, EngineError>>)>,
     /// Snapshots of earlier prefixes, in RAM and on disk.
     tiers: KvTiers,
     profile: ProfileReporter,
@@ -439,6 +453,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
         let mut effective = settings;
         // The loader chose the formats; what it built is what the settings show from now on.
         effective.weight_format = model.weight_format();
+        effective.unembedding = model.unembedding();
         effective.activations = model.activations();
         effective.kv_cache = model.effective_kv_cache(effective.kv_cache);
         let _ = events.send(Event::Ready(EngineInfo {
@@ -702,14 +717,14 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
                 let _ = self.events.send(Event::Error { id: None, message });
             }
         }
-        let wants_format = next.weight_format;
-        let pending_format = self.pending_model.as_ref().map(|(format, _)| *format);
-        if wants_format == self.model.weight_format() {
-            // Back to the serving format: a conversion still running is no longer wanted (its
+        let wants = (next.weight_format, next.unembedding);
+        let pending = self.pending_model.as_ref().map(|(choice, _)| *choice);
+        if wants == self.model.weight_choice() {
+            // Back to the serving weights: a conversion still running is no longer wanted (its
             // thread finishes and its result is dropped with the receiver).
             self.pending_model = None;
-        } else if pending_format != Some(wants_format) {
-            self.start_requantization(wants_format);
+        } else if pending != Some(wants) {
+            self.start_requantization(wants);
         }
         let mut applied = next;
         if let Some(error) = failure {
@@ -729,6 +744,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
     /// format shows once its weights are installed.
     fn report_settings(&mut self) {
         self.settings.weight_format = self.model.weight_format();
+        self.settings.unembedding = self.model.unembedding();
         self.settings.activations = self.session.activations();
         let _ = self
             .events
@@ -736,7 +752,8 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
         self.send_stats();
     }
 
-    fn start_requantization(&mut self, format: WeightFormat) {
+    fn start_requantization(&mut self, choice: WeightChoice) {
+        let (format, unembedding) = choice;
         let (sender, receiver) = mpsc::channel();
         let model = Arc::clone(&self.model);
         let events = self.events.clone();
@@ -746,7 +763,11 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
         let spawned = std::thread::Builder::new()
             .name("ossterm-requantize".to_string())
             .spawn(move || {
-                let what = format!("re-quantizing weights to {format}");
+                let what = if format == model.weight_format() {
+                    format!("rebuilding weights for a {unembedding} unembedding")
+                } else {
+                    format!("re-quantizing weights to {format}")
+                };
                 let mut progress = |done: u64, total: u64| {
                     let _ = events.send(Event::SettingsProgress {
                         what: what.clone(),
@@ -754,10 +775,10 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
                         total,
                     });
                 };
-                let _ = sender.send(model.requantized(format, &mut progress));
+                let _ = sender.send(model.requantized(choice, &mut progress));
             });
         match spawned {
-            Ok(_) => self.pending_model = Some((format, receiver)),
+            Ok(_) => self.pending_model = Some((choice, receiver)),
             Err(error) => {
                 let message = format!("cannot start re-quantization to {format}: {error}");
                 let _ = self.events.send(Event::Error { id: None, message });
@@ -767,7 +788,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
 
     /// Swaps in a finished re-quantized model (between turns only: the caller never runs mid-turn).
     fn install_requantized_model(&mut self) {
-        let Some((format, receiver)) = &self.pending_model else {
+        let Some(((format, _), receiver)) = &self.pending_model else {
             return;
         };
         let format = *format;
@@ -843,6 +864,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
             threads: self.pool.current_num_threads(),
             kernel_path: self.model.kernel_path(),
             weight_format: self.model.weight_format(),
+            unembedding: self.model.unembedding(),
             activations: self.session.activations(),
             kv_tiers: self.tiers.usage(),
         };
@@ -915,11 +937,12 @@ impl ModelBackend for crate::model::Model {
 
     fn requantized(
         &self,
-        format: WeightFormat,
+        (format, unembedding): WeightChoice,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Self, EngineError> {
         let options = crate::model::LoadOptions {
             weights: format,
+            unembedding,
             ..self.options()
         };
         self.reconfigured(&options, &mut |done, total| {
@@ -930,6 +953,10 @@ impl ModelBackend for crate::model::Model {
 
     fn weight_format(&self) -> WeightFormat {
         self.options().weights
+    }
+
+    fn unembedding(&self) -> Unembedding {
+        self.unembedding
     }
 
     fn activations(&self) -> ActivationFormat {

@@ -173,6 +173,9 @@ pub struct Model {
     pub expert_layout: ExpertLayout,
     /// Where tiles of mapped experts are kept, as asked for.
     pub tile_cache: TileCache,
+    /// The unembedding asked for; `fast.draft` tells whether it got a draft (a q4 weight format
+    /// has none: it is the draft's format).
+    pub unembedding: Unembedding,
     /// Names this checkpoint's file in the tile cache (`None`: not a mapped checkpoint).
     pub tile_key: Option<tile_cache::CacheKey>,
     /// Where the weights came from, for display ("synthetic 20b (random weights)" or a path).
@@ -376,6 +379,7 @@ impl Model {
             kernels,
             expert_layout: opts.expert_layout,
             tile_cache: opts.tile_cache.clone(),
+            unembedding: opts.unembedding,
             tile_key,
             source,
             fingerprint,
@@ -408,7 +412,7 @@ impl Model {
             kernels: Some(self.kernels.path()),
             expert_layout: self.expert_layout,
             tile_cache: self.tile_cache.clone(),
-            unembedding: self.unembedding(),
+            unembedding: self.unembedding,
             draft_candidates: self
                 .fast
                 .as_ref()
@@ -417,13 +421,10 @@ impl Model {
         }
     }
 
-    /// How decoded tokens' logits are computed: two-stage only where the fast weights hold a
-    /// draft.
-    pub fn unembedding(&self) -> Unembedding {
-        match self.fast.as_ref().and_then(|f| f.draft.as_ref()) {
-            Some(_) => Unembedding::TwoStage,
-            None => Unembedding::Full,
-        }
+    /// Whether decoded tokens' logits come from a two-stage unembedding (asked for, and the
+    /// fast weights hold its draft).
+    pub fn has_draft_unembedding(&self) -> bool {
+        self.fast.as_ref().is_some_and(|f| f.draft.is_some())
     }
 
     /// A short description of the weight formats, for the UI and the benchmark.

@@ -22,9 +22,10 @@ pub const SHOWN_AS_SERVER: &str = "server";
 /// cache, context) and how the harmony system message and history are rendered are the
 /// server's business. Sampling, the token budget, reasoning effort and developer instructions
 /// go with each request.
-pub const SERVER_SETTINGS: [&str; 7] = [
+pub const SERVER_SETTINGS: [&str; 8] = [
     "engine.threads",
     "engine.weight_format",
+    "engine.unembedding",
     "engine.kv_cache",
     "engine.activations",
     "engine.context_limit",
@@ -286,6 +287,7 @@ impl RemoteWorker {
         let applied = Settings {
             threads: kept.threads,
             weight_format: kept.weight_format,
+            unembedding: kept.unembedding,
             activations: kept.activations,
             kv_cache: kept.kv_cache,
             context_limit: kept.context_limit,
@@ -334,6 +336,7 @@ impl RemoteWorker {
             threads: 0,
             kernel_path: SHOWN_AS_SERVER.to_string(),
             weight_format: self.settings.weight_format,
+            unembedding: self.settings.unembedding,
             activations: self.settings.activations,
             kv_tiers: Default::default(),
         }

@@ -803,6 +803,7 @@ impl App {
                 // Show what really runs: the model may not offer the configured formats.
                 let current = &mut self.settings.current;
                 current.weight_format = info.settings.weight_format;
+                current.unembedding = info.settings.unembedding;
                 current.activations = info.settings.activations;
                 current.kv_cache = info.settings.kv_cache;
                 self.settings.engine = Some(info.settings.clone());
@@ -917,10 +918,14 @@ impl App {
                 if serving.is_some_and(|serving| {
                     serving.threads != applied.threads
                         || serving.weight_format != applied.weight_format
+                        || serving.unembedding != applied.unembedding
                 }) {
                     self.insight.reset_timing();
                 }
-                if applied.weight_format == self.settings.current.weight_format {
+                let current = &self.settings.current;
+                if (applied.weight_format, applied.unembedding)
+                    == (current.weight_format, current.unembedding)
+                {
                     self.gauges.settings_progress = None;
                 }
                 self.settings.engine = Some(*applied);

@@ -114,6 +114,7 @@ pub fn stats_sample() -> StatsSample {
         threads: 2,
         kernel_path: "avx512".to_string(),
         weight_format: WeightFormat::Q8,
+        unembedding: ossterm::engine::protocol::Unembedding::TwoStage,
         activations: Default::default(),
         kv_tiers: Default::default(),
     }
