@@ -545,9 +545,15 @@ fn two_stage_unembedding_gives_the_full_products_bits_for_the_best_tokens() {
     use ossterm::kernels::Kernels;
     let dir = &golden_dirs()[0];
     let tokens = golden_tokens(dir);
-    for kernels in Kernels::all_supported() {
+    let formats = [WeightFormat::Q8, WeightFormat::Native];
+    let supported = Kernels::all_supported();
+    let cases = supported
+        .iter()
+        .flat_map(|kernels| formats.map(|format| (kernels, format)));
+    for (kernels, weights) in cases {
         let opts = |unembedding| LoadOptions {
             kernels: Some(kernels.path()),
+            weights,
             unembedding,
             ..LoadOptions::default()
         };
@@ -562,7 +568,7 @@ fn two_stage_unembedding_gives_the_full_products_bits_for_the_best_tokens() {
                 assert_eq!(
                     f[token].to_bits(),
                     t[token].to_bits(),
-                    "{:?}: token {token}",
+                    "{:?} {weights:?}: token {token}",
                     kernels.path()
                 );
             }
@@ -572,7 +578,7 @@ fn two_stage_unembedding_gives_the_full_products_bits_for_the_best_tokens() {
         // otherwise).
         assert!(
             draft_values * 2 > full.len(),
-            "{:?}: {draft_values} of {} logits differ from the full product",
+            "{:?} {weights:?}: {draft_values} of {} logits differ from the full product",
             kernels.path(),
             full.len()
         );
