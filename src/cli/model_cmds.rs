@@ -207,8 +207,8 @@ pub fn info(args: InfoArgs) -> anyhow::Result<()> {
     };
     writeln!(
         out,
-        "memory:             weights {} ({}), held in memory {} (q8 attention/unembedding, f32 \
-         vectors{tiled}{}), f16 KV cache at {context} tokens {}",
+        "memory:             weights {} ({}), held in memory {} (q8 attention/unembedding with \
+         the unembedding's q4 draft, f32 vectors{tiled}{}), f16 KV cache at {context} tokens {}",
         human_bytes(needs.weights),
         match source {
             WeightSource::Gguf(_) => "as the file stores them",

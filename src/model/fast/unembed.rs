@@ -150,7 +150,7 @@ impl FastPass<'_> {
                 }
                 for &(_, token) in scratch.heap.iter() {
                     let token = token as usize;
-                    logits[token] = exact_logit(kernels, lm_head, &scratch.input, x, token);
+                    logits[token] = session_logit(kernels, lm_head, &scratch.input, x, token);
                 }
             });
         };
@@ -163,8 +163,8 @@ impl FastPass<'_> {
 }
 
 /// Row `token` of `lm_head` times one token's input (`quantized`: its int8 rows, `plain`: its
-/// f32 values), summed as the full product and its fold sum them.
-fn exact_logit(
+/// f32 values), in the session's format and summed as the full product and its fold sum them.
+fn session_logit(
     k: Kernels,
     lm_head: &DenseMatrix,
     quantized: &Q8Activations,
