@@ -134,6 +134,12 @@ change_setting() {
     for ((index = 0; index < row; index++)); do downs+=(Down); done
     keys Tab Tab "${downs[@]}" "$direction" Tab
     sleep 0.1
+    # A weight-format or unembedding change rebuilds the weights in the background (the weights
+    # gauge shows "old → new" meanwhile) and the new ones take over between turns with a new
+    # cache: wait for them, so a turn's KV check reads the cache the turn ran on and not one
+    # installed just after it.
+    local deadline=$((SECONDS + 30))
+    while ((SECONDS <= deadline)) && gauge 'weights' | grep -q '→'; do sleep 0.05; done
 }
 
 warm_peak=0

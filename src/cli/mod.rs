@@ -226,7 +226,21 @@ pub fn init_threads(threads: Option<usize>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Large allocations (weight matrices, caches) get their own mappings, returned to the system
+/// when freed. glibc otherwise raises its mmap threshold to the size of each such block freed
+/// (up to 32 MiB), so after a weight-format or unembedding change the next matrices of that size
+/// come from the heap, and the ones they replace stay resident once freed.
+fn return_large_buffers_to_the_system() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets an allocator parameter; it is called before any other thread
+    // exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+    }
+}
+
 pub fn main() -> ExitCode {
+    return_large_buffers_to_the_system();
     let cli = Cli::parse();
     let result = match cli.command {
         Some(Command::Bench(args)) => bench_cmd::bench(args),
