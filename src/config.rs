@@ -675,6 +675,28 @@ mod tests {
     }
 
     #[test]
+    fn unembedding_parses_and_a_bad_one_names_key_line_and_values() {
+        use crate::engine::protocol::Unembedding;
+        let config = parse_str("[engine]\nunembedding = \"full\"\n").unwrap();
+        assert_eq!(config.settings.unembedding, Unembedding::Full);
+        assert_eq!(
+            AppConfig::default().settings.unembedding,
+            Unembedding::TwoStage
+        );
+        let error = parse_str("[engine]\n\nunembedding = \"two_stage\"\n").unwrap_err();
+        match error {
+            ConfigError::InvalidKey {
+                line, key, message, ..
+            } => {
+                assert_eq!((line, key.as_str()), (3, "engine.unembedding"));
+                assert!(message.contains("two_stage"), "{message}");
+                assert!(message.contains("two-stage"), "names the values: {message}");
+            }
+            other => panic!("expected InvalidKey, got {other:?}"),
+        }
+    }
+
+    #[test]
     fn activations_parse_and_a_bad_one_names_key_and_line() {
         let config = parse_str("[engine]\nactivations = \"q8x2\"\n").unwrap();
         assert_eq!(config.settings.activations, ActivationFormat::Q8x2);

@@ -575,12 +575,9 @@ impl Setting {
             Cost::PromptPrefix if self.is_text() => Some(format!("The {} changed", self.name)),
             Cost::PromptPrefix => Some(format!("{name} {value} changes the system message")),
             Cost::NewCache => Some(format!("{name} {value} needs a new cache")),
-            Cost::Requantize if self.key == "engine.unembedding" => Some(format!(
-                "Rebuilding the weights for a {value} unembedding in the background; the old \
-                 weights keep serving"
-            )),
             Cost::Requantize => Some(format!(
-                "Re-quantizing to {value} in the background; the old weights keep serving"
+                "{name} {value}: the weights are rebuilt in the background; the old weights keep \
+                 serving"
             )),
             Cost::PoolRebuild => Some(format!(
                 "{name} {value}: the thread pool is rebuilt between turns"

@@ -123,9 +123,10 @@ check_files() {
     if ls "$work"/chats/*.tmp >/dev/null 2>&1; then fail "a temporary file was left behind"; fi
 }
 
-# Settings rows the soak changes (row index in the panel): weight format, KV cache, reasoning
-# effort, temperature, top-p, top-k, min-p, seed, activations. Threads, context limit, max tokens
-# and the text settings stay as they are.
+# Steps down the settings panel before a change: from the top these are weight format, KV cache,
+# reasoning effort, temperature, top-p, top-k, min-p, seed and activations, but the cursor stays
+# where the previous change left it (and stops at the last row), so later changes reach the rows
+# below too (unembedding, the text settings, which Left/Right leave alone).
 setting_rows=(1 2 4 5 6 7 8 10 12)
 change_setting() {
     local row=${setting_rows[RANDOM % ${#setting_rows[@]}]} direction

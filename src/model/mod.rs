@@ -421,12 +421,6 @@ impl Model {
         }
     }
 
-    /// Whether decoded tokens' logits come from a two-stage unembedding (asked for, and the
-    /// fast weights hold its draft).
-    pub fn has_draft_unembedding(&self) -> bool {
-        self.fast.as_ref().is_some_and(|f| f.draft.is_some())
-    }
-
     /// A short description of the weight formats, for the UI and the benchmark.
     pub fn weights_description(&self) -> String {
         match &self.fast {
