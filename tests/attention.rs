@@ -17,14 +17,14 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 mod support;
-use support::attention::{assert_close, widen};
+use support::attention::{assert_close, f32_attention_kernels, widen};
 
 fn scalar() -> Kernels {
     Kernels::new(KernelPath::Scalar).expect("scalar always runs")
 }
 
 fn simd_paths() -> Vec<Kernels> {
-    Kernels::all_supported()
+    f32_attention_kernels()
         .into_iter()
         .filter(|k| k.path() != KernelPath::Scalar)
         .collect()
@@ -174,7 +174,7 @@ fn check_case(mut case: Case, label: &str) {
     let magnitude = case.value_magnitude();
     let want = case.reference();
     let mut f32_results = Vec::new();
-    for k in Kernels::all_supported() {
+    for k in f32_attention_kernels() {
         let got = case.run(k, &case.keys, &case.values, &mut scratch);
         assert_close(
             &format!("{label} f32 cache, {}", k.path()),
@@ -277,7 +277,7 @@ fn a_sink_that_dominates_leaves_almost_nothing() {
     let mut rng = ChaCha8Rng::seed_from_u64(14);
     let case = Case::random(&mut rng, 8, 64, 0, 100, Some(60.0));
     let mut scratch = AttentionScratch::new(8, 64);
-    for k in Kernels::all_supported() {
+    for k in f32_attention_kernels() {
         let out = case.run(k, &case.keys, &case.values, &mut scratch);
         assert!(
             out.iter().all(|o| o.abs() < 1e-9),
@@ -292,7 +292,7 @@ fn empty_window_gives_zeros() {
     let mut rng = ChaCha8Rng::seed_from_u64(15);
     let case = Case::random(&mut rng, 8, 64, 4, 0, None);
     let mut scratch = AttentionScratch::new(8, 64);
-    for k in Kernels::all_supported() {
+    for k in f32_attention_kernels() {
         let out = case.run(k, &case.keys, &case.values, &mut scratch);
         assert!(out.iter().all(|o| *o == 0.0), "{}", k.path());
     }
@@ -322,7 +322,7 @@ fn scratch_is_reused_across_shapes() {
     for (group, head_dim) in [(8, 64), (2, 24), (8, 64), (1, 16), (4, 40)] {
         let case = Case::random(&mut rng, group, head_dim, 1, 90, None);
         let want = case.reference();
-        for k in Kernels::all_supported() {
+        for k in f32_attention_kernels() {
             let got = case.run(k, &case.keys, &case.values, &mut scratch);
             assert_close(
                 &format!("reused scratch G={group} D={head_dim} {}", k.path()),
@@ -354,7 +354,7 @@ fn bad_shapes_are_errors() {
         row_stride: stride,
         offset: d,
     };
-    for path in Kernels::all_supported() {
+    for path in f32_attention_kernels() {
         let e = attend_group(path, &query, &kv, 0..11, &mut out, &mut scratch).unwrap_err();
         assert!(
             matches!(
@@ -414,7 +414,7 @@ fn bad_shapes_are_errors() {
         let e = attend_group(path, &query, &kv, start..end, &mut out, &mut scratch).unwrap_err();
         assert!(matches!(e, AttentionError::Positions { .. }), "{e}");
     }
-    for k in Kernels::all_supported() {
+    for k in f32_attention_kernels() {
         let mut small = AttentionScratch::new(1, d);
         let e = attend_group(k, &query, &kv, 0..3, &mut out, &mut small).unwrap_err();
         assert!(matches!(e, AttentionError::ScratchTooSmall { .. }), "{e}");
@@ -442,7 +442,7 @@ fn fast_exp_is_within_two_ulp_where_it_matters() {
 
 #[test]
 fn benchmark_agrees_with_the_per_key_loop() {
-    for k in Kernels::all_supported() {
+    for k in f32_attention_kernels() {
         let report = bench_attention_with(k, &AttentionBenchConfig::quick())
             .unwrap_or_else(|e| panic!("{}: {e}", k.path()));
         assert_eq!(report.rows.len(), 2);
@@ -467,7 +467,15 @@ fn benchmark_agrees_with_the_per_key_loop() {
 #[test]
 #[ignore = "benchmark: a few seconds, prints its report"]
 fn benchmark_report() {
-    for k in Kernels::all_supported() {
+    let kernels = Kernels::all_supported().into_iter().flat_map(|k| {
+        if k.uses_bf16_attention() {
+            vec![k.without_bf16_attention(), k]
+        } else {
+            vec![k]
+        }
+    });
+    for k in kernels {
+        println!("bf16 dot products: {}", k.uses_bf16_attention());
         let report = ossterm::bench::attention::bench_attention(k).expect("benchmark");
         println!("{report}");
         let config = AttentionBenchConfig {

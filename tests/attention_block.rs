@@ -20,7 +20,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 mod support;
-use support::attention::{assert_close, widen};
+use support::attention::{assert_close, f32_attention_kernels, widen};
 
 /// A block of `tokens` tokens at positions `depth..depth + tokens` over a cache of those
 /// positions, KV head 1 of 2, each token seeing the keys of `window` (all if `None`) up to its own.
@@ -201,7 +201,7 @@ fn check(block: &Block, label: &str) {
     let per_token = block.run_tokens(scalar, &block.keys, &block.values);
     let halves: Vec<f16> = block.keys.iter().map(|x| f16::from_f32(*x)).collect();
     let value_halves: Vec<f16> = block.values.iter().map(|x| f16::from_f32(*x)).collect();
-    for k in Kernels::all_supported() {
+    for k in f32_attention_kernels() {
         let path = k.path();
         let f32_out = block.run_block(k, &block.keys, &block.values);
         assert_close(&format!("{label} f32 {path}"), &f32_out, &want, magnitude);
@@ -362,7 +362,7 @@ fn chunking_never_changes_a_bit() {
         let block = Block::random(&mut rng, shape, len, 0, window);
         let halves: Vec<f16> = block.keys.iter().map(|x| f16::from_f32(*x)).collect();
         let value_halves: Vec<f16> = block.values.iter().map(|x| f16::from_f32(*x)).collect();
-        for k in Kernels::all_supported() {
+        for k in f32_attention_kernels() {
             let label = format!("{shape:?} window {window:?} {}", k.path());
             let f32_cache = (&block.keys[..], &block.values[..]);
             let f16_cache = (&halves[..], &value_halves[..]);
@@ -405,7 +405,7 @@ fn rows_before_the_window_are_never_read() {
         poisoned.0[..first * row_stride].fill(f32::NAN);
         poisoned.1[..first * row_stride].fill(f32::NAN);
         let halves = |v: &[f32]| -> Vec<f16> { v.iter().map(|x| f16::from_f32(*x)).collect() };
-        for k in Kernels::all_supported() {
+        for k in f32_attention_kernels() {
             let label = format!("depth {depth} tokens {tokens} window {window} {}", k.path());
             let clean = block.run_block(k, &block.keys, &block.values);
             let got = block.run_block(k, &poisoned.0, &poisoned.1);

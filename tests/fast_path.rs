@@ -264,8 +264,17 @@ fn every_kernel_path_computes_the_same_logits() {
         // at that scale), and a single int8 row downstream then rounds some elements the other
         // way: about 1e-3 of the logit range in the end, ten times below the quantization error
         // itself, and at a few positions a near-tied router choice.
+        // Attention on bf16 dot products (AVX-512 BF16 where it pays) rounds queries, keys,
+        // values and probabilities to 8 bits: measured 1.2e-2 median against the scalar path on
+        // Zen 4, still within the int8 error of the default format itself (README's accuracy
+        // table: median 1.4-1.9% of the logit range against the exact path, either way).
+        let bound = if Kernels::new(*path).is_ok_and(|k| k.uses_bf16_attention()) {
+            2e-2
+        } else {
+            5e-3
+        };
         assert!(
-            r.quantile(0.5) < 5e-3,
+            r.quantile(0.5) < bound,
             "{path:?}: median error {}",
             r.quantile(0.5)
         );

@@ -26,6 +26,8 @@ pub(crate) unsafe trait Plain: Copy + Default + 'static {}
 // SAFETY: integers and floats are valid for every bit pattern and have no padding.
 unsafe impl Plain for u8 {}
 // SAFETY: as above.
+unsafe impl Plain for u16 {}
+// SAFETY: as above.
 unsafe impl Plain for i8 {}
 // SAFETY: as above.
 unsafe impl Plain for i32 {}

@@ -39,6 +39,9 @@ use super::aligned::AlignedVec;
 use super::{dispatch, KernelError, Kernels};
 use half::f16;
 
+#[cfg(target_arch = "x86_64")]
+mod bf16;
+
 /// Keys per tile: a widened f16 tile of keys plus one of values (2 x 64 x 64 x 4 bytes for
 /// head_dim 64) stays in L1 while every head of the group uses it. Tiles start at rows that are
 /// multiples of this, so a caller that passes part of a cache starts it at such a row to keep
@@ -298,6 +301,8 @@ pub struct AttentionScratch {
     logits: AlignedVec<f32>,
     /// Unnormalized outputs, heads x padded.
     acc: AlignedVec<f32>,
+    /// The bf16 path's probabilities, heads x TILE_KEYS.
+    probs_bf16: AlignedVec<u16>,
     /// Stands in for the keys past the end of a ragged tile (padded zeros).
     zero_row: AlignedVec<f32>,
     running_max: Vec<f32>,
@@ -318,6 +323,7 @@ impl AttentionScratch {
             values: AlignedVec::filled(TILE_KEYS * padded, 0.0),
             logits: AlignedVec::filled(max_heads * TILE_KEYS, 0.0),
             acc: AlignedVec::filled(max_heads * padded, 0.0),
+            probs_bf16: AlignedVec::filled(max_heads * TILE_KEYS, 0),
             zero_row: AlignedVec::filled(padded, 0.0),
             running_max: vec![0.0; max_heads],
             running_sum: vec![0.0; max_heads],
@@ -549,6 +555,22 @@ fn attend_checked<T: KvElem>(
     if query.tokens == 0 {
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if k.uses_bf16_attention() && bf16::takes(query.head_dim) {
+        if let (Some(keys), Some(values)) = (T::as_f16(kv.keys), T::as_f16(kv.values)) {
+            let kv = KvHead {
+                keys,
+                values,
+                row_stride: kv.row_stride,
+                offset: kv.offset,
+            };
+            // SAFETY: the kernels use bf16 attention only where the CPU has AVX-512 BF16 (with
+            // the AVX-512 path's features); the callers validated the shapes and `takes` the
+            // head_dim.
+            unsafe { bf16::attend(query, &kv, visible, out, scratch) };
+            return;
+        }
+    }
     // The callers validated every shape attend_tiled relies on.
     dispatch!(
         k,
@@ -612,6 +634,51 @@ fn attend_scalar<T: KvElem>(
             acc.iter_mut().for_each(|o| *o /= denominator);
         }
     }
+}
+
+/// What the bf16 path ([`Kernels::uses_bf16_attention`]) computes, written plainly: the
+/// reference its SIMD kernel is tested against. Token by token and head by head, the scaled
+/// query, the keys, the values and the probabilities are rounded to bf16 (nearest even) and every
+/// product is summed in f32; the softmax takes two passes. Allocates (it is for tests).
+pub fn attend_block_bf16_reference(
+    query: &BlockQuery<'_>,
+    kv: &KvHead<'_, f16>,
+    visible: &dyn Fn(usize) -> Range<usize>,
+    out: &mut [f32],
+) -> Result<(), AttentionError> {
+    check_block(query, kv, visible, out)?;
+    let round = |x: f32| half::bf16::from_f32(x).to_f32();
+    let (d, heads) = (query.head_dim, query.sinks.len());
+    for (t, out) in out.chunks_exact_mut(heads * d).enumerate() {
+        let seen = visible(t);
+        for (g, out) in out.chunks_exact_mut(d).enumerate() {
+            let q: Vec<f32> = query.queries[t * query.token_stride + g * d..][..d]
+                .iter()
+                .map(|x| round(x * query.scale))
+                .collect();
+            let logits: Vec<f32> = seen
+                .clone()
+                .map(|j| {
+                    let key = &kv.keys[j * kv.row_stride + kv.offset..][..d];
+                    q.iter().zip(key).map(|(a, k)| a * round(k.to_f32())).sum()
+                })
+                .collect();
+            let sink = query.sinks[g];
+            let max = logits.iter().fold(sink, |m, &l| m.max(l));
+            let mut denominator = (sink - max).exp();
+            out.fill(0.0);
+            for (j, logit) in seen.clone().zip(&logits) {
+                let p = (logit - max).exp();
+                denominator += p;
+                let value = &kv.values[j * kv.row_stride + kv.offset..][..d];
+                for (o, v) in out.iter_mut().zip(value) {
+                    *o += round(p) * round(v.to_f32());
+                }
+            }
+            out.iter_mut().for_each(|o| *o /= denominator);
+        }
+    }
+    Ok(())
 }
 
 /// e^x for x <= 0, as the SIMD paths compute it lane by lane: Cody-Waite reduction to
@@ -955,7 +1022,7 @@ mod avx512 {
     /// still being multiplied; the operations, and so the bits, are those of the whole tree.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    unsafe fn quarter_transpose_sum(v: &[__m512; 4]) -> __m512 {
+    pub(super) unsafe fn quarter_transpose_sum(v: &[__m512; 4]) -> __m512 {
         // Each level halves the vectors: pairs interleave and add, so a vector holds partial sums
         // of twice as many keys over half as many lanes.
         let mut s1 = [_mm512_setzero_ps(); 2];
@@ -975,7 +1042,7 @@ mod avx512 {
     /// a half.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    unsafe fn join_quarters(a: __m512, b: __m512) -> __m512 {
+    pub(super) unsafe fn join_quarters(a: __m512, b: __m512) -> __m512 {
         _mm512_add_ps(
             _mm512_shuffle_f32x4::<0x88>(a, b),
             _mm512_shuffle_f32x4::<0xDD>(a, b),
@@ -985,7 +1052,7 @@ mod avx512 {
     /// The last level of [`transpose_sum`]: the halves of keys 0..8 and 8..16.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    unsafe fn join_halves(low: __m512, high: __m512) -> __m512 {
+    pub(super) unsafe fn join_halves(low: __m512, high: __m512) -> __m512 {
         _mm512_add_ps(
             _mm512_shuffle_f32x4::<0x88>(low, high),
             _mm512_shuffle_f32x4::<0xDD>(low, high),
@@ -1113,7 +1180,12 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    unsafe fn softmax(logits: *mut f32, count: usize, max: &mut f32, sum: &mut f32) -> f32 {
+    pub(super) unsafe fn softmax(
+        logits: *mut f32,
+        count: usize,
+        max: &mut f32,
+        sum: &mut f32,
+    ) -> f32 {
         // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this path's
         // features; every buffer is as large as the trait's doc says), which is all the code below
         // relies on.

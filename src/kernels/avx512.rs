@@ -858,6 +858,61 @@ pub(crate) fn vbmi_detected() -> bool {
     is_x86_feature_detected!("avx512vbmi")
 }
 
+/// Whether this CPU has AVX-512 BF16 and issues `vdpbf16ps` at least about as fast as an f32
+/// FMA, so bf16 attention does more multiply-adds per cycle (Zen 4: one 512-bit instruction of
+/// either kind per cycle, so twice the multiply-adds; a CPU with two FMA units and one bf16 unit
+/// would gain nothing after the conversions). Measured once, best of a few short rounds of
+/// independent chains of each (about a millisecond in all).
+pub(crate) fn bf16_dot_pays() -> bool {
+    static PAYS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PAYS.get_or_init(|| {
+        if !is_x86_feature_detected!("avx512bf16") {
+            return false;
+        }
+        let (mut bf16, mut fma) = (f64::MAX, f64::MAX);
+        for _ in 0..5 {
+            // SAFETY: the CPU has AVX-512 F and BF16 (checked above).
+            let (b, f) = unsafe { dot_chain_times() };
+            bf16 = bf16.min(b);
+            fma = fma.min(f);
+        }
+        bf16 <= 1.25 * fma
+    })
+}
+
+/// Seconds for the same count of `vdpbf16ps` and of `vfmadd231ps` (512-bit, 12 independent
+/// chains each).
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn dot_chain_times() -> (f64, f64) {
+    const CHAINS: usize = 12;
+    const ROUNDS: usize = 4000;
+    // SAFETY: both are 64 bytes of plain SIMD lanes, valid for every bit pattern.
+    let pair: __m512bh = unsafe {
+        std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi16(std::hint::black_box(0x3f80)))
+    };
+    let (a, b) = (
+        _mm512_set1_ps(std::hint::black_box(1.0)),
+        _mm512_set1_ps(std::hint::black_box(1e-9)),
+    );
+    let mut chains = [_mm512_setzero_ps(); CHAINS];
+    let started = std::time::Instant::now();
+    for _ in 0..ROUNDS {
+        for c in chains.iter_mut() {
+            *c = _mm512_dpbf16_ps(*c, pair, pair);
+        }
+    }
+    std::hint::black_box(&chains);
+    let bf16 = started.elapsed().as_secs_f64();
+    let started = std::time::Instant::now();
+    for _ in 0..ROUNDS {
+        for c in chains.iter_mut() {
+            *c = _mm512_fmadd_ps(a, b, *c);
+        }
+    }
+    std::hint::black_box(&chains);
+    (bf16, started.elapsed().as_secs_f64())
+}
+
 pub(crate) unsafe fn mxfp4_gemv(
     w: &Mxfp4Matrix,
     x: &Q8Activations,

@@ -420,6 +420,9 @@ pub struct Kernels {
     path: KernelPath,
     /// The AVX-512 MXFP4 GEMV decodes nibbles with `vpermb` (AVX-512 VBMI, detected at run time).
     vbmi: bool,
+    /// Attention over an f16 cache takes bf16 dot products (AVX-512 BF16, where a probe at start
+    /// finds `vdpbf16ps` issuing about as fast as an f32 FMA: twice the multiply-adds).
+    bf16_attention: bool,
 }
 
 impl Kernels {
@@ -438,10 +441,33 @@ impl Kernels {
     /// Kernels on a path this CPU supports, with the optional features it has.
     fn on_path(path: KernelPath) -> Self {
         #[cfg(target_arch = "x86_64")]
-        let vbmi = path == KernelPath::Avx512 && avx512::vbmi_detected();
+        let (vbmi, bf16_attention) = (
+            path == KernelPath::Avx512 && avx512::vbmi_detected(),
+            path == KernelPath::Avx512 && avx512::bf16_dot_pays(),
+        );
         #[cfg(not(target_arch = "x86_64"))]
-        let vbmi = false;
-        Self { path, vbmi }
+        let (vbmi, bf16_attention) = (false, false);
+        Self {
+            path,
+            vbmi,
+            bf16_attention,
+        }
+    }
+
+    /// The same kernels with f32 attention arithmetic: what a CPU without AVX-512 BF16 runs, and
+    /// the precision of the f32 and q8 caches (tests compare the two; `bench --kernels` times
+    /// both).
+    pub fn without_bf16_attention(self) -> Self {
+        Self {
+            bf16_attention: false,
+            ..self
+        }
+    }
+
+    /// Whether attention over an f16 cache runs on bf16 dot products (see
+    /// [`attention::attend_block_bf16_reference`] for what it computes).
+    pub fn uses_bf16_attention(&self) -> bool {
+        self.bf16_attention
     }
 
     /// The same kernels without the optional AVX-512 VBMI decode of the MXFP4 GEMV: what a CPU

@@ -421,22 +421,39 @@ impl Model {
         }
     }
 
+    /// Whether new sessions' attention runs on bf16 dot products: the kernels' choice for this
+    /// CPU, over the default f16 cache, unless the activations are `q8x2` (the precise setting
+    /// keeps f32 attention).
+    pub fn uses_bf16_attention(&self) -> bool {
+        self.fast.is_some()
+            && self.kernels.uses_bf16_attention()
+            && self.kv_format == KvFormat::F16
+            && self.activations != ActivationFormat::Q8x2
+            && self.config.head_dim.is_multiple_of(32)
+    }
+
     /// A short description of the weight formats, for the UI and the benchmark.
     pub fn weights_description(&self) -> String {
         match &self.fast {
             None => "bf16 (exact)".into(),
-            Some(fast) => format!(
-                "experts mxfp4 x {} activations, rest {}{}",
-                self.activations.name(),
-                fast.format.name(),
-                match &fast.draft {
-                    Some(draft) => format!(
-                        ", unembedding two-stage (q4 draft, {} candidates)",
-                        draft.candidates
-                    ),
-                    None => String::new(),
+            Some(fast) => {
+                format!(
+                    "experts mxfp4 x {} activations, rest {}{}",
+                    self.activations.name(),
+                    fast.format.name(),
+                    match &fast.draft {
+                        Some(draft) => format!(
+                            ", unembedding two-stage (q4 draft, {} candidates)",
+                            draft.candidates
+                        ),
+                        None => String::new(),
+                    },
+                ) + if self.uses_bf16_attention() {
+                    ", attention on bf16 dot products"
+                } else {
+                    ""
                 }
-            ),
+            }
         }
     }
 

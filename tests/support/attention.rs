@@ -22,3 +22,12 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f64], magnitude: f64) {
 pub fn widen(v: &[f32]) -> Vec<f64> {
     v.iter().map(|x| *x as f64).collect()
 }
+
+/// Every path this CPU runs, with f32 attention arithmetic: what the 2e-6 tolerance holds
+/// (the bf16 dot products have their own tests and tolerances, tests/attention_bf16.rs).
+pub fn f32_attention_kernels() -> Vec<ossterm::kernels::Kernels> {
+    ossterm::kernels::Kernels::all_supported()
+        .into_iter()
+        .map(|k| k.without_bf16_attention())
+        .collect()
+}

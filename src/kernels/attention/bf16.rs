@@ -1,0 +1,450 @@
+//! The tiled attention of [`super::attend_tiled`] with bf16 dot products (AVX-512 BF16,
+//! `vdpbf16ps`) over an f16 cache: queries (scaled), keys, values and probabilities are rounded
+//! to bf16 and every product sums in f32. One `vdpbf16ps` does the multiply-adds of two f32 FMAs,
+//! and on CPUs that issue it as fast as an FMA (Zen 4: one 512-bit instruction per cycle either
+//! way) the attention's arithmetic takes about half the time; where it is slower
+//! ([`super::super::Kernels`] probes this at start) the f32 path runs.
+//!
+//! The steps are those of the f32 path: the same tiles (starting at multiples of
+//! [`TILE_KEYS`]), the same online softmax in f32, the same transpose-and-add tree for the
+//! logits. Values are staged per tile as pairs of consecutive keys interleaved column by column
+//! (`vdpbf16ps` adds the products of one lane pair), and the pairs start at even cache rows, so
+//! which keys share a pair depends on their rows alone: a token's result is the same bits alone
+//! or in any block, as on the f32 path. Value rows before the block's first visible key are not
+//! read (their half of a pair is zero; its probability is zero too).
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use half::f16;
+
+use super::avx512::softmax;
+use super::{
+    prefetch_row_of_next_tile, AttentionScratch, BlockQuery, KvHead, RowLayout, TILE_KEYS,
+};
+
+/// f32 lanes of a 512-bit vector.
+const W: usize = 16;
+/// bf16 elements of a 512-bit vector.
+const BF16_LANES: usize = 32;
+
+/// Whether the bf16 path takes this head size: whole vectors of bf16 (gpt-oss: 64).
+pub(super) fn takes(head_dim: usize) -> bool {
+    head_dim > 0 && head_dim.is_multiple_of(BF16_LANES)
+}
+
+#[inline(always)]
+fn as_bh(x: __m512i) -> __m512bh {
+    // SAFETY: both are 64 bytes of plain SIMD lanes, valid for every bit pattern.
+    unsafe { std::mem::transmute::<__m512i, __m512bh>(x) }
+}
+
+#[inline(always)]
+fn as_bits(x: __m512bh) -> __m512i {
+    // SAFETY: as above.
+    unsafe { std::mem::transmute::<__m512bh, __m512i>(x) }
+}
+
+/// 32 f16 at `at` as 32 bf16 (each rounded to nearest even).
+///
+/// # Safety
+/// 32 elements are readable from `at`; the CPU has AVX-512 F/BF16 and F16C.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+unsafe fn f16_to_bf16(at: *const f16) -> __m512i {
+    // SAFETY: the caller upholds the contract.
+    unsafe {
+        let low = _mm512_cvtph_ps(_mm256_loadu_si256(at.cast()));
+        let high = _mm512_cvtph_ps(_mm256_loadu_si256(at.add(W).cast()));
+        as_bits(_mm512_cvtne2ps_pbh(high, low))
+    }
+}
+
+/// Attention of a block over one KV head of an f16 cache, on the bf16 path.
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/BF16, AVX2, FMA and F16C; [`takes`] holds for the head_dim; the
+/// shapes were checked as for [`super::attend_tiled`]; `query.tokens` > 0.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+pub(super) unsafe fn attend(
+    query: &BlockQuery<'_>,
+    kv: &KvHead<'_, f16>,
+    visible: &dyn Fn(usize) -> Range<usize>,
+    out: &mut [f32],
+    scratch: &mut AttentionScratch,
+) {
+    let d = query.head_dim;
+    let (heads, tokens) = (query.sinks.len(), query.tokens);
+    let layout = RowLayout {
+        row_stride: kv.row_stride,
+        offset: kv.offset,
+        head_dim: d,
+        padded: d,
+    };
+    // The scratch's f32 buffers hold the bf16 rows: each is at least twice as large as needed.
+    let queries = scratch.queries.as_mut_ptr().cast::<u16>();
+    let keys = scratch.keys.as_mut_ptr().cast::<u16>();
+    let value_pairs = scratch.values.as_mut_ptr().cast::<u16>();
+    let probs = scratch.probs_bf16.as_mut_ptr();
+    // SAFETY: the caller checked the shapes: rows r < tokens x heads <= max_heads, each source
+    // query row holds d elements, and d <= max_head_dim, so every write stays in the buffers.
+    unsafe {
+        let scale = _mm512_set1_ps(query.scale);
+        for r in 0..tokens * heads {
+            let (t, g) = (r / heads, r % heads);
+            let src = query.queries[t * query.token_stride + g * d..][..d].as_ptr();
+            for c in (0..d).step_by(BF16_LANES) {
+                let low = _mm512_mul_ps(_mm512_loadu_ps(src.add(c)), scale);
+                let high = _mm512_mul_ps(_mm512_loadu_ps(src.add(c + W)), scale);
+                let bits = as_bits(_mm512_cvtne2ps_pbh(high, low));
+                _mm512_storeu_si512(queries.add(r * d + c).cast(), bits);
+            }
+            scratch.running_max[r] = query.sinks[g];
+        }
+    }
+    scratch.running_sum[..tokens * heads].fill(0.0);
+    scratch.acc[..tokens * heads * d].fill(0.0);
+
+    // The tile walk of attend_tiled: tokens seeing a tile are a contiguous run moving forward.
+    let span = visible(0).start..visible(tokens - 1).end;
+    let (mut first, mut last) = (0, 0);
+    let mut start = span.start - span.start % TILE_KEYS;
+    while start < span.end {
+        let count = TILE_KEYS.min(span.end - start);
+        let tile = start..start + count;
+        start += count;
+        while first < tokens && visible(first).end <= tile.start {
+            first += 1;
+        }
+        last = last.max(first);
+        while last < tokens && visible(last).start < tile.end {
+            last += 1;
+        }
+        if first == last {
+            continue;
+        }
+        let rows = first * heads..last * heads;
+        let cache_row = |j: usize| kv.keys[j * kv.row_stride + kv.offset..][..d].as_ptr();
+        // SAFETY: rows of the tile lie inside the cache (checked by the caller); the transposed
+        // tile holds d/2 x TILE_KEYS pairs (the f32 key tile is TILE_KEYS x padded >= d f32).
+        unsafe {
+            let mut group = [std::ptr::null(); W];
+            for first_key in (0..count).step_by(W) {
+                for (i, row) in group.iter_mut().enumerate() {
+                    let key = first_key + i;
+                    *row = if key < count {
+                        let from = cache_row(tile.start + key);
+                        prefetch_row_of_next_tile(from, layout);
+                        from
+                    } else {
+                        std::ptr::null()
+                    };
+                }
+                transpose_keys(&group, d, keys.add(2 * first_key));
+            }
+            logits(
+                queries.add(rows.start * d),
+                rows.len(),
+                d,
+                keys,
+                count,
+                scratch.logits.as_mut_ptr().add(rows.start * TILE_KEYS),
+            );
+        }
+        for t in first..last {
+            let seen = visible(t);
+            let (from, to) = (
+                seen.start.max(tile.start) - tile.start,
+                seen.end.min(tile.end).max(seen.start.max(tile.start)) - tile.start,
+            );
+            if from == 0 && to == count {
+                continue;
+            }
+            for g in 0..heads {
+                let row = &mut scratch.logits[(t * heads + g) * TILE_KEYS..][..count];
+                row[..from].fill(f32::NEG_INFINITY);
+                row[to..].fill(f32::NEG_INFINITY);
+            }
+        }
+        for r in rows.clone() {
+            // SAFETY: row r's logits lie inside the scratch; the CPU has AVX-512 F.
+            scratch.rescale[r] = unsafe {
+                softmax(
+                    scratch.logits.as_mut_ptr().add(r * TILE_KEYS),
+                    count,
+                    &mut scratch.running_max[r],
+                    &mut scratch.running_sum[r],
+                )
+            };
+        }
+        // Pairs start at even rows; a row before the block's first visible key is not read.
+        let skip = visible(first).start.clamp(tile.start, tile.end) - tile.start;
+        let first_pair = skip / 2;
+        let pairs = count.div_ceil(2) - first_pair;
+        let value_row = |j: usize| kv.values[j * kv.row_stride + kv.offset..][..d].as_ptr();
+        // SAFETY: value rows skip..count of the tile lie inside the cache; `value_pairs` holds
+        // TILE_KEYS / 2 pairs of 2d bf16 (the f32 value tile is TILE_KEYS x padded >= d f32);
+        // probabilities are read up to count rounded up to 16, which softmax wrote (zeros past
+        // count), inside each row of TILE_KEYS.
+        unsafe {
+            let interleave = _mm512_set_epi16(
+                31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5,
+                20, 4, 19, 3, 18, 2, 17, 1, 16, 0,
+            );
+            for p in 0..pairs {
+                let j = 2 * (first_pair + p);
+                let even = (j >= skip).then(|| value_row(tile.start + j));
+                let odd = (j + 1 < count).then(|| value_row(tile.start + j + 1));
+                for row in [even, odd].into_iter().flatten() {
+                    prefetch_row_of_next_tile(row, layout);
+                }
+                for c in (0..d).step_by(W) {
+                    let mut halves = [_mm512_setzero_ps(); 2];
+                    for (half, row) in halves.iter_mut().zip([even, odd]) {
+                        if let Some(at) = row {
+                            *half = _mm512_cvtph_ps(_mm256_loadu_si256(at.add(c).cast()));
+                        }
+                    }
+                    let both = as_bits(_mm512_cvtne2ps_pbh(halves[1], halves[0]));
+                    let pair = _mm512_permutexvar_epi16(interleave, both);
+                    _mm512_storeu_si512(value_pairs.add(p * 2 * d + 2 * c).cast(), pair);
+                }
+            }
+            for r in rows.clone() {
+                let from = scratch.logits.as_ptr().add(r * TILE_KEYS);
+                for k in (0..count).step_by(W) {
+                    let bits = _mm512_cvtneps_pbh(_mm512_loadu_ps(from.add(k)));
+                    let bits = std::mem::transmute::<__m256bh, __m256i>(bits);
+                    _mm256_storeu_si256(probs.add(r * TILE_KEYS + k).cast(), bits);
+                }
+            }
+            let mut r = rows.start;
+            while r < rows.end {
+                let block = if rows.end - r >= 4 { 4 } else { 1 };
+                let mut c = 0;
+                while c < d {
+                    let args = (
+                        probs.add(r * TILE_KEYS + 2 * first_pair).cast_const(),
+                        scratch.rescale.as_ptr().add(r),
+                        value_pairs.add(2 * c).cast_const(),
+                        pairs,
+                        d,
+                        scratch.acc.as_mut_ptr().add(r * d + c),
+                    );
+                    match (block, d - c >= 4 * W) {
+                        (4, true) => accumulate::<4, 4>(args),
+                        (4, false) => accumulate::<4, 2>(args),
+                        (_, true) => accumulate::<1, 4>(args),
+                        (_, false) => accumulate::<1, 2>(args),
+                    }
+                    c += if d - c >= 4 * W { 4 * W } else { 2 * W };
+                }
+                r += block;
+            }
+        }
+    }
+
+    for (r, out) in out.chunks_exact_mut(d).take(tokens * heads).enumerate() {
+        let sink = query.sinks[r % heads];
+        let denominator = scratch.running_sum[r] + (sink - scratch.running_max[r]).exp();
+        let inverse = 1.0 / denominator;
+        for (o, a) in out.iter_mut().zip(&scratch.acc[r * d..]) {
+            *o = a * inverse;
+        }
+    }
+}
+
+/// 16 key rows (f16, `null` for keys past the tile's end: zeros) as bf16 pairs transposed:
+/// pair p (elements 2p and 2p + 1) of key i at `to[p * TILE_KEYS + i]` (u32 units; `to` points
+/// at the group's first key). A 16 x 16 transpose of dwords per 32 elements of the rows.
+///
+/// # Safety
+/// Each non-null row has d readable f16; `to` has room for d/2 rows of TILE_KEYS u32 from its
+/// start; the CPU has the features below.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+unsafe fn transpose_keys(rows: &[*const f16; W], d: usize, to: *mut u16) {
+    // SAFETY: the caller upholds the contract.
+    unsafe {
+        let to = to.cast::<u32>();
+        for c in (0..d).step_by(BF16_LANES) {
+            let mut r = [_mm512_setzero_si512(); W];
+            for (x, row) in r.iter_mut().zip(rows) {
+                if !row.is_null() {
+                    *x = f16_to_bf16(row.add(c));
+                }
+            }
+            let mut t = [_mm512_setzero_si512(); W];
+            for k in 0..W / 2 {
+                t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+                t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+            }
+            // u[4k + j], k a group of four rows: in 128-bit lane L, column 4L + j of rows 4k..4k+4.
+            let mut u = [_mm512_setzero_si512(); W];
+            for k in 0..W / 4 {
+                u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+                u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+                u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+                u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+            }
+            for j in 0..4 {
+                let even_low = _mm512_shuffle_i32x4::<0x88>(u[j], u[4 + j]);
+                let odd_low = _mm512_shuffle_i32x4::<0xDD>(u[j], u[4 + j]);
+                let even_high = _mm512_shuffle_i32x4::<0x88>(u[8 + j], u[12 + j]);
+                let odd_high = _mm512_shuffle_i32x4::<0xDD>(u[8 + j], u[12 + j]);
+                let columns = [
+                    _mm512_shuffle_i32x4::<0x88>(even_low, even_high),
+                    _mm512_shuffle_i32x4::<0x88>(odd_low, odd_high),
+                    _mm512_shuffle_i32x4::<0xDD>(even_low, even_high),
+                    _mm512_shuffle_i32x4::<0xDD>(odd_low, odd_high),
+                ];
+                for (lane, column) in columns.into_iter().enumerate() {
+                    let pair = c / 2 + 4 * lane + j;
+                    _mm512_storeu_si512(to.add(pair * TILE_KEYS).cast(), column);
+                }
+            }
+        }
+    }
+}
+
+/// `logits[g * TILE_KEYS + t] = queries_g . keys_t` (bf16 rows of `d`, products summed in f32,
+/// pair by pair in order, one key per lane) for t < count, -inf for the tile's other keys.
+///
+/// # Safety
+/// As [`attend`]: `queries` holds `heads` rows of d, `keys` the transposed tile
+/// ([`transpose_keys`]), each logits row TILE_KEYS f32.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+unsafe fn logits(
+    queries: *const u16,
+    heads: usize,
+    d: usize,
+    keys: *const u16,
+    count: usize,
+    out: *mut f32,
+) {
+    // SAFETY: the caller upholds the contract.
+    unsafe {
+        let groups = count.div_ceil(W);
+        let mut keep = [0u16; TILE_KEYS / W];
+        for (g, mask) in keep.iter_mut().enumerate().take(groups) {
+            let valid = (count - g * W).min(W);
+            *mask = ((1u32 << valid) - 1) as u16;
+        }
+        let mut r = 0;
+        while r < heads {
+            let args = (queries.add(r * d), d, keys, &keep, out.add(r * TILE_KEYS));
+            if heads - r >= 4 {
+                match groups {
+                    4 => logits_rows::<4, 4>(args),
+                    3 => logits_rows::<4, 3>(args),
+                    2 => logits_rows::<4, 2>(args),
+                    _ => logits_rows::<4, 1>(args),
+                }
+                r += 4;
+            } else {
+                match groups {
+                    4 => logits_rows::<1, 4>(args),
+                    3 => logits_rows::<1, 3>(args),
+                    2 => logits_rows::<1, 2>(args),
+                    _ => logits_rows::<1, 1>(args),
+                }
+                r += 1;
+            }
+        }
+    }
+}
+
+/// `H` query rows against `G` groups of 16 keys: per pair of elements one `vdpbf16ps` per (row,
+/// group), the query pair broadcast, the keys' pairs one vector per group.
+///
+/// # Safety
+/// As [`logits`]; `q` holds H rows of d; `out` H rows of TILE_KEYS.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+unsafe fn logits_rows<const H: usize, const G: usize>(
+    (q, d, keys, keep, out): (
+        *const u16,
+        usize,
+        *const u16,
+        &[u16; TILE_KEYS / W],
+        *mut f32,
+    ),
+) {
+    // SAFETY: the caller upholds the contract.
+    unsafe {
+        let keys = keys.cast::<u32>();
+        let mut sums = [[_mm512_setzero_ps(); G]; H];
+        for p in 0..d / 2 {
+            let mut k = [as_bh(_mm512_setzero_si512()); G];
+            for (g, x) in k.iter_mut().enumerate() {
+                *x = as_bh(_mm512_loadu_si512(keys.add(p * TILE_KEYS + g * W).cast()));
+            }
+            for (h, row) in sums.iter_mut().enumerate() {
+                let pair = q.add(h * d + 2 * p).cast::<i32>().read_unaligned();
+                let pair = as_bh(_mm512_set1_epi32(pair));
+                for (s, x) in row.iter_mut().zip(&k) {
+                    *s = _mm512_dpbf16_ps(*s, pair, *x);
+                }
+            }
+        }
+        for (h, row) in sums.iter().enumerate() {
+            for (g, s) in row.iter().enumerate() {
+                let s = _mm512_mask_blend_ps(keep[g], _mm512_set1_ps(f32::NEG_INFINITY), *s);
+                _mm512_storeu_ps(out.add(h * TILE_KEYS + g * W), s);
+            }
+        }
+    }
+}
+
+/// `acc_h = acc_h * rescale_h + sum_p probs_h[p] . pairs[p]` for H rows and C x 16 columns:
+/// one `vdpbf16ps` per (row, pair of keys, 16 columns), the accumulators in registers across
+/// the tile.
+///
+/// # Safety
+/// `probs` row h (TILE_KEYS apart) holds 2 x `pairs` bf16; `pairs` value pairs of 2d bf16 start
+/// at `values` (offset to this block's columns); `acc` rows of d hold C x 16 columns from here.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+unsafe fn accumulate<const H: usize, const C: usize>(
+    (probs, rescale, values, pairs, d, acc): (
+        *const u16,
+        *const f32,
+        *const u16,
+        usize,
+        usize,
+        *mut f32,
+    ),
+) {
+    // SAFETY: the caller upholds the contract.
+    unsafe {
+        let mut sums = [[_mm512_setzero_ps(); C]; H];
+        for (h, row) in sums.iter_mut().enumerate() {
+            let factor = _mm512_set1_ps(*rescale.add(h));
+            for (c, s) in row.iter_mut().enumerate() {
+                *s = _mm512_mul_ps(_mm512_loadu_ps(acc.add(h * d + c * W)), factor);
+            }
+        }
+        for p in 0..pairs {
+            let pair = values.add(p * 2 * d);
+            let mut v = [as_bh(_mm512_setzero_si512()); C];
+            for (c, x) in v.iter_mut().enumerate() {
+                *x = as_bh(_mm512_loadu_si512(pair.add(c * 2 * W).cast()));
+            }
+            for (h, row) in sums.iter_mut().enumerate() {
+                let both = probs
+                    .add(h * TILE_KEYS + 2 * p)
+                    .cast::<i32>()
+                    .read_unaligned();
+                let weights = as_bh(_mm512_set1_epi32(both));
+                for (s, x) in row.iter_mut().zip(&v) {
+                    *s = _mm512_dpbf16_ps(*s, weights, *x);
+                }
+            }
+        }
+        for (h, row) in sums.iter().enumerate() {
+            for (c, s) in row.iter().enumerate() {
+                _mm512_storeu_ps(acc.add(h * d + c * W), *s);
+            }
+        }
+    }
+}
