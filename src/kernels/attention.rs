@@ -996,7 +996,7 @@ mod avx512 {
     /// `fast_exp` in 16 lanes.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    unsafe fn exp(x: __m512) -> __m512 {
+    pub(super) unsafe fn exp(x: __m512) -> __m512 {
         let in_range = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, _mm512_set1_ps(EXP_MIN));
         let x = _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN));
         let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
@@ -1022,7 +1022,7 @@ mod avx512 {
     /// still being multiplied; the operations, and so the bits, are those of the whole tree.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    pub(super) unsafe fn quarter_transpose_sum(v: &[__m512; 4]) -> __m512 {
+    unsafe fn quarter_transpose_sum(v: &[__m512; 4]) -> __m512 {
         // Each level halves the vectors: pairs interleave and add, so a vector holds partial sums
         // of twice as many keys over half as many lanes.
         let mut s1 = [_mm512_setzero_ps(); 2];
@@ -1042,7 +1042,7 @@ mod avx512 {
     /// a half.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    pub(super) unsafe fn join_quarters(a: __m512, b: __m512) -> __m512 {
+    unsafe fn join_quarters(a: __m512, b: __m512) -> __m512 {
         _mm512_add_ps(
             _mm512_shuffle_f32x4::<0x88>(a, b),
             _mm512_shuffle_f32x4::<0xDD>(a, b),
@@ -1052,7 +1052,7 @@ mod avx512 {
     /// The last level of [`transpose_sum`]: the halves of keys 0..8 and 8..16.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    pub(super) unsafe fn join_halves(low: __m512, high: __m512) -> __m512 {
+    unsafe fn join_halves(low: __m512, high: __m512) -> __m512 {
         _mm512_add_ps(
             _mm512_shuffle_f32x4::<0x88>(low, high),
             _mm512_shuffle_f32x4::<0xDD>(low, high),
@@ -1180,12 +1180,7 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    pub(super) unsafe fn softmax(
-        logits: *mut f32,
-        count: usize,
-        max: &mut f32,
-        sum: &mut f32,
-    ) -> f32 {
+    unsafe fn softmax(logits: *mut f32, count: usize, max: &mut f32, sum: &mut f32) -> f32 {
         // SAFETY: the caller upholds `TilePath`'s contract for this step (the CPU has this path's
         // features; every buffer is as large as the trait's doc says), which is all the code below
         // relies on.

@@ -12,9 +12,10 @@
 //! * `Avx2`: AVX2 (`vpmaddubsw` + `vpmaddwd`), F16C and FMA.
 //! * `Scalar`: always available; the reference the others are tested against.
 //!
-//! Neither AVX-512 BF16 (`vdpbf16ps`) nor AVX-VNNI is used: the first rounds the f32 activations
-//! to bf16, which the exact bf16 path must not do; the second would only speed up the AVX2
-//! fallback on CPUs that lack AVX-512.
+//! AVX-512 BF16 (`vdpbf16ps`) serves only the fast path's attention over an f16 cache, where the
+//! CPU issues it as fast as an f32 FMA ([`Kernels::uses_bf16_attention`]); the exact bf16 weight
+//! products must not round their f32 activations to bf16. AVX-VNNI is not used: it would only
+//! speed up the AVX2 fallback on CPUs that lack AVX-512.
 //!
 //! # Integer formats and the forward pass
 //! ```text

@@ -5,22 +5,25 @@
 //! way) the attention's arithmetic takes about half the time; where it is slower
 //! ([`super::super::Kernels`] probes this at start) the f32 path runs.
 //!
-//! The steps are those of the f32 path: the same tiles (starting at multiples of
-//! [`TILE_KEYS`]), the same online softmax in f32, the same transpose-and-add tree for the
-//! logits. Values are staged per tile as pairs of consecutive keys interleaved column by column
-//! (`vdpbf16ps` adds the products of one lane pair), and the pairs start at even cache rows, so
-//! which keys share a pair depends on their rows alone: a token's result is the same bits alone
-//! or in any block, as on the f32 path. Value rows before the block's first visible key are not
-//! read (their half of a pair is zero; its probability is zero too).
+//! The tiles are those of the f32 path (starting at multiples of [`TILE_KEYS`]) and the softmax
+//! is the same online one in f32, but each tile's keys are transposed into pairs of elements
+//! (one key per lane), so a broadcast query pair and one `vdpbf16ps` give 16 keys' partial
+//! logits with no reduction tree, and the logits never leave registers: masking, the running
+//! maximum and sum, the exponentials and their rounding to bf16 follow in place. Values are
+//! staged per tile as pairs of consecutive keys interleaved column by column (`vdpbf16ps` adds
+//! the products of one lane pair), and the pairs start at even cache rows, so which keys share a
+//! pair depends on their rows alone: a token's result is the same bits alone or in any block, as
+//! on the f32 path. Value rows before the block's first visible key are not read (their half of
+//! a pair is zero; its probability is zero too).
 
 use std::arch::x86_64::*;
 use std::ops::Range;
 
 use half::f16;
 
-use super::avx512::softmax;
+use super::avx512::exp;
 use super::{
-    prefetch_row_of_next_tile, AttentionScratch, BlockQuery, KvHead, RowLayout, TILE_KEYS,
+    fast_exp, prefetch_row_of_next_tile, AttentionScratch, BlockQuery, KvHead, RowLayout, TILE_KEYS,
 };
 
 /// f32 lanes of a 512-bit vector.
@@ -142,40 +145,19 @@ pub(super) unsafe fn attend(
                 }
                 transpose_keys(&group, d, keys.add(2 * first_key));
             }
-            logits(
-                queries.add(rows.start * d),
-                rows.len(),
-                d,
-                keys,
-                count,
-                scratch.logits.as_mut_ptr().add(rows.start * TILE_KEYS),
-            );
-        }
-        for t in first..last {
-            let seen = visible(t);
-            let (from, to) = (
-                seen.start.max(tile.start) - tile.start,
-                seen.end.min(tile.end).max(seen.start.max(tile.start)) - tile.start,
-            );
-            if from == 0 && to == count {
-                continue;
-            }
-            for g in 0..heads {
-                let row = &mut scratch.logits[(t * heads + g) * TILE_KEYS..][..count];
-                row[..from].fill(f32::NEG_INFINITY);
-                row[to..].fill(f32::NEG_INFINITY);
-            }
-        }
-        for r in rows.clone() {
-            // SAFETY: row r's logits lie inside the scratch; the CPU has AVX-512 F.
-            scratch.rescale[r] = unsafe {
-                softmax(
-                    scratch.logits.as_mut_ptr().add(r * TILE_KEYS),
-                    count,
-                    &mut scratch.running_max[r],
-                    &mut scratch.running_sum[r],
-                )
+            let state = RowState {
+                running_max: scratch.running_max.as_mut_ptr(),
+                running_sum: scratch.running_sum.as_mut_ptr(),
+                rescale: scratch.rescale.as_mut_ptr(),
+                probs,
             };
+            let seen = |r: usize| {
+                let visible = visible(r / heads);
+                let from = visible.start.clamp(tile.start, tile.end) - tile.start;
+                let to = visible.end.clamp(tile.start, tile.end) - tile.start;
+                (from, to.max(from))
+            };
+            probabilities(queries, rows.clone(), d, keys, count, &seen, state);
         }
         // Pairs start at even rows; a row before the block's first visible key is not read.
         let skip = visible(first).start.clamp(tile.start, tile.end) - tile.start;
@@ -208,14 +190,6 @@ pub(super) unsafe fn attend(
                     let both = as_bits(_mm512_cvtne2ps_pbh(halves[1], halves[0]));
                     let pair = _mm512_permutexvar_epi16(interleave, both);
                     _mm512_storeu_si512(value_pairs.add(p * 2 * d + 2 * c).cast(), pair);
-                }
-            }
-            for r in rows.clone() {
-                let from = scratch.logits.as_ptr().add(r * TILE_KEYS);
-                for k in (0..count).step_by(W) {
-                    let bits = _mm512_cvtneps_pbh(_mm512_loadu_ps(from.add(k)));
-                    let bits = std::mem::transmute::<__m256bh, __m256i>(bits);
-                    _mm256_storeu_si256(probs.add(r * TILE_KEYS + k).cast(), bits);
                 }
             }
             let mut r = rows.start;
@@ -307,46 +281,56 @@ unsafe fn transpose_keys(rows: &[*const f16; W], d: usize, to: *mut u16) {
     }
 }
 
-/// `logits[g * TILE_KEYS + t] = queries_g . keys_t` (bf16 rows of `d`, products summed in f32,
-/// pair by pair in order, one key per lane) for t < count, -inf for the tile's other keys.
+/// Where [`probabilities`] keeps each query row's online softmax: running maximum and sum, the
+/// factor this tile rescales the row's accumulator by, and the tile's probabilities in bf16
+/// (rows of TILE_KEYS).
+#[derive(Clone, Copy)]
+struct RowState {
+    running_max: *mut f32,
+    running_sum: *mut f32,
+    rescale: *mut f32,
+    probs: *mut u16,
+}
+
+/// One tile's softmax step for query rows `rows`, the logits kept in registers: per row the
+/// logits `queries_r . keys_t` (bf16 rows of d, products summed in f32 pair by pair, one key per
+/// lane) of the keys `seen(r)` (tile-relative; others -inf), the running maximum and sum
+/// updated, the rescale factor of the accumulator, and exp(logit - maximum) rounded to bf16 for
+/// the tile's count keys (zeros for the others up to the next multiple of 16).
 ///
 /// # Safety
-/// As [`attend`]: `queries` holds `heads` rows of d, `keys` the transposed tile
-/// ([`transpose_keys`]), each logits row TILE_KEYS f32.
+/// As [`attend`]: `queries` holds the rows of d, `keys` the transposed tile
+/// ([`transpose_keys`]), the state's arrays the rows.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
-unsafe fn logits(
+unsafe fn probabilities(
     queries: *const u16,
-    heads: usize,
+    rows: Range<usize>,
     d: usize,
     keys: *const u16,
     count: usize,
-    out: *mut f32,
+    seen: &dyn Fn(usize) -> (usize, usize),
+    state: RowState,
 ) {
     // SAFETY: the caller upholds the contract.
     unsafe {
         let groups = count.div_ceil(W);
-        let mut keep = [0u16; TILE_KEYS / W];
-        for (g, mask) in keep.iter_mut().enumerate().take(groups) {
-            let valid = (count - g * W).min(W);
-            *mask = ((1u32 << valid) - 1) as u16;
-        }
-        let mut r = 0;
-        while r < heads {
-            let args = (queries.add(r * d), d, keys, &keep, out.add(r * TILE_KEYS));
-            if heads - r >= 4 {
+        let mut r = rows.start;
+        while r < rows.end {
+            let args = (queries, r, d, keys, seen, state);
+            if rows.end - r >= 4 {
                 match groups {
-                    4 => logits_rows::<4, 4>(args),
-                    3 => logits_rows::<4, 3>(args),
-                    2 => logits_rows::<4, 2>(args),
-                    _ => logits_rows::<4, 1>(args),
+                    4 => softmax_rows::<4, 4>(args),
+                    3 => softmax_rows::<4, 3>(args),
+                    2 => softmax_rows::<4, 2>(args),
+                    _ => softmax_rows::<4, 1>(args),
                 }
                 r += 4;
             } else {
                 match groups {
-                    4 => logits_rows::<1, 4>(args),
-                    3 => logits_rows::<1, 3>(args),
-                    2 => logits_rows::<1, 2>(args),
-                    _ => logits_rows::<1, 1>(args),
+                    4 => softmax_rows::<1, 4>(args),
+                    3 => softmax_rows::<1, 3>(args),
+                    2 => softmax_rows::<1, 2>(args),
+                    _ => softmax_rows::<1, 1>(args),
                 }
                 r += 1;
             }
@@ -354,25 +338,31 @@ unsafe fn logits(
     }
 }
 
-/// `H` query rows against `G` groups of 16 keys: per pair of elements one `vdpbf16ps` per (row,
-/// group), the query pair broadcast, the keys' pairs one vector per group.
+/// What [`softmax_rows`] takes: the queries, the first row, d, the transposed keys, each row's
+/// visible keys, the rows' state.
+type SoftmaxRows<'a> = (
+    *const u16,
+    usize,
+    usize,
+    *const u16,
+    &'a dyn Fn(usize) -> (usize, usize),
+    RowState,
+);
+
+/// [`probabilities`] for `H` rows from `first` against `G` groups of 16 keys: per pair of
+/// elements one `vdpbf16ps` per (row, group), the query pair broadcast.
 ///
 /// # Safety
-/// As [`logits`]; `q` holds H rows of d; `out` H rows of TILE_KEYS.
+/// As [`probabilities`].
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
-unsafe fn logits_rows<const H: usize, const G: usize>(
-    (q, d, keys, keep, out): (
-        *const u16,
-        usize,
-        *const u16,
-        &[u16; TILE_KEYS / W],
-        *mut f32,
-    ),
+unsafe fn softmax_rows<const H: usize, const G: usize>(
+    (queries, first, d, keys, seen, state): SoftmaxRows<'_>,
 ) {
     // SAFETY: the caller upholds the contract.
     unsafe {
         let keys = keys.cast::<u32>();
+        let q = queries.add(first * d);
         let mut sums = [[_mm512_setzero_ps(); G]; H];
         for p in 0..d / 2 {
             let mut k = [as_bh(_mm512_setzero_si512()); G];
@@ -387,11 +377,34 @@ unsafe fn logits_rows<const H: usize, const G: usize>(
                 }
             }
         }
-        for (h, row) in sums.iter().enumerate() {
-            for (g, s) in row.iter().enumerate() {
-                let s = _mm512_mask_blend_ps(keep[g], _mm512_set1_ps(f32::NEG_INFINITY), *s);
-                _mm512_storeu_ps(out.add(h * TILE_KEYS + g * W), s);
+        for (h, row) in sums.iter_mut().enumerate() {
+            let r = first + h;
+            let (from, to) = seen(r);
+            let below = |n: usize| if n >= 64 { u64::MAX } else { (1u64 << n) - 1 };
+            let visible = below(to) & !below(from);
+            let mut tile_max = _mm512_set1_ps(f32::NEG_INFINITY);
+            for (g, s) in row.iter_mut().enumerate() {
+                let keep = (visible >> (g * W)) as u16;
+                *s = _mm512_mask_blend_ps(keep, _mm512_set1_ps(f32::NEG_INFINITY), *s);
+                tile_max = _mm512_max_ps(tile_max, *s);
             }
+            let max = *state.running_max.add(r);
+            let new_max = max.max(_mm512_reduce_max_ps(tile_max));
+            // The vector path's polynomial in one lane: libm's expf here cost about a cycle per
+            // (row, key) of a tile.
+            let rescale = fast_exp(max - new_max);
+            let shift = _mm512_set1_ps(new_max);
+            let mut total = _mm512_setzero_ps();
+            for (g, s) in row.iter().enumerate() {
+                let p = exp(_mm512_sub_ps(*s, shift));
+                total = _mm512_add_ps(total, p);
+                let bits = std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(p));
+                _mm256_storeu_si256(state.probs.add(r * TILE_KEYS + g * W).cast(), bits);
+            }
+            let sum = state.running_sum.add(r);
+            *sum = *sum * rescale + _mm512_reduce_add_ps(total);
+            *state.running_max.add(r) = new_max;
+            *state.rescale.add(r) = rescale;
         }
     }
 }
