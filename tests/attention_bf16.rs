@@ -11,21 +11,17 @@
 //! bits: queries, keys, values and probabilities each carry up to 2^-9 relative error; measured
 //! up to about 6e-3). A kernel that paired the wrong keys or columns misses by far more.
 
-use std::ops::Range;
-
 use half::f16;
-use ossterm::kernels::attention::{
-    attend_block, attend_block_bf16_reference, attend_group, AttentionScratch, BlockQuery,
-    GroupQuery, KvHead,
-};
+use ossterm::kernels::attention::attend_block_bf16_reference;
 use ossterm::kernels::Kernels;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+
+mod support;
+use support::attention::{Block, KV_HEADS};
 
 const KERNEL_TOLERANCE: f64 = 3e-3;
 const EXACT_TOLERANCE: f64 = 2e-2;
-const KV_HEADS: usize = 2;
-const HEAD: usize = 1;
 
 /// The kernels with bf16 attention, if this CPU runs it.
 fn bf16_kernels() -> Option<Kernels> {
@@ -34,164 +30,18 @@ fn bf16_kernels() -> Option<Kernels> {
         .find(|k| k.uses_bf16_attention())
 }
 
-struct Block {
-    group: usize,
-    head_dim: usize,
-    tokens: usize,
-    depth: usize,
-    window: Option<usize>,
-    token_stride: usize,
-    keys: Vec<f16>,
-    values: Vec<f16>,
-    queries: Vec<f32>,
-    sinks: Vec<f32>,
+/// A block's f16-exact cache as f16 (keys, values).
+fn f16_cache(block: &Block) -> (Vec<f16>, Vec<f16>) {
+    let halves = |v: &[f32]| v.iter().map(|x| f16::from_f32(*x)).collect();
+    (halves(&block.keys), halves(&block.values))
 }
 
-impl Block {
-    fn random(
-        rng: &mut ChaCha8Rng,
-        (group, head_dim): (usize, usize),
-        tokens: usize,
-        depth: usize,
-        window: Option<usize>,
-    ) -> Self {
-        let rows = depth + tokens;
-        let row_stride = KV_HEADS * head_dim;
-        let token_stride = group * head_dim + 3;
-        let mut cache = |n: usize, spread: f32| -> Vec<f16> {
-            (0..n)
-                .map(|_| f16::from_f32(rng.gen_range(-spread..spread)))
-                .collect()
-        };
-        let keys = cache(rows * row_stride, 1.5);
-        let values = cache(rows * row_stride, 2.0);
-        let mut random = |n: usize, spread: f32| -> Vec<f32> {
-            (0..n).map(|_| rng.gen_range(-spread..spread)).collect()
-        };
-        Self {
-            group,
-            head_dim,
-            tokens,
-            depth,
-            window,
-            token_stride,
-            keys,
-            values,
-            queries: random(tokens * token_stride, 3.0),
-            sinks: random(group, 3.0),
-        }
-    }
-
-    fn visible(&self, t: usize) -> Range<usize> {
-        let position = self.depth + t;
-        let first = self.window.map_or(0, |w| (position + 1).saturating_sub(w));
-        first..position + 1
-    }
-
-    fn query(&self) -> BlockQuery<'_> {
-        BlockQuery {
-            queries: &self.queries,
-            token_stride: self.token_stride,
-            tokens: self.tokens,
-            sinks: &self.sinks,
-            head_dim: self.head_dim,
-            scale: 1.0 / (self.head_dim as f32).sqrt(),
-        }
-    }
-
-    fn kv<'a>(&self, keys: &'a [f16], values: &'a [f16]) -> KvHead<'a, f16> {
-        KvHead {
-            keys,
-            values,
-            row_stride: KV_HEADS * self.head_dim,
-            offset: HEAD * self.head_dim,
-        }
-    }
-
-    fn outputs(&self) -> usize {
-        self.tokens * self.group * self.head_dim
-    }
-
-    fn run_block(&self, k: Kernels, values: &[f16]) -> Vec<f32> {
-        let mut scratch = AttentionScratch::new(self.tokens * self.group, self.head_dim);
-        let mut out = vec![f32::NAN; self.outputs()];
-        let visible = |t: usize| self.visible(t);
-        let kv = self.kv(&self.keys, values);
-        attend_block(k, &self.query(), &kv, &visible, &mut out, &mut scratch).expect("valid");
-        out
-    }
-
-    fn run_tokens(&self, k: Kernels) -> Vec<f32> {
-        let (g, d) = (self.group, self.head_dim);
-        let mut scratch = AttentionScratch::new(g, d);
-        let mut out = vec![0.0; self.outputs()];
-        for (t, out) in out.chunks_exact_mut(g * d).enumerate() {
-            let query = GroupQuery {
-                queries: &self.queries[t * self.token_stride..][..g * d],
-                sinks: &self.sinks,
-                head_dim: d,
-                scale: self.query().scale,
-            };
-            let kv = self.kv(&self.keys, &self.values);
-            attend_group(k, &query, &kv, self.visible(t), out, &mut scratch).expect("valid");
-        }
-        out
-    }
-
-    fn bf16_reference(&self) -> Vec<f32> {
-        let mut out = vec![f32::NAN; self.outputs()];
-        let visible = |t: usize| self.visible(t);
-        let kv = self.kv(&self.keys, &self.values);
-        attend_block_bf16_reference(&self.query(), &kv, &visible, &mut out).expect("valid");
-        out
-    }
-
-    /// Straight from the formula, in f64.
-    fn exact(&self) -> Vec<f64> {
-        let (g, d) = (self.group, self.head_dim);
-        let stride = KV_HEADS * d;
-        let row = |cache: &[f16], j: usize| -> Vec<f64> {
-            cache[j * stride + HEAD * d..][..d]
-                .iter()
-                .map(|x| x.to_f64())
-                .collect()
-        };
-        let mut out = vec![0.0f64; self.outputs()];
-        for t in 0..self.tokens {
-            for h in 0..g {
-                let q = &self.queries[t * self.token_stride + h * d..][..d];
-                let logits: Vec<(usize, f64)> = self
-                    .visible(t)
-                    .map(|j| {
-                        let dot: f64 = q
-                            .iter()
-                            .zip(row(&self.keys, j))
-                            .map(|(a, b)| *a as f64 * b)
-                            .sum();
-                        (j, dot / (d as f64).sqrt())
-                    })
-                    .collect();
-                let sink = self.sinks[h] as f64;
-                let max = logits.iter().fold(sink, |m, (_, l)| m.max(*l));
-                let denominator =
-                    (sink - max).exp() + logits.iter().map(|(_, l)| (l - max).exp()).sum::<f64>();
-                let o = &mut out[(t * g + h) * d..][..d];
-                for (j, l) in &logits {
-                    let weight = (l - max).exp() / denominator;
-                    for (o, v) in o.iter_mut().zip(row(&self.values, *j)) {
-                        *o += weight * v;
-                    }
-                }
-            }
-        }
-        out
-    }
-
-    fn magnitude(&self) -> f64 {
-        self.values
-            .iter()
-            .fold(1e-3f64, |m, v| m.max(v.to_f64().abs()))
-    }
+fn bf16_reference(block: &Block, keys: &[f16], values: &[f16]) -> Vec<f32> {
+    let mut out = vec![f32::NAN; block.tokens * block.group * block.head_dim];
+    let visible = |t: usize| block.visible(t);
+    let kv = block.kv(keys, values);
+    attend_block_bf16_reference(&block.query(), &kv, &visible, &mut out).expect("valid");
+    out
 }
 
 /// The largest difference over `magnitude`.
@@ -247,7 +97,12 @@ fn the_reference_stays_near_the_exact_result() {
     let mut largest = 0.0f64;
     for (shape, tokens, depth, window) in cases() {
         let block = Block::random(&mut rng, shape, tokens, depth, window);
-        let error = worst(&block.bf16_reference(), &block.exact(), block.magnitude());
+        let (keys, values) = f16_cache(&block);
+        let error = worst(
+            &bf16_reference(&block, &keys, &values),
+            &block.reference(),
+            block.magnitude(),
+        );
         largest = largest.max(error);
         assert!(
             error <= EXACT_TOLERANCE,
@@ -268,18 +123,23 @@ fn the_kernel_matches_its_reference_and_is_the_same_alone_as_in_a_block() {
     for (shape, tokens, depth, window) in cases() {
         let block = Block::random(&mut rng, shape, tokens, depth, window);
         let label = format!("{shape:?} {tokens} tokens at {depth}, window {window:?}");
-        let got = block.run_block(k, &block.values);
+        let (keys, values) = f16_cache(&block);
+        let got = block.run_block(k, &keys, &values);
         let magnitude = block.magnitude();
-        let error = worst(&got, &widen(&block.bf16_reference()), magnitude);
+        let error = worst(
+            &got,
+            &widen(&bf16_reference(&block, &keys, &values)),
+            magnitude,
+        );
         to_reference = to_reference.max(error);
         assert!(
             error <= KERNEL_TOLERANCE,
             "{label}: {error:e} from the reference"
         );
-        let error = worst(&got, &block.exact(), magnitude);
+        let error = worst(&got, &block.reference(), magnitude);
         to_exact = to_exact.max(error);
         assert!(error <= EXACT_TOLERANCE, "{label}: {error:e} from exact");
-        let alone = block.run_tokens(k);
+        let alone = block.run_tokens(k, &keys, &values);
         let same = got
             .iter()
             .zip(&alone)
@@ -296,8 +156,9 @@ fn the_kernel_is_not_the_f32_path() {
     };
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     let block = Block::random(&mut rng, (8, 64), 16, 200, None);
-    let bf16 = block.run_block(k, &block.values);
-    let f32_path = block.run_block(k.without_bf16_attention(), &block.values);
+    let (keys, values) = f16_cache(&block);
+    let bf16 = block.run_block(k, &keys, &values);
+    let f32_path = block.run_block(k.without_bf16_attention(), &keys, &values);
     let differ = bf16
         .iter()
         .zip(&f32_path)
@@ -320,13 +181,14 @@ fn value_rows_before_the_window_are_never_read() {
     for window in [7, 8, 33, 64] {
         let block = Block::random(&mut rng, (8, 64), 4, 150, Some(window));
         let first = block.visible(0).start;
-        let mut values = block.values.clone();
+        let (keys, clean_values) = f16_cache(&block);
+        let mut values = clean_values.clone();
         let stride = KV_HEADS * block.head_dim;
         for v in &mut values[..first * stride] {
             *v = f16::NAN;
         }
-        let poisoned = block.run_block(k, &values);
-        let clean = block.run_block(k, &block.values);
+        let poisoned = block.run_block(k, &keys, &values);
+        let clean = block.run_block(k, &keys, &clean_values);
         assert!(
             poisoned
                 .iter()
@@ -344,8 +206,9 @@ fn head_dims_the_path_does_not_take_run_in_f32() {
     };
     let mut rng = ChaCha8Rng::seed_from_u64(4);
     let block = Block::random(&mut rng, (4, 48), 5, 70, None);
-    let got = block.run_block(k, &block.values);
-    let f32_path = block.run_block(k.without_bf16_attention(), &block.values);
+    let (keys, values) = f16_cache(&block);
+    let got = block.run_block(k, &keys, &values);
+    let f32_path = block.run_block(k.without_bf16_attention(), &keys, &values);
     assert!(got
         .iter()
         .zip(&f32_path)

@@ -790,30 +790,8 @@ unsafe fn attend_tiled<P: TilePath, T: KvElem>(
     scratch.running_sum[..tokens * heads].fill(0.0);
     scratch.acc[..tokens * heads * padded].fill(0.0);
 
-    // Both ends of the visible ranges grow with the token, so the tokens that see any key of a
-    // tile are a contiguous run [first, last) that only moves forward.
-    let span = visible(0).start..visible(tokens - 1).end;
-    let (mut first, mut last) = (0, 0);
-    // Tiles start at multiples of TILE_KEYS, whatever the block: which tile a key falls in, and
-    // its lane there, then depend only on its row, so each token's logits, maxima and sums are
-    // reduced in the same order in any block or chunk (and alone, as a decoded token). Keys of a
-    // tile the token does not see get a -inf logit and add exact zeros.
-    let mut start = span.start - span.start % TILE_KEYS;
-    while start < span.end {
-        let count = TILE_KEYS.min(span.end - start);
-        let tile = start..start + count;
-        start += count;
-        while first < tokens && visible(first).end <= tile.start {
-            first += 1;
-        }
-        last = last.max(first);
-        while last < tokens && visible(last).start < tile.end {
-            last += 1;
-        }
-        if first == last {
-            // A gap between windows: no token sees these keys.
-            continue;
-        }
+    for (tile, seeing) in TileWalk::new(tokens, visible) {
+        let (first, last, count) = (seeing.start, seeing.end, tile.len());
         let rows = first * heads..last * heads;
         // Keys are widened SUB_KEYS rows at a time, just before their logits: the staged rows stay
         // in L1 next to the value tile. Each logit is a sum over its own key only, so this
@@ -919,6 +897,62 @@ unsafe fn attend_tiled<P: TilePath, T: KvElem>(
         for (o, a) in out.iter_mut().zip(&scratch.acc[r * padded..]) {
             *o = a * inverse;
         }
+    }
+}
+
+/// The tiles of keys a block's tokens see, in order, with the tokens `first..last` that see any
+/// key of each (gaps between windows, which no token sees, are skipped). Both ends of the
+/// visible ranges grow with the token, so those tokens are a contiguous run that only moves
+/// forward.
+///
+/// Tiles start at multiples of [`TILE_KEYS`], whatever the block: which tile a key falls in, and
+/// its lane there, then depend only on its row, so each token's logits, maxima and sums are
+/// reduced in the same order in any block or chunk (and alone, as a decoded token). Keys of a
+/// tile a token does not see get a -inf logit and add exact zeros.
+struct TileWalk<'a> {
+    visible: &'a dyn Fn(usize) -> Range<usize>,
+    tokens: usize,
+    start: usize,
+    end: usize,
+    first: usize,
+    last: usize,
+}
+
+impl<'a> TileWalk<'a> {
+    /// `tokens` > 0.
+    fn new(tokens: usize, visible: &'a dyn Fn(usize) -> Range<usize>) -> Self {
+        let span = visible(0).start..visible(tokens - 1).end;
+        Self {
+            visible,
+            tokens,
+            start: span.start - span.start % TILE_KEYS,
+            end: span.end,
+            first: 0,
+            last: 0,
+        }
+    }
+}
+
+impl Iterator for TileWalk<'_> {
+    /// (the tile's cache rows, the tokens that see any of them)
+    type Item = (Range<usize>, Range<usize>);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        while self.start < self.end {
+            let tile = self.start..self.start + TILE_KEYS.min(self.end - self.start);
+            self.start = tile.end;
+            while self.first < self.tokens && (self.visible)(self.first).end <= tile.start {
+                self.first += 1;
+            }
+            self.last = self.last.max(self.first);
+            while self.last < self.tokens && (self.visible)(self.last).start < tile.end {
+                self.last += 1;
+            }
+            if self.first < self.last {
+                return Some((tile, self.first..self.last));
+            }
+        }
+        None
     }
 }
 

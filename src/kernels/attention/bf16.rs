@@ -23,7 +23,8 @@ use half::f16;
 
 use super::avx512::exp;
 use super::{
-    fast_exp, prefetch_row_of_next_tile, AttentionScratch, BlockQuery, KvHead, RowLayout, TILE_KEYS,
+    fast_exp, prefetch_row_of_next_tile, AttentionScratch, BlockQuery, KvHead, RowLayout, TileWalk,
+    TILE_KEYS,
 };
 
 /// f32 lanes of a 512-bit vector.
@@ -108,25 +109,9 @@ pub(super) unsafe fn attend(
     scratch.running_sum[..tokens * heads].fill(0.0);
     scratch.acc[..tokens * heads * d].fill(0.0);
 
-    // The tile walk of attend_tiled: tokens seeing a tile are a contiguous run moving forward.
-    let span = visible(0).start..visible(tokens - 1).end;
-    let (mut first, mut last) = (0, 0);
-    let mut start = span.start - span.start % TILE_KEYS;
-    while start < span.end {
-        let count = TILE_KEYS.min(span.end - start);
-        let tile = start..start + count;
-        start += count;
-        while first < tokens && visible(first).end <= tile.start {
-            first += 1;
-        }
-        last = last.max(first);
-        while last < tokens && visible(last).start < tile.end {
-            last += 1;
-        }
-        if first == last {
-            continue;
-        }
-        let rows = first * heads..last * heads;
+    for (tile, seeing) in TileWalk::new(tokens, visible) {
+        let (first, count) = (seeing.start, tile.len());
+        let rows = first * heads..seeing.end * heads;
         let cache_row = |j: usize| kv.keys[j * kv.row_stride + kv.offset..][..d].as_ptr();
         // SAFETY: rows of the tile lie inside the cache (checked by the caller); the transposed
         // tile holds d/2 x TILE_KEYS pairs (the f32 key tile is TILE_KEYS x padded >= d f32).
