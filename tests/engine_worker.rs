@@ -244,7 +244,7 @@ impl ModelBackend for ToyModel {
         requested
     }
 
-    fn kernel_path(&self) -> String {
+    fn kernel_path(&self, _: ActivationFormat, _: KvCacheType) -> String {
         "scalar".to_string()
     }
 }

@@ -663,3 +663,30 @@ fn two_stage_unembedding_stays_within_its_measured_accuracy() {
         assert!(kl <= mean_kl, "{candidates:?}: {kl}");
     }
 }
+
+#[test]
+fn the_engine_names_bf16_attention_where_a_session_runs_it() {
+    use ossterm::engine::worker::ModelBackend;
+    let dir = golden_dirs()
+        .into_iter()
+        .find(|dir| dir.ends_with("small_wide"))
+        .expect("the small_wide fixture");
+    let model = Model::load(&dir, &LoadOptions::default()).unwrap();
+    assert_eq!(
+        model.config.head_dim, 64,
+        "a head size the bf16 kernel takes"
+    );
+    let path = model.kernels.path().name().to_string();
+    let label = |activations, kv| ModelBackend::kernel_path(&model, activations, kv);
+    let expected = if model.kernels.uses_bf16_attention() {
+        format!("{path}+bf16")
+    } else {
+        path.clone()
+    };
+    assert_eq!(label(ActivationFormat::Mixed, KvFormat::F16), expected);
+    assert_eq!(label(ActivationFormat::Q8, KvFormat::F16), expected);
+    // The precise activations and the f32 and int8 caches keep f32 attention.
+    assert_eq!(label(ActivationFormat::Q8x2, KvFormat::F16), path);
+    assert_eq!(label(ActivationFormat::Mixed, KvFormat::F32), path);
+    assert_eq!(label(ActivationFormat::Mixed, KvFormat::Q8), path);
+}

@@ -98,8 +98,9 @@ pub trait ModelBackend: Send + Sync + 'static {
     /// supports one type only answers that one, and the settings then show it).
     fn effective_kv_cache(&self, requested: KvCacheType) -> KvCacheType;
 
-    /// The SIMD path the kernels picked ("avx512", "avx2" or "scalar").
-    fn kernel_path(&self) -> String;
+    /// The SIMD path the kernels picked ("avx512", "avx2" or "scalar"), with "+bf16" where a
+    /// session of these activations and cache runs attention on bf16 dot products.
+    fn kernel_path(&self, activations: ActivationFormat, kv_cache: KvCacheType) -> String;
 }
 
 /// Harmony rendering and parsing (implemented over `chat`).
@@ -459,7 +460,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
         let _ = events.send(Event::Ready(EngineInfo {
             model_label,
             random_weights,
-            kernel_path: model.kernel_path(),
+            kernel_path: model.kernel_path(effective.activations, effective.kv_cache),
             settings: effective.clone(),
         }));
         let mut worker = Worker {
@@ -862,7 +863,9 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
             turn_hits: CacheHits::default(),
             session_hits: self.session_hits,
             threads: self.pool.current_num_threads(),
-            kernel_path: self.model.kernel_path(),
+            kernel_path: self
+                .model
+                .kernel_path(self.session.activations(), self.settings.kv_cache),
             weight_format: self.model.weight_format(),
             unembedding: self.model.unembedding(),
             activations: self.session.activations(),
@@ -971,9 +974,12 @@ impl ModelBackend for crate::model::Model {
         }
     }
 
-    fn kernel_path(&self) -> String {
+    fn kernel_path(&self, activations: ActivationFormat, kv_cache: KvCacheType) -> String {
         match self.precision {
             crate::model::Precision::Exact => "portable".to_string(),
+            crate::model::Precision::Fast if self.bf16_attention_with(activations, kv_cache) => {
+                format!("{}+bf16", self.kernels.path().name())
+            }
             crate::model::Precision::Fast => self.kernels.path().name().to_string(),
         }
     }

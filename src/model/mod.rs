@@ -425,10 +425,15 @@ impl Model {
     /// CPU, over the default f16 cache, unless the activations are `q8x2` (the precise setting
     /// keeps f32 attention).
     pub fn uses_bf16_attention(&self) -> bool {
+        self.bf16_attention_with(self.activations, self.kv_format)
+    }
+
+    /// Whether a session with these activations and cache runs attention on bf16 dot products.
+    pub fn bf16_attention_with(&self, activations: ActivationFormat, kv: KvFormat) -> bool {
         self.fast.is_some()
             && self.kernels.uses_bf16_attention()
-            && self.kv_format == KvFormat::F16
-            && self.activations != ActivationFormat::Q8x2
+            && kv == KvFormat::F16
+            && activations != ActivationFormat::Q8x2
             && self.config.head_dim.is_multiple_of(32)
     }
 
