@@ -151,8 +151,8 @@ pub(super) unsafe fn attend(
         let value_row = |j: usize| kv.values[j * kv.row_stride + kv.offset..][..d].as_ptr();
         // SAFETY: value rows skip..count of the tile lie inside the cache; `value_pairs` holds
         // TILE_KEYS / 2 pairs of 2d bf16 (the f32 value tile is TILE_KEYS x padded >= d f32);
-        // probabilities are read up to count rounded up to 16, which softmax wrote (zeros past
-        // count), inside each row of TILE_KEYS.
+        // probabilities are read up to count rounded up to 16, which `probabilities` wrote
+        // (zeros past count), inside each row of TILE_KEYS.
         unsafe {
             let interleave = _mm512_set_epi16(
                 31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5,
