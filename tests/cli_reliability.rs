@@ -550,3 +550,67 @@ fn synth_on_a_full_disk_leaves_nothing_and_says_why() {
     assert!(out.join("model.safetensors.index.json").is_file());
     assert!(out.join("config.json").is_file());
 }
+
+#[test]
+fn bench_profile_splits_a_short_prompts_prefill_by_phase() {
+    let output = run(&[
+        "bench",
+        "--synthetic",
+        "tiny",
+        "--threads",
+        "2",
+        "--profile",
+        "--gen-tokens",
+        "4",
+        "--repeat",
+        "5",
+    ]);
+    assert_no_panic("bench --profile", &output);
+    assert!(output.status.success(), "{}", stderr_of(&output));
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let mut lines = stdout.lines().skip_while(|line| {
+        !line.starts_with("prefill of a 58-token prompt on a fresh cache, 5 rounds")
+    });
+    let header = lines
+        .next()
+        .unwrap_or_else(|| panic!("no prefill profile in\n{stdout}"));
+    let mean: f64 = header
+        .split("mean ")
+        .nth(1)
+        .and_then(|rest| rest.split(" ms").next())
+        .and_then(|number| number.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no mean in {header:?}"));
+    let phases: Vec<(String, f64)> = lines
+        .take(5)
+        .map(|line| {
+            let mut words = line.split_whitespace();
+            let name = words.next().unwrap_or_default().to_string();
+            let ms = words
+                .next()
+                .and_then(|w| w.parse().ok())
+                .unwrap_or(f64::NAN);
+            (name, ms)
+        })
+        .collect();
+    let names: Vec<&str> = phases.iter().map(|(name, _)| name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "attention",
+            "experts",
+            "unembedding",
+            "quantization",
+            "rest"
+        ],
+        "{stdout}"
+    );
+    let inside: f64 = phases.iter().map(|(_, ms)| ms).sum();
+    // The phases are timed inside each prefill; printed to 0.1 ms, they cannot exceed the mean
+    // prefill by more than the rounding, and the products must have taken some time.
+    assert!(mean > 0.0, "{stdout}");
+    assert!(
+        inside <= mean + 0.3,
+        "{inside} ms of phases in a {mean} ms prefill\n{stdout}"
+    );
+    assert!(phases[0].1 + phases[1].1 > 0.0, "{stdout}");
+}

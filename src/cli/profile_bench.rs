@@ -1,7 +1,9 @@
 //! `ossterm bench --profile`: what the engine view's counters cost, and what they show. Decodes
 //! the same tokens from the same context with the decode phase timers on and off, alternating
 //! which goes first in each round, and compares the medians; then prints where a decode step's
-//! time went and the step's memory traffic against the machine's read bandwidth.
+//! time went and the step's memory traffic against the machine's read bandwidth; last, a short
+//! prompt's prefill on a fresh cache, phase by phase (where a short turn's time to first token
+//! goes).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -151,7 +153,65 @@ pub fn run(
         bytes as f64 / 1e9,
         used / bandwidth * 100.0
     )?;
+    write_prefill_phases(&mut out, model, pool, rounds)?;
     out.flush()?;
+    Ok(())
+}
+
+/// Tokens of the short prompt whose prefill is timed phase by phase: the shortest standard
+/// prompt's length (the TTFT the goal names).
+const SHORT_PROMPT_TOKENS: usize = 58;
+
+/// A short prompt prefilled `rounds` times on a fresh cache with the phase timers on: where the
+/// time to first token of a short turn goes.
+fn write_prefill_phases(
+    out: &mut output::Out,
+    model: &Arc<Model>,
+    pool: &Arc<rayon::ThreadPool>,
+    rounds: usize,
+) -> anyhow::Result<()> {
+    let vocab = model.config.vocab_size;
+    let prompt: Vec<u32> = (0..SHORT_PROMPT_TOKENS)
+        .map(|i| ((i * 7919 + 101) % vocab) as u32)
+        .collect();
+    let mut session = model.new_session(pool, SHORT_PROMPT_TOKENS + 1);
+    let profile = session.profile();
+    session.set_profile_prefill_timing(true);
+    let (mut times, mut shown, mut taken) = (
+        Vec::new(),
+        ProfileCounts::default(),
+        ProfileCounts::default(),
+    );
+    pool.install(|| -> anyhow::Result<()> {
+        for round in 0..rounds {
+            output::note!("prefill round {} of {rounds}", round + 1);
+            session.truncate(0);
+            let started = Instant::now();
+            session.prefill(&prompt)?;
+            times.push(started.elapsed().as_secs_f64() * 1e3);
+            if let Ok(mut counts) = profile.lock() {
+                counts.take_into(&mut taken);
+            }
+            accumulate(&mut shown, &taken);
+        }
+        Ok(())
+    })?;
+    let steps = shown.steps.max(1) as f64;
+    let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
+    writeln!(
+        out,
+        "prefill of a {SHORT_PROMPT_TOKENS}-token prompt on a fresh cache, {rounds} rounds: median {:.1} ms, mean {mean:.1} ms, of which:",
+        Summary::of(&times).median
+    )?;
+    for phase in Phase::ALL {
+        let ms = shown.nanos[phase as usize] as f64 / steps / 1e6;
+        writeln!(
+            out,
+            "  {:<13}{ms:8.1} ms  {:5.1}%",
+            phase.name(),
+            ms / mean * 100.0
+        )?;
+    }
     Ok(())
 }
 

@@ -52,6 +52,9 @@ pub type PhaseNanos = [u64; 5];
 pub struct PassProfile {
     /// Whether decode steps time their phases (routing is counted either way).
     timing: bool,
+    /// Whether passes of several rows per sequence (prefill) are timed too (`bench --profile`
+    /// times a short prompt's prefill this way; the engine view's figures are decode steps).
+    time_prefill: bool,
     /// The phase running since the instant, while a timed pass runs.
     current: Option<(Phase, Instant)>,
     /// Time per phase of the timed passes since the last fold.
@@ -72,6 +75,7 @@ impl PassProfile {
     pub fn new(layers: usize, experts: usize) -> PassProfile {
         PassProfile {
             timing: true,
+            time_prefill: false,
             current: None,
             nanos: [0; 5],
             steps: 0,
@@ -86,7 +90,7 @@ impl PassProfile {
     /// sequence) is timed from here, phase by phase, when timing is on.
     pub fn begin(&mut self, rows: usize, steps: usize, phase: Phase) {
         self.tokens += rows as u64;
-        if self.timing && rows == steps {
+        if self.timing && (rows == steps || self.time_prefill) {
             self.current = Some((phase, Instant::now()));
         }
     }
@@ -129,6 +133,10 @@ impl PassProfile {
 
     pub fn set_timing(&mut self, on: bool) {
         self.timing = on;
+    }
+
+    pub fn set_prefill_timing(&mut self, on: bool) {
+        self.time_prefill = on;
     }
 
     /// Adds this recording to `shared` and starts over (no allocation: both arrays exist).

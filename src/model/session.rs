@@ -207,6 +207,11 @@ impl Session {
         self.scratch.profile().set_timing(on);
     }
 
+    /// Times prefill passes too, phase by phase, each counted as one step (`bench --profile`).
+    pub fn set_profile_prefill_timing(&mut self, on: bool) {
+        self.scratch.profile().set_prefill_timing(on);
+    }
+
     /// Adds what the scratch recorded to the shared figures, unless their reader holds them just
     /// now (then the next call adds both).
     fn fold_profile(&mut self) {
