@@ -2,8 +2,9 @@
 //! the SIMD kernel against its plain reference (`attend_block_bf16_reference`) and both against
 //! an f64 reference, over ragged blocks (depths off the tile, causal ends inside a tile, windows
 //! whose edges split a pair of keys, blocks of 1-17 tokens); every token bit for bit the same
-//! alone as in its block; value rows before the window never read; head dims the path does not
-//! take run the f32 path exactly.
+//! alone as in its block; head dims the path does not take run the f32 path exactly. Chunked
+//! prefill and rows before the window (NaN, never read) are tests/attention_block.rs's, which
+//! run on these kernels too.
 //!
 //! Tolerances (of the largest |value| in the cache): the kernel within 3e-3 of its reference
 //! (probabilities are rounded to bf16 against each tile's running maximum rather than the
@@ -18,7 +19,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 mod support;
-use support::attention::{Block, KV_HEADS};
+use support::attention::Block;
 
 const KERNEL_TOLERANCE: f64 = 3e-3;
 const EXACT_TOLERANCE: f64 = 2e-2;
@@ -169,34 +170,6 @@ fn the_kernel_is_not_the_f32_path() {
         "only {differ} of {} outputs differ",
         bf16.len()
     );
-}
-
-#[test]
-fn value_rows_before_the_window_are_never_read() {
-    let Some(k) = bf16_kernels() else {
-        return;
-    };
-    let mut rng = ChaCha8Rng::seed_from_u64(9);
-    // Windows starting at odd and even rows, so the first pair of keys is split or whole.
-    for window in [7, 8, 33, 64] {
-        let block = Block::random(&mut rng, (8, 64), 4, 150, Some(window));
-        let first = block.visible(0).start;
-        let (keys, clean_values) = f16_cache(&block);
-        let mut values = clean_values.clone();
-        let stride = KV_HEADS * block.head_dim;
-        for v in &mut values[..first * stride] {
-            *v = f16::NAN;
-        }
-        let poisoned = block.run_block(k, &keys, &values);
-        let clean = block.run_block(k, &keys, &clean_values);
-        assert!(
-            poisoned
-                .iter()
-                .zip(&clean)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "window {window}: rows before the window changed the result"
-        );
-    }
 }
 
 #[test]

@@ -4,7 +4,8 @@
 //! multiples of the tile, causal ends inside a tile, sliding windows whose edges cross tiles and
 //! windows narrower than the block (tiles nobody sees), head dims that need padding, and query
 //! rows further apart than a group. Then a sequence prefilled in different chunks (bit for bit),
-//! NaN rows before the window that must not be read, and the shape errors.
+//! NaN rows before the window that must not be read (both also on the bf16 dot products, where
+//! the CPU runs them), and the shape errors.
 //!
 //! Tolerance (tests/support/attention.rs): 2e-6 of the largest |value| in the cache.
 
@@ -17,7 +18,9 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 mod support;
-use support::attention::{assert_close, f32_attention_kernels, widen, Block, KV_HEADS};
+use support::attention::{
+    assert_close, every_attention_kernel, f32_attention_kernels, widen, Block, KV_HEADS,
+};
 
 fn check(block: &Block, label: &str) {
     let want = block.reference();
@@ -187,8 +190,9 @@ fn chunking_never_changes_a_bit() {
         let block = Block::random(&mut rng, shape, len, 0, window);
         let halves: Vec<f16> = block.keys.iter().map(|x| f16::from_f32(*x)).collect();
         let value_halves: Vec<f16> = block.values.iter().map(|x| f16::from_f32(*x)).collect();
-        for k in f32_attention_kernels() {
-            let label = format!("{shape:?} window {window:?} {}", k.path());
+        for k in every_attention_kernel() {
+            let bf16 = if k.uses_bf16_attention() { " bf16" } else { "" };
+            let label = format!("{shape:?} window {window:?} {}{bf16}", k.path());
             let f32_cache = (&block.keys[..], &block.values[..]);
             let f16_cache = (&halves[..], &value_halves[..]);
             let whole = prefill_in_chunks(k, &block, f32_cache, &[len]);
@@ -230,8 +234,12 @@ fn rows_before_the_window_are_never_read() {
         poisoned.0[..first * row_stride].fill(f32::NAN);
         poisoned.1[..first * row_stride].fill(f32::NAN);
         let halves = |v: &[f32]| -> Vec<f16> { v.iter().map(|x| f16::from_f32(*x)).collect() };
-        for k in f32_attention_kernels() {
-            let label = format!("depth {depth} tokens {tokens} window {window} {}", k.path());
+        for k in every_attention_kernel() {
+            let bf16 = if k.uses_bf16_attention() { " bf16" } else { "" };
+            let label = format!(
+                "depth {depth} tokens {tokens} window {window} {}{bf16}",
+                k.path()
+            );
             let clean = block.run_block(k, &block.keys, &block.values);
             let got = block.run_block(k, &poisoned.0, &poisoned.1);
             assert_same_bits(&format!("{label} f32"), &got, &clean, "finite rows");

@@ -605,7 +605,7 @@ fn bench_profile_splits_a_short_prompts_prefill_by_phase() {
         "{stdout}"
     );
     let inside: f64 = phases.iter().map(|(_, ms)| ms).sum();
-    // The phases are timed inside each prefill; printed to 0.1 ms, they cannot exceed the mean
+    // The phases are timed inside each prefill; printed to 0.01 ms, they cannot exceed the mean
     // prefill by more than the rounding, and the products must have taken some time.
     assert!(mean > 0.0, "{stdout}");
     assert!(
@@ -613,4 +613,31 @@ fn bench_profile_splits_a_short_prompts_prefill_by_phase() {
         "{inside} ms of phases in a {mean} ms prefill\n{stdout}"
     );
     assert!(phases[0].1 + phases[1].1 > 0.0, "{stdout}");
+}
+
+#[test]
+fn a_bad_choice_for_a_model_flag_names_the_values_on_every_command() {
+    for command in ["run", "bench", "logits", "generate", "serve"] {
+        for (flag, bad, values) in [
+            ("--unembedding", "two_stage", "full, two-stage"),
+            ("--activations", "q16", "q8, mixed, q8x2"),
+            ("--weights", "q2", "native, q8, q4"),
+            ("--kv-cache", "bf16", "f16, f32, q8"),
+        ] {
+            let output = run(&[command, flag, bad]);
+            let what = format!("{command} {flag} {bad}");
+            assert_no_panic(&what, &output);
+            assert_eq!(
+                output.status.code(),
+                Some(2),
+                "{what}: {}",
+                stderr_of(&output)
+            );
+            let stderr = stderr_of(&output);
+            assert!(
+                stderr.contains(&format!("invalid value '{bad}'")) && stderr.contains(values),
+                "{what}: {stderr}"
+            );
+        }
+    }
 }

@@ -119,22 +119,9 @@ pub fn run(
         "decode step {step_ms:.2} ms (mean of the timed runs), of which the forward pass {:.2} ms:",
         inside as f64 / steps / 1e6
     )?;
-    for phase in Phase::ALL {
-        let ms = shown.nanos[phase as usize] as f64 / steps / 1e6;
-        writeln!(
-            out,
-            "  {:<13}{ms:8.2} ms  {:5.1}%",
-            phase.name(),
-            ms / step_ms * 100.0
-        )?;
-    }
+    write_phases(&mut out, &shown, step_ms)?;
     let outside = (step_ms - inside as f64 / steps / 1e6).max(0.0);
-    writeln!(
-        out,
-        "  {:<13}{outside:8.2} ms  {:5.1}%",
-        "outside",
-        outside / step_ms * 100.0
-    )?;
+    write_share(&mut out, "outside", outside, step_ms)?;
     // Every decoded token of both halves of every round went through the team.
     let tokens = (2 * rounds * gen_tokens).max(1) as f64;
     writeln!(
@@ -191,28 +178,42 @@ fn write_prefill_phases(
             times.push(started.elapsed().as_secs_f64() * 1e3);
             if let Ok(mut counts) = profile.lock() {
                 counts.take_into(&mut taken);
+                accumulate(&mut shown, &taken);
             }
-            accumulate(&mut shown, &taken);
         }
         Ok(())
     })?;
-    let steps = shown.steps.max(1) as f64;
     let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
     writeln!(
         out,
         "prefill of a {SHORT_PROMPT_TOKENS}-token prompt on a fresh cache, {rounds} rounds: median {:.1} ms, mean {mean:.1} ms, of which:",
         Summary::of(&times).median
     )?;
+    write_phases(out, &shown, mean)?;
+    Ok(())
+}
+
+/// Each phase's mean time per timed pass of `counts`, and its share of a pass of `of_ms`.
+fn write_phases(
+    out: &mut output::Out,
+    counts: &ProfileCounts,
+    of_ms: f64,
+) -> Result<(), output::OutputError> {
+    let steps = counts.steps.max(1) as f64;
     for phase in Phase::ALL {
-        let ms = shown.nanos[phase as usize] as f64 / steps / 1e6;
-        writeln!(
-            out,
-            "  {:<13}{ms:8.1} ms  {:5.1}%",
-            phase.name(),
-            ms / mean * 100.0
-        )?;
+        let ms = counts.nanos[phase as usize] as f64 / steps / 1e6;
+        write_share(out, phase.name(), ms, of_ms)?;
     }
     Ok(())
+}
+
+fn write_share(
+    out: &mut output::Out,
+    name: &str,
+    ms: f64,
+    of_ms: f64,
+) -> Result<(), output::OutputError> {
+    writeln!(out, "  {name:<13}{ms:8.2} ms  {:5.1}%", ms / of_ms * 100.0)
 }
 
 fn accumulate(total: &mut ProfileCounts, part: &ProfileCounts) {

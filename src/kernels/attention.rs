@@ -31,6 +31,10 @@
 //! The scalar path is the straightforward reference: token by token, one key at a time, online
 //! softmax with `f32::exp`.
 //!
+//! Where the CPU issues AVX-512 BF16's `vdpbf16ps` as fast as an FMA ([`runs_bf16`]), attention
+//! over an f16 cache takes the same tiles on bf16 dot products instead (`bf16.rs`, with the
+//! scalar statement of its arithmetic in [`attend_block_bf16_reference`]).
+//!
 //! Everything is single-threaded and allocation-free; [`AttentionScratch`] holds the buffers.
 
 use std::ops::Range;
@@ -543,6 +547,15 @@ fn check_block<T>(
     Ok(())
 }
 
+/// Whether attention of this head size over an f16 cache runs on bf16 dot products with these
+/// kernels (f32 and int8 caches always run in f32): the one place that decides.
+pub fn runs_bf16(k: Kernels, head_dim: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return k.uses_bf16_attention() && bf16::takes(head_dim);
+    #[cfg(not(target_arch = "x86_64"))]
+    return false;
+}
+
 /// [`attend_block`] after its checks.
 fn attend_checked<T: KvElem>(
     k: Kernels,
@@ -556,7 +569,7 @@ fn attend_checked<T: KvElem>(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if k.uses_bf16_attention() && bf16::takes(query.head_dim) {
+    if runs_bf16(k, query.head_dim) {
         if let (Some(keys), Some(values)) = (T::as_f16(kv.keys), T::as_f16(kv.values)) {
             let kv = KvHead {
                 keys,

@@ -422,7 +422,8 @@ pub struct Kernels {
     /// The AVX-512 MXFP4 GEMV decodes nibbles with `vpermb` (AVX-512 VBMI, detected at run time).
     vbmi: bool,
     /// Attention over an f16 cache takes bf16 dot products (AVX-512 BF16, where a probe at start
-    /// finds `vdpbf16ps` issuing about as fast as an f32 FMA: twice the multiply-adds).
+    /// finds `vdpbf16ps` issuing about as fast as an f32 FMA: twice the multiply-adds; see
+    /// [`attention::runs_bf16`]).
     bf16_attention: bool,
 }
 
@@ -456,8 +457,8 @@ impl Kernels {
     }
 
     /// The same kernels with f32 attention arithmetic: what a CPU without AVX-512 BF16 runs, and
-    /// the precision of the f32 and q8 caches (tests compare the two; `bench --kernels` times
-    /// both).
+    /// what `q8x2` activations keep (tests compare the two; the attention benchmark,
+    /// `cargo test --release --test attention -- --ignored --nocapture`, times both).
     pub fn without_bf16_attention(self) -> Self {
         Self {
             bf16_attention: false,

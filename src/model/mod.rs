@@ -430,11 +430,10 @@ impl Model {
 
     /// Whether a session with these activations and cache runs attention on bf16 dot products.
     pub fn bf16_attention_with(&self, activations: ActivationFormat, kv: KvFormat) -> bool {
+        let kernels = activations.attention_kernels(self.kernels);
         self.fast.is_some()
-            && self.kernels.uses_bf16_attention()
             && kv == KvFormat::F16
-            && activations != ActivationFormat::Q8x2
-            && self.config.head_dim.is_multiple_of(32)
+            && crate::kernels::attention::runs_bf16(kernels, self.config.head_dim)
     }
 
     /// A short description of the weight formats, for the UI and the benchmark.
@@ -442,22 +441,23 @@ impl Model {
         match &self.fast {
             None => "bf16 (exact)".into(),
             Some(fast) => {
-                format!(
-                    "experts mxfp4 x {} activations, rest {}{}",
-                    self.activations.name(),
-                    fast.format.name(),
-                    match &fast.draft {
-                        Some(draft) => format!(
-                            ", unembedding two-stage (q4 draft, {} candidates)",
-                            draft.candidates
-                        ),
-                        None => String::new(),
-                    },
-                ) + if self.uses_bf16_attention() {
+                let draft = match &fast.draft {
+                    Some(draft) => format!(
+                        ", unembedding two-stage (q4 draft, {} candidates)",
+                        draft.candidates
+                    ),
+                    None => String::new(),
+                };
+                let attention = if self.uses_bf16_attention() {
                     ", attention on bf16 dot products"
                 } else {
                     ""
-                }
+                };
+                format!(
+                    "experts mxfp4 x {} activations, rest {}{draft}{attention}",
+                    self.activations.name(),
+                    fast.format.name(),
+                )
             }
         }
     }

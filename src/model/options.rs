@@ -75,6 +75,16 @@ pub enum ActivationFormat {
 crate::choice::impl_choice!(ActivationFormat { Q8 => "q8", Mixed => "mixed", Q8x2 => "q8x2" });
 
 impl ActivationFormat {
+    /// The kernels attention runs on with these activations: `q8x2`, the precise setting, keeps
+    /// f32 attention (its ~15-bit products would otherwise meet 8-bit attention); the others take
+    /// bf16 dot products where the kernels do ([`crate::kernels::attention::runs_bf16`]).
+    pub fn attention_kernels(self, kernels: crate::kernels::Kernels) -> crate::kernels::Kernels {
+        match self {
+            ActivationFormat::Q8x2 => kernels.without_bf16_attention(),
+            ActivationFormat::Q8 | ActivationFormat::Mixed => kernels,
+        }
+    }
+
     pub fn split(self, product: Product) -> Split {
         match (self, product) {
             (ActivationFormat::Q8, _) => Split::Single,

@@ -33,6 +33,18 @@ pub fn widen(v: &[f32]) -> Vec<f64> {
     v.iter().map(|x| *x as f64).collect()
 }
 
+/// Every path this CPU runs, each with both attention arithmetics where it has bf16: what the
+/// bit-for-bit tests hold (a kernel against itself: chunking, rows that must not be read).
+pub fn every_attention_kernel() -> Vec<ossterm::kernels::Kernels> {
+    let mut all = f32_attention_kernels();
+    all.extend(
+        ossterm::kernels::Kernels::all_supported()
+            .into_iter()
+            .filter(|k| k.uses_bf16_attention()),
+    );
+    all
+}
+
 /// Every path this CPU runs, with f32 attention arithmetic: what the 2e-6 tolerance holds
 /// (the bf16 dot products have their own tests and tolerances, tests/attention_bf16.rs).
 pub fn f32_attention_kernels() -> Vec<ossterm::kernels::Kernels> {

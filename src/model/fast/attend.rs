@@ -15,7 +15,6 @@ use crate::kernels::Kernels;
 use crate::model::config::ModelConfig;
 use crate::model::kv::{widen_q8_rows, KvElement, LayerKv, LayerKvQ8};
 use crate::model::ops::{attention_scale, visible_keys};
-use crate::model::options::ActivationFormat;
 use crate::model::team::parallel_for;
 use crate::model::weights::Layer;
 
@@ -134,23 +133,9 @@ impl FastPass<'_> {
                 row_stride: hd,
                 offset: 0,
             };
-            let k = self.attention_kernels();
+            let k = self.activations.attention_kernels(self.kernels);
             attend_tokens(k, c, layer, (start, 0), block, kv_head, q, &head, shared);
         });
-    }
-}
-
-impl FastPass<'_> {
-    /// The kernels attention runs on: bf16 dot products where the CPU pays for them
-    /// ([`Kernels::uses_bf16_attention`]), except with `q8x2` activations, the precise setting,
-    /// whose ~15-bit products would otherwise meet 8-bit attention. (On the int8 cache the rows
-    /// are staged in f32 and attention is f32 either way.)
-    fn attention_kernels(&self) -> Kernels {
-        if self.activations == ActivationFormat::Q8x2 {
-            self.kernels.without_bf16_attention()
-        } else {
-            self.kernels
-        }
     }
 }
 
