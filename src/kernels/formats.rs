@@ -353,6 +353,7 @@ pub(super) fn quantize_activation_rows(
     x: &[f32],
     cols: usize,
     out: &mut Q8Activations,
+    parallel: bool,
 ) -> Result<(), KernelError> {
     check_block_cols("activation row", cols)?;
     if !x.len().is_multiple_of(cols) {
@@ -366,7 +367,7 @@ pub(super) fn quantize_activation_rows(
     out.resize(rows, cols);
     let (quant_stride, lane_stride) = (out.groups * GROUP_LEN, out.groups * GROUP_LANES);
     let q = &mut *out;
-    if rows < PARALLEL_QUANTIZE_ROWS {
+    if rows < PARALLEL_QUANTIZE_ROWS || !parallel {
         kernels.quantize_rows(
             x,
             cols,

@@ -524,7 +524,18 @@ impl Kernels {
         cols: usize,
         out: &mut Q8Activations,
     ) -> Result<(), KernelError> {
-        formats::quantize_activation_rows(*self, x, cols, out)
+        formats::quantize_activation_rows(*self, x, cols, out, true)
+    }
+
+    /// [`Kernels::quantize_activation_rows`] on the calling thread only, for callers that are
+    /// already one task of a parallel region (the bits are the same either way).
+    pub fn quantize_activation_rows_serial(
+        &self,
+        x: &[f32],
+        cols: usize,
+        out: &mut Q8Activations,
+    ) -> Result<(), KernelError> {
+        formats::quantize_activation_rows(*self, x, cols, out, false)
     }
 
     /// Quantize one token (`x.len()` elements, a multiple of 32) into `out`, reusing its buffers.

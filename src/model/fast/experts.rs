@@ -1,11 +1,12 @@
 //! The routed experts of the fast path: MXFP4 gate_up, the clamped SwiGLU, MXFP4 down, each
 //! expert's output weighted into its tokens' mixture.
 
-use super::jobs::{fold_rows, Job};
+use super::jobs::{quantize_in_task, Job, SharedOut, SharedSlots};
 use super::{FastPass, Scratch, PREFILL_CHUNK};
 use crate::model::ops::{add_bias_rows, add_weighted, swiglu, MAX_EXPERTS_PER_TOKEN};
 use crate::model::options::Product;
 use crate::model::profile::Phase;
+use crate::model::team::parallel_for;
 use crate::model::weights::Layer;
 
 /// Most experts whose products share one parallel region (a group): each has its own input and
@@ -85,7 +86,7 @@ impl FastPass<'_> {
         let jobs: [Job<'_>; GROUP_SLOTS] = std::array::from_fn(|slot| {
             let slot = if slot < count { slot } else { 0 };
             let m = first[slot + 1] - first[slot];
-            let at = per_gate_up * first[slot] * 2 * inter;
+            let at = first[slot] * 2 * inter;
             Job::expert(
                 &layer.gate_up,
                 group[slot],
@@ -93,36 +94,48 @@ impl FastPass<'_> {
                 per_gate_up * m,
                 at,
             )
+            .folded(per_gate_up)
         });
-        let gate_up = &mut s.gate_up[..per_gate_up * total * 2 * inter];
+        let gate_up = &mut s.gate_up[..total * 2 * inter];
         s.work.run(self.kernels, self.team, &jobs[..count], gate_up);
-        for (slot, &expert) in s.group.iter().enumerate() {
-            let (start, m) = (first[slot], first[slot + 1] - first[slot]);
-            let block = &mut s.gate_up[per_gate_up * start * 2 * inter..];
-            fold_rows(block, m, per_gate_up, 2 * inter);
-            let block = &mut block[..m * 2 * inter];
-            add_bias_rows(block, layer.gate_up.bias(expert));
-            let activated = &mut s.activated[start * inter..(start + m) * inter];
-            for (pair, out) in block
-                .chunks_exact(2 * inter)
-                .zip(activated.chunks_exact_mut(inter))
-            {
-                swiglu(c, pair, out);
-            }
-            s.work.quantize(
-                self.kernels,
-                activated,
-                inter,
-                down_split,
-                &mut s.activated_q[slot],
-            );
+        // Each slot's bias, SwiGLU and quantization touch only its own rows, so the slots
+        // run as the tasks of one region: on the leader alone they were a sixth of a short
+        // prompt's prefill, with the other threads waiting.
+        {
+            let gate_up = SharedOut(s.gate_up.as_mut_ptr());
+            let activated = SharedOut(s.activated.as_mut_ptr());
+            let activated_q = SharedSlots(s.activated_q.as_mut_ptr());
+            let (group, kernels) = (&s.group, self.kernels);
+            assert!(total * 2 * inter <= s.gate_up.len());
+            assert!(total * inter <= s.activated.len() && count <= s.activated_q.len());
+            let post = |slot: usize| {
+                let (start, m) = (first[slot], first[slot + 1] - first[slot]);
+                // SAFETY: slot `slot` owns tokens `start..start + m` of the group: those rows of
+                // `gate_up` and `activated` and its own `activated_q` (sizes checked above).
+                let (block, activated, out) = unsafe {
+                    (
+                        gate_up.slice(start * 2 * inter, m * 2 * inter),
+                        activated.slice(start * inter, m * inter),
+                        activated_q.get(slot),
+                    )
+                };
+                add_bias_rows(block, layer.gate_up.bias(group[slot]));
+                for (pair, out) in block
+                    .chunks_exact(2 * inter)
+                    .zip(activated.chunks_exact_mut(inter))
+                {
+                    swiglu(c, pair, out);
+                }
+                quantize_in_task(kernels, activated, inter, down_split, out);
+            };
+            parallel_for(self.team, count, &post);
         }
 
         let activated_q = &s.activated_q;
         let jobs: [Job<'_>; GROUP_SLOTS] = std::array::from_fn(|slot| {
             let slot = if slot < count { slot } else { 0 };
             let m = first[slot + 1] - first[slot];
-            let at = per_down * first[slot] * h;
+            let at = first[slot] * h;
             Job::expert(
                 &layer.down,
                 group[slot],
@@ -130,15 +143,16 @@ impl FastPass<'_> {
                 per_down * m,
                 at,
             )
+            .folded(per_down)
         });
-        let expert_out = &mut s.expert_out[..per_down * total * h];
+        let expert_out = &mut s.expert_out[..total * h];
         s.work
             .run(self.kernels, self.team, &jobs[..count], expert_out);
+        // Each token's outputs are added in expert order (the slots' order).
         for (slot, &expert) in s.group.iter().enumerate() {
             let (start, m) = (first[slot], first[slot + 1] - first[slot]);
-            let block = &mut s.expert_out[per_down * start * h..];
-            fold_rows(block, m, per_down, h);
-            for (y, &(i, weight)) in block[..m * h].chunks_exact_mut(h).zip(&s.routes[expert]) {
+            let block = &mut s.expert_out[start * h..(start + m) * h];
+            for (y, &(i, weight)) in block.chunks_exact_mut(h).zip(&s.routes[expert]) {
                 add_bias_rows(y, layer.down.bias(expert));
                 add_weighted(&mut s.moe_out[i * h..(i + 1) * h], weight, y);
             }
@@ -171,13 +185,11 @@ impl FastPass<'_> {
         let expert_in = &s.expert_in_q;
         let jobs: [Job<'_>; MAX_EXPERTS_PER_TOKEN] = std::array::from_fn(|slot| {
             let (expert, _) = chosen[if slot < count { slot } else { 0 }];
-            let at = slot * per_gate_up * 2 * inter;
-            Job::expert(&layer.gate_up, expert, expert_in, per_gate_up, at)
+            let at = slot * 2 * inter;
+            Job::expert(&layer.gate_up, expert, expert_in, per_gate_up, at).folded(per_gate_up)
         });
-        let gate_up = &mut s.gate_up[..count * per_gate_up * 2 * inter];
+        let gate_up = &mut s.gate_up[..count * 2 * inter];
         s.work.run(self.kernels, self.team, &jobs[..count], gate_up);
-        // Each slot's rows fold into one: slot k ends up at row k.
-        fold_rows(gate_up, count, per_gate_up, 2 * inter);
         for (slot, &(expert, _)) in chosen.iter().enumerate() {
             let gate_up = &mut s.gate_up[slot * 2 * inter..(slot + 1) * 2 * inter];
             add_bias_rows(gate_up, layer.gate_up.bias(expert));
@@ -197,7 +209,7 @@ impl FastPass<'_> {
         let activated_q = &s.activated_q;
         let jobs: [Job<'_>; MAX_EXPERTS_PER_TOKEN] = std::array::from_fn(|slot| {
             let slot = if slot < count { slot } else { 0 };
-            let at = slot * per_down * h;
+            let at = slot * h;
             Job::expert(
                 &layer.down,
                 chosen[slot].0,
@@ -205,11 +217,11 @@ impl FastPass<'_> {
                 per_down,
                 at,
             )
+            .folded(per_down)
         });
-        let expert_out = &mut s.expert_out[..count * per_down * h];
+        let expert_out = &mut s.expert_out[..count * h];
         s.work
             .run(self.kernels, self.team, &jobs[..count], expert_out);
-        fold_rows(expert_out, count, per_down, h);
         for (slot, &(expert, weight)) in chosen.iter().enumerate() {
             let y = &mut s.expert_out[slot * h..(slot + 1) * h];
             add_bias_rows(y, layer.down.bias(expert));
@@ -238,11 +250,10 @@ impl FastPass<'_> {
         s.gathered
             .gather_rows(&s.expert_in_q, &s.route_rows)
             .expect("routed rows are chunk rows");
-        let job = Job::expert(&layer.gate_up, expert, &s.gathered, per_gate_up * m, 0);
-        let gate_up = &mut s.gate_up[..per_gate_up * m * 2 * inter];
+        let job = Job::expert(&layer.gate_up, expert, &s.gathered, per_gate_up * m, 0)
+            .folded(per_gate_up);
+        let gate_up = &mut s.gate_up[..m * 2 * inter];
         s.work.run(self.kernels, self.team, &[job], gate_up);
-        fold_rows(gate_up, m, per_gate_up, 2 * inter);
-        let gate_up = &mut gate_up[..m * 2 * inter];
         add_bias_rows(gate_up, layer.gate_up.bias(expert));
         let activated = &mut s.activated[..m * inter];
         for (pair, out) in gate_up
@@ -255,10 +266,9 @@ impl FastPass<'_> {
         let activated_q = &mut s.activated_q[0];
         s.work
             .quantize(self.kernels, activated, inter, down_split, activated_q);
-        let job = Job::expert(&layer.down, expert, activated_q, per_down * m, 0);
-        let expert_out = &mut s.expert_out[..per_down * m * h];
+        let job = Job::expert(&layer.down, expert, activated_q, per_down * m, 0).folded(per_down);
+        let expert_out = &mut s.expert_out[..m * h];
         s.work.run(self.kernels, self.team, &[job], expert_out);
-        fold_rows(expert_out, m, per_down, h);
         for (y, &(i, weight)) in expert_out.chunks_exact_mut(h).zip(routes) {
             add_bias_rows(y, layer.down.bias(expert));
             add_weighted(&mut s.moe_out[i * h..(i + 1) * h], weight, y);

@@ -48,6 +48,8 @@ pub struct Job<'a> {
     pub plain: &'a [f32],
     /// Activation rows: tokens, or tokens x quantized rows per token.
     pub tokens: usize,
+    /// Consecutive activation rows summed into one output row (a token's split rows).
+    pub parts: usize,
     pub out_offset: usize,
 }
 
@@ -66,6 +68,7 @@ impl<'a> Job<'a> {
             quantized: w.needs_quantized_input().then_some(quantized),
             plain,
             tokens,
+            parts: 1,
             out_offset,
         }
     }
@@ -83,8 +86,21 @@ impl<'a> Job<'a> {
             quantized: Some(quantized),
             plain: &[],
             tokens,
+            parts: 1,
             out_offset,
         }
+    }
+
+    /// The same job with every `parts` consecutive activation rows (a token's split rows)
+    /// summed into one output row: the output is [tokens / parts x rows].
+    pub fn folded(self, parts: usize) -> Self {
+        debug_assert!(parts >= 1 && self.tokens.is_multiple_of(parts));
+        Job { parts, ..self }
+    }
+
+    /// Output rows: one per token.
+    fn out_rows(&self) -> usize {
+        self.tokens / self.parts
     }
 
     /// A job for exact bf16 rows on f32 activations.
@@ -94,6 +110,7 @@ impl<'a> Job<'a> {
             quantized: None,
             plain,
             tokens,
+            parts: 1,
             out_offset: 0,
         }
     }
@@ -165,7 +182,7 @@ impl Work {
     }
 
     /// Runs `jobs` in one parallel region and leaves each job's token-major output in `out` at
-    /// its `out_offset`.
+    /// its `out_offset`, a token's `parts` rows summed ([`fold_parts`]).
     pub fn run(&mut self, k: Kernels, team: Option<&Team>, jobs: &[Job<'_>], out: &mut [f32]) {
         let tasks = &mut self.tasks;
         tasks.clear();
@@ -217,11 +234,19 @@ impl Work {
                 }
             }
         }
+        let end = jobs
+            .iter()
+            .map(|j| j.out_offset + j.out_rows() * j.weights.rows())
+            .max()
+            .unwrap_or(0);
+        assert!(end <= out.len(), "output sized for every job");
         let pass_in = &self.pass_in;
         let shared = SharedOut(self.blocked.as_mut_ptr());
+        let shared_out = SharedOut(out.as_mut_ptr());
         let run = |task: &RowTask| {
             let job = &jobs[task.job];
-            let len = (task.rows.1 - task.rows.0) * job.tokens;
+            let width = task.rows.1 - task.rows.0;
+            let len = width * job.tokens;
             // SAFETY: see `SharedOut`: this task's block [block_offset, block_offset + len) is its
             // own.
             let block = unsafe { shared.slice(task.block_offset, len) };
@@ -229,39 +254,67 @@ impl Work {
                 &pass_in[task.job * GEMV_PASSES..task.job * GEMV_PASSES + passes]
             });
             run_task(k, job, task.rows.0..task.rows.1, block, passes);
+            // The task puts its [tokens x task rows] block into the job's [tokens x rows]
+            // output itself, a token's parts summed, while the block is in its cache: done
+            // after the region by the leader alone, this kept the other threads waiting.
+            let rows = job.weights.rows();
+            for (t, token) in block.chunks_exact(width * job.parts).enumerate() {
+                let dst = job.out_offset + t * rows + task.rows.0;
+                // SAFETY: the jobs' outputs do not overlap (their callers give each its own
+                // range) and within a job each task owns columns `task.rows` of every token's
+                // row; `end` was checked against the buffer above.
+                let out = unsafe { shared_out.slice(dst, width) };
+                if job.parts == 1 {
+                    out.copy_from_slice(token);
+                } else {
+                    fold_parts(token, job.parts, out);
+                }
+            }
         };
         if inline {
             tasks.iter().for_each(run);
         } else {
             parallel_for(team, tasks.len(), &|i| run(&tasks[i]));
         }
-        // Reorder the [tokens x task rows] blocks into each job's [tokens x rows] output.
-        for task in tasks.iter() {
-            let job = &jobs[task.job];
-            let rows = job.weights.rows();
-            let width = task.rows.1 - task.rows.0;
-            for t in 0..job.tokens {
-                let src = task.block_offset + t * width;
-                let dst = job.out_offset + t * rows + task.rows.0;
-                out[dst..dst + width].copy_from_slice(&self.blocked[src..src + width]);
-            }
-        }
     }
 }
 
-/// Sums each token's `per_token` consecutive output rows (`width` wide) into one, in place: row t
-/// of the result is rows per_token x t .. per_token x (t + 1) of the input.
-pub fn fold_rows(out: &mut [f32], tokens: usize, per_token: usize, width: usize) {
-    if per_token == 1 {
-        return;
-    }
-    for t in 0..tokens {
-        for k in 0..width {
-            let mut sum = 0.0;
-            for part in 0..per_token {
-                sum += out[(per_token * t + part) * width + k];
+thread_local! {
+    /// Each thread's f32 rows of a split quantization done inside a parallel task; grows once,
+    /// to the most rows a task quantizes.
+    static SPLIT_STAGING: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// [`Work::quantize`] for a task of a parallel region: on the calling thread, staging split
+/// rows in a buffer of the thread's own. Same bits as [`Work::quantize`].
+pub fn quantize_in_task(k: Kernels, x: &[f32], cols: usize, split: Split, out: &mut Q8Activations) {
+    let widths = "quantized inputs are a multiple of 32 wide";
+    match split {
+        Split::Single => k
+            .quantize_activation_rows_serial(x, cols, out)
+            .expect(widths),
+        Split::Double => SPLIT_STAGING.with(|staging| {
+            let mut staging = staging.borrow_mut();
+            if staging.len() < 2 * x.len() {
+                staging.resize(2 * x.len(), 0.0);
             }
-            out[t * width + k] = sum;
+            let staged = &mut staging[..2 * x.len()];
+            k.split_rows(x, cols, staged).expect(widths);
+            k.quantize_activation_rows_serial(staged, cols, out)
+                .expect(widths);
+        }),
+    }
+}
+
+/// `out[k]` = the sum of `parts[p * out.len() + k]` over the first `count` parts, added to a
+/// zero in part order (the order every path that sums a token's split rows keeps, so their
+/// bits agree; see the unembedding's candidates).
+fn fold_parts(parts: &[f32], count: usize, out: &mut [f32]) {
+    let width = out.len();
+    out.fill(0.0);
+    for part in parts.chunks_exact(width).take(count) {
+        for (sum, &value) in out.iter_mut().zip(part) {
+            *sum += value;
         }
     }
 }
@@ -299,6 +352,26 @@ impl SharedOut {
     pub unsafe fn slice(&self, offset: usize, len: usize) -> &mut [f32] {
         // SAFETY: guaranteed by the caller, see above.
         unsafe { std::slice::from_raw_parts_mut(self.0.add(offset), len) }
+    }
+}
+
+/// A raw pointer to an array of buffers (one per expert slot) that may cross to pool threads;
+/// each task of a region takes the buffers of its own slots.
+#[derive(Clone, Copy)]
+pub struct SharedSlots<T>(pub *mut T);
+// SAFETY: as `SharedOut`: tasks take disjoint slots, and the array outlives the region.
+unsafe impl<T: Send> Send for SharedSlots<T> {}
+unsafe impl<T: Send> Sync for SharedSlots<T> {}
+
+impl<T> SharedSlots<T> {
+    /// Slot `slot`.
+    ///
+    /// # Safety
+    /// `slot` is inside the array and no other live reference to it exists.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn get(&self, slot: usize) -> &mut T {
+        // SAFETY: guaranteed by the caller, see above.
+        unsafe { &mut *self.0.add(slot) }
     }
 }
 
@@ -410,5 +483,97 @@ fn run_task(
     // Shapes are fixed by the model config and checked at load; a mismatch is a bug, not input.
     if let Err(err) = result {
         panic!("kernel shape mismatch: {err}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use half::f16;
+
+    use super::*;
+    use crate::kernels::{KernelPath, Q8Matrix};
+    use crate::model::team::with_team;
+
+    fn random(state: &mut u64) -> f32 {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        (*state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    }
+
+    fn matrix(rows: usize, cols: usize, state: &mut u64) -> DenseMatrix {
+        let quants: Vec<i8> = (0..rows * cols)
+            .map(|_| (random(state) * 254.0) as i8)
+            .collect();
+        let scales = (0..rows * cols / 32)
+            .map(|_| f16::from_f32(0.01 + random(state).abs() * 0.02))
+            .collect();
+        let m = Q8Matrix::from_parts(rows, cols, &quants, scales).expect("shape");
+        DenseMatrix::Q8(Arc::new(m))
+    }
+
+    /// Folding a token's split rows inside the region's tasks gives the bits of running the
+    /// parts unfolded and summing them from zero in part order, for jobs side by side, inline
+    /// and on a team of two, with more tasks than threads.
+    #[test]
+    fn folded_jobs_match_unfolded_parts_summed_in_order() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let cols = 256;
+        let (a, b) = (matrix(96, cols, &mut state), matrix(160, cols, &mut state));
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("pool");
+        for path in [KernelPath::Scalar, crate::kernels::best_supported_path()] {
+            let k = Kernels::new(path).expect("supported");
+            for (tokens, parts) in [(1, 2), (3, 2), (5, 1), (40, 2)] {
+                let x: Vec<f32> = (0..tokens * parts * cols)
+                    .map(|_| random(&mut state) * 4.0)
+                    .collect();
+                let mut q = Q8Activations::new();
+                k.quantize_activation_rows(&x, cols, &mut q).expect("rows");
+                let rows = tokens * parts;
+                let unfolded_jobs = [
+                    Job::dense(&a, &q, &x, rows, 0),
+                    Job::dense(&b, &q, &x, rows, rows * 96),
+                ];
+                let mut work = Work::new(rows * 256, rows * cols);
+                let mut unfolded = vec![f32::NAN; rows * 256];
+                pool.install(|| work.run(k, None, &unfolded_jobs, &mut unfolded));
+                let mut want = vec![0.0f32; tokens * 256];
+                for (job, (offset, width)) in [(0, 96), (rows * 96, 160)].into_iter().enumerate() {
+                    let out_at = [0, tokens * 96][job];
+                    for t in 0..tokens {
+                        for c in 0..width {
+                            let mut sum = 0.0f32;
+                            for p in 0..parts {
+                                sum += unfolded[offset + (t * parts + p) * width + c];
+                            }
+                            want[out_at + t * width + c] = sum;
+                        }
+                    }
+                }
+                let folded_jobs = [
+                    Job::dense(&a, &q, &x, rows, 0).folded(parts),
+                    Job::dense(&b, &q, &x, rows, tokens * 96).folded(parts),
+                ];
+                let mut alone = vec![f32::NAN; tokens * 256];
+                pool.install(|| work.run(k, None, &folded_jobs, &mut alone));
+                let mut teamed = vec![f32::NAN; tokens * 256];
+                with_team(&pool, |team| {
+                    assert!(team.is_some());
+                    work.run(k, team, &folded_jobs, &mut teamed)
+                });
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&alone), bits(&want), "{path:?} {tokens} x {parts}");
+                assert_eq!(
+                    bits(&teamed),
+                    bits(&want),
+                    "{path:?} {tokens} x {parts}, team"
+                );
+            }
+        }
     }
 }

@@ -26,7 +26,7 @@ use super::team::parallel_for;
 use super::team::Team;
 use super::weights::{Layer, Weights};
 use crate::kernels::{Kernels, Q8Activations};
-use jobs::{fold_rows, Job, SharedOut, Work};
+use jobs::{Job, SharedOut, Work};
 
 /// Tokens per prefill chunk in the fast path: enough that each of 32 experts sees dozens of
 /// tokens, so a decoded weight tile is reused many times.
@@ -527,25 +527,22 @@ impl FastPass<'_> {
             self.rows_per_token(&fast.k),
             self.rows_per_token(&fast.v),
         );
-        let at_k = pq * n * qw;
-        let at_v = at_k + pk * n * kvw;
-        let end = at_v + pv * n * kvw;
+        let at_k = n * qw;
+        let at_v = at_k + n * kvw;
+        let end = at_v + n * kvw;
         let jobs = [
-            Job::dense(&fast.q, xq, x, pq * n, 0),
-            Job::dense(&fast.k, xq, x, pk * n, at_k),
-            Job::dense(&fast.v, xq, x, pv * n, at_v),
+            Job::dense(&fast.q, xq, x, pq * n, 0).folded(pq),
+            Job::dense(&fast.k, xq, x, pk * n, at_k).folded(pk),
+            Job::dense(&fast.v, xq, x, pv * n, at_v).folded(pv),
         ];
         work.run(self.kernels, self.team, &jobs, &mut qkv[..end]);
         let (q, rest) = qkv[..end].split_at_mut(at_k);
         let (k, v) = rest.split_at_mut(at_v - at_k);
-        fold_rows(q, n, pq, qw);
-        fold_rows(k, n, pk, kvw);
-        fold_rows(v, n, pv, kvw);
-        (&mut q[..n * qw], &mut k[..n * kvw], &mut v[..n * kvw])
+        (q, k, v)
     }
 
     /// `out[..n * rows] = W x` for the `n` token rows of `x` (quantized into `xq` first when `w`
-    /// takes int8 input); `out` has room for two rows per token until they are folded.
+    /// takes int8 input), a token's split rows summed.
     #[allow(clippy::too_many_arguments)]
     fn project(
         &self,
@@ -569,9 +566,7 @@ impl FastPass<'_> {
             profile.enter(outer);
         }
         let (per_token, rows) = (self.rows_per_token(w), w.rows());
-        let job = Job::dense(w, xq, x, per_token * n, 0);
-        let out = &mut out[..per_token * n * rows];
-        work.run(self.kernels, self.team, &[job], out);
-        fold_rows(out, n, per_token, rows);
+        let job = Job::dense(w, xq, x, per_token * n, 0).folded(per_token);
+        work.run(self.kernels, self.team, &[job], &mut out[..n * rows]);
     }
 }

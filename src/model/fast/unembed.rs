@@ -191,7 +191,7 @@ fn session_logit(
     if let Err(err) = result {
         panic!("kernel shape mismatch: {err}");
     }
-    // As `fold_rows` sums a token's parts.
+    // As `Work::run` sums a token's parts (`fold_parts`).
     let mut sum = 0.0;
     for part in &parts[..count] {
         sum += part;
