@@ -623,6 +623,7 @@ fn a_bad_choice_for_a_model_flag_names_the_values_on_every_command() {
             ("--activations", "q16", "q8, mixed, q8x2"),
             ("--weights", "q2", "native, q8, q4"),
             ("--kv-cache", "bf16", "f16, f32, q8"),
+            ("--attention", "fp16", "auto, f32, bf16"),
         ] {
             let output = run(&[command, flag, bad]);
             let what = format!("{command} {flag} {bad}");
@@ -639,5 +640,54 @@ fn a_bad_choice_for_a_model_flag_names_the_values_on_every_command() {
                 "{what}: {stderr}"
             );
         }
+    }
+}
+
+/// `--attention` reaches the model: the settings line of `bench` names bf16 attention exactly
+/// where the choice, the CPU and the activations allow it (`q8x2` keeps f32 whatever is asked).
+#[test]
+fn the_attention_flag_picks_the_arithmetic_bench_names() {
+    use ossterm::kernels::{kernel_path, Kernels};
+    let model = fixture("small_wide");
+    let settings = |extra: &[&str]| {
+        let mut args = vec![
+            "bench",
+            "--model",
+            model.to_str().unwrap(),
+            "--threads",
+            "2",
+            "--prompt-tokens",
+            "8",
+            "--gen-tokens",
+            "2",
+            "--repeat",
+            "1",
+            "--no-ttft",
+        ];
+        args.extend_from_slice(extra);
+        let output = run(&args);
+        assert_no_panic(&format!("bench {extra:?}"), &output);
+        assert!(output.status.success(), "{}", stderr_of(&output));
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        stdout
+            .lines()
+            .find(|line| line.starts_with("settings"))
+            .unwrap_or_else(|| panic!("no settings line in\n{stdout}"))
+            .to_string()
+    };
+    let kernels = Kernels::new(kernel_path()).expect("the process-wide path is supported");
+    let bf16 = "attention on bf16 dot products";
+    for (extra, expected) in [
+        (&["--attention", "f32"][..], false),
+        (
+            &["--attention", "bf16"][..],
+            kernels.with_bf16_attention().uses_bf16_attention(),
+        ),
+        (&["--attention", "auto"][..], kernels.uses_bf16_attention()),
+        (&["--attention", "bf16", "--activations", "q8x2"][..], false),
+        (&["--attention", "bf16", "--kv-cache", "f32"][..], false),
+    ] {
+        let line = settings(extra);
+        assert_eq!(line.contains(bf16), expected, "{extra:?}: {line}");
     }
 }

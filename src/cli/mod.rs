@@ -34,8 +34,8 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::model::memory::{check_before_load_sequences, Planned};
 use crate::model::{
-    ActivationFormat, ExpertLayout, KvFormat, LoadOptions, Model, Precision, Preset, Unembedding,
-    WeightFormat,
+    ActivationFormat, AttentionArithmetic, ExpertLayout, KvFormat, LoadOptions, Model, Precision,
+    Preset, Unembedding, WeightFormat,
 };
 
 #[derive(Parser, Debug)]
@@ -103,6 +103,11 @@ pub struct ModelArgs {
     /// product) or mixed (two rows where one loses most: attention, unembedding, experts' down).
     #[arg(long, value_name = "FORMAT", default_value = "mixed", value_parser = choice_parser!(ActivationFormat))]
     pub activations: ActivationFormat,
+    /// Attention arithmetic over the f16 KV cache: auto (bf16 dot products where the CPU has
+    /// AVX-512 BF16 and issues them as fast as f32 FMAs), f32, or bf16 (wherever the CPU has
+    /// AVX-512 BF16). q8x2 activations keep f32.
+    #[arg(long, value_name = "ARITHMETIC", default_value = "auto", value_parser = choice_parser!(AttentionArithmetic))]
+    pub attention: AttentionArithmetic,
     /// Byte order of the MXFP4 experts in the fast path: tiles of 16 rows reordered at load
     /// (where the kernels have products for them and the copy fits in memory, with auto) or the
     /// file's rows.
@@ -146,6 +151,7 @@ impl ModelArgs {
             weights: self.weights,
             kv: self.kv_cache,
             activations: self.activations,
+            attention: self.attention,
             expert_layout: self.expert_layout,
             unembedding: self.unembedding,
             ..LoadOptions::default()

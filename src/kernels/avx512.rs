@@ -858,6 +858,10 @@ pub(crate) fn vbmi_detected() -> bool {
     is_x86_feature_detected!("avx512vbmi")
 }
 
+pub(crate) fn bf16_detected() -> bool {
+    is_x86_feature_detected!("avx512bf16")
+}
+
 /// Whether this CPU has AVX-512 BF16 and issues `vdpbf16ps` at least about as fast as an f32
 /// FMA, so bf16 attention does more multiply-adds per cycle (Zen 4: one 512-bit instruction of
 /// either kind per cycle, so twice the multiply-adds; a CPU with two FMA units and one bf16 unit
@@ -869,7 +873,7 @@ pub(crate) fn vbmi_detected() -> bool {
 pub(crate) fn bf16_dot_pays() -> bool {
     static PAYS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *PAYS.get_or_init(|| {
-        if !is_x86_feature_detected!("avx512bf16") {
+        if !bf16_detected() {
             return false;
         }
         let (mut bf16, mut fma) = (f64::MAX, f64::MAX);

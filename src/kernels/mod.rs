@@ -466,6 +466,20 @@ impl Kernels {
         }
     }
 
+    /// The same kernels with bf16 attention wherever the CPU has AVX-512 BF16 (on the AVX-512
+    /// path), whatever the start-up probe found: to measure or test it on a CPU the probe turns
+    /// it down on. Elsewhere unchanged.
+    pub fn with_bf16_attention(self) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        let bf16 = self.path == KernelPath::Avx512 && avx512::bf16_detected();
+        #[cfg(not(target_arch = "x86_64"))]
+        let bf16 = false;
+        Self {
+            bf16_attention: bf16,
+            ..self
+        }
+    }
+
     /// Whether attention over an f16 cache runs on bf16 dot products (see
     /// [`attention::attend_block_bf16_reference`] for what it computes).
     pub fn uses_bf16_attention(&self) -> bool {

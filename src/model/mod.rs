@@ -30,8 +30,8 @@ use rayon::ThreadPool;
 pub use config::{LayerKind, ModelConfig, Preset, RopeScaling};
 pub use convert::FastWeights;
 pub use options::{
-    ActivationFormat, ExpertLayout, KvFormat, LoadOptions, Precision, TileCache, Unembedding,
-    WeightFormat,
+    ActivationFormat, AttentionArithmetic, ExpertLayout, KvFormat, LoadOptions, Precision,
+    TileCache, Unembedding, WeightFormat,
 };
 pub use session::{ForwardError, Sequence, SequenceStep, Session};
 pub use snapshot::{KvSnapshot, SnapshotError};
@@ -170,6 +170,8 @@ pub struct Model {
     pub kernels: crate::kernels::Kernels,
     /// The expert layout asked for; [`Mxfp4Experts::layout`](weights::Mxfp4Experts::layout)
     /// tells what each tensor got.
+    /// The attention arithmetic asked for (already applied to `kernels`).
+    attention: AttentionArithmetic,
     pub expert_layout: ExpertLayout,
     /// Where tiles of mapped experts are kept, as asked for.
     pub tile_cache: TileCache,
@@ -292,7 +294,7 @@ impl Model {
     ) -> Result<Model, ModelError> {
         let rope = RopeTable::new(&config);
         let path = opts.kernels.unwrap_or_else(crate::kernels::kernel_path);
-        let kernels = crate::kernels::Kernels::new(path)?;
+        let kernels = opts.attention.apply(crate::kernels::Kernels::new(path)?);
         let fast = match opts.precision {
             Precision::Exact => None,
             Precision::Fast => {
@@ -377,6 +379,7 @@ impl Model {
             },
             activations: opts.activations,
             kernels,
+            attention: opts.attention,
             expert_layout: opts.expert_layout,
             tile_cache: opts.tile_cache.clone(),
             unembedding: opts.unembedding,
@@ -410,6 +413,7 @@ impl Model {
             kv: self.kv_format,
             activations: self.activations,
             kernels: Some(self.kernels.path()),
+            attention: self.attention,
             expert_layout: self.expert_layout,
             tile_cache: self.tile_cache.clone(),
             unembedding: self.unembedding,

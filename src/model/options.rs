@@ -136,6 +136,32 @@ pub enum ExpertLayout {
 
 crate::choice::impl_choice!(ExpertLayout { Auto => "auto", Rows => "rows", Tiles => "tiles" });
 
+/// The arithmetic of attention over an f16 KV cache in the fast path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttentionArithmetic {
+    /// bf16 dot products where the CPU has AVX-512 BF16 and a probe at start finds them issuing
+    /// about as fast as f32 FMAs (twice the multiply-adds); f32 otherwise.
+    #[default]
+    Auto,
+    /// f32 products everywhere: the reference arithmetic, and what to compare against.
+    F32,
+    /// bf16 dot products wherever the CPU has AVX-512 BF16, whatever the probe finds.
+    Bf16,
+}
+
+crate::choice::impl_choice!(AttentionArithmetic { Auto => "auto", F32 => "f32", Bf16 => "bf16" });
+
+impl AttentionArithmetic {
+    /// `kernels` with this choice applied to their attention arithmetic.
+    pub fn apply(self, kernels: crate::kernels::Kernels) -> crate::kernels::Kernels {
+        match self {
+            AttentionArithmetic::Auto => kernels,
+            AttentionArithmetic::F32 => kernels.without_bf16_attention(),
+            AttentionArithmetic::Bf16 => kernels.with_bf16_attention(),
+        }
+    }
+}
+
 /// Where the fast path keeps experts of a mapped checkpoint once reordered into tiles (see
 /// [`super::tile_cache`]).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -188,6 +214,9 @@ pub struct LoadOptions {
     pub activations: ActivationFormat,
     /// Kernel path to use instead of the process-wide one (tests compare paths this way).
     pub kernels: Option<crate::kernels::KernelPath>,
+    /// Attention arithmetic over an f16 cache in the fast path (`q8x2` activations keep f32
+    /// whatever this says).
+    pub attention: AttentionArithmetic,
     /// Byte order of the experts in the fast path. Experts reordered once stay so in a model
     /// [`super::Model::reconfigured`] from it, whatever this says (every path reads both orders).
     pub expert_layout: ExpertLayout,
