@@ -226,9 +226,14 @@ mod contention {
     use std::sync::OnceLock;
     use std::time::{Duration, Instant};
 
-    /// How long the leader works alone after a stall before it tries the team again; a try
-    /// under lasting contention costs about one stall (a few ms) per period.
-    const SOLO_PERIOD: Duration = Duration::from_millis(250);
+    /// How long the leader works alone after a stall before it tries the team again: from
+    /// `SHORTEST_SOLO`, doubled up to `LONGEST_SOLO` each time a stall follows the end of the
+    /// last period within one period (lasting contention: a try costs about one stall, a few
+    /// ms, per period), back to the shortest after a quiet while. On a VM whose vCPUs are
+    /// merely paused now and then for a few ms, a fixed 250 ms had a fifth to a third of a
+    /// decode's regions run alone (`bench --profile`, Zen 4 guest, nothing else running).
+    const SHORTEST_SOLO: Duration = Duration::from_millis(16);
+    const LONGEST_SOLO: Duration = Duration::from_millis(256);
     /// A helper's sleep while the leader works alone.
     pub(super) const HELPER_NAP: Duration = Duration::from_micros(200);
     /// The least wait that counts as a stall: well above the imbalance of a quiet machine's
@@ -238,6 +243,8 @@ mod contention {
     static EPOCH: OnceLock<Instant> = OnceLock::new();
     /// Microseconds since `EPOCH` until which teams work on their leader alone.
     static SOLO_UNTIL: AtomicU64 = AtomicU64::new(0);
+    /// The current solo period in microseconds (0 before the first stall).
+    static SOLO_PERIOD: AtomicU64 = AtomicU64::new(0);
 
     fn now_micros() -> u64 {
         EPOCH.get_or_init(Instant::now).elapsed().as_micros() as u64
@@ -251,8 +258,34 @@ mod contention {
 
     /// Starts (or extends) a period of working alone.
     pub(super) fn go_solo() {
-        let until = now_micros() + SOLO_PERIOD.as_micros() as u64;
-        SOLO_UNTIL.fetch_max(until, Ordering::Relaxed);
+        let now = now_micros();
+        let period = next_period(
+            now,
+            SOLO_UNTIL.load(Ordering::Relaxed),
+            SOLO_PERIOD.load(Ordering::Relaxed),
+        );
+        SOLO_PERIOD.store(period, Ordering::Relaxed);
+        SOLO_UNTIL.fetch_max(now + period, Ordering::Relaxed);
+    }
+
+    /// The solo period (microseconds) a stall at `now` starts, given the end of the last
+    /// period `until` (0: none yet) and its length `period`: the same while it lasts (a long
+    /// wait reports its stall more than once), twice as long when the stall comes within one
+    /// period of its end, the shortest otherwise.
+    pub(super) fn next_period(now: u64, until: u64, period: u64) -> u64 {
+        let (shortest, longest) = (
+            SHORTEST_SOLO.as_micros() as u64,
+            LONGEST_SOLO.as_micros() as u64,
+        );
+        if until == 0 || period == 0 {
+            shortest
+        } else if now < until {
+            period
+        } else if now - until < period {
+            (2 * period).min(longest)
+        } else {
+            shortest
+        }
     }
 
     /// How long the leader may wait for a helper's last task before calling it a stall, given
@@ -500,6 +533,26 @@ mod tests {
             );
         }
         assert!(contention::stall_limit(Duration::from_micros(100), 4) >= contention::MIN_STALL);
+    }
+
+    #[test]
+    fn solo_periods_double_under_lasting_contention_and_reset_after_a_quiet_while() {
+        use contention::next_period;
+        let ms = 1000;
+        assert_eq!(next_period(5 * ms, 0, 0), 16 * ms, "the first stall");
+        // A stall during a period keeps its length.
+        assert_eq!(next_period(10 * ms, 21 * ms, 16 * ms), 16 * ms);
+        // Stalls right after each period: 16, 32, 64, 128, 256, then no longer.
+        let (mut now, mut period) = (100 * ms, 16 * ms);
+        for want in [32, 64, 128, 256, 256] {
+            let until = now + period;
+            now = until + ms;
+            period = next_period(now, until, period);
+            assert_eq!(period, want * ms);
+        }
+        // A stall more than one period after the last ended starts from the shortest.
+        assert_eq!(next_period(1000 * ms, 700 * ms, 256 * ms), 16 * ms);
+        assert_eq!(next_period(100 * ms, 80 * ms, 16 * ms), 16 * ms);
     }
 
     #[test]
