@@ -99,8 +99,8 @@ impl FastPass<'_> {
         let gate_up = &mut s.gate_up[..total * 2 * inter];
         s.work.run(self.kernels, self.team, &jobs[..count], gate_up);
         // Each slot's bias, SwiGLU and quantization touch only its own rows, so the slots
-        // run as the tasks of one region: on the leader alone they were a sixth of a short
-        // prompt's prefill, with the other threads waiting.
+        // run as the tasks of one region: on the leader alone they kept the other threads
+        // waiting between every group's two products.
         {
             let gate_up = SharedOut(s.gate_up.as_mut_ptr());
             let activated = SharedOut(s.activated.as_mut_ptr());
