@@ -468,10 +468,11 @@ fn benchmark_agrees_with_the_per_key_loop() {
 #[ignore = "benchmark: a few seconds, prints its report"]
 fn benchmark_report() {
     let kernels = Kernels::all_supported().into_iter().flat_map(|k| {
-        if k.uses_bf16_attention() {
-            vec![k.without_bf16_attention(), k]
+        let bf16 = k.with_bf16_attention();
+        if bf16.uses_bf16_attention() {
+            vec![k.without_bf16_attention(), bf16]
         } else {
-            vec![k]
+            vec![k.without_bf16_attention()]
         }
     });
     for k in kernels {

@@ -45,10 +45,10 @@ fn attention_does_not_allocate() {
     };
     let mut block_out = vec![0.0f32; tokens * group * d];
     let mut block_scratch = AttentionScratch::new(tokens * group, d);
-    // Every path, and on AVX-512 both attention arithmetics (bf16 where the CPU runs it).
+    // Every path, and on AVX-512 both attention arithmetics (bf16 where the CPU has it).
     let paths: Vec<Kernels> = Kernels::all_supported()
         .into_iter()
-        .flat_map(|k| [k, k.without_bf16_attention()])
+        .flat_map(|k| [k.with_bf16_attention(), k.without_bf16_attention()])
         .collect();
 
     let before = thread_allocations();

@@ -903,11 +903,27 @@ unsafe fn attend_tiled<P: TilePath, T: KvElem>(
         }
     }
 
-    for (r, out) in out.chunks_exact_mut(d).take(tokens * heads).enumerate() {
+    finish_rows(query, scratch, padded, out);
+}
+
+/// The tiled paths' last step: each query row's accumulator (rows `acc_stride` apart in the
+/// scratch) over its softmax denominator, the sink's share included.
+fn finish_rows(
+    query: &BlockQuery<'_>,
+    scratch: &AttentionScratch,
+    acc_stride: usize,
+    out: &mut [f32],
+) {
+    let (d, heads) = (query.head_dim, query.sinks.len());
+    for (r, out) in out
+        .chunks_exact_mut(d)
+        .take(query.tokens * heads)
+        .enumerate()
+    {
         let sink = query.sinks[r % heads];
         let denominator = scratch.running_sum[r] + (sink - scratch.running_max[r]).exp();
         let inverse = 1.0 / denominator;
-        for (o, a) in out.iter_mut().zip(&scratch.acc[r * padded..]) {
+        for (o, a) in out.iter_mut().zip(&scratch.acc[r * acc_stride..]) {
             *o = a * inverse;
         }
     }

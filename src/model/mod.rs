@@ -168,10 +168,10 @@ pub struct Model {
     /// The activation format new sessions start with; each session can switch its own.
     pub activations: ActivationFormat,
     pub kernels: crate::kernels::Kernels,
-    /// The expert layout asked for; [`Mxfp4Experts::layout`](weights::Mxfp4Experts::layout)
-    /// tells what each tensor got.
     /// The attention arithmetic asked for (already applied to `kernels`).
     attention: AttentionArithmetic,
+    /// The expert layout asked for; [`Mxfp4Experts::layout`](weights::Mxfp4Experts::layout)
+    /// tells what each tensor got.
     pub expert_layout: ExpertLayout,
     /// Where tiles of mapped experts are kept, as asked for.
     pub tile_cache: TileCache,

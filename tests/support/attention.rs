@@ -37,12 +37,18 @@ pub fn widen(v: &[f32]) -> Vec<f64> {
 /// bit-for-bit tests hold (a kernel against itself: chunking, rows that must not be read).
 pub fn every_attention_kernel() -> Vec<ossterm::kernels::Kernels> {
     let mut all = f32_attention_kernels();
-    all.extend(
-        ossterm::kernels::Kernels::all_supported()
-            .into_iter()
-            .filter(|k| k.uses_bf16_attention()),
-    );
+    all.extend(bf16_attention_kernels());
     all
+}
+
+/// The paths this CPU runs with bf16 attention arithmetic: wherever it has AVX-512 BF16, whether
+/// or not the start-up probe picks bf16 by default (`Kernels::with_bf16_attention`).
+pub fn bf16_attention_kernels() -> Vec<ossterm::kernels::Kernels> {
+    ossterm::kernels::Kernels::all_supported()
+        .into_iter()
+        .map(|k| k.with_bf16_attention())
+        .filter(|k| k.uses_bf16_attention())
+        .collect()
 }
 
 /// Every path this CPU runs, with f32 attention arithmetic: what the 2e-6 tolerance holds

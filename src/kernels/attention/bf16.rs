@@ -23,8 +23,8 @@ use half::f16;
 
 use super::avx512::exp;
 use super::{
-    fast_exp, prefetch_row_of_next_tile, AttentionScratch, BlockQuery, KvHead, RowLayout, TileWalk,
-    TILE_KEYS,
+    fast_exp, finish_rows, prefetch_row_of_next_tile, AttentionScratch, BlockQuery, KvHead,
+    RowLayout, TileWalk, TILE_KEYS,
 };
 
 /// f32 lanes of a 512-bit vector.
@@ -203,14 +203,7 @@ pub(super) unsafe fn attend(
         }
     }
 
-    for (r, out) in out.chunks_exact_mut(d).take(tokens * heads).enumerate() {
-        let sink = query.sinks[r % heads];
-        let denominator = scratch.running_sum[r] + (sink - scratch.running_max[r]).exp();
-        let inverse = 1.0 / denominator;
-        for (o, a) in out.iter_mut().zip(&scratch.acc[r * d..]) {
-            *o = a * inverse;
-        }
-    }
+    finish_rows(query, scratch, d, out);
 }
 
 /// 16 key rows (f16, `null` for keys past the tile's end: zeros) as bf16 pairs transposed:

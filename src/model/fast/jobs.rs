@@ -170,15 +170,7 @@ impl Work {
         split: Split,
         out: &mut Q8Activations,
     ) {
-        let widths = "quantized inputs are a multiple of 32 wide";
-        match split {
-            Split::Single => k.quantize_activation_rows(x, cols, out).expect(widths),
-            Split::Double => {
-                let staged = &mut self.split_staging[..2 * x.len()];
-                k.split_rows(x, cols, staged).expect(widths);
-                k.quantize_activation_rows(staged, cols, out).expect(widths);
-            }
-        }
+        quantize_split(k, x, cols, split, &mut self.split_staging, true, out);
     }
 
     /// Runs `jobs` in one parallel region and leaves each job's token-major output in `out` at
@@ -288,21 +280,40 @@ thread_local! {
 /// [`Work::quantize`] for a task of a parallel region: on the calling thread, staging split
 /// rows in a buffer of the thread's own. Same bits as [`Work::quantize`].
 pub fn quantize_in_task(k: Kernels, x: &[f32], cols: usize, split: Split, out: &mut Q8Activations) {
+    SPLIT_STAGING
+        .with(|staging| quantize_split(k, x, cols, split, &mut staging.borrow_mut(), false, out));
+}
+
+/// Both quantizations' one body: `staging` takes a split's f32 rows (grown if short, which
+/// [`Work`]'s, sized at the start, never is); `parallel` lets many rows go to rayon.
+fn quantize_split(
+    k: Kernels,
+    x: &[f32],
+    cols: usize,
+    split: Split,
+    staging: &mut Vec<f32>,
+    parallel: bool,
+    out: &mut Q8Activations,
+) {
     let widths = "quantized inputs are a multiple of 32 wide";
+    let quantize = |x: &[f32], out: &mut Q8Activations| {
+        if parallel {
+            k.quantize_activation_rows(x, cols, out)
+        } else {
+            k.quantize_activation_rows_serial(x, cols, out)
+        }
+        .expect(widths)
+    };
     match split {
-        Split::Single => k
-            .quantize_activation_rows_serial(x, cols, out)
-            .expect(widths),
-        Split::Double => SPLIT_STAGING.with(|staging| {
-            let mut staging = staging.borrow_mut();
+        Split::Single => quantize(x, out),
+        Split::Double => {
             if staging.len() < 2 * x.len() {
                 staging.resize(2 * x.len(), 0.0);
             }
             let staged = &mut staging[..2 * x.len()];
             k.split_rows(x, cols, staged).expect(widths);
-            k.quantize_activation_rows_serial(staged, cols, out)
-                .expect(widths);
-        }),
+            quantize(staged, out);
+        }
     }
 }
 
