@@ -272,9 +272,21 @@ impl Work {
 }
 
 thread_local! {
-    /// Each thread's f32 rows of a split quantization done inside a parallel task; grows once,
-    /// to the most rows a task quantizes.
+    /// Each thread's f32 rows of a split quantization done inside a parallel task, sized by
+    /// [`prepare_split_staging`] for the most a task quantizes.
     static SPLIT_STAGING: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Sizes the calling thread's split staging for `values` input values (a task's rows x cols):
+/// which thread takes which expert slot changes every step, and so does a slot's token count,
+/// so a buffer grown on demand would allocate in the middle of a batched decode.
+pub fn prepare_split_staging(values: usize) {
+    SPLIT_STAGING.with(|staging| {
+        let mut staging = staging.borrow_mut();
+        if staging.len() < 2 * values {
+            staging.resize(2 * values, 0.0);
+        }
+    });
 }
 
 /// [`Work::quantize`] for a task of a parallel region: on the calling thread, staging split

@@ -154,6 +154,8 @@ pub fn prepare_thread_scratch(config: &ModelConfig) {
         .max(config.intermediate_size)
         .max(config.q_width());
     jobs::prepare_gemm_scratch(widest);
+    // An expert slot of a group quantizes at most GROUPED_TOKENS tokens of its down input.
+    jobs::prepare_split_staging(experts::GROUPED_TOKENS * config.intermediate_size);
     attend::prepare_attention_scratch(
         config.num_attention_heads / config.num_key_value_heads,
         config.head_dim,
