@@ -208,6 +208,19 @@ impl Work {
             block_offset <= self.blocked.len(),
             "scratch sized for the widest job set"
         );
+        // Largest tasks first, so a region ends on small ones. A short prompt's experts get 1 to
+        // 20 tokens each and a task is a whole expert, so in job order a heavy expert claimed
+        // last kept the other thread waiting (perf, 58-token prefill: the second thread idle 9%
+        // of the time, the leader in a product for 43% of it). Equal tasks (a decoded token's
+        // experts, the dense products) keep their order: the unstable sort's key ends in the
+        // task's place. No task reads another's output, so the order changes no bits.
+        if !inline {
+            tasks.sort_unstable_by_key(|task| {
+                let job = &jobs[task.job];
+                let cost = (task.rows.1 - task.rows.0) * job.weights.cols() * job.tokens;
+                (std::cmp::Reverse(cost), task.job, task.rows.0)
+            });
+        }
         // Cut the input of each few-token dense job into GEMV passes (see `gemv_passes`).
         let slots = jobs.len() * GEMV_PASSES;
         if self.pass_in.len() < slots {
