@@ -4,7 +4,8 @@
 //! read from [`SETTINGS`], so a new setting is one entry here (plus its field in `Settings`).
 
 use crate::engine::protocol::{
-    ActivationFormat, KvCacheType, ReasoningEffort, Settings, Unembedding, WeightFormat,
+    ActivationFormat, AttentionArithmetic, KvCacheType, ReasoningEffort, Settings, Unembedding,
+    WeightFormat,
 };
 
 /// A setting's value in the shape its [`Kind`] gives it.
@@ -294,6 +295,13 @@ pub static SETTINGS: &[Setting] = &[
         help: "Decoded logits: a q4 draft of every row and the 64 best again (two-stage), or every row (full)",
         kind: Kind::Choice { names: Unembedding::NAMES },
         cost: Cost::Requantize, field: (Choice, unembedding, Unembedding),
+    },
+    setting! {
+        name: "attention", label: "attention", key: "engine.attention",
+        flag: Some("attention"), value_name: "ARITHMETIC",
+        help: "Attention over the f16 KV cache: auto (bf16 dot products where the CPU has AVX-512 BF16 and issues them fast), f32 or bf16",
+        kind: Kind::Choice { names: AttentionArithmetic::NAMES },
+        cost: Cost::NewCache, field: (Choice, attention, AttentionArithmetic),
     },
     setting! {
         name: "system prompt", label: "system prompt", key: "chat.system_prompt", flag: None,

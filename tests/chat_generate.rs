@@ -13,7 +13,7 @@ use ossterm::engine::{
     generate, GenerateError, GenerateEvent, GenerateLimits, GenerateResult, InferenceSession,
     Sampler, SamplerSettings, StopReason,
 };
-use ossterm::model::{ActivationFormat, LoadOptions, Model, Preset};
+use ossterm::model::{ActivationFormat, AttentionArithmetic, LoadOptions, Model, Preset};
 
 /// A session whose logits make greedy sampling emit `script` after the prompt.
 struct ScriptedSession {
@@ -24,6 +24,7 @@ struct ScriptedSession {
     logits: Vec<f32>,
     prefilled: Vec<usize>,
     activations: ActivationFormat,
+    attention: AttentionArithmetic,
 }
 
 impl ScriptedSession {
@@ -36,6 +37,7 @@ impl ScriptedSession {
             logits: vec![0.0; 201_088],
             prefilled: Vec::new(),
             activations: ActivationFormat::default(),
+            attention: AttentionArithmetic::default(),
         }
     }
 
@@ -80,6 +82,15 @@ impl InferenceSession for ScriptedSession {
     fn set_activations(&mut self, format: ActivationFormat) {
         if format != self.activations {
             self.activations = format;
+            self.tokens.clear();
+        }
+    }
+    fn attention(&self) -> AttentionArithmetic {
+        self.attention
+    }
+    fn set_attention(&mut self, attention: AttentionArithmetic) {
+        if attention != self.attention {
+            self.attention = attention;
             self.tokens.clear();
         }
     }

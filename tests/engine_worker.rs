@@ -3,9 +3,9 @@
 
 use ossterm::chat::{ParseEvent, StopToken};
 use ossterm::engine::protocol::{
-    ActivationFormat, Channel, ChatMessage, Command, Conversation, Event, GenerateRequest,
-    KvCacheType, ReasoningEffort, RequestKind, Role, SamplingSettings, Settings, StopReason,
-    SystemSettings, Unembedding, WeightFormat,
+    ActivationFormat, AttentionArithmetic, Channel, ChatMessage, Command, Conversation, Event,
+    GenerateRequest, KvCacheType, ReasoningEffort, RequestKind, Role, SamplingSettings, Settings,
+    StopReason, SystemSettings, Unembedding, WeightFormat,
 };
 use ossterm::engine::worker::{ChatCodec, EngineError, EngineHandle, EngineParts, ModelBackend};
 use ossterm::engine::{
@@ -38,6 +38,8 @@ struct Journal {
     sessions: Vec<KvCacheType>,
     /// Activation format of every session made and of every switch of one.
     session_activations: Vec<ActivationFormat>,
+    /// Every switch of a session's attention arithmetic.
+    session_attention: Vec<AttentionArithmetic>,
     /// Weight conversions started.
     requantizations: usize,
     /// Where each load ran: (on a pool's worker thread, that pool's threads).
@@ -56,6 +58,7 @@ struct ToyModel {
     format: WeightFormat,
     unembedding: Unembedding,
     activations: ActivationFormat,
+    attention: AttentionArithmetic,
     step_delay: Duration,
     journal: Arc<Mutex<Journal>>,
     /// When set, re-quantization reports 1 of 4 and then waits here until the test releases it.
@@ -66,8 +69,10 @@ struct ToySession {
     /// The pool the session computes on, as a real session holds it.
     pool: Arc<rayon::ThreadPool>,
     activations: ActivationFormat,
-    /// The state before any token; it depends on the activation format, so sessions of different
-    /// formats give different logits, as the real forward pass does.
+    attention: AttentionArithmetic,
+    /// The state before any token; it depends on the activation format and the attention
+    /// arithmetic, so sessions of different ones give different logits, as the real forward pass
+    /// does.
     start: u64,
     tokens: Vec<u32>,
     /// Rolling hash of the history after each token.
@@ -84,11 +89,16 @@ fn mix(state: u64, token: u32) -> u64 {
         .rotate_left(29)
 }
 
-/// The default format keeps the plain start, so replies of the other tests stay what they were.
-fn start_state(activations: ActivationFormat) -> u64 {
-    match activations {
+/// The default format and arithmetic keep the plain start, so replies of the other tests stay
+/// what they were.
+fn start_state(activations: ActivationFormat, attention: AttentionArithmetic) -> u64 {
+    let start = match activations {
         ActivationFormat::Mixed => 0x1234_5678,
         other => mix(0x1234_5678, 1000 + other.name().len() as u32),
+    };
+    match attention {
+        AttentionArithmetic::Auto => start,
+        other => mix(start, 2000 + other.name().len() as u32),
     }
 }
 
@@ -161,7 +171,24 @@ impl InferenceSession for ToySession {
                 .session_activations
                 .push(format);
             self.activations = format;
-            self.start = start_state(format);
+            self.start = start_state(format, self.attention);
+            self.truncate(0);
+        }
+    }
+
+    fn attention(&self) -> AttentionArithmetic {
+        self.attention
+    }
+
+    fn set_attention(&mut self, attention: AttentionArithmetic) {
+        if attention != self.attention {
+            self.journal
+                .lock()
+                .unwrap()
+                .session_attention
+                .push(attention);
+            self.attention = attention;
+            self.start = start_state(self.activations, attention);
             self.truncate(0);
         }
     }
@@ -188,7 +215,8 @@ impl ModelBackend for ToyModel {
         Ok(ToySession {
             pool: Arc::clone(pool),
             activations,
-            start: start_state(activations),
+            attention: AttentionArithmetic::Auto,
+            start: start_state(activations, AttentionArithmetic::Auto),
             tokens: Vec::new(),
             states: Vec::new(),
             logits: vec![0.0; VOCAB],
@@ -222,6 +250,7 @@ impl ModelBackend for ToyModel {
             unembedding,
             // Like the real model: the new weights keep the options of the old ones.
             activations: self.activations,
+            attention: self.attention,
             step_delay: self.step_delay,
             journal: Arc::clone(&self.journal),
             requantize_gate: None,
@@ -240,12 +269,25 @@ impl ModelBackend for ToyModel {
         self.activations
     }
 
+    fn attention(&self) -> AttentionArithmetic {
+        self.attention
+    }
+
     fn effective_kv_cache(&self, requested: KvCacheType) -> KvCacheType {
         requested
     }
 
-    fn kernel_path(&self, _: ActivationFormat, _: KvCacheType) -> String {
-        "scalar".to_string()
+    fn kernel_path(
+        &self,
+        attention: AttentionArithmetic,
+        _: ActivationFormat,
+        _: KvCacheType,
+    ) -> String {
+        // Names the arithmetic, as the real model's "+bf16" does.
+        match attention {
+            AttentionArithmetic::Bf16 => "scalar+bf16".to_string(),
+            _ => "scalar".to_string(),
+        }
     }
 }
 
@@ -391,6 +433,7 @@ fn start_gated(
                 format: WeightFormat::Q8,
                 unembedding: settings.unembedding,
                 activations: settings.activations,
+                attention: settings.attention,
                 step_delay,
                 journal: model_journal,
                 requantize_gate,
@@ -509,6 +552,7 @@ fn toy_model() -> Arc<ToyModel> {
         format: WeightFormat::Q8,
         unembedding: Unembedding::TwoStage,
         activations: ActivationFormat::Mixed,
+        attention: AttentionArithmetic::Auto,
         step_delay: Duration::ZERO,
         journal: Default::default(),
         requantize_gate: None,
@@ -1008,6 +1052,40 @@ fn conversion_progress(events: &[Event]) -> usize {
         .iter()
         .filter(|event| matches!(event, Event::SettingsProgress { .. }))
         .count()
+}
+
+#[test]
+fn attention_change_switches_the_session_with_a_new_cache() {
+    let harness = start(test_settings(6), Duration::ZERO);
+    let turn = conversation(&[(Role::User, None, "same prompt")]);
+    let before = harness.generate(1, turn.clone());
+    assert_eq!(last_stats(&before).kernel_path, "scalar");
+    let (_, reused, prompt) = turn_done(&harness.generate(2, turn.clone()));
+    assert_eq!(reused, prompt - 1, "warm cache before the change");
+
+    let mut settings = test_settings(6);
+    settings.attention = AttentionArithmetic::Bf16;
+    let events = harness.apply(&settings, |applied| {
+        applied.attention == AttentionArithmetic::Bf16
+    });
+    assert_eq!(conversion_progress(&events), 0, "no weights are rebuilt");
+    {
+        let journal = harness.journal.lock().unwrap();
+        assert_eq!(journal.requantizations, 0);
+        assert_eq!(journal.session_attention, [AttentionArithmetic::Bf16]);
+    }
+    let after = harness.generate(3, turn.clone());
+    assert_eq!(last_stats(&after).kernel_path, "scalar+bf16");
+    assert_eq!(turn_done(&after).1, 0, "the old cache holds other numbers");
+    // What a fresh engine loaded with that arithmetic says, and not what the other said.
+    let cold = start(settings, Duration::ZERO);
+    assert_eq!(
+        streamed_text(&after),
+        streamed_text(&cold.generate(1, turn.clone()))
+    );
+    assert_ne!(streamed_text(&after), streamed_text(&before));
+    let (_, reused, prompt) = turn_done(&harness.generate(4, turn));
+    assert_eq!(reused, prompt - 1, "the new cache is reused");
 }
 
 #[test]

@@ -5,7 +5,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use ossterm::model::{
-    ActivationFormat, KvFormat, LoadOptions, Model, Precision, Unembedding, WeightFormat,
+    ActivationFormat, AttentionArithmetic, KvFormat, LoadOptions, Model, Precision, Unembedding,
+    WeightFormat,
 };
 
 mod support;
@@ -677,16 +678,98 @@ fn the_engine_names_bf16_attention_where_a_session_runs_it() {
         "a head size the bf16 kernel takes"
     );
     let path = model.kernels.path().name().to_string();
-    let label = |activations, kv| ModelBackend::kernel_path(&model, activations, kv);
+    let auto = AttentionArithmetic::Auto;
+    let label =
+        |attention, activations, kv| ModelBackend::kernel_path(&model, attention, activations, kv);
+    let with_bf16 = format!("{path}+bf16");
     let expected = if model.kernels.uses_bf16_attention() {
-        format!("{path}+bf16")
+        with_bf16.clone()
     } else {
         path.clone()
     };
-    assert_eq!(label(ActivationFormat::Mixed, KvFormat::F16), expected);
-    assert_eq!(label(ActivationFormat::Q8, KvFormat::F16), expected);
+    assert_eq!(
+        label(auto, ActivationFormat::Mixed, KvFormat::F16),
+        expected
+    );
+    assert_eq!(label(auto, ActivationFormat::Q8, KvFormat::F16), expected);
     // The precise activations and the f32 and int8 caches keep f32 attention.
-    assert_eq!(label(ActivationFormat::Q8x2, KvFormat::F16), path);
-    assert_eq!(label(ActivationFormat::Mixed, KvFormat::F32), path);
-    assert_eq!(label(ActivationFormat::Mixed, KvFormat::Q8), path);
+    assert_eq!(label(auto, ActivationFormat::Q8x2, KvFormat::F16), path);
+    assert_eq!(label(auto, ActivationFormat::Mixed, KvFormat::F32), path);
+    assert_eq!(label(auto, ActivationFormat::Mixed, KvFormat::Q8), path);
+    // A session's own choice: f32 never names bf16, bf16 does wherever the CPU has it.
+    let f32_only = AttentionArithmetic::F32;
+    assert_eq!(
+        label(f32_only, ActivationFormat::Mixed, KvFormat::F16),
+        path
+    );
+    let forced = if model.kernels.with_bf16_attention().uses_bf16_attention() {
+        with_bf16
+    } else {
+        path.clone()
+    };
+    let bf16 = AttentionArithmetic::Bf16;
+    assert_eq!(label(bf16, ActivationFormat::Mixed, KvFormat::F16), forced);
+    assert_eq!(label(bf16, ActivationFormat::Q8x2, KvFormat::F16), path);
+}
+
+/// A session that switches its attention arithmetic computes what a model loaded with that
+/// arithmetic computes, and starts over: its cache was computed the other way.
+#[test]
+fn a_session_switched_to_another_attention_arithmetic_computes_as_one_loaded_with_it() {
+    let dir = golden_dirs()
+        .into_iter()
+        .find(|dir| dir.ends_with("small_wide"))
+        .expect("the small_wide fixture");
+    let tokens = golden_tokens(&dir);
+    let load = |attention| {
+        let opts = LoadOptions {
+            attention,
+            ..LoadOptions::default()
+        };
+        Arc::new(Model::load(&dir, &opts).unwrap())
+    };
+    let pool = pool();
+    let prefilled = |model: &Arc<Model>| {
+        let mut session = model.new_session(&pool, tokens.len());
+        session.prefill(&tokens).unwrap().to_vec()
+    };
+    let auto = load(AttentionArithmetic::Auto);
+    for attention in [AttentionArithmetic::F32, AttentionArithmetic::Bf16] {
+        let want = prefilled(&load(attention));
+        let mut session = auto.new_session(&pool, tokens.len());
+        session.prefill(&tokens[..3]).unwrap();
+        session.set_attention(attention);
+        assert_eq!(session.attention(), attention);
+        assert_eq!(session.len(), 0, "{attention:?}: the cache starts over");
+        let got = session.prefill(&tokens).unwrap();
+        assert!(
+            got.iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{attention:?}: the switched session's logits are the loaded model's bits"
+        );
+        assert_eq!(
+            session.uses_bf16_attention(),
+            auto.kernels.with_bf16_attention().uses_bf16_attention()
+                && attention == AttentionArithmetic::Bf16,
+            "{attention:?}"
+        );
+    }
+    // Where the CPU has bf16 dot products the two arithmetics differ, and the snapshot identity
+    // tells their caches apart.
+    if auto.kernels.with_bf16_attention().uses_bf16_attention() {
+        let identity = |attention| {
+            let mut session = auto.new_session(&pool, tokens.len());
+            session.set_attention(attention);
+            session.kv_fingerprint()
+        };
+        assert_ne!(
+            identity(AttentionArithmetic::F32),
+            identity(AttentionArithmetic::Bf16)
+        );
+        assert_ne!(
+            prefilled(&load(AttentionArithmetic::F32)),
+            prefilled(&load(AttentionArithmetic::Bf16))
+        );
+    }
 }

@@ -704,6 +704,7 @@ pub fn load_model(
         weights: settings.weight_format,
         kv: settings.kv_cache,
         activations: settings.activations,
+        attention: settings.attention,
         unembedding: settings.unembedding,
         ..LoadOptions::default()
     };

@@ -6,7 +6,10 @@ use std::time::{Duration, Instant};
 
 use crate::chat::{HarmonyParser, ParseEvent, StopToken};
 use crate::model::profile::SharedProfile;
-use crate::model::{ActivationFormat, ForwardError, KvFormat, KvSnapshot, Session, SnapshotError};
+use crate::model::{
+    ActivationFormat, AttentionArithmetic, ForwardError, KvFormat, KvSnapshot, Session,
+    SnapshotError,
+};
 
 use super::sampler::{Sampler, SamplerError, SamplerSettings};
 
@@ -36,6 +39,10 @@ pub trait InferenceSession {
     /// Switches the activation format; a change empties the cache, whose keys and values were
     /// computed the other way.
     fn set_activations(&mut self, format: ActivationFormat);
+    /// The arithmetic of attention over an f16 cache.
+    fn attention(&self) -> AttentionArithmetic;
+    /// Switches the attention arithmetic; a change empties the cache, as for the activations.
+    fn set_attention(&mut self, attention: AttentionArithmetic);
     /// What computed the cache rows and their element type, for KV snapshots; `None` for a
     /// session that cannot snapshot (then the engine keeps no tiers for it).
     fn kv_identity(&self) -> Option<(u64, KvFormat)> {
@@ -127,6 +134,12 @@ impl InferenceSession for Session {
     }
     fn set_activations(&mut self, format: ActivationFormat) {
         Session::set_activations(self, format)
+    }
+    fn attention(&self) -> AttentionArithmetic {
+        Session::attention(self)
+    }
+    fn set_attention(&mut self, attention: AttentionArithmetic) {
+        Session::set_attention(self, attention)
     }
     fn kv_identity(&self) -> Option<(u64, KvFormat)> {
         Some((Session::kv_fingerprint(self), Session::kv_format(self)))

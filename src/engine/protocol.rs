@@ -12,7 +12,7 @@ use std::time::Duration;
 pub type RequestId = u64;
 
 pub use crate::model::options::{
-    ActivationFormat, KvFormat as KvCacheType, Unembedding, WeightFormat,
+    ActivationFormat, AttentionArithmetic, KvFormat as KvCacheType, Unembedding, WeightFormat,
 };
 
 /// The conversation types are the chat module's own, so a request carries exactly what is
@@ -70,6 +70,9 @@ pub struct Settings {
     pub unembedding: Unembedding,
     /// How the inputs of quantized products are quantized (one int8 row per token, or two).
     pub activations: ActivationFormat,
+    /// The arithmetic of attention over an f16 cache (bf16 dot products or f32).
+    #[serde(default)]
+    pub attention: AttentionArithmetic,
     pub kv_cache: KvCacheType,
     pub context_limit: usize,
     pub sampling: SamplingSettings,
@@ -92,6 +95,7 @@ impl Default for Settings {
             weight_format: WeightFormat::Q8,
             unembedding: Unembedding::TwoStage,
             activations: ActivationFormat::Mixed,
+            attention: AttentionArithmetic::Auto,
             kv_cache: KvCacheType::F16,
             context_limit: 8192,
             sampling: SamplingSettings::default(),

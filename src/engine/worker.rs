@@ -17,9 +17,9 @@ use crate::engine::generate::{
 };
 use crate::engine::kv_tiers::{self, conversation_label, KvTiers, TierConfig};
 use crate::engine::protocol::{
-    ActivationFormat, CacheHits, Channel, Command, Conversation, EngineInfo, Event,
-    GenerateRequest, KvCacheType, ProfileSample, RequestId, Settings, StatsSample, Unembedding,
-    WeightFormat,
+    ActivationFormat, AttentionArithmetic, CacheHits, Channel, Command, Conversation, EngineInfo,
+    Event, GenerateRequest, KvCacheType, ProfileSample, RequestId, Settings, StatsSample,
+    Unembedding, WeightFormat,
 };
 use crate::model::profile::{ProfileCounts, SharedProfile};
 use rayon::ThreadPool;
@@ -94,13 +94,22 @@ pub trait ModelBackend: Send + Sync + 'static {
     /// The activation format the loader built the model with: the first session's.
     fn activations(&self) -> ActivationFormat;
 
+    /// The attention arithmetic the loader built the model with: the first session's.
+    fn attention(&self) -> AttentionArithmetic;
+
     /// The KV cache element type a session asked for `requested` really holds (a path that
     /// supports one type only answers that one, and the settings then show it).
     fn effective_kv_cache(&self, requested: KvCacheType) -> KvCacheType;
 
     /// The SIMD path the kernels picked ("avx512", "avx2" or "scalar"), with "+bf16" where a
-    /// session of these activations and cache runs attention on bf16 dot products.
-    fn kernel_path(&self, activations: ActivationFormat, kv_cache: KvCacheType) -> String;
+    /// session of this attention arithmetic, activations and cache runs attention on bf16 dot
+    /// products.
+    fn kernel_path(
+        &self,
+        attention: AttentionArithmetic,
+        activations: ActivationFormat,
+        kv_cache: KvCacheType,
+    ) -> String;
 }
 
 /// Harmony rendering and parsing (implemented over `chat`).
@@ -444,23 +453,29 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
             random_weights,
             kv_tiers,
         } = parts;
-        let session = M::new_session(
+        let mut session = M::new_session(
             &model,
             &pool,
             settings.context_limit,
             settings.kv_cache,
             model.activations(),
         )?;
+        session.set_attention(model.attention());
         let mut effective = settings;
         // The loader chose the formats; what it built is what the settings show from now on.
         effective.weight_format = model.weight_format();
         effective.unembedding = model.unembedding();
         effective.activations = model.activations();
+        effective.attention = model.attention();
         effective.kv_cache = model.effective_kv_cache(effective.kv_cache);
         let _ = events.send(Event::Ready(EngineInfo {
             model_label,
             random_weights,
-            kernel_path: model.kernel_path(effective.activations, effective.kv_cache),
+            kernel_path: model.kernel_path(
+                effective.attention,
+                effective.activations,
+                effective.kv_cache,
+            ),
             settings: effective.clone(),
         }));
         let mut worker = Worker {
@@ -708,9 +723,11 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
                 Err(error) => failure = Some(error),
             }
         }
-        // The weights do not depend on the activation format, so the session switches at once,
-        // even while a conversion thread reads the model; the new weights get the format in force.
+        // The weights do not depend on the activation format or the attention arithmetic, so
+        // the session switches at once, even while a conversion thread reads the model; the new
+        // weights get the choices in force.
         self.session.set_activations(next.activations);
+        self.session.set_attention(next.attention);
         if next.sampling != previous.sampling {
             // Values were validated with the config; an invalid set keeps the previous sampler.
             if let Err(error) = self.sampler.configure(next.sampling.sampler()) {
@@ -747,6 +764,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
         self.settings.weight_format = self.model.weight_format();
         self.settings.unembedding = self.model.unembedding();
         self.settings.activations = self.session.activations();
+        self.settings.attention = self.session.attention();
         let _ = self
             .events
             .send(Event::SettingsApplied(Box::new(self.settings.clone())));
@@ -803,13 +821,14 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
         self.pending_model = None;
         let installed = result.and_then(|model| {
             let model = Arc::new(model);
-            let session = M::new_session(
+            let mut session = M::new_session(
                 &model,
                 &self.pool,
                 self.settings.context_limit,
                 self.settings.kv_cache,
                 self.session.activations(),
             )?;
+            session.set_attention(self.session.attention());
             Ok((model, session))
         });
         match installed {
@@ -863,9 +882,11 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
             turn_hits: CacheHits::default(),
             session_hits: self.session_hits,
             threads: self.pool.current_num_threads(),
-            kernel_path: self
-                .model
-                .kernel_path(self.session.activations(), self.settings.kv_cache),
+            kernel_path: self.model.kernel_path(
+                self.session.attention(),
+                self.session.activations(),
+                self.settings.kv_cache,
+            ),
             weight_format: self.model.weight_format(),
             unembedding: self.model.unembedding(),
             activations: self.session.activations(),
@@ -966,6 +987,10 @@ impl ModelBackend for crate::model::Model {
         self.activations
     }
 
+    fn attention(&self) -> AttentionArithmetic {
+        crate::model::Model::attention(self)
+    }
+
     fn effective_kv_cache(&self, requested: KvCacheType) -> KvCacheType {
         // The exact reference path always keeps an f32 cache.
         match self.precision {
@@ -974,10 +999,17 @@ impl ModelBackend for crate::model::Model {
         }
     }
 
-    fn kernel_path(&self, activations: ActivationFormat, kv_cache: KvCacheType) -> String {
+    fn kernel_path(
+        &self,
+        attention: AttentionArithmetic,
+        activations: ActivationFormat,
+        kv_cache: KvCacheType,
+    ) -> String {
         match self.precision {
             crate::model::Precision::Exact => "portable".to_string(),
-            crate::model::Precision::Fast if self.bf16_attention_with(activations, kv_cache) => {
+            crate::model::Precision::Fast
+                if self.bf16_attention_with(attention, activations, kv_cache) =>
+            {
                 format!("{}+bf16", self.kernels.path().name())
             }
             crate::model::Precision::Fast => self.kernels.path().name().to_string(),

@@ -480,6 +480,16 @@ impl Kernels {
         }
     }
 
+    /// The same kernels with the attention arithmetic the start-up probe chooses (what
+    /// [`Kernels::new`] gives): undoes [`Kernels::with_bf16_attention`] and
+    /// [`Kernels::without_bf16_attention`].
+    pub fn with_probed_attention(self) -> Self {
+        Self {
+            bf16_attention: Self::on_path(self.path).bf16_attention,
+            ..self
+        }
+    }
+
     /// Whether attention over an f16 cache runs on bf16 dot products (see
     /// [`attention::attend_block_bf16_reference`] for what it computes).
     pub fn uses_bf16_attention(&self) -> bool {

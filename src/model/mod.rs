@@ -429,12 +429,24 @@ impl Model {
     /// CPU, over the default f16 cache, unless the activations are `q8x2` (the precise setting
     /// keeps f32 attention).
     pub fn uses_bf16_attention(&self) -> bool {
-        self.bf16_attention_with(self.activations, self.kv_format)
+        self.bf16_attention_with(self.attention, self.activations, self.kv_format)
     }
 
-    /// Whether a session with these activations and cache runs attention on bf16 dot products.
-    pub fn bf16_attention_with(&self, activations: ActivationFormat, kv: KvFormat) -> bool {
-        let kernels = activations.attention_kernels(self.kernels);
+    /// The attention arithmetic the model was loaded with: new sessions' (a session may change
+    /// its own, [`Session::set_attention`]).
+    pub fn attention(&self) -> AttentionArithmetic {
+        self.attention
+    }
+
+    /// Whether a session with this attention arithmetic, activations and cache runs attention
+    /// on bf16 dot products.
+    pub fn bf16_attention_with(
+        &self,
+        attention: AttentionArithmetic,
+        activations: ActivationFormat,
+        kv: KvFormat,
+    ) -> bool {
+        let kernels = activations.attention_kernels(attention.apply(self.kernels));
         self.fast.is_some()
             && kv == KvFormat::F16
             && crate::kernels::attention::runs_bf16(kernels, self.config.head_dim)

@@ -137,7 +137,8 @@ pub enum ExpertLayout {
 crate::choice::impl_choice!(ExpertLayout { Auto => "auto", Rows => "rows", Tiles => "tiles" });
 
 /// The arithmetic of attention over an f16 KV cache in the fast path.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum AttentionArithmetic {
     /// bf16 dot products where the CPU has AVX-512 BF16 and a probe at start finds them issuing
     /// about as fast as f32 FMAs (twice the multiply-adds); f32 otherwise.
@@ -152,10 +153,11 @@ pub enum AttentionArithmetic {
 crate::choice::impl_choice!(AttentionArithmetic { Auto => "auto", F32 => "f32", Bf16 => "bf16" });
 
 impl AttentionArithmetic {
-    /// `kernels` with this choice applied to their attention arithmetic.
+    /// `kernels` with this choice applied to their attention arithmetic, whatever choice they
+    /// carried before.
     pub fn apply(self, kernels: crate::kernels::Kernels) -> crate::kernels::Kernels {
         match self {
-            AttentionArithmetic::Auto => kernels,
+            AttentionArithmetic::Auto => kernels.with_probed_attention(),
             AttentionArithmetic::F32 => kernels.without_bf16_attention(),
             AttentionArithmetic::Bf16 => kernels.with_bf16_attention(),
         }

@@ -16,7 +16,7 @@ use rayon::ThreadPool;
 use super::exact;
 use super::fast::{self, FastPass};
 use super::kv::{KvShape, KvStore, RowSpan};
-use super::options::{ActivationFormat, KvFormat, Precision};
+use super::options::{ActivationFormat, AttentionArithmetic, KvFormat, Precision};
 use super::profile::{PassProfile, ProfileCounts, SharedProfile};
 use super::snapshot::{KvSnapshot, SnapshotError};
 use super::team::{with_team, Team};
@@ -124,6 +124,8 @@ pub struct Session {
     /// A property of the session, not of the shared model, so it can change while other holders
     /// (a weight conversion thread) read the model.
     activations: ActivationFormat,
+    /// Likewise: the model's kernels carry the loader's choice, each session applies its own.
+    attention: AttentionArithmetic,
     scratch: Scratch,
     logits: Vec<f32>,
     /// The logits of each step of the last batched call, [steps x vocab]; grows to the largest
@@ -160,6 +162,7 @@ impl Session {
                 c.num_local_experts,
             ))),
             activations: model.activations,
+            attention: model.attention,
             scratch,
             pool,
             model,
@@ -259,6 +262,27 @@ impl Session {
         }
     }
 
+    /// The arithmetic of the fast path's attention over an f16 cache.
+    pub fn attention(&self) -> AttentionArithmetic {
+        self.attention
+    }
+
+    /// Switches the attention arithmetic. As [`Session::set_activations`], a change empties the
+    /// cache: later layers' keys and values depend on earlier layers' attention, so rows computed
+    /// the other way would match neither arithmetic.
+    pub fn set_attention(&mut self, attention: AttentionArithmetic) {
+        if attention != self.attention {
+            self.attention = attention;
+            self.truncate(0);
+        }
+    }
+
+    /// Whether this session's attention runs on bf16 dot products.
+    pub fn uses_bf16_attention(&self) -> bool {
+        self.model
+            .bf16_attention_with(self.attention, self.activations, self.kv_format())
+    }
+
     /// The element type the KV cache holds.
     pub fn kv_format(&self) -> KvFormat {
         self.sequence.kv.format()
@@ -294,8 +318,15 @@ impl Session {
             (false, true) => " tiled q8",
             (false, false) => "",
         };
+        // bf16 attention computes other rows than f32; f32 adds nothing, so snapshots written
+        // before the choice existed (or on CPUs without it) still restore.
+        let arithmetic = if self.uses_bf16_attention() {
+            " bf16 attention"
+        } else {
+            ""
+        };
         let identity = format!(
-            "{:016x} {:?} {} {} {path}{layout}",
+            "{:016x} {:?} {} {} {path}{layout}{arithmetic}",
             model.fingerprint,
             model.precision,
             options.weights.name(),
@@ -483,12 +514,13 @@ impl Session {
                 scratch,
                 batch_logits,
                 activations,
+                attention,
                 ..
             } = self;
             forward(
                 model,
                 &pool,
-                *activations,
+                (*activations, *attention),
                 scratch,
                 steps,
                 rows,
@@ -521,6 +553,7 @@ impl Session {
                     scratch,
                     logits,
                     activations,
+                    attention,
                     ..
                 } = self;
                 let mut steps = [SequenceStep {
@@ -531,7 +564,7 @@ impl Session {
                 forward(
                     model,
                     &pool,
-                    *activations,
+                    (*activations, *attention),
                     scratch,
                     &mut steps,
                     chunk.len(),
@@ -575,7 +608,7 @@ pub const TEAM_ROWS: usize = 96;
 fn forward(
     model: &Model,
     pool: &ThreadPool,
-    activations: ActivationFormat,
+    (activations, attention): (ActivationFormat, AttentionArithmetic),
     scratch: &mut Scratch,
     steps: &mut [SequenceStep<'_>],
     rows: usize,
@@ -594,7 +627,7 @@ fn forward(
                         .as_ref()
                         .expect("a fast session has fast weights"),
                     rope: &model.rope,
-                    kernels: model.kernels,
+                    kernels: attention.apply(model.kernels),
                     activations,
                     team,
                 };

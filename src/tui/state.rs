@@ -805,6 +805,7 @@ impl App {
                 current.weight_format = info.settings.weight_format;
                 current.unembedding = info.settings.unembedding;
                 current.activations = info.settings.activations;
+                current.attention = info.settings.attention;
                 current.kv_cache = info.settings.kv_cache;
                 self.settings.engine = Some(info.settings.clone());
                 self.gauges.engine_info = Some(info);
