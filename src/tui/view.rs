@@ -546,7 +546,12 @@ fn draw_settings(frame: &mut Frame, app: &App, area: Rect) {
             ));
         }
     }
-    let scroll = (app.settings.cursor + 2).saturating_sub(inner.height as usize) as u16;
+    // The hints follow the last setting: scroll them into view where the selected row stays
+    // visible (a short panel shows the rows around the cursor instead).
+    let scroll = lines
+        .len()
+        .saturating_sub(inner.height as usize)
+        .min(app.settings.cursor) as u16;
     frame.render_widget(
         Paragraph::new(lines).scroll((if focused { scroll } else { 0 }, 0)),
         inner,
