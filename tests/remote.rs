@@ -805,6 +805,21 @@ fn the_settings_panel_shows_server_settings_and_does_not_change_them() {
     );
 }
 
+/// How the model runs is the server's business: every `engine.*` setting is fixed on a remote
+/// engine, so a new one cannot be forgotten there (the attention arithmetic once was).
+#[test]
+fn every_engine_setting_is_the_servers_on_a_remote_engine() {
+    for setting in ossterm::settings::SETTINGS {
+        if setting.key.starts_with("engine.") {
+            assert!(
+                SERVER_SETTINGS.contains(&setting.key),
+                "{} is not in SERVER_SETTINGS",
+                setting.key
+            );
+        }
+    }
+}
+
 #[test]
 fn run_remote_answers_one_prompt_as_json_and_reports_a_refused_connection() {
     let server = serve(None);

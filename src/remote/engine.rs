@@ -22,12 +22,13 @@ pub const SHOWN_AS_SERVER: &str = "server";
 /// cache, context) and how the harmony system message and history are rendered are the
 /// server's business. Sampling, the token budget, reasoning effort and developer instructions
 /// go with each request.
-pub const SERVER_SETTINGS: [&str; 8] = [
+pub const SERVER_SETTINGS: [&str; 9] = [
     "engine.threads",
     "engine.weight_format",
     "engine.unembedding",
     "engine.kv_cache",
     "engine.activations",
+    "engine.attention",
     "engine.context_limit",
     "chat.system_prompt",
     "chat.keep_reasoning_in_context",
