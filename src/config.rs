@@ -697,6 +697,30 @@ mod tests {
     }
 
     #[test]
+    fn attention_parses_and_a_bad_one_names_key_line_and_values() {
+        for name in ["auto", "f32", "bf16"] {
+            let config = parse_str(&format!("[engine]\nattention = \"{name}\"\n")).unwrap();
+            assert_eq!(config.settings.attention.name(), name);
+        }
+        for bad in ["\"fp16\"", "16"] {
+            let error =
+                parse_str(&format!("[engine]\nthreads = 2\nattention = {bad}\n")).unwrap_err();
+            match error {
+                ConfigError::InvalidKey {
+                    line, key, message, ..
+                } => {
+                    assert_eq!((line, key.as_str()), (3, "engine.attention"));
+                    assert!(
+                        message.contains("auto, f32, bf16"),
+                        "names the values: {message}"
+                    );
+                }
+                other => panic!("expected InvalidKey, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
     fn activations_parse_and_a_bad_one_names_key_and_line() {
         let config = parse_str("[engine]\nactivations = \"q8x2\"\n").unwrap();
         assert_eq!(config.settings.activations, ActivationFormat::Q8x2);

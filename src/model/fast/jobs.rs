@@ -345,7 +345,7 @@ fn quantize_split(
 /// `out[k]` = the sum of `parts[p * out.len() + k]` over the first `count` parts, added to a
 /// zero in part order (the order every path that sums a token's split rows keeps, so their
 /// bits agree; see the unembedding's candidates).
-fn fold_parts(parts: &[f32], count: usize, out: &mut [f32]) {
+pub(super) fn fold_parts(parts: &[f32], count: usize, out: &mut [f32]) {
     let width = out.len();
     out.fill(0.0);
     for part in parts.chunks_exact(width).take(count) {

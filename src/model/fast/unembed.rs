@@ -8,7 +8,7 @@
 
 use std::cell::RefCell;
 
-use super::jobs::{Job, SharedOut};
+use super::jobs::{fold_parts, Job, SharedOut};
 use super::{FastPass, Scratch};
 use crate::kernels::{Kernels, Q8Activations};
 use crate::model::convert::{DenseMatrix, DraftUnembedding};
@@ -191,11 +191,9 @@ fn session_logit(
     if let Err(err) = result {
         panic!("kernel shape mismatch: {err}");
     }
-    // As `Work::run` sums a token's parts (`fold_parts`).
+    // Summed as `Work::run` sums a token's parts, so a candidate gets the full product's bits.
     let mut sum = 0.0;
-    for part in &parts[..count] {
-        sum += part;
-    }
+    fold_parts(&parts[..count], count, std::slice::from_mut(&mut sum));
     sum
 }
 
