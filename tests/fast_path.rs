@@ -438,6 +438,20 @@ fn the_default_layout_follows_the_kernels_and_exact_reads_tiled_experts() {
             Mxfp4Layout::Rows
         };
         assert_eq!(model.weights.layers[0].gate_up.layout(), want);
+        // The q4 draft of the unembedding takes the tile layout where the kernels have tile
+        // products for it (the fixture's vocabulary fills whole tiles of 16 rows).
+        let fast = model.fast.as_ref().expect("a fast-path model");
+        match &fast
+            .draft
+            .as_ref()
+            .expect("the default two-stage unembedding")
+            .matrix
+        {
+            ossterm::model::convert::DenseMatrix::Q4(m) => {
+                assert_eq!(m.is_tiled(), kernels.prefers_tiled_q4(), "{kernels:?}")
+            }
+            _ => panic!("the draft is a q4 matrix"),
+        }
     }
     // An exact model reconfigured from a tiled one shares its experts: same logits, bit for bit,
     // as an exact model loaded on its own.

@@ -146,10 +146,10 @@ fn q8_0_gguf_weights_are_the_checkpoints_within_quantization_error() {
 }
 
 /// A small deterministic generator for test data.
-/// What `FastWeights::build` makes for these tests: row-order Q8, no draft unembedding.
+/// What `FastWeights::build` makes for these tests: row-order matrices, no draft unembedding.
 fn full_unembedding() -> ossterm::model::convert::BuildChoices {
     ossterm::model::convert::BuildChoices {
-        tile_q8: false,
+        tiles: ossterm::model::convert::TileChoices::default(),
         unembedding: ossterm::model::Unembedding::Full,
         draft_candidates: None,
     }

@@ -1162,3 +1162,52 @@ fn tiled_q8_products_match_the_row_order_on_every_path() {
         .to_tiles()
         .is_err());
 }
+
+/// Tiled Q4 products ([`check_tiled_products`]): the draft unembedding's layout on AVX-512;
+/// rows that do not fill whole tiles are refused.
+#[test]
+fn tiled_q4_products_match_the_row_order_on_every_path() {
+    let mut rng = rng(29);
+    let mut paths = vec![scalar()];
+    paths.extend(simd_paths());
+    for shape @ (rows, cols) in TILED_SHAPES {
+        let weights = to_bf16(&random_f32(&mut rng, rows * cols, 0.2));
+        let q4 = Q4Matrix::from_bf16(rows, cols, &weights).unwrap();
+        let tiled = q4.to_tiles().unwrap();
+        assert!(tiled.is_tiled() && !q4.is_tiled());
+        assert!(tiled.size_bytes() <= q4.size_bytes());
+        let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
+        for r in 0..rows {
+            q4.dequantize_row(r, &mut a).unwrap();
+            tiled.dequantize_row(r, &mut b).unwrap();
+            assert_eq!(bits(&a), bits(&b), "{rows}x{cols} row {r}");
+        }
+        let mut scratch = GemmScratch::new(cols);
+        let scratch = std::cell::RefCell::new(&mut scratch);
+        let pick = |is_tiled: bool| if is_tiled { &tiled } else { &q4 };
+        for tokens in TILED_TOKENS {
+            let mut x = Q8Activations::new();
+            kernels()
+                .quantize_activation_rows(&random_f32(&mut rng, tokens * cols, 2.0), cols, &mut x)
+                .unwrap();
+            check_tiled_products(
+                "tiled Q4",
+                shape,
+                &x,
+                &paths,
+                &|r, o| q4.dequantize_row(r, o).unwrap(),
+                &|k, is_tiled, x, range, out| {
+                    let mut scratch = scratch.borrow_mut();
+                    k.q4_gemm(pick(is_tiled), x, range, out, &mut scratch)
+                        .unwrap()
+                },
+                &|k, is_tiled, x, range, out| k.q4_gemv(pick(is_tiled), x, range, out).unwrap(),
+            );
+        }
+    }
+    let weights = to_bf16(&random_f32(&mut rng, 20 * 64, 0.2));
+    assert!(Q4Matrix::from_bf16(20, 64, &weights)
+        .unwrap()
+        .to_tiles()
+        .is_err());
+}

@@ -262,6 +262,8 @@ struct BenchWeights {
     /// The Q8 matrices in the tile layout, when the kernels prefer it.
     q8_tiles: Vec<Q8Matrix>,
     q4: Vec<Q4Matrix>,
+    /// The Q4 matrices in the tile layout, when the kernels prefer it.
+    q4_tiles: Vec<Q4Matrix>,
 }
 
 impl BenchWeights {
@@ -321,6 +323,13 @@ impl BenchWeights {
         } else {
             Vec::new()
         };
+        let q4_tiles = if tiles && rows.is_multiple_of(MXFP4_TILE_ROWS) {
+            q4.iter()
+                .map(Q4Matrix::to_tiles)
+                .collect::<Result<_, _>>()?
+        } else {
+            Vec::new()
+        };
         Ok(Self {
             rows,
             cols,
@@ -330,6 +339,7 @@ impl BenchWeights {
             q8,
             q8_tiles,
             q4,
+            q4_tiles,
         })
     }
 
@@ -367,6 +377,8 @@ enum Format {
     /// Q8 in the tile layout.
     Q8Tiles,
     Q4,
+    /// Q4 in the tile layout.
+    Q4Tiles,
 }
 
 impl Format {
@@ -377,6 +389,7 @@ impl Format {
             Format::Q8 => "q8",
             Format::Q8Tiles => "q8_tiles",
             Format::Q4 => "q4",
+            Format::Q4Tiles => "q4_tiles",
         }
     }
 
@@ -385,6 +398,7 @@ impl Format {
             Format::Mxfp4 | Format::Mxfp4Tiles => w.rows * w.cols / 32 * 17,
             Format::Q8 | Format::Q8Tiles => w.q8[0].size_bytes(),
             Format::Q4 => w.q4[0].size_bytes(),
+            Format::Q4Tiles => w.q4_tiles[0].size_bytes(),
         }
     }
 }
@@ -459,6 +473,7 @@ pub fn run_kernel_bench(
             Format::Q8,
             Format::Q8Tiles,
             Format::Q4,
+            Format::Q4Tiles,
         ]
     } else if weights.mxfp4_tiles.is_some() {
         &[Format::Mxfp4, Format::Mxfp4Tiles, Format::Q8, Format::Q4]
@@ -541,6 +556,12 @@ pub fn run_kernel_bench(
                                         s.rows.clone(),
                                         &mut s.out,
                                     )?,
+                                    Format::Q4Tiles => kernels.q4_gemv(
+                                        &weights.q4_tiles[e],
+                                        &x,
+                                        s.rows.clone(),
+                                        &mut s.out,
+                                    )?,
                                 }
                             }
                             Ok(())
@@ -592,6 +613,9 @@ pub fn run_kernel_bench(
                                 }
                                 Format::Q4 => {
                                     kernels.q4_gemm(&weights.q4[0], &x, rows, out, scratch)
+                                }
+                                Format::Q4Tiles => {
+                                    kernels.q4_gemm(&weights.q4_tiles[0], &x, rows, out, scratch)
                                 }
                             }
                         })

@@ -945,7 +945,13 @@ pub(crate) unsafe fn q4_gemv(w: &Q4Matrix, x: &Q8Activations, rows: Range<usize>
     // SAFETY: the module's contract holds: the dispatcher runs this only on a CPU with every
     // feature in `REQUIRED`, and the safe `Kernels` method checked the shapes, which is all the
     // code below relies on.
-    unsafe { gemv(w, x, rows, out) }
+    unsafe {
+        if w.tiled {
+            tiles::q4_product(w, x, rows, out, None)
+        } else {
+            gemv(w, x, rows, out)
+        }
+    }
 }
 
 pub(crate) unsafe fn q8_gemv(w: &Q8Matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
@@ -1603,7 +1609,13 @@ pub(crate) unsafe fn q4_gemm(
     // SAFETY: the module's contract holds: the dispatcher runs this only on a CPU with every
     // feature in `REQUIRED`, and the safe `Kernels` method checked the shapes, which is all the
     // code below relies on.
-    unsafe { gemm(w, x, rows, out, scratch) }
+    unsafe {
+        if w.tiled {
+            tiles::q4_product(w, x, rows, out, Some(scratch))
+        } else {
+            gemm(w, x, rows, out, scratch)
+        }
+    }
 }
 
 pub(crate) unsafe fn q8_gemm(

@@ -114,7 +114,23 @@ impl ByteSpans for Q4Matrix {
     }
 
     fn byte_spans(&self, rows: std::ops::Range<usize>) -> [(*const u8, usize); 2] {
-        let (row_bytes, row_scales) = (self.groups * GROUP_LEN / 2, self.groups * GROUP_BLOCKS * 2);
+        // Tiles hold whole groups of rows and no padding blocks: the span of the tiles the rows
+        // touch.
+        let (rows, row_bytes, row_scales) = if self.tiled {
+            let rows = if rows.is_empty() {
+                rows
+            } else {
+                rows.start / MXFP4_TILE_ROWS * MXFP4_TILE_ROWS
+                    ..rows.end.div_ceil(MXFP4_TILE_ROWS) * MXFP4_TILE_ROWS
+            };
+            (rows, self.cols / 2, self.cols / BLOCK_LEN * 2)
+        } else {
+            (
+                rows,
+                self.groups * GROUP_LEN / 2,
+                self.groups * GROUP_BLOCKS * 2,
+            )
+        };
         [
             (
                 self.nibbles.as_ptr().wrapping_add(rows.start * row_bytes),
@@ -1246,10 +1262,12 @@ pub struct Q4Matrix {
     pub(super) rows: usize,
     pub(super) cols: usize,
     pub(super) groups: usize,
-    /// `rows x groups x 64`.
+    /// Row order: `rows x groups x 64`. Tiled: `rows x cols / 2`, no padding blocks.
     pub(super) nibbles: AlignedVec<u8>,
-    /// `rows x groups x 4`; padding blocks have scale 0.
+    /// Row order: `rows x groups x 4`, padding blocks with scale 0. Tiled: `rows x cols / 32`.
     pub(super) scales: Vec<f16>,
+    /// In the tile layout ([`Q4Matrix::to_tiles`]) instead of row order.
+    pub(super) tiled: bool,
 }
 
 fn check_bf16_input(what: &str, rows: usize, cols: usize, len: usize) -> Result<(), KernelError> {
@@ -1531,6 +1549,7 @@ impl Q4Matrix {
             groups,
             nibbles: AlignedVec::from_slice(nibbles),
             scales,
+            tiled: false,
         })
     }
 
@@ -1578,6 +1597,7 @@ impl Q4Matrix {
             groups,
             nibbles,
             scales,
+            tiled: false,
         })
     }
 
@@ -1594,19 +1614,99 @@ impl Q4Matrix {
         self.nibbles.len() + 2 * self.scales.len()
     }
 
+    /// Row `row`'s nibbles, groups padded; row-order matrices only.
     pub(crate) fn row_nibbles(&self, row: usize) -> &[u8] {
+        debug_assert!(!self.tiled, "row slices of a tiled Q4 matrix");
         let stride = self.groups * GROUP_LEN / 2;
         &self.nibbles[row * stride..(row + 1) * stride]
     }
 
+    /// Row `row`'s block scales, groups padded; row-order matrices only.
     pub(crate) fn row_scales(&self, row: usize) -> &[f16] {
+        debug_assert!(!self.tiled, "row slices of a tiled Q4 matrix");
         let stride = self.groups * GROUP_BLOCKS;
         &self.scales[row * stride..(row + 1) * stride]
     }
 
-    /// Signed value (-8..=7) of element `k` of row `row`.
+    /// Whether the matrix is in the tile layout.
+    pub fn is_tiled(&self) -> bool {
+        self.tiled
+    }
+
+    /// The scale of block `block` of row `row`, in either layout.
+    #[inline]
+    pub(crate) fn scale(&self, row: usize, block: usize) -> f16 {
+        if self.tiled {
+            self.scales[tiled_scale(self.cols / BLOCK_LEN, row, block)]
+        } else {
+            self.row_scales(row)[block]
+        }
+    }
+
+    /// In the tile layout: where tile `tile`'s nibble vectors and its scales start.
+    #[inline(always)]
+    pub(crate) fn tile_offsets(&self, tile: usize) -> (usize, usize) {
+        let blocks_per_row = self.cols / BLOCK_LEN;
+        (
+            tile * blocks_per_row * MXFP4_TILE_ROWS * BLOCK_LEN / 2,
+            tile * blocks_per_row * MXFP4_TILE_ROWS,
+        )
+    }
+
+    /// The same matrix in the tile layout of [`Mxfp4Layout::Tiles`] (the nibbles are in MXFP4's
+    /// order already), with 16 f16 scales per (tile, block) and the padding blocks dropped, for
+    /// kernels that prefer it ([`super::Kernels::prefers_tiled_q4`]): a block's sums for 16 rows
+    /// build up in one register per token, where the row-order GEMM transposes register files
+    /// per tile. Needs rows in whole tiles.
+    pub fn to_tiles(&self) -> Result<Q4Matrix, KernelError> {
+        check_tile_rows(self.rows)?;
+        if self.tiled {
+            return Ok(self.clone());
+        }
+        let blocks_per_row = self.cols / BLOCK_LEN;
+        let (row_bytes, tile_bytes) = (self.cols / 2, MXFP4_TILE_ROWS * self.cols / 2);
+        let mut tiled = Q4Matrix {
+            rows: self.rows,
+            cols: self.cols,
+            groups: self.groups,
+            nibbles: AlignedVec::filled(self.rows * row_bytes, 0u8),
+            scales: vec![f16::ZERO; self.rows * blocks_per_row],
+            tiled: true,
+        };
+        tiled
+            .nibbles
+            .par_chunks_mut(tile_bytes)
+            .zip(
+                tiled
+                    .scales
+                    .par_chunks_mut(MXFP4_TILE_ROWS * blocks_per_row),
+            )
+            .enumerate()
+            .for_each(|(tile, (nibbles, scales))| {
+                for r in 0..MXFP4_TILE_ROWS {
+                    let row = tile * MXFP4_TILE_ROWS + r;
+                    let source = &self.row_nibbles(row)[..row_bytes];
+                    // Dword d of row r goes to vector d of the tile, lane r.
+                    for (d, four) in source.chunks_exact(4).enumerate() {
+                        let to = d * 4 * MXFP4_TILE_ROWS + r * 4;
+                        nibbles[to..to + 4].copy_from_slice(four);
+                    }
+                    for (b, &scale) in self.row_scales(row)[..blocks_per_row].iter().enumerate() {
+                        scales[b * MXFP4_TILE_ROWS + r] = scale;
+                    }
+                }
+            });
+        tiled.nibbles.collapse_huge_pages();
+        Ok(tiled)
+    }
+
+    /// Signed value (-8..=7) of element `k` of row `row`, in either layout.
     pub(crate) fn value(&self, row: usize, k: usize) -> i32 {
-        let byte = self.row_nibbles(row)[k / 2];
+        let byte = if self.tiled {
+            self.nibbles[tiled_byte(self.cols, row, k / 2)]
+        } else {
+            self.row_nibbles(row)[k / 2]
+        };
         let nibble = if k.is_multiple_of(2) {
             byte & 0x0F
         } else {
@@ -1625,9 +1725,8 @@ impl Q4Matrix {
             });
         }
         check_len("dequantized Q4 row", out.len(), self.cols)?;
-        let scales = self.row_scales(row);
         for (k, value) in out.iter_mut().enumerate() {
-            *value = self.value(row, k) as f32 * scales[k / BLOCK_LEN].to_f32();
+            *value = self.value(row, k) as f32 * self.scale(row, k / BLOCK_LEN).to_f32();
         }
         Ok(())
     }

@@ -520,6 +520,12 @@ impl Kernels {
         self.path == KernelPath::Avx512
     }
 
+    /// Whether Q4 matrices should be reordered into the tile layout ([`Q4Matrix::to_tiles`]):
+    /// the AVX-512 path has kernels for it; the others read it the scalar reference's way.
+    pub fn prefers_tiled_q4(&self) -> bool {
+        self.path == KernelPath::Avx512
+    }
+
     /// Whether the MXFP4 GEMV decodes with `vpermb` (AVX-512 VBMI).
     pub fn uses_vbmi(&self) -> bool {
         self.vbmi
@@ -740,7 +746,16 @@ impl Kernels {
         out: &mut [f32],
     ) -> Result<(), KernelError> {
         check_quantized("Q4 GEMV", w.rows, w.cols, x, &rows, out, true)?;
-        dispatch!(self, q4_gemv(w, x, rows, out));
+        dispatch!(
+            self,
+            avx512: avx512::q4_gemv(w, x, rows, out),
+            avx2: if w.tiled {
+                scalar::q4_gemv(w, x, rows, out)
+            } else {
+                avx2::q4_gemv(w, x, rows, out)
+            },
+            scalar: scalar::q4_gemv(w, x, rows, out),
+        );
         Ok(())
     }
 
@@ -755,7 +770,16 @@ impl Kernels {
     ) -> Result<(), KernelError> {
         check_quantized("Q4 GEMM", w.rows, w.cols, x, &rows, out, false)?;
         scratch.check(w.cols)?;
-        dispatch!(self, q4_gemm(w, x, rows, out, scratch));
+        dispatch!(
+            self,
+            avx512: avx512::q4_gemm(w, x, rows, out, scratch),
+            avx2: if w.tiled {
+                scalar::q4_gemm(w, x, rows, out, scratch)
+            } else {
+                avx2::q4_gemm(w, x, rows, out, scratch)
+            },
+            scalar: scalar::q4_gemm(w, x, rows, out, scratch),
+        );
         Ok(())
     }
 

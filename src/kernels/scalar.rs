@@ -44,10 +44,10 @@ fn q8_dot(w: &Q8Matrix, row: usize, x: &Q8Activations, token: usize) -> f32 {
 }
 
 fn q4_dot(w: &Q4Matrix, row: usize, x: &Q8Activations, token: usize) -> f32 {
-    let scales = w.row_scales(row);
     let quants = x.row_quants(token);
     let mut total = 0.0f32;
-    for (block, scale) in scales.iter().enumerate().take(w.cols / BLOCK_LEN) {
+    for block in 0..w.cols / BLOCK_LEN {
+        let scale = w.scale(row, block);
         let mut sum = 0i32;
         for e in 0..BLOCK_LEN {
             let k = block * BLOCK_LEN + e;

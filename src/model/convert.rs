@@ -20,14 +20,14 @@ pub enum DenseMatrix {
 }
 
 impl DenseMatrix {
-    /// `tile_q8`: reorder Q8 matrices the conversion makes into the tile layout
-    /// ([`Q8Matrix::to_tiles`]) where their rows fill whole tiles. A file's own Q8 blocks stay
-    /// in row order: they are shared with the bf16 matrix they came from, so a tiled copy
-    /// would hold them twice.
+    /// `tiles`: reorder the Q8 and Q4 matrices the conversion makes into their tile layouts
+    /// ([`Q8Matrix::to_tiles`], [`Q4Matrix::to_tiles`]) where their rows fill whole tiles. A
+    /// file's own Q8 blocks stay in row order: they are shared with the bf16 matrix they came
+    /// from, so a tiled copy would hold them twice.
     fn convert(
         matrix: &Bf16Matrix,
         format: WeightFormat,
-        tile_q8: bool,
+        tiles: TileChoices,
     ) -> Result<Self, ModelError> {
         // Quantized blocks need whole blocks of 32 inputs; other widths stay exact.
         if format == WeightFormat::Native || !matrix.cols().is_multiple_of(MXFP4_BLOCK) {
@@ -40,15 +40,14 @@ impl DenseMatrix {
         let quantized = match format {
             WeightFormat::Q8 => Q8Matrix::from_bf16(matrix.rows(), matrix.cols(), matrix.values())
                 .and_then(|m| {
-                    if tile_q8 && m.rows().is_multiple_of(MXFP4_TILE_ROWS) {
+                    if tiles.q8 && m.rows().is_multiple_of(MXFP4_TILE_ROWS) {
                         m.to_tiles()
                     } else {
                         Ok(m)
                     }
                 })
                 .map(|m| DenseMatrix::Q8(Arc::new(m))),
-            _ => Q4Matrix::from_bf16(matrix.rows(), matrix.cols(), matrix.values())
-                .map(DenseMatrix::Q4),
+            _ => q4_matrix(matrix, tiles.q4).map(DenseMatrix::Q4),
         };
         quantized.map_err(|e| ModelError::Quantize(e.to_string()))
     }
@@ -128,11 +127,40 @@ impl DraftUnembedding {
     }
 }
 
+/// `matrix` quantized to Q4, in the tile layout when `tile` says so and its rows fill whole
+/// tiles (the row-order copy is dropped at once).
+fn q4_matrix(matrix: &Bf16Matrix, tile: bool) -> Result<Q4Matrix, crate::kernels::KernelError> {
+    let m = Q4Matrix::from_bf16(matrix.rows(), matrix.cols(), matrix.values())?;
+    if tile && m.rows().is_multiple_of(MXFP4_TILE_ROWS) {
+        m.to_tiles()
+    } else {
+        Ok(m)
+    }
+}
+
+/// Which quantized matrices [`FastWeights::build`] reorders into tiles: those the kernels have
+/// tile products for ([`crate::kernels::Kernels::prefers_tiled_q8`] and `_q4`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TileChoices {
+    pub q8: bool,
+    pub q4: bool,
+}
+
+impl TileChoices {
+    /// What these kernels prefer.
+    pub fn for_kernels(kernels: &crate::kernels::Kernels) -> Self {
+        Self {
+            q8: kernels.prefers_tiled_q8(),
+            q4: kernels.prefers_tiled_q4(),
+        }
+    }
+}
+
 /// What [`FastWeights::build`] makes besides the format.
 #[derive(Debug, Clone, Copy)]
 pub struct BuildChoices {
-    /// Reorder Q8 matrices into tiles (see [`DenseMatrix::convert`]).
-    pub tile_q8: bool,
+    /// Reorder quantized matrices into tiles (see [`DenseMatrix::convert`]).
+    pub tiles: TileChoices,
     pub unembedding: Unembedding,
     /// Candidates per row of a two-stage unembedding (`None`: [`DRAFT_CANDIDATES`]).
     pub draft_candidates: Option<usize>,
@@ -183,13 +211,12 @@ impl FastWeights {
     ) -> Result<FastWeights, ModelError> {
         let started = Instant::now();
         let total = Self::matrix_count(weights, format, choices.unembedding);
-        let tile_q8 = choices.tile_q8;
+        let tiles = choices.tiles;
         let mut done = 0;
         // Before the unembedding's own conversion, which releases the pages of its source.
         let draft =
             if DraftUnembedding::applies(choices.unembedding, format, weights.lm_head.cols()) {
-                let m = &weights.lm_head;
-                let matrix = Q4Matrix::from_bf16(m.rows(), m.cols(), m.values())
+                let matrix = q4_matrix(&weights.lm_head, tiles.q4)
                     .map(DenseMatrix::Q4)
                     .map_err(|e| ModelError::Quantize(e.to_string()))?;
                 done += 1;
@@ -199,13 +226,13 @@ impl FastWeights {
                     candidates: choices
                         .draft_candidates
                         .unwrap_or(DRAFT_CANDIDATES)
-                        .clamp(1, m.rows()),
+                        .clamp(1, weights.lm_head.rows()),
                 })
             } else {
                 None
             };
         let mut step = |m: &Bf16Matrix| -> Result<DenseMatrix, ModelError> {
-            let converted = DenseMatrix::convert(m, format, tile_q8)?;
+            let converted = DenseMatrix::convert(m, format, tiles)?;
             if converted.needs_quantized_input() {
                 m.release_pages();
             }

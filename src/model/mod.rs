@@ -351,7 +351,7 @@ impl Model {
                 };
                 let tile_time = started.elapsed();
                 let choices = BuildChoices {
-                    tile_q8: kernels.prefers_tiled_q8(),
+                    tiles: convert::TileChoices::for_kernels(&kernels),
                     unembedding: opts.unembedding,
                     draft_candidates: opts.draft_candidates,
                 };

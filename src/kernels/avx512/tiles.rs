@@ -16,13 +16,13 @@ use std::ops::Range;
 
 use super::super::avx2::prefetch_share_into;
 use super::super::formats::{
-    tile_lanes, tile_out, ByteSpans, Mxfp4Layout, Mxfp4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN,
-    GROUP_BLOCKS, GROUP_LANES, GROUP_LEN, MXFP4_TILE_ROWS,
+    tile_lanes, tile_out, ByteSpans, Mxfp4Layout, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix,
+    BLOCK_LEN, GROUP_BLOCKS, GROUP_LANES, GROUP_LEN, MXFP4_TILE_ROWS,
 };
 use super::super::{GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
 use super::{
     activation_exponent_range, combined_scale, correction_lane, exponent_mode, exponent_offsets,
-    format_factor, split_nibbles, DecodedTiles, Prefetch, FORMAT_MXFP4, FORMAT_Q8,
+    format_factor, split_nibbles, DecodedTiles, Prefetch, FORMAT_MXFP4, FORMAT_Q4, FORMAT_Q8,
     GEMM_PAIR_TOKENS, GROUP_DWORDS, MXFP4_UNSIGNED_64,
 };
 
@@ -159,6 +159,49 @@ impl TileSource for Q8Tiles<'_> {
                 _mm512_loadu_si512(even.cast()),
                 _mm512_loadu_si512(even.add(GROUP_DWORDS / 2 * 64).cast()),
             )
+        }
+    }
+    #[inline(always)]
+    unsafe fn scales(scales: *const u8, block: usize) -> __m512 {
+        // SAFETY: the caller upholds the trait's contract: 16 f16 scales per block.
+        unsafe {
+            _mm512_cvtph_ps(_mm256_loadu_si256(
+                scales.add(2 * block * MXFP4_TILE_ROWS).cast(),
+            ))
+        }
+    }
+}
+
+/// A tiled Q4 matrix: its nibbles are the unsigned operands as stored (the offset of 8 comes
+/// back through the activations' Q4 correction), split as MXFP4's are.
+struct Q4Tiles<'a>(&'a Q4Matrix);
+
+impl TileSource for Q4Tiles<'_> {
+    const FORMAT: u8 = FORMAT_Q4;
+    const DIRECT_CALL_TOKENS: usize = DIRECT_CALL_TOKENS;
+    const POWER_OF_TWO_SCALES: bool = false;
+    fn cols(&self) -> usize {
+        self.0.cols
+    }
+    fn rows(&self) -> usize {
+        self.0.rows
+    }
+    fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2] {
+        self.0.byte_spans(rows)
+    }
+    fn tile_base(&self, tile: usize) -> (*const u8, *const u8) {
+        let (bytes, scales) = self.0.tile_offsets(tile);
+        (
+            self.0.nibbles.as_ptr().wrapping_add(bytes),
+            self.0.scales.as_ptr().cast::<u8>().wrapping_add(2 * scales),
+        )
+    }
+    #[inline(always)]
+    unsafe fn operands(vectors: *const u8, block: usize, s: usize) -> (__m512i, __m512i) {
+        // SAFETY: the caller upholds the trait's contract.
+        unsafe {
+            let bytes = _mm512_loadu_si512(vectors.add((block * BLOCK_VECTORS + s) * 64).cast());
+            split_nibbles::<FORMAT_Q4>(bytes)
         }
     }
     #[inline(always)]
@@ -601,4 +644,21 @@ pub(in crate::kernels) unsafe fn q8_product(
     debug_assert!(w.tiled);
     // SAFETY: the caller upholds the contract.
     unsafe { product(&Q8Tiles(w), x, rows, out, scratch) }
+}
+
+/// `out[t * rows.len() + i] = W[rows.start + i] . x[t]` for a tiled Q4 `w`.
+///
+/// # Safety
+/// As [`mxfp4_product`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+pub(in crate::kernels) unsafe fn q4_product(
+    w: &Q4Matrix,
+    x: &Q8Activations,
+    rows: Range<usize>,
+    out: &mut [f32],
+    scratch: Option<&mut GemmScratch>,
+) {
+    debug_assert!(w.tiled);
+    // SAFETY: the caller upholds the contract.
+    unsafe { product(&Q4Tiles(w), x, rows, out, scratch) }
 }
