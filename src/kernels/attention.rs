@@ -1003,7 +1003,7 @@ fn prefetch_row_of_next_tile(row: *const f16, layout: RowLayout) {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
+pub(super) mod avx512 {
     //! The AVX-512 steps. Each function requires the features of the `Avx512` kernel path (the
     //! subset enabled here: F and BW, with AVX2, FMA and F16C) and the buffer sizes of `TilePath`.
 
@@ -1059,7 +1059,7 @@ mod avx512 {
     /// `fast_exp` in 16 lanes.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-    pub(super) unsafe fn exp(x: __m512) -> __m512 {
+    pub(in crate::kernels) unsafe fn exp(x: __m512) -> __m512 {
         let in_range = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, _mm512_set1_ps(EXP_MIN));
         let x = _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN));
         let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
@@ -1535,7 +1535,7 @@ mod avx512 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(super) mod avx2 {
     //! The AVX2 steps: 8 lanes, blocks of 8 keys for the logits and up to 4 heads x 16 columns for
     //! the values. Each function requires AVX2, FMA and F16C and the buffer sizes of `TilePath`.
 
@@ -1592,7 +1592,7 @@ mod avx2 {
     /// `fast_exp` in 8 lanes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn exp(x: __m256) -> __m256 {
+    pub(in crate::kernels) unsafe fn exp(x: __m256) -> __m256 {
         let in_range = _mm256_cmp_ps::<_CMP_GE_OQ>(x, _mm256_set1_ps(EXP_MIN));
         let x = _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN));
         let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(

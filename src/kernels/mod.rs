@@ -49,6 +49,7 @@ pub mod attention;
 mod formats;
 pub mod kv_widen;
 mod scalar;
+pub mod swiglu;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;

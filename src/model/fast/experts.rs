@@ -3,7 +3,8 @@
 
 use super::jobs::{quantize_in_task, Job, SharedOut, SharedSlots};
 use super::{FastPass, Scratch, PREFILL_CHUNK};
-use crate::model::ops::{add_bias_rows, add_weighted, swiglu, MAX_EXPERTS_PER_TOKEN};
+use crate::kernels::swiglu::swiglu;
+use crate::model::ops::{add_bias_rows, add_weighted, MAX_EXPERTS_PER_TOKEN};
 use crate::model::options::Product;
 use crate::model::profile::Phase;
 use crate::model::team::parallel_for;
@@ -124,7 +125,7 @@ impl FastPass<'_> {
                     .chunks_exact(2 * inter)
                     .zip(activated.chunks_exact_mut(inter))
                 {
-                    swiglu(c, pair, out);
+                    swiglu(kernels, pair, c.swiglu_limit, c.swiglu_alpha, out);
                 }
                 quantize_in_task(kernels, activated, inter, down_split, out);
             };
@@ -194,7 +195,13 @@ impl FastPass<'_> {
             let gate_up = &mut s.gate_up[slot * 2 * inter..(slot + 1) * 2 * inter];
             add_bias_rows(gate_up, layer.gate_up.bias(expert));
             let activated = &mut s.activated[slot * inter..(slot + 1) * inter];
-            swiglu(c, gate_up, activated);
+            swiglu(
+                self.kernels,
+                gate_up,
+                c.swiglu_limit,
+                c.swiglu_alpha,
+                activated,
+            );
             let outer = s.profile.enter(Phase::Quantization);
             s.work.quantize(
                 self.kernels,
@@ -260,7 +267,7 @@ impl FastPass<'_> {
             .chunks_exact(2 * inter)
             .zip(activated.chunks_exact_mut(inter))
         {
-            swiglu(c, pair, out);
+            swiglu(self.kernels, pair, c.swiglu_limit, c.swiglu_alpha, out);
         }
 
         let activated_q = &mut s.activated_q[0];
