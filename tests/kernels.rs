@@ -1116,98 +1116,128 @@ fn tiled_mxfp4_products_match_the_row_order_on_every_path() {
     }
 }
 
-/// Tiled Q8 products ([`check_tiled_products`]); rows that do not fill whole tiles are refused.
-#[test]
-fn tiled_q8_products_match_the_row_order_on_every_path() {
-    let mut rng = rng(23);
-    let mut paths = vec![scalar()];
-    paths.extend(simd_paths());
-    for shape @ (rows, cols) in TILED_SHAPES {
-        let weights = to_bf16(&random_f32(&mut rng, rows * cols, 0.2));
-        let q8 = Q8Matrix::from_bf16(rows, cols, &weights).unwrap();
-        let tiled = q8.to_tiles().unwrap();
-        assert!(tiled.is_tiled() && !q8.is_tiled());
-        let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
-        for r in 0..rows {
-            q8.dequantize_row(r, &mut a).unwrap();
-            tiled.dequantize_row(r, &mut b).unwrap();
-            assert_eq!(bits(&a), bits(&b), "{rows}x{cols} row {r}");
-        }
-        let mut scratch = GemmScratch::new(cols);
-        let scratch = std::cell::RefCell::new(&mut scratch);
-        let pick = |is_tiled: bool| if is_tiled { &tiled } else { &q8 };
-        for tokens in TILED_TOKENS {
-            let mut x = Q8Activations::new();
-            kernels()
-                .quantize_activation_rows(&random_f32(&mut rng, tokens * cols, 2.0), cols, &mut x)
-                .unwrap();
-            check_tiled_products(
-                "tiled Q8",
-                shape,
-                &x,
-                &paths,
-                &|r, o| q8.dequantize_row(r, o).unwrap(),
-                &|k, is_tiled, x, range, out| {
-                    let mut scratch = scratch.borrow_mut();
-                    k.q8_gemm(pick(is_tiled), x, range, out, &mut scratch)
-                        .unwrap()
-                },
-                &|k, is_tiled, x, range, out| k.q8_gemv(pick(is_tiled), x, range, out).unwrap(),
-            );
-        }
-    }
-    let weights = to_bf16(&random_f32(&mut rng, 20 * 64, 0.2));
-    assert!(Q8Matrix::from_bf16(20, 64, &weights)
-        .unwrap()
-        .to_tiles()
-        .is_err());
+/// A block-quantized matrix with a tile layout, as the tiled-product tests take it.
+trait TiledMatrix: Sized {
+    const NAME: &'static str;
+    fn from_bf16(rows: usize, cols: usize, bits: &[u16]) -> Result<Self, KernelError>;
+    fn to_tiles(&self) -> Result<Self, KernelError>;
+    fn is_tiled(&self) -> bool;
+    fn size_bytes(&self) -> usize;
+    fn dequantize_row(&self, row: usize, out: &mut [f32]) -> Result<(), KernelError>;
+    fn gemm(
+        &self,
+        k: Kernels,
+        x: &Q8Activations,
+        rows: std::ops::Range<usize>,
+        out: &mut [f32],
+        scratch: &mut GemmScratch,
+    ) -> Result<(), KernelError>;
+    fn gemv(
+        &self,
+        k: Kernels,
+        x: &Q8Activations,
+        rows: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), KernelError>;
 }
 
-/// Tiled Q4 products ([`check_tiled_products`]): the draft unembedding's layout on AVX-512;
-/// rows that do not fill whole tiles are refused.
-#[test]
-fn tiled_q4_products_match_the_row_order_on_every_path() {
-    let mut rng = rng(29);
+macro_rules! tiled_matrix {
+    ($matrix:ty, $name:literal, $gemm:ident, $gemv:ident) => {
+        impl TiledMatrix for $matrix {
+            const NAME: &'static str = $name;
+            fn from_bf16(rows: usize, cols: usize, bits: &[u16]) -> Result<Self, KernelError> {
+                <$matrix>::from_bf16(rows, cols, bits)
+            }
+            fn to_tiles(&self) -> Result<Self, KernelError> {
+                <$matrix>::to_tiles(self)
+            }
+            fn is_tiled(&self) -> bool {
+                <$matrix>::is_tiled(self)
+            }
+            fn size_bytes(&self) -> usize {
+                <$matrix>::size_bytes(self)
+            }
+            fn dequantize_row(&self, row: usize, out: &mut [f32]) -> Result<(), KernelError> {
+                <$matrix>::dequantize_row(self, row, out)
+            }
+            fn gemm(
+                &self,
+                k: Kernels,
+                x: &Q8Activations,
+                rows: std::ops::Range<usize>,
+                out: &mut [f32],
+                scratch: &mut GemmScratch,
+            ) -> Result<(), KernelError> {
+                k.$gemm(self, x, rows, out, scratch)
+            }
+            fn gemv(
+                &self,
+                k: Kernels,
+                x: &Q8Activations,
+                rows: std::ops::Range<usize>,
+                out: &mut [f32],
+            ) -> Result<(), KernelError> {
+                k.$gemv(self, x, rows, out)
+            }
+        }
+    };
+}
+
+tiled_matrix!(Q8Matrix, "tiled Q8", q8_gemm, q8_gemv);
+tiled_matrix!(Q4Matrix, "tiled Q4", q4_gemm, q4_gemv);
+
+/// Tiled products of `M` ([`check_tiled_products`]) on random weights: the tiled copy holds the
+/// same values in no more bytes; rows that do not fill whole tiles are refused.
+fn check_tiled_matrix<M: TiledMatrix>(seed: u64) {
+    let mut rng = rng(seed);
     let mut paths = vec![scalar()];
     paths.extend(simd_paths());
     for shape @ (rows, cols) in TILED_SHAPES {
         let weights = to_bf16(&random_f32(&mut rng, rows * cols, 0.2));
-        let q4 = Q4Matrix::from_bf16(rows, cols, &weights).unwrap();
-        let tiled = q4.to_tiles().unwrap();
-        assert!(tiled.is_tiled() && !q4.is_tiled());
-        assert!(tiled.size_bytes() <= q4.size_bytes());
+        let plain = M::from_bf16(rows, cols, &weights).unwrap();
+        let tiled = plain.to_tiles().unwrap();
+        assert!(tiled.is_tiled() && !plain.is_tiled());
+        assert!(tiled.size_bytes() <= plain.size_bytes());
         let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
         for r in 0..rows {
-            q4.dequantize_row(r, &mut a).unwrap();
+            plain.dequantize_row(r, &mut a).unwrap();
             tiled.dequantize_row(r, &mut b).unwrap();
-            assert_eq!(bits(&a), bits(&b), "{rows}x{cols} row {r}");
+            assert_eq!(bits(&a), bits(&b), "{} {rows}x{cols} row {r}", M::NAME);
         }
         let mut scratch = GemmScratch::new(cols);
         let scratch = std::cell::RefCell::new(&mut scratch);
-        let pick = |is_tiled: bool| if is_tiled { &tiled } else { &q4 };
+        let pick = |is_tiled: bool| if is_tiled { &tiled } else { &plain };
         for tokens in TILED_TOKENS {
             let mut x = Q8Activations::new();
             kernels()
                 .quantize_activation_rows(&random_f32(&mut rng, tokens * cols, 2.0), cols, &mut x)
                 .unwrap();
             check_tiled_products(
-                "tiled Q4",
+                M::NAME,
                 shape,
                 &x,
                 &paths,
-                &|r, o| q4.dequantize_row(r, o).unwrap(),
+                &|r, o| plain.dequantize_row(r, o).unwrap(),
                 &|k, is_tiled, x, range, out| {
                     let mut scratch = scratch.borrow_mut();
-                    k.q4_gemm(pick(is_tiled), x, range, out, &mut scratch)
-                        .unwrap()
+                    pick(is_tiled).gemm(k, x, range, out, &mut scratch).unwrap()
                 },
-                &|k, is_tiled, x, range, out| k.q4_gemv(pick(is_tiled), x, range, out).unwrap(),
+                &|k, is_tiled, x, range, out| pick(is_tiled).gemv(k, x, range, out).unwrap(),
             );
         }
     }
     let weights = to_bf16(&random_f32(&mut rng, 20 * 64, 0.2));
-    assert!(Q4Matrix::from_bf16(20, 64, &weights)
-        .unwrap()
-        .to_tiles()
-        .is_err());
+    assert!(M::from_bf16(20, 64, &weights).unwrap().to_tiles().is_err());
+}
+
+/// The attention projections' and unembedding's layout on AVX-512.
+#[test]
+fn tiled_q8_products_match_the_row_order_on_every_path() {
+    check_tiled_matrix::<Q8Matrix>(23);
+}
+
+/// The draft unembedding's layout (and `--weights q4`'s) on AVX-512.
+#[test]
+fn tiled_q4_products_match_the_row_order_on_every_path() {
+    check_tiled_matrix::<Q4Matrix>(29);
 }
