@@ -272,8 +272,11 @@ impl BenchWeights {
         experts: usize,
         rows: usize,
         cols: usize,
-        tiles: bool,
+        kernels: &Kernels,
     ) -> Result<Self, KernelError> {
+        // Each tile layout where the kernels prefer it, as the model then converts its weights.
+        let tiles = kernels.prefers_tiled_mxfp4();
+        let (tile_q8, tile_q4) = (kernels.prefers_tiled_q8(), kernels.prefers_tiled_q4());
         let groups = cols.div_ceil(GROUP_LEN);
         let blocks = cols / 32;
         let mut bytes = |n: usize| -> Vec<u8> {
@@ -316,14 +319,14 @@ impl BenchWeights {
             rng.fill(&mut nibbles[..]);
             q4.push(Q4Matrix::from_parts(rows, cols, &nibbles, scales(rng))?);
         }
-        let q8_tiles = if tiles && rows.is_multiple_of(MXFP4_TILE_ROWS) {
+        let q8_tiles = if tile_q8 && rows.is_multiple_of(MXFP4_TILE_ROWS) {
             q8.iter()
                 .map(Q8Matrix::to_tiles)
                 .collect::<Result<_, _>>()?
         } else {
             Vec::new()
         };
-        let q4_tiles = if tiles && rows.is_multiple_of(MXFP4_TILE_ROWS) {
+        let q4_tiles = if tile_q4 && rows.is_multiple_of(MXFP4_TILE_ROWS) {
             q4.iter()
                 .map(Q4Matrix::to_tiles)
                 .collect::<Result<_, _>>()?
@@ -464,22 +467,27 @@ pub fn run_kernel_bench(
         });
     }
     let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
-    let tiles = kernels.prefers_tiled_mxfp4();
-    let weights = BenchWeights::random(&mut rng, config.experts, config.rows, config.cols, tiles)?;
-    let formats: &[Format] = if weights.mxfp4_tiles.is_some() && kernels.prefers_tiled_q8() {
-        &[
+    let weights =
+        BenchWeights::random(&mut rng, config.experts, config.rows, config.cols, &kernels)?;
+    // Every format, and after each the same weights in its tile layout where they were built.
+    let formats: Vec<Format> = [
+        (
             Format::Mxfp4,
-            Format::Mxfp4Tiles,
+            Some(Format::Mxfp4Tiles).filter(|_| weights.mxfp4_tiles.is_some()),
+        ),
+        (
             Format::Q8,
-            Format::Q8Tiles,
+            Some(Format::Q8Tiles).filter(|_| !weights.q8_tiles.is_empty()),
+        ),
+        (
             Format::Q4,
-            Format::Q4Tiles,
-        ]
-    } else if weights.mxfp4_tiles.is_some() {
-        &[Format::Mxfp4, Format::Mxfp4Tiles, Format::Q8, Format::Q4]
-    } else {
-        &[Format::Mxfp4, Format::Q8, Format::Q4]
-    };
+            Some(Format::Q4Tiles).filter(|_| !weights.q4_tiles.is_empty()),
+        ),
+    ]
+    .into_iter()
+    .flat_map(|(plain, tiled)| std::iter::once(plain).chain(tiled))
+    .collect();
+    let formats = &formats[..];
     let max_tokens = config.gemm_tokens.iter().copied().max().unwrap_or(1).max(1);
     let max_stream = config.stream_tokens.iter().copied().max().unwrap_or(1);
     let activations: Vec<f32> = (0..max_tokens.max(max_stream) * config.cols)

@@ -79,6 +79,16 @@ pub(crate) trait ByteSpans {
     fn row_count(&self) -> usize;
 }
 
+/// The rows of the tiles `rows` touches (empty stays empty): what a tiled matrix's byte spans
+/// cover, since tiles hold whole groups of rows.
+fn whole_tiles(rows: std::ops::Range<usize>) -> std::ops::Range<usize> {
+    if rows.is_empty() {
+        return rows;
+    }
+    rows.start / MXFP4_TILE_ROWS * MXFP4_TILE_ROWS
+        ..rows.end.div_ceil(MXFP4_TILE_ROWS) * MXFP4_TILE_ROWS
+}
+
 impl ByteSpans for Mxfp4Matrix<'_> {
     fn row_count(&self) -> usize {
         self.rows()
@@ -89,11 +99,7 @@ impl ByteSpans for Mxfp4Matrix<'_> {
         // Tiles hold whole groups of rows: the span of the tiles the rows touch.
         let rows = match self.layout {
             Mxfp4Layout::Rows => rows,
-            Mxfp4Layout::Tiles if rows.is_empty() => rows,
-            Mxfp4Layout::Tiles => {
-                rows.start / MXFP4_TILE_ROWS * MXFP4_TILE_ROWS
-                    ..rows.end.div_ceil(MXFP4_TILE_ROWS) * MXFP4_TILE_ROWS
-            }
+            Mxfp4Layout::Tiles => whole_tiles(rows),
         };
         [
             (
@@ -117,13 +123,7 @@ impl ByteSpans for Q4Matrix {
         // Tiles hold whole groups of rows and no padding blocks: the span of the tiles the rows
         // touch.
         let (rows, row_bytes, row_scales) = if self.tiled {
-            let rows = if rows.is_empty() {
-                rows
-            } else {
-                rows.start / MXFP4_TILE_ROWS * MXFP4_TILE_ROWS
-                    ..rows.end.div_ceil(MXFP4_TILE_ROWS) * MXFP4_TILE_ROWS
-            };
-            (rows, self.cols / 2, self.cols / BLOCK_LEN * 2)
+            (whole_tiles(rows), self.cols / 2, self.cols / BLOCK_LEN * 2)
         } else {
             (
                 rows,
@@ -155,12 +155,7 @@ impl ByteSpans for Q8Matrix {
     fn byte_spans(&self, rows: std::ops::Range<usize>) -> [(*const u8, usize); 2] {
         let (row_bytes, row_scales) = (self.groups * GROUP_LEN, self.groups * GROUP_BLOCKS * 2);
         // Tiles hold whole groups of rows: the span of the tiles the rows touch.
-        let rows = if self.tiled && !rows.is_empty() {
-            rows.start / MXFP4_TILE_ROWS * MXFP4_TILE_ROWS
-                ..rows.end.div_ceil(MXFP4_TILE_ROWS) * MXFP4_TILE_ROWS
-        } else {
-            rows
-        };
+        let rows = if self.tiled { whole_tiles(rows) } else { rows };
         [
             (
                 self.quants
@@ -1136,11 +1131,7 @@ impl<'a> Mxfp4Matrix<'a> {
     /// Where tile `tile`'s bytes start: its 64-byte dword vectors, then its scale bytes.
     #[inline(always)]
     pub(crate) fn tile_offsets(&self, tile: usize) -> (usize, usize) {
-        let blocks_per_row = self.cols / BLOCK_LEN;
-        (
-            tile * blocks_per_row * MXFP4_TILE_ROWS * BLOCK_LEN / 2,
-            tile * blocks_per_row * MXFP4_TILE_ROWS,
-        )
+        nibble_tile_offsets(self.cols, tile)
     }
 
     /// Row `row` as f32, exactly as the spec defines it (`FP4_E2M1[nibble] x e8m0_scale(s)`).
@@ -1206,28 +1197,48 @@ pub fn tile_mxfp4(
     check_len("tiled MXFP4 blocks", tiled_blocks.len(), blocks.len())?;
     check_len("tiled MXFP4 scales", tiled_scales.len(), scales.len())?;
     let (row_bytes, blocks_per_row) = (cols / 2, cols / BLOCK_LEN);
-    let dwords_per_row = row_bytes / 4;
     for tile in 0..rows / MXFP4_TILE_ROWS {
         let first = tile * MXFP4_TILE_ROWS;
-        let (bytes_at, scales_at) =
-            Mxfp4Matrix::new_tiled(rows, cols, blocks, scales)?.tile_offsets(tile);
-        // Dword d of row r (in block d / 4) goes to vector d of the tile, lane r.
-        let out = &mut tiled_blocks[bytes_at..bytes_at + MXFP4_TILE_ROWS * row_bytes];
-        for r in 0..MXFP4_TILE_ROWS {
-            let row = &source.blocks[(first + r) * row_bytes..(first + r + 1) * row_bytes];
-            for d in 0..dwords_per_row {
-                let to = d * 4 * MXFP4_TILE_ROWS + r * 4;
-                out[to..to + 4].copy_from_slice(&row[4 * d..4 * d + 4]);
-            }
-        }
-        let out = &mut tiled_scales[scales_at..scales_at + MXFP4_TILE_ROWS * blocks_per_row];
-        for r in 0..MXFP4_TILE_ROWS {
-            for b in 0..blocks_per_row {
-                out[b * MXFP4_TILE_ROWS + r] = source.scales[(first + r) * blocks_per_row + b];
-            }
-        }
+        let (bytes_at, scales_at) = nibble_tile_offsets(cols, tile);
+        transpose_tile(
+            |r| &source.blocks[(first + r) * row_bytes..(first + r + 1) * row_bytes],
+            |r| &source.scales[(first + r) * blocks_per_row..(first + r + 1) * blocks_per_row],
+            &mut tiled_blocks[bytes_at..bytes_at + MXFP4_TILE_ROWS * row_bytes],
+            &mut tiled_scales[scales_at..scales_at + MXFP4_TILE_ROWS * blocks_per_row],
+        );
     }
     Ok(())
+}
+
+/// Where tile `tile` of a tiled nibble matrix (MXFP4, Q4) of `cols` columns starts: its 64-byte
+/// dword vectors and its scales (in elements).
+#[inline(always)]
+fn nibble_tile_offsets(cols: usize, tile: usize) -> (usize, usize) {
+    let blocks_per_row = cols / BLOCK_LEN;
+    (
+        tile * blocks_per_row * MXFP4_TILE_ROWS * BLOCK_LEN / 2,
+        tile * blocks_per_row * MXFP4_TILE_ROWS,
+    )
+}
+
+/// One tile of a nibble matrix from its 16 rows in row order (`bytes(r)`: row r's packed
+/// nibbles, `scales(r)`: its block scales): dword d of row r goes to vector d of the tile, lane
+/// r, and scale b of row r to `scales_out[b * 16 + r]`.
+fn transpose_tile<'a, S: Copy + 'a>(
+    bytes: impl Fn(usize) -> &'a [u8],
+    scales: impl Fn(usize) -> &'a [S],
+    bytes_out: &mut [u8],
+    scales_out: &mut [S],
+) {
+    for r in 0..MXFP4_TILE_ROWS {
+        for (d, four) in bytes(r).chunks_exact(4).enumerate() {
+            let to = d * 4 * MXFP4_TILE_ROWS + r * 4;
+            bytes_out[to..to + 4].copy_from_slice(four);
+        }
+        for (b, &scale) in scales(r).iter().enumerate() {
+            scales_out[b * MXFP4_TILE_ROWS + r] = scale;
+        }
+    }
 }
 
 fn bf16_to_f32(bits: u16) -> f32 {
@@ -1646,11 +1657,7 @@ impl Q4Matrix {
     /// In the tile layout: where tile `tile`'s nibble vectors and its scales start.
     #[inline(always)]
     pub(crate) fn tile_offsets(&self, tile: usize) -> (usize, usize) {
-        let blocks_per_row = self.cols / BLOCK_LEN;
-        (
-            tile * blocks_per_row * MXFP4_TILE_ROWS * BLOCK_LEN / 2,
-            tile * blocks_per_row * MXFP4_TILE_ROWS,
-        )
+        nibble_tile_offsets(self.cols, tile)
     }
 
     /// The same matrix in the tile layout of [`Mxfp4Layout::Tiles`] (the nibbles are in MXFP4's
@@ -1683,18 +1690,14 @@ impl Q4Matrix {
             )
             .enumerate()
             .for_each(|(tile, (nibbles, scales))| {
-                for r in 0..MXFP4_TILE_ROWS {
-                    let row = tile * MXFP4_TILE_ROWS + r;
-                    let source = &self.row_nibbles(row)[..row_bytes];
-                    // Dword d of row r goes to vector d of the tile, lane r.
-                    for (d, four) in source.chunks_exact(4).enumerate() {
-                        let to = d * 4 * MXFP4_TILE_ROWS + r * 4;
-                        nibbles[to..to + 4].copy_from_slice(four);
-                    }
-                    for (b, &scale) in self.row_scales(row)[..blocks_per_row].iter().enumerate() {
-                        scales[b * MXFP4_TILE_ROWS + r] = scale;
-                    }
-                }
+                // The row order's padding blocks are left behind.
+                let row = |r: usize| tile * MXFP4_TILE_ROWS + r;
+                transpose_tile(
+                    |r| &self.row_nibbles(row(r))[..row_bytes],
+                    |r| &self.row_scales(row(r))[..blocks_per_row],
+                    nibbles,
+                    scales,
+                );
             });
         tiled.nibbles.collapse_huge_pages();
         Ok(tiled)

@@ -121,12 +121,8 @@ impl FastPass<'_> {
                     )
                 };
                 add_bias_rows(block, layer.gate_up.bias(group[slot]));
-                for (pair, out) in block
-                    .chunks_exact(2 * inter)
-                    .zip(activated.chunks_exact_mut(inter))
-                {
-                    swiglu(kernels, pair, c.swiglu_limit, c.swiglu_alpha, out);
-                }
+                // Rows of 2 x inter interleaved pairs, so the m tokens are one run of pairs.
+                swiglu(kernels, block, c.swiglu_limit, c.swiglu_alpha, activated);
                 quantize_in_task(kernels, activated, inter, down_split, out);
             };
             parallel_for(self.team, count, &post);
@@ -263,12 +259,13 @@ impl FastPass<'_> {
         s.work.run(self.kernels, self.team, &[job], gate_up);
         add_bias_rows(gate_up, layer.gate_up.bias(expert));
         let activated = &mut s.activated[..m * inter];
-        for (pair, out) in gate_up
-            .chunks_exact(2 * inter)
-            .zip(activated.chunks_exact_mut(inter))
-        {
-            swiglu(self.kernels, pair, c.swiglu_limit, c.swiglu_alpha, out);
-        }
+        swiglu(
+            self.kernels,
+            gate_up,
+            c.swiglu_limit,
+            c.swiglu_alpha,
+            activated,
+        );
 
         let activated_q = &mut s.activated_q[0];
         s.work
