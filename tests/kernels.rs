@@ -694,6 +694,10 @@ fn kernel_path_names_parse_and_unsupported_paths_are_refused() {
     );
     assert_eq!(parse_kernel_path(" AVX2 ").unwrap(), Some(KernelPath::Avx2));
     assert_eq!(
+        parse_kernel_path("avx2-vnni").unwrap(),
+        Some(KernelPath::Avx2Vnni)
+    );
+    assert_eq!(
         parse_kernel_path("avx512").unwrap(),
         Some(KernelPath::Avx512)
     );
@@ -1044,7 +1048,7 @@ fn check_tiled_products(
             if k.path() == KernelPath::Scalar {
                 continue;
             }
-            if k.path() == KernelPath::Avx2 {
+            if matches!(k.path(), KernelPath::Avx2 | KernelPath::Avx2Vnni) {
                 // One tile kernel behind both entries (MXFP4; Q8 tiles take the scalar way).
                 if tokens <= MAX_GEMV_TOKENS {
                     gemv(k, true, x, range.clone(), &mut other);

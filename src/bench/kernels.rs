@@ -201,7 +201,7 @@ impl fmt::Display for KernelBenchReport {
 fn gemv_decode(kernels: Kernels) -> &'static str {
     match kernels.path() {
         KernelPath::Avx512 if kernels.uses_vbmi() => "vpermb",
-        KernelPath::Avx512 | KernelPath::Avx2 => "vpshufb",
+        KernelPath::Avx512 | KernelPath::Avx2 | KernelPath::Avx2Vnni => "vpshufb",
         KernelPath::Scalar => "scalar",
     }
 }
@@ -211,6 +211,7 @@ fn peak_instructions(path: &str) -> &'static str {
     match path {
         "avx512" => "vpdpbusd, 16 chains",
         "avx2" => "vpmaddubsw + vpmaddwd",
+        "avx2-vnni" => "256-bit vpdpbusd",
         _ => "scalar",
     }
 }
@@ -219,7 +220,7 @@ fn peak_instructions(path: &str) -> &'static str {
 fn read_loads(path: &str) -> &'static str {
     match path {
         "avx512" => "512-bit",
-        "avx2" => "256-bit",
+        "avx2" | "avx2-vnni" => "256-bit",
         _ => "scalar",
     }
 }

@@ -120,7 +120,9 @@ fn sum_lines(path: crate::kernels::KernelPath, lines: &[u8]) -> u64 {
         KernelPath::Avx512 => unsafe { sum_lines_avx512(lines.as_ptr(), lines.len()) },
         // SAFETY: as above, for AVX2.
         #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx2 => unsafe { sum_lines_avx2(lines.as_ptr(), lines.len()) },
+        KernelPath::Avx2 | KernelPath::Avx2Vnni => unsafe {
+            sum_lines_avx2(lines.as_ptr(), lines.len())
+        },
         _ => lines
             .chunks_exact(8)
             .fold(0u64, |a, w| a.wrapping_add(w[0] as u64 + w[7] as u64)),

@@ -38,6 +38,17 @@ pub(crate) fn missing_features() -> Vec<&'static str> {
         .collect()
 }
 
+/// How this CPU runs a 256-bit `vpdpbusd`, if it does: AVX-VNNI, else AVX-512 VNNI with VL.
+pub(crate) fn vnni_encoding() -> Option<super::Avx2Dot> {
+    if is_x86_feature_detected!("avxvnni") {
+        Some(super::Avx2Dot::VnniVex)
+    } else if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
+        Some(super::Avx2Dot::VnniEvex)
+    } else {
+        None
+    }
+}
+
 /// Doubled FP4 values plus 12, so they are unsigned bytes for `vpmaddubsw`.
 const MXFP4_UNSIGNED: [i8; 16] = [12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0];
 
@@ -947,51 +958,104 @@ pub(crate) unsafe fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
 ///
 /// (The earlier probe did one `vpmaddubsw` per 64 counted products and rebuilt its operands
 /// every round; it measured 38 GMAC/s per thread on Zen 4 where the GEMMs ran at 60.)
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn int8_mac_probe(rounds: usize) -> i64 {
-    use super::{probe_operands, PROBE_GROUPS};
-    const CHAINS: usize = 8;
-    let ones = _mm256_set1_epi16(1);
-    let unsigned = |g: usize| _mm256_set1_epi8(probe_operands(g).0 as i8);
-    let signed = |g: usize| _mm256_set1_epi8(probe_operands(g).1);
-    let (mut u0, mut u1, mut u2) = (unsigned(0), unsigned(1), unsigned(2));
-    let (mut s0, mut s1, mut s2, mut s3, mut s4) =
-        (signed(0), signed(1), signed(2), signed(3), signed(4));
-    let mut acc = [_mm256_setzero_si256(); CHAINS];
-    for _ in 0..rounds {
-        // SAFETY: an empty template: it only tells the compiler the values may have changed.
-        unsafe {
-            std::arch::asm!(
-                "/* {0} {1} {2} {3} {4} {5} {6} {7} */",
-                inout(ymm_reg) u0, inout(ymm_reg) u1, inout(ymm_reg) u2, inout(ymm_reg) s0,
-                inout(ymm_reg) s1, inout(ymm_reg) s2, inout(ymm_reg) s3, inout(ymm_reg) s4,
-                options(nomem, nostack, preserves_flags)
-            )
-        };
-        let (us, ss) = ([u0, u1, u2], [s0, s1, s2, s3, s4]);
-        // Literal group indices (the loop is unrolled), so every operand stays in a register.
-        macro_rules! groups {
-            ($($g:literal)*) => {$(
-                // Group g: 2 x 32 products u x s, summed as the kernels do (at most 4 x 3 x 2
-                // in an int16 lane, far from saturation).
-                let (u, s) = (us[$g % 3], ss[$g % 5]);
-                let pairs =
-                    _mm256_add_epi16(_mm256_maddubs_epi16(u, s), _mm256_maddubs_epi16(u, s));
-                acc[$g % CHAINS] = _mm256_add_epi32(acc[$g % CHAINS], _mm256_madd_epi16(pairs, ones));
-            )*};
+///
+/// # Safety
+/// The CPU runs `dot` (AVX2 for all; AVX-VNNI or AVX-512 VNNI/VL for the `vpdpbusd` ones).
+pub(crate) unsafe fn int8_mac_probe(rounds: usize, dot: super::Avx2Dot) -> i64 {
+    // SAFETY: the caller upholds the contract: each entry's features are present.
+    unsafe {
+        match dot {
+            super::Avx2Dot::Maddubs => probe_entry_maddubs(rounds),
+            super::Avx2Dot::VnniVex => probe_entry_vex(rounds),
+            super::Avx2Dot::VnniEvex => probe_entry_evex(rounds),
         }
-        groups!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
     }
-    const _: () = assert!(
-        PROBE_GROUPS == 16,
-        "the probe's groups are written out above"
-    );
-    let mut total = 0i64;
-    for acc in acc {
-        let mut lanes = [0i32; 8];
-        // SAFETY: `lanes` is 32 writable bytes; storeu has no alignment requirement.
-        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), acc) };
-        total += lanes.iter().map(|&l| l as i64).sum::<i64>();
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn probe_entry_maddubs(rounds: usize) -> i64 {
+    // SAFETY: this entry's features are what the body needs.
+    unsafe { probe::<tiles::Maddubs>(rounds) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn probe_entry_vex(rounds: usize) -> i64 {
+    // SAFETY: as above, with AVX-VNNI.
+    unsafe { probe::<tiles::VnniVex>(rounds) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+unsafe fn probe_entry_evex(rounds: usize) -> i64 {
+    // SAFETY: as above, with AVX-512 VNNI and VL.
+    unsafe { probe::<tiles::VnniEvex>(rounds) }
+}
+
+/// Tells the compiler the probe's operands may have changed (an empty `asm!`), so it cannot
+/// hoist the loop-invariant products.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn opaque(values: &mut [__m256i; 8]) {
+    let [v0, v1, v2, v3, v4, v5, v6, v7] = values;
+    // SAFETY: an empty template: it only tells the compiler the values may have changed.
+    unsafe {
+        std::arch::asm!(
+            "/* {0} {1} {2} {3} {4} {5} {6} {7} */",
+            inout(ymm_reg) * v0,
+            inout(ymm_reg) * v1,
+            inout(ymm_reg) * v2,
+            inout(ymm_reg) * v3,
+            inout(ymm_reg) * v4,
+            inout(ymm_reg) * v5,
+            inout(ymm_reg) * v6,
+            inout(ymm_reg) * v7,
+            options(nomem, nostack, preserves_flags)
+        )
+    };
+}
+
+/// [`int8_mac_probe`]'s body, each 64 products summed by `D` as the tile kernel sums them.
+///
+/// # Safety
+/// The CPU has AVX2 and what `D` needs.
+#[inline(always)]
+unsafe fn probe<D: tiles::PairDot>(rounds: usize) -> i64 {
+    // SAFETY: the caller upholds the contract (AVX2 and what D needs).
+    unsafe {
+        use super::{probe_operands, PROBE_GROUPS};
+        const CHAINS: usize = 8;
+        let unsigned = |g: usize| _mm256_set1_epi8(probe_operands(g).0 as i8);
+        let signed = |g: usize| _mm256_set1_epi8(probe_operands(g).1);
+        let (mut u0, mut u1, mut u2) = (unsigned(0), unsigned(1), unsigned(2));
+        let (mut s0, mut s1, mut s2, mut s3, mut s4) =
+            (signed(0), signed(1), signed(2), signed(3), signed(4));
+        let mut acc = [[_mm256_setzero_si256(); 2]; CHAINS];
+        for _ in 0..rounds {
+            let mut operands = [u0, u1, u2, s0, s1, s2, s3, s4];
+            opaque(&mut operands);
+            [u0, u1, u2, s0, s1, s2, s3, s4] = operands;
+            let (us, ss) = ([u0, u1, u2], [s0, s1, s2, s3, s4]);
+            // Literal group indices (the loop is unrolled), so every operand stays in a register.
+            macro_rules! groups {
+                ($($g:literal)*) => {$(
+                    // Group g: 2 x 32 products u x s, summed as the kernels do (at most 4 x 3 x 2
+                    // in an int16 lane, far from saturation).
+                    let (u, s) = (us[$g % 3], ss[$g % 5]);
+                    D::add_pairs(&mut acc[$g % CHAINS], (u, s), (u, s));
+                )*};
+            }
+            groups!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+        }
+        const _: () = assert!(
+            PROBE_GROUPS == 16,
+            "the probe's groups are written out above"
+        );
+        let mut total = 0i64;
+        for acc in acc.into_iter().flatten() {
+            let mut lanes = [0i32; 8];
+            // `lanes` is 32 writable bytes; storeu has no alignment requirement.
+            _mm256_storeu_si256(lanes.as_mut_ptr().cast(), acc);
+            total += lanes.iter().map(|&l| l as i64).sum::<i64>();
+        }
+        total
     }
-    total
 }

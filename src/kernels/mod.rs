@@ -3,19 +3,22 @@
 //!
 //! # Choosing a path
 //! The path is chosen once per process: call [`init_kernel_path`] at start-up (it reads
-//! `OSSTERM_KERNELS=scalar|avx2|avx512|auto` and refuses a path this CPU lacks), then [`kernels`]
+//! `OSSTERM_KERNELS=scalar|avx2|avx2-vnni|avx512|auto` and refuses a path this CPU lacks), then [`kernels`]
 //! hands out a [`Kernels`] value whose methods run on that path. Tests and benchmarks build a
 //! [`Kernels`] for any supported path with [`Kernels::new`] and compare them side by side.
 //!
 //! * `Avx512`: AVX-512 F/BW with VNNI (`vpdpbusd`), F16C and FMA; where AVX-512 VBMI is detected
 //!   too, the MXFP4 GEMV decodes nibbles with `vpermb` ([`Kernels::without_vbmi`] turns it off).
+//! * `Avx2Vnni`: the AVX2 path whose MXFP4 tile products and int8 probe sum with 256-bit
+//!   `vpdpbusd`: AVX-VNNI (Intel's client cores from Alder Lake on, which lack AVX-512; Zen 5),
+//!   or the EVEX form of AVX-512 VNNI/VL on CPUs that have that instead (so the path runs, and
+//!   is tested, where AVX-512 is the default).
 //! * `Avx2`: AVX2 (`vpmaddubsw` + `vpmaddwd`), F16C and FMA.
 //! * `Scalar`: always available; the reference the others are tested against.
 //!
 //! AVX-512 BF16 (`vdpbf16ps`) serves only the fast path's attention over an f16 cache, where the
 //! CPU issues it as fast as an f32 FMA ([`Kernels::uses_bf16_attention`]); the exact bf16 weight
-//! products must not round their f32 activations to bf16. AVX-VNNI is not used: it would only
-//! speed up the AVX2 fallback on CPUs that lack AVX-512.
+//! products must not round their f32 activations to bf16.
 //!
 //! # Integer formats and the forward pass
 //! ```text
@@ -89,7 +92,7 @@ pub const GEMM_TILE_ROWS: usize = 16;
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
     #[error(
-        "unknown kernel path {value:?} in {KERNELS_ENV}: expected scalar, avx2, avx512 or auto"
+        "unknown kernel path {value:?} in {KERNELS_ENV}: expected scalar, avx2, avx2-vnni, avx512 or auto"
     )]
     UnknownPath { value: String },
     #[error("{KERNELS_ENV} is not valid UTF-8")]
@@ -141,16 +144,24 @@ pub enum KernelError {
 pub enum KernelPath {
     Scalar,
     Avx2,
+    Avx2Vnni,
     Avx512,
 }
 
 impl KernelPath {
-    pub const ALL: [KernelPath; 3] = [KernelPath::Scalar, KernelPath::Avx2, KernelPath::Avx512];
+    /// Slowest to fastest: detection picks the last one the CPU supports.
+    pub const ALL: [KernelPath; 4] = [
+        KernelPath::Scalar,
+        KernelPath::Avx2,
+        KernelPath::Avx2Vnni,
+        KernelPath::Avx512,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             KernelPath::Scalar => "scalar",
             KernelPath::Avx2 => "avx2",
+            KernelPath::Avx2Vnni => "avx2-vnni",
             KernelPath::Avx512 => "avx512",
         }
     }
@@ -162,9 +173,17 @@ impl KernelPath {
             #[cfg(target_arch = "x86_64")]
             KernelPath::Avx2 => avx2::missing_features(),
             #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx2Vnni => {
+                let mut missing = avx2::missing_features();
+                if avx2::vnni_encoding().is_none() {
+                    missing.push("avxvnni (or avx512vnni with avx512vl)");
+                }
+                missing
+            }
+            #[cfg(target_arch = "x86_64")]
             KernelPath::Avx512 => avx512::missing_features(),
             #[cfg(not(target_arch = "x86_64"))]
-            KernelPath::Avx2 | KernelPath::Avx512 => vec!["x86-64"],
+            KernelPath::Avx2 | KernelPath::Avx2Vnni | KernelPath::Avx512 => vec!["x86-64"],
         }
     }
 
@@ -185,6 +204,7 @@ pub fn parse_kernel_path(value: &str) -> Result<Option<KernelPath>, KernelError>
         "" | "auto" => Ok(None),
         "scalar" => Ok(Some(KernelPath::Scalar)),
         "avx2" => Ok(Some(KernelPath::Avx2)),
+        "avx2-vnni" | "avx2vnni" => Ok(Some(KernelPath::Avx2Vnni)),
         "avx512" | "avx-512" => Ok(Some(KernelPath::Avx512)),
         _ => Err(KernelError::UnknownPath {
             value: value.to_string(),
@@ -399,9 +419,13 @@ macro_rules! dispatch {
             // SAFETY: see the macro's doc: Avx512 is only held after detecting its features.
             #[cfg(target_arch = "x86_64")]
             $crate::kernels::KernelPath::Avx512 => unsafe { $avx512 },
-            // SAFETY: see the macro's doc: Avx2 is only held after detecting its features.
+            // SAFETY: see the macro's doc: Avx2 and Avx2Vnni (AVX2 plus a 256-bit `vpdpbusd`,
+            // which only the code choosing by `Kernels::avx2_dot` runs) are only held after
+            // detecting their features.
             #[cfg(target_arch = "x86_64")]
-            $crate::kernels::KernelPath::Avx2 => unsafe { $avx2 },
+            $crate::kernels::KernelPath::Avx2 | $crate::kernels::KernelPath::Avx2Vnni => unsafe {
+                $avx2
+            },
             _ => $scalar,
         }
     };
@@ -426,6 +450,20 @@ pub struct Kernels {
     /// finds `vdpbf16ps` issuing about as fast as an f32 FMA: twice the multiply-adds; see
     /// [`attention::runs_bf16`]).
     bf16_attention: bool,
+    /// How the AVX2 paths' MXFP4 tile products sum int8 products (only `Avx2Vnni` differs).
+    avx2_dot: Avx2Dot,
+}
+
+/// How the AVX2 paths sum int8 products: per 64 products two `vpmaddubsw`, their int16 sum,
+/// `vpmaddwd` and `vpaddd`, or two `vpdpbusd` (the same integer sums: no int16 lane of the
+/// first saturates on the operands they take).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Avx2Dot {
+    Maddubs,
+    /// `vpdpbusd` as AVX-VNNI (VEX encoded).
+    VnniVex,
+    /// `vpdpbusd` as AVX-512 VNNI with VL (EVEX encoded).
+    VnniEvex,
 }
 
 impl Kernels {
@@ -444,16 +482,21 @@ impl Kernels {
     /// Kernels on a path this CPU supports, with the optional features it has.
     fn on_path(path: KernelPath) -> Self {
         #[cfg(target_arch = "x86_64")]
-        let (vbmi, bf16_attention) = (
+        let (vbmi, bf16_attention, avx2_dot) = (
             path == KernelPath::Avx512 && avx512::vbmi_detected(),
             path == KernelPath::Avx512 && avx512::bf16_dot_pays(),
+            match path {
+                KernelPath::Avx2Vnni => avx2::vnni_encoding().unwrap_or(Avx2Dot::Maddubs),
+                _ => Avx2Dot::Maddubs,
+            },
         );
         #[cfg(not(target_arch = "x86_64"))]
-        let (vbmi, bf16_attention) = (false, false);
+        let (vbmi, bf16_attention, avx2_dot) = (false, false, Avx2Dot::Maddubs);
         Self {
             path,
             vbmi,
             bf16_attention,
+            avx2_dot,
         }
     }
 
@@ -511,14 +554,19 @@ impl Kernels {
     /// path takes tiled matrices too (correct but slow), so the model tiles only when this says
     /// so.
     pub fn prefers_tiled_mxfp4(&self) -> bool {
-        matches!(self.path, KernelPath::Avx512 | KernelPath::Avx2)
+        matches!(
+            self.path,
+            KernelPath::Avx512 | KernelPath::Avx2 | KernelPath::Avx2Vnni
+        )
     }
 
     /// Whether Q8 matrices should be reordered into the tile layout ([`Q8Matrix::to_tiles`]) for
-    /// these kernels: the AVX-512 path has kernels for it; the others read it the scalar
-    /// reference's way (AVX2's `vpmaddubsw` would saturate on the tiles' unsigned bytes).
+    /// these kernels: the AVX-512 and AVX2-with-VNNI paths have kernels for it; the others read
+    /// it the scalar reference's way (AVX2's `vpmaddubsw` would saturate on the tiles' unsigned
+    /// bytes).
     pub fn prefers_tiled_q8(&self) -> bool {
         self.path == KernelPath::Avx512
+            || (self.path == KernelPath::Avx2Vnni && self.avx2_dot != Avx2Dot::Maddubs)
     }
 
     /// Whether Q4 matrices should be reordered into the tile layout ([`Q4Matrix::to_tiles`]):
@@ -621,11 +669,17 @@ impl Kernels {
 
     /// `rounds` rounds of [`PROBE_ROUND_MACS`] int8 multiply-accumulates each, in the
     /// instructions the path's GEMMs use (AVX-512: `vpdpbusd` on 16 independent chains; AVX2:
-    /// `vpmaddubsw`, `vpmaddwd`, `vpaddd`), with no memory traffic: the arithmetic peak the GEMMs
+    /// `vpmaddubsw`, `vpmaddwd`, `vpaddd`; AVX2 with VNNI: 256-bit `vpdpbusd`), with no memory
+    /// traffic: the arithmetic peak the GEMMs
     /// are measured against. Returns the sum of all products, the same on every path. Keep
     /// `rounds` below 2^24 so no 32-bit lane overflows.
     pub fn int8_mac_probe(&self, rounds: usize) -> i64 {
-        dispatch!(self, int8_mac_probe(rounds))
+        dispatch!(
+            self,
+            avx512: avx512::int8_mac_probe(rounds),
+            avx2: avx2::int8_mac_probe(rounds, self.avx2_dot),
+            scalar: scalar::int8_mac_probe(rounds),
+        )
     }
 
     /// `out[t * rows.len() + i] = W[rows.start + i] . x[t]` for the one or two tokens in `x`,
@@ -642,7 +696,7 @@ impl Kernels {
             self,
             avx512: avx512::mxfp4_gemv(w, x, rows, out, self.vbmi),
             avx2: if w.layout == Mxfp4Layout::Tiles {
-                avx2::tiles::mxfp4_product(w, x, rows, out)
+                avx2::tiles::mxfp4_product(w, x, rows, out, self.avx2_dot)
             } else {
                 avx2::mxfp4_gemv(w, x, rows, out)
             },
@@ -666,7 +720,7 @@ impl Kernels {
             self,
             avx512: avx512::mxfp4_gemm(w, x, rows, out, scratch, self.vbmi),
             avx2: if w.layout == Mxfp4Layout::Tiles {
-                avx2::tiles::mxfp4_product(w, x, rows, out)
+                avx2::tiles::mxfp4_product(w, x, rows, out, self.avx2_dot)
             } else {
                 avx2::mxfp4_gemm(w, x, rows, out, scratch)
             },
@@ -704,10 +758,10 @@ impl Kernels {
         dispatch!(
             self,
             avx512: avx512::q8_gemv(w, x, rows, out),
-            avx2: if w.tiled {
+            avx2: if !w.tiled {
+                avx2::q8_gemv(w, x, rows.clone(), out)
+            } else if avx2::tiles::q8_product(w, x, rows.clone(), out, self.avx2_dot).is_none() {
                 scalar::q8_gemv(w, x, rows, out)
-            } else {
-                avx2::q8_gemv(w, x, rows, out)
             },
             scalar: scalar::q8_gemv(w, x, rows, out),
         );
@@ -728,10 +782,10 @@ impl Kernels {
         dispatch!(
             self,
             avx512: avx512::q8_gemm(w, x, rows, out, scratch),
-            avx2: if w.tiled {
+            avx2: if !w.tiled {
+                avx2::q8_gemm(w, x, rows.clone(), out, scratch)
+            } else if avx2::tiles::q8_product(w, x, rows.clone(), out, self.avx2_dot).is_none() {
                 scalar::q8_gemm(w, x, rows, out, scratch)
-            } else {
-                avx2::q8_gemm(w, x, rows, out, scratch)
             },
             scalar: scalar::q8_gemm(w, x, rows, out, scratch),
         );

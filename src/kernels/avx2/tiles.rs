@@ -9,6 +9,11 @@
 //! transposed at run time and every token count takes the same kernel, in passes of up to
 //! [`PASS_TOKENS`] tokens per decoded tile.
 //!
+//! With VNNI (the `avx2-vnni` path: AVX-VNNI or AVX-512 VNNI/VL) two 256-bit `vpdpbusd` take
+//! the place of the two `vpmaddubsw`, their int16 sum, `vpmaddwd` and `vpaddd`, on two
+//! accumulator chains per token (the even and the odd dwords), since one chain would wait on
+//! the instruction's latency; the integer sums are the same.
+//!
 //! Q8 matrices stay in row order on this path: their tiles hold `q + 128`, whose `vpmaddubsw`
 //! pair sums (up to 2 x 255 x 127) would saturate int16.
 
@@ -16,10 +21,201 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::super::formats::{
-    tile_lanes, tile_out, ByteSpans, Mxfp4Layout, Mxfp4Matrix, Q8Activations, BLOCK_LEN,
-    CORRECTION_LANE_MXFP4, GROUP_BLOCKS, GROUP_LANES, GROUP_LEN, MXFP4_TILE_ROWS,
+    tile_lanes, tile_out, ByteSpans, Mxfp4Layout, Mxfp4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN,
+    CORRECTION_LANE_MXFP4, CORRECTION_LANE_Q8, GROUP_BLOCKS, GROUP_LANES, GROUP_LEN,
+    MXFP4_TILE_ROWS,
 };
+use super::super::Avx2Dot;
 use super::{prefetch_share_into, MXFP4_UNSIGNED};
+
+/// How a pass adds a token's products of one dword pair to its block sums: `sums` are the
+/// token's two accumulator chains (the second may stay unused), the pairs are (unsigned
+/// weights, the token's signed activation dword broadcast) for the even and the odd dword.
+pub(in crate::kernels) trait PairDot {
+    /// # Safety
+    /// The CPU has AVX2 and the instructions of the implementation.
+    unsafe fn add_pairs(
+        sums: &mut [__m256i; 2],
+        evens: (__m256i, __m256i),
+        odds: (__m256i, __m256i),
+    );
+}
+
+/// `vpmaddubsw` x 2, `vpaddw`, `vpmaddwd`, `vpaddd` on one chain. Each int16 pair sum is at most
+/// 2 x 24 x 128 and their sum twice that: no saturation, so the sums are `vpdpbusd`'s.
+pub(in crate::kernels) struct Maddubs;
+
+impl PairDot for Maddubs {
+    #[inline(always)]
+    unsafe fn add_pairs(
+        sums: &mut [__m256i; 2],
+        (w_evens, evens): (__m256i, __m256i),
+        (w_odds, odds): (__m256i, __m256i),
+    ) {
+        // SAFETY: the caller upholds the contract (AVX2).
+        unsafe {
+            let pairs = _mm256_add_epi16(
+                _mm256_maddubs_epi16(w_evens, evens),
+                _mm256_maddubs_epi16(w_odds, odds),
+            );
+            sums[0] = _mm256_add_epi32(sums[0], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+        }
+    }
+}
+
+/// 256-bit `vpdpbusd` as AVX-VNNI, the even and odd dwords on their own chains.
+pub(in crate::kernels) struct VnniVex;
+
+impl PairDot for VnniVex {
+    #[inline(always)]
+    unsafe fn add_pairs(
+        sums: &mut [__m256i; 2],
+        (w_evens, evens): (__m256i, __m256i),
+        (w_odds, odds): (__m256i, __m256i),
+    ) {
+        // SAFETY: the caller upholds the contract (AVX-VNNI).
+        unsafe {
+            sums[0] = _mm256_dpbusd_avx_epi32(sums[0], w_evens, evens);
+            sums[1] = _mm256_dpbusd_avx_epi32(sums[1], w_odds, odds);
+        }
+    }
+}
+
+/// 256-bit `vpdpbusd` as AVX-512 VNNI with VL, as [`VnniVex`].
+pub(in crate::kernels) struct VnniEvex;
+
+impl PairDot for VnniEvex {
+    #[inline(always)]
+    unsafe fn add_pairs(
+        sums: &mut [__m256i; 2],
+        (w_evens, evens): (__m256i, __m256i),
+        (w_odds, odds): (__m256i, __m256i),
+    ) {
+        // SAFETY: the caller upholds the contract (AVX-512 VNNI and VL).
+        unsafe {
+            sums[0] = _mm256_dpbusd_epi32(sums[0], w_evens, evens);
+            sums[1] = _mm256_dpbusd_epi32(sums[1], w_odds, odds);
+        }
+    }
+}
+
+/// A matrix in a tile layout as the pass reads one half (8 rows) of a tile: per block and
+/// dword pair `s` (0..4) the unsigned operands for the block's even and odd activation dword,
+/// and per block 8 scales as f32 lanes.
+trait HalfTiles {
+    /// Which of a block's lanes of [`Q8Activations::corrections`] holds this format's offset.
+    const CORRECTION_LANE: usize;
+    /// What the float sums are multiplied by at the end (MXFP4's values are doubled).
+    const FACTOR: f32;
+    fn cols(&self) -> usize;
+    fn rows(&self) -> usize;
+    fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2];
+    /// Where half `half` of tile `tile`'s vectors and scales start.
+    fn half_base(&self, tile: usize, half: usize) -> (*const u8, *const u8);
+    /// # Safety
+    /// `vectors` from `half_base`, `block` a block of the row, `s < 4`; AVX2 available.
+    unsafe fn operands(vectors: *const u8, block: usize, s: usize) -> (__m256i, __m256i);
+    /// # Safety
+    /// `scales` from `half_base`, `block` a block of the row; AVX2 and F16C available.
+    unsafe fn scales(scales: *const u8, block: usize) -> __m256;
+}
+
+impl HalfTiles for Mxfp4Matrix<'_> {
+    const CORRECTION_LANE: usize = CORRECTION_LANE_MXFP4;
+    const FACTOR: f32 = 0.5;
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2] {
+        self.byte_spans(rows)
+    }
+    fn half_base(&self, tile: usize, half: usize) -> (*const u8, *const u8) {
+        let (bytes, scales) = self.tile_offsets(tile);
+        (
+            self.blocks.as_ptr().wrapping_add(bytes + half * 32),
+            self.scales.as_ptr().wrapping_add(scales + half * HALF_ROWS),
+        )
+    }
+    #[inline(always)]
+    unsafe fn operands(vectors: *const u8, block: usize, s: usize) -> (__m256i, __m256i) {
+        // SAFETY: the caller upholds the trait's contract.
+        unsafe {
+            let table =
+                _mm256_broadcastsi128_si256(_mm_loadu_si128(MXFP4_UNSIGNED.as_ptr().cast()));
+            let low = _mm256_set1_epi8(0x0F);
+            let bytes = _mm256_loadu_si256(vectors.add((block * BLOCK_VECTORS + s) * 64).cast());
+            (
+                _mm256_shuffle_epi8(table, _mm256_and_si256(bytes, low)),
+                _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), low)),
+            )
+        }
+    }
+    /// 2^(s - 127) from the shifted byte (0 for s = 0, as on every path).
+    #[inline(always)]
+    unsafe fn scales(scales: *const u8, block: usize) -> __m256 {
+        // SAFETY: the caller upholds the trait's contract: 16 scale bytes per block.
+        unsafe {
+            let bytes = _mm_loadl_epi64(scales.add(block * MXFP4_TILE_ROWS).cast());
+            _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_cvtepu8_epi32(bytes)))
+        }
+    }
+}
+
+/// A tiled Q8 matrix: its vectors hold `q + 128`, the operands as stored (only the `vpdpbusd`
+/// sums take them: `vpmaddubsw`'s int16 pair sums could saturate).
+impl HalfTiles for Q8Matrix {
+    const CORRECTION_LANE: usize = CORRECTION_LANE_Q8;
+    const FACTOR: f32 = 1.0;
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2] {
+        self.byte_spans(rows)
+    }
+    fn half_base(&self, tile: usize, half: usize) -> (*const u8, *const u8) {
+        (
+            self.quants
+                .as_ptr()
+                .cast::<u8>()
+                .wrapping_add(self.tile_vector(tile, 0, 0) + half * 32),
+            self.scales
+                .as_ptr()
+                .cast::<u8>()
+                .wrapping_add(2 * (self.tile_scales(tile, 0) + half * HALF_ROWS)),
+        )
+    }
+    #[inline(always)]
+    unsafe fn operands(vectors: *const u8, block: usize, s: usize) -> (__m256i, __m256i) {
+        // SAFETY: the caller upholds the trait's contract: a group's 32 vectors follow each
+        // other, evens (dwords 0..16) first.
+        unsafe {
+            let (group, j) = (block / GROUP_BLOCKS, block % GROUP_BLOCKS);
+            let even = vectors.add((group * GROUP_DWORDS + 4 * j + s) * 64);
+            (
+                _mm256_loadu_si256(even.cast()),
+                _mm256_loadu_si256(even.add(GROUP_DWORDS / 2 * 64).cast()),
+            )
+        }
+    }
+    #[inline(always)]
+    unsafe fn scales(scales: *const u8, block: usize) -> __m256 {
+        // SAFETY: the caller upholds the trait's contract: 16 f16 scales per block.
+        unsafe {
+            _mm256_cvtph_ps(_mm_loadu_si128(
+                scales.add(2 * block * MXFP4_TILE_ROWS).cast(),
+            ))
+        }
+    }
+}
+
+/// Dwords of a group of 128 columns: a tile has one 64-byte vector per dword.
+const GROUP_DWORDS: usize = GROUP_LEN / 4;
 
 /// Rows of a tile half: one 256-bit vector holds a dword of each.
 const HALF_ROWS: usize = MXFP4_TILE_ROWS / 2;
@@ -38,12 +234,11 @@ const PASS_TOKENS: usize = 4;
 ///
 /// # Safety
 /// `tile` inside the tiled `w`, the tokens inside `x` (whose columns are `w`'s), every written
-/// lane's address inside the output; the CPU has AVX2, FMA and F16C.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
+/// lane's address inside the output; the CPU has AVX2, FMA, F16C and what `D` needs.
+#[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn half_tokens<const T: usize>(
-    w: &Mxfp4Matrix,
+unsafe fn half_tokens<S: HalfTiles, D: PairDot, const T: usize>(
+    w: &S,
     (tile, half): (usize, usize),
     x: &Q8Activations,
     first_token: usize,
@@ -55,36 +250,28 @@ unsafe fn half_tokens<const T: usize>(
     // SAFETY: the caller upholds the contract; every offset below stays inside the tile's bytes
     // (blocks_per_row x 4 vectors of 64 bytes, 16 scale bytes per block) and the tokens' rows.
     unsafe {
-        let blocks_per_row = w.cols / BLOCK_LEN;
-        let (bytes_at, scales_at) = w.tile_offsets(tile);
-        let vectors = w.blocks.as_ptr().add(bytes_at + half * 32);
-        let scales = w.scales.as_ptr().add(scales_at + half * HALF_ROWS);
+        let blocks_per_row = w.cols() / BLOCK_LEN;
+        let (vectors, scales) = w.half_base(tile, half);
         let (quant_stride, lane_stride) = (x.groups * GROUP_LEN, x.groups * GROUP_LANES);
         let quants = x.quants.as_ptr().add(first_token * quant_stride);
         let corrections = x
             .corrections
             .as_ptr()
-            .add(first_token * lane_stride + CORRECTION_LANE_MXFP4);
+            .add(first_token * lane_stride + S::CORRECTION_LANE);
         let act_scales = x.scale_lanes.as_ptr().add(first_token * lane_stride);
-        let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(MXFP4_UNSIGNED.as_ptr().cast()));
-        let low = _mm256_set1_epi8(0x0F);
-        let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); T];
         for block in 0..blocks_per_row {
             prefetch_share_into::<true>(prefetch, block, blocks_per_row);
             let (group, j) = (block / GROUP_BLOCKS, block % GROUP_BLOCKS);
             let lane = group * GROUP_LANES + 4 * j;
-            let mut sums: [__m256i; T] = std::array::from_fn(|t| {
-                _mm256_set1_epi32(*corrections.add(t * lane_stride + lane))
+            let mut sums: [[__m256i; 2]; T] = std::array::from_fn(|t| {
+                [
+                    _mm256_set1_epi32(*corrections.add(t * lane_stride + lane)),
+                    _mm256_setzero_si256(),
+                ]
             });
             for s in 0..BLOCK_VECTORS {
-                let bytes =
-                    _mm256_loadu_si256(vectors.add((block * BLOCK_VECTORS + s) * 64).cast());
-                let evens = _mm256_shuffle_epi8(table, _mm256_and_si256(bytes, low));
-                let odds = _mm256_shuffle_epi8(
-                    table,
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), low),
-                );
+                let (evens, odds) = S::operands(vectors, block, s);
                 // Activation dword 4j + s meets the low nibbles, dword 16 + 4j + s the high ones.
                 let at = group * GROUP_LEN + 4 * (4 * j + s);
                 for (t, sum) in sums.iter_mut().enumerate() {
@@ -92,29 +279,20 @@ unsafe fn half_tokens<const T: usize>(
                     let even = _mm256_set1_epi32(q.cast::<i32>().read_unaligned());
                     let odd =
                         _mm256_set1_epi32(q.add(GROUP_LEN / 2).cast::<i32>().read_unaligned());
-                    // Two pair sums of at most 2 x 24 x 127 each: no int16 saturation.
-                    let pairs = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(evens, even),
-                        _mm256_maddubs_epi16(odds, odd),
-                    );
-                    *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(pairs, ones));
+                    D::add_pairs(sum, (evens, even), (odds, odd));
                 }
             }
-            // 2^(s - 127) from the shifted byte (0 for s = 0, as on every path).
-            let scale_bytes = _mm_loadl_epi64(scales.add(block * MXFP4_TILE_ROWS).cast());
-            let w_scales =
-                _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_cvtepu8_epi32(scale_bytes)));
-            for (t, (acc_t, sum)) in acc.iter_mut().zip(sums).enumerate() {
+            let w_scales = S::scales(scales, block);
+            for (t, (acc_t, [first, second])) in acc.iter_mut().zip(sums).enumerate() {
                 let a_scale = _mm256_set1_ps(*act_scales.add(t * lane_stride + lane));
                 *acc_t = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(sum),
+                    _mm256_cvtepi32_ps(_mm256_add_epi32(first, second)),
                     _mm256_mul_ps(w_scales, a_scale),
                     *acc_t,
                 );
             }
         }
-        // Doubled FP4 values: halve once at the end.
-        let factor = _mm256_set1_ps(0.5);
+        let factor = _mm256_set1_ps(S::FACTOR);
         for (t, acc_t) in acc.iter().enumerate() {
             let values = _mm256_mul_ps(*acc_t, factor);
             let row_out = out.wrapping_add(t * stride);
@@ -131,14 +309,99 @@ unsafe fn half_tokens<const T: usize>(
     }
 }
 
+/// Most tokens [`whole_tile`] takes: with more, passes over each half keep their sums in
+/// registers.
+const WHOLE_TILE_TOKENS: usize = 2;
+
+/// Both halves of tile `tile` against the `T` tokens of `x` in one pass, writing rows `lanes`
+/// (0..16): each of the tile's cache lines is read once, as a GEMV of a token (and its split
+/// remainder) should (two passes over the halves read each line twice, the second time from
+/// L2, and streamed a Q8 tile at 85% of the read bandwidth where the row order reached 100%).
+///
+/// # Safety
+/// As [`half_tokens`], `out` at lane 0 of the tile for token 0, `x` holding exactly `T` tokens.
+#[inline(always)]
+unsafe fn whole_tile<S: HalfTiles, D: PairDot, const T: usize>(
+    w: &S,
+    (tile, lanes): (usize, Range<usize>),
+    x: &Q8Activations,
+    out: *mut f32,
+    stride: usize,
+    prefetch: &[(*const u8, usize); 2],
+) {
+    // SAFETY: the caller upholds the contract; every offset below stays inside the tile's bytes
+    // and the tokens' rows.
+    unsafe {
+        let blocks_per_row = w.cols() / BLOCK_LEN;
+        let bases = [w.half_base(tile, 0), w.half_base(tile, 1)];
+        let (quant_stride, lane_stride) = (x.groups * GROUP_LEN, x.groups * GROUP_LANES);
+        let quants = x.quants.as_ptr();
+        let corrections = x.corrections.as_ptr().add(S::CORRECTION_LANE);
+        let act_scales = x.scale_lanes.as_ptr();
+        let mut acc = [[_mm256_setzero_ps(); 2]; T];
+        for block in 0..blocks_per_row {
+            prefetch_share_into::<true>(prefetch, block, blocks_per_row);
+            let (group, j) = (block / GROUP_BLOCKS, block % GROUP_BLOCKS);
+            let lane = group * GROUP_LANES + 4 * j;
+            let mut sums: [[[__m256i; 2]; 2]; T] = std::array::from_fn(|t| {
+                let correction = _mm256_set1_epi32(*corrections.add(t * lane_stride + lane));
+                [[correction, _mm256_setzero_si256()]; 2]
+            });
+            for s in 0..BLOCK_VECTORS {
+                let operands = [
+                    S::operands(bases[0].0, block, s),
+                    S::operands(bases[1].0, block, s),
+                ];
+                let at = group * GROUP_LEN + 4 * (4 * j + s);
+                for (t, halves) in sums.iter_mut().enumerate() {
+                    let q = quants.add(t * quant_stride + at);
+                    let even = _mm256_set1_epi32(q.cast::<i32>().read_unaligned());
+                    let odd =
+                        _mm256_set1_epi32(q.add(GROUP_LEN / 2).cast::<i32>().read_unaligned());
+                    for (sum, (evens, odds)) in halves.iter_mut().zip(operands) {
+                        D::add_pairs(sum, (evens, even), (odds, odd));
+                    }
+                }
+            }
+            let w_scales = [S::scales(bases[0].1, block), S::scales(bases[1].1, block)];
+            for (t, (acc_t, halves)) in acc.iter_mut().zip(sums).enumerate() {
+                let a_scale = _mm256_set1_ps(*act_scales.add(t * lane_stride + lane));
+                for ((acc_h, [first, second]), w_scale) in
+                    acc_t.iter_mut().zip(halves).zip(w_scales)
+                {
+                    *acc_h = _mm256_fmadd_ps(
+                        _mm256_cvtepi32_ps(_mm256_add_epi32(first, second)),
+                        _mm256_mul_ps(w_scale, a_scale),
+                        *acc_h,
+                    );
+                }
+            }
+        }
+        let factor = _mm256_set1_ps(S::FACTOR);
+        for (t, acc_t) in acc.iter().enumerate() {
+            let mut staged = [0.0f32; MXFP4_TILE_ROWS];
+            for (h, acc_h) in acc_t.iter().enumerate() {
+                _mm256_storeu_ps(
+                    staged.as_mut_ptr().add(h * HALF_ROWS),
+                    _mm256_mul_ps(*acc_h, factor),
+                );
+            }
+            let row_out = out.wrapping_add(t * stride);
+            for lane in lanes.clone() {
+                *row_out.wrapping_add(lane) = staged[lane];
+            }
+        }
+    }
+}
+
 /// Every token of `x` against the rows `lanes` (0..16) of tile `tile`, in balanced passes of at
 /// most [`PASS_TOKENS`] per half; the first half's first pass prefetches `prefetch`.
 ///
 /// # Safety
 /// As [`half_tokens`], `out` at lane 0 of the tile for token 0.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_all_tokens(
-    w: &Mxfp4Matrix,
+#[inline(always)]
+unsafe fn tile_all_tokens<S: HalfTiles, D: PairDot>(
+    w: &S,
     tile: usize,
     x: &Q8Activations,
     out: *mut f32,
@@ -149,6 +412,14 @@ unsafe fn tile_all_tokens(
     // SAFETY: the caller upholds the contract, which every call below shares.
     unsafe {
         let tokens = x.rows();
+        if tokens <= WHOLE_TILE_TOKENS {
+            let at = (tile, lanes);
+            match tokens {
+                2 => whole_tile::<S, D, 2>(w, at, x, out, stride, &prefetch),
+                _ => whole_tile::<S, D, 1>(w, at, x, out, stride, &prefetch),
+            }
+            return;
+        }
         let batch = tokens.div_ceil(tokens.div_ceil(PASS_TOKENS));
         let none = [(std::ptr::null(), 0); 2];
         for half in 0..2 {
@@ -171,10 +442,10 @@ unsafe fn tile_all_tokens(
                 let l = half_lanes.clone();
                 let at = (tile, half);
                 match count {
-                    4 => half_tokens::<4>(w, at, x, token, o, stride, l, p),
-                    3 => half_tokens::<3>(w, at, x, token, o, stride, l, p),
-                    2 => half_tokens::<2>(w, at, x, token, o, stride, l, p),
-                    _ => half_tokens::<1>(w, at, x, token, o, stride, l, p),
+                    4 => half_tokens::<S, D, 4>(w, at, x, token, o, stride, l, p),
+                    3 => half_tokens::<S, D, 3>(w, at, x, token, o, stride, l, p),
+                    2 => half_tokens::<S, D, 2>(w, at, x, token, o, stride, l, p),
+                    _ => half_tokens::<S, D, 1>(w, at, x, token, o, stride, l, p),
                 }
                 token += count;
             }
@@ -187,15 +458,55 @@ unsafe fn tile_all_tokens(
 /// first tile is not a cold miss either).
 ///
 /// # Safety
-/// The CPU has AVX2, FMA and F16C; `w` is tiled and the shapes were checked by `Kernels`.
-#[target_feature(enable = "avx2,fma,f16c")]
+/// The CPU has AVX2, FMA and F16C, and what `dot` names; `w` is tiled and the shapes were
+/// checked by `Kernels`.
 pub(in crate::kernels) unsafe fn mxfp4_product(
     w: &Mxfp4Matrix,
     x: &Q8Activations,
     rows: Range<usize>,
     out: &mut [f32],
+    dot: Avx2Dot,
 ) {
     debug_assert_eq!(w.layout, Mxfp4Layout::Tiles);
+    // SAFETY: the caller upholds the contract: each entry's features are present.
+    unsafe {
+        match dot {
+            Avx2Dot::Maddubs => product_maddubs(w, x, rows, out),
+            Avx2Dot::VnniVex => product_vex(w, x, rows, out),
+            Avx2Dot::VnniEvex => product_evex(w, x, rows, out),
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn product_maddubs(w: &Mxfp4Matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
+    // SAFETY: the caller upholds `mxfp4_product`'s contract; this entry has Maddubs' features.
+    unsafe { product::<_, Maddubs>(w, x, rows, out) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn product_vex(w: &Mxfp4Matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
+    // SAFETY: as above, with AVX-VNNI.
+    unsafe { product::<_, VnniVex>(w, x, rows, out) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+unsafe fn product_evex(w: &Mxfp4Matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
+    // SAFETY: as above, with AVX-512 VNNI and VL.
+    unsafe { product::<_, VnniEvex>(w, x, rows, out) }
+}
+
+/// [`mxfp4_product`]'s body for one way of summing.
+///
+/// # Safety
+/// As [`mxfp4_product`], the CPU having what `D` needs.
+#[inline(always)]
+unsafe fn product<S: HalfTiles, D: PairDot>(
+    w: &S,
+    x: &Q8Activations,
+    rows: Range<usize>,
+    out: &mut [f32],
+) {
     if rows.is_empty() || x.rows() == 0 {
         return;
     }
@@ -203,15 +514,53 @@ pub(in crate::kernels) unsafe fn mxfp4_product(
     // at `out` offsets below `x.rows() * rows.len()`.
     unsafe {
         let stride = rows.len();
-        let limit = w.rows;
+        let limit = w.rows();
         let mut tile = rows.start / MXFP4_TILE_ROWS;
         while tile * MXFP4_TILE_ROWS < rows.end {
             let first_row = tile * MXFP4_TILE_ROWS;
             let next = (first_row + MXFP4_TILE_ROWS).min(limit);
-            let spans = w.byte_spans(next..(next + MXFP4_TILE_ROWS).min(limit));
+            let spans = w.spans(next..(next + MXFP4_TILE_ROWS).min(limit));
             let o = tile_out(out, first_row, rows.start);
-            tile_all_tokens(w, tile, x, o, stride, tile_lanes(tile, &rows), spans);
+            tile_all_tokens::<S, D>(w, tile, x, o, stride, tile_lanes(tile, &rows), spans);
             tile += 1;
         }
     }
+}
+
+/// `out[t * rows.len() + i] = W[rows.start + i] . x[t]` for a tiled Q8 `w` and any number of
+/// tokens, as [`mxfp4_product`]; `None` where `dot` has no `vpdpbusd` (the caller then takes the
+/// scalar reference: `vpmaddubsw` would saturate on the tiles' unsigned bytes).
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C, and what `dot` names; `w` is tiled and the shapes were
+/// checked by `Kernels`.
+pub(in crate::kernels) unsafe fn q8_product(
+    w: &Q8Matrix,
+    x: &Q8Activations,
+    rows: Range<usize>,
+    out: &mut [f32],
+    dot: Avx2Dot,
+) -> Option<()> {
+    debug_assert!(w.tiled);
+    // SAFETY: the caller upholds the contract: each entry's features are present.
+    unsafe {
+        match dot {
+            Avx2Dot::Maddubs => return None,
+            Avx2Dot::VnniVex => q8_product_vex(w, x, rows, out),
+            Avx2Dot::VnniEvex => q8_product_evex(w, x, rows, out),
+        }
+    }
+    Some(())
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn q8_product_vex(w: &Q8Matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
+    // SAFETY: the caller upholds `q8_product`'s contract; this entry has AVX-VNNI.
+    unsafe { product::<_, VnniVex>(w, x, rows, out) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+unsafe fn q8_product_evex(w: &Q8Matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
+    // SAFETY: as above, with AVX-512 VNNI and VL.
+    unsafe { product::<_, VnniEvex>(w, x, rows, out) }
 }
