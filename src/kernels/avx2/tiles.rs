@@ -63,41 +63,40 @@ impl PairDot for Maddubs {
     }
 }
 
-/// 256-bit `vpdpbusd` as AVX-VNNI, the even and odd dwords on their own chains.
-pub(in crate::kernels) struct VnniVex;
+/// A [`PairDot`] of 256-bit `vpdpbusd` in one encoding, the even and odd dwords on their own
+/// chains.
+macro_rules! vnni_dot {
+    ($(#[$doc:meta])* $name:ident, $dpbusd:ident) => {
+        $(#[$doc])*
+        pub(in crate::kernels) struct $name;
 
-impl PairDot for VnniVex {
-    #[inline(always)]
-    unsafe fn add_pairs(
-        sums: &mut [__m256i; 2],
-        (w_evens, evens): (__m256i, __m256i),
-        (w_odds, odds): (__m256i, __m256i),
-    ) {
-        // SAFETY: the caller upholds the contract (AVX-VNNI).
-        unsafe {
-            sums[0] = _mm256_dpbusd_avx_epi32(sums[0], w_evens, evens);
-            sums[1] = _mm256_dpbusd_avx_epi32(sums[1], w_odds, odds);
+        impl PairDot for $name {
+            #[inline(always)]
+            unsafe fn add_pairs(
+                sums: &mut [__m256i; 2],
+                (w_evens, evens): (__m256i, __m256i),
+                (w_odds, odds): (__m256i, __m256i),
+            ) {
+                // SAFETY: the caller upholds the contract (the encoding's features).
+                unsafe {
+                    sums[0] = $dpbusd(sums[0], w_evens, evens);
+                    sums[1] = $dpbusd(sums[1], w_odds, odds);
+                }
+            }
         }
-    }
+    };
 }
 
-/// 256-bit `vpdpbusd` as AVX-512 VNNI with VL, as [`VnniVex`].
-pub(in crate::kernels) struct VnniEvex;
-
-impl PairDot for VnniEvex {
-    #[inline(always)]
-    unsafe fn add_pairs(
-        sums: &mut [__m256i; 2],
-        (w_evens, evens): (__m256i, __m256i),
-        (w_odds, odds): (__m256i, __m256i),
-    ) {
-        // SAFETY: the caller upholds the contract (AVX-512 VNNI and VL).
-        unsafe {
-            sums[0] = _mm256_dpbusd_epi32(sums[0], w_evens, evens);
-            sums[1] = _mm256_dpbusd_epi32(sums[1], w_odds, odds);
-        }
-    }
-}
+vnni_dot!(
+    /// AVX-VNNI (VEX encoded).
+    VnniVex,
+    _mm256_dpbusd_avx_epi32
+);
+vnni_dot!(
+    /// AVX-512 VNNI with VL (EVEX encoded).
+    VnniEvex,
+    _mm256_dpbusd_epi32
+);
 
 /// A matrix in a tile layout as the pass reads one half (8 rows) of a tile: per block and
 /// dword pair `s` (0..4) the unsigned operands for the block's even and odd activation dword,
@@ -227,19 +226,23 @@ const BLOCK_VECTORS: usize = BLOCK_LEN / 8;
 /// registers), the two decoded operands and three constants fit the 16 ymm registers.
 const PASS_TOKENS: usize = 4;
 
-/// Tile half `half` of tile `tile` against tokens `first_token..first_token + T` of `x`,
-/// writing rows `lanes` of the half (`out` at lane 0 for token 0, possibly before the caller's
-/// buffer: only lanes inside are written) while spreading prefetches of `prefetch` over the
-/// blocks.
+/// `H` halves of tile `tile` from half `first_half` (one, or both in one pass) against tokens
+/// `first_token..first_token + T` of `x`, writing the pass's rows `lanes` (0..8H; `out` at the
+/// pass's first row for token 0, possibly before the caller's buffer: only lanes inside are
+/// written) while spreading prefetches of `prefetch` over the blocks. Both halves at once read
+/// each of the tile's cache lines once, as a GEMV of a token (and its split remainder) should:
+/// two passes over the halves read each line twice, the second time from L2, and streamed a Q8
+/// tile at 85% of the read bandwidth where the row order reached 100%; with more tokens, a
+/// pass over each half keeps its sums in the 16 registers.
 ///
 /// # Safety
 /// `tile` inside the tiled `w`, the tokens inside `x` (whose columns are `w`'s), every written
 /// lane's address inside the output; the CPU has AVX2, FMA, F16C and what `D` needs.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn half_tokens<S: HalfTiles, D: PairDot, const T: usize>(
+unsafe fn tile_pass<S: HalfTiles, D: PairDot, const H: usize, const T: usize>(
     w: &S,
-    (tile, half): (usize, usize),
+    (tile, first_half): (usize, usize),
     x: &Q8Activations,
     first_token: usize,
     out: *mut f32,
@@ -248,10 +251,10 @@ unsafe fn half_tokens<S: HalfTiles, D: PairDot, const T: usize>(
     prefetch: &[(*const u8, usize); 2],
 ) {
     // SAFETY: the caller upholds the contract; every offset below stays inside the tile's bytes
-    // (blocks_per_row x 4 vectors of 64 bytes, 16 scale bytes per block) and the tokens' rows.
+    // (blocks_per_row x 4 vectors of 64 bytes and the block scales) and the tokens' rows.
     unsafe {
         let blocks_per_row = w.cols() / BLOCK_LEN;
-        let (vectors, scales) = w.half_base(tile, half);
+        let bases: [_; H] = std::array::from_fn(|h| w.half_base(tile, first_half + h));
         let (quant_stride, lane_stride) = (x.groups * GROUP_LEN, x.groups * GROUP_LANES);
         let quants = x.quants.as_ptr().add(first_token * quant_stride);
         let corrections = x
@@ -259,99 +262,18 @@ unsafe fn half_tokens<S: HalfTiles, D: PairDot, const T: usize>(
             .as_ptr()
             .add(first_token * lane_stride + S::CORRECTION_LANE);
         let act_scales = x.scale_lanes.as_ptr().add(first_token * lane_stride);
-        let mut acc = [_mm256_setzero_ps(); T];
+        let mut acc = [[_mm256_setzero_ps(); H]; T];
         for block in 0..blocks_per_row {
             prefetch_share_into::<true>(prefetch, block, blocks_per_row);
             let (group, j) = (block / GROUP_BLOCKS, block % GROUP_BLOCKS);
             let lane = group * GROUP_LANES + 4 * j;
-            let mut sums: [[__m256i; 2]; T] = std::array::from_fn(|t| {
-                [
-                    _mm256_set1_epi32(*corrections.add(t * lane_stride + lane)),
-                    _mm256_setzero_si256(),
-                ]
-            });
-            for s in 0..BLOCK_VECTORS {
-                let (evens, odds) = S::operands(vectors, block, s);
-                // Activation dword 4j + s meets the low nibbles, dword 16 + 4j + s the high ones.
-                let at = group * GROUP_LEN + 4 * (4 * j + s);
-                for (t, sum) in sums.iter_mut().enumerate() {
-                    let q = quants.add(t * quant_stride + at);
-                    let even = _mm256_set1_epi32(q.cast::<i32>().read_unaligned());
-                    let odd =
-                        _mm256_set1_epi32(q.add(GROUP_LEN / 2).cast::<i32>().read_unaligned());
-                    D::add_pairs(sum, (evens, even), (odds, odd));
-                }
-            }
-            let w_scales = S::scales(scales, block);
-            for (t, (acc_t, [first, second])) in acc.iter_mut().zip(sums).enumerate() {
-                let a_scale = _mm256_set1_ps(*act_scales.add(t * lane_stride + lane));
-                *acc_t = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(_mm256_add_epi32(first, second)),
-                    _mm256_mul_ps(w_scales, a_scale),
-                    *acc_t,
-                );
-            }
-        }
-        let factor = _mm256_set1_ps(S::FACTOR);
-        for (t, acc_t) in acc.iter().enumerate() {
-            let values = _mm256_mul_ps(*acc_t, factor);
-            let row_out = out.wrapping_add(t * stride);
-            if lanes == (0..HALF_ROWS) {
-                _mm256_storeu_ps(row_out, values);
-            } else {
-                let mut staged = [0.0f32; HALF_ROWS];
-                _mm256_storeu_ps(staged.as_mut_ptr(), values);
-                for lane in lanes.clone() {
-                    *row_out.wrapping_add(lane) = staged[lane];
-                }
-            }
-        }
-    }
-}
-
-/// Most tokens [`whole_tile`] takes: with more, passes over each half keep their sums in
-/// registers.
-const WHOLE_TILE_TOKENS: usize = 2;
-
-/// Both halves of tile `tile` against the `T` tokens of `x` in one pass, writing rows `lanes`
-/// (0..16): each of the tile's cache lines is read once, as a GEMV of a token (and its split
-/// remainder) should (two passes over the halves read each line twice, the second time from
-/// L2, and streamed a Q8 tile at 85% of the read bandwidth where the row order reached 100%).
-///
-/// # Safety
-/// As [`half_tokens`], `out` at lane 0 of the tile for token 0, `x` holding exactly `T` tokens.
-#[inline(always)]
-unsafe fn whole_tile<S: HalfTiles, D: PairDot, const T: usize>(
-    w: &S,
-    (tile, lanes): (usize, Range<usize>),
-    x: &Q8Activations,
-    out: *mut f32,
-    stride: usize,
-    prefetch: &[(*const u8, usize); 2],
-) {
-    // SAFETY: the caller upholds the contract; every offset below stays inside the tile's bytes
-    // and the tokens' rows.
-    unsafe {
-        let blocks_per_row = w.cols() / BLOCK_LEN;
-        let bases = [w.half_base(tile, 0), w.half_base(tile, 1)];
-        let (quant_stride, lane_stride) = (x.groups * GROUP_LEN, x.groups * GROUP_LANES);
-        let quants = x.quants.as_ptr();
-        let corrections = x.corrections.as_ptr().add(S::CORRECTION_LANE);
-        let act_scales = x.scale_lanes.as_ptr();
-        let mut acc = [[_mm256_setzero_ps(); 2]; T];
-        for block in 0..blocks_per_row {
-            prefetch_share_into::<true>(prefetch, block, blocks_per_row);
-            let (group, j) = (block / GROUP_BLOCKS, block % GROUP_BLOCKS);
-            let lane = group * GROUP_LANES + 4 * j;
-            let mut sums: [[[__m256i; 2]; 2]; T] = std::array::from_fn(|t| {
+            let mut sums: [[[__m256i; 2]; H]; T] = std::array::from_fn(|t| {
                 let correction = _mm256_set1_epi32(*corrections.add(t * lane_stride + lane));
-                [[correction, _mm256_setzero_si256()]; 2]
+                [[correction, _mm256_setzero_si256()]; H]
             });
             for s in 0..BLOCK_VECTORS {
-                let operands = [
-                    S::operands(bases[0].0, block, s),
-                    S::operands(bases[1].0, block, s),
-                ];
+                let operands: [_; H] = std::array::from_fn(|h| S::operands(bases[h].0, block, s));
+                // Activation dword 4j + s meets the even operands, dword 16 + 4j + s the odd.
                 let at = group * GROUP_LEN + 4 * (4 * j + s);
                 for (t, halves) in sums.iter_mut().enumerate() {
                     let q = quants.add(t * quant_stride + at);
@@ -363,7 +285,7 @@ unsafe fn whole_tile<S: HalfTiles, D: PairDot, const T: usize>(
                     }
                 }
             }
-            let w_scales = [S::scales(bases[0].1, block), S::scales(bases[1].1, block)];
+            let w_scales: [_; H] = std::array::from_fn(|h| S::scales(bases[h].1, block));
             for (t, (acc_t, halves)) in acc.iter_mut().zip(sums).enumerate() {
                 let a_scale = _mm256_set1_ps(*act_scales.add(t * lane_stride + lane));
                 for ((acc_h, [first, second]), w_scale) in
@@ -379,26 +301,34 @@ unsafe fn whole_tile<S: HalfTiles, D: PairDot, const T: usize>(
         }
         let factor = _mm256_set1_ps(S::FACTOR);
         for (t, acc_t) in acc.iter().enumerate() {
-            let mut staged = [0.0f32; MXFP4_TILE_ROWS];
-            for (h, acc_h) in acc_t.iter().enumerate() {
-                _mm256_storeu_ps(
-                    staged.as_mut_ptr().add(h * HALF_ROWS),
-                    _mm256_mul_ps(*acc_h, factor),
-                );
-            }
             let row_out = out.wrapping_add(t * stride);
-            for lane in lanes.clone() {
-                *row_out.wrapping_add(lane) = staged[lane];
+            if lanes == (0..H * HALF_ROWS) {
+                for (h, acc_h) in acc_t.iter().enumerate() {
+                    _mm256_storeu_ps(row_out.add(h * HALF_ROWS), _mm256_mul_ps(*acc_h, factor));
+                }
+            } else {
+                let mut staged = [0.0f32; MXFP4_TILE_ROWS];
+                for (h, acc_h) in acc_t.iter().enumerate() {
+                    let values = _mm256_mul_ps(*acc_h, factor);
+                    _mm256_storeu_ps(staged.as_mut_ptr().add(h * HALF_ROWS), values);
+                }
+                for lane in lanes.clone() {
+                    *row_out.wrapping_add(lane) = staged[lane];
+                }
             }
         }
     }
 }
 
-/// Every token of `x` against the rows `lanes` (0..16) of tile `tile`, in balanced passes of at
-/// most [`PASS_TOKENS`] per half; the first half's first pass prefetches `prefetch`.
+/// Most tokens one pass over a whole tile takes (see [`tile_pass`]).
+const WHOLE_TILE_TOKENS: usize = 2;
+
+/// Every token of `x` against the rows `lanes` (0..16) of tile `tile`: up to
+/// [`WHOLE_TILE_TOKENS`] in one pass over both halves, more in balanced passes of at most
+/// [`PASS_TOKENS`] per half; the first pass prefetches `prefetch`.
 ///
 /// # Safety
-/// As [`half_tokens`], `out` at lane 0 of the tile for token 0.
+/// As [`tile_pass`], `out` at lane 0 of the tile for token 0.
 #[inline(always)]
 unsafe fn tile_all_tokens<S: HalfTiles, D: PairDot>(
     w: &S,
@@ -413,10 +343,10 @@ unsafe fn tile_all_tokens<S: HalfTiles, D: PairDot>(
     unsafe {
         let tokens = x.rows();
         if tokens <= WHOLE_TILE_TOKENS {
-            let at = (tile, lanes);
+            let (at, p) = ((tile, 0), &prefetch);
             match tokens {
-                2 => whole_tile::<S, D, 2>(w, at, x, out, stride, &prefetch),
-                _ => whole_tile::<S, D, 1>(w, at, x, out, stride, &prefetch),
+                2 => tile_pass::<S, D, 2, 2>(w, at, x, 0, out, stride, lanes, p),
+                _ => tile_pass::<S, D, 2, 1>(w, at, x, 0, out, stride, lanes, p),
             }
             return;
         }
@@ -442,10 +372,10 @@ unsafe fn tile_all_tokens<S: HalfTiles, D: PairDot>(
                 let l = half_lanes.clone();
                 let at = (tile, half);
                 match count {
-                    4 => half_tokens::<S, D, 4>(w, at, x, token, o, stride, l, p),
-                    3 => half_tokens::<S, D, 3>(w, at, x, token, o, stride, l, p),
-                    2 => half_tokens::<S, D, 2>(w, at, x, token, o, stride, l, p),
-                    _ => half_tokens::<S, D, 1>(w, at, x, token, o, stride, l, p),
+                    4 => tile_pass::<S, D, 1, 4>(w, at, x, token, o, stride, l, p),
+                    3 => tile_pass::<S, D, 1, 3>(w, at, x, token, o, stride, l, p),
+                    2 => tile_pass::<S, D, 1, 2>(w, at, x, token, o, stride, l, p),
+                    _ => tile_pass::<S, D, 1, 1>(w, at, x, token, o, stride, l, p),
                 }
                 token += count;
             }
