@@ -1049,7 +1049,7 @@ fn check_tiled_products(
                 continue;
             }
             if matches!(k.path(), KernelPath::Avx2 | KernelPath::Avx2Vnni) {
-                // One tile kernel behind both entries (MXFP4; Q8 tiles take the scalar way).
+                // One tile kernel behind both entries (plain AVX2's Q8 tiles: the scalar one).
                 if tokens <= MAX_GEMV_TOKENS {
                     gemv(k, true, x, range.clone(), &mut other);
                     assert_eq!(bits(&got), bits(&other), "{what}: GEMV entry");
@@ -1244,4 +1244,73 @@ fn tiled_q8_products_match_the_row_order_on_every_path() {
 #[test]
 fn tiled_q4_products_match_the_row_order_on_every_path() {
     check_tiled_matrix::<Q4Matrix>(29);
+}
+
+/// The `avx2-vnni` path's tile products: MXFP4 gives plain AVX2's bits (`vpdpbusd` sums what
+/// `vpmaddubsw` + `vpmaddwd` sum), and on both AVX2 paths a token's result does not depend on
+/// the tokens beside it (one or two tokens take a pass over the whole tile, more take passes
+/// over each half), for MXFP4 and, with VNNI, Q8 tiles.
+#[test]
+fn avx2_tile_products_match_across_paths_and_batches() {
+    let Ok(vnni) = Kernels::new(KernelPath::Avx2Vnni) else {
+        eprintln!("skipped: this CPU runs no 256-bit vpdpbusd");
+        return;
+    };
+    let plain = Kernels::new(KernelPath::Avx2).expect("a CPU with VNNI has AVX2");
+    let mut rng = rng(31);
+    for (rows, cols) in [(48, 160), (64, 2880)] {
+        let data = Mxfp4Data::random(&mut rng, rows, cols, 118..=130);
+        let tiled = TiledData::from(&data);
+        let mxfp4 = tiled.matrix();
+        let q8 = Q8Matrix::from_bf16(
+            rows,
+            cols,
+            &to_bf16(&random_f32(&mut rng, rows * cols, 0.2)),
+        )
+        .unwrap()
+        .to_tiles()
+        .unwrap();
+        let tokens = 6;
+        let values = random_f32(&mut rng, tokens * cols, 3.0);
+        let quantize = |values: &[f32]| {
+            let mut x = Q8Activations::new();
+            kernels()
+                .quantize_activation_rows(values, cols, &mut x)
+                .unwrap();
+            x
+        };
+        let mut scratch = GemmScratch::new(cols);
+        let mut product = |k: Kernels, q8_tiles: bool, x: &Q8Activations| {
+            let mut out = vec![f32::NAN; x.rows() * rows];
+            if q8_tiles {
+                k.q8_gemm(&q8, x, 0..rows, &mut out, &mut scratch).unwrap();
+            } else {
+                k.mxfp4_gemm(&mxfp4, x, 0..rows, &mut out, &mut scratch)
+                    .unwrap();
+            }
+            out
+        };
+        for n in 1..=tokens {
+            let x = quantize(&values[..n * cols]);
+            let what = format!("{rows}x{cols} M={n}");
+            let batch = product(vnni, false, &x);
+            assert_eq!(
+                bits(&batch),
+                bits(&product(plain, false, &x)),
+                "{what}: avx2"
+            );
+            for (k, q8_tiles) in [(plain, false), (vnni, false), (vnni, true)] {
+                let batch = product(k, q8_tiles, &x);
+                for t in 0..n {
+                    let alone = product(k, q8_tiles, &quantize(&values[t * cols..][..cols]));
+                    assert_eq!(
+                        bits(&batch[t * rows..][..rows]),
+                        bits(&alone),
+                        "{what} {} q8 {q8_tiles}: token {t} alone",
+                        k.path()
+                    );
+                }
+            }
+        }
+    }
 }

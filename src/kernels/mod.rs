@@ -758,10 +758,11 @@ impl Kernels {
         dispatch!(
             self,
             avx512: avx512::q8_gemv(w, x, rows, out),
-            avx2: if !w.tiled {
-                avx2::q8_gemv(w, x, rows.clone(), out)
-            } else if avx2::tiles::q8_product(w, x, rows.clone(), out, self.avx2_dot).is_none() {
-                scalar::q8_gemv(w, x, rows, out)
+            avx2: match (w.tiled, self.avx2_dot) {
+                (false, _) => avx2::q8_gemv(w, x, rows, out),
+                // `vpmaddubsw` cannot take the tiles' unsigned bytes: the reference reads them.
+                (true, Avx2Dot::Maddubs) => scalar::q8_gemv(w, x, rows, out),
+                (true, dot) => avx2::tiles::q8_product(w, x, rows, out, dot == Avx2Dot::VnniVex),
             },
             scalar: scalar::q8_gemv(w, x, rows, out),
         );
@@ -782,10 +783,11 @@ impl Kernels {
         dispatch!(
             self,
             avx512: avx512::q8_gemm(w, x, rows, out, scratch),
-            avx2: if !w.tiled {
-                avx2::q8_gemm(w, x, rows.clone(), out, scratch)
-            } else if avx2::tiles::q8_product(w, x, rows.clone(), out, self.avx2_dot).is_none() {
-                scalar::q8_gemm(w, x, rows, out, scratch)
+            avx2: match (w.tiled, self.avx2_dot) {
+                (false, _) => avx2::q8_gemm(w, x, rows, out, scratch),
+                // `vpmaddubsw` cannot take the tiles' unsigned bytes: the reference reads them.
+                (true, Avx2Dot::Maddubs) => scalar::q8_gemm(w, x, rows, out, scratch),
+                (true, dot) => avx2::tiles::q8_product(w, x, rows, out, dot == Avx2Dot::VnniVex),
             },
             scalar: scalar::q8_gemm(w, x, rows, out, scratch),
         );

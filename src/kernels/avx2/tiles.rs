@@ -101,14 +101,12 @@ vnni_dot!(
 /// A matrix in a tile layout as the pass reads one half (8 rows) of a tile: per block and
 /// dword pair `s` (0..4) the unsigned operands for the block's even and odd activation dword,
 /// and per block 8 scales as f32 lanes.
-trait HalfTiles {
+trait HalfTiles: ByteSpans {
     /// Which of a block's lanes of [`Q8Activations::corrections`] holds this format's offset.
     const CORRECTION_LANE: usize;
     /// What the float sums are multiplied by at the end (MXFP4's values are doubled).
     const FACTOR: f32;
     fn cols(&self) -> usize;
-    fn rows(&self) -> usize;
-    fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2];
     /// Where half `half` of tile `tile`'s vectors and scales start.
     fn half_base(&self, tile: usize, half: usize) -> (*const u8, *const u8);
     /// # Safety
@@ -124,12 +122,6 @@ impl HalfTiles for Mxfp4Matrix<'_> {
     const FACTOR: f32 = 0.5;
     fn cols(&self) -> usize {
         self.cols
-    }
-    fn rows(&self) -> usize {
-        self.rows
-    }
-    fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2] {
-        self.byte_spans(rows)
     }
     fn half_base(&self, tile: usize, half: usize) -> (*const u8, *const u8) {
         let (bytes, scales) = self.tile_offsets(tile);
@@ -170,12 +162,6 @@ impl HalfTiles for Q8Matrix {
     const FACTOR: f32 = 1.0;
     fn cols(&self) -> usize {
         self.cols
-    }
-    fn rows(&self) -> usize {
-        self.rows
-    }
-    fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2] {
-        self.byte_spans(rows)
     }
     fn half_base(&self, tile: usize, half: usize) -> (*const u8, *const u8) {
         (
@@ -444,12 +430,12 @@ unsafe fn product<S: HalfTiles, D: PairDot>(
     // at `out` offsets below `x.rows() * rows.len()`.
     unsafe {
         let stride = rows.len();
-        let limit = w.rows();
+        let limit = w.row_count();
         let mut tile = rows.start / MXFP4_TILE_ROWS;
         while tile * MXFP4_TILE_ROWS < rows.end {
             let first_row = tile * MXFP4_TILE_ROWS;
             let next = (first_row + MXFP4_TILE_ROWS).min(limit);
-            let spans = w.spans(next..(next + MXFP4_TILE_ROWS).min(limit));
+            let spans = w.byte_spans(next..(next + MXFP4_TILE_ROWS).min(limit));
             let o = tile_out(out, first_row, rows.start);
             tile_all_tokens::<S, D>(w, tile, x, o, stride, tile_lanes(tile, &rows), spans);
             tile += 1;
@@ -458,29 +444,29 @@ unsafe fn product<S: HalfTiles, D: PairDot>(
 }
 
 /// `out[t * rows.len() + i] = W[rows.start + i] . x[t]` for a tiled Q8 `w` and any number of
-/// tokens, as [`mxfp4_product`]; `None` where `dot` has no `vpdpbusd` (the caller then takes the
-/// scalar reference: `vpmaddubsw` would saturate on the tiles' unsigned bytes).
+/// tokens, as [`mxfp4_product`], in `vpdpbusd` of the encoding `vex` names (AVX-VNNI, else AVX-512
+/// VNNI/VL): `vpmaddubsw` would saturate on the tiles' unsigned bytes, so plain AVX2 has no
+/// entry here.
 ///
 /// # Safety
-/// The CPU has AVX2, FMA and F16C, and what `dot` names; `w` is tiled and the shapes were
-/// checked by `Kernels`.
+/// The CPU has AVX2, FMA, F16C and that encoding; `w` is tiled and the shapes were checked by
+/// `Kernels`.
 pub(in crate::kernels) unsafe fn q8_product(
     w: &Q8Matrix,
     x: &Q8Activations,
     rows: Range<usize>,
     out: &mut [f32],
-    dot: Avx2Dot,
-) -> Option<()> {
+    vex: bool,
+) {
     debug_assert!(w.tiled);
-    // SAFETY: the caller upholds the contract: each entry's features are present.
+    // SAFETY: the caller upholds the contract: the entry's features are present.
     unsafe {
-        match dot {
-            Avx2Dot::Maddubs => return None,
-            Avx2Dot::VnniVex => q8_product_vex(w, x, rows, out),
-            Avx2Dot::VnniEvex => q8_product_evex(w, x, rows, out),
+        if vex {
+            q8_product_vex(w, x, rows, out)
+        } else {
+            q8_product_evex(w, x, rows, out)
         }
     }
-    Some(())
 }
 
 #[target_feature(enable = "avx2,fma,f16c,avxvnni")]

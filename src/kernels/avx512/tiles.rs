@@ -52,9 +52,16 @@ trait TileSource {
     const DIRECT_CALL_TOKENS: usize;
     /// Whether the scales are powers of two, so the exponent-add scaling may run.
     const POWER_OF_TWO_SCALES: bool;
+    /// The matrix the tiles are read from, which knows its rows and their bytes.
+    type Matrix: ByteSpans;
+    fn matrix(&self) -> &Self::Matrix;
     fn cols(&self) -> usize;
-    fn rows(&self) -> usize;
-    fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2];
+    fn rows(&self) -> usize {
+        self.matrix().row_count()
+    }
+    fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2] {
+        self.matrix().byte_spans(rows)
+    }
     /// Where tile `tile`'s vectors and scales start.
     fn tile_base(&self, tile: usize) -> (*const u8, *const u8);
     /// # Safety
@@ -70,18 +77,16 @@ trait TileSource {
 /// and the table repeats every 16), else with `vpshufb` after masking.
 struct Mxfp4Tiles<'a, const VBMI: bool>(&'a Mxfp4Matrix<'a>);
 
-impl<const VBMI: bool> TileSource for Mxfp4Tiles<'_, VBMI> {
+impl<'a, const VBMI: bool> TileSource for Mxfp4Tiles<'a, VBMI> {
     const FORMAT: u8 = FORMAT_MXFP4;
     const DIRECT_CALL_TOKENS: usize = DIRECT_CALL_TOKENS;
     const POWER_OF_TWO_SCALES: bool = true;
+    type Matrix = Mxfp4Matrix<'a>;
+    fn matrix(&self) -> &Mxfp4Matrix<'a> {
+        self.0
+    }
     fn cols(&self) -> usize {
         self.0.cols
-    }
-    fn rows(&self) -> usize {
-        self.0.rows
-    }
-    fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2] {
-        self.0.byte_spans(rows)
     }
     fn tile_base(&self, tile: usize) -> (*const u8, *const u8) {
         let (bytes, scales) = self.0.tile_offsets(tile);
@@ -121,18 +126,16 @@ impl<const VBMI: bool> TileSource for Mxfp4Tiles<'_, VBMI> {
 /// A tiled Q8 matrix: its vectors are the operands as stored.
 struct Q8Tiles<'a>(&'a Q8Matrix);
 
-impl TileSource for Q8Tiles<'_> {
+impl<'a> TileSource for Q8Tiles<'a> {
     const FORMAT: u8 = FORMAT_Q8;
     const DIRECT_CALL_TOKENS: usize = Q8_DIRECT_CALL_TOKENS;
     const POWER_OF_TWO_SCALES: bool = false;
+    type Matrix = Q8Matrix;
+    fn matrix(&self) -> &Q8Matrix {
+        self.0
+    }
     fn cols(&self) -> usize {
         self.0.cols
-    }
-    fn rows(&self) -> usize {
-        self.0.rows
-    }
-    fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2] {
-        self.0.byte_spans(rows)
     }
     fn tile_base(&self, tile: usize) -> (*const u8, *const u8) {
         (
@@ -176,18 +179,16 @@ impl TileSource for Q8Tiles<'_> {
 /// back through the activations' Q4 correction), split as MXFP4's are.
 struct Q4Tiles<'a>(&'a Q4Matrix);
 
-impl TileSource for Q4Tiles<'_> {
+impl<'a> TileSource for Q4Tiles<'a> {
     const FORMAT: u8 = FORMAT_Q4;
     const DIRECT_CALL_TOKENS: usize = DIRECT_CALL_TOKENS;
     const POWER_OF_TWO_SCALES: bool = false;
+    type Matrix = Q4Matrix;
+    fn matrix(&self) -> &Q4Matrix {
+        self.0
+    }
     fn cols(&self) -> usize {
         self.0.cols
-    }
-    fn rows(&self) -> usize {
-        self.0.rows
-    }
-    fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2] {
-        self.0.byte_spans(rows)
     }
     fn tile_base(&self, tile: usize) -> (*const u8, *const u8) {
         let (bytes, scales) = self.0.tile_offsets(tile);
