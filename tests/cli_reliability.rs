@@ -691,3 +691,34 @@ fn the_attention_flag_picks_the_arithmetic_bench_names() {
         assert_eq!(line.contains(bf16), expected, "{extra:?}: {line}");
     }
 }
+
+/// `OSSTERM_KERNELS`: a misspelt path is refused with the values it takes; a path this CPU
+/// cannot run is refused naming the missing features; the new `avx2-vnni` runs where it can.
+#[test]
+fn kernel_paths_from_the_environment_are_checked_before_anything_runs() {
+    let run_on = |path: &str| {
+        ossterm()
+            .env("OSSTERM_KERNELS", path)
+            .args(["run", "--synthetic", "tiny", "--prompt", "hi"])
+            .args(["--max-tokens", "1", "--json", "--seed", "1"])
+            .output()
+            .expect("the ossterm binary runs")
+    };
+    assert_fails_with(
+        "misspelt",
+        &run_on("avx2-vnnx"),
+        "expected scalar, avx2, avx2-vnni, avx512 or auto",
+    );
+    for path in ossterm::kernels::KernelPath::ALL {
+        let output = run_on(path.name());
+        if path.is_supported() {
+            assert!(output.status.success(), "{path}: {}", stderr_of(&output));
+        } else {
+            assert_fails_with(
+                path.name(),
+                &output,
+                "needs CPU features this machine lacks",
+            );
+        }
+    }
+}
