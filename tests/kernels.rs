@@ -7,7 +7,7 @@ use half::f16;
 use ossterm::kernels::{
     e8m0_scale, kernels, parse_kernel_path, select_kernel_path, tile_mxfp4, GemmScratch,
     KernelError, KernelPath, Kernels, Mxfp4Layout, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix,
-    FP4_E2M1, MAX_GEMV_TOKENS, MXFP4_TILE_ROWS,
+    ScaleRule, FP4_E2M1, MAX_GEMV_TOKENS, MXFP4_TILE_ROWS,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -951,7 +951,7 @@ fn split_rows_hold_exactly_what_int8_missed() {
         kernels().split_rows(&x, cols, &mut staged).unwrap();
         let mut first = Q8Activations::new();
         kernels()
-            .quantize_activation_rows(&x, cols, &mut first)
+            .quantize_activation_rows_with(&x, cols, ScaleRule::PowerOfTwo, true, &mut first)
             .unwrap();
         let mut dequantized = vec![0.0; cols];
         for r in 0..rows {
@@ -967,10 +967,11 @@ fn split_rows_hold_exactly_what_int8_missed() {
                 );
             }
         }
-        // Two int8 rows carry the value to within the second row's rounding.
+        // Two int8 rows carry the value to within the second row's rounding: half a step of at
+        // most 2 x max|missed| / 127, where max|missed| is half a step of at most 2 x max / 127.
         let mut both = Q8Activations::new();
         kernels()
-            .quantize_activation_rows(&staged, cols, &mut both)
+            .quantize_activation_rows_with(&staged, cols, ScaleRule::PowerOfTwo, true, &mut both)
             .unwrap();
         let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
         both.dequantize_row(0, &mut a).unwrap();
@@ -978,7 +979,7 @@ fn split_rows_hold_exactly_what_int8_missed() {
         let amax = x[..cols].iter().fold(0.0f32, |m, v| m.max(v.abs()));
         for k in 0..cols {
             assert!(
-                (a[k] + b[k] - x[k]).abs() <= amax / 127.0 / 254.0 * 1.01,
+                (a[k] + b[k] - x[k]).abs() <= amax / 127.0 / 127.0 * 1.01,
                 "element {k}"
             );
         }
@@ -1238,6 +1239,68 @@ fn check_tiled_matrix<M: TiledMatrix>(seed: u64) {
 #[test]
 fn tiled_q8_products_match_the_row_order_on_every_path() {
     check_tiled_matrix::<Q8Matrix>(23);
+}
+
+/// Split rows' power-of-two activation scales let the AVX-512 Q8 products scale by adding
+/// exponents (from 4 tokens on): a token's results in a batch must be, bit for bit, its results
+/// alone in the tile layout (one token multiplies the scales), through registers and scratch,
+/// and the row-order GEMM's; a zero weight scale (no exponent for it) falls back to multiplying.
+#[test]
+fn q8_products_with_power_of_two_activations_match_single_tokens() {
+    let mut rng = rng(31);
+    for (rows, cols) in [(32, 96), (64, 2880), (48, 4128)] {
+        let mut values = random_f32(&mut rng, rows * cols, 0.2);
+        for zero_block in [false, true] {
+            if zero_block {
+                values[5 * cols + 32..5 * cols + 64].fill(0.0);
+            }
+            let plain = Q8Matrix::from_bf16(rows, cols, &to_bf16(&values)).unwrap();
+            let tiled = plain.to_tiles().unwrap();
+            let mut scratch = GemmScratch::new(cols);
+            for tokens in [4, 5, 9, 17, 40, 70] {
+                let x_values = random_f32(&mut rng, tokens * cols, 2.0);
+                let mut x = Q8Activations::new();
+                let mut one = Q8Activations::new();
+                for k in simd_paths() {
+                    let what = format!(
+                        "{} {rows}x{cols} M={tokens} zero block {zero_block}",
+                        k.path()
+                    );
+                    let quantize = |values: &[f32], out: &mut Q8Activations| {
+                        k.quantize_activation_rows_with(
+                            values,
+                            cols,
+                            ScaleRule::PowerOfTwo,
+                            true,
+                            out,
+                        )
+                        .unwrap()
+                    };
+                    quantize(&x_values, &mut x);
+                    let mut batch = vec![f32::NAN; tokens * rows];
+                    k.q8_gemm(&tiled, &x, 0..rows, &mut batch, &mut scratch)
+                        .unwrap();
+                    let mut row_order = vec![f32::NAN; tokens * rows];
+                    k.q8_gemm(&plain, &x, 0..rows, &mut row_order, &mut scratch)
+                        .unwrap();
+                    if !matches!(k.path(), KernelPath::Avx2 | KernelPath::Avx2Vnni) {
+                        assert_eq!(bits(&batch), bits(&row_order), "{what}: row order");
+                    }
+                    for t in 0..tokens {
+                        quantize(&x_values[t * cols..(t + 1) * cols], &mut one);
+                        let mut alone = vec![f32::NAN; rows];
+                        k.q8_gemm(&tiled, &one, 0..rows, &mut alone, &mut scratch)
+                            .unwrap();
+                        assert_eq!(
+                            bits(&batch[t * rows..(t + 1) * rows]),
+                            bits(&alone),
+                            "{what}: token {t}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// The draft unembedding's layout (and `--weights q4`'s) on AVX-512.

@@ -14,7 +14,7 @@ use serde::Serialize;
 use super::probe::CpuInfo;
 use crate::kernels::{
     tile_mxfp4, GemmScratch, KernelError, KernelPath, Kernels, Mxfp4Matrix, Q4Matrix,
-    Q8Activations, Q8Matrix, GROUP_BLOCKS, GROUP_LEN, MAX_GEMV_TOKENS, MXFP4_TILE_ROWS,
+    Q8Activations, Q8Matrix, ScaleRule, GROUP_BLOCKS, GROUP_LEN, MAX_GEMV_TOKENS, MXFP4_TILE_ROWS,
     PROBE_ROUND_MACS,
 };
 
@@ -386,6 +386,17 @@ enum Format {
 }
 
 impl Format {
+    /// How the activations of this format's products are quantized in the model with the
+    /// default `mixed` activations: Q8 weights (attention and unembedding) meet split rows,
+    /// quantized to power-of-two scales; MXFP4's gate_up (the larger expert product) and the Q4
+    /// draft meet single rows.
+    fn activation_scales(self) -> ScaleRule {
+        match self {
+            Format::Q8 | Format::Q8Tiles => ScaleRule::PowerOfTwo,
+            Format::Mxfp4 | Format::Mxfp4Tiles | Format::Q4 | Format::Q4Tiles => ScaleRule::Tight,
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             Format::Mxfp4 => "mxfp4",
@@ -520,13 +531,16 @@ pub fn run_kernel_bench(
         let first_result = results.len();
         let ranges = split_rows(config.rows, threads.max(1));
         for &format in formats {
+            let rule = format.activation_scales();
             // GEMV: one token (or a token and its split remainder, as decode with split
             // activations runs) against every expert matrix, each thread on its rows of each.
             for gemv_tokens in 1..=MAX_GEMV_TOKENS.min(max_tokens) {
                 let mut x = Q8Activations::with_capacity(gemv_tokens, config.cols);
-                kernels.quantize_activation_rows(
+                kernels.quantize_activation_rows_with(
                     &activations[..gemv_tokens * config.cols],
                     config.cols,
+                    rule,
+                    true,
                     &mut x,
                 )?;
                 let mut states = thread_states(&ranges, gemv_tokens, config.cols);
@@ -593,9 +607,11 @@ pub fn run_kernel_bench(
             for &tokens in &config.gemm_tokens {
                 let tokens = tokens.max(1);
                 let mut x = Q8Activations::with_capacity(tokens, config.cols);
-                kernels.quantize_activation_rows(
+                kernels.quantize_activation_rows_with(
                     &activations[..tokens * config.cols],
                     config.cols,
+                    rule,
+                    true,
                     &mut x,
                 )?;
                 let mut states = thread_states(&ranges, tokens, config.cols);

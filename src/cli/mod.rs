@@ -99,7 +99,7 @@ pub struct ModelArgs {
     /// Element type of the KV cache.
     #[arg(long, value_name = "TYPE", default_value = "f16", value_parser = choice_parser!(KvFormat))]
     pub kv_cache: KvFormat,
-    /// Int8 inputs of quantized products: q8 (one row, fastest), q8x2 (two rows, ~15 bits, every
+    /// Int8 inputs of quantized products: q8 (one row, fastest), q8x2 (two rows, ~14 bits, every
     /// product) or mixed (two rows where one loses most: attention, unembedding, experts' down).
     #[arg(long, value_name = "FORMAT", default_value = "mixed", value_parser = choice_parser!(ActivationFormat))]
     pub activations: ActivationFormat,

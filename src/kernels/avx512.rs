@@ -552,6 +552,9 @@ impl GroupSource for Q8Matrix {
         // matrix; the CPU has this module's features), so every load below stays inside the row.
         unsafe { q8_group(self, row, group) }
     }
+    unsafe fn exponent_range(&self, _rows: Range<usize>) -> Option<(u32, u32)> {
+        self.scale_exponents()
+    }
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
     unsafe fn raw_group(&self, row: usize, group: usize) -> (__m512i, __m512i) {
@@ -1089,9 +1092,10 @@ unsafe fn decode_tile<W: GroupSource>(
     }
 }
 
-/// `2^(e - 127)` scale lanes as the integer `(e - 127) << 23` to add to a float's bits (0 for
-/// the tile's padding lanes, whose scale is 1). Unused unless the kernel runs with `EXP`; the
-/// compiler drops it then.
+/// Weight scale lanes less the exponent bias, `bits - (127 << 23)`, to add to an activation
+/// scale's bits: for a power-of-two side (`2^(e - 127)`, MXFP4's weights or split rows'
+/// activations) that sum is the product's bits (0 for the tile's padding lanes, whose scale is
+/// 1). Unused unless the kernel runs with `EXP`; the compiler drops it then.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 fn exponent_offsets(w_scales: __m512) -> __m512i {
@@ -1100,9 +1104,9 @@ fn exponent_offsets(w_scales: __m512) -> __m512i {
 
 /// A block's weight scales times one token's activation scale at `a_scale`.
 ///
-/// Without `EXP` a `vmulps`. With `EXP` (MXFP4, whose scales are powers of two, and a tile
-/// for which [`exponent_mode`] proved every product a normal float) the same bits from an
-/// integer add to the activation scale's exponent. On Zen 4 and Zen 5 `vmulps` and `vfmadd`
+/// Without `EXP` a `vmulps`. With `EXP` (one side's scales powers of two: MXFP4's weights or
+/// split rows' activations, and a tile for which [`exponent_mode`] proved every product a
+/// normal float) the same bits from an integer add of the two scales' bits less the bias. On Zen 4 and Zen 5 `vmulps` and `vfmadd`
 /// issue on the two pipes that run `vpdpbusd`, so with the convert (another pipe) a block's 8
 /// `vpdpbusd` per token and tile shared their pipes with 2 float operations: at most 80% of the
 /// `vpdpbusd` peak (measured on Zen 4: 8 `vpdpbusd` + `vmulps` + `vfmadd` ran at 80%, with a
@@ -1130,32 +1134,63 @@ unsafe fn combined_scale<const EXP: bool>(
     }
 }
 
-/// The biased exponents (1..=254) of every real block scale of `x`, lowest and highest; `None`
-/// if one is 0, subnormal, infinite or NaN (the exponent-add kernel then does not run).
-/// Padding blocks past the columns are skipped: the tile's scale there is 1 and its sums are 0.
-fn activation_exponent_range(x: &Q8Activations) -> Option<(u32, u32)> {
+/// What [`exponent_add`] needs to know of a call's activation scales.
+#[derive(Clone, Copy, Debug)]
+struct ActivationExponents {
+    /// The lowest and highest biased exponent (1..=254).
+    range: (u32, u32),
+    /// Every scale a power of two (split rows, [`crate::kernels::ScaleRule::PowerOfTwo`]).
+    powers_of_two: bool,
+}
+
+/// The biased exponents of every real block scale of `x`, lowest and highest, and whether all
+/// are powers of two; `None` if one is 0, subnormal, infinite or NaN (the exponent-add kernel
+/// then does not run). Padding blocks past the columns are skipped: the tile's scale there is 1
+/// and its sums are 0.
+fn activation_exponents(x: &Q8Activations) -> Option<ActivationExponents> {
     let blocks = x.cols() / BLOCK_LEN;
-    let (mut low, mut high) = (u32::MAX, 0);
+    let (mut low, mut high, mut mantissas) = (u32::MAX, 0, 0);
     for token in 0..x.rows() {
         let lanes = x.row_scale_lanes(token);
         for block in 0..blocks {
+            let bits =
+                lanes[(block / GROUP_BLOCKS) * GROUP_LANES + 4 * (block % GROUP_BLOCKS)].to_bits();
             // The sign bit lands above the exponent: a negative scale fails the range test too.
-            let exponent = lanes[(block / GROUP_BLOCKS) * GROUP_LANES + 4 * (block % GROUP_BLOCKS)]
-                .to_bits()
-                >> 23;
+            let exponent = bits >> 23;
             if exponent == 0 || exponent >= 255 {
                 return None;
             }
             low = low.min(exponent);
             high = high.max(exponent);
+            mantissas |= bits & 0x007F_FFFF;
         }
     }
-    Some((low, high))
+    (low <= high).then_some(ActivationExponents {
+        range: (low, high),
+        powers_of_two: mantissas == 0,
+    })
+}
+
+/// Whether a call may scale by adding exponents ([`combined_scale`] with `EXP`): the weight
+/// scales (biased exponents `weights`) or the activation scales all powers of two, so one
+/// side's bits added to the other's exponent are the product, and [`exponent_mode`] holds.
+fn exponent_add(
+    activations: Option<ActivationExponents>,
+    weights_powers_of_two: bool,
+    weights: Option<(u32, u32)>,
+) -> bool {
+    match activations {
+        Some(a) if weights_powers_of_two || a.powers_of_two => {
+            exponent_mode(Some(a.range), weights)
+        }
+        _ => false,
+    }
 }
 
 /// Whether every product of an activation scale (biased exponents `activations`) and a weight
-/// scale (E8M0 bytes `weights`) is a normal float, so adding exponents gives `vmulps`'s bits.
-/// A weight scale byte of 0 (scale 0) must be multiplied, not added.
+/// scale (biased exponents `weights`: E8M0 bytes, or the f32 exponents of Q8's f16 scales) is
+/// a normal float, so adding exponents gives `vmulps`'s bits. A weight scale of 0 must be
+/// multiplied, not added.
 fn exponent_mode(activations: Option<(u32, u32)>, weights: Option<(u32, u32)>) -> bool {
     match (activations, weights) {
         (Some((a_low, a_high)), Some((w_low, w_high))) => {
@@ -1508,11 +1543,7 @@ unsafe fn gemm<W: GroupSource>(
         let groups = w.groups();
         let stride = rows.len();
         let tokens = x.rows();
-        let act_exponents = if W::FORMAT == FORMAT_MXFP4 {
-            activation_exponent_range(x)
-        } else {
-            None
-        };
+        let act_exponents = activation_exponents(x);
         // The weights come from memory once per call, so while one pair of tiles is multiplied
         // the next pair's bytes are prefetched: without it, with few tokens per expert (a short
         // prompt) the tile decode waited on every cache miss and 2 threads read 7 GB/s.
@@ -1526,10 +1557,12 @@ unsafe fn gemm<W: GroupSource>(
             let out_column = out.as_mut_ptr().add(tile_start - rows.start);
             let next = spans_from((tile_start + pair_rows).min(rows.end));
             let count = remaining.min(pair_rows);
-            // Power-of-two weight scales (MXFP4) are applied by adding exponents where every
-            // product stays a normal float: the same bits, one float operation fewer per block.
-            let exp = exponent_mode(
+            // Power-of-two weight scales (MXFP4) or activation scales (split rows) are applied
+            // by adding exponents where every product stays a normal float: the same bits, one
+            // float operation fewer per block.
+            let exp = exponent_add(
                 act_exponents,
+                W::FORMAT == FORMAT_MXFP4,
                 w.exponent_range(tile_start..tile_start + count),
             );
             if remaining > GEMM_TILE_ROWS {

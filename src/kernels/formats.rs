@@ -5,6 +5,8 @@
 //! the order in which the checkpoint's MXFP4 nibbles come out of one 64-byte load (low nibbles are
 //! the even elements), so no kernel needs an interleaving shuffle.
 
+use std::sync::OnceLock;
+
 use half::f16;
 use rayon::prelude::*;
 
@@ -197,6 +199,43 @@ impl RoundEvenFast for f32 {
     }
 }
 
+/// How an activation block's int8 scale is chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScaleRule {
+    /// `max|x| / 127`: the block's largest magnitude lands on +-127, the finest grid one int8
+    /// row has. Single rows use it.
+    Tight,
+    /// The least power of two at or above `max|x| / 127`: up to one bit coarser, which the
+    /// second row of a split quantization takes back, and in exchange a weight scale times this
+    /// scale is an exponent add, not a multiply, in the AVX-512 kernels (whose multiplies share
+    /// the pipes of `vpdpbusd`; see `avx512::combined_scale`). Split rows use it.
+    PowerOfTwo,
+}
+
+/// The least power of two at or above a positive `s` (infinity stays infinite, 0 stays 0): the
+/// mantissa rounded up into the exponent. A subnormal `s` gives 2^-126.
+#[inline(always)]
+pub(crate) fn power_of_two_at_least(s: f32) -> f32 {
+    f32::from_bits((s.to_bits() + 0x007F_FFFF) & 0xFF80_0000)
+}
+
+/// A block's scale and the inverse its values are multiplied by, both 0 where its largest
+/// magnitude `amax` is not positive. The SIMD quantizers compute the same bits.
+#[inline(always)]
+fn block_scale(amax: f32, rule: ScaleRule) -> (f32, f32) {
+    if amax > 0.0 {
+        match rule {
+            ScaleRule::Tight => (amax / 127.0, 127.0 / amax),
+            ScaleRule::PowerOfTwo => {
+                let scale = power_of_two_at_least(amax / 127.0);
+                (scale, 1.0 / scale)
+            }
+        }
+    } else {
+        (0.0, 0.0)
+    }
+}
+
 fn check_block_cols(what: &str, cols: usize) -> Result<(), KernelError> {
     if cols == 0 || !cols.is_multiple_of(BLOCK_LEN) {
         return Err(KernelError::BadColumns {
@@ -363,6 +402,7 @@ pub(super) fn quantize_activation_rows(
     kernels: Kernels,
     x: &[f32],
     cols: usize,
+    rule: ScaleRule,
     out: &mut Q8Activations,
     parallel: bool,
 ) -> Result<(), KernelError> {
@@ -382,6 +422,7 @@ pub(super) fn quantize_activation_rows(
         kernels.quantize_rows(
             x,
             cols,
+            rule,
             &mut q.quants,
             &mut q.scale_lanes,
             &mut q.sum_lanes,
@@ -397,7 +438,7 @@ pub(super) fn quantize_activation_rows(
         .zip(q.sum_lanes.par_chunks_mut(step * lane_stride))
         .zip(q.corrections.par_chunks_mut(step * lane_stride))
         .for_each(|((((x, quants), scales), sums), corrections)| {
-            kernels.quantize_rows(x, cols, quants, scales, sums, corrections)
+            kernels.quantize_rows(x, cols, rule, quants, scales, sums, corrections)
         });
     Ok(())
 }
@@ -410,6 +451,7 @@ const QUANTIZE_TASK_ROWS: usize = 8;
 pub(super) fn quantize_rows_portable(
     x: &[f32],
     cols: usize,
+    rule: ScaleRule,
     all_quants: &mut [i8],
     all_scales: &mut [f32],
     all_sums: &mut [i32],
@@ -430,11 +472,7 @@ pub(super) fn quantize_rows_portable(
         corrections.fill(0);
         for (block, values) in source.chunks_exact(BLOCK_LEN).enumerate() {
             let amax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let (scale, inverse) = if amax > 0.0 {
-                (amax / 127.0, 127.0 / amax)
-            } else {
-                (0.0, 0.0)
-            };
+            let (scale, inverse) = block_scale(amax, rule);
             let group = block / GROUP_BLOCKS;
             let j = block % GROUP_BLOCKS;
             let base = group * GROUP_LEN + j * (BLOCK_LEN / 2);
@@ -469,7 +507,8 @@ pub(super) fn check_split_rows(x: &[f32], cols: usize, out: &[f32]) -> Result<()
     Ok(())
 }
 
-/// The reference `split_rows`: the SIMD paths give its bits (NaN payloads aside).
+/// The reference `split_rows`: the SIMD paths give its bits (NaN payloads aside). The first row
+/// is quantized with [`ScaleRule::PowerOfTwo`], so that is the rounding whose miss is kept.
 pub(super) fn split_rows_portable(x: &[f32], cols: usize, out: &mut [f32]) {
     for (row, pair) in x.chunks_exact(cols).zip(out.chunks_exact_mut(2 * cols)) {
         let (exact, missed) = pair.split_at_mut(cols);
@@ -479,11 +518,7 @@ pub(super) fn split_rows_portable(x: &[f32], cols: usize, out: &mut [f32]) {
             .zip(missed.chunks_exact_mut(BLOCK_LEN))
         {
             let amax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let (scale, inverse) = if amax > 0.0 {
-                (amax / 127.0, 127.0 / amax)
-            } else {
-                (0.0, 0.0)
-            };
+            let (scale, inverse) = block_scale(amax, ScaleRule::PowerOfTwo);
             for (r, &v) in rest.iter_mut().zip(values) {
                 let q = (v * inverse).round_even_fast().clamp(-127.0, 127.0);
                 *r = v - q * scale;
@@ -587,10 +622,10 @@ pub(super) mod x86 {
     }
 
     /// Block j's scale in lanes 4j..4j+3 and its inverse, each 0 where the block's largest
-    /// magnitude is 0.
+    /// magnitude is 0; powers of two with `POW2` (`ScaleRule::PowerOfTwo`).
     #[inline]
     #[target_feature(enable = "avx512f")]
-    fn scales_512(v: &[__m512; 8]) -> (__m512, __m512) {
+    fn scales_512<const POW2: bool>(v: &[__m512; 8]) -> (__m512, __m512) {
         let zero = _mm512_setzero_ps();
         let m: [__m512; 4] = std::array::from_fn(|j| {
             let first = _mm512_max_ps(_mm512_abs_ps(v[2 * j]), zero);
@@ -613,10 +648,20 @@ pub(super) mod x86 {
         let amax = _mm512_max_ps(q, _mm512_permute_ps::<0b01_00_11_10>(q));
         let positive = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(amax, zero);
         let limit = _mm512_set1_ps(127.0);
-        (
-            _mm512_maskz_div_ps(positive, amax, limit),
-            _mm512_maskz_div_ps(positive, limit, amax),
-        )
+        let tight = _mm512_maskz_div_ps(positive, amax, limit);
+        if POW2 {
+            // `power_of_two_at_least`, lane by lane (a zero lane stays zero).
+            let scale = _mm512_castsi512_ps(_mm512_and_si512(
+                _mm512_add_epi32(_mm512_castps_si512(tight), _mm512_set1_epi32(0x007F_FFFF)),
+                _mm512_set1_epi32(0xFF80_0000u32 as i32),
+            ));
+            (
+                scale,
+                _mm512_maskz_div_ps(positive, _mm512_set1_ps(1.0), scale),
+            )
+        } else {
+            (tight, _mm512_maskz_div_ps(positive, limit, amax))
+        }
     }
 
     /// Block j's lanes (4j..4j+3, all equal) broadcast to all sixteen.
@@ -662,7 +707,7 @@ pub(super) mod x86 {
     /// `scales`, `sums`, `corrections` at `GROUP_LANES` writable lanes each.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
-    unsafe fn quantize_group_512(
+    unsafe fn quantize_group_512<const POW2: bool>(
         src: *const f32,
         blocks: usize,
         quants: *mut i8,
@@ -676,7 +721,7 @@ pub(super) mod x86 {
         // target-feature call below relies on.
         unsafe {
             let v = load_group_512(src, blocks);
-            let (scale, inverse) = scales_512(&v);
+            let (scale, inverse) = scales_512::<POW2>(&v);
             let inverses = per_block_512(inverse);
             let evens_index =
                 _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -714,7 +759,7 @@ pub(super) mod x86 {
 
     /// The AVX-512 quantizer: same contract and bits as `quantize_rows_portable`.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(in crate::kernels) fn quantize_rows_avx512(
+    pub(in crate::kernels) fn quantize_rows_avx512<const POW2: bool>(
         x: &[f32],
         cols: usize,
         quants: &mut [i8],
@@ -730,7 +775,7 @@ pub(super) mod x86 {
                 // SAFETY: the group's `here` blocks lie inside row `row` of `x`, and
                 // `quantize_shape` checked that every output holds group `at`.
                 unsafe {
-                    quantize_group_512(
+                    quantize_group_512::<POW2>(
                         x.as_ptr().add(row * cols + group * GROUP_LEN),
                         here,
                         quants.as_mut_ptr().add(at * GROUP_LEN),
@@ -772,7 +817,7 @@ pub(super) mod x86 {
                 // 2 row and 2 row + 1 of `out` at the same column (the assert above).
                 unsafe {
                     let v = load_group_512(x.as_ptr().add(offset), here);
-                    let (scale, inverse) = scales_512(&v);
+                    let (scale, inverse) = scales_512::<true>(&v);
                     let (scales, inverses) = (per_block_512(scale), per_block_512(inverse));
                     let exact = out.as_mut_ptr().add(offset + row * cols);
                     let missed = exact.add(cols);
@@ -813,9 +858,10 @@ pub(super) mod x86 {
     }
 
     /// Block j (of two) scale in lanes 4j..4j+3 and its inverse, 0 where the block is all zeros.
+    /// Powers of two with `POW2`, as [`scales_512`].
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn scales_256(v: &[__m256; 8]) -> (__m256, __m256) {
+    fn scales_256<const POW2: bool>(v: &[__m256; 8]) -> (__m256, __m256) {
         let zero = _mm256_setzero_ps();
         let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MAX));
         let m: [__m256; 2] = std::array::from_fn(|j| {
@@ -831,10 +877,19 @@ pub(super) mod x86 {
         let amax = _mm256_max_ps(x, _mm256_permute_ps::<0b01_00_11_10>(x));
         let positive = _mm256_cmp_ps::<_CMP_GT_OQ>(amax, zero);
         let limit = _mm256_set1_ps(127.0);
-        (
-            _mm256_and_ps(_mm256_div_ps(amax, limit), positive),
-            _mm256_and_ps(_mm256_div_ps(limit, amax), positive),
-        )
+        let tight = _mm256_and_ps(_mm256_div_ps(amax, limit), positive);
+        if POW2 {
+            let scale = _mm256_castsi256_ps(_mm256_and_si256(
+                _mm256_add_epi32(_mm256_castps_si256(tight), _mm256_set1_epi32(0x007F_FFFF)),
+                _mm256_set1_epi32(0xFF80_0000u32 as i32),
+            ));
+            (
+                scale,
+                _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0), scale), positive),
+            )
+        } else {
+            (tight, _mm256_and_ps(_mm256_div_ps(limit, amax), positive))
+        }
     }
 
     /// Block j's lanes (4j..4j+3, all equal) broadcast to all eight.
@@ -865,7 +920,7 @@ pub(super) mod x86 {
     /// `scales`, `sums` and `corrections` at 8 writable lanes each.
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn quantize_pair_256(
+    unsafe fn quantize_pair_256<const POW2: bool>(
         src: *const f32,
         blocks: usize,
         evens: *mut i8,
@@ -880,7 +935,7 @@ pub(super) mod x86 {
         // relies on.
         unsafe {
             let v = load_pair_256(src, blocks);
-            let (scale, inverse) = scales_256(&v);
+            let (scale, inverse) = scales_256::<POW2>(&v);
             let inverses = per_block_256(inverse);
             // Each vector's evens to its low half, odds to its high half; after the in-lane packs,
             // block j's 16 evens fill the low 128 bits and its 16 odds the high 128 bits.
@@ -919,7 +974,7 @@ pub(super) mod x86 {
 
     /// The AVX2 quantizer: same contract and bits as `quantize_rows_portable`.
     #[target_feature(enable = "avx2")]
-    pub(in crate::kernels) fn quantize_rows_avx2(
+    pub(in crate::kernels) fn quantize_rows_avx2<const POW2: bool>(
         x: &[f32],
         cols: usize,
         quants: &mut [i8],
@@ -940,7 +995,7 @@ pub(super) mod x86 {
                     unsafe {
                         let quants = quants.as_mut_ptr().add(at * GROUP_LEN + 32 * half);
                         let lanes = at * GROUP_LANES + 8 * half;
-                        quantize_pair_256(
+                        quantize_pair_256::<POW2>(
                             x.as_ptr().wrapping_add(row * cols + first * BLOCK_LEN),
                             here,
                             quants,
@@ -982,7 +1037,7 @@ pub(super) mod x86 {
                 // 2 row and 2 row + 1 of `out` at the same column (the assert above).
                 unsafe {
                     let v = load_pair_256(x.as_ptr().add(offset), here);
-                    let (scale, inverse) = scales_256(&v);
+                    let (scale, inverse) = scales_256::<true>(&v);
                     let (scales, inverses) = (per_block_256(scale), per_block_256(inverse));
                     let exact = out.as_mut_ptr().add(offset + row * cols);
                     let missed = exact.add(cols);
@@ -1261,6 +1316,8 @@ pub struct Q8Matrix {
     pub(super) scales: Vec<f16>,
     /// In the tile layout ([`Q8Matrix::to_tiles`]) instead of row order.
     pub(super) tiled: bool,
+    /// [`Q8Matrix::scale_exponents`], found on first use.
+    pub(super) scale_exponents: OnceLock<Option<(u32, u32)>>,
 }
 
 /// Weights quantized to 4-bit blocks of 32 with an f16 scale per block (4.5 bits per weight).
@@ -1315,6 +1372,7 @@ impl Q8Matrix {
             quants: AlignedVec::from_slice(quants),
             scales,
             tiled: false,
+            scale_exponents: OnceLock::new(),
         })
     }
 
@@ -1354,6 +1412,7 @@ impl Q8Matrix {
             quants,
             scales,
             tiled: false,
+            scale_exponents: OnceLock::new(),
         })
     }
 
@@ -1392,6 +1451,7 @@ impl Q8Matrix {
             quants,
             scales,
             tiled: false,
+            scale_exponents: OnceLock::new(),
         })
     }
 
@@ -1441,6 +1501,31 @@ impl Q8Matrix {
         }
     }
 
+    /// The biased f32 exponents of the lowest and highest scale over every block of every row
+    /// (padding blocks aside), `None` if one is zero, negative or not finite, or there are none:
+    /// what the AVX-512 kernels check before they scale power-of-two activations by adding
+    /// exponents. Found once, in parallel on the current pool, then kept.
+    pub(crate) fn scale_exponents(&self) -> Option<(u32, u32)> {
+        *self.scale_exponents.get_or_init(|| {
+            let blocks = self.cols / BLOCK_LEN;
+            if self.rows == 0 || blocks == 0 {
+                return None;
+            }
+            let row_range = |row: usize| {
+                (0..blocks).try_fold((u32::MAX, 0), |(low, high), block| {
+                    // The sign bit lands above the exponent: a negative scale fails too.
+                    let exponent = self.scale(row, block).to_f32().to_bits() >> 23;
+                    (exponent != 0 && exponent < 255)
+                        .then(|| (low.min(exponent), high.max(exponent)))
+                })
+            };
+            (0..self.rows).into_par_iter().map(row_range).reduce(
+                || Some((u32::MAX, 0)),
+                |a, b| Some((a?.0.min(b?.0), a?.1.max(b?.1))),
+            )
+        })
+    }
+
     /// The scale of block `block` of row `row`, in either layout.
     #[inline]
     pub(crate) fn scale(&self, row: usize, block: usize) -> f16 {
@@ -1483,6 +1568,7 @@ impl Q8Matrix {
             quants: AlignedVec::filled(self.quants.len(), 0i8),
             scales: vec![f16::ZERO; self.scales.len()],
             tiled: true,
+            scale_exponents: OnceLock::new(),
         };
         let dwords = GROUP_LEN / 4;
         let tile_bytes = MXFP4_TILE_ROWS * self.groups * GROUP_LEN;
@@ -1832,7 +1918,12 @@ mod tests {
 
     /// Quantizes `x` on `kernels` into buffers first filled with junk, so any lane a path leaves
     /// unwritten shows up.
-    fn quantize_on(kernels: Option<Kernels>, x: &[f32], cols: usize) -> Q8Activations {
+    fn quantize_on(
+        kernels: Option<Kernels>,
+        x: &[f32],
+        cols: usize,
+        rule: ScaleRule,
+    ) -> Q8Activations {
         let mut q = Q8Activations::new();
         q.resize(x.len() / cols, cols);
         q.quants.fill(0x55);
@@ -1847,8 +1938,8 @@ mod tests {
             &mut p.corrections[..],
         );
         match kernels {
-            Some(k) => k.quantize_rows(x, cols, quants, scales, sums, corrections),
-            None => quantize_rows_portable(x, cols, quants, scales, sums, corrections),
+            Some(k) => k.quantize_rows(x, cols, rule, quants, scales, sums, corrections),
+            None => quantize_rows_portable(x, cols, rule, quants, scales, sums, corrections),
         }
         q
     }
@@ -1896,11 +1987,16 @@ mod tests {
             for cols in RAGGED_COLS {
                 for rows in 1..=20 {
                     let x = stress_values(&mut rng, rows * cols, non_finite);
-                    let expected = quantize_on(None, &x, cols);
-                    for k in simd_kernels() {
-                        let got = quantize_on(Some(k), &x, cols);
-                        let what = format!("{} {rows}x{cols} non-finite {non_finite}", k.path());
-                        assert_same_quantization(&what, &got, &expected);
+                    for rule in [ScaleRule::Tight, ScaleRule::PowerOfTwo] {
+                        let expected = quantize_on(None, &x, cols, rule);
+                        for k in simd_kernels() {
+                            let got = quantize_on(Some(k), &x, cols, rule);
+                            let what = format!(
+                                "{} {rule:?} {rows}x{cols} non-finite {non_finite}",
+                                k.path()
+                            );
+                            assert_same_quantization(&what, &got, &expected);
+                        }
                     }
                 }
             }
@@ -1945,7 +2041,7 @@ mod tests {
         let mut tiny = [0.0f32; BLOCK_LEN];
         (tiny[3], tiny[4], tiny[5]) = (1e-38, -1e-39, -0.0);
         let x: Vec<f32> = block.iter().chain(&tiny).copied().collect();
-        let expected = quantize_on(None, &x, x.len());
+        let expected = quantize_on(None, &x, x.len(), ScaleRule::Tight);
         assert!(expected.quants[..GROUP_LEN].iter().all(|&q| {
             // Block 0: all 0. Block 1: 127 and -127 for its two nonzero values.
             q == 0 || q == 127 || q == -127
@@ -1953,12 +2049,43 @@ mod tests {
         assert_eq!(expected.quants[GROUP_LEN / 2 + BLOCK_LEN / 2 + 1], 127);
         assert_eq!(expected.quants[BLOCK_LEN / 2 + 2], -127);
         assert_eq!(expected.scale_lanes[0], f32::INFINITY);
-        for k in simd_kernels() {
-            assert_same_quantization(
-                &format!("{}", k.path()),
-                &quantize_on(Some(k), &x, x.len()),
-                &expected,
-            );
+        for rule in [ScaleRule::Tight, ScaleRule::PowerOfTwo] {
+            let expected = quantize_on(None, &x, x.len(), rule);
+            for k in simd_kernels() {
+                assert_same_quantization(
+                    &format!("{} {rule:?}", k.path()),
+                    &quantize_on(Some(k), &x, x.len(), rule),
+                    &expected,
+                );
+            }
+        }
+    }
+
+    /// A power-of-two scale is the least one at or above `max / 127`: the block's largest value
+    /// lands in 64..=127 (at most one bit given up), and `scale x q` is exact.
+    #[test]
+    fn power_of_two_scales_give_up_at_most_one_bit() {
+        let mut rng = ChaCha8Rng::seed_from_u64(19);
+        let cols = 2880;
+        for magnitude in [1e-30f32, 3e-3, 1.0, 127.0, 1e20] {
+            let x: Vec<f32> = (0..4 * cols)
+                .map(|_| (rng.gen::<f32>() - 0.5) * magnitude)
+                .collect();
+            let q = quantize_on(None, &x, cols, ScaleRule::PowerOfTwo);
+            for (row, values) in x.chunks_exact(cols).enumerate() {
+                for (block, values) in values.chunks_exact(BLOCK_LEN).enumerate() {
+                    let scale = q.block_scale(row, block);
+                    let amax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                    assert_eq!(scale.to_bits() & 0x007F_FFFF, 0, "{magnitude}: {scale}");
+                    assert!(scale >= amax / 127.0 && scale < amax / 127.0 * 2.0);
+                    let quants = q.row_quants(row);
+                    let largest = (0..BLOCK_LEN)
+                        .map(|k| quants[interleaved_position(block * BLOCK_LEN + k)].unsigned_abs())
+                        .max()
+                        .unwrap();
+                    assert!((64..=127).contains(&largest), "{magnitude}: {largest}");
+                }
+            }
         }
     }
 
@@ -2060,6 +2187,7 @@ mod tests {
                     k.quantize_rows(
                         &x,
                         cols,
+                        ScaleRule::Tight,
                         &mut p.quants,
                         &mut p.scale_lanes,
                         &mut p.sum_lanes,

@@ -66,8 +66,8 @@ use std::sync::OnceLock;
 use half::f16;
 
 pub use formats::{
-    e8m0_scale, tile_mxfp4, Mxfp4Layout, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN,
-    FP4_E2M1, GROUP_BLOCKS, GROUP_LEN, MXFP4_TILE_ROWS,
+    e8m0_scale, tile_mxfp4, Mxfp4Layout, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, ScaleRule,
+    BLOCK_LEN, FP4_E2M1, GROUP_BLOCKS, GROUP_LEN, MXFP4_TILE_ROWS,
 };
 
 pub(crate) use aligned::collapse_into_huge_pages;
@@ -603,18 +603,22 @@ impl Kernels {
         cols: usize,
         out: &mut Q8Activations,
     ) -> Result<(), KernelError> {
-        formats::quantize_activation_rows(*self, x, cols, out, true)
+        self.quantize_activation_rows_with(x, cols, ScaleRule::Tight, true, out)
     }
 
-    /// [`Kernels::quantize_activation_rows`] on the calling thread only, for callers that are
-    /// already one task of a parallel region (the bits are the same either way).
-    pub fn quantize_activation_rows_serial(
+    /// [`Kernels::quantize_activation_rows`] with the block scales chosen by `rule` (split rows
+    /// take [`ScaleRule::PowerOfTwo`]); `parallel: false` keeps the work on the calling thread,
+    /// for callers that are already one task of a parallel region (the bits are the same either
+    /// way).
+    pub fn quantize_activation_rows_with(
         &self,
         x: &[f32],
         cols: usize,
+        rule: ScaleRule,
+        parallel: bool,
         out: &mut Q8Activations,
     ) -> Result<(), KernelError> {
-        formats::quantize_activation_rows(*self, x, cols, out, false)
+        formats::quantize_activation_rows(*self, x, cols, rule, out, parallel)
     }
 
     /// Quantize one token (`x.len()` elements, a multiple of 32) into `out`, reusing its buffers.
@@ -629,27 +633,39 @@ impl Kernels {
     /// Quantizes whole rows of `x` into the matching slices of a [`Q8Activations`]; every path
     /// gives the bits of `formats::quantize_rows_portable`. The SIMD paths assert that every
     /// buffer holds whole groups for every row.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn quantize_rows(
         &self,
         x: &[f32],
         cols: usize,
+        rule: ScaleRule,
         quants: &mut [i8],
         scales: &mut [f32],
         sums: &mut [i32],
         corrections: &mut [i32],
     ) {
+        let pow2 = rule == ScaleRule::PowerOfTwo;
         dispatch!(
             self,
-            avx512: formats::x86::quantize_rows_avx512(x, cols, quants, scales, sums, corrections),
-            avx2: formats::x86::quantize_rows_avx2(x, cols, quants, scales, sums, corrections),
-            scalar: formats::quantize_rows_portable(x, cols, quants, scales, sums, corrections),
+            avx512: if pow2 {
+                formats::x86::quantize_rows_avx512::<true>(x, cols, quants, scales, sums, corrections)
+            } else {
+                formats::x86::quantize_rows_avx512::<false>(x, cols, quants, scales, sums, corrections)
+            },
+            avx2: if pow2 {
+                formats::x86::quantize_rows_avx2::<true>(x, cols, quants, scales, sums, corrections)
+            } else {
+                formats::x86::quantize_rows_avx2::<false>(x, cols, quants, scales, sums, corrections)
+            },
+            scalar: formats::quantize_rows_portable(x, cols, rule, quants, scales, sums, corrections),
         )
     }
 
     /// The f32 rows of a split quantization: each row of `x` followed by what its int8
     /// quantization misses (`x - scale * q`, rounded exactly as
-    /// [`Kernels::quantize_activation_rows`] rounds). Quantizing `out` then gives each token two
-    /// int8 rows whose products sum to about 15 bits of precision.
+    /// [`Kernels::quantize_activation_rows_with`] rounds with [`ScaleRule::PowerOfTwo`]).
+    /// Quantizing `out` with that rule then gives each token two int8 rows whose products sum to
+    /// about 14 bits of precision.
     pub fn split_rows(&self, x: &[f32], cols: usize, out: &mut [f32]) -> Result<(), KernelError> {
         formats::check_split_rows(x, cols, out)?;
         self.split_rows_unchecked(x, cols, out);

@@ -56,7 +56,7 @@ impl KvFormat {
 ///
 /// A plain int8 row loses about 1.5% of the logit range per position on the fixtures, enough to
 /// flip near-tied top tokens. A split row adds a second int8 row holding what the first missed
-/// (about 15 bits in all) at twice the integer work for that product; decode, bound by reading
+/// (about 14 bits in all, its scales powers of two) at twice the integer work for that product; decode, bound by reading
 /// weights, hardly notices, prefill does. Measured trade-offs are in README.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -76,7 +76,7 @@ crate::choice::impl_choice!(ActivationFormat { Q8 => "q8", Mixed => "mixed", Q8x
 
 impl ActivationFormat {
     /// The kernels attention runs on with these activations: `q8x2`, the precise setting, keeps
-    /// f32 attention (its ~15-bit products would otherwise meet 8-bit attention); the others take
+    /// f32 attention (its ~14-bit products would otherwise meet 8-bit attention); the others take
     /// bf16 dot products where the kernels do ([`crate::kernels::attention::runs_bf16`]).
     pub fn attention_kernels(self, kernels: crate::kernels::Kernels) -> crate::kernels::Kernels {
         match self {

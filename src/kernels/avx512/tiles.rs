@@ -21,7 +21,7 @@ use super::super::formats::{
 };
 use super::super::{GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
 use super::{
-    activation_exponent_range, combined_scale, correction_lane, exponent_mode, exponent_offsets,
+    activation_exponents, combined_scale, correction_lane, exponent_add, exponent_offsets,
     format_factor, split_nibbles, DecodedTiles, Prefetch, FORMAT_MXFP4, FORMAT_Q4, FORMAT_Q8,
     GEMM_PAIR_TOKENS, GROUP_DWORDS, MXFP4_UNSIGNED_64,
 };
@@ -50,7 +50,8 @@ trait TileSource {
     /// Most tokens of a call that run through [`direct`]; beyond, tiles are formed into
     /// scratch once (see [`DIRECT_CALL_TOKENS`]).
     const DIRECT_CALL_TOKENS: usize;
-    /// Whether the scales are powers of two, so the exponent-add scaling may run.
+    /// Whether the scales are powers of two, so the exponent-add scaling may run with any
+    /// activations (with others, only with power-of-two activation scales).
     const POWER_OF_TWO_SCALES: bool;
     /// The matrix the tiles are read from, which knows its rows and their bytes.
     type Matrix: ByteSpans;
@@ -61,6 +62,11 @@ trait TileSource {
     }
     fn spans(&self, rows: Range<usize>) -> [(*const u8, usize); 2] {
         self.matrix().byte_spans(rows)
+    }
+    /// The lowest and highest biased f32 exponent of the scales of `rows` (see
+    /// [`super::exponent_mode`]), `None` where the format does not say.
+    fn scale_exponents(&self, _rows: Range<usize>) -> Option<(u32, u32)> {
+        None
     }
     /// Where tile `tile`'s vectors and scales start.
     fn tile_base(&self, tile: usize) -> (*const u8, *const u8);
@@ -87,6 +93,20 @@ impl<'a, const VBMI: bool> TileSource for Mxfp4Tiles<'a, VBMI> {
     }
     fn cols(&self) -> usize {
         self.0.cols
+    }
+    /// The E8M0 bytes are the exponents: the tiles `rows` touches keep theirs contiguous, so
+    /// one pass over them finds the range.
+    fn scale_exponents(&self, rows: Range<usize>) -> Option<(u32, u32)> {
+        let [_, (scales, len)] = self.spans(rows);
+        if len == 0 {
+            return None;
+        }
+        // SAFETY: the spans of rows inside the matrix are a range of its scale bytes.
+        let bytes = unsafe { std::slice::from_raw_parts(scales, len) };
+        let (low, high) = bytes
+            .iter()
+            .fold((u8::MAX, 0u8), |(lo, hi), &b| (lo.min(b), hi.max(b)));
+        Some((low as u32, high as u32))
     }
     fn tile_base(&self, tile: usize) -> (*const u8, *const u8) {
         let (bytes, scales) = self.0.tile_offsets(tile);
@@ -136,6 +156,10 @@ impl<'a> TileSource for Q8Tiles<'a> {
     }
     fn cols(&self) -> usize {
         self.0.cols
+    }
+    /// Found once for the whole matrix ([`Q8Matrix::scale_exponents`]).
+    fn scale_exponents(&self, _rows: Range<usize>) -> Option<(u32, u32)> {
+        self.0.scale_exponents()
     }
     fn tile_base(&self, tile: usize) -> (*const u8, *const u8) {
         (
@@ -525,32 +549,27 @@ unsafe fn gemm<W: TileSource>(
     }
 }
 
-/// Fewest tokens for which [`exponent_add_allowed`] scans the weights' scales: below, a call
-/// streams its rows at the read bandwidth and the float operation the exponent add saves is not
-/// what it waits on, while the scan is a second pass over the scale bytes on decode's hot path
-/// (one decoded token: about 75 MB of them a step on the 20b).
+/// Fewest tokens for which [`exponent_add_allowed`] looks at the scales: below, a call streams
+/// its rows at the read bandwidth and the float operation the exponent add saves is not what it
+/// waits on, while MXFP4's scan is a second pass over the scale bytes on decode's hot path (one
+/// decoded token: about 75 MB of them a step on the 20b).
 const EXPONENT_ADD_MIN_TOKENS: usize = 4;
 
 /// Whether the exponent-add scaling may run for these rows and tokens (see
-/// [`super::combined_scale`]): power-of-two scales and enough tokens only; the scale bytes of
-/// the tiles `rows` touches are contiguous, so one pass finds their range. Either answer gives
-/// the same bits.
+/// [`super::combined_scale`]): power-of-two weight or activation scales, every product normal,
+/// and enough tokens. Either answer gives the same bits.
 fn exponent_add_allowed<W: TileSource>(w: &W, x: &Q8Activations, rows: &Range<usize>) -> bool {
-    if !W::POWER_OF_TWO_SCALES || x.rows() < EXPONENT_ADD_MIN_TOKENS {
+    if x.rows() < EXPONENT_ADD_MIN_TOKENS {
         return false;
     }
-    let [_, (scales, len)] = w.spans(rows.clone());
-    if len == 0 {
+    let activations = activation_exponents(x);
+    if !W::POWER_OF_TWO_SCALES && !activations.is_some_and(|a| a.powers_of_two) {
         return false;
     }
-    // SAFETY: the spans of rows inside the matrix are a range of its scale bytes.
-    let bytes = unsafe { std::slice::from_raw_parts(scales, len) };
-    let (low, high) = bytes
-        .iter()
-        .fold((u8::MAX, 0u8), |(lo, hi), &b| (lo.min(b), hi.max(b)));
-    exponent_mode(
-        activation_exponent_range(x),
-        Some((low as u32, high as u32)),
+    exponent_add(
+        activations,
+        W::POWER_OF_TWO_SCALES,
+        w.scale_exponents(rows.clone()),
     )
 }
 
