@@ -1309,10 +1309,10 @@ fn tiled_q4_products_match_the_row_order_on_every_path() {
     check_tiled_matrix::<Q4Matrix>(29);
 }
 
-/// The `avx2-vnni` path's tile products: MXFP4 gives plain AVX2's bits (`vpdpbusd` sums what
-/// `vpmaddubsw` + `vpmaddwd` sum), and on both AVX2 paths a token's result does not depend on
-/// the tokens beside it (one or two tokens take a pass over the whole tile, more take passes
-/// over each half), for MXFP4 and, with VNNI, Q8 tiles.
+/// The `avx2-vnni` path's tile products: MXFP4 and Q4 give plain AVX2's bits (`vpdpbusd` sums
+/// what `vpmaddubsw` + `vpmaddwd` sum), and on both AVX2 paths a token's result does not depend
+/// on the tokens beside it (one or two tokens take a pass over the whole tile, more take passes
+/// over each half), for MXFP4, Q4 and, with VNNI, Q8 tiles.
 #[test]
 fn avx2_tile_products_match_across_paths_and_batches() {
     let Ok(vnni) = Kernels::new(KernelPath::Avx2Vnni) else {
@@ -1320,19 +1320,26 @@ fn avx2_tile_products_match_across_paths_and_batches() {
         return;
     };
     let plain = Kernels::new(KernelPath::Avx2).expect("a CPU with VNNI has AVX2");
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Tiles {
+        Mxfp4,
+        Q8,
+        Q4,
+    }
     let mut rng = rng(31);
     for (rows, cols) in [(48, 160), (64, 2880)] {
         let data = Mxfp4Data::random(&mut rng, rows, cols, 118..=130);
         let tiled = TiledData::from(&data);
         let mxfp4 = tiled.matrix();
-        let q8 = Q8Matrix::from_bf16(
-            rows,
-            cols,
-            &to_bf16(&random_f32(&mut rng, rows * cols, 0.2)),
-        )
-        .unwrap()
-        .to_tiles()
-        .unwrap();
+        let mut bf16 = || to_bf16(&random_f32(&mut rng, rows * cols, 0.2));
+        let q8 = Q8Matrix::from_bf16(rows, cols, &bf16())
+            .unwrap()
+            .to_tiles()
+            .unwrap();
+        let q4 = Q4Matrix::from_bf16(rows, cols, &bf16())
+            .unwrap()
+            .to_tiles()
+            .unwrap();
         let tokens = 6;
         let values = random_f32(&mut rng, tokens * cols, 3.0);
         let quantize = |values: &[f32]| {
@@ -1343,33 +1350,42 @@ fn avx2_tile_products_match_across_paths_and_batches() {
             x
         };
         let mut scratch = GemmScratch::new(cols);
-        let mut product = |k: Kernels, q8_tiles: bool, x: &Q8Activations| {
+        let mut product = |k: Kernels, tiles: Tiles, x: &Q8Activations| {
             let mut out = vec![f32::NAN; x.rows() * rows];
-            if q8_tiles {
-                k.q8_gemm(&q8, x, 0..rows, &mut out, &mut scratch).unwrap();
-            } else {
-                k.mxfp4_gemm(&mxfp4, x, 0..rows, &mut out, &mut scratch)
-                    .unwrap();
+            let s = &mut scratch;
+            match tiles {
+                Tiles::Mxfp4 => k.mxfp4_gemm(&mxfp4, x, 0..rows, &mut out, s),
+                Tiles::Q8 => k.q8_gemm(&q8, x, 0..rows, &mut out, s),
+                Tiles::Q4 => k.q4_gemm(&q4, x, 0..rows, &mut out, s),
             }
+            .unwrap();
             out
         };
         for n in 1..=tokens {
             let x = quantize(&values[..n * cols]);
             let what = format!("{rows}x{cols} M={n}");
-            let batch = product(vnni, false, &x);
-            assert_eq!(
-                bits(&batch),
-                bits(&product(plain, false, &x)),
-                "{what}: avx2"
-            );
-            for (k, q8_tiles) in [(plain, false), (vnni, false), (vnni, true)] {
-                let batch = product(k, q8_tiles, &x);
+            for tiles in [Tiles::Mxfp4, Tiles::Q4] {
+                assert_eq!(
+                    bits(&product(vnni, tiles, &x)),
+                    bits(&product(plain, tiles, &x)),
+                    "{what} {tiles:?}: avx2"
+                );
+            }
+            let cases = [
+                (plain, Tiles::Mxfp4),
+                (vnni, Tiles::Mxfp4),
+                (vnni, Tiles::Q8),
+                (plain, Tiles::Q4),
+                (vnni, Tiles::Q4),
+            ];
+            for (k, tiles) in cases {
+                let batch = product(k, tiles, &x);
                 for t in 0..n {
-                    let alone = product(k, q8_tiles, &quantize(&values[t * cols..][..cols]));
+                    let alone = product(k, tiles, &quantize(&values[t * cols..][..cols]));
                     assert_eq!(
                         bits(&batch[t * rows..][..rows]),
                         bits(&alone),
-                        "{what} {} q8 {q8_tiles}: token {t} alone",
+                        "{what} {} {tiles:?}: token {t} alone",
                         k.path()
                     );
                 }

@@ -570,9 +570,13 @@ impl Kernels {
     }
 
     /// Whether Q4 matrices should be reordered into the tile layout ([`Q4Matrix::to_tiles`]):
-    /// the AVX-512 path has kernels for it; the others read it the scalar reference's way.
+    /// the AVX-512 and both AVX2 paths have kernels for it (the tiles' `q + 8` nibbles suit
+    /// `vpmaddubsw` as MXFP4's do); the scalar path reads it the reference's way.
     pub fn prefers_tiled_q4(&self) -> bool {
-        self.path == KernelPath::Avx512
+        matches!(
+            self.path,
+            KernelPath::Avx512 | KernelPath::Avx2 | KernelPath::Avx2Vnni
+        )
     }
 
     /// Whether the MXFP4 GEMV decodes with `vpermb` (AVX-512 VBMI).
@@ -823,7 +827,7 @@ impl Kernels {
             self,
             avx512: avx512::q4_gemv(w, x, rows, out),
             avx2: if w.tiled {
-                scalar::q4_gemv(w, x, rows, out)
+                avx2::tiles::q4_product(w, x, rows, out, self.avx2_dot)
             } else {
                 avx2::q4_gemv(w, x, rows, out)
             },
@@ -847,7 +851,7 @@ impl Kernels {
             self,
             avx512: avx512::q4_gemm(w, x, rows, out, scratch),
             avx2: if w.tiled {
-                scalar::q4_gemm(w, x, rows, out, scratch)
+                avx2::tiles::q4_product(w, x, rows, out, self.avx2_dot)
             } else {
                 avx2::q4_gemm(w, x, rows, out, scratch)
             },

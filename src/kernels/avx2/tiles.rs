@@ -1,4 +1,5 @@
-//! AVX2 products of MXFP4 matrices in the tile layout ([`Mxfp4Layout::Tiles`]).
+//! AVX2 products of MXFP4, Q4 and Q8 matrices in their tile layouts ([`Mxfp4Layout::Tiles`],
+//! [`Q4Matrix::to_tiles`], [`Q8Matrix::to_tiles`]).
 //!
 //! A 64-byte tile vector holds one dword of nibbles of each of 16 rows; AVX2 reads it as two
 //! 32-byte halves of 8 rows. `vpmaddubsw` of a half's decoded weights (unsigned, at most 24) and
@@ -14,16 +15,17 @@
 //! accumulator chains per token (the even and the odd dwords), since one chain would wait on
 //! the instruction's latency; the integer sums are the same.
 //!
-//! Q8 matrices stay in row order on this path: their tiles hold `q + 128`, whose `vpmaddubsw`
-//! pair sums (up to 2 x 255 x 127) would saturate int16.
+//! Q8 tiles take the VNNI sums only: they hold `q + 128`, whose `vpmaddubsw` pair sums (up to
+//! 2 x 255 x 127) would saturate int16, so plain AVX2 keeps Q8 in row order. Q4 tiles hold
+//! `q + 8` (at most 15), which every way of summing takes.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::super::formats::{
-    tile_lanes, tile_out, ByteSpans, Mxfp4Layout, Mxfp4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN,
-    CORRECTION_LANE_MXFP4, CORRECTION_LANE_Q8, GROUP_BLOCKS, GROUP_LANES, GROUP_LEN,
-    MXFP4_TILE_ROWS,
+    tile_lanes, tile_out, ByteSpans, Mxfp4Layout, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix,
+    BLOCK_LEN, CORRECTION_LANE_MXFP4, CORRECTION_LANE_Q4, CORRECTION_LANE_Q8, GROUP_BLOCKS,
+    GROUP_LANES, GROUP_LEN, MXFP4_TILE_ROWS,
 };
 use super::super::Avx2Dot;
 use super::{prefetch_share_into, MXFP4_UNSIGNED};
@@ -151,6 +153,48 @@ impl HalfTiles for Mxfp4Matrix<'_> {
         unsafe {
             let bytes = _mm_loadl_epi64(scales.add(block * MXFP4_TILE_ROWS).cast());
             _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_cvtepu8_epi32(bytes)))
+        }
+    }
+}
+
+/// A tiled Q4 matrix (the draft unembedding): its nibbles are the unsigned operands as stored,
+/// `q + 8`, split as MXFP4's are but with no table; the offset comes back through the
+/// activations' Q4 correction. A `vpmaddubsw` pair sum is at most 2 x 15 x 128: no saturation.
+impl HalfTiles for Q4Matrix {
+    const CORRECTION_LANE: usize = CORRECTION_LANE_Q4;
+    const FACTOR: f32 = 1.0;
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn half_base(&self, tile: usize, half: usize) -> (*const u8, *const u8) {
+        let (bytes, scales) = self.tile_offsets(tile);
+        (
+            self.nibbles.as_ptr().wrapping_add(bytes + half * 32),
+            self.scales
+                .as_ptr()
+                .cast::<u8>()
+                .wrapping_add(2 * (scales + half * HALF_ROWS)),
+        )
+    }
+    #[inline(always)]
+    unsafe fn operands(vectors: *const u8, block: usize, s: usize) -> (__m256i, __m256i) {
+        // SAFETY: the caller upholds the trait's contract.
+        unsafe {
+            let low = _mm256_set1_epi8(0x0F);
+            let bytes = _mm256_loadu_si256(vectors.add((block * BLOCK_VECTORS + s) * 64).cast());
+            (
+                _mm256_and_si256(bytes, low),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), low),
+            )
+        }
+    }
+    #[inline(always)]
+    unsafe fn scales(scales: *const u8, block: usize) -> __m256 {
+        // SAFETY: the caller upholds the trait's contract: 16 f16 scales per block.
+        unsafe {
+            _mm256_cvtph_ps(_mm_loadu_si128(
+                scales.add(2 * block * MXFP4_TILE_ROWS).cast(),
+            ))
         }
     }
 }
@@ -394,22 +438,59 @@ pub(in crate::kernels) unsafe fn mxfp4_product(
     }
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn product_maddubs(w: &Mxfp4Matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
-    // SAFETY: the caller upholds `mxfp4_product`'s contract; this entry has Maddubs' features.
-    unsafe { product::<_, Maddubs>(w, x, rows, out) }
+/// The three entries of a tiled format: the target features of each way of summing, around one
+/// body.
+macro_rules! entries {
+    ($matrix:ty, $maddubs:ident, $vex:ident, $evex:ident) => {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn $maddubs(w: &$matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
+            // SAFETY: the caller upholds the public entry's contract; this has Maddubs' features.
+            unsafe { product::<_, Maddubs>(w, x, rows, out) }
+        }
+
+        #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+        unsafe fn $vex(w: &$matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
+            // SAFETY: as above, with AVX-VNNI.
+            unsafe { product::<_, VnniVex>(w, x, rows, out) }
+        }
+
+        #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+        unsafe fn $evex(w: &$matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
+            // SAFETY: as above, with AVX-512 VNNI and VL.
+            unsafe { product::<_, VnniEvex>(w, x, rows, out) }
+        }
+    };
 }
 
-#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-unsafe fn product_vex(w: &Mxfp4Matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
-    // SAFETY: as above, with AVX-VNNI.
-    unsafe { product::<_, VnniVex>(w, x, rows, out) }
-}
+entries!(Mxfp4Matrix, product_maddubs, product_vex, product_evex);
+entries!(
+    Q4Matrix,
+    q4_product_maddubs,
+    q4_product_vex,
+    q4_product_evex
+);
 
-#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-unsafe fn product_evex(w: &Mxfp4Matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
-    // SAFETY: as above, with AVX-512 VNNI and VL.
-    unsafe { product::<_, VnniEvex>(w, x, rows, out) }
+/// `out[t * rows.len() + i] = W[rows.start + i] . x[t]` for a tiled Q4 `w`, as
+/// [`mxfp4_product`].
+///
+/// # Safety
+/// As [`mxfp4_product`], for a tiled Q4 `w`.
+pub(in crate::kernels) unsafe fn q4_product(
+    w: &Q4Matrix,
+    x: &Q8Activations,
+    rows: Range<usize>,
+    out: &mut [f32],
+    dot: Avx2Dot,
+) {
+    debug_assert!(w.tiled);
+    // SAFETY: the caller upholds the contract: each entry's features are present.
+    unsafe {
+        match dot {
+            Avx2Dot::Maddubs => q4_product_maddubs(w, x, rows, out),
+            Avx2Dot::VnniVex => q4_product_vex(w, x, rows, out),
+            Avx2Dot::VnniEvex => q4_product_evex(w, x, rows, out),
+        }
+    }
 }
 
 /// [`mxfp4_product`]'s body for one way of summing.
