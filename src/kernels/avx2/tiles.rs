@@ -413,85 +413,74 @@ unsafe fn tile_all_tokens<S: HalfTiles, D: PairDot>(
     }
 }
 
-/// `out[t * rows.len() + i] = W[rows.start + i] . x[t]` for a tiled MXFP4 `w` and any number of
-/// tokens, prefetching one tile ahead (past `rows` up to the matrix's end, so the next task's
-/// first tile is not a cold miss either).
-///
-/// # Safety
-/// The CPU has AVX2, FMA and F16C, and what `dot` names; `w` is tiled and the shapes were
-/// checked by `Kernels`.
-pub(in crate::kernels) unsafe fn mxfp4_product(
-    w: &Mxfp4Matrix,
-    x: &Q8Activations,
-    rows: Range<usize>,
-    out: &mut [f32],
-    dot: Avx2Dot,
-) {
-    debug_assert_eq!(w.layout, Mxfp4Layout::Tiles);
-    // SAFETY: the caller upholds the contract: each entry's features are present.
-    unsafe {
-        match dot {
-            Avx2Dot::Maddubs => product_maddubs(w, x, rows, out),
-            Avx2Dot::VnniVex => product_vex(w, x, rows, out),
-            Avx2Dot::VnniEvex => product_evex(w, x, rows, out),
-        }
-    }
-}
+/// A tiled format's public product, choosing among its three entries (the target features of
+/// each way of summing, around one body).
+macro_rules! tiled_product {
+    ($(#[$doc:meta])* $name:ident, $matrix:ty, $check:expr) => {
+        $(#[$doc])*
+        pub(in crate::kernels) unsafe fn $name(
+            w: &$matrix,
+            x: &Q8Activations,
+            rows: Range<usize>,
+            out: &mut [f32],
+            dot: Avx2Dot,
+        ) {
+            debug_assert!($check(w));
 
-/// The three entries of a tiled format: the target features of each way of summing, around one
-/// body.
-macro_rules! entries {
-    ($matrix:ty, $maddubs:ident, $vex:ident, $evex:ident) => {
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn $maddubs(w: &$matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
-            // SAFETY: the caller upholds the public entry's contract; this has Maddubs' features.
-            unsafe { product::<_, Maddubs>(w, x, rows, out) }
-        }
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn maddubs(w: &$matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
+                // SAFETY: the caller upholds the public entry's contract; this has Maddubs'
+                // features.
+                unsafe { product::<_, Maddubs>(w, x, rows, out) }
+            }
 
-        #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-        unsafe fn $vex(w: &$matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
-            // SAFETY: as above, with AVX-VNNI.
-            unsafe { product::<_, VnniVex>(w, x, rows, out) }
-        }
+            #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+            unsafe fn vex(w: &$matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
+                // SAFETY: as above, with AVX-VNNI.
+                unsafe { product::<_, VnniVex>(w, x, rows, out) }
+            }
 
-        #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-        unsafe fn $evex(w: &$matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
-            // SAFETY: as above, with AVX-512 VNNI and VL.
-            unsafe { product::<_, VnniEvex>(w, x, rows, out) }
+            #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+            unsafe fn evex(w: &$matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
+                // SAFETY: as above, with AVX-512 VNNI and VL.
+                unsafe { product::<_, VnniEvex>(w, x, rows, out) }
+            }
+
+            // SAFETY: the caller upholds the contract: each entry's features are present.
+            unsafe {
+                match dot {
+                    Avx2Dot::Maddubs => maddubs(w, x, rows, out),
+                    Avx2Dot::VnniVex => vex(w, x, rows, out),
+                    Avx2Dot::VnniEvex => evex(w, x, rows, out),
+                }
+            }
         }
     };
 }
 
-entries!(Mxfp4Matrix, product_maddubs, product_vex, product_evex);
-entries!(
-    Q4Matrix,
-    q4_product_maddubs,
-    q4_product_vex,
-    q4_product_evex
+tiled_product!(
+    /// `out[t * rows.len() + i] = W[rows.start + i] . x[t]` for a tiled MXFP4 `w` and any number
+    /// of tokens, prefetching one tile ahead (past `rows` up to the matrix's end, so the next
+    /// task's first tile is not a cold miss either).
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C, and what `dot` names; `w` is tiled and the shapes were
+    /// checked by `Kernels`.
+    mxfp4_product,
+    Mxfp4Matrix,
+    |w: &Mxfp4Matrix| w.layout == Mxfp4Layout::Tiles
 );
 
-/// `out[t * rows.len() + i] = W[rows.start + i] . x[t]` for a tiled Q4 `w`, as
-/// [`mxfp4_product`].
-///
-/// # Safety
-/// As [`mxfp4_product`], for a tiled Q4 `w`.
-pub(in crate::kernels) unsafe fn q4_product(
-    w: &Q4Matrix,
-    x: &Q8Activations,
-    rows: Range<usize>,
-    out: &mut [f32],
-    dot: Avx2Dot,
-) {
-    debug_assert!(w.tiled);
-    // SAFETY: the caller upholds the contract: each entry's features are present.
-    unsafe {
-        match dot {
-            Avx2Dot::Maddubs => q4_product_maddubs(w, x, rows, out),
-            Avx2Dot::VnniVex => q4_product_vex(w, x, rows, out),
-            Avx2Dot::VnniEvex => q4_product_evex(w, x, rows, out),
-        }
-    }
-}
+tiled_product!(
+    /// `out[t * rows.len() + i] = W[rows.start + i] . x[t]` for a tiled Q4 `w`, as
+    /// [`mxfp4_product`].
+    ///
+    /// # Safety
+    /// As [`mxfp4_product`], for a tiled Q4 `w`.
+    q4_product,
+    Q4Matrix,
+    |w: &Q4Matrix| w.tiled
+);
 
 /// [`mxfp4_product`]'s body for one way of summing.
 ///
