@@ -272,9 +272,15 @@ fn mxfp4_gemm_matches_scalar_at_zero_and_extreme_scales() {
                 _ => {}
             }
             let w = data.matrix();
+            // Tight scales meet one scaling of MXFP4's; split rows' powers of two the other.
+            let rule = if case % 2 == 0 {
+                ScaleRule::Tight
+            } else {
+                ScaleRule::PowerOfTwo
+            };
             let mut x = Q8Activations::new();
             kernels()
-                .quantize_activation_rows(&x_values, cols, &mut x)
+                .quantize_activation_rows_with(&x_values, cols, rule, true, &mut x)
                 .unwrap();
             let range = 1..rows;
             let n = range.len();
@@ -1290,6 +1296,64 @@ fn q8_products_with_power_of_two_activations_match_single_tokens() {
                         quantize(&x_values[t * cols..(t + 1) * cols], &mut one);
                         let mut alone = vec![f32::NAN; rows];
                         k.q8_gemm(&tiled, &one, 0..rows, &mut alone, &mut scratch)
+                            .unwrap();
+                        assert_eq!(
+                            bits(&batch[t * rows..(t + 1) * rows]),
+                            bits(&alone),
+                            "{what}: token {t}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// MXFP4 weights against split rows: both scales powers of two, so the AVX-512 products apply
+/// them with no float multiply (from 4 tokens on, where every product and its shifted form are
+/// normal floats) and with an exponent add or a multiply elsewhere: a token's results in a
+/// batch must be, bit for bit, its results alone (one token multiplies), in the tile layout and
+/// in row order, at ordinary and at extreme scale bytes.
+#[test]
+fn mxfp4_products_with_power_of_two_activations_match_single_tokens() {
+    let mut rng = rng(37);
+    for (rows, cols) in [(32, 96), (64, 2880), (48, 4128)] {
+        for scales in [118..=130, 1..=12, 226..=254] {
+            let data = Mxfp4Data::random(&mut rng, rows, cols, scales);
+            let tiled = TiledData::from(&data);
+            let (plain, tiled) = (data.matrix(), tiled.matrix());
+            let mut scratch = GemmScratch::new(cols);
+            for tokens in [4, 7, 9, 17, 40] {
+                let x_values = random_f32(&mut rng, tokens * cols, 3.0);
+                let mut x = Q8Activations::new();
+                let mut one = Q8Activations::new();
+                for k in simd_paths() {
+                    let what = format!("{} {rows}x{cols} M={tokens}", k.path());
+                    let quantize = |values: &[f32], out: &mut Q8Activations| {
+                        k.quantize_activation_rows_with(
+                            values,
+                            cols,
+                            ScaleRule::PowerOfTwo,
+                            true,
+                            out,
+                        )
+                        .unwrap()
+                    };
+                    quantize(&x_values, &mut x);
+                    let mut batch = vec![f32::NAN; tokens * rows];
+                    k.mxfp4_gemm(&tiled, &x, 0..rows, &mut batch, &mut scratch)
+                        .unwrap();
+                    let mut row_order = vec![f32::NAN; tokens * rows];
+                    k.mxfp4_gemm(&plain, &x, 0..rows, &mut row_order, &mut scratch)
+                        .unwrap();
+                    if !matches!(k.path(), KernelPath::Avx2 | KernelPath::Avx2Vnni) {
+                        // The AVX2 paths' row order is another kernel with its own sum order.
+                        assert_eq!(bits(&batch), bits(&row_order), "{what}: row order");
+                    }
+                    for t in 0..tokens {
+                        quantize(&x_values[t * cols..(t + 1) * cols], &mut one);
+                        let mut alone = vec![f32::NAN; rows];
+                        k.mxfp4_gemm(&tiled, &one, 0..rows, &mut alone, &mut scratch)
                             .unwrap();
                         assert_eq!(
                             bits(&batch[t * rows..(t + 1) * rows]),

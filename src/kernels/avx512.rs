@@ -1092,14 +1092,71 @@ unsafe fn decode_tile<W: GroupSource>(
     }
 }
 
-/// Weight scale lanes less the exponent bias, `bits - (127 << 23)`, to add to an activation
-/// scale's bits: for a power-of-two side (`2^(e - 127)`, MXFP4's weights or split rows'
-/// activations) that sum is the product's bits (0 for the tile's padding lanes, whose scale is
-/// 1). Unused unless the kernel runs with `EXP`; the compiler drops it then.
+/// How a micro-kernel applies a block's two scales (weights' and activations') to its integer
+/// sums: a const parameter of the kernels, chosen per call by [`scaling`].
+///
+/// A `vcvtdq2ps` of the sums and a `vfmadd` by the scales' product, formed by a `vmulps`.
+pub(super) const SCALE_MULTIPLY: u8 = 0;
+/// As [`SCALE_MULTIPLY`], the product formed by adding exponents ([`combined_scale`]).
+pub(super) const SCALE_EXPONENT_ADD: u8 = 1;
+/// Both scales powers of two: no float multiply at all ([`accumulate`]).
+pub(super) const SCALE_SHIFTED_SUM: u8 = 2;
+
+/// [`SCALE_SHIFTED_SUM`]'s offset: `bits(w) + bits(a) - SHIFTED_SUM_BIAS` are the bits of
+/// 1.5 x 2^23 x the scales' product `2^c`, whose mantissa (2^22) takes an integer sum of
+/// magnitude below 2^22 without a carry into the exponent.
+const SHIFTED_SUM_BIAS: i32 = (104 << 23) - (1 << 22);
+
+/// Weight scale lanes less the bias `SCALING` adds them with to an activation scale's bits:
+/// with one side a power of two (`2^(e - 127)`, MXFP4's weights or split rows' activations)
+/// `bits - (127 << 23)` makes the sum the product's bits (0 for the tile's padding lanes, whose
+/// scale is 1); with both, `bits - SHIFTED_SUM_BIAS` (see [`accumulate`]). Unused when the
+/// kernel multiplies; the compiler drops it then.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-fn exponent_offsets(w_scales: __m512) -> __m512i {
-    _mm512_sub_epi32(_mm512_castps_si512(w_scales), _mm512_set1_epi32(127 << 23))
+fn scale_offsets<const SCALING: u8>(w_scales: __m512) -> __m512i {
+    let bias = if SCALING == SCALE_SHIFTED_SUM {
+        SHIFTED_SUM_BIAS
+    } else {
+        127 << 23
+    };
+    _mm512_sub_epi32(_mm512_castps_si512(w_scales), _mm512_set1_epi32(bias))
+}
+
+/// `acc + sums x (weight scales x the activation scale at a_scale)`, one rounding, in the way
+/// `SCALING` names. With [`SCALE_SHIFTED_SUM`] the product of the scales is `2^c` and `magic`
+/// the bits of `1.5 x 2^(23 + c)`: adding a sum `s` (`|s| < 2^22`) to those bits gives
+/// `1.5 x 2^(23 + c) + s x 2^c`, and subtracting `magic` leaves `s x 2^c` exactly (Sterbenz), so
+/// the final add rounds once, as the `vfmadd` does: the same bits, from a `vpaddd`, a `vsubps`
+/// and a `vaddps`, none of which shares the pipes of `vpdpbusd` on Zen 4 (the `vfmadd` does: see
+/// [`combined_scale`]). [`shifted_sum_mode`] proves every `magic` and product a normal float.
+///
+/// # Safety
+/// `a_scale` is readable; the CPU has the module's features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn accumulate<const SCALING: u8>(
+    acc: __m512,
+    sums: __m512i,
+    w_scales: __m512,
+    w_offsets: __m512i,
+    a_scale: *const f32,
+) -> __m512 {
+    // SAFETY: the caller upholds the contract (`a_scale` readable, the module's features).
+    unsafe {
+        if SCALING == SCALE_SHIFTED_SUM {
+            let magic =
+                _mm512_add_epi32(_mm512_set1_epi32(a_scale.cast::<i32>().read()), w_offsets);
+            let shifted = _mm512_castsi512_ps(_mm512_add_epi32(sums, magic));
+            _mm512_add_ps(acc, _mm512_sub_ps(shifted, _mm512_castsi512_ps(magic)))
+        } else if SCALING == SCALE_EXPONENT_ADD {
+            let scale = combined_scale::<true>(w_scales, w_offsets, a_scale);
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc)
+        } else {
+            let scale = combined_scale::<false>(w_scales, w_offsets, a_scale);
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc)
+        }
+    }
 }
 
 /// A block's weight scales times one token's activation scale at `a_scale`.
@@ -1134,7 +1191,7 @@ unsafe fn combined_scale<const EXP: bool>(
     }
 }
 
-/// What [`exponent_add`] needs to know of a call's activation scales.
+/// What [`scaling`] needs to know of a call's activation scales.
 #[derive(Clone, Copy, Debug)]
 struct ActivationExponents {
     /// The lowest and highest biased exponent (1..=254).
@@ -1171,19 +1228,41 @@ fn activation_exponents(x: &Q8Activations) -> Option<ActivationExponents> {
     })
 }
 
-/// Whether a call may scale by adding exponents ([`combined_scale`] with `EXP`): the weight
-/// scales (biased exponents `weights`) or the activation scales all powers of two, so one
-/// side's bits added to the other's exponent are the product, and [`exponent_mode`] holds.
-fn exponent_add(
+/// How a call applies its scales (see [`SCALE_MULTIPLY`]): without a multiply where both
+/// sides' scales are powers of two and [`shifted_sum_mode`] holds, by adding exponents where one
+/// side's are and [`exponent_mode`] holds, else by multiplying. `weights` are the weight scales'
+/// biased exponents; every choice gives the same bits.
+fn scaling(
     activations: Option<ActivationExponents>,
     weights_powers_of_two: bool,
     weights: Option<(u32, u32)>,
-) -> bool {
+) -> u8 {
     match activations {
-        Some(a) if weights_powers_of_two || a.powers_of_two => {
-            exponent_mode(Some(a.range), weights)
+        Some(a)
+            if weights_powers_of_two && a.powers_of_two && shifted_sum_mode(a.range, weights) =>
+        {
+            SCALE_SHIFTED_SUM
         }
-        _ => false,
+        Some(a)
+            if (weights_powers_of_two || a.powers_of_two)
+                && exponent_mode(Some(a.range), weights) =>
+        {
+            SCALE_EXPONENT_ADD
+        }
+        _ => SCALE_MULTIPLY,
+    }
+}
+
+/// Whether, with both sides' scales powers of two, every product `2^c` of an activation scale
+/// and a weight scale is a normal float and so is [`accumulate`]'s `1.5 x 2^(23 + c)`: biased
+/// `c` in 1..=231.
+fn shifted_sum_mode(activations: (u32, u32), weights: Option<(u32, u32)>) -> bool {
+    match weights {
+        Some((w_low, w_high)) => {
+            let (a_low, a_high) = activations;
+            w_low >= 1 && a_low + w_low >= 128 && a_high + w_high <= 127 + 231
+        }
+        None => false,
     }
 }
 
@@ -1211,7 +1290,7 @@ fn exponent_mode(activations: Option<(u32, u32)>, weights: Option<(u32, u32)>) -
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_tile<const T: usize, const EXP: bool>(
+unsafe fn gemm_tile<const T: usize, const SCALING: u8>(
     scratch: &GemmScratch,
     groups: usize,
     x: &Q8Activations,
@@ -1260,14 +1339,10 @@ unsafe fn gemm_tile<const T: usize, const EXP: bool>(
                 }
                 let w_scales =
                     _mm512_loadu_ps(tile_scales.add((group * GROUP_BLOCKS + j) * GEMM_TILE_ROWS));
-                let w_exponents = exponent_offsets(w_scales);
+                let w_offsets = scale_offsets::<SCALING>(w_scales);
                 for (t, (acc_t, sum)) in acc.iter_mut().zip(sums).enumerate() {
                     let a_scale = act_scales.add(t * lane_stride + lanes + 4 * j);
-                    *acc_t = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(sum),
-                        combined_scale::<EXP>(w_scales, w_exponents, a_scale),
-                        *acc_t,
-                    );
+                    *acc_t = accumulate::<SCALING>(*acc_t, sum, w_scales, w_offsets, a_scale);
                 }
             }
         }
@@ -1294,7 +1369,7 @@ unsafe fn gemm_tile<const T: usize, const EXP: bool>(
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_tile_pair<const T: usize, const EXP: bool>(
+unsafe fn gemm_tile_pair<const T: usize, const SCALING: u8>(
     scratch: &GemmScratch,
     groups: usize,
     x: &Q8Activations,
@@ -1353,14 +1428,19 @@ unsafe fn gemm_tile_pair<const T: usize, const EXP: bool>(
                     _mm512_loadu_ps(tile_scales.add(at)),
                     _mm512_loadu_ps(tile_scales.add(second_scales + at)),
                 ];
-                let w_exponents = [exponent_offsets(w_scales[0]), exponent_offsets(w_scales[1])];
+                let w_offsets = [
+                    scale_offsets::<SCALING>(w_scales[0]),
+                    scale_offsets::<SCALING>(w_scales[1]),
+                ];
                 for t in 0..T {
                     let a_scale = act_scales.add(t * lane_stride + lanes + 4 * j);
                     for half in 0..2 {
-                        acc[half][t] = _mm512_fmadd_ps(
-                            _mm512_cvtepi32_ps(sums[half][t]),
-                            combined_scale::<EXP>(w_scales[half], w_exponents[half], a_scale),
+                        acc[half][t] = accumulate::<SCALING>(
                             acc[half][t],
+                            sums[half][t],
+                            w_scales[half],
+                            w_offsets[half],
+                            a_scale,
                         );
                     }
                 }
@@ -1417,7 +1497,8 @@ struct DecodedTiles<'a> {
     groups: usize,
     lane: usize,
     factor: f32,
-    exp: bool,
+    /// How the scales are applied ([`SCALE_MULTIPLY`] and the others).
+    scaling: u8,
 }
 
 impl DecodedTiles<'_> {
@@ -1442,7 +1523,7 @@ impl DecodedTiles<'_> {
             groups,
             lane,
             factor,
-            exp,
+            scaling,
         } = *self;
         let tokens = x.rows();
         let mut token = 0;
@@ -1454,11 +1535,13 @@ impl DecodedTiles<'_> {
                 let p = part(GEMM_TILE_SLOTS + token / batch);
                 macro_rules! pair_for {
                     ($($n:literal)*) => {
-                        match (t_count, exp) {
-                            $(($n, false) => gemm_tile_pair::<$n, false>(s, groups, x, token, lane, factor, o, stride, count, p),
-                            ($n, true) => gemm_tile_pair::<$n, true>(s, groups, x, token, lane, factor, o, stride, count, p),)*
-                            (_, false) => gemm_tile_pair::<1, false>(s, groups, x, token, lane, factor, o, stride, count, p),
-                            (_, true) => gemm_tile_pair::<1, true>(s, groups, x, token, lane, factor, o, stride, count, p),
+                        match (t_count, scaling) {
+                            $(($n, SCALE_MULTIPLY) => gemm_tile_pair::<$n, SCALE_MULTIPLY>(s, groups, x, token, lane, factor, o, stride, count, p),
+                            ($n, SCALE_EXPONENT_ADD) => gemm_tile_pair::<$n, SCALE_EXPONENT_ADD>(s, groups, x, token, lane, factor, o, stride, count, p),
+                            ($n, _) => gemm_tile_pair::<$n, SCALE_SHIFTED_SUM>(s, groups, x, token, lane, factor, o, stride, count, p),)*
+                            (_, SCALE_MULTIPLY) => gemm_tile_pair::<1, SCALE_MULTIPLY>(s, groups, x, token, lane, factor, o, stride, count, p),
+                            (_, SCALE_EXPONENT_ADD) => gemm_tile_pair::<1, SCALE_EXPONENT_ADD>(s, groups, x, token, lane, factor, o, stride, count, p),
+                            (_, _) => gemm_tile_pair::<1, SCALE_SHIFTED_SUM>(s, groups, x, token, lane, factor, o, stride, count, p),
                         }
                     };
                 }
@@ -1486,7 +1569,7 @@ impl DecodedTiles<'_> {
             groups,
             lane,
             factor,
-            exp,
+            scaling,
         } = *self;
         let tokens = x.rows();
         let batch = tokens.div_ceil(tokens.div_ceil(GEMM_TOKENS));
@@ -1499,11 +1582,13 @@ impl DecodedTiles<'_> {
                 let o = out_column.add(token * stride);
                 macro_rules! tile_for {
                     ($($n:literal)*) => {
-                        match (t_count, exp) {
-                            $(($n, false) => gemm_tile::<$n, false>(s, groups, x, token, lane, factor, o, stride, count, p),
-                            ($n, true) => gemm_tile::<$n, true>(s, groups, x, token, lane, factor, o, stride, count, p),)*
-                            (_, false) => gemm_tile::<1, false>(s, groups, x, token, lane, factor, o, stride, count, p),
-                            (_, true) => gemm_tile::<1, true>(s, groups, x, token, lane, factor, o, stride, count, p),
+                        match (t_count, scaling) {
+                            $(($n, SCALE_MULTIPLY) => gemm_tile::<$n, SCALE_MULTIPLY>(s, groups, x, token, lane, factor, o, stride, count, p),
+                            ($n, SCALE_EXPONENT_ADD) => gemm_tile::<$n, SCALE_EXPONENT_ADD>(s, groups, x, token, lane, factor, o, stride, count, p),
+                            ($n, _) => gemm_tile::<$n, SCALE_SHIFTED_SUM>(s, groups, x, token, lane, factor, o, stride, count, p),)*
+                            (_, SCALE_MULTIPLY) => gemm_tile::<1, SCALE_MULTIPLY>(s, groups, x, token, lane, factor, o, stride, count, p),
+                            (_, SCALE_EXPONENT_ADD) => gemm_tile::<1, SCALE_EXPONENT_ADD>(s, groups, x, token, lane, factor, o, stride, count, p),
+                            (_, _) => gemm_tile::<1, SCALE_SHIFTED_SUM>(s, groups, x, token, lane, factor, o, stride, count, p),
                         }
                     };
                 }
@@ -1558,9 +1643,9 @@ unsafe fn gemm<W: GroupSource>(
             let next = spans_from((tile_start + pair_rows).min(rows.end));
             let count = remaining.min(pair_rows);
             // Power-of-two weight scales (MXFP4) or activation scales (split rows) are applied
-            // by adding exponents where every product stays a normal float: the same bits, one
-            // float operation fewer per block.
-            let exp = exponent_add(
+            // by adding exponents, or with both by shifted sums, where every product stays a
+            // normal float: the same bits, one or two float operations fewer per block.
+            let scaling = scaling(
                 act_exponents,
                 W::FORMAT == FORMAT_MXFP4,
                 w.exponent_range(tile_start..tile_start + count),
@@ -1591,7 +1676,7 @@ unsafe fn gemm<W: GroupSource>(
                     groups,
                     lane,
                     factor,
-                    exp,
+                    scaling,
                 };
                 tiles.pair_tokens(x, batch, out_column, stride, count, part);
                 tile_start += count;
@@ -1604,7 +1689,7 @@ unsafe fn gemm<W: GroupSource>(
                 groups,
                 lane,
                 factor,
-                exp,
+                scaling,
             };
             tiles.single_tokens(x, out_column, stride, count);
             tile_start += count;

@@ -21,9 +21,9 @@ use super::super::formats::{
 };
 use super::super::{GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
 use super::{
-    activation_exponents, combined_scale, correction_lane, exponent_add, exponent_offsets,
-    format_factor, split_nibbles, DecodedTiles, Prefetch, FORMAT_MXFP4, FORMAT_Q4, FORMAT_Q8,
-    GEMM_PAIR_TOKENS, GROUP_DWORDS, MXFP4_UNSIGNED_64,
+    accumulate, activation_exponents, correction_lane, format_factor, scale_offsets, scaling,
+    split_nibbles, DecodedTiles, Prefetch, FORMAT_MXFP4, FORMAT_Q4, FORMAT_Q8, GEMM_PAIR_TOKENS,
+    GROUP_DWORDS, MXFP4_UNSIGNED_64, SCALE_EXPONENT_ADD, SCALE_MULTIPLY, SCALE_SHIFTED_SUM,
 };
 
 /// Most tokens [`tile_tokens`] takes at once: their sums and accumulators (2 x 8 registers)
@@ -274,7 +274,7 @@ unsafe fn store_tile<const T: usize>(
 /// `tile` is inside `w`, the tokens exist in `x`, `out` as in [`store_tile`].
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile_tokens<W: TileSource, const T: usize, const EXP: bool>(
+unsafe fn tile_tokens<W: TileSource, const T: usize, const SCALING: u8>(
     w: &W,
     tile: usize,
     x: &Q8Activations,
@@ -323,17 +323,10 @@ unsafe fn tile_tokens<W: TileSource, const T: usize, const EXP: bool>(
                 }
             }
             let w_scales = W::scales(scales, block);
-            let w_exponents = exponent_offsets(w_scales);
+            let w_offsets = scale_offsets::<SCALING>(w_scales);
             for (t, (acc_t, sum)) in acc.iter_mut().zip(sums).enumerate() {
-                *acc_t = _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(sum),
-                    combined_scale::<EXP>(
-                        w_scales,
-                        w_exponents,
-                        act_scales.add(t * lane_stride + lane),
-                    ),
-                    *acc_t,
-                );
+                let a_scale = act_scales.add(t * lane_stride + lane);
+                *acc_t = accumulate::<SCALING>(*acc_t, sum, w_scales, w_offsets, a_scale);
             }
         }
         store_tile(&acc, format_factor(W::FORMAT), out, stride, lanes);
@@ -359,7 +352,7 @@ unsafe fn tile_all_tokens<W: TileSource>(
     stride: usize,
     lanes: Range<usize>,
     prefetch: [(*const u8, usize); 2],
-    exp: bool,
+    scaling: u8,
 ) {
     // SAFETY: the caller upholds the contract, which every call below shares.
     unsafe {
@@ -375,11 +368,13 @@ unsafe fn tile_all_tokens<W: TileSource>(
             let l = lanes.clone();
             macro_rules! tokens_for {
                 ($($n:literal)*) => {
-                    match (count, exp) {
-                        $(($n, false) => tile_tokens::<W, $n, false>(w, tile, x, token, o, stride, l, &p, part),
-                        ($n, true) => tile_tokens::<W, $n, true>(w, tile, x, token, o, stride, l, &p, part),)*
-                        (_, false) => tile_tokens::<W, 1, false>(w, tile, x, token, o, stride, l, &p, part),
-                        (_, true) => tile_tokens::<W, 1, true>(w, tile, x, token, o, stride, l, &p, part),
+                    match (count, scaling) {
+                        $(($n, SCALE_MULTIPLY) => tile_tokens::<W, $n, SCALE_MULTIPLY>(w, tile, x, token, o, stride, l, &p, part),
+                        ($n, SCALE_EXPONENT_ADD) => tile_tokens::<W, $n, SCALE_EXPONENT_ADD>(w, tile, x, token, o, stride, l, &p, part),
+                        ($n, _) => tile_tokens::<W, $n, SCALE_SHIFTED_SUM>(w, tile, x, token, o, stride, l, &p, part),)*
+                        (_, SCALE_MULTIPLY) => tile_tokens::<W, 1, SCALE_MULTIPLY>(w, tile, x, token, o, stride, l, &p, part),
+                        (_, SCALE_EXPONENT_ADD) => tile_tokens::<W, 1, SCALE_EXPONENT_ADD>(w, tile, x, token, o, stride, l, &p, part),
+                        (_, _) => tile_tokens::<W, 1, SCALE_SHIFTED_SUM>(w, tile, x, token, o, stride, l, &p, part),
                     }
                 };
             }
@@ -401,7 +396,7 @@ unsafe fn direct<W: TileSource>(
     x: &Q8Activations,
     rows: Range<usize>,
     out: &mut [f32],
-    exp: bool,
+    scaling: u8,
 ) {
     // SAFETY: the caller upholds the contract; `store_tile` writes only lanes of `rows`.
     unsafe {
@@ -412,7 +407,16 @@ unsafe fn direct<W: TileSource>(
             let next = ((tile + 1) * MXFP4_TILE_ROWS).min(limit);
             let spans = w.spans(next..(next + MXFP4_TILE_ROWS).min(limit));
             let o = tile_out(out, tile * MXFP4_TILE_ROWS, rows.start);
-            tile_all_tokens(w, tile, x, o, stride, tile_lanes(tile, &rows), spans, exp);
+            tile_all_tokens(
+                w,
+                tile,
+                x,
+                o,
+                stride,
+                tile_lanes(tile, &rows),
+                spans,
+                scaling,
+            );
             tile += 1;
         }
     }
@@ -483,7 +487,7 @@ unsafe fn gemm<W: TileSource>(
     rows: Range<usize>,
     out: &mut [f32],
     scratch: &mut GemmScratch,
-    exp: bool,
+    scaling: u8,
 ) {
     // SAFETY: the caller upholds the contract; the pair and single micro-kernels write
     // `tokens x count` values inside `out` for whole tiles inside `rows`.
@@ -491,7 +495,7 @@ unsafe fn gemm<W: TileSource>(
         let whole = rows.start.next_multiple_of(MXFP4_TILE_ROWS)
             ..rows.end / MXFP4_TILE_ROWS * MXFP4_TILE_ROWS;
         if whole.start >= whole.end {
-            return direct(w, x, rows, out, exp);
+            return direct(w, x, rows, out, scaling);
         }
         let stride = rows.len();
         let tokens = x.rows();
@@ -503,7 +507,16 @@ unsafe fn gemm<W: TileSource>(
             if !edge.is_empty() {
                 let tile = edge.start / MXFP4_TILE_ROWS;
                 let o = tile_out(out, tile * MXFP4_TILE_ROWS, rows.start);
-                tile_all_tokens(w, tile, x, o, stride, tile_lanes(tile, &edge), none, exp);
+                tile_all_tokens(
+                    w,
+                    tile,
+                    x,
+                    o,
+                    stride,
+                    tile_lanes(tile, &edge),
+                    none,
+                    scaling,
+                );
             }
         }
         let pair_rows = GEMM_TILE_SLOTS * GEMM_TILE_ROWS;
@@ -530,7 +543,7 @@ unsafe fn gemm<W: TileSource>(
                     groups,
                     lane,
                     factor,
-                    exp,
+                    scaling,
                 };
                 tiles.pair_tokens(x, batch, out_column, stride, count, part);
             } else {
@@ -540,7 +553,7 @@ unsafe fn gemm<W: TileSource>(
                     groups,
                     lane,
                     factor,
-                    exp,
+                    scaling,
                 };
                 tiles.single_tokens(x, out_column, stride, count);
             }
@@ -549,24 +562,24 @@ unsafe fn gemm<W: TileSource>(
     }
 }
 
-/// Fewest tokens for which [`exponent_add_allowed`] looks at the scales: below, a call streams
+/// Fewest tokens for which [`call_scaling`] looks at the scales: below, a call streams
 /// its rows at the read bandwidth and the float operation the exponent add saves is not what it
 /// waits on, while MXFP4's scan is a second pass over the scale bytes on decode's hot path (one
 /// decoded token: about 75 MB of them a step on the 20b).
 const EXPONENT_ADD_MIN_TOKENS: usize = 4;
 
-/// Whether the exponent-add scaling may run for these rows and tokens (see
-/// [`super::combined_scale`]): power-of-two weight or activation scales, every product normal,
-/// and enough tokens. Either answer gives the same bits.
-fn exponent_add_allowed<W: TileSource>(w: &W, x: &Q8Activations, rows: &Range<usize>) -> bool {
+/// How the products of these rows and tokens apply their scales ([`super::scaling`]): without a
+/// multiply only where a side's scales are powers of two, every product normal, and with
+/// enough tokens. Every answer gives the same bits.
+fn call_scaling<W: TileSource>(w: &W, x: &Q8Activations, rows: &Range<usize>) -> u8 {
     if x.rows() < EXPONENT_ADD_MIN_TOKENS {
-        return false;
+        return SCALE_MULTIPLY;
     }
     let activations = activation_exponents(x);
     if !W::POWER_OF_TWO_SCALES && !activations.is_some_and(|a| a.powers_of_two) {
-        return false;
+        return SCALE_MULTIPLY;
     }
-    exponent_add(
+    scaling(
         activations,
         W::POWER_OF_TWO_SCALES,
         w.scale_exponents(rows.clone()),
@@ -589,14 +602,14 @@ unsafe fn product<W: TileSource>(
     if rows.is_empty() || x.rows() == 0 {
         return;
     }
-    let exp = exponent_add_allowed(w, x, &rows);
+    let scaling = call_scaling(w, x, &rows);
     // SAFETY: the caller upholds the contract.
     unsafe {
         match scratch {
             Some(scratch) if x.rows() > W::DIRECT_CALL_TOKENS => {
-                gemm(w, x, rows, out, scratch, exp)
+                gemm(w, x, rows, out, scratch, scaling)
             }
-            _ => direct(w, x, rows, out, exp),
+            _ => direct(w, x, rows, out, scaling),
         }
     }
 }
