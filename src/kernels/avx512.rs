@@ -552,8 +552,8 @@ impl GroupSource for Q8Matrix {
         // matrix; the CPU has this module's features), so every load below stays inside the row.
         unsafe { q8_group(self, row, group) }
     }
-    unsafe fn exponent_range(&self, _rows: Range<usize>) -> Option<(u32, u32)> {
-        self.scale_exponents()
+    unsafe fn exponent_range(&self, rows: Range<usize>) -> Option<(u32, u32)> {
+        self.scale_exponents(rows)
     }
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]

@@ -5,6 +5,7 @@
 //! the order in which the checkpoint's MXFP4 nibbles come out of one 64-byte load (low nibbles are
 //! the even elements), so no kernel needs an interleaving shuffle.
 
+use std::ops::Range;
 use std::sync::OnceLock;
 
 use half::f16;
@@ -1316,8 +1317,8 @@ pub struct Q8Matrix {
     pub(super) scales: Vec<f16>,
     /// In the tile layout ([`Q8Matrix::to_tiles`]) instead of row order.
     pub(super) tiled: bool,
-    /// [`Q8Matrix::scale_exponents`], found on first use.
-    pub(super) scale_exponents: OnceLock<Option<(u32, u32)>>,
+    /// [`Q8Matrix::scale_exponents`] of each band of 16 rows, found on first use.
+    pub(super) scale_exponents: OnceLock<Vec<Option<(u32, u32)>>>,
 }
 
 /// Weights quantized to 4-bit blocks of 32 with an f16 scale per block (4.5 bits per weight).
@@ -1501,16 +1502,14 @@ impl Q8Matrix {
         }
     }
 
-    /// The biased f32 exponents of the lowest and highest scale over every block of every row
+    /// The biased f32 exponents of the lowest and highest scale over every block of `rows`
     /// (padding blocks aside), `None` if one is zero, negative or not finite, or there are none:
     /// what the AVX-512 kernels check before they scale power-of-two activations by adding
-    /// exponents. Found once, in parallel on the current pool, then kept.
-    pub(crate) fn scale_exponents(&self) -> Option<(u32, u32)> {
-        *self.scale_exponents.get_or_init(|| {
+    /// exponents. Kept per band of 16 rows (a tile), found once in parallel on the current
+    /// pool, so an all-zero block turns the exponent add off for its own tile only.
+    pub(crate) fn scale_exponents(&self, rows: Range<usize>) -> Option<(u32, u32)> {
+        let bands = self.scale_exponents.get_or_init(|| {
             let blocks = self.cols / BLOCK_LEN;
-            if self.rows == 0 || blocks == 0 {
-                return None;
-            }
             let row_range = |row: usize| {
                 (0..blocks).try_fold((u32::MAX, 0), |(low, high), block| {
                     // The sign bit lands above the exponent: a negative scale fails too.
@@ -1519,11 +1518,28 @@ impl Q8Matrix {
                         .then(|| (low.min(exponent), high.max(exponent)))
                 })
             };
-            (0..self.rows).into_par_iter().map(row_range).reduce(
-                || Some((u32::MAX, 0)),
-                |a, b| Some((a?.0.min(b?.0), a?.1.max(b?.1))),
-            )
-        })
+            (0..self.rows.div_ceil(MXFP4_TILE_ROWS))
+                .into_par_iter()
+                .map(|band| {
+                    let band_rows =
+                        band * MXFP4_TILE_ROWS..((band + 1) * MXFP4_TILE_ROWS).min(self.rows);
+                    band_rows
+                        .map(row_range)
+                        .try_fold((u32::MAX, 0), |(low, high), range| {
+                            range.map(|(l, h)| (low.min(l), high.max(h)))
+                        })
+                })
+                .collect()
+        });
+        let (start, end) = (rows.start.min(self.rows), rows.end.min(self.rows));
+        if start >= end || self.cols < BLOCK_LEN {
+            return None;
+        }
+        bands[start / MXFP4_TILE_ROWS..end.div_ceil(MXFP4_TILE_ROWS)]
+            .iter()
+            .try_fold((u32::MAX, 0), |(low, high), band| {
+                band.map(|(l, h)| (low.min(l), high.max(h)))
+            })
     }
 
     /// The scale of block `block` of row `row`, in either layout.
@@ -1597,6 +1613,9 @@ impl Q8Matrix {
                 }
             });
         tiled.quants.collapse_huge_pages();
+        // Found now, at load, rather than by the first product that asks (a vocabulary-sized
+        // matrix holds millions of scales).
+        let _ = tiled.scale_exponents(0..tiled.rows);
         Ok(tiled)
     }
 
@@ -2086,6 +2105,31 @@ mod tests {
                     assert!((64..=127).contains(&largest), "{magnitude}: {largest}");
                 }
             }
+        }
+    }
+
+    /// A Q8 matrix's scale exponents are kept per tile of 16 rows: an all-zero block (scale 0)
+    /// rules out the exponent add for its own tile only, in either layout.
+    #[test]
+    fn q8_scale_exponents_are_kept_per_tile() {
+        let (rows, cols) = (48, 96);
+        let mut rng = ChaCha8Rng::seed_from_u64(23);
+        let mut values: Vec<f32> = (0..rows * cols).map(|_| rng.gen::<f32>() - 0.5).collect();
+        values[20 * cols + 32..20 * cols + 64].fill(0.0);
+        let bits: Vec<u16> = values.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+        let plain = Q8Matrix::from_bf16(rows, cols, &bits).unwrap();
+        for w in [plain.clone(), plain.to_tiles().unwrap()] {
+            let (low, high) = w.scale_exponents(0..16).expect("tile 0 has no zero scale");
+            assert!(low <= high && low > 100 && high < 127, "{low} {high}");
+            assert_eq!(
+                w.scale_exponents(16..32),
+                None,
+                "tile 1 holds the zero block"
+            );
+            assert_eq!(w.scale_exponents(3..40), None);
+            assert!(w.scale_exponents(32..48).is_some());
+            assert_eq!(w.scale_exponents(0..16), w.scale_exponents(1..15));
+            assert_eq!(w.scale_exponents(10..10), None);
         }
     }
 

@@ -157,9 +157,9 @@ impl<'a> TileSource for Q8Tiles<'a> {
     fn cols(&self) -> usize {
         self.0.cols
     }
-    /// Found once for the whole matrix ([`Q8Matrix::scale_exponents`]).
-    fn scale_exponents(&self, _rows: Range<usize>) -> Option<(u32, u32)> {
-        self.0.scale_exponents()
+    /// Found once per tile ([`Q8Matrix::scale_exponents`]).
+    fn scale_exponents(&self, rows: Range<usize>) -> Option<(u32, u32)> {
+        self.0.scale_exponents(rows)
     }
     fn tile_base(&self, tile: usize) -> (*const u8, *const u8) {
         (
