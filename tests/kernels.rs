@@ -1247,6 +1247,42 @@ fn tiled_q8_products_match_the_row_order_on_every_path() {
     check_tiled_matrix::<Q8Matrix>(23);
 }
 
+/// `x_values` quantized as split rows are (power-of-two scales) through `product(tiled, x, out)`:
+/// a batch must give each token, bit for bit, its results alone in the tile layout (one token
+/// multiplies the scales, a batch adds exponents or shifts sums), and on AVX-512 the row order's
+/// results (the same sum order there; the AVX2 paths' row order is another kernel).
+fn check_power_of_two_batch(
+    k: Kernels,
+    what: &str,
+    (rows, cols): (usize, usize),
+    x_values: &[f32],
+    product: &mut dyn FnMut(bool, &Q8Activations, &mut [f32]),
+) {
+    let quantize = |values: &[f32]| {
+        let mut x = Q8Activations::new();
+        k.quantize_activation_rows_with(values, cols, ScaleRule::PowerOfTwo, true, &mut x)
+            .unwrap();
+        x
+    };
+    let x = quantize(x_values);
+    let mut batch = vec![f32::NAN; x.rows() * rows];
+    product(true, &x, &mut batch);
+    if !matches!(k.path(), KernelPath::Avx2 | KernelPath::Avx2Vnni) {
+        let mut row_order = vec![f32::NAN; x.rows() * rows];
+        product(false, &x, &mut row_order);
+        assert_eq!(bits(&batch), bits(&row_order), "{what}: row order");
+    }
+    for (t, token) in x_values.chunks_exact(cols).enumerate() {
+        let mut alone = vec![f32::NAN; rows];
+        product(true, &quantize(token), &mut alone);
+        assert_eq!(
+            bits(&batch[t * rows..(t + 1) * rows]),
+            bits(&alone),
+            "{what}: token {t}"
+        );
+    }
+}
+
 /// Split rows' power-of-two activation scales let the AVX-512 Q8 products scale by adding
 /// exponents (from 4 tokens on): a token's results in a batch must be, bit for bit, its results
 /// alone in the tile layout (one token multiplies the scales), through registers and scratch,
@@ -1261,48 +1297,25 @@ fn q8_products_with_power_of_two_activations_match_single_tokens() {
                 values[5 * cols + 32..5 * cols + 64].fill(0.0);
             }
             let plain = Q8Matrix::from_bf16(rows, cols, &to_bf16(&values)).unwrap();
-            let tiled = plain.to_tiles().unwrap();
+            let tiled_matrix = plain.to_tiles().unwrap();
             let mut scratch = GemmScratch::new(cols);
             for tokens in [4, 5, 9, 17, 40, 70] {
                 let x_values = random_f32(&mut rng, tokens * cols, 2.0);
-                let mut x = Q8Activations::new();
-                let mut one = Q8Activations::new();
                 for k in simd_paths() {
                     let what = format!(
                         "{} {rows}x{cols} M={tokens} zero block {zero_block}",
                         k.path()
                     );
-                    let quantize = |values: &[f32], out: &mut Q8Activations| {
-                        k.quantize_activation_rows_with(
-                            values,
-                            cols,
-                            ScaleRule::PowerOfTwo,
-                            true,
-                            out,
-                        )
-                        .unwrap()
-                    };
-                    quantize(&x_values, &mut x);
-                    let mut batch = vec![f32::NAN; tokens * rows];
-                    k.q8_gemm(&tiled, &x, 0..rows, &mut batch, &mut scratch)
-                        .unwrap();
-                    let mut row_order = vec![f32::NAN; tokens * rows];
-                    k.q8_gemm(&plain, &x, 0..rows, &mut row_order, &mut scratch)
-                        .unwrap();
-                    if !matches!(k.path(), KernelPath::Avx2 | KernelPath::Avx2Vnni) {
-                        assert_eq!(bits(&batch), bits(&row_order), "{what}: row order");
-                    }
-                    for t in 0..tokens {
-                        quantize(&x_values[t * cols..(t + 1) * cols], &mut one);
-                        let mut alone = vec![f32::NAN; rows];
-                        k.q8_gemm(&tiled, &one, 0..rows, &mut alone, &mut scratch)
-                            .unwrap();
-                        assert_eq!(
-                            bits(&batch[t * rows..(t + 1) * rows]),
-                            bits(&alone),
-                            "{what}: token {t}"
-                        );
-                    }
+                    check_power_of_two_batch(
+                        k,
+                        &what,
+                        (rows, cols),
+                        &x_values,
+                        &mut |tiled, x, out| {
+                            let w = if tiled { &tiled_matrix } else { &plain };
+                            k.q8_gemm(w, x, 0..rows, out, &mut scratch).unwrap()
+                        },
+                    );
                 }
             }
         }
@@ -1321,46 +1334,22 @@ fn mxfp4_products_with_power_of_two_activations_match_single_tokens() {
         for scales in [118..=130, 1..=12, 226..=254] {
             let data = Mxfp4Data::random(&mut rng, rows, cols, scales);
             let tiled = TiledData::from(&data);
-            let (plain, tiled) = (data.matrix(), tiled.matrix());
+            let (plain, tiled_matrix) = (data.matrix(), tiled.matrix());
             let mut scratch = GemmScratch::new(cols);
             for tokens in [4, 7, 9, 17, 40] {
                 let x_values = random_f32(&mut rng, tokens * cols, 3.0);
-                let mut x = Q8Activations::new();
-                let mut one = Q8Activations::new();
                 for k in simd_paths() {
                     let what = format!("{} {rows}x{cols} M={tokens}", k.path());
-                    let quantize = |values: &[f32], out: &mut Q8Activations| {
-                        k.quantize_activation_rows_with(
-                            values,
-                            cols,
-                            ScaleRule::PowerOfTwo,
-                            true,
-                            out,
-                        )
-                        .unwrap()
-                    };
-                    quantize(&x_values, &mut x);
-                    let mut batch = vec![f32::NAN; tokens * rows];
-                    k.mxfp4_gemm(&tiled, &x, 0..rows, &mut batch, &mut scratch)
-                        .unwrap();
-                    let mut row_order = vec![f32::NAN; tokens * rows];
-                    k.mxfp4_gemm(&plain, &x, 0..rows, &mut row_order, &mut scratch)
-                        .unwrap();
-                    if !matches!(k.path(), KernelPath::Avx2 | KernelPath::Avx2Vnni) {
-                        // The AVX2 paths' row order is another kernel with its own sum order.
-                        assert_eq!(bits(&batch), bits(&row_order), "{what}: row order");
-                    }
-                    for t in 0..tokens {
-                        quantize(&x_values[t * cols..(t + 1) * cols], &mut one);
-                        let mut alone = vec![f32::NAN; rows];
-                        k.mxfp4_gemm(&tiled, &one, 0..rows, &mut alone, &mut scratch)
-                            .unwrap();
-                        assert_eq!(
-                            bits(&batch[t * rows..(t + 1) * rows]),
-                            bits(&alone),
-                            "{what}: token {t}"
-                        );
-                    }
+                    check_power_of_two_batch(
+                        k,
+                        &what,
+                        (rows, cols),
+                        &x_values,
+                        &mut |tiled, x, out| {
+                            let w = if tiled { &tiled_matrix } else { &plain };
+                            k.mxfp4_gemm(w, x, 0..rows, out, &mut scratch).unwrap()
+                        },
+                    );
                 }
             }
         }

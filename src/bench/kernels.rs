@@ -17,6 +17,7 @@ use crate::kernels::{
     Q8Activations, Q8Matrix, ScaleRule, GROUP_BLOCKS, GROUP_LEN, MAX_GEMV_TOKENS, MXFP4_TILE_ROWS,
     PROBE_ROUND_MACS,
 };
+use crate::model::options::{ActivationFormat, Product, Split};
 
 /// What to measure.
 #[derive(Clone, Debug)]
@@ -386,15 +387,18 @@ enum Format {
 }
 
 impl Format {
-    /// How the activations of this format's products are quantized in the model with the
-    /// default `mixed` activations: Q8 weights (attention and unembedding) meet split rows,
-    /// quantized to power-of-two scales; MXFP4's gate_up (the larger expert product) and the Q4
-    /// draft meet single rows.
+    /// How the model quantizes the inputs of this format's products with the default
+    /// activations: Q8 weights are attention's and the unembedding's (dense products), MXFP4's
+    /// larger product is the experts' gate_up, and Q4 is the draft unembedding, which takes one
+    /// row per sequence whatever the setting.
     fn activation_scales(self) -> ScaleRule {
+        let activations = ActivationFormat::default();
         match self {
-            Format::Q8 | Format::Q8Tiles => ScaleRule::PowerOfTwo,
-            Format::Mxfp4 | Format::Mxfp4Tiles | Format::Q4 | Format::Q4Tiles => ScaleRule::Tight,
+            Format::Q8 | Format::Q8Tiles => activations.split(Product::Dense),
+            Format::Mxfp4 | Format::Mxfp4Tiles => activations.split(Product::ExpertGateUp),
+            Format::Q4 | Format::Q4Tiles => Split::Single,
         }
+        .scale_rule()
     }
 
     fn name(self) -> &'static str {

@@ -11,9 +11,9 @@ use half::f16;
 
 use super::avx2::{prefetch_share, prefetch_share_into};
 use super::formats::{
-    ByteSpans, Mxfp4Layout, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN,
-    CORRECTION_LANE_MXFP4, CORRECTION_LANE_Q4, CORRECTION_LANE_Q8, GROUP_BLOCKS, GROUP_LANES,
-    GROUP_LEN,
+    ByteSpans, Mxfp4Layout, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, ScaleExponents,
+    BLOCK_LEN, CORRECTION_LANE_MXFP4, CORRECTION_LANE_Q4, CORRECTION_LANE_Q8, GROUP_BLOCKS,
+    GROUP_LANES, GROUP_LEN,
 };
 use super::{GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
 
@@ -1102,6 +1102,23 @@ pub(super) const SCALE_EXPONENT_ADD: u8 = 1;
 /// Both scales powers of two: no float multiply at all ([`accumulate`]).
 pub(super) const SCALE_SHIFTED_SUM: u8 = 2;
 
+/// Calls `$call!(T, SCALING)`, a caller's macro around one micro-kernel, with the token count
+/// `T` among `$counts` that `$count` equals (1 for any other) and the scaling `$scaling` names:
+/// the const parameters every micro-kernel takes, matched in one place.
+macro_rules! by_tokens_and_scaling {
+    ($call:ident, $count:expr, $scaling:expr, [$($n:literal)*]) => {
+        match ($count, $scaling) {
+            $(($n, SCALE_MULTIPLY) => $call!($n, SCALE_MULTIPLY),
+            ($n, SCALE_EXPONENT_ADD) => $call!($n, SCALE_EXPONENT_ADD),
+            ($n, _) => $call!($n, SCALE_SHIFTED_SUM),)*
+            (_, SCALE_MULTIPLY) => $call!(1, SCALE_MULTIPLY),
+            (_, SCALE_EXPONENT_ADD) => $call!(1, SCALE_EXPONENT_ADD),
+            (_, _) => $call!(1, SCALE_SHIFTED_SUM),
+        }
+    };
+}
+use by_tokens_and_scaling;
+
 /// [`SCALE_SHIFTED_SUM`]'s offset: `bits(w) + bits(a) - SHIFTED_SUM_BIAS` are the bits of
 /// 1.5 x 2^23 x the scales' product `2^c`, whose mantissa (2^22) takes an integer sum of
 /// magnitude below 2^22 without a carry into the exponent.
@@ -1191,49 +1208,12 @@ unsafe fn combined_scale<const EXP: bool>(
     }
 }
 
-/// What [`scaling`] needs to know of a call's activation scales.
-#[derive(Clone, Copy, Debug)]
-struct ActivationExponents {
-    /// The lowest and highest biased exponent (1..=254).
-    range: (u32, u32),
-    /// Every scale a power of two (split rows, [`crate::kernels::ScaleRule::PowerOfTwo`]).
-    powers_of_two: bool,
-}
-
-/// The biased exponents of every real block scale of `x`, lowest and highest, and whether all
-/// are powers of two; `None` if one is 0, subnormal, infinite or NaN (the exponent-add kernel
-/// then does not run). Padding blocks past the columns are skipped: the tile's scale there is 1
-/// and its sums are 0.
-fn activation_exponents(x: &Q8Activations) -> Option<ActivationExponents> {
-    let blocks = x.cols() / BLOCK_LEN;
-    let (mut low, mut high, mut mantissas) = (u32::MAX, 0, 0);
-    for token in 0..x.rows() {
-        let lanes = x.row_scale_lanes(token);
-        for block in 0..blocks {
-            let bits =
-                lanes[(block / GROUP_BLOCKS) * GROUP_LANES + 4 * (block % GROUP_BLOCKS)].to_bits();
-            // The sign bit lands above the exponent: a negative scale fails the range test too.
-            let exponent = bits >> 23;
-            if exponent == 0 || exponent >= 255 {
-                return None;
-            }
-            low = low.min(exponent);
-            high = high.max(exponent);
-            mantissas |= bits & 0x007F_FFFF;
-        }
-    }
-    (low <= high).then_some(ActivationExponents {
-        range: (low, high),
-        powers_of_two: mantissas == 0,
-    })
-}
-
 /// How a call applies its scales (see [`SCALE_MULTIPLY`]): without a multiply where both
 /// sides' scales are powers of two and [`shifted_sum_mode`] holds, by adding exponents where one
 /// side's are and [`exponent_mode`] holds, else by multiplying. `weights` are the weight scales'
 /// biased exponents; every choice gives the same bits.
 fn scaling(
-    activations: Option<ActivationExponents>,
+    activations: Option<ScaleExponents>,
     weights_powers_of_two: bool,
     weights: Option<(u32, u32)>,
 ) -> u8 {
@@ -1533,19 +1513,14 @@ impl DecodedTiles<'_> {
             unsafe {
                 let o = out_column.add(token * stride);
                 let p = part(GEMM_TILE_SLOTS + token / batch);
-                macro_rules! pair_for {
-                    ($($n:literal)*) => {
-                        match (t_count, scaling) {
-                            $(($n, SCALE_MULTIPLY) => gemm_tile_pair::<$n, SCALE_MULTIPLY>(s, groups, x, token, lane, factor, o, stride, count, p),
-                            ($n, SCALE_EXPONENT_ADD) => gemm_tile_pair::<$n, SCALE_EXPONENT_ADD>(s, groups, x, token, lane, factor, o, stride, count, p),
-                            ($n, _) => gemm_tile_pair::<$n, SCALE_SHIFTED_SUM>(s, groups, x, token, lane, factor, o, stride, count, p),)*
-                            (_, SCALE_MULTIPLY) => gemm_tile_pair::<1, SCALE_MULTIPLY>(s, groups, x, token, lane, factor, o, stride, count, p),
-                            (_, SCALE_EXPONENT_ADD) => gemm_tile_pair::<1, SCALE_EXPONENT_ADD>(s, groups, x, token, lane, factor, o, stride, count, p),
-                            (_, _) => gemm_tile_pair::<1, SCALE_SHIFTED_SUM>(s, groups, x, token, lane, factor, o, stride, count, p),
-                        }
+                macro_rules! pair {
+                    ($n:literal, $scaling:ident) => {
+                        gemm_tile_pair::<$n, $scaling>(
+                            s, groups, x, token, lane, factor, o, stride, count, p,
+                        )
                     };
                 }
-                pair_for!(6 5 4 3 2);
+                by_tokens_and_scaling!(pair, t_count, scaling, [6 5 4 3 2]);
             }
             token += t_count;
         }
@@ -1580,19 +1555,14 @@ impl DecodedTiles<'_> {
             // SAFETY: the caller upholds the contract for every token batch.
             unsafe {
                 let o = out_column.add(token * stride);
-                macro_rules! tile_for {
-                    ($($n:literal)*) => {
-                        match (t_count, scaling) {
-                            $(($n, SCALE_MULTIPLY) => gemm_tile::<$n, SCALE_MULTIPLY>(s, groups, x, token, lane, factor, o, stride, count, p),
-                            ($n, SCALE_EXPONENT_ADD) => gemm_tile::<$n, SCALE_EXPONENT_ADD>(s, groups, x, token, lane, factor, o, stride, count, p),
-                            ($n, _) => gemm_tile::<$n, SCALE_SHIFTED_SUM>(s, groups, x, token, lane, factor, o, stride, count, p),)*
-                            (_, SCALE_MULTIPLY) => gemm_tile::<1, SCALE_MULTIPLY>(s, groups, x, token, lane, factor, o, stride, count, p),
-                            (_, SCALE_EXPONENT_ADD) => gemm_tile::<1, SCALE_EXPONENT_ADD>(s, groups, x, token, lane, factor, o, stride, count, p),
-                            (_, _) => gemm_tile::<1, SCALE_SHIFTED_SUM>(s, groups, x, token, lane, factor, o, stride, count, p),
-                        }
+                macro_rules! tile {
+                    ($n:literal, $scaling:ident) => {
+                        gemm_tile::<$n, $scaling>(
+                            s, groups, x, token, lane, factor, o, stride, count, p,
+                        )
                     };
                 }
-                tile_for!(8 7 6 5 4 3 2);
+                by_tokens_and_scaling!(tile, t_count, scaling, [8 7 6 5 4 3 2]);
             }
             token += t_count;
         }
@@ -1628,7 +1598,7 @@ unsafe fn gemm<W: GroupSource>(
         let groups = w.groups();
         let stride = rows.len();
         let tokens = x.rows();
-        let act_exponents = activation_exponents(x);
+        let act_exponents = x.scale_exponents();
         // The weights come from memory once per call, so while one pair of tiles is multiplied
         // the next pair's bytes are prefetched: without it, with few tokens per expert (a short
         // prompt) the tile decode waited on every cache miss and 2 threads read 7 GB/s.

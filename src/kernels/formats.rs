@@ -272,6 +272,20 @@ pub struct Q8Activations {
     /// is 0. Only the total of a block's four lanes matters to the kernels, so the AVX-512 path
     /// loads this with one lane per block unmasked instead of multiplying `sum_lanes` each time.
     pub(super) corrections: AlignedVec<i32>,
+    /// [`Q8Activations::scale_exponents`], found by the first product that asks after each
+    /// quantization (every writer resizes first, which clears it) and shared by every task of
+    /// every product that reads these rows.
+    scale_exponents: OnceLock<Option<ScaleExponents>>,
+}
+
+/// What the AVX-512 kernels need to know of a batch's block scales to choose how they apply
+/// them (see `avx512::scaling`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ScaleExponents {
+    /// The lowest and highest biased exponent (1..=254).
+    pub range: (u32, u32),
+    /// Every scale a power of two (split rows, [`ScaleRule::PowerOfTwo`]).
+    pub powers_of_two: bool,
 }
 
 impl Q8Activations {
@@ -291,6 +305,7 @@ impl Q8Activations {
             scale_lanes: AlignedVec::with_capacity(rows * groups * GROUP_LANES),
             sum_lanes: AlignedVec::with_capacity(rows * groups * GROUP_LANES),
             corrections: AlignedVec::with_capacity(rows * groups * GROUP_LANES),
+            scale_exponents: OnceLock::new(),
         }
     }
 
@@ -332,6 +347,7 @@ impl Q8Activations {
     }
 
     fn resize(&mut self, rows: usize, cols: usize) {
+        self.scale_exponents = OnceLock::new();
         self.rows = rows;
         self.cols = cols;
         self.groups = groups_for(cols);
@@ -341,6 +357,37 @@ impl Q8Activations {
             .resize(rows * self.groups * GROUP_LANES, 0.0);
         self.sum_lanes.resize(rows * self.groups * GROUP_LANES, 0);
         self.corrections.resize(rows * self.groups * GROUP_LANES, 0);
+    }
+
+    /// The biased exponents of every real block scale, lowest and highest, and whether all are
+    /// powers of two; `None` if one is 0, subnormal, infinite or NaN (or there are none).
+    /// Padding blocks past the columns are skipped: the kernels' tiles give them scale 1 and
+    /// sums 0. Scanned once per quantization.
+    pub(crate) fn scale_exponents(&self) -> Option<ScaleExponents> {
+        *self.scale_exponents.get_or_init(|| {
+            let blocks = self.cols / BLOCK_LEN;
+            let (mut low, mut high, mut mantissas) = (u32::MAX, 0, 0);
+            for token in 0..self.rows {
+                let lanes = self.row_scale_lanes(token);
+                for block in 0..blocks {
+                    let bits = lanes
+                        [(block / GROUP_BLOCKS) * GROUP_LANES + 4 * (block % GROUP_BLOCKS)]
+                        .to_bits();
+                    // The sign bit lands above the exponent: a negative scale fails too.
+                    let exponent = bits >> 23;
+                    if exponent == 0 || exponent >= 255 {
+                        return None;
+                    }
+                    low = low.min(exponent);
+                    high = high.max(exponent);
+                    mantissas |= bits & 0x007F_FFFF;
+                }
+            }
+            (low <= high).then_some(ScaleExponents {
+                range: (low, high),
+                powers_of_two: mantissas == 0,
+            })
+        })
     }
 
     /// Copy whole quantized tokens from `source` (e.g. the tokens routed to one expert), without

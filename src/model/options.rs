@@ -118,6 +118,16 @@ impl Split {
             Split::Double => 2,
         }
     }
+
+    /// How the rows' block scales are chosen: a single row keeps every bit (`max / 127`); a
+    /// split row's second row takes back the bit power-of-two scales give up, and those let the
+    /// AVX-512 products scale by adding exponents.
+    pub fn scale_rule(self) -> crate::kernels::ScaleRule {
+        match self {
+            Split::Single => crate::kernels::ScaleRule::Tight,
+            Split::Double => crate::kernels::ScaleRule::PowerOfTwo,
+        }
+    }
 }
 
 /// How the fast path orders the experts' MXFP4 bytes (see [`crate::kernels::Mxfp4Layout`]).

@@ -21,7 +21,7 @@ use super::super::formats::{
 };
 use super::super::{GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
 use super::{
-    accumulate, activation_exponents, correction_lane, format_factor, scale_offsets, scaling,
+    accumulate, by_tokens_and_scaling, correction_lane, format_factor, scale_offsets, scaling,
     split_nibbles, DecodedTiles, Prefetch, FORMAT_MXFP4, FORMAT_Q4, FORMAT_Q8, GEMM_PAIR_TOKENS,
     GROUP_DWORDS, MXFP4_UNSIGNED_64, SCALE_EXPONENT_ADD, SCALE_MULTIPLY, SCALE_SHIFTED_SUM,
 };
@@ -366,19 +366,12 @@ unsafe fn tile_all_tokens<W: TileSource>(
             let o = out.wrapping_add(token * stride);
             let part = (token / batch, parts);
             let l = lanes.clone();
-            macro_rules! tokens_for {
-                ($($n:literal)*) => {
-                    match (count, scaling) {
-                        $(($n, SCALE_MULTIPLY) => tile_tokens::<W, $n, SCALE_MULTIPLY>(w, tile, x, token, o, stride, l, &p, part),
-                        ($n, SCALE_EXPONENT_ADD) => tile_tokens::<W, $n, SCALE_EXPONENT_ADD>(w, tile, x, token, o, stride, l, &p, part),
-                        ($n, _) => tile_tokens::<W, $n, SCALE_SHIFTED_SUM>(w, tile, x, token, o, stride, l, &p, part),)*
-                        (_, SCALE_MULTIPLY) => tile_tokens::<W, 1, SCALE_MULTIPLY>(w, tile, x, token, o, stride, l, &p, part),
-                        (_, SCALE_EXPONENT_ADD) => tile_tokens::<W, 1, SCALE_EXPONENT_ADD>(w, tile, x, token, o, stride, l, &p, part),
-                        (_, _) => tile_tokens::<W, 1, SCALE_SHIFTED_SUM>(w, tile, x, token, o, stride, l, &p, part),
-                    }
+            macro_rules! tokens {
+                ($n:literal, $scaling:ident) => {
+                    tile_tokens::<W, $n, $scaling>(w, tile, x, token, o, stride, l, &p, part)
                 };
             }
-            tokens_for!(8 7 6 5 4 3 2);
+            by_tokens_and_scaling!(tokens, count, scaling, [8 7 6 5 4 3 2]);
             token += count;
         }
     }
@@ -575,7 +568,7 @@ fn call_scaling<W: TileSource>(w: &W, x: &Q8Activations, rows: &Range<usize>) ->
     if x.rows() < EXPONENT_ADD_MIN_TOKENS {
         return SCALE_MULTIPLY;
     }
-    let activations = activation_exponents(x);
+    let activations = x.scale_exponents();
     if !W::POWER_OF_TWO_SCALES && !activations.is_some_and(|a| a.powers_of_two) {
         return SCALE_MULTIPLY;
     }

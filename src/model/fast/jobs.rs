@@ -6,7 +6,7 @@
 use std::cell::RefCell;
 use std::ops::Range;
 
-use crate::kernels::{self, GemmScratch, Kernels, Mxfp4Matrix, Q8Activations, ScaleRule};
+use crate::kernels::{self, GemmScratch, Kernels, Mxfp4Matrix, Q8Activations};
 use crate::model::convert::DenseMatrix;
 use crate::model::options::Split;
 use crate::model::team::{parallel_for, Team};
@@ -321,21 +321,19 @@ fn quantize_split(
     out: &mut Q8Activations,
 ) {
     let widths = "quantized inputs are a multiple of 32 wide";
-    let quantize = |x: &[f32], rule: ScaleRule, out: &mut Q8Activations| {
-        k.quantize_activation_rows_with(x, cols, rule, parallel, out)
+    let quantize = |x: &[f32], out: &mut Q8Activations| {
+        k.quantize_activation_rows_with(x, cols, split.scale_rule(), parallel, out)
             .expect(widths)
     };
     match split {
-        Split::Single => quantize(x, ScaleRule::Tight, out),
+        Split::Single => quantize(x, out),
         Split::Double => {
             if staging.len() < 2 * x.len() {
                 staging.resize(2 * x.len(), 0.0);
             }
             let staged = &mut staging[..2 * x.len()];
             k.split_rows(x, cols, staged).expect(widths);
-            // Power-of-two scales: the second row takes back the bit they give up, and the
-            // AVX-512 products then scale every block with an exponent add.
-            quantize(staged, ScaleRule::PowerOfTwo, out);
+            quantize(staged, out);
         }
     }
 }
