@@ -95,6 +95,12 @@ impl WatchedMap {
         // reads past the new end raise SIGBUS; the registration below hands the range to
         // `crate::fault`, whose handler turns that into zeros plus an error naming the file.
         let map = unsafe { Mmap::map(&handle) }.map_err(io)?;
+        // Where the page cache holds the file in 2 MiB folios (recent kernels do for ext4, xfs,
+        // tmpfs), this lets a fault map a whole folio with one entry: a product streaming 10 GB
+        // of experts otherwise walks the page table every 4 KiB. A kernel that cannot (THP off,
+        // small folios) refuses or ignores it, which is harmless.
+        #[cfg(target_os = "linux")]
+        let _ = map.advise(memmap2::Advice::HugePage);
         Ok(WatchedMap {
             _watch: crate::fault::register(map.as_ptr(), map.len(), path, &handle),
             map,
@@ -682,5 +688,52 @@ fn describe_safetensors_error(err: safetensors::SafeTensorError) -> String {
         ),
         E::TensorInvalidInfo => "a tensor's shape and dtype do not match its byte length".into(),
         other => format!("not a valid safetensors file: {other}"),
+    }
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::*;
+
+    /// The `VmFlags` line of the mapping that starts at `start`, from `/proc/self/smaps`.
+    fn vm_flags_of(start: usize) -> Option<String> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+        let mut inside = false;
+        for line in smaps.lines() {
+            let range = line.split_whitespace().next().unwrap_or("");
+            if let Some((from, to)) = range.split_once('-') {
+                if let (Ok(from), Ok(to)) = (
+                    usize::from_str_radix(from, 16),
+                    usize::from_str_radix(to, 16),
+                ) {
+                    inside = from <= start && start < to;
+                    continue;
+                }
+            }
+            if inside {
+                if let Some(flags) = line.strip_prefix("VmFlags:") {
+                    return Some(flags.trim().to_owned());
+                }
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn file_mappings_ask_for_huge_pages() {
+        // A kernel without transparent huge pages refuses the advice: nothing to check there.
+        if !Path::new("/sys/kernel/mm/transparent_hugepage/enabled").exists() {
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("weights.bin");
+        std::fs::write(&path, vec![7u8; 4 << 20]).unwrap();
+        let map = WatchedMap::open(&path).unwrap();
+        assert_eq!(map.bytes()[12345], 7);
+        let flags = vm_flags_of(map.bytes().as_ptr() as usize).expect("the mapping is listed");
+        assert!(
+            flags.split_whitespace().any(|f| f == "hg"),
+            "no huge-page advice on the mapping: {flags}"
+        );
     }
 }
