@@ -787,3 +787,45 @@ fn a_session_switched_to_another_attention_arithmetic_computes_as_one_loaded_wit
         );
     }
 }
+
+/// A short prompt's experts in one group run whole on one thread each when the team has two
+/// threads, and split by rows in three regions on one thread: the same kernel calls, so the same
+/// bits, for every activation format (split rows fold their parts in either way).
+#[test]
+fn experts_whole_per_thread_give_the_bits_of_the_split_regions() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/small_wide");
+    for activations in [
+        ActivationFormat::Mixed,
+        ActivationFormat::Q8,
+        ActivationFormat::Q8x2,
+    ] {
+        let opts = LoadOptions {
+            activations,
+            ..LoadOptions::default()
+        };
+        let model = Arc::new(Model::load(&dir, &opts).unwrap());
+        let (experts, vocab) = (model.config.num_local_experts, model.config.vocab_size);
+        // 24 tokens over 8 experts, 4 each: every expert gets at most 24 (under the 32 of a
+        // group) and, with these ids, at least one, so all 8 share one group: 4 per thread.
+        assert_eq!(experts, 8);
+        let tokens: Vec<u32> = (0..24).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
+        let logits = |threads: usize| {
+            let pool = ossterm::engine::build_pool(threads).expect("a pool");
+            let mut session = model.new_session(&pool, tokens.len());
+            let mut logits = Vec::new();
+            session.prefill_all_logits(&tokens, &mut logits).unwrap();
+            logits
+        };
+        let (two, one) = (logits(2), logits(1));
+        assert_eq!(two.len(), one.len());
+        let differing = two
+            .iter()
+            .zip(&one)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            differing, 0,
+            "{activations:?}: logits differ between 2 threads and 1"
+        );
+    }
+}

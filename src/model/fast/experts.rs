@@ -1,7 +1,7 @@
 //! The routed experts of the fast path: MXFP4 gate_up, the clamped SwiGLU, MXFP4 down, each
 //! expert's output weighted into its tokens' mixture.
 
-use super::jobs::{quantize_in_task, Job, SharedOut, SharedSlots};
+use super::jobs::{quantize_in_task, run_whole_job, Job, SharedOut, SharedSlots};
 use super::{FastPass, Scratch, PREFILL_CHUNK};
 use crate::kernels::swiglu::swiglu;
 use crate::model::ops::{add_bias_rows, add_weighted, MAX_EXPERTS_PER_TOKEN};
@@ -13,6 +13,10 @@ use crate::model::weights::Layer;
 /// Most experts whose products share one parallel region (a group): each has its own input and
 /// activation buffers in [`Scratch`].
 pub(super) const GROUP_SLOTS: usize = 32;
+
+/// Fewest experts in a group, per thread of the team, for each expert to run whole on one
+/// thread ([`FastPass::run_group_fused`]); fewer are split by rows across the team.
+const FUSED_SLOTS_PER_THREAD: usize = 4;
 
 /// Most tokens routed to an expert for it to join a group. An expert with more runs alone: its
 /// products are long enough that their own regions cost little, and a slot's buffers stay small.
@@ -58,14 +62,11 @@ impl FastPass<'_> {
         if count == 0 {
             return;
         }
-        let c = self.config;
-        let (h, inter) = (c.hidden_size, c.intermediate_size);
+        let h = self.config.hidden_size;
         let per_gate_up = self
             .activations
             .split(Product::ExpertGateUp)
             .rows_per_token();
-        let down_split = self.activations.split(Product::ExpertDown);
-        let per_down = down_split.rows_per_token();
 
         // Slot k's tokens start at token `first[k]` of the group.
         let mut first = [0usize; GROUP_SLOTS + 1];
@@ -79,6 +80,107 @@ impl FastPass<'_> {
                 .gather_rows(&s.expert_in_q, &s.route_rows)
                 .expect("routed rows are chunk rows");
         }
+        // A team exists only with more than one thread, all of them in this pool.
+        let threads = match self.team {
+            Some(_) => rayon::current_num_threads(),
+            None => 1,
+        };
+        if threads > 1 && count >= FUSED_SLOTS_PER_THREAD * threads {
+            self.run_group_fused(layer, s, &first);
+        } else {
+            self.run_group_split(layer, s, &first);
+        }
+
+        // Each token's outputs are added in expert order (the slots' order).
+        for (slot, &expert) in s.group.iter().enumerate() {
+            let (start, m) = (first[slot], first[slot + 1] - first[slot]);
+            let block = &mut s.expert_out[start * h..(start + m) * h];
+            for (y, &(i, weight)) in block.chunks_exact_mut(h).zip(&s.routes[expert]) {
+                add_bias_rows(y, layer.down.bias(expert));
+                add_weighted(&mut s.moe_out[i * h..(i + 1) * h], weight, y);
+            }
+        }
+        s.group.clear();
+    }
+
+    /// Each expert of the group whole on one thread, as one task: gate_up, bias, SwiGLU,
+    /// quantization and down, largest first. No barrier between an expert's two products, and
+    /// while one thread streams an expert's gate_up (about 7 tokens each in a 58-token prompt:
+    /// bound by reading its weights) the other can be in a down product (twice the rows with
+    /// split activations: bound by arithmetic), where three regions (all gate_up, the SwiGLUs,
+    /// all down) had both threads in the same kind of work and waiting at each end. Same kernel
+    /// calls as [`Self::run_group_split`] for a group this large (its tasks are whole experts
+    /// too), so the same bits.
+    fn run_group_fused(&self, layer: &Layer, s: &mut Scratch, first: &[usize; GROUP_SLOTS + 1]) {
+        let c = self.config;
+        let (h, inter) = (c.hidden_size, c.intermediate_size);
+        let per_gate_up = self
+            .activations
+            .split(Product::ExpertGateUp)
+            .rows_per_token();
+        let down_split = self.activations.split(Product::ExpertDown);
+        let per_down = down_split.rows_per_token();
+        let count = s.group.len();
+        let total = first[count];
+        let mut order = [0usize; GROUP_SLOTS];
+        for (slot, place) in order.iter_mut().enumerate() {
+            *place = slot;
+        }
+        let order = &mut order[..count];
+        order
+            .sort_unstable_by_key(|&slot| (std::cmp::Reverse(first[slot + 1] - first[slot]), slot));
+
+        // A slot's part rows of either product go through its own range of the blocked scratch.
+        let block_stride = (per_gate_up * 2 * inter).max(per_down * h);
+        let blocked = s.work.shared_blocked(total * block_stride);
+        assert!(total * 2 * inter <= s.gate_up.len() && total * inter <= s.activated.len());
+        assert!(total * h <= s.expert_out.len() && count <= s.activated_q.len());
+        let gate_up = SharedOut(s.gate_up.as_mut_ptr());
+        let activated = SharedOut(s.activated.as_mut_ptr());
+        let activated_q = SharedSlots(s.activated_q.as_mut_ptr());
+        let expert_out = SharedOut(s.expert_out.as_mut_ptr());
+        let (group, group_in, kernels) = (&s.group, &s.group_in, self.kernels);
+        let order = &*order;
+        let task = |place: usize| {
+            let slot = order[place];
+            let (start, m) = (first[slot], first[slot + 1] - first[slot]);
+            let expert = group[slot];
+            // SAFETY: slot `slot` owns tokens `start..start + m` of the group: those rows of
+            // `gate_up`, `activated` and `expert_out`, its range of the blocked scratch and its
+            // own `activated_q` (sizes checked above); each slot is one task.
+            let (block, up, act, q, out) = unsafe {
+                (
+                    blocked.slice(start * block_stride, m * block_stride),
+                    gate_up.slice(start * 2 * inter, m * 2 * inter),
+                    activated.slice(start * inter, m * inter),
+                    activated_q.get(slot),
+                    expert_out.slice(start * h, m * h),
+                )
+            };
+            let job = Job::expert(&layer.gate_up, expert, &group_in[slot], per_gate_up * m, 0)
+                .folded(per_gate_up);
+            run_whole_job(kernels, &job, &mut block[..per_gate_up * m * 2 * inter], up);
+            add_bias_rows(up, layer.gate_up.bias(expert));
+            swiglu(kernels, up, c.swiglu_limit, c.swiglu_alpha, act);
+            quantize_in_task(kernels, act, inter, down_split, q);
+            let job = Job::expert(&layer.down, expert, q, per_down * m, 0).folded(per_down);
+            run_whole_job(kernels, &job, &mut block[..per_down * m * h], out);
+        };
+        parallel_for(self.team, count, &task);
+    }
+
+    /// The group's gate_up products in one region (split by rows where experts are few), the
+    /// SwiGLUs in another, the down products in a third.
+    fn run_group_split(&self, layer: &Layer, s: &mut Scratch, first: &[usize; GROUP_SLOTS + 1]) {
+        let c = self.config;
+        let (h, inter) = (c.hidden_size, c.intermediate_size);
+        let per_gate_up = self
+            .activations
+            .split(Product::ExpertGateUp)
+            .rows_per_token();
+        let down_split = self.activations.split(Product::ExpertDown);
+        let per_down = down_split.rows_per_token();
+        let count = s.group.len();
         let total = first[count];
 
         // Fixed arrays of jobs (slots past `count` repeat the first and are never run).
@@ -145,16 +247,6 @@ impl FastPass<'_> {
         let expert_out = &mut s.expert_out[..total * h];
         s.work
             .run(self.kernels, self.team, &jobs[..count], expert_out);
-        // Each token's outputs are added in expert order (the slots' order).
-        for (slot, &expert) in s.group.iter().enumerate() {
-            let (start, m) = (first[slot], first[slot + 1] - first[slot]);
-            let block = &mut s.expert_out[start * h..(start + m) * h];
-            for (y, &(i, weight)) in block.chunks_exact_mut(h).zip(&s.routes[expert]) {
-                add_bias_rows(y, layer.down.bias(expert));
-                add_weighted(&mut s.moe_out[i * h..(i + 1) * h], weight, y);
-            }
-        }
-        s.group.clear();
     }
 
     /// One token: the gate_up products of all its experts in one region, then all down products.

@@ -173,6 +173,16 @@ impl Work {
         quantize_split(k, x, cols, split, &mut self.split_staging, true, out);
     }
 
+    /// The blocked scratch for tasks that run whole jobs themselves ([`run_whole_job`]), each
+    /// in its own range of the first `values` floats.
+    pub(super) fn shared_blocked(&mut self, values: usize) -> SharedOut {
+        assert!(
+            values <= self.blocked.len(),
+            "scratch sized for the widest job set"
+        );
+        SharedOut(self.blocked.as_mut_ptr())
+    }
+
     /// Runs `jobs` in one parallel region and leaves each job's token-major output in `out` at
     /// its `out_offset`, a token's `parts` rows summed ([`fold_parts`]).
     pub fn run(&mut self, k: Kernels, team: Option<&Team>, jobs: &[Job<'_>], out: &mut [f32]) {
@@ -281,6 +291,28 @@ impl Work {
         } else {
             parallel_for(team, tasks.len(), &|i| run(&tasks[i]));
         }
+    }
+}
+
+/// `job` over all its rows on the calling thread (a task of a region that is not
+/// [`Work::run`]'s): leaves its token-major output in `out`, a token's parts summed, as
+/// [`Work::run`] would; `block` holds the parts' rows on the way (`job.tokens` x rows). The
+/// kernel call is the one [`Work::run`] makes for a task of all the rows, so are the bits.
+pub(super) fn run_whole_job(k: Kernels, job: &Job<'_>, block: &mut [f32], out: &mut [f32]) {
+    let rows = job.weights.rows();
+    assert_eq!(block.len(), job.tokens * rows, "a block per part row");
+    assert_eq!(out.len(), job.out_rows() * rows, "an output row per token");
+    assert!(gemv_passes(job).is_none(), "GEMV passes are Work::run's");
+    if job.parts == 1 {
+        run_task(k, job, 0..rows, out, &[]);
+        return;
+    }
+    run_task(k, job, 0..rows, block, &[]);
+    for (token, out) in block
+        .chunks_exact(rows * job.parts)
+        .zip(out.chunks_exact_mut(rows))
+    {
+        fold_parts(token, job.parts, out);
     }
 }
 
