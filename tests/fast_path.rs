@@ -793,7 +793,7 @@ fn a_session_switched_to_another_attention_arithmetic_computes_as_one_loaded_wit
 /// bits, for every activation format (split rows fold their parts in either way).
 #[test]
 fn experts_whole_per_thread_give_the_bits_of_the_split_regions() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/small_wide");
+    let dir = support::fixtures::root().join("small_wide");
     for activations in [
         ActivationFormat::Mixed,
         ActivationFormat::Q8,
@@ -805,8 +805,8 @@ fn experts_whole_per_thread_give_the_bits_of_the_split_regions() {
         };
         let model = Arc::new(Model::load(&dir, &opts).unwrap());
         let (experts, vocab) = (model.config.num_local_experts, model.config.vocab_size);
-        // 24 tokens over 8 experts, 4 each: every expert gets at most 24 (under the 32 of a
-        // group) and, with these ids, at least one, so all 8 share one group: 4 per thread.
+        // 24 tokens over 8 experts, 4 each: every expert gets at most 24 (under a group's 64)
+        // and, with these ids, at least one, so all 8 share one group: 4 per thread, whole.
         assert_eq!(experts, 8);
         let tokens: Vec<u32> = (0..24).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
         let logits = |threads: usize| {

@@ -99,8 +99,7 @@ impl WatchedMap {
         // tmpfs), this lets a fault map a whole folio with one entry: a product streaming 10 GB
         // of experts otherwise walks the page table every 4 KiB. A kernel that cannot (THP off,
         // small folios) refuses or ignores it, which is harmless.
-        #[cfg(target_os = "linux")]
-        let _ = map.advise(memmap2::Advice::HugePage);
+        advise_huge_pages(&map);
         Ok(WatchedMap {
             _watch: crate::fault::register(map.as_ptr(), map.len(), path, &handle),
             map,
@@ -730,7 +729,9 @@ mod tests {
         std::fs::write(&path, vec![7u8; 4 << 20]).unwrap();
         let map = WatchedMap::open(&path).unwrap();
         assert_eq!(map.bytes()[12345], 7);
-        let flags = vm_flags_of(map.bytes().as_ptr() as usize).expect("the mapping is listed");
+        // The advice covers the whole 2 MiB pages inside the mapping (4 MiB holds at least one).
+        let first_huge_page = (map.bytes().as_ptr() as usize).div_ceil(2 << 20) * (2 << 20);
+        let flags = vm_flags_of(first_huge_page).expect("the mapping is listed");
         assert!(
             flags.split_whitespace().any(|f| f == "hg"),
             "no huge-page advice on the mapping: {flags}"

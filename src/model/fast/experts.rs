@@ -5,7 +5,7 @@ use super::jobs::{quantize_in_task, run_whole_job, Job, SharedOut, SharedSlots};
 use super::{FastPass, Scratch, PREFILL_CHUNK};
 use crate::kernels::swiglu::swiglu;
 use crate::model::ops::{add_bias_rows, add_weighted, MAX_EXPERTS_PER_TOKEN};
-use crate::model::options::Product;
+use crate::model::options::{Product, Split};
 use crate::model::profile::Phase;
 use crate::model::team::parallel_for;
 use crate::model::weights::Layer;
@@ -25,11 +25,31 @@ const FUSED_SLOTS_PER_THREAD: usize = 4;
 /// pp512 +3.6% against 32 in five alternations on Zen 4, 2 threads (medians 66.5 / 64.2).
 pub(super) const GROUPED_TOKENS: usize = 64;
 
+/// How many quantized rows a token has in each expert product, by the session's activations.
+struct ExpertRows {
+    per_gate_up: usize,
+    /// How the down input (the SwiGLU output) is quantized.
+    down_split: Split,
+    per_down: usize,
+}
+
 impl FastPass<'_> {
+    fn expert_rows(&self) -> ExpertRows {
+        let down_split = self.activations.split(Product::ExpertDown);
+        ExpertRows {
+            per_gate_up: self
+                .activations
+                .split(Product::ExpertGateUp)
+                .rows_per_token(),
+            down_split,
+            per_down: down_split.rows_per_token(),
+        }
+    }
+
     /// Several tokens (a batch of decoded sequences, a prefill chunk): the experts in index
-    /// order, those with few tokens in groups whose gate_up products run in one parallel region
-    /// and down products in another. One region pair per expert would cost a batched decode step
-    /// ~1,700 region barriers, more than the products themselves at a few tokens per expert.
+    /// order, those with few tokens in groups ([`Self::run_group`]), the others alone. One region
+    /// pair per expert would cost a batched decode step ~1,700 region barriers, more than the
+    /// products themselves at a few tokens per expert.
     /// Each token's expert outputs are added in expert order, as [`Self::decode_experts`] does.
     pub(super) fn batch_experts(&self, layer: &Layer, s: &mut Scratch) {
         // The group's tokens fit the chunk-sized product buffers.
@@ -58,18 +78,16 @@ impl FastPass<'_> {
         self.run_group(layer, s);
     }
 
-    /// The experts in `s.group`, each over its routed tokens: all gate_up products in one region,
-    /// all down products in another; empties the group.
+    /// The experts in `s.group`, each over its routed tokens: whole per thread where there are
+    /// enough of them ([`Self::run_group_fused`]), else each product split by rows across the
+    /// team ([`Self::run_group_split`]); empties the group.
     fn run_group(&self, layer: &Layer, s: &mut Scratch) {
         let count = s.group.len();
         if count == 0 {
             return;
         }
         let h = self.config.hidden_size;
-        let per_gate_up = self
-            .activations
-            .split(Product::ExpertGateUp)
-            .rows_per_token();
+        let per_gate_up = self.expert_rows().per_gate_up;
 
         // Slot k's tokens start at token `first[k]` of the group.
         let mut first = [0usize; GROUP_SLOTS + 1];
@@ -117,18 +135,14 @@ impl FastPass<'_> {
     fn run_group_fused(&self, layer: &Layer, s: &mut Scratch, first: &[usize; GROUP_SLOTS + 1]) {
         let c = self.config;
         let (h, inter) = (c.hidden_size, c.intermediate_size);
-        let per_gate_up = self
-            .activations
-            .split(Product::ExpertGateUp)
-            .rows_per_token();
-        let down_split = self.activations.split(Product::ExpertDown);
-        let per_down = down_split.rows_per_token();
+        let ExpertRows {
+            per_gate_up,
+            down_split,
+            per_down,
+        } = self.expert_rows();
         let count = s.group.len();
         let total = first[count];
-        let mut order = [0usize; GROUP_SLOTS];
-        for (slot, place) in order.iter_mut().enumerate() {
-            *place = slot;
-        }
+        let mut order: [usize; GROUP_SLOTS] = std::array::from_fn(|slot| slot);
         let order = &mut order[..count];
         order
             .sort_unstable_by_key(|&slot| (std::cmp::Reverse(first[slot + 1] - first[slot]), slot));
@@ -177,12 +191,11 @@ impl FastPass<'_> {
     fn run_group_split(&self, layer: &Layer, s: &mut Scratch, first: &[usize; GROUP_SLOTS + 1]) {
         let c = self.config;
         let (h, inter) = (c.hidden_size, c.intermediate_size);
-        let per_gate_up = self
-            .activations
-            .split(Product::ExpertGateUp)
-            .rows_per_token();
-        let down_split = self.activations.split(Product::ExpertDown);
-        let per_down = down_split.rows_per_token();
+        let ExpertRows {
+            per_gate_up,
+            down_split,
+            per_down,
+        } = self.expert_rows();
         let count = s.group.len();
         let total = first[count];
 
@@ -265,12 +278,11 @@ impl FastPass<'_> {
             }
         }
         let chosen = &chosen[..count];
-        let per_gate_up = self
-            .activations
-            .split(Product::ExpertGateUp)
-            .rows_per_token();
-        let down_split = self.activations.split(Product::ExpertDown);
-        let per_down = down_split.rows_per_token();
+        let ExpertRows {
+            per_gate_up,
+            down_split,
+            per_down,
+        } = self.expert_rows();
 
         // Fixed arrays of jobs (slots past `count` repeat the first expert and are never run):
         // no allocation per token.
@@ -332,12 +344,11 @@ impl FastPass<'_> {
     pub(super) fn prefill_expert(&self, layer: &Layer, expert: usize, s: &mut Scratch) {
         let c = self.config;
         let (h, inter) = (c.hidden_size, c.intermediate_size);
-        let per_gate_up = self
-            .activations
-            .split(Product::ExpertGateUp)
-            .rows_per_token();
-        let down_split = self.activations.split(Product::ExpertDown);
-        let per_down = down_split.rows_per_token();
+        let ExpertRows {
+            per_gate_up,
+            down_split,
+            per_down,
+        } = self.expert_rows();
         let routes = &s.routes[expert];
         let m = routes.len();
 
