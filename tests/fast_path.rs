@@ -806,7 +806,8 @@ fn experts_whole_per_thread_give_the_bits_of_the_split_regions() {
         let model = Arc::new(Model::load(&dir, &opts).unwrap());
         let (experts, vocab) = (model.config.num_local_experts, model.config.vocab_size);
         // 24 tokens over 8 experts, 4 each: every expert gets at most 24 (under a group's 64)
-        // and, with these ids, at least one, so all 8 share one group: 4 per thread, whole.
+        // and, with these ids, at least one (checked on the router's counts below), so all 8
+        // share one group: 4 per thread, whole.
         assert_eq!(experts, 8);
         let tokens: Vec<u32> = (0..24).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
         let logits = |threads: usize| {
@@ -814,9 +815,18 @@ fn experts_whole_per_thread_give_the_bits_of_the_split_regions() {
             let mut session = model.new_session(&pool, tokens.len());
             let mut logits = Vec::new();
             session.prefill_all_logits(&tokens, &mut logits).unwrap();
-            logits
+            let routing = session.profile().lock().unwrap().routing.clone();
+            (logits, routing)
         };
-        let (two, one) = (logits(2), logits(1));
+        let ((two, routing), (one, _)) = (logits(2), logits(1));
+        assert_eq!(routing.len(), model.config.num_hidden_layers * experts);
+        for (layer, counts) in routing.chunks_exact(experts).enumerate() {
+            assert!(
+                counts.iter().all(|&count| count > 0),
+                "layer {layer}: an expert without tokens ({counts:?}) leaves a group of fewer \
+                 than 8, split by rows: the test would compare the split path with itself"
+            );
+        }
         assert_eq!(two.len(), one.len());
         let differing = two
             .iter()
