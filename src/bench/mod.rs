@@ -38,6 +38,29 @@ pub struct BenchPlan {
 struct Sample {
     prefill_tps: f64,
     decode_tps: f64,
+    /// The read bandwidth probed right after this repeat's decode, where the peak RSS could be
+    /// kept clear of the probe's buffer.
+    read_gbps: Option<f64>,
+}
+
+/// The roofline's bandwidth and decode's share of it: with every repeat probed, the median of
+/// the probes and the median of each repeat's own ratio (decode against the bandwidth of its
+/// moment: on a shared host both drift together over minutes, so a single probe after all runs
+/// could read a burst none of them saw); `None` otherwise.
+fn paired_roofline(samples: &[Sample], bytes_per_token: u64) -> Option<(f64, f64)> {
+    if samples.is_empty() || bytes_per_token == 0 {
+        return None;
+    }
+    let probes: Vec<f64> = samples.iter().map(|s| s.read_gbps).collect::<Option<_>>()?;
+    if probes.iter().any(|&gbps| gbps <= 0.0) {
+        return None;
+    }
+    let ratios: Vec<f64> = samples
+        .iter()
+        .zip(&probes)
+        .map(|(s, gbps)| s.decode_tps * bytes_per_token as f64 / (gbps * 1e9))
+        .collect();
+    Some((Summary::of(&probes).median, Summary::of(&ratios).median))
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -58,6 +81,9 @@ pub struct BenchReport {
     pub bytes_per_token: u64,
     pub roofline_tps: f64,
     pub roofline_efficiency: f64,
+    /// Whether the bandwidth was probed right after every decode run (the median of those
+    /// probes, and the efficiency the median of each run's own), not once after all of them.
+    pub bandwidth_paired: bool,
     pub decode: Summary,
     pub prefill: Summary,
     pub ttft: Vec<PromptTtft>,
@@ -139,16 +165,27 @@ pub fn run(
 ) -> anyhow::Result<BenchReport> {
     // Every run loops on the pool, as the app's generation does: decode then uses the pool's
     // team, and no forward call hands its work over from another thread.
-    let (samples, ttft) = pool.install(|| measure(model, pool, plan, progress))?;
+    let threads = settings.threads;
+    let (samples, ttft, measured_peak) =
+        pool.install(|| measure(model, pool, plan, threads, progress))?;
     let decode = Summary::of(&samples.iter().map(|s| s.decode_tps).collect::<Vec<_>>());
     let prefill = Summary::of(&samples.iter().map(|s| s.prefill_tps).collect::<Vec<_>>());
-    // Read before the probe, whose buffer would otherwise count as the model's memory.
-    let peak_rss_bytes = probe::peak_rss_bytes();
-    progress("measuring memory bandwidth", 0, 1);
-    let bandwidth_gbps = probe::read_bandwidth_gbps(settings.threads);
+    // Read before any probe after the runs, whose buffer would otherwise count as the model's.
+    let peak_rss_bytes = measured_peak.max(probe::peak_rss_bytes());
     // Decode runs at depth `plan.depth`; count the cache it reads at the middle of the run.
     let bytes_per_token = model.decode_bytes_per_token(plan.depth + plan.gen_tokens / 2);
-    let roofline_tps = bandwidth_gbps * 1e9 / bytes_per_token as f64;
+    let paired = paired_roofline(&samples, bytes_per_token);
+    let bandwidth_paired = paired.is_some();
+    let (bandwidth_gbps, roofline_efficiency) = match paired {
+        Some(paired) => paired,
+        None => {
+            progress("measuring memory bandwidth", 0, 1);
+            let gbps = probe::read_bandwidth_gbps(threads);
+            let ceiling = gbps * 1e9 / bytes_per_token.max(1) as f64;
+            (gbps, decode.median / ceiling)
+        }
+    };
+    let roofline_tps = bandwidth_gbps * 1e9 / bytes_per_token.max(1) as f64;
     let all_ttft: Vec<f64> = ttft.iter().map(|t| t.ttft_ms.median).collect();
     settings.cpu = probe::cpu_name();
     settings.cpu_info = probe::CpuInfo::current();
@@ -164,7 +201,8 @@ pub fn run(
         bandwidth_gbps,
         bytes_per_token,
         roofline_tps,
-        roofline_efficiency: decode.median / roofline_tps,
+        roofline_efficiency,
+        bandwidth_paired,
         decode,
         prefill,
         ttft,
@@ -172,28 +210,36 @@ pub fn run(
     })
 }
 
-/// The prefill and decode samples and the time-to-first-token runs, on the caller's thread (a
-/// thread of `pool`).
+/// The prefill and decode samples (each with the read bandwidth probed on `threads` right after
+/// its decode) and the time-to-first-token runs, on the caller's thread (a thread of `pool`);
+/// and the peak RSS of the runs before the probes' buffers.
 fn measure(
     model: &Arc<Model>,
     pool: &Arc<ThreadPool>,
     plan: &BenchPlan,
+    threads: usize,
     progress: &mut Progress<'_>,
-) -> anyhow::Result<(Vec<Sample>, Vec<PromptTtft>)> {
+) -> anyhow::Result<(Vec<Sample>, Vec<PromptTtft>, u64)> {
     let vocab = model.config.vocab_size;
     let context = plan.depth + plan.prompt_tokens + plan.gen_tokens + 1;
     let mut session = model.new_session(pool, context);
     let mut samples = Vec::with_capacity(plan.repeat);
+    let mut peak_rss = 0;
     for repeat in 0..plan.repeat {
         let label = format!("repeat {}/{}", repeat + 1, plan.repeat);
-        samples.push(measure_once(
-            &mut session,
-            plan,
-            vocab,
-            repeat as u64,
-            &label,
-            progress,
-        )?);
+        let mut sample = measure_once(&mut session, plan, vocab, repeat as u64, &label, progress)?;
+        // The peak so far is the runs'; after the reset it restarts below the probe's buffer,
+        // which is freed again before the next run. Without a reset no probe runs here.
+        peak_rss = peak_rss.max(probe::peak_rss_bytes());
+        if probe::reset_peak_rss() {
+            progress(&format!("{label}: probing the read bandwidth"), 0, 1);
+            sample.read_gbps = Some(probe::read_bandwidth_gbps_over(
+                probe::PAIRED_PROBE_BYTES,
+                threads,
+            ));
+            probe::reset_peak_rss();
+        }
+        samples.push(sample);
     }
 
     let mut ttft = Vec::new();
@@ -245,7 +291,7 @@ fn measure(
         }
     }
 
-    Ok((samples, ttft))
+    Ok((samples, ttft, peak_rss))
 }
 
 fn measure_once(
@@ -299,6 +345,7 @@ fn measure_once(
     Ok(Sample {
         prefill_tps: per_second(plan.prompt_tokens, prefill_time),
         decode_tps: per_second(plan.gen_tokens, decode_time),
+        read_gbps: None,
     })
 }
 
@@ -396,11 +443,16 @@ pub fn render_table(report: &BenchReport) -> String {
     line(
         &mut out,
         format!(
-            "roofline {:.2} GB read per decoded token, {:.1} GB/s measured read bandwidth -> {:.1} tokens/s ceiling; decode at {:.0}% of it",
+            "roofline {:.2} GB read per decoded token, {:.1} GB/s measured read bandwidth -> {:.1} tokens/s ceiling; decode at {:.0}% of it{}",
             report.bytes_per_token as f64 / 1e9,
             report.bandwidth_gbps,
             report.roofline_tps,
-            report.roofline_efficiency * 100.0
+            report.roofline_efficiency * 100.0,
+            if report.bandwidth_paired {
+                " (medians of a probe after each decode run and of each run's own share)"
+            } else {
+                ""
+            }
         ),
     );
     out
@@ -422,6 +474,31 @@ mod tests {
             );
         }
         assert!(prompts.iter().all(|p| !p.contains("\n---")));
+    }
+
+    #[test]
+    fn the_roofline_rates_each_decode_run_against_the_probe_of_its_moment() {
+        let run = |decode_tps: f64, read_gbps: Option<f64>| Sample {
+            prefill_tps: 0.0,
+            decode_tps,
+            read_gbps,
+        };
+        // 2 GB a token: the runs' own shares are 0.5, 1.2 and 0.93; the median decode over the
+        // median probe would say 12 x 2 / 30 = 0.8.
+        let samples = [
+            run(10.0, Some(40.0)),
+            run(12.0, Some(20.0)),
+            run(14.0, Some(30.0)),
+        ];
+        let (gbps, share) = paired_roofline(&samples, 2_000_000_000).expect("all probed");
+        assert_eq!(gbps, 30.0);
+        assert!((share - 14.0 * 2.0 / 30.0).abs() < 1e-12, "{share}");
+        // A repeat without its probe, a failed probe or nothing to rate: the single probe after
+        // the runs instead.
+        assert!(paired_roofline(&[samples[0], run(11.0, None)], 2_000_000_000).is_none());
+        assert!(paired_roofline(&[run(11.0, Some(0.0))], 2_000_000_000).is_none());
+        assert!(paired_roofline(&[], 2_000_000_000).is_none());
+        assert!(paired_roofline(&samples, 0).is_none());
     }
 
     #[test]

@@ -15,6 +15,17 @@ pub fn read_bandwidth_gbps(threads: usize) -> f64 {
     read_bandwidth_gbps_over(PROBE_BYTES, threads)
 }
 
+/// Bytes of the probe `bench` runs right after each decode measurement: 8 times a 32 MiB L3,
+/// and a few tens of milliseconds of reading, so it rates the host's bandwidth of that moment.
+pub const PAIRED_PROBE_BYTES: usize = 256 << 20;
+
+/// Starts the peak RSS (`VmHWM`) again from the current RSS (`5` to /proc/self/clear_refs,
+/// Linux 4.0 on), so a probe's buffer, freed again, does not count as the model's memory.
+/// False where the kernel refuses.
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
 /// [`read_bandwidth_gbps`] over a buffer of `bytes` (rounded to whole 64-byte lines), for a
 /// caller that cannot spare a GiB (the app's engine view).
 pub fn read_bandwidth_gbps_over(bytes: usize, threads: usize) -> f64 {
