@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::bench::probe::read_bandwidth_gbps;
+use crate::bench::probe::{read_bandwidth_gbps_over, PAIRED_PROBE_BYTES};
 use crate::bench::stats::Summary;
 use crate::model::profile::{boundary_cost_nanos, Phase, ProfileCounts};
 use crate::model::Model;
@@ -46,6 +46,9 @@ pub fn run(
         }
         Ok(gen_tokens as f64 / started.elapsed().as_secs_f64())
     };
+    let threads = pool.current_num_threads();
+    // The read bandwidth after each round: a round's decode is rated against its own moment.
+    let mut probes = Vec::with_capacity(rounds);
     let pool_for_runs = Arc::clone(pool);
     let team_before = crate::model::team::team_stats();
     pool_for_runs.install(|| -> anyhow::Result<()> {
@@ -67,15 +70,16 @@ pub fn run(
                     accumulate(&mut shown, &taken);
                 }
             }
+            probes.push(read_bandwidth_gbps_over(PAIRED_PROBE_BYTES, threads));
         }
         Ok(())
     })?;
     let team = crate::model::team::team_stats().since(&team_before);
     let off = Summary::of(&rates[0]).median;
     let on = Summary::of(&rates[1]).median;
-    let threads = pool.current_num_threads();
-    let bandwidth = read_bandwidth_gbps(threads);
+    let bandwidth = Summary::of(&probes).median;
     let bytes = model.decode_bytes_per_token(PROMPT_TOKENS + gen_tokens / 2);
+    let share = paired_share(&rates[1], &probes, bytes);
     let mut out = output::stdout();
     super::bench_cmd::write_run_header(&mut out, model, threads)?;
     writeln!(
@@ -136,13 +140,27 @@ pub fn run(
     let used = bytes as f64 * on / 1e9;
     writeln!(
         out,
-        "memory: {:.3} GB/token x {on:.2} tok/s = {used:.2} GB/s of {bandwidth:.2} GB/s read bandwidth: decode at {:.0}%",
+        "memory: {:.3} GB/token x {on:.2} tok/s = {used:.2} GB/s of {bandwidth:.2} GB/s read bandwidth: decode at {:.0}% \
+         (medians of a probe after each round and of each round's own share)",
         bytes as f64 / 1e9,
-        used / bandwidth * 100.0
+        share * 100.0
     )?;
     write_prefill_phases(&mut out, model, pool, rounds)?;
     out.flush()?;
     Ok(())
+}
+
+/// The median over rounds of each round's decode bytes per second (`rates` tokens/s of `bytes`
+/// a token) over the bandwidth probed right after it (GB/s): on a shared host both drift over
+/// minutes, and a single probe after all rounds could read a burst none of them saw.
+fn paired_share(rates: &[f64], probes: &[f64], bytes: u64) -> f64 {
+    let shares: Vec<f64> = rates
+        .iter()
+        .zip(probes)
+        .filter(|(_, &gbps)| gbps > 0.0)
+        .map(|(&rate, &gbps)| rate * bytes as f64 / (gbps * 1e9))
+        .collect();
+    Summary::of(&shares).median
 }
 
 /// Tokens of the short prompt whose prefill is timed phase by phase: the shortest standard
@@ -242,7 +260,7 @@ fn mean_step_ms(rates: &[f64]) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use super::mean_step_ms;
+    use super::{mean_step_ms, paired_share};
 
     #[test]
     fn the_mean_step_is_total_time_over_tokens_not_the_median_rate() {
@@ -250,5 +268,16 @@ mod tests {
         // step of the mean rate (75 tokens/s) would be 13.3 ms.
         assert!((mean_step_ms(&[100.0, 50.0]) - 15.0).abs() < 1e-9);
         assert_eq!(mean_step_ms(&[]), 0.0);
+    }
+
+    #[test]
+    fn each_round_is_rated_against_the_probe_after_it() {
+        // 2 GB a token: rounds at 10, 12 and 14 tokens/s after probes of 40, 20 and 30 GB/s move
+        // 50%, 120% and 93% of them; the median rate over the median probe would say 80%.
+        let share = paired_share(&[10.0, 12.0, 14.0], &[40.0, 20.0, 30.0], 2_000_000_000);
+        assert!((share - 14.0 * 2.0 / 30.0).abs() < 1e-12, "{share}");
+        // A failed probe (0 GB/s) is left out, not divided by.
+        let share = paired_share(&[10.0, 12.0], &[0.0, 24.0], 2_000_000_000);
+        assert!((share - 1.0).abs() < 1e-12, "{share}");
     }
 }
