@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use crate::bench::probe::read_bandwidth_gbps;
+use crate::bench::probe::{read_bandwidth_gbps_over, PAIRED_PROBE_BYTES};
 use crate::bench::stats::Summary;
 use crate::engine::{Sampler, SamplerSettings};
 use crate::kernels::{Kernels, PROBE_ROUND_MACS};
@@ -109,6 +109,10 @@ pub fn run(
     if let Ok(mut counts) = profile.lock() {
         counts.take_into(&mut taken);
     }
+    let threads = pool.current_num_threads();
+    // The read bandwidth after each round, and the bounds at their median: on a shared host it
+    // drifts over minutes, and one probe after all rounds could read a burst none of them saw.
+    let mut probes = Vec::with_capacity(rounds);
     let pool_for_runs = Arc::clone(pool);
     pool_for_runs.install(|| -> anyhow::Result<()> {
         for round in 0..rounds {
@@ -165,6 +169,7 @@ pub fn run(
                     sequence.truncate(PROMPT_TOKENS);
                 }
             }
+            probes.push(read_bandwidth_gbps_over(PAIRED_PROBE_BYTES, threads));
         }
         Ok(())
     })?;
@@ -175,9 +180,8 @@ pub fn run(
         }
     }
 
-    let threads = pool.current_num_threads();
-    output::note!("probing the read bandwidth and the int8 peak ...");
-    let bandwidth = read_bandwidth_gbps(threads);
+    output::note!("probing the int8 peak ...");
+    let bandwidth = Summary::of(&probes).median;
     let peak = int8_peak_gmacs(model.kernels, pool);
     let mut out = output::stdout();
     super::bench_cmd::write_run_header(&mut out, model, threads)?;
@@ -187,7 +191,7 @@ pub fn run(
     )?;
     writeln!(
         out,
-        "bounds: weight bytes at {bandwidth:.1} GB/s read bandwidth, multiply-adds at the {peak:.0} GMAC/s int8 peak ({threads} threads)"
+        "bounds: weight bytes at {bandwidth:.1} GB/s read bandwidth (median of a probe after each round), multiply-adds at the {peak:.0} GMAC/s int8 peak ({threads} threads)"
     )?;
     writeln!(
         out,
