@@ -43,10 +43,9 @@ struct Sample {
     read_gbps: Option<f64>,
 }
 
-/// The roofline's bandwidth and decode's share of it: with every repeat probed, the median of
-/// the probes and the median of each repeat's own ratio (decode against the bandwidth of its
-/// moment: on a shared host both drift together over minutes, so a single probe after all runs
-/// could read a burst none of them saw); `None` otherwise.
+/// The roofline's bandwidth and decode's share of it with every repeat probed: the median of
+/// the probes and of each repeat's own share ([`probe::median_roofline_share`]); `None` where a
+/// repeat has no probe or a failed one.
 fn paired_roofline(samples: &[Sample], bytes_per_token: u64) -> Option<(f64, f64)> {
     if samples.is_empty() || bytes_per_token == 0 {
         return None;
@@ -55,12 +54,11 @@ fn paired_roofline(samples: &[Sample], bytes_per_token: u64) -> Option<(f64, f64
     if probes.iter().any(|&gbps| gbps <= 0.0) {
         return None;
     }
-    let ratios: Vec<f64> = samples
-        .iter()
-        .zip(&probes)
-        .map(|(s, gbps)| s.decode_tps * bytes_per_token as f64 / (gbps * 1e9))
-        .collect();
-    Some((Summary::of(&probes).median, Summary::of(&ratios).median))
+    let rates: Vec<f64> = samples.iter().map(|s| s.decode_tps).collect();
+    Some((
+        Summary::of(&probes).median,
+        probe::median_roofline_share(&rates, &probes, bytes_per_token),
+    ))
 }
 
 #[derive(Debug, Clone, Serialize)]

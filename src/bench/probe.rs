@@ -19,6 +19,20 @@ pub fn read_bandwidth_gbps(threads: usize) -> f64 {
 /// and a few tens of milliseconds of reading, so it rates the host's bandwidth of that moment.
 pub const PAIRED_PROBE_BYTES: usize = 256 << 20;
 
+/// The median over runs of each run's share of the read bandwidth probed right after it: run
+/// `i` decoded `rates[i]` tokens/s of `bytes_per_token` bytes each against `probes[i]` GB/s. On a
+/// shared host both drift over minutes, so a single probe after all runs could read a moment
+/// none of them saw; a failed probe (0 GB/s) is left out, not divided by.
+pub fn median_roofline_share(rates: &[f64], probes: &[f64], bytes_per_token: u64) -> f64 {
+    let shares: Vec<f64> = rates
+        .iter()
+        .zip(probes)
+        .filter(|(_, &gbps)| gbps > 0.0)
+        .map(|(&rate, &gbps)| rate * bytes_per_token as f64 / (gbps * 1e9))
+        .collect();
+    super::stats::Summary::of(&shares).median
+}
+
 /// Starts the peak RSS (`VmHWM`) again from the current RSS (`5` to /proc/self/clear_refs,
 /// Linux 4.0 on), so a probe's buffer, freed again, does not count as the model's memory.
 /// False where the kernel refuses.
@@ -346,6 +360,17 @@ mod tests {
         assert_eq!(model_resident_share(&dir.path().join("absent")), None);
         let empty = tempfile::tempdir().unwrap();
         assert_eq!(model_resident_share(empty.path()), None);
+    }
+
+    #[test]
+    fn each_run_is_rated_against_the_probe_after_it() {
+        // 2 GB a token: runs at 10, 12 and 14 tokens/s after probes of 40, 20 and 30 GB/s move
+        // 50%, 120% and 93% of them; the median rate over the median probe would say 80%.
+        let share = median_roofline_share(&[10.0, 12.0, 14.0], &[40.0, 20.0, 30.0], 2_000_000_000);
+        assert!((share - 14.0 * 2.0 / 30.0).abs() < 1e-12, "{share}");
+        // A failed probe is left out, not divided by.
+        let share = median_roofline_share(&[10.0, 12.0], &[0.0, 24.0], 2_000_000_000);
+        assert!((share - 1.0).abs() < 1e-12, "{share}");
     }
 
     #[test]

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::bench::probe::{read_bandwidth_gbps_over, PAIRED_PROBE_BYTES};
+use crate::bench::probe::{median_roofline_share, read_bandwidth_gbps_over, PAIRED_PROBE_BYTES};
 use crate::bench::stats::Summary;
 use crate::model::profile::{boundary_cost_nanos, Phase, ProfileCounts};
 use crate::model::Model;
@@ -79,7 +79,7 @@ pub fn run(
     let on = Summary::of(&rates[1]).median;
     let bandwidth = Summary::of(&probes).median;
     let bytes = model.decode_bytes_per_token(PROMPT_TOKENS + gen_tokens / 2);
-    let share = paired_share(&rates[1], &probes, bytes);
+    let share = median_roofline_share(&rates[1], &probes, bytes);
     let mut out = output::stdout();
     super::bench_cmd::write_run_header(&mut out, model, threads)?;
     writeln!(
@@ -148,19 +148,6 @@ pub fn run(
     write_prefill_phases(&mut out, model, pool, rounds)?;
     out.flush()?;
     Ok(())
-}
-
-/// The median over rounds of each round's decode bytes per second (`rates` tokens/s of `bytes`
-/// a token) over the bandwidth probed right after it (GB/s): on a shared host both drift over
-/// minutes, and a single probe after all rounds could read a burst none of them saw.
-fn paired_share(rates: &[f64], probes: &[f64], bytes: u64) -> f64 {
-    let shares: Vec<f64> = rates
-        .iter()
-        .zip(probes)
-        .filter(|(_, &gbps)| gbps > 0.0)
-        .map(|(&rate, &gbps)| rate * bytes as f64 / (gbps * 1e9))
-        .collect();
-    Summary::of(&shares).median
 }
 
 /// Tokens of the short prompt whose prefill is timed phase by phase: the shortest standard
@@ -260,7 +247,7 @@ fn mean_step_ms(rates: &[f64]) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use super::{mean_step_ms, paired_share};
+    use super::mean_step_ms;
 
     #[test]
     fn the_mean_step_is_total_time_over_tokens_not_the_median_rate() {
@@ -268,16 +255,5 @@ mod tests {
         // step of the mean rate (75 tokens/s) would be 13.3 ms.
         assert!((mean_step_ms(&[100.0, 50.0]) - 15.0).abs() < 1e-9);
         assert_eq!(mean_step_ms(&[]), 0.0);
-    }
-
-    #[test]
-    fn each_round_is_rated_against_the_probe_after_it() {
-        // 2 GB a token: rounds at 10, 12 and 14 tokens/s after probes of 40, 20 and 30 GB/s move
-        // 50%, 120% and 93% of them; the median rate over the median probe would say 80%.
-        let share = paired_share(&[10.0, 12.0, 14.0], &[40.0, 20.0, 30.0], 2_000_000_000);
-        assert!((share - 14.0 * 2.0 / 30.0).abs() < 1e-12, "{share}");
-        // A failed probe (0 GB/s) is left out, not divided by.
-        let share = paired_share(&[10.0, 12.0], &[0.0, 24.0], 2_000_000_000);
-        assert!((share - 1.0).abs() < 1e-12, "{share}");
     }
 }

@@ -4,6 +4,7 @@
 use super::jobs::{quantize_in_task, run_whole_job, Job, SharedOut, SharedSlots};
 use super::{FastPass, Scratch, PREFILL_CHUNK};
 use crate::kernels::swiglu::swiglu;
+use crate::kernels::Q8Activations;
 use crate::model::ops::{add_bias_rows, add_weighted, MAX_EXPERTS_PER_TOKEN};
 use crate::model::options::{Product, Split};
 use crate::model::profile::Phase;
@@ -87,7 +88,8 @@ impl FastPass<'_> {
             return;
         }
         let h = self.config.hidden_size;
-        let per_gate_up = self.expert_rows().per_gate_up;
+        let rows = self.expert_rows();
+        let per_gate_up = rows.per_gate_up;
 
         // Slot k's tokens start at token `first[k]` of the group.
         let mut first = [0usize; GROUP_SLOTS + 1];
@@ -107,9 +109,9 @@ impl FastPass<'_> {
             None => 1,
         };
         if threads > 1 && count >= FUSED_SLOTS_PER_THREAD * threads {
-            self.run_group_fused(layer, s, &first);
+            self.run_group_fused(layer, s, &first, &rows);
         } else {
-            self.run_group_split(layer, s, &first);
+            self.run_group_split(layer, s, &first, &rows);
         }
 
         // Each token's outputs are added in expert order (the slots' order).
@@ -132,14 +134,20 @@ impl FastPass<'_> {
     /// all down) had both threads in the same kind of work and waiting at each end. Same kernel
     /// calls as [`Self::run_group_split`] for a group this large (its tasks are whole experts
     /// too), so the same bits.
-    fn run_group_fused(&self, layer: &Layer, s: &mut Scratch, first: &[usize; GROUP_SLOTS + 1]) {
+    fn run_group_fused(
+        &self,
+        layer: &Layer,
+        s: &mut Scratch,
+        first: &[usize; GROUP_SLOTS + 1],
+        rows: &ExpertRows,
+    ) {
         let c = self.config;
         let (h, inter) = (c.hidden_size, c.intermediate_size);
-        let ExpertRows {
+        let &ExpertRows {
             per_gate_up,
             down_split,
             per_down,
-        } = self.expert_rows();
+        } = rows;
         let count = s.group.len();
         let total = first[count];
         let mut order: [usize; GROUP_SLOTS] = std::array::from_fn(|slot| slot);
@@ -177,25 +185,54 @@ impl FastPass<'_> {
             let job = Job::expert(&layer.gate_up, expert, &group_in[slot], per_gate_up * m, 0)
                 .folded(per_gate_up);
             run_whole_job(kernels, &job, &mut block[..per_gate_up * m * 2 * inter], up);
-            add_bias_rows(up, layer.gate_up.bias(expert));
-            swiglu(kernels, up, c.swiglu_limit, c.swiglu_alpha, act);
-            quantize_in_task(kernels, act, inter, down_split, q);
+            self.activate(layer, expert, down_split, up, act, q);
             let job = Job::expert(&layer.down, expert, q, per_down * m, 0).folded(per_down);
             run_whole_job(kernels, &job, &mut block[..per_down * m * h], out);
         };
         parallel_for(self.team, count, &task);
     }
 
+    /// One slot's step between its products, on the calling thread (a task): `gate_up` (the
+    /// slot's rows of 2 x inter interleaved pairs, so its tokens are one run of pairs) gets the
+    /// expert's bias, the clamped SwiGLU goes to `activated`, and that is quantized into `q` as
+    /// the down product takes it.
+    fn activate(
+        &self,
+        layer: &Layer,
+        expert: usize,
+        down_split: Split,
+        gate_up: &mut [f32],
+        activated: &mut [f32],
+        q: &mut Q8Activations,
+    ) {
+        let c = self.config;
+        add_bias_rows(gate_up, layer.gate_up.bias(expert));
+        swiglu(
+            self.kernels,
+            gate_up,
+            c.swiglu_limit,
+            c.swiglu_alpha,
+            activated,
+        );
+        quantize_in_task(self.kernels, activated, c.intermediate_size, down_split, q);
+    }
+
     /// The group's gate_up products in one region (split by rows where experts are few), the
     /// SwiGLUs in another, the down products in a third.
-    fn run_group_split(&self, layer: &Layer, s: &mut Scratch, first: &[usize; GROUP_SLOTS + 1]) {
+    fn run_group_split(
+        &self,
+        layer: &Layer,
+        s: &mut Scratch,
+        first: &[usize; GROUP_SLOTS + 1],
+        rows: &ExpertRows,
+    ) {
         let c = self.config;
         let (h, inter) = (c.hidden_size, c.intermediate_size);
-        let ExpertRows {
+        let &ExpertRows {
             per_gate_up,
             down_split,
             per_down,
-        } = self.expert_rows();
+        } = rows;
         let count = s.group.len();
         let total = first[count];
 
@@ -224,7 +261,7 @@ impl FastPass<'_> {
             let gate_up = SharedOut(s.gate_up.as_mut_ptr());
             let activated = SharedOut(s.activated.as_mut_ptr());
             let activated_q = SharedSlots(s.activated_q.as_mut_ptr());
-            let (group, kernels) = (&s.group, self.kernels);
+            let group = &s.group;
             assert!(total * 2 * inter <= s.gate_up.len());
             assert!(total * inter <= s.activated.len() && count <= s.activated_q.len());
             let post = |slot: usize| {
@@ -238,10 +275,7 @@ impl FastPass<'_> {
                         activated_q.get(slot),
                     )
                 };
-                add_bias_rows(block, layer.gate_up.bias(group[slot]));
-                // Rows of 2 x inter interleaved pairs, so the m tokens are one run of pairs.
-                swiglu(kernels, block, c.swiglu_limit, c.swiglu_alpha, activated);
-                quantize_in_task(kernels, activated, inter, down_split, out);
+                self.activate(layer, group[slot], down_split, block, activated, out);
             };
             parallel_for(self.team, count, &post);
         }
