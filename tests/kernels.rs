@@ -1056,7 +1056,7 @@ fn check_tiled_products(
                 continue;
             }
             if matches!(k.path(), KernelPath::Avx2 | KernelPath::Avx2Vnni) {
-                // One tile kernel behind both entries (plain AVX2's Q8 tiles: the scalar one).
+                // One tile kernel behind both entries.
                 if tokens <= MAX_GEMV_TOKENS {
                     gemv(k, true, x, range.clone(), &mut other);
                     assert_eq!(bits(&got), bits(&other), "{what}: GEMV entry");
@@ -1362,10 +1362,10 @@ fn tiled_q4_products_match_the_row_order_on_every_path() {
     check_tiled_matrix::<Q4Matrix>(29);
 }
 
-/// The `avx2-vnni` path's tile products: MXFP4 and Q4 give plain AVX2's bits (`vpdpbusd` sums
-/// what `vpmaddubsw` + `vpmaddwd` sum), and on both AVX2 paths a token's result does not depend
-/// on the tokens beside it (one or two tokens take a pass over the whole tile, more take passes
-/// over each half), for MXFP4, Q4 and, with VNNI, Q8 tiles.
+/// The `avx2-vnni` path's tile products give plain AVX2's bits (`vpdpbusd` sums what
+/// `vpmaddubsw` + `vpmaddwd` sum; for Q8, what the sign trick on the signed bytes sums), and on
+/// both AVX2 paths a token's result does not depend on the tokens beside it (one or two tokens
+/// take a pass over the whole tile, more take passes over each half), for MXFP4, Q8 and Q4.
 #[test]
 fn avx2_tile_products_match_across_paths_and_batches() {
     let Ok(vnni) = Kernels::new(KernelPath::Avx2Vnni) else {
@@ -1417,7 +1417,7 @@ fn avx2_tile_products_match_across_paths_and_batches() {
         for n in 1..=tokens {
             let x = quantize(&values[..n * cols]);
             let what = format!("{rows}x{cols} M={n}");
-            for tiles in [Tiles::Mxfp4, Tiles::Q4] {
+            for tiles in [Tiles::Mxfp4, Tiles::Q8, Tiles::Q4] {
                 assert_eq!(
                     bits(&product(vnni, tiles, &x)),
                     bits(&product(plain, tiles, &x)),
@@ -1427,6 +1427,7 @@ fn avx2_tile_products_match_across_paths_and_batches() {
             let cases = [
                 (plain, Tiles::Mxfp4),
                 (vnni, Tiles::Mxfp4),
+                (plain, Tiles::Q8),
                 (vnni, Tiles::Q8),
                 (plain, Tiles::Q4),
                 (vnni, Tiles::Q4),

@@ -1018,7 +1018,7 @@ fn opaque(values: &mut [__m256i; 8]) {
 /// # Safety
 /// The CPU has AVX2 and what `D` needs.
 #[inline(always)]
-unsafe fn probe<D: tiles::PairDot>(rounds: usize) -> i64 {
+unsafe fn probe<D: tiles::PairDot<Operand = __m256i>>(rounds: usize) -> i64 {
     // SAFETY: the caller upholds the contract (AVX2 and what D needs).
     unsafe {
         use super::{probe_operands, PROBE_GROUPS};

@@ -561,12 +561,14 @@ impl Kernels {
     }
 
     /// Whether Q8 matrices should be reordered into the tile layout ([`Q8Matrix::to_tiles`]) for
-    /// these kernels: the AVX-512 and AVX2-with-VNNI paths have kernels for it; the others read
-    /// it the scalar reference's way (AVX2's `vpmaddubsw` would saturate on the tiles' unsigned
-    /// bytes).
+    /// these kernels: the AVX-512 and both AVX2 paths have kernels for it (plain AVX2 makes the
+    /// tiles' unsigned bytes signed again, as `vpmaddubsw` would saturate on them); the scalar
+    /// path reads it the reference's way.
     pub fn prefers_tiled_q8(&self) -> bool {
-        self.path == KernelPath::Avx512
-            || (self.path == KernelPath::Avx2Vnni && self.avx2_dot != Avx2Dot::Maddubs)
+        matches!(
+            self.path,
+            KernelPath::Avx512 | KernelPath::Avx2 | KernelPath::Avx2Vnni
+        )
     }
 
     /// Whether Q4 matrices should be reordered into the tile layout ([`Q4Matrix::to_tiles`]):
@@ -778,11 +780,10 @@ impl Kernels {
         dispatch!(
             self,
             avx512: avx512::q8_gemv(w, x, rows, out),
-            avx2: match (w.tiled, self.avx2_dot) {
-                (false, _) => avx2::q8_gemv(w, x, rows, out),
-                // `vpmaddubsw` cannot take the tiles' unsigned bytes: the reference reads them.
-                (true, Avx2Dot::Maddubs) => scalar::q8_gemv(w, x, rows, out),
-                (true, dot) => avx2::tiles::q8_product(w, x, rows, out, dot == Avx2Dot::VnniVex),
+            avx2: if w.tiled {
+                avx2::tiles::q8_product(w, x, rows, out, self.avx2_dot)
+            } else {
+                avx2::q8_gemv(w, x, rows, out)
             },
             scalar: scalar::q8_gemv(w, x, rows, out),
         );
@@ -803,11 +804,10 @@ impl Kernels {
         dispatch!(
             self,
             avx512: avx512::q8_gemm(w, x, rows, out, scratch),
-            avx2: match (w.tiled, self.avx2_dot) {
-                (false, _) => avx2::q8_gemm(w, x, rows, out, scratch),
-                // `vpmaddubsw` cannot take the tiles' unsigned bytes: the reference reads them.
-                (true, Avx2Dot::Maddubs) => scalar::q8_gemm(w, x, rows, out, scratch),
-                (true, dot) => avx2::tiles::q8_product(w, x, rows, out, dot == Avx2Dot::VnniVex),
+            avx2: if w.tiled {
+                avx2::tiles::q8_product(w, x, rows, out, self.avx2_dot)
+            } else {
+                avx2::q8_gemm(w, x, rows, out, scratch)
             },
             scalar: scalar::q8_gemm(w, x, rows, out, scratch),
         );

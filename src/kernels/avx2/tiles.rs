@@ -15,9 +15,11 @@
 //! accumulator chains per token (the even and the odd dwords), since one chain would wait on
 //! the instruction's latency; the integer sums are the same.
 //!
-//! Q8 tiles take the VNNI sums only: they hold `q + 128`, whose `vpmaddubsw` pair sums (up to
-//! 2 x 255 x 127) would saturate int16, so plain AVX2 keeps Q8 in row order. Q4 tiles hold
-//! `q + 8` (at most 15), which every way of summing takes.
+//! Q8 tiles hold `q + 128`, whose `vpmaddubsw` pair sums (up to 2 x 255 x 127) would saturate
+//! int16: plain AVX2 flips each operand back to the signed `q` once per pass and sums
+//! `|q| x (a signed by q)` ([`SignedMaddubs`], the row-order kernel's sign trick), at most
+//! 2 x 128 x 127 a pair, so the integer sums are `vpdpbusd`'s less its offset correction. Q4
+//! tiles hold `q + 8` (at most 15), which every way of summing takes.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -34,12 +36,20 @@ use super::{prefetch_share_into, MXFP4_UNSIGNED};
 /// token's two accumulator chains (the second may stay unused), the pairs are (unsigned
 /// weights, the token's signed activation dword broadcast) for the even and the odd dword.
 pub(in crate::kernels) trait PairDot {
+    /// A tile operand as the sums take it, formed once per pass from the stored bytes.
+    type Operand: Copy;
+    /// Whether the sums take the stored unsigned bytes as they are, so each block's sum starts
+    /// at the activations' offset correction (else at zero: the operands were made signed).
+    const OFFSET: bool = true;
+    /// # Safety
+    /// The CPU has AVX2 and the instructions of the implementation.
+    unsafe fn operand(stored: __m256i) -> Self::Operand;
     /// # Safety
     /// The CPU has AVX2 and the instructions of the implementation.
     unsafe fn add_pairs(
         sums: &mut [__m256i; 2],
-        evens: (__m256i, __m256i),
-        odds: (__m256i, __m256i),
+        evens: (Self::Operand, __m256i),
+        odds: (Self::Operand, __m256i),
     );
 }
 
@@ -48,6 +58,11 @@ pub(in crate::kernels) trait PairDot {
 pub(in crate::kernels) struct Maddubs;
 
 impl PairDot for Maddubs {
+    type Operand = __m256i;
+    #[inline(always)]
+    unsafe fn operand(stored: __m256i) -> __m256i {
+        stored
+    }
     #[inline(always)]
     unsafe fn add_pairs(
         sums: &mut [__m256i; 2],
@@ -73,6 +88,11 @@ macro_rules! vnni_dot {
         pub(in crate::kernels) struct $name;
 
         impl PairDot for $name {
+            type Operand = __m256i;
+            #[inline(always)]
+            unsafe fn operand(stored: __m256i) -> __m256i {
+                stored
+            }
             #[inline(always)]
             unsafe fn add_pairs(
                 sums: &mut [__m256i; 2],
@@ -99,6 +119,47 @@ vnni_dot!(
     VnniEvex,
     _mm256_dpbusd_epi32
 );
+
+/// Plain AVX2 on Q8 tiles (`q + 128`): each operand flipped back to the signed `q` and its
+/// magnitude (once per pass), then per token `vpsignb` moves `q`'s sign onto the activations
+/// and `vpmaddubsw` multiplies by `|q|`: a pair sums at most 2 x 128 x 127, below int16's
+/// limit, so the even and odd dwords are widened apart (their int16 sum could saturate) and the
+/// integer sums are exactly `sum q x a`, `vpdpbusd`'s less its offset correction.
+pub(in crate::kernels) struct SignedMaddubs;
+
+impl PairDot for SignedMaddubs {
+    /// (`|q|`, `q`).
+    type Operand = (__m256i, __m256i);
+    const OFFSET: bool = false;
+    #[inline(always)]
+    unsafe fn operand(stored: __m256i) -> (__m256i, __m256i) {
+        // SAFETY: the caller upholds the contract (AVX2).
+        unsafe {
+            let signed = _mm256_xor_si256(stored, _mm256_set1_epi8(i8::MIN));
+            (_mm256_abs_epi8(signed), signed)
+        }
+    }
+    #[inline(always)]
+    unsafe fn add_pairs(
+        sums: &mut [__m256i; 2],
+        ((w_evens, s_evens), evens): ((__m256i, __m256i), __m256i),
+        ((w_odds, s_odds), odds): ((__m256i, __m256i), __m256i),
+    ) {
+        // SAFETY: the caller upholds the contract (AVX2).
+        unsafe {
+            let ones = _mm256_set1_epi16(1);
+            let evens = _mm256_maddubs_epi16(w_evens, _mm256_sign_epi8(evens, s_evens));
+            let odds = _mm256_maddubs_epi16(w_odds, _mm256_sign_epi8(odds, s_odds));
+            sums[0] = _mm256_add_epi32(
+                sums[0],
+                _mm256_add_epi32(
+                    _mm256_madd_epi16(evens, ones),
+                    _mm256_madd_epi16(odds, ones),
+                ),
+            );
+        }
+    }
+}
 
 /// A matrix in a tile layout as the pass reads one half (8 rows) of a tile: per block and
 /// dword pair `s` (0..4) the unsigned operands for the block's even and odd activation dword,
@@ -199,8 +260,9 @@ impl HalfTiles for Q4Matrix {
     }
 }
 
-/// A tiled Q8 matrix: its vectors hold `q + 128`, the operands as stored (only the `vpdpbusd`
-/// sums take them: `vpmaddubsw`'s int16 pair sums could saturate).
+/// A tiled Q8 matrix: its vectors hold `q + 128`, the operands as stored (`vpdpbusd` takes
+/// them as they are, plain AVX2 through [`SignedMaddubs`]: `vpmaddubsw`'s int16 pair sums of the
+/// unsigned bytes could saturate).
 impl HalfTiles for Q8Matrix {
     const CORRECTION_LANE: usize = CORRECTION_LANE_Q8;
     const FACTOR: f32 = 1.0;
@@ -298,11 +360,18 @@ unsafe fn tile_pass<S: HalfTiles, D: PairDot, const H: usize, const T: usize>(
             let (group, j) = (block / GROUP_BLOCKS, block % GROUP_BLOCKS);
             let lane = group * GROUP_LANES + 4 * j;
             let mut sums: [[[__m256i; 2]; H]; T] = std::array::from_fn(|t| {
-                let correction = _mm256_set1_epi32(*corrections.add(t * lane_stride + lane));
-                [[correction, _mm256_setzero_si256()]; H]
+                let start = if D::OFFSET {
+                    _mm256_set1_epi32(*corrections.add(t * lane_stride + lane))
+                } else {
+                    _mm256_setzero_si256()
+                };
+                [[start, _mm256_setzero_si256()]; H]
             });
             for s in 0..BLOCK_VECTORS {
-                let operands: [_; H] = std::array::from_fn(|h| S::operands(bases[h].0, block, s));
+                let operands: [_; H] = std::array::from_fn(|h| {
+                    let (evens, odds) = S::operands(bases[h].0, block, s);
+                    (D::operand(evens), D::operand(odds))
+                });
                 // Activation dword 4j + s meets the even operands, dword 16 + 4j + s the odd.
                 let at = group * GROUP_LEN + 4 * (4 * j + s);
                 for (t, halves) in sums.iter_mut().enumerate() {
@@ -514,29 +583,34 @@ unsafe fn product<S: HalfTiles, D: PairDot>(
 }
 
 /// `out[t * rows.len() + i] = W[rows.start + i] . x[t]` for a tiled Q8 `w` and any number of
-/// tokens, as [`mxfp4_product`], in `vpdpbusd` of the encoding `vex` names (AVX-VNNI, else AVX-512
-/// VNNI/VL): `vpmaddubsw` would saturate on the tiles' unsigned bytes, so plain AVX2 has no
-/// entry here.
+/// tokens, as [`mxfp4_product`]: in `vpdpbusd` of the encoding `dot` names, or on plain AVX2 in
+/// [`SignedMaddubs`] (the same integer sums, so the same bits).
 ///
 /// # Safety
-/// The CPU has AVX2, FMA, F16C and that encoding; `w` is tiled and the shapes were checked by
-/// `Kernels`.
+/// The CPU has AVX2, FMA, F16C and what `dot` names; `w` is tiled and the shapes were checked
+/// by `Kernels`.
 pub(in crate::kernels) unsafe fn q8_product(
     w: &Q8Matrix,
     x: &Q8Activations,
     rows: Range<usize>,
     out: &mut [f32],
-    vex: bool,
+    dot: Avx2Dot,
 ) {
     debug_assert!(w.tiled);
     // SAFETY: the caller upholds the contract: the entry's features are present.
     unsafe {
-        if vex {
-            q8_product_vex(w, x, rows, out)
-        } else {
-            q8_product_evex(w, x, rows, out)
+        match dot {
+            Avx2Dot::Maddubs => q8_product_signed(w, x, rows, out),
+            Avx2Dot::VnniVex => q8_product_vex(w, x, rows, out),
+            Avx2Dot::VnniEvex => q8_product_evex(w, x, rows, out),
         }
     }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_product_signed(w: &Q8Matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
+    // SAFETY: the caller upholds `q8_product`'s contract; plain AVX2 suffices.
+    unsafe { product::<_, SignedMaddubs>(w, x, rows, out) }
 }
 
 #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
