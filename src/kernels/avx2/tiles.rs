@@ -33,8 +33,9 @@ use super::super::Avx2Dot;
 use super::{prefetch_share_into, MXFP4_UNSIGNED};
 
 /// How a pass adds a token's products of one dword pair to its block sums: `sums` are the
-/// token's two accumulator chains (the second may stay unused), the pairs are (unsigned
-/// weights, the token's signed activation dword broadcast) for the even and the odd dword.
+/// token's two accumulator chains (the second may stay unused), the pairs are (the weights as
+/// [`PairDot::operand`] formed them from the stored unsigned bytes, the token's signed
+/// activation dword broadcast) for the even and the odd dword.
 pub(in crate::kernels) trait PairDot {
     /// A tile operand as the sums take it, formed once per pass from the stored bytes.
     type Operand: Copy;

@@ -205,6 +205,21 @@ impl FastPass<'_> {
         activated: &mut [f32],
         q: &mut Q8Activations,
     ) {
+        self.biased_swiglu(layer, expert, gate_up, activated);
+        let inter = self.config.intermediate_size;
+        quantize_in_task(self.kernels, activated, inter, down_split, q);
+    }
+
+    /// `gate_up` (rows of 2 x inter interleaved pairs) gets the expert's bias, and the clamped
+    /// SwiGLU of it goes to `activated`: what every path does between an expert's products
+    /// before quantizing the down input its own way.
+    fn biased_swiglu(
+        &self,
+        layer: &Layer,
+        expert: usize,
+        gate_up: &mut [f32],
+        activated: &mut [f32],
+    ) {
         let c = self.config;
         add_bias_rows(gate_up, layer.gate_up.bias(expert));
         swiglu(
@@ -214,7 +229,6 @@ impl FastPass<'_> {
             c.swiglu_alpha,
             activated,
         );
-        quantize_in_task(self.kernels, activated, c.intermediate_size, down_split, q);
     }
 
     /// The group's gate_up products in one region (split by rows where experts are few), the
@@ -330,15 +344,8 @@ impl FastPass<'_> {
         s.work.run(self.kernels, self.team, &jobs[..count], gate_up);
         for (slot, &(expert, _)) in chosen.iter().enumerate() {
             let gate_up = &mut s.gate_up[slot * 2 * inter..(slot + 1) * 2 * inter];
-            add_bias_rows(gate_up, layer.gate_up.bias(expert));
             let activated = &mut s.activated[slot * inter..(slot + 1) * inter];
-            swiglu(
-                self.kernels,
-                gate_up,
-                c.swiglu_limit,
-                c.swiglu_alpha,
-                activated,
-            );
+            self.biased_swiglu(layer, expert, gate_up, activated);
             let outer = s.profile.enter(Phase::Quantization);
             s.work.quantize(
                 self.kernels,
@@ -397,15 +404,8 @@ impl FastPass<'_> {
             .folded(per_gate_up);
         let gate_up = &mut s.gate_up[..m * 2 * inter];
         s.work.run(self.kernels, self.team, &[job], gate_up);
-        add_bias_rows(gate_up, layer.gate_up.bias(expert));
         let activated = &mut s.activated[..m * inter];
-        swiglu(
-            self.kernels,
-            gate_up,
-            c.swiglu_limit,
-            c.swiglu_alpha,
-            activated,
-        );
+        self.biased_swiglu(layer, expert, gate_up, activated);
 
         let activated_q = &mut s.activated_q[0];
         s.work
