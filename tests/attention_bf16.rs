@@ -141,11 +141,11 @@ fn the_kernel_matches_its_reference_and_is_the_same_alone_as_in_a_block() {
         to_exact = to_exact.max(error);
         assert!(error <= EXACT_TOLERANCE, "{label}: {error:e} from exact");
         let alone = block.run_tokens(k, &keys, &values);
-        let same = got
-            .iter()
-            .zip(&alone)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        assert!(same, "{label}: a token alone differs from the block");
+        assert_eq!(
+            support::differing_bits(&got, &alone),
+            0,
+            "{label}: a token alone differs from the block"
+        );
     }
     println!("bf16 kernel: worst {to_reference:e} from its reference, {to_exact:e} from exact");
 }
@@ -160,11 +160,7 @@ fn the_kernel_is_not_the_f32_path() {
     let (keys, values) = f16_cache(&block);
     let bf16 = block.run_block(k, &keys, &values);
     let f32_path = block.run_block(k.without_bf16_attention(), &keys, &values);
-    let differ = bf16
-        .iter()
-        .zip(&f32_path)
-        .filter(|(a, b)| a.to_bits() != b.to_bits())
-        .count();
+    let differ = support::differing_bits(&bf16, &f32_path);
     assert!(
         differ > bf16.len() / 2,
         "only {differ} of {} outputs differ",

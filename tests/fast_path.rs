@@ -827,14 +827,9 @@ fn experts_whole_per_thread_give_the_bits_of_the_split_regions() {
                  than 8, split by rows: the test would compare the split path with itself"
             );
         }
-        assert_eq!(two.len(), one.len());
-        let differing = two
-            .iter()
-            .zip(&one)
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
         assert_eq!(
-            differing, 0,
+            support::differing_bits(&two, &one),
+            0,
             "{activations:?}: logits differ between 2 threads and 1"
         );
     }

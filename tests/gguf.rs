@@ -51,13 +51,11 @@ fn gguf_logits_are_bit_identical_to_safetensors_on_both_paths() {
         for precision in [Precision::Exact, Precision::Fast] {
             let want = logits(&dir, &tokens, precision);
             let got = logits(&gguf, &tokens, precision);
-            assert_eq!(got.len(), want.len());
-            let differing = got
-                .iter()
-                .zip(&want)
-                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                .count();
-            assert_eq!(differing, 0, "{file} {precision:?}: logits differ");
+            assert_eq!(
+                support::differing_bits(&got, &want),
+                0,
+                "{file} {precision:?}: logits differ"
+            );
         }
     }
 }

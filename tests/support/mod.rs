@@ -21,6 +21,16 @@ pub mod attention;
 pub mod fixtures;
 pub mod server;
 
+/// How many of `a`'s values differ from `b`'s in their bits (`a` and `b` of one length): the
+/// tests that hold two ways of computing to the same arithmetic count these.
+pub fn differing_bits(a: &[f32], b: &[f32]) -> usize {
+    assert_eq!(a.len(), b.len(), "compared outputs of different lengths");
+    a.iter()
+        .zip(b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count()
+}
+
 /// The app as it starts: chats saved in `dir`, the engine still loading its weights.
 pub fn loading_app(settings: Settings, dir: &Path) -> App {
     App::new(
