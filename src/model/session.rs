@@ -307,8 +307,8 @@ impl Session {
                     .iter()
                     .any(|experts| experts.layout() == crate::kernels::Mxfp4Layout::Tiles)
             });
-        // Likewise the Q8 matrices the conversion tiled (AVX-512, AVX2): one token's products sum in
-        // another order than the row-order GEMV.
+        // Likewise the Q8 matrices the conversion tiled (AVX-512, AVX2): one token's products
+        // sum in another order than the row-order GEMV.
         let tiled_q8 = model.fast.as_ref().is_some_and(|fast| {
             matches!(&fast.lm_head, crate::model::convert::DenseMatrix::Q8(m) if m.is_tiled())
         });

@@ -43,8 +43,9 @@ pub(in crate::kernels) trait PairDot {
     /// at the activations' offset correction (else at zero: the operands were made signed).
     const OFFSET: bool = true;
     /// Whether a four-token pass over one half takes two steps at once
-    /// ([`Self::add_two_pairs`]): only where that saves instructions (the VNNI chains gain
-    /// nothing, and two steps' operands of the signed Q8 sums would not fit the registers).
+    /// ([`Self::add_two_pairs`]): only where that saves instructions (Maddubs' one `vpmaddwd`
+    /// per two steps). For the others it would only reorder the same instructions (on Zen 4
+    /// their tile GEMMs read the same either way), so they stay on single steps.
     const TWO_STEPS: bool = false;
     /// # Safety
     /// The CPU has AVX2 and the instructions of the implementation.
