@@ -326,6 +326,28 @@ fn sizes_past_the_context_or_the_machine_are_refused_with_the_numbers() {
                 "bench",
                 "--synthetic",
                 "tiny",
+                "--profile",
+                "--prompt-tokens",
+                "4000000000",
+            ]),
+            "the 32 tokens of the profile's decode prompt plus --prompt-tokens 4000000000 plus --gen-tokens 128 plus the 1 position for the first token need 4000000161 positions",
+        ),
+        (
+            run(&[
+                "bench",
+                "--synthetic",
+                "tiny",
+                "--profile",
+                "--prompt-tokens",
+                "0",
+            ]),
+            "--prompt-tokens must be at least 1",
+        ),
+        (
+            run(&[
+                "bench",
+                "--synthetic",
+                "tiny",
                 "--repeat",
                 "18446744073709551615",
             ]),
@@ -553,7 +575,14 @@ fn synth_on_a_full_disk_leaves_nothing_and_says_why() {
 
 #[test]
 fn bench_profile_splits_a_short_prompts_prefill_by_phase() {
-    let output = run(&[
+    // By default the shortest standard prompt's length; `--prompt-tokens` names another.
+    for (extra, tokens) in [(None, 58), (Some("20"), 20)] {
+        check_prefill_profile(extra, tokens);
+    }
+}
+
+fn check_prefill_profile(prompt_tokens: Option<&str>, tokens: usize) {
+    let mut args = vec![
         "bench",
         "--synthetic",
         "tiny",
@@ -564,13 +593,16 @@ fn bench_profile_splits_a_short_prompts_prefill_by_phase() {
         "4",
         "--repeat",
         "5",
-    ]);
+    ];
+    if let Some(count) = prompt_tokens {
+        args.extend(["--prompt-tokens", count]);
+    }
+    let output = run(&args);
     assert_no_panic("bench --profile", &output);
     assert!(output.status.success(), "{}", stderr_of(&output));
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    let mut lines = stdout.lines().skip_while(|line| {
-        !line.starts_with("prefill of a 58-token prompt on a fresh cache, 5 rounds")
-    });
+    let wanted = format!("prefill of a {tokens}-token prompt on a fresh cache, 5 rounds");
+    let mut lines = stdout.lines().skip_while(|line| !line.starts_with(&wanted));
     let header = lines
         .next()
         .unwrap_or_else(|| panic!("no prefill profile in\n{stdout}"));

@@ -12,9 +12,10 @@ use crate::bench::{self, BenchPlan, BenchSettings};
 pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Prompt tokens per prefill measurement (pp).
-    #[arg(long, default_value_t = 512, value_name = "N")]
-    pub prompt_tokens: usize,
+    /// Prompt tokens per prefill measurement (pp) [default: 512]; with --profile, of the prompt
+    /// whose prefill is split by phase [default: 58, the shortest standard prompt].
+    #[arg(long, value_name = "N")]
+    pub prompt_tokens: Option<usize>,
     /// Tokens per decode measurement (tg).
     #[arg(long, default_value_t = 128, value_name = "N")]
     pub gen_tokens: usize,
@@ -61,6 +62,13 @@ pub struct BenchArgs {
 /// Most repeats of a measurement: more tells nothing new, and each one is a full run.
 const MAX_REPEAT: usize = 1000;
 
+/// `--prompt-tokens` unless given: llama-bench's pp512.
+const BENCH_PROMPT_TOKENS: usize = 512;
+
+/// `--prompt-tokens` of `--profile` unless given: the shortest standard prompt's length (the
+/// time to first token the speed issue's goal names).
+const PROFILE_PROMPT_TOKENS: usize = 58;
+
 pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     if args.repeat == 0 {
         anyhow::bail!("--repeat must be at least 1");
@@ -77,14 +85,34 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     if args.model.model.is_none() && args.model.synthetic.is_none() {
         anyhow::bail!("name a model: --model DIR or --synthetic 20b|tiny");
     }
+    let prompt_tokens = args.prompt_tokens.unwrap_or(if args.profile {
+        PROFILE_PROMPT_TOKENS
+    } else {
+        BENCH_PROMPT_TOKENS
+    });
+    if args.profile && prompt_tokens == 0 {
+        anyhow::bail!(
+            "--profile splits a prompt's prefill by phase: --prompt-tokens must be at least 1"
+        );
+    }
     let mut progress = ProgressLine::new();
     progress.show("loading the model", 0, 1);
     let load_started = std::time::Instant::now();
     // Checked before the model loads, so a typo costs no load: the sum the session is sized for
     // (see bench::run) must not wrap.
+    // `--profile` has no depth; its decode runs follow a prompt of their own (one session holding
+    // both is more than either needs, and says what to shorten).
+    let (first_name, first) = if args.profile {
+        (
+            "tokens of the profile's decode prompt",
+            super::profile_bench::DECODE_PROMPT_TOKENS,
+        )
+    } else {
+        ("--depth", args.depth)
+    };
     let parts = [
-        ("--depth", args.depth),
-        ("--prompt-tokens", args.prompt_tokens),
+        (first_name, first),
+        ("--prompt-tokens", prompt_tokens),
         ("--gen-tokens", args.gen_tokens),
         ("position for the first token", 1),
     ];
@@ -119,13 +147,18 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         progress.clear();
         return super::batch_bench::run(&model, &pool, sizes, args.batch_steps, args.repeat);
     }
+    limits::check_context(&model, context, &parts)?;
     if args.profile {
         progress.clear();
-        return super::profile_bench::run(&model, &pool, args.gen_tokens, args.repeat.max(5));
+        let plan = super::profile_bench::ProfilePlan {
+            gen_tokens: args.gen_tokens,
+            prompt_tokens,
+            rounds: args.repeat.max(5),
+        };
+        return super::profile_bench::run(&model, &pool, plan);
     }
-    limits::check_context(&model, context, &parts)?;
     let plan = BenchPlan {
-        prompt_tokens: args.prompt_tokens,
+        prompt_tokens,
         gen_tokens: args.gen_tokens,
         depth: args.depth,
         repeat: args.repeat,
@@ -140,7 +173,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         },
         weights: model.weights_description(),
         kv_cache: model.kv_format.name().into(),
-        prompt_tokens: args.prompt_tokens,
+        prompt_tokens,
         gen_tokens: args.gen_tokens,
         depth: args.depth,
         repeat: args.repeat,

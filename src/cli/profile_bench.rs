@@ -16,15 +16,31 @@ use crate::model::Model;
 use super::output;
 
 /// Tokens of the prompt every run decodes after.
-const PROMPT_TOKENS: usize = 32;
+pub const DECODE_PROMPT_TOKENS: usize = 32;
+const PROMPT_TOKENS: usize = DECODE_PROMPT_TOKENS;
+
+/// What `bench --profile` runs.
+#[derive(Debug, Clone, Copy)]
+pub struct ProfilePlan {
+    /// Tokens each decode run generates.
+    pub gen_tokens: usize,
+    /// Length of the prompt whose prefill is split by phase.
+    pub prompt_tokens: usize,
+    /// Rounds of the decode runs and of the prefill.
+    pub rounds: usize,
+}
 
 /// Decode rates (tokens/s) of `rounds` runs with the timers on and as many with them off.
 pub fn run(
     model: &Arc<Model>,
     pool: &Arc<rayon::ThreadPool>,
-    gen_tokens: usize,
-    rounds: usize,
+    plan: ProfilePlan,
 ) -> anyhow::Result<()> {
+    let ProfilePlan {
+        gen_tokens,
+        prompt_tokens,
+        rounds,
+    } = plan;
     let vocab = model.config.vocab_size;
     let prompt: Vec<u32> = (0..PROMPT_TOKENS)
         .map(|i| ((i * 7919 + 13) % vocab) as u32)
@@ -145,28 +161,26 @@ pub fn run(
         bytes as f64 / 1e9,
         share * 100.0
     )?;
-    write_prefill_phases(&mut out, model, pool, rounds)?;
+    write_prefill_phases(&mut out, model, pool, prompt_tokens, rounds)?;
     out.flush()?;
     Ok(())
 }
 
-/// Tokens of the short prompt whose prefill is timed phase by phase: the shortest standard
-/// prompt's length (the TTFT the goal names).
-const SHORT_PROMPT_TOKENS: usize = 58;
-
-/// A short prompt prefilled `rounds` times on a fresh cache with the phase timers on: where the
-/// time to first token of a short turn goes.
+/// A prompt of `prompt_tokens` (by default the shortest standard prompt's length) prefilled
+/// `rounds` times on a fresh cache with the phase timers on: where the time to first token of a
+/// turn goes.
 fn write_prefill_phases(
     out: &mut output::Out,
     model: &Arc<Model>,
     pool: &Arc<rayon::ThreadPool>,
+    prompt_tokens: usize,
     rounds: usize,
 ) -> anyhow::Result<()> {
     let vocab = model.config.vocab_size;
-    let prompt: Vec<u32> = (0..SHORT_PROMPT_TOKENS)
+    let prompt: Vec<u32> = (0..prompt_tokens)
         .map(|i| ((i * 7919 + 101) % vocab) as u32)
         .collect();
-    let mut session = model.new_session(pool, SHORT_PROMPT_TOKENS + 1);
+    let mut session = model.new_session(pool, prompt_tokens + 1);
     let profile = session.profile();
     session.set_profile_prefill_timing(true);
     let (mut times, mut shown, mut taken) = (
@@ -191,7 +205,7 @@ fn write_prefill_phases(
     let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
     writeln!(
         out,
-        "prefill of a {SHORT_PROMPT_TOKENS}-token prompt on a fresh cache, {rounds} rounds: median {:.1} ms, mean {mean:.1} ms, of which:",
+        "prefill of a {prompt_tokens}-token prompt on a fresh cache, {rounds} rounds: median {:.1} ms, mean {mean:.1} ms, of which:",
         Summary::of(&times).median
     )?;
     write_phases(out, &shown, mean)?;
