@@ -279,6 +279,16 @@ fn sizes_past_the_context_or_the_machine_are_refused_with_the_numbers() {
             model,
         ])
     };
+    let profile = |prompt_tokens: &str| {
+        run(&[
+            "bench",
+            "--synthetic",
+            "tiny",
+            "--profile",
+            "--prompt-tokens",
+            prompt_tokens,
+        ])
+    };
     for (output, wanted) in [
         (
             generate("18446744073709551615"),
@@ -322,27 +332,10 @@ fn sizes_past_the_context_or_the_machine_are_refused_with_the_numbers() {
             "add up to more than any context holds",
         ),
         (
-            run(&[
-                "bench",
-                "--synthetic",
-                "tiny",
-                "--profile",
-                "--prompt-tokens",
-                "4000000000",
-            ]),
+            profile("4000000000"),
             "the 32 tokens of the profile's decode prompt plus --prompt-tokens 4000000000 plus --gen-tokens 128 plus the 1 position for the first token need 4000000161 positions",
         ),
-        (
-            run(&[
-                "bench",
-                "--synthetic",
-                "tiny",
-                "--profile",
-                "--prompt-tokens",
-                "0",
-            ]),
-            "--prompt-tokens must be at least 1",
-        ),
+        (profile("0"), "--prompt-tokens must be at least 1"),
         (
             run(&[
                 "bench",
