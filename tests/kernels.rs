@@ -1080,7 +1080,7 @@ fn check_tiled_products(
 }
 
 /// Token counts on both sides of the in-register limits and into the scratch path.
-const TILED_TOKENS: [usize; 10] = [1, 2, 3, 4, 5, 8, 9, 13, 17, 40];
+const TILED_TOKENS: [usize; 12] = [1, 2, 3, 4, 5, 8, 9, 12, 13, 17, 24, 40];
 
 /// Ragged columns (short last groups) and the model's 2880.
 const TILED_SHAPES: [(usize, usize); 5] = [(16, 32), (48, 160), (32, 96), (64, 2880), (32, 4128)];
@@ -1299,7 +1299,7 @@ fn q8_products_with_power_of_two_activations_match_single_tokens() {
             let plain = Q8Matrix::from_bf16(rows, cols, &to_bf16(&values)).unwrap();
             let tiled_matrix = plain.to_tiles().unwrap();
             let mut scratch = GemmScratch::new(cols);
-            for tokens in [4, 5, 9, 17, 40, 70] {
+            for tokens in [4, 5, 9, 12, 17, 40, 70] {
                 let x_values = random_f32(&mut rng, tokens * cols, 2.0);
                 for k in simd_paths() {
                     let what = format!(
@@ -1336,7 +1336,7 @@ fn mxfp4_products_with_power_of_two_activations_match_single_tokens() {
             let tiled = TiledData::from(&data);
             let (plain, tiled_matrix) = (data.matrix(), tiled.matrix());
             let mut scratch = GemmScratch::new(cols);
-            for tokens in [4, 7, 9, 17, 40] {
+            for tokens in [4, 7, 9, 12, 17, 24, 40] {
                 let x_values = random_f32(&mut rng, tokens * cols, 3.0);
                 for k in simd_paths() {
                     let what = format!("{} {rows}x{cols} M={tokens}", k.path());

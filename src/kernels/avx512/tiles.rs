@@ -26,15 +26,20 @@ use super::{
     GROUP_DWORDS, MXFP4_UNSIGNED_64, SCALE_EXPONENT_ADD, SCALE_MULTIPLY, SCALE_SHIFTED_SUM,
 };
 
-/// Most tokens [`tile_tokens`] takes at once: their sums and accumulators (2 x 8 registers)
-/// and the two decoded operands stay inside the 32 zmm registers.
-pub(super) const DIRECT_TOKENS: usize = 8;
+/// Most tokens [`tile_tokens`] takes at once for the nibble formats: their sums and
+/// accumulators (2 x 12 registers), the two decoded operands and the nibble table stay inside
+/// the 32 zmm registers. Q8 keeps 8 ([`TileSource::DIRECT_TOKENS`]).
+pub(super) const DIRECT_TOKENS: usize = 12;
 
-/// Most tokens of a call that run through [`direct`] (in groups of [`DIRECT_TOKENS`], each
-/// decoding the tile again from L1); beyond, a tile is decoded once into scratch. Measured on
-/// Zen 4, 2 threads, one expert matrix (`bench --kernels`): M = 16 direct 76% of the int8 peak
-/// against 65% through scratch; M = 32 58% against 73%.
-pub(super) const DIRECT_CALL_TOKENS: usize = 16;
+/// Most tokens of a call that run through [`direct`] (in groups of at most [`DIRECT_TOKENS`],
+/// each decoding the tile again from L1); beyond, a tile is decoded once into scratch. Measured
+/// on Zen 4, 2 threads, one expert matrix (`bench --kernels`): with groups of 8, M = 16 direct
+/// 76% of the int8 peak against 65% through scratch, M = 32 58% against 73%; with groups of 12,
+/// M = 24 (two groups) 78-80% against 68-72% through scratch (alternating twice). In the model a
+/// 153-token prompt (about 19 tokens an expert) spent 1665-1690 ms in its experts against
+/// 1687-1727 with groups of 8 and scratch from 17 tokens (`bench --profile --prompt-tokens 153`,
+/// three alternations).
+pub(super) const DIRECT_CALL_TOKENS: usize = 24;
 
 /// [`DIRECT_CALL_TOKENS`] for Q8, whose operands cost nothing to form again.
 pub(super) const Q8_DIRECT_CALL_TOKENS: usize = 64;
@@ -50,6 +55,8 @@ trait TileSource {
     /// Most tokens of a call that run through [`direct`]; beyond, tiles are formed into
     /// scratch once (see [`DIRECT_CALL_TOKENS`]).
     const DIRECT_CALL_TOKENS: usize;
+    /// Most tokens a pass of [`tile_tokens`] takes.
+    const DIRECT_TOKENS: usize = DIRECT_TOKENS;
     /// Whether the scales are powers of two, so the exponent-add scaling may run with any
     /// activations (with others, only with power-of-two activation scales).
     const POWER_OF_TWO_SCALES: bool;
@@ -149,6 +156,9 @@ struct Q8Tiles<'a>(&'a Q8Matrix);
 impl<'a> TileSource for Q8Tiles<'a> {
     const FORMAT: u8 = FORMAT_Q8;
     const DIRECT_CALL_TOKENS: usize = Q8_DIRECT_CALL_TOKENS;
+    /// With 12, a batch of 16 sequences (32 split rows in three groups instead of four) spent
+    /// 82 ms a step in attention against 73-75 (`bench --batch 8,16`, alternating twice).
+    const DIRECT_TOKENS: usize = 8;
     const POWER_OF_TWO_SCALES: bool = false;
     type Matrix = Q8Matrix;
     fn matrix(&self) -> &Q8Matrix {
@@ -334,7 +344,7 @@ unsafe fn tile_tokens<W: TileSource, const T: usize, const SCALING: u8>(
 }
 
 /// Tokens `tokens` of `x` against the rows `lanes` of tile `tile`, in groups of at most
-/// [`DIRECT_TOKENS`], writing `out` (lane 0 of the tile for token 0, as [`store_tile`]); the
+/// `W::DIRECT_TOKENS`, writing `out` (lane 0 of the tile for token 0, as [`store_tile`]); the
 /// groups prefetch `prefetch` in equal parts. Spread over every group, not asked for in the
 /// first: a Q8 tile (46 KB at 2,880 columns) fetched during one group of 8 tokens asks for about
 /// 14 GB/s per thread, what two threads of a small machine read at most, while the other groups
@@ -357,7 +367,7 @@ unsafe fn tile_all_tokens<W: TileSource>(
     // SAFETY: the caller upholds the contract, which every call below shares.
     unsafe {
         let tokens = x.rows();
-        let batch = tokens.div_ceil(tokens.div_ceil(DIRECT_TOKENS));
+        let batch = tokens.div_ceil(tokens.div_ceil(W::DIRECT_TOKENS));
         let parts = tokens.div_ceil(batch);
         let p = prefetch;
         let mut token = 0;
@@ -371,7 +381,7 @@ unsafe fn tile_all_tokens<W: TileSource>(
                     tile_tokens::<W, $n, $scaling>(w, tile, x, token, o, stride, l, &p, part)
                 };
             }
-            by_tokens_and_scaling!(tokens, count, scaling, [8 7 6 5 4 3 2]);
+            by_tokens_and_scaling!(tokens, count, scaling, [12 11 10 9 8 7 6 5 4 3 2]);
             token += count;
         }
     }
