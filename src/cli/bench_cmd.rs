@@ -98,8 +98,6 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let mut progress = ProgressLine::new();
     progress.show("loading the model", 0, 1);
     let load_started = std::time::Instant::now();
-    // Checked before the model loads, so a typo costs no load: the sum the session is sized for
-    // (see bench::run) must not wrap.
     // `--profile` has no depth; its decode runs follow a prompt of their own (one session holding
     // both is more than either needs, and says what to shorten).
     let (first_name, first) = if args.profile {
@@ -110,6 +108,8 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     } else {
         ("--depth", args.depth)
     };
+    // Checked before the model loads, so a typo costs no load: the sum the session is sized for
+    // (see bench::run) must not wrap.
     let parts = [
         (first_name, first),
         ("--prompt-tokens", prompt_tokens),

@@ -17,7 +17,6 @@ use super::output;
 
 /// Tokens of the prompt every run decodes after.
 pub const DECODE_PROMPT_TOKENS: usize = 32;
-const PROMPT_TOKENS: usize = DECODE_PROMPT_TOKENS;
 
 /// What `bench --profile` runs.
 #[derive(Debug, Clone, Copy)]
@@ -42,19 +41,19 @@ pub fn run(
         rounds,
     } = plan;
     let vocab = model.config.vocab_size;
-    let prompt: Vec<u32> = (0..PROMPT_TOKENS)
+    let prompt: Vec<u32> = (0..DECODE_PROMPT_TOKENS)
         .map(|i| ((i * 7919 + 13) % vocab) as u32)
         .collect();
-    let mut session = model.new_session(pool, PROMPT_TOKENS + gen_tokens + 1);
+    let mut session = model.new_session(pool, DECODE_PROMPT_TOKENS + gen_tokens + 1);
     let profile = session.profile();
     session.prefill(&prompt)?;
     let mut rates = [Vec::new(), Vec::new()];
     let mut shown = ProfileCounts::default();
     let mut taken = ProfileCounts::default();
     let decode = |session: &mut crate::model::Session, timing: bool| -> anyhow::Result<f64> {
-        session.truncate(PROMPT_TOKENS);
+        session.truncate(DECODE_PROMPT_TOKENS);
         session.set_profile_timing(timing);
-        let mut token = prompt[PROMPT_TOKENS - 1];
+        let mut token = prompt[DECODE_PROMPT_TOKENS - 1];
         let started = Instant::now();
         for _ in 0..gen_tokens {
             let logits = session.decode(token)?;
@@ -94,7 +93,7 @@ pub fn run(
     let off = Summary::of(&rates[0]).median;
     let on = Summary::of(&rates[1]).median;
     let bandwidth = Summary::of(&probes).median;
-    let bytes = model.decode_bytes_per_token(PROMPT_TOKENS + gen_tokens / 2);
+    let bytes = model.decode_bytes_per_token(DECODE_PROMPT_TOKENS + gen_tokens / 2);
     let share = median_roofline_share(&rates[1], &probes, bytes);
     let mut out = output::stdout();
     super::bench_cmd::write_run_header(&mut out, model, threads)?;

@@ -381,7 +381,12 @@ unsafe fn tile_all_tokens<W: TileSource>(
                     tile_tokens::<W, $n, $scaling>(w, tile, x, token, o, stride, l, &p, part)
                 };
             }
-            by_tokens_and_scaling!(tokens, count, scaling, [12 11 10 9 8 7 6 5 4 3 2]);
+            // Sources with passes of at most 8 (Q8) never get the wider ones built.
+            if W::DIRECT_TOKENS > 8 {
+                by_tokens_and_scaling!(tokens, count, scaling, [12 11 10 9 8 7 6 5 4 3 2]);
+            } else {
+                by_tokens_and_scaling!(tokens, count, scaling, [8 7 6 5 4 3 2]);
+            }
             token += count;
         }
     }
