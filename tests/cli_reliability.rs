@@ -568,13 +568,18 @@ fn synth_on_a_full_disk_leaves_nothing_and_says_why() {
 
 #[test]
 fn bench_profile_splits_a_short_prompts_prefill_by_phase() {
-    // By default the shortest standard prompt's length; `--prompt-tokens` names another.
-    for (extra, tokens) in [(None, 58), (Some("20"), 20)] {
-        check_prefill_profile(extra, tokens);
+    // By default the shortest standard prompt's length on a fresh cache; `--prompt-tokens` names
+    // another, `--depth` the context before it (and before the decode runs).
+    for (extra, tokens, depth) in [
+        (None, 58, None),
+        (Some("20"), 20, None),
+        (Some("20"), 20, Some("100")),
+    ] {
+        check_prefill_profile(extra, tokens, depth);
     }
 }
 
-fn check_prefill_profile(prompt_tokens: Option<&str>, tokens: usize) {
+fn check_prefill_profile(prompt_tokens: Option<&str>, tokens: usize, depth: Option<&str>) {
     let mut args = vec![
         "bench",
         "--synthetic",
@@ -590,11 +595,27 @@ fn check_prefill_profile(prompt_tokens: Option<&str>, tokens: usize) {
     if let Some(count) = prompt_tokens {
         args.extend(["--prompt-tokens", count]);
     }
+    if let Some(depth) = depth {
+        args.extend(["--depth", depth]);
+    }
     let output = run(&args);
     assert_no_panic("bench --profile", &output);
     assert!(output.status.success(), "{}", stderr_of(&output));
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    let wanted = format!("prefill of a {tokens}-token prompt on a fresh cache, 5 rounds");
+    let (decode_context, after) = match depth {
+        None => ("32".to_string(), "on a fresh cache".to_string()),
+        Some(depth) => (
+            depth.to_string(),
+            format!("after {depth} tokens of context"),
+        ),
+    };
+    assert!(
+        stdout.contains(&format!(
+            "decode 4 tokens after {decode_context} of context x 5 rounds"
+        )),
+        "{stdout}"
+    );
+    let wanted = format!("prefill of a {tokens}-token prompt {after}, 5 rounds");
     let mut lines = stdout.lines().skip_while(|line| !line.starts_with(&wanted));
     let header = lines
         .next()
@@ -638,6 +659,53 @@ fn check_prefill_profile(prompt_tokens: Option<&str>, tokens: usize) {
         "{inside} ms of phases in a {mean} ms prefill\n{stdout}"
     );
     assert!(phases[0].1 + phases[1].1 > 0.0, "{stdout}");
+}
+
+#[test]
+fn bench_flags_a_mode_would_ignore_are_refused() {
+    // Each mode measures something of its own: a flag it never reads is an error naming both,
+    // not a figure silently measured without it.
+    for (mode, ignored) in [
+        (&["--kernels"][..], &["--prompt-tokens", "64"][..]),
+        (&["--kernels"], &["--depth", "4096"]),
+        (&["--kernels"], &["--gen-tokens", "8"]),
+        (&["--kernels"], &["--threads", "1"]),
+        (&["--kernels"], &["--synthetic", "tiny"]),
+        (&["--kernels"], &["--activations", "q8"]),
+        (&["--kernels"], &["--profile"]),
+        (&["--resume"], &["--prompt-tokens", "64"]),
+        (&["--resume"], &["--gen-tokens", "8"]),
+        (&["--resume"], &["--json"]),
+        (&["--batch", "1,2"], &["--prompt-tokens", "64"]),
+        (&["--batch", "1,2"], &["--depth", "4096"]),
+        (&["--batch", "1,2"], &["--no-ttft"]),
+        (&["--batch", "1,2"], &["--resume"]),
+        (&["--profile"], &["--json"]),
+        (&["--profile"], &["--batch", "1"]),
+        (&["--synthetic", "tiny"], &["--batch-steps", "2"]),
+    ] {
+        let mut args = vec!["bench"];
+        args.extend_from_slice(mode);
+        args.extend_from_slice(ignored);
+        if !args.contains(&"--synthetic") && !args.contains(&"--kernels") {
+            args.extend(["--synthetic", "tiny"]);
+        }
+        let what = args.join(" ");
+        let output = run(&args);
+        assert_no_panic(&what, &output);
+        assert_eq!(
+            output.status.code(),
+            Some(2),
+            "{what}: {}",
+            stderr_of(&output)
+        );
+        let stderr = stderr_of(&output);
+        assert!(
+            stderr.contains(ignored[0])
+                && (stderr.contains("cannot be used with") || stderr.contains("required")),
+            "{what}: {stderr}"
+        );
+    }
 }
 
 #[test]

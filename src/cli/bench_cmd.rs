@@ -19,7 +19,8 @@ pub struct BenchArgs {
     /// Tokens per decode measurement (tg).
     #[arg(long, default_value_t = 128, value_name = "N")]
     pub gen_tokens: usize,
-    /// Context already in the cache when prefill and decode are measured.
+    /// Context already in the cache when prefill and decode are measured (with --profile, before
+    /// its decode runs and its split prefill; with --resume, the chat resumed [default there: 4096]).
     #[arg(long, default_value_t = 0, value_name = "D")]
     pub depth: usize,
     /// Repeats of every measurement (min/median/max are reported).
@@ -38,26 +39,49 @@ pub struct BenchArgs {
     /// turn cold, from a RAM snapshot and from a disk snapshot (its pages evicted), each split
     /// into render, restore and the turn's prefill, medians of --repeat rounds (at least 3);
     /// snapshot size, compression, write time and the cost of a background write to a decode.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["prompt_tokens", "gen_tokens", "no_ttft", "json", "profile", "batch"])]
     pub resume: bool,
     /// Measure what the engine view's decode counters cost: --gen-tokens decoded with them on and
     /// off, --repeat rounds interleaved (at least 5), medians; then the phase shares and the
     /// decode's share of the memory bandwidth.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["no_ttft", "json", "batch"])]
     pub profile: bool,
     /// Measure the kernels alone (GEMV GB/s, GEMM GMAC/s on the 20b expert shape) instead of a model.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = KERNEL_BENCH_IGNORES)]
     pub kernels: bool,
     /// Measure batched decode steps (as `ossterm serve` runs them) of these batch sizes, e.g.
     /// 1,2,4,8,16: step time split by phase, sampling, and the bounds of weight bytes and
     /// multiply-adds; --batch-steps steps per size x --repeat rounds, interleaved.
-    #[arg(long, value_delimiter = ',', value_name = "N,N,...")]
+    #[arg(long, value_delimiter = ',', value_name = "N,N,...", conflicts_with_all = ["prompt_tokens", "gen_tokens", "depth", "no_ttft", "json"])]
     pub batch: Option<Vec<usize>>,
     /// Decode steps of each batch size per round of --batch (a step of 16 sequences takes most of
     /// a second, so a few are enough).
-    #[arg(long, default_value_t = 4, value_name = "N", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1000))]
+    #[arg(long, default_value_t = 4, value_name = "N", requires = "batch", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1000))]
     pub batch_steps: usize,
 }
+
+/// What `--kernels` never reads: it measures the kernels on the 20b shapes with threads of its
+/// own, no model, so each of these given with it is refused rather than silently dropped.
+const KERNEL_BENCH_IGNORES: [&str; 18] = [
+    "prompt_tokens",
+    "gen_tokens",
+    "depth",
+    "no_ttft",
+    "exact",
+    "resume",
+    "profile",
+    "batch",
+    "model",
+    "synthetic",
+    "synthetic_seed",
+    "threads",
+    "weights",
+    "kv_cache",
+    "activations",
+    "attention",
+    "expert_layout",
+    "unembedding",
+];
 
 /// Most repeats of a measurement: more tells nothing new, and each one is a full run.
 const MAX_REPEAT: usize = 1000;
@@ -98,9 +122,9 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let mut progress = ProgressLine::new();
     progress.show("loading the model", 0, 1);
     let load_started = std::time::Instant::now();
-    // `--profile` has no depth; its decode runs follow a prompt of their own (one session holding
-    // both is more than either needs, and says what to shorten).
-    let (first_name, first) = if args.profile {
+    // Without a depth `--profile`'s decode runs follow a short prompt of their own (the sum
+    // below is more than either of its sessions needs, and says what to shorten).
+    let (first_name, first) = if args.profile && args.depth == 0 {
         (
             "tokens of the profile's decode prompt",
             super::profile_bench::DECODE_PROMPT_TOKENS,
@@ -153,6 +177,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         let plan = super::profile_bench::ProfilePlan {
             gen_tokens: args.gen_tokens,
             prompt_tokens,
+            depth: args.depth,
             rounds: args.repeat.max(5),
         };
         return super::profile_bench::run(&model, &pool, plan);

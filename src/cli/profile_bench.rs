@@ -3,7 +3,8 @@
 //! which goes first in each round, and compares the medians; then prints where a decode step's
 //! time went and the step's memory traffic against the machine's read bandwidth; last, a short
 //! prompt's prefill on a fresh cache, phase by phase (where a short turn's time to first token
-//! goes).
+//! goes). With a depth both follow that many tokens of context already in the cache (where a
+//! long chat's steps and turns go).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,7 +16,7 @@ use crate::model::Model;
 
 use super::output;
 
-/// Tokens of the prompt every run decodes after.
+/// Tokens of the prompt every run decodes after, without a depth.
 pub const DECODE_PROMPT_TOKENS: usize = 32;
 
 /// What `bench --profile` runs.
@@ -25,6 +26,9 @@ pub struct ProfilePlan {
     pub gen_tokens: usize,
     /// Length of the prompt whose prefill is split by phase.
     pub prompt_tokens: usize,
+    /// Tokens of context in the cache before the decode runs and before that prompt (0: a
+    /// [`DECODE_PROMPT_TOKENS`] prompt before the decode runs, a fresh cache before the prompt).
+    pub depth: usize,
     /// Rounds of the decode runs and of the prefill.
     pub rounds: usize,
 }
@@ -38,22 +42,28 @@ pub fn run(
     let ProfilePlan {
         gen_tokens,
         prompt_tokens,
+        depth,
         rounds,
     } = plan;
-    let vocab = model.config.vocab_size;
-    let prompt: Vec<u32> = (0..DECODE_PROMPT_TOKENS)
-        .map(|i| ((i * 7919 + 13) % vocab) as u32)
-        .collect();
-    let mut session = model.new_session(pool, DECODE_PROMPT_TOKENS + gen_tokens + 1);
+    let decode_context = if depth == 0 {
+        DECODE_PROMPT_TOKENS
+    } else {
+        depth
+    };
+    let prompt = context_tokens(model, decode_context, 13);
+    let mut session = model.new_session(pool, decode_context + gen_tokens + 1);
     let profile = session.profile();
-    session.prefill(&prompt)?;
+    if depth > 0 {
+        output::note!("prefilling {depth} tokens of context ...");
+    }
+    pool.install(|| session.prefill(&prompt))?;
     let mut rates = [Vec::new(), Vec::new()];
     let mut shown = ProfileCounts::default();
     let mut taken = ProfileCounts::default();
     let decode = |session: &mut crate::model::Session, timing: bool| -> anyhow::Result<f64> {
-        session.truncate(DECODE_PROMPT_TOKENS);
+        session.truncate(decode_context);
         session.set_profile_timing(timing);
-        let mut token = prompt[DECODE_PROMPT_TOKENS - 1];
+        let mut token = prompt[decode_context - 1];
         let started = Instant::now();
         for _ in 0..gen_tokens {
             let logits = session.decode(token)?;
@@ -93,13 +103,13 @@ pub fn run(
     let off = Summary::of(&rates[0]).median;
     let on = Summary::of(&rates[1]).median;
     let bandwidth = Summary::of(&probes).median;
-    let bytes = model.decode_bytes_per_token(DECODE_PROMPT_TOKENS + gen_tokens / 2);
+    let bytes = model.decode_bytes_per_token(decode_context + gen_tokens / 2);
     let share = median_roofline_share(&rates[1], &probes, bytes);
     let mut out = output::stdout();
     super::bench_cmd::write_run_header(&mut out, model, threads)?;
     writeln!(
         out,
-        "decode {gen_tokens} tokens x {rounds} rounds, interleaved; median tok/s"
+        "decode {gen_tokens} tokens after {decode_context} of context x {rounds} rounds, interleaved; median tok/s"
     )?;
     writeln!(
         out,
@@ -160,27 +170,38 @@ pub fn run(
         bytes as f64 / 1e9,
         share * 100.0
     )?;
-    write_prefill_phases(&mut out, model, pool, prompt_tokens, rounds)?;
+    drop(session);
+    write_prefill_phases(&mut out, model, pool, (depth, prompt_tokens), rounds)?;
     out.flush()?;
     Ok(())
 }
 
+/// Token ids of a made-up text of `len` tokens (`salt` tells texts apart).
+fn context_tokens(model: &Model, len: usize, salt: usize) -> Vec<u32> {
+    let vocab = model.config.vocab_size;
+    (0..len)
+        .map(|i| ((i * 7919 + salt) % vocab) as u32)
+        .collect()
+}
+
 /// A prompt of `prompt_tokens` (by default the shortest standard prompt's length) prefilled
-/// `rounds` times on a fresh cache with the phase timers on: where the time to first token of a
-/// turn goes.
+/// `rounds` times after `depth` tokens of context (none: a fresh cache) with the phase timers
+/// on: where the time to first token of a turn goes.
 fn write_prefill_phases(
     out: &mut output::Out,
     model: &Arc<Model>,
     pool: &Arc<rayon::ThreadPool>,
-    prompt_tokens: usize,
+    (depth, prompt_tokens): (usize, usize),
     rounds: usize,
 ) -> anyhow::Result<()> {
-    let vocab = model.config.vocab_size;
-    let prompt: Vec<u32> = (0..prompt_tokens)
-        .map(|i| ((i * 7919 + 101) % vocab) as u32)
-        .collect();
-    let mut session = model.new_session(pool, prompt_tokens + 1);
+    let context = context_tokens(model, depth, 13);
+    let prompt = context_tokens(model, prompt_tokens, 101);
+    let mut session = model.new_session(pool, depth + prompt_tokens + 1);
     let profile = session.profile();
+    if depth > 0 {
+        output::note!("prefilling {depth} tokens of context ...");
+        pool.install(|| session.prefill(&context))?;
+    }
     session.set_profile_prefill_timing(true);
     let (mut times, mut shown, mut taken) = (
         Vec::new(),
@@ -190,7 +211,7 @@ fn write_prefill_phases(
     pool.install(|| -> anyhow::Result<()> {
         for round in 0..rounds {
             output::note!("prefill round {} of {rounds}", round + 1);
-            session.truncate(0);
+            session.truncate(depth);
             let started = Instant::now();
             session.prefill(&prompt)?;
             times.push(started.elapsed().as_secs_f64() * 1e3);
@@ -202,9 +223,14 @@ fn write_prefill_phases(
         Ok(())
     })?;
     let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
+    let after = if depth == 0 {
+        "on a fresh cache".to_string()
+    } else {
+        format!("after {depth} tokens of context")
+    };
     writeln!(
         out,
-        "prefill of a {prompt_tokens}-token prompt on a fresh cache, {rounds} rounds: median {:.1} ms, mean {mean:.1} ms, of which:",
+        "prefill of a {prompt_tokens}-token prompt {after}, {rounds} rounds: median {:.1} ms, mean {mean:.1} ms, of which:",
         Summary::of(&times).median
     )?;
     write_phases(out, &shown, mean)?;
