@@ -180,6 +180,20 @@ def server_request():
         "stream": True, "stream_options": {"include_usage": True}, "stop": ["a", "b"],
         "max_tokens": 30, "temperature": 0.5, "top_p": 0.9, "seed": 3, "reasoning_effort": "low"}
     small = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5}
+    tools = {"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "reasoning_content": "need it", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "{\"t\": 3}"}],
+        "tools": [{"type": "function", "function": {
+            "name": "get_weather", "description": "Weather.\nNow.",
+            "parameters": {"type": "object", "description": "Where.", "properties": {
+                "city": {"type": "string", "title": "City", "examples": ["Oslo"]},
+                "unit": {"type": "string", "enum": ["c", "f"], "default": "c"},
+                "days": {"type": ["integer", "null"]},
+                "at": {"oneOf": [{"type": "string"}, {"type": "object", "properties": {"lat": {"type": "number"}}}]}},
+                "required": ["city"]}}}],
+        "tool_choice": "auto", "parallel_tool_calls": False}
     text = {"model": "m", "input": "hi", "instructions": "Be brief.",
             "reasoning": {"effort": "high"}, "max_output_tokens": 40, "stream": True,
             "temperature": 0.7}
@@ -191,6 +205,7 @@ def server_request():
     cases = [(name, bytes([selector]) + json.dumps(body).encode())
              for name, selector, body in [("chat_full.json", 6, chat),
                                           ("chat_small_context.json", 2, small),
+                                          ("chat_tools.json", 6, tools),
                                           ("responses_text.json", 7, text),
                                           ("responses_items.json", 7, items)]]
     write("server_request", cases)

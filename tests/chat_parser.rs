@@ -152,6 +152,28 @@ fn tool_call_reports_recipient_and_stops_on_call() {
 }
 
 #[test]
+fn a_recipient_ends_where_the_content_type_begins_even_without_a_space() {
+    // harmony's docs show both `to=functions.f <|constrain|>json` and
+    // `to=functions.f<|constrain|>json`; and the recipient may stand before the channel.
+    for completion in [
+        "<|channel|>commentary to=functions.generate_file<|constrain|>json<|message|>{}<|call|>",
+        " to=functions.generate_file<|channel|>commentary json<|message|>{}<|call|>",
+    ] {
+        let (seen, _) = parse(&ids(completion), false);
+        assert_eq!(
+            seen[0],
+            Seen::Start {
+                role: "assistant".into(),
+                channel: Some(Channel::Commentary),
+                name: "commentary".into(),
+                recipient: Some("functions.generate_file".into()),
+            },
+            "{completion}"
+        );
+    }
+}
+
+#[test]
 fn missing_and_unknown_channels_are_reported_and_text_still_flows() {
     let (seen, _) = parse(
         &ids(

@@ -120,11 +120,11 @@ struct Turn {
 
 fn send_turn(handle: &EngineHandle, id: RequestId, kind: RequestKind, chat: Conversation) {
     handle
-        .send(Command::Generate(GenerateRequest {
+        .send(Command::Generate(Box::new(GenerateRequest {
             id,
             kind,
             conversation: chat,
-        }))
+        })))
         .unwrap();
 }
 

@@ -635,3 +635,130 @@ fn a_system_message_renders_as_harmony_developer_instructions() {
     let without: Vec<u32> = want[..61].iter().chain(&want[71..]).copied().collect();
     assert_eq!(render(&empty), without);
 }
+
+/// Requests with function tools, tool calls and tool answers, rendered as openai-harmony 0.0.8
+/// renders the harmony messages vLLM makes of them (tools/make_harmony_tool_fixtures.py): the
+/// `functions` namespace from JSON schemas, the system message's line for function calls, calls
+/// ending in `<|call|>`, answers from `functions.NAME`, reasoning kept until a final answer.
+#[test]
+fn function_tools_and_calls_render_as_openai_harmony_renders_them() {
+    use ossterm::server::api::{parse_chat_request, prepare_chat_dated};
+    let tokenizer = ossterm::chat::Tokenizer::shared().unwrap();
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/harmony/function_tools.json"
+    );
+    let cases: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    assert_eq!(cases.len(), 5);
+    for case in &cases {
+        let name = case["name"].as_str().unwrap();
+        let request = parse_chat_request(case["request"].to_string().as_bytes()).unwrap();
+        let job = prepare_chat_dated(request, tokenizer, 8192, case["date"].as_str())
+            .unwrap_or_else(|error| panic!("{name}: {error:?}"));
+        let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+        if job.prompt != want {
+            panic!(
+                "{name}: ossterm renders\n{}\nopenai-harmony\n{}",
+                tokenizer.decode(&job.prompt).unwrap(),
+                case["text"].as_str().unwrap()
+            );
+        }
+        let defines = case["request"]["tool_choice"] != "none";
+        assert_eq!(job.tools, defines, "{name}");
+    }
+}
+
+/// Tools the server cannot honour, or a tool exchange that does not hold together: a 400 naming
+/// the field, never a silently ignored request.
+#[test]
+fn bad_function_tools_and_tool_messages_get_errors_naming_the_field() {
+    let server = serve(Precision::Fast, options(2, 1024, 8), None);
+    let ask = json!([{"role": "user", "content": "weather?"}]);
+    let weather = json!({"type": "function", "function": {"name": "get_weather"}});
+    let cases = [
+        (
+            json!({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}),
+            ask.clone(),
+            "tools[0].type",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "get weather"}}]}),
+            ask.clone(),
+            "tools[0].function.name",
+        ),
+        (
+            json!({"tools": [weather, weather]}),
+            ask.clone(),
+            "tools[1].function.name",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}),
+            ask.clone(),
+            "tools[0].function.parameters",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "strict": true}}]}),
+            ask.clone(),
+            "tools[0].function.strict",
+        ),
+        (
+            json!({"tools": [weather], "tool_choice": "required"}),
+            ask.clone(),
+            "tool_choice",
+        ),
+        (
+            json!({"tools": [weather], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+            ask.clone(),
+            "tool_choice",
+        ),
+        (
+            json!({"tools": [weather], "tool_choice": "sometimes"}),
+            ask.clone(),
+            "tool_choice",
+        ),
+        (
+            json!({"tools": [weather]}),
+            json!([{"role": "user", "content": "weather?"},
+                   {"role": "tool", "tool_call_id": "call_9", "content": "{}"}]),
+            "messages[1].tool_call_id",
+        ),
+        (
+            json!({"tools": [weather]}),
+            json!([{"role": "user", "content": "weather?"},
+                   {"role": "assistant", "tool_calls": [{"id": "a", "type": "function",
+                    "function": {"name": "get<|end|>", "arguments": "{}"}}]}]),
+            "messages[1].tool_calls[0].function.name",
+        ),
+    ];
+    for (extra, messages, param) in cases {
+        let body = chat(messages, extra);
+        let (status, reply) = server.post(&body);
+        assert_eq!(status, 400, "{body}: {reply}");
+        assert_eq!(reply["error"]["type"], "invalid_request_error", "{reply}");
+        assert_eq!(reply["error"]["param"], param, "{body}: {reply}");
+    }
+    // The same exchange held together is served; so is a tool message naming its function.
+    for answer in [
+        json!({"role": "tool", "tool_call_id": "call_1", "content": "{\"temperature\": 3}"}),
+        json!({"role": "tool", "name": "get_weather", "content": "{\"temperature\": 3}"}),
+    ] {
+        let messages = json!([
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": null, "reasoning_content": "need it",
+             "tool_calls": [{"id": "call_1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+            answer,
+        ]);
+        let (status, reply) = server.post(&chat(
+            messages,
+            json!({"tools": [weather], "max_tokens": 3}),
+        ));
+        assert_eq!(status, 200, "{reply}");
+        let reason = reply["choices"][0]["finish_reason"].as_str().unwrap();
+        assert!(
+            ["stop", "length", "tool_calls"].contains(&reason),
+            "{reply}"
+        );
+    }
+    server.stop();
+}

@@ -26,7 +26,7 @@ fn step(app: &mut App, message: Msg, now: Instant) -> Vec<Effect> {
                     messages.push(Msg::Stored(app.chat_file.store.clone().perform(request)))
                 }
                 Effect::Generate(job) => {
-                    others.push(Effect::Engine(Command::Generate(job.request())))
+                    others.push(Effect::Engine(Command::Generate(Box::new(job.request()))))
                 }
                 other => others.push(other),
             }

@@ -2,7 +2,8 @@
 # A real OpenAI client against `ossterm serve`: installs the `openai` Python package into a venv
 # (target/openai-venv, reused), starts the server on a free loopback port with the synthetic tiny
 # model, lists the models, streams a chat completion (reasoning and content deltas, usage) and
-# asks for one without streaming, streams a Responses API reply, then sends SIGTERM while a stream
+# asks for one without streaming, sends function tools and a tool-call exchange, streams a
+# Responses API reply, then sends SIGTERM while a stream
 # runs and checks that the stream finishes and the server exits cleanly.
 # Skips (exit 0, with a message) when python3 or its venv module is missing.
 set -euo pipefail
@@ -83,6 +84,35 @@ reply = client.chat.completions.create(
     model=models[0], messages=[{"role": "user", "content": "hi"}], max_tokens=8)
 assert reply.choices[0].finish_reason in ("stop", "length")
 assert reply.usage.completion_tokens <= 8
+
+# Function calling as an agent sends it: tools, then the exchange after a call (the assistant's
+# tool_calls with content None, the tool's answer). Random weights make up their reply, so this
+# checks what the client sends is taken and what comes back parses, not that the model calls.
+tools = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+asked = [{"role": "user", "content": "Weather in Oslo?"}]
+reply = client.chat.completions.create(model=models[0], messages=asked, tools=tools,
+                                       tool_choice="auto", max_tokens=16, seed=3)
+assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls"), reply.choices[0].finish_reason
+answered = asked + [
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+     "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 3}'}]
+calls, pieces = 0, 0
+for chunk in client.chat.completions.create(model=models[0], messages=answered, tools=tools,
+                                            max_tokens=16, seed=3, stream=True):
+    pieces += 1
+    if chunk.choices and chunk.choices[0].delta.tool_calls:
+        calls += 1
+try:
+    client.chat.completions.create(model=models[0], messages=asked, tools=tools,
+                                   tool_choice="required", max_tokens=4)
+    sys.exit("tool_choice required was taken")
+except Exception as error:
+    assert getattr(error, "status_code", None) == 400, error
+print(f"openai client check: tools taken (a reply finishing {reply.choices[0].finish_reason}; {calls} call deltas; "
+      f"after a tool answer {pieces} chunks), tool_choice required refused with 400")
 
 # The Responses API: streamed semantic events, the reasoning item and the message.
 kinds, reasoning, text, final = [], "", "", None

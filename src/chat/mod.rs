@@ -9,6 +9,9 @@ pub mod tokenizer;
 pub use conversation::{
     Channel, ChatMessage, Conversation, ConversationError, ReasoningEffort, Role, SystemSettings,
 };
-pub use harmony::{render_for_completion, render_history, RenderOptions};
+pub use harmony::{
+    functions_section, push_assistant_start, render_for_completion, render_history, render_turns,
+    FunctionTool, RenderOptions, Turn,
+};
 pub use parser::{HarmonyParser, Malformation, ParseEvent, StopToken};
 pub use tokenizer::{Tokenizer, TokenizerError, Utf8Stream};

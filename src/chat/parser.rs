@@ -282,7 +282,11 @@ impl<'t> HarmonyParser<'t> {
         }
         let recipient = words
             .chain(channel_words.into_iter().flatten())
-            .find_map(|word| word.strip_prefix("to="));
+            .find_map(|word| word.strip_prefix("to="))
+            // `to=functions.f<|constrain|>json`: the model may write the content type without a
+            // space (harmony's own docs show both).
+            .map(|recipient| recipient.split("<|").next().unwrap_or_default())
+            .filter(|recipient| !recipient.is_empty());
         if let Some(recipient) = recipient {
             self.recipient.push_str(recipient);
         }

@@ -338,7 +338,7 @@ pub fn run_app(
             for work in engine_inbox {
                 let command = match work {
                     EngineWork::Command(command) => command,
-                    EngineWork::Generate(job) => Command::Generate(job.request()),
+                    EngineWork::Generate(job) => Command::Generate(Box::new(job.request())),
                     EngineWork::Resume(chat) => Command::Resume(Box::new(chat.conversation())),
                 };
                 if let Some(engine) = &feeder_engine {

@@ -137,7 +137,8 @@ pub struct GenerateRequest {
 /// UI -> engine.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Command {
-    Generate(GenerateRequest),
+    /// Boxed: a conversation is large beside the other commands.
+    Generate(Box<GenerateRequest>),
     /// Stop request `id` (and anything older). The handle also raises the shared cancel mark so a
     /// running turn sees it within one token or one prefill chunk.
     Cancel(RequestId),

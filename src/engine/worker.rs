@@ -505,7 +505,7 @@ impl<M: ModelBackend, C: ChatCodec, S: TokenSampler + Send> Worker<M, C, S> {
             match commands.recv_timeout(IDLE_POLL) {
                 Ok(Command::Generate(request)) => {
                     self.install_requantized_model();
-                    self.run_turn(request);
+                    self.run_turn(*request);
                 }
                 // A cancel with nothing running has already raised the mark; queued requests check it.
                 Ok(Command::Cancel(_)) => {}

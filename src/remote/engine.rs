@@ -142,7 +142,7 @@ impl RemoteWorker {
     fn run(mut self, commands: Receiver<Command>) {
         for command in commands {
             match command {
-                Command::Generate(request) => self.run_turn(request),
+                Command::Generate(request) => self.run_turn(*request),
                 // The mark is already raised; a turn running then has seen it.
                 Command::Cancel(_) => {}
                 Command::ApplySettings(next) => self.apply_settings(*next),

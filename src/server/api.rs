@@ -5,8 +5,8 @@ use axum::http::StatusCode;
 use serde::Deserialize;
 
 use crate::chat::{
-    render_for_completion, Channel, ChatMessage, Conversation, ReasoningEffort, RenderOptions,
-    SystemSettings, Tokenizer,
+    push_assistant_start, render_turns, Channel, ChatMessage, FunctionTool, ReasoningEffort,
+    RenderOptions, SystemSettings, Tokenizer, Turn,
 };
 use crate::engine::SamplerSettings;
 
@@ -75,11 +75,72 @@ pub struct ContentPart {
     pub text: Option<String>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Default)]
 pub struct Message {
     pub role: String,
     #[serde(default)]
     pub content: Option<Content>,
+    /// An assistant message's calls of the request's functions.
+    #[serde(default)]
+    pub tool_calls: Option<Vec<ToolCallParam>>,
+    /// A tool message's answer to this call.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    /// A tool message's function (when its call is not in the messages).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// An assistant message's reasoning, as this server sends it back (either name): kept in the
+    /// prompt while a tool-calling exchange is under way, as gpt-oss expects.
+    #[serde(default)]
+    pub reasoning_content: Option<String>,
+    #[serde(default)]
+    pub reasoning: Option<String>,
+}
+
+/// `tools[i]`: a function the model may call.
+#[derive(Debug, Deserialize)]
+pub struct ToolParam {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionParam,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct FunctionParam {
+    pub name: String,
+    #[serde(default)]
+    pub description: Option<String>,
+    /// JSON schema of the arguments object.
+    #[serde(default)]
+    pub parameters: Option<serde_json::Value>,
+    #[serde(default)]
+    pub strict: Option<bool>,
+}
+
+/// `messages[i].tool_calls[j]`.
+#[derive(Debug, Deserialize)]
+pub struct ToolCallParam {
+    #[serde(default)]
+    pub id: Option<String>,
+    #[serde(rename = "type", default)]
+    pub kind: Option<String>,
+    pub function: CalledFunction,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CalledFunction {
+    pub name: String,
+    /// The arguments as JSON text (OpenAI's form); an object is taken too.
+    #[serde(default)]
+    pub arguments: Option<serde_json::Value>,
+}
+
+/// `tool_choice`: `"none"`, `"auto"`, `"required"` or `{"type": "function", "function": {"name"}}`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum ToolChoice {
+    Mode(String),
+    Named(serde_json::Value),
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -115,6 +176,14 @@ pub struct ChatCompletionRequest {
     pub reasoning_effort: Option<String>,
     #[serde(default)]
     pub n: Option<u64>,
+    #[serde(default)]
+    pub tools: Option<Vec<ToolParam>>,
+    #[serde(default)]
+    pub tool_choice: Option<ToolChoice>,
+    /// Read and accepted: gpt-oss ends its turn at each call (`<|call|>`), so a reply holds at
+    /// most one.
+    #[serde(default)]
+    pub parallel_tool_calls: Option<bool>,
 }
 
 /// A checked request: the prompt and how to sample it.
@@ -126,6 +195,110 @@ pub struct ChatJob {
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// The prompt defines functions: a message the model addresses to `functions.NAME` is a
+    /// tool call, not content.
+    pub tools: bool,
+}
+
+/// Longest function name OpenAI accepts.
+const MAX_FUNCTION_NAME: usize = 64;
+
+/// OpenAI's rule for function names (`^[a-zA-Z0-9_-]{1,64}$`): the name becomes part of a
+/// harmony header, where a space or a special token's text would change its meaning.
+fn check_function_name(name: &str, param: &str) -> Result<(), ApiError> {
+    let valid = !name.is_empty()
+        && name.len() <= MAX_FUNCTION_NAME
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if valid {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(
+            format!("{param} is {name:?}; a function name is 1 to {MAX_FUNCTION_NAME} letters, digits, '_' or '-'"),
+            Some(param),
+        ))
+    }
+}
+
+/// The request's functions, checked, or none when `tool_choice` is `"none"`.
+fn function_tools(
+    tools: Option<Vec<ToolParam>>,
+    choice: Option<ToolChoice>,
+) -> Result<Vec<FunctionTool>, ApiError> {
+    let tools = tools.unwrap_or_default();
+    match &choice {
+        None => {}
+        Some(ToolChoice::Mode(mode)) if mode == "auto" || mode == "none" => {}
+        Some(ToolChoice::Mode(mode)) if mode == "required" => {
+            return Err(ApiError::invalid(
+                "`tool_choice` \"required\" is not supported: this server cannot force a call; use \"auto\"",
+                Some("tool_choice"),
+            ))
+        }
+        Some(ToolChoice::Mode(mode)) => {
+            return Err(ApiError::invalid(
+                format!("`tool_choice` is {mode:?}; it takes \"none\" or \"auto\""),
+                Some("tool_choice"),
+            ))
+        }
+        Some(ToolChoice::Named(_)) => {
+            return Err(ApiError::invalid(
+                "`tool_choice` naming a function is not supported: this server cannot force a call; use \"auto\"",
+                Some("tool_choice"),
+            ))
+        }
+    }
+    let mut functions: Vec<FunctionTool> = Vec::with_capacity(tools.len());
+    for (index, tool) in tools.into_iter().enumerate() {
+        let param = format!("tools[{index}]");
+        if tool.kind != "function" {
+            return Err(ApiError::invalid(
+                format!(
+                    "{param}.type is {:?}; this server takes \"function\" tools",
+                    tool.kind
+                ),
+                Some(&format!("{param}.type")),
+            ));
+        }
+        let function = tool.function;
+        check_function_name(&function.name, &format!("{param}.function.name"))?;
+        if functions.iter().any(|f| f.name == function.name) {
+            return Err(ApiError::invalid(
+                format!("{param}.function.name {:?} is defined twice", function.name),
+                Some(&format!("{param}.function.name")),
+            ));
+        }
+        if let Some(parameters) = &function.parameters {
+            if !parameters.is_object() {
+                return Err(ApiError::invalid(
+                    format!("{param}.function.parameters must be a JSON schema object"),
+                    Some(&format!("{param}.function.parameters")),
+                ));
+            }
+        }
+        // `strict` asks for schema-constrained arguments, which needs constrained sampling.
+        if function.strict == Some(true) {
+            return Err(ApiError::invalid(
+                format!("{param}.function.strict is not supported: arguments are sampled freely"),
+                Some(&format!("{param}.function.strict")),
+            ));
+        }
+        functions.push(FunctionTool {
+            name: function.name,
+            description: function.description.unwrap_or_default(),
+            parameters: function.parameters,
+        });
+    }
+    let none = matches!(&choice, Some(ToolChoice::Mode(mode)) if mode == "none");
+    Ok(if none { Vec::new() } else { functions })
+}
+
+/// A prompt entry with its text owned (the messages are consumed while they are checked).
+enum Entry {
+    Message(ChatMessage),
+    Call { name: String, arguments: String },
+    Result { name: String, output: String },
 }
 
 /// Most stop strings a request may give (OpenAI's limit).
@@ -194,8 +367,11 @@ pub fn prepare_chat_dated(
             .parse()
             .map_err(|message: String| ApiError::invalid(message, Some("reasoning_effort")))?,
     };
+    let tools = function_tools(request.tools, request.tool_choice)?;
     let mut developer: Vec<String> = Vec::new();
-    let mut messages = Vec::new();
+    let mut entries = Vec::new();
+    // The function each call id named, for the tool messages that answer them.
+    let mut called: Vec<(String, String)> = Vec::new();
     for (index, message) in request.messages.into_iter().enumerate() {
         let param = format!("messages[{index}]");
         let text = content_text(message.content, &param)?;
@@ -207,33 +383,103 @@ pub fn prepare_chat_dated(
                     developer.push(text)
                 }
             }
-            "user" => messages.push(ChatMessage::user(text)),
-            "assistant" => messages.push(ChatMessage::assistant(Channel::Final, text)),
+            "user" => entries.push(Entry::Message(ChatMessage::user(text))),
+            "assistant" => {
+                let reasoning = message.reasoning_content.or(message.reasoning);
+                if let Some(reasoning) = reasoning.filter(|r| !r.is_empty()) {
+                    entries.push(Entry::Message(ChatMessage::assistant(
+                        Channel::Analysis,
+                        reasoning,
+                    )));
+                }
+                let calls = message.tool_calls.unwrap_or_default();
+                if calls.is_empty() {
+                    entries.push(Entry::Message(ChatMessage::assistant(Channel::Final, text)));
+                    continue;
+                }
+                // Text beside calls is a preamble: harmony's commentary to the user.
+                if !text.is_empty() {
+                    entries.push(Entry::Message(ChatMessage::assistant(
+                        Channel::Commentary,
+                        text,
+                    )));
+                }
+                for (j, call) in calls.into_iter().enumerate() {
+                    let call_param = format!("{param}.tool_calls[{j}]");
+                    if call.kind.as_deref().is_some_and(|kind| kind != "function") {
+                        return Err(ApiError::invalid(
+                            format!("{call_param}.type is {:?}; calls are of \"function\"", call.kind.unwrap_or_default()),
+                            Some(&format!("{call_param}.type")),
+                        ));
+                    }
+                    let name = call.function.name;
+                    check_function_name(&name, &format!("{call_param}.function.name"))?;
+                    let arguments = match call.function.arguments {
+                        None | Some(serde_json::Value::Null) => "{}".to_owned(),
+                        Some(serde_json::Value::String(text)) => text,
+                        Some(value) => value.to_string(),
+                    };
+                    if let Some(id) = call.id {
+                        called.push((id, name.clone()));
+                    }
+                    entries.push(Entry::Call { name, arguments });
+                }
+            }
+            "tool" => {
+                let by_id = message.tool_call_id.as_ref().and_then(|id| {
+                    called
+                        .iter()
+                        .rev()
+                        .find(|(known, _)| known == id)
+                        .map(|(_, name)| name.clone())
+                });
+                let Some(name) = by_id.or(message.name) else {
+                    return Err(ApiError::invalid(
+                        format!("{param} answers no call: its `tool_call_id` names no earlier assistant tool call and it has no `name`"),
+                        Some(&format!("{param}.tool_call_id")),
+                    ));
+                };
+                check_function_name(&name, &format!("{param}.name"))?;
+                entries.push(Entry::Result { name, output: text });
+            }
             other => {
                 return Err(ApiError::invalid(
-                    format!("{param}.role is {other:?}; this server takes system, developer, user and assistant messages"),
+                    format!("{param}.role is {other:?}; this server takes system, developer, user, assistant and tool messages"),
                     Some(&format!("{param}.role")),
                 ))
             }
         }
     }
-    let conversation = Conversation {
-        system: SystemSettings {
-            reasoning: Some(reasoning),
-            date: date.map(str::to_owned),
-            ..SystemSettings::default()
-        },
-        developer: (!developer.is_empty()).then(|| developer.join("\n\n")),
-        messages,
-        extra: serde_json::Map::new(),
+    let system = SystemSettings {
+        reasoning: Some(reasoning),
+        date: date.map(str::to_owned),
+        ..SystemSettings::default()
     };
-    let prompt = render_for_completion(tokenizer, &conversation, &RenderOptions::default())
-        .map_err(|error| {
-            ApiError::invalid(
-                format!("cannot encode the messages: {error}"),
-                Some("messages"),
-            )
-        })?;
+    let instructions = (!developer.is_empty()).then(|| developer.join("\n\n"));
+    let turns: Vec<Turn<'_>> = entries
+        .iter()
+        .map(|entry| match entry {
+            Entry::Message(message) => Turn::Message(message),
+            Entry::Call { name, arguments } => Turn::ToolCall { name, arguments },
+            Entry::Result { name, output } => Turn::ToolResult { name, output },
+        })
+        .collect();
+    let encode_error = |error: crate::chat::TokenizerError| {
+        ApiError::invalid(
+            format!("cannot encode the messages: {error}"),
+            Some("messages"),
+        )
+    };
+    let mut prompt = render_turns(
+        tokenizer,
+        &system,
+        instructions.as_deref(),
+        &tools,
+        &turns,
+        &RenderOptions::default(),
+    )
+    .map_err(encode_error)?;
+    push_assistant_start(tokenizer, &mut prompt).map_err(encode_error)?;
     if prompt.len() >= context {
         return Err(ApiError::invalid(
             format!(
@@ -294,6 +540,7 @@ pub fn prepare_chat_dated(
         stop,
         stream: request.stream.unwrap_or(false),
         include_usage: request.stream_options.unwrap_or_default().include_usage,
+        tools: !tools.is_empty(),
     })
 }
 
@@ -342,7 +589,7 @@ mod tests {
     #[test]
     fn parsing_arbitrary_bytes_never_panics() {
         // A small deterministic fuzz: prefixes, byte flips and splices of a valid request.
-        let valid = br#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}],"stream":true,"stop":["a","b"],"max_tokens":3,"temperature":0.5}"#;
+        let valid = br#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"hi"}]},{"role":"assistant","content":null,"reasoning_content":"r","tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}}]},{"role":"tool","tool_call_id":"c1","content":"ok"}],"tools":[{"type":"function","function":{"name":"f","description":"d","parameters":{"type":"object","properties":{"a":{"type":"string","enum":["x"],"default":"x"},"b":{"oneOf":[{"type":"number"},{"type":"array","items":{"type":"integer"}}]}},"required":["a"]}}}],"tool_choice":"auto","stream":true,"stop":["a","b"],"max_tokens":3,"temperature":0.5}"#;
         let tokenizer = Tokenizer::shared().unwrap();
         let mut state = 0x2545_f491_4f6c_dd1du64;
         for round in 0..4000 {

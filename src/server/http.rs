@@ -261,7 +261,7 @@ async fn whole_response(
 ) -> Response {
     loop {
         match events.recv().await {
-            Some(Event::Delta { reasoning, content }) => builder.push(&reasoning, &content),
+            Some(Event::Delta(delta)) => builder.push(&delta.reasoning, &delta.content),
             Some(Event::Done(finish)) => {
                 let status = status_of(finish.reason);
                 return Json(builder.response(status, Some(&finish.usage), None)).into_response();
@@ -295,8 +295,8 @@ fn stream_response(
                 event = events.recv() => event,
             };
             let (out, last) = match event {
-                Some(Event::Delta { reasoning, content }) => {
-                    (builder.delta(&reasoning, &content), false)
+                Some(Event::Delta(delta)) => {
+                    (builder.delta(&delta.reasoning, &delta.content), false)
                 }
                 Some(Event::Done(finish)) => (
                     builder.finish(Outcome::Finished(finish.reason, &finish.usage)),
@@ -395,6 +395,7 @@ fn submit(
             sampler: job.sampler,
             max_tokens: job.max_tokens,
             stop: job.stop,
+            tools: job.tools,
             events: sender,
             received: Instant::now(),
         })
@@ -476,18 +477,37 @@ fn failure(message: String) -> ApiError {
 /// dropped with the receiver, which cancels the sequence.
 async fn whole_reply(reply: Reply, mut events: mpsc::UnboundedReceiver<Event>) -> Response {
     let (mut reasoning, mut content) = (String::new(), String::new());
+    // (id, name, arguments) of each call, in order.
+    let mut calls: Vec<(String, String, String)> = Vec::new();
     loop {
         match events.recv().await {
-            Some(Event::Delta {
-                reasoning: r,
-                content: c,
-            }) => {
-                reasoning.push_str(&r);
-                content.push_str(&c);
+            Some(Event::Delta(delta)) => {
+                reasoning.push_str(&delta.reasoning);
+                content.push_str(&delta.content);
+                for piece in delta.tool_calls {
+                    if let Some((id, name)) = piece.opens {
+                        calls.push((id, name, String::new()));
+                    }
+                    if let Some(call) = calls.get_mut(piece.index) {
+                        call.2.push_str(&piece.arguments);
+                    }
+                }
             }
             Some(Event::Done(finish)) => {
                 let Finish { reason, usage, .. } = finish;
                 let mut message = json!({"role": "assistant", "content": content});
+                if !calls.is_empty() {
+                    if content.is_empty() {
+                        message["content"] = Value::Null;
+                    }
+                    message["tool_calls"] = calls
+                        .iter()
+                        .map(|(id, name, arguments)| {
+                            json!({"id": id, "type": "function",
+                                   "function": {"name": name, "arguments": arguments}})
+                        })
+                        .collect();
+                }
                 if !reasoning.is_empty() {
                     message["reasoning_content"] = json!(reasoning);
                     message["reasoning"] = json!(reasoning);
@@ -510,6 +530,19 @@ async fn whole_reply(reply: Reply, mut events: mpsc::UnboundedReceiver<Event>) -
     }
 }
 
+/// A chunk's `tool_calls` delta: a call's first piece carries its id, type and name, as
+/// OpenAI's streams do.
+fn tool_call_deltas(pieces: Vec<super::reply::ToolCallDelta>) -> Value {
+    pieces
+        .into_iter()
+        .map(|piece| match piece.opens {
+            Some((id, name)) => json!({"index": piece.index, "id": id, "type": "function",
+                                       "function": {"name": name, "arguments": piece.arguments}}),
+            None => json!({"index": piece.index, "function": {"arguments": piece.arguments}}),
+        })
+        .collect()
+}
+
 /// Server-sent events: a first chunk with the role, a chunk per step's new text (reasoning as
 /// both `reasoning_content` and `reasoning`, the answer as `content`), a chunk with the finish
 /// reason, the usage chunk when asked for, then `data: [DONE]`. A task forwards the scheduler's
@@ -530,14 +563,17 @@ fn stream_reply(reply: Reply, mut events: mpsc::UnboundedReceiver<Event>) -> imp
             };
             let mut out = Vec::new();
             let last = match event {
-                Some(Event::Delta { reasoning, content }) => {
+                Some(Event::Delta(piece)) => {
                     let mut delta = json!({});
-                    if !reasoning.is_empty() {
-                        delta["reasoning_content"] = json!(reasoning);
-                        delta["reasoning"] = json!(reasoning);
+                    if !piece.reasoning.is_empty() {
+                        delta["reasoning_content"] = json!(piece.reasoning);
+                        delta["reasoning"] = json!(piece.reasoning);
                     }
-                    if !content.is_empty() {
-                        delta["content"] = json!(content);
+                    if !piece.content.is_empty() {
+                        delta["content"] = json!(piece.content);
+                    }
+                    if !piece.tool_calls.is_empty() {
+                        delta["tool_calls"] = tool_call_deltas(piece.tool_calls);
                     }
                     out.push(data(reply.chunk(delta, None)));
                     false
@@ -582,4 +618,122 @@ fn unix_seconds() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::reply::{ReplyDelta, ToolCallDelta};
+    use super::super::scheduler::{FinishReason, Usage};
+    use super::*;
+    use std::time::Duration;
+
+    /// The events of a reply that reasons, then calls `get_weather` in two pieces.
+    fn tool_call_events() -> mpsc::UnboundedReceiver<Event> {
+        let (sender, receiver) = mpsc::unbounded_channel();
+        let piece = |reasoning: &str, calls: Vec<ToolCallDelta>| {
+            Event::Delta(ReplyDelta {
+                reasoning: reasoning.into(),
+                content: String::new(),
+                tool_calls: calls,
+            })
+        };
+        let events = [
+            piece("need weather", Vec::new()),
+            piece(
+                "",
+                vec![ToolCallDelta {
+                    index: 0,
+                    opens: Some(("call_abc".into(), "get_weather".into())),
+                    arguments: "{\"city\":".into(),
+                }],
+            ),
+            piece(
+                "",
+                vec![ToolCallDelta {
+                    index: 0,
+                    opens: None,
+                    arguments: "\"Oslo\"}".into(),
+                }],
+            ),
+            Event::Done(Finish {
+                reason: FinishReason::ToolCalls,
+                usage: Usage::default(),
+                time_to_first_token: Duration::ZERO,
+                decode_time: Duration::ZERO,
+            }),
+        ];
+        for event in events {
+            sender.send(event).unwrap();
+        }
+        receiver
+    }
+
+    fn reply() -> Reply {
+        Reply {
+            id: "chatcmpl-1".into(),
+            created: 0,
+            model: "m".into(),
+            include_usage: false,
+        }
+    }
+
+    async fn body_text(response: Response) -> String {
+        let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        String::from_utf8(bytes.to_vec()).unwrap()
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn a_whole_reply_carries_the_call_with_null_content() {
+        let body = runtime()
+            .block_on(async { body_text(whole_reply(reply(), tool_call_events()).await).await });
+        let value: Value = serde_json::from_str(&body).unwrap();
+        let choice = &value["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls", "{body}");
+        let message = &choice["message"];
+        assert_eq!(message["content"], Value::Null, "{body}");
+        assert_eq!(message["reasoning_content"], "need weather");
+        assert_eq!(
+            message["tool_calls"],
+            json!([{"id": "call_abc", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\":\"Oslo\"}"}}])
+        );
+    }
+
+    #[test]
+    fn a_stream_opens_the_call_once_then_sends_its_arguments() {
+        let body = runtime().block_on(async {
+            body_text(stream_reply(reply(), tool_call_events()).into_response()).await
+        });
+        let chunks: Vec<Value> = body
+            .lines()
+            .filter_map(|line| line.strip_prefix("data: "))
+            .filter(|data| *data != "[DONE]")
+            .map(|data| serde_json::from_str(data).unwrap())
+            .collect();
+        let calls: Vec<&Value> = chunks
+            .iter()
+            .filter_map(|chunk| chunk["choices"][0]["delta"].get("tool_calls"))
+            .collect();
+        assert_eq!(
+            calls,
+            [
+                &json!([{"index": 0, "id": "call_abc", "type": "function",
+                         "function": {"name": "get_weather", "arguments": "{\"city\":"}}]),
+                &json!([{"index": 0, "function": {"arguments": "\"Oslo\"}"}}]),
+            ],
+            "{body}"
+        );
+        let last = chunks.last().unwrap();
+        assert_eq!(last["choices"][0]["finish_reason"], "tool_calls", "{body}");
+        assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
+    }
 }

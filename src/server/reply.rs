@@ -1,8 +1,36 @@
 //! From the harmony parser's events to what an OpenAI client reads: the analysis channel becomes
-//! reasoning text, every other channel (final, a commentary preamble, or text whose header the
-//! model garbled) becomes content, and the request's stop strings cut the content.
+//! reasoning text, a message addressed to `functions.NAME` (when the request defined functions)
+//! becomes a tool call, every other channel (final, a commentary preamble, or text whose header
+//! the model garbled) becomes content, and the request's stop strings cut the content.
+
+use rand::Rng;
 
 use crate::chat::{Channel, ParseEvent};
+
+/// A piece of a tool call as OpenAI streams one: the first piece of a call carries its id and
+/// function name, every piece some of the arguments' text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCallDelta {
+    /// The call's position in the reply (0 for the first).
+    pub index: usize,
+    /// `Some((id, name))` on a call's first piece.
+    pub opens: Option<(String, String)>,
+    pub arguments: String,
+}
+
+/// What a reply produced since it was last taken.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ReplyDelta {
+    pub reasoning: String,
+    pub content: String,
+    pub tool_calls: Vec<ToolCallDelta>,
+}
+
+impl ReplyDelta {
+    pub fn is_empty(&self) -> bool {
+        self.reasoning.is_empty() && self.content.is_empty() && self.tool_calls.is_empty()
+    }
+}
 
 /// The text of one reply not yet sent to the client, and whether a stop string ended it.
 #[derive(Debug, Default)]
@@ -15,6 +43,13 @@ pub struct ReplyText {
     stopped: bool,
     /// Sampled tokens that fell inside an analysis message.
     pub reasoning_tokens: usize,
+    /// Whether the request defined functions (else a recipient's message stays content).
+    tools: bool,
+    /// The open message is a tool call.
+    in_call: bool,
+    /// Calls opened so far.
+    calls: usize,
+    tool_calls: Vec<ToolCallDelta>,
 }
 
 impl ReplyText {
@@ -23,6 +58,17 @@ impl ReplyText {
             stops: StopMatcher::new(stops),
             ..ReplyText::default()
         }
+    }
+
+    /// Messages to `functions.NAME` become tool calls.
+    pub fn with_tools(mut self, tools: bool) -> ReplyText {
+        self.tools = tools;
+        self
+    }
+
+    /// Whether the reply called a function.
+    pub fn made_calls(&self) -> bool {
+        self.calls > 0
     }
 
     /// Whether a stop string was found: the reply is over.
@@ -39,7 +85,34 @@ impl ReplyText {
 
     pub fn on_event(&mut self, event: ParseEvent<'_>) {
         match event {
-            ParseEvent::MessageStart { channel, .. } => self.channel = channel,
+            ParseEvent::MessageStart {
+                channel, recipient, ..
+            } => {
+                self.channel = channel;
+                let function = recipient
+                    .and_then(|r| r.strip_prefix("functions."))
+                    .filter(|name| self.tools && !name.is_empty());
+                self.in_call = function.is_some();
+                if let Some(name) = function {
+                    self.tool_calls.push(ToolCallDelta {
+                        index: self.calls,
+                        opens: Some((new_call_id(), name.to_owned())),
+                        arguments: String::new(),
+                    });
+                    self.calls += 1;
+                }
+            }
+            ParseEvent::Text { text, .. } if self.in_call && !self.stopped => {
+                let index = self.calls - 1;
+                match self.tool_calls.last_mut() {
+                    Some(pending) if pending.index == index => pending.arguments.push_str(text),
+                    _ => self.tool_calls.push(ToolCallDelta {
+                        index,
+                        opens: None,
+                        arguments: text.to_owned(),
+                    }),
+                }
+            }
             ParseEvent::Text { channel, text } if !self.stopped => {
                 if channel == Some(Channel::Analysis) {
                     self.reasoning.push_str(text);
@@ -58,13 +131,24 @@ impl ReplyText {
         }
     }
 
-    /// Takes the pending (reasoning, content).
-    pub fn take(&mut self) -> (String, String) {
-        (
-            std::mem::take(&mut self.reasoning),
-            std::mem::take(&mut self.content),
-        )
+    /// Takes what was produced since the last take.
+    pub fn take(&mut self) -> ReplyDelta {
+        ReplyDelta {
+            reasoning: std::mem::take(&mut self.reasoning),
+            content: std::mem::take(&mut self.content),
+            tool_calls: std::mem::take(&mut self.tool_calls),
+        }
     }
+}
+
+/// An id for a call, unique enough for a client to match its answer (`call_` and 24 letters and
+/// digits, as OpenAI's look).
+fn new_call_id() -> String {
+    let mut rng = rand::thread_rng();
+    let tail: String = (0..24)
+        .map(|_| rng.sample(rand::distributions::Alphanumeric) as char)
+        .collect();
+    format!("call_{tail}")
 }
 
 /// Finds the first of the request's stop strings in streamed text, holding back the tail that
@@ -135,8 +219,66 @@ mod tests {
         reply.on_event(text(Some(Channel::Analysis), "think"));
         reply.on_event(text(Some(Channel::Final), "answer"));
         reply.on_event(text(None, "!"));
-        assert_eq!(reply.take(), ("think".into(), "answer!".into()));
-        assert_eq!(reply.take(), (String::new(), String::new()));
+        let delta = reply.take();
+        assert_eq!(
+            (delta.reasoning, delta.content),
+            ("think".into(), "answer!".into())
+        );
+        assert!(reply.take().is_empty());
+    }
+
+    fn start<'a>(channel: Channel, recipient: Option<&'a str>) -> ParseEvent<'a> {
+        ParseEvent::MessageStart {
+            role: "assistant",
+            channel: Some(channel),
+            channel_name: channel.as_str(),
+            recipient,
+        }
+    }
+
+    #[test]
+    fn a_message_to_a_function_is_a_tool_call_when_the_request_defined_functions() {
+        let mut reply = ReplyText::new(vec!["}".into()]).with_tools(true);
+        reply.on_event(start(Channel::Analysis, None));
+        reply.on_event(text(Some(Channel::Analysis), "need weather"));
+        reply.on_event(start(Channel::Commentary, Some("functions.get_weather")));
+        reply.on_event(text(Some(Channel::Commentary), "{\"city\":"));
+        let first = reply.take();
+        assert_eq!(first.reasoning, "need weather");
+        assert_eq!(first.content, "");
+        let [call] = &first.tool_calls[..] else {
+            panic!("{first:?}")
+        };
+        let (id, name) = call.opens.clone().unwrap();
+        assert!(id.starts_with("call_") && id.len() == 29, "{id}");
+        assert_eq!((call.index, name.as_str()), (0, "get_weather"));
+        assert_eq!(call.arguments, "{\"city\":");
+        // Later pieces carry only arguments; a stop string does not cut them.
+        reply.on_event(text(Some(Channel::Commentary), "\"Oslo\"}"));
+        let second = reply.take();
+        assert_eq!(
+            second.tool_calls,
+            [ToolCallDelta {
+                index: 0,
+                opens: None,
+                arguments: "\"Oslo\"}".into()
+            }]
+        );
+        assert!(!reply.stopped());
+        assert!(reply.made_calls());
+    }
+
+    #[test]
+    fn without_functions_or_to_another_recipient_the_text_stays_content() {
+        for (tools, recipient) in [(false, "functions.get_weather"), (true, "browser.search")] {
+            let mut reply = ReplyText::new(Vec::new()).with_tools(tools);
+            reply.on_event(start(Channel::Commentary, Some(recipient)));
+            reply.on_event(text(Some(Channel::Commentary), "{}"));
+            let delta = reply.take();
+            assert_eq!(delta.content, "{}", "{recipient}");
+            assert!(delta.tool_calls.is_empty());
+            assert!(!reply.made_calls());
+        }
     }
 
     #[test]
@@ -147,14 +289,14 @@ mod tests {
         }
         assert!(reply.stopped());
         reply.finish();
-        assert_eq!(reply.take().1, "one ");
+        assert_eq!(reply.take().content, "one ");
 
         let mut reply = ReplyText::new(vec!["xyz".into()]);
         reply.on_event(text(Some(Channel::Final), "héllo x"));
         // The last two bytes may start the stop string: held back until the reply ends.
-        assert_eq!(reply.take().1, "héllo");
+        assert_eq!(reply.take().content, "héllo");
         reply.finish();
-        assert_eq!(reply.take().1, " x");
+        assert_eq!(reply.take().content, " x");
         assert!(!reply.stopped());
     }
 }

@@ -124,12 +124,14 @@ pub fn prepare_responses(
         messages.push(Message {
             role: "developer".into(),
             content: Some(Content::Text(instructions.clone())),
+            ..Message::default()
         });
     }
     match request.input {
         Input::Text(text) => messages.push(Message {
             role: "user".into(),
             content: Some(Content::Text(text)),
+            ..Message::default()
         }),
         Input::Items(items) => {
             for (index, item) in items.into_iter().enumerate() {
@@ -159,6 +161,9 @@ pub fn prepare_responses(
         stop: None,
         reasoning_effort: effort.clone(),
         n: None,
+        tools: None,
+        tool_choice: None,
+        parallel_tool_calls: None,
     };
     let job = prepare_chat(chat, tokenizer, context).map_err(rename_param)?;
     let echo = Echo {
@@ -235,6 +240,7 @@ fn input_message(item: InputItem, index: usize) -> Result<Option<Message>, ApiEr
     Ok(Some(Message {
         role,
         content: Some(Content::Text(text)),
+        ..Message::default()
     }))
 }
 
@@ -472,7 +478,9 @@ impl ResponseBuilder {
     /// `response.incomplete` or `response.failed`; the Responses API sends no `[DONE]`).
     pub fn finish(&mut self, outcome: Outcome<'_>) -> Vec<(String, Value)> {
         let (status, usage, error) = match outcome {
-            Outcome::Finished(FinishReason::Stop, usage) => ("completed", Some(usage), None),
+            Outcome::Finished(FinishReason::Stop | FinishReason::ToolCalls, usage) => {
+                ("completed", Some(usage), None)
+            }
             Outcome::Finished(FinishReason::Length, usage) => ("incomplete", Some(usage), None),
             Outcome::Failed(message) => ("failed", None, Some(message)),
         };
@@ -511,7 +519,7 @@ fn usage_json(usage: &Usage) -> Value {
 /// The status a finish reason gives a whole response.
 pub fn status_of(reason: FinishReason) -> &'static str {
     match reason {
-        FinishReason::Stop => "completed",
+        FinishReason::Stop | FinishReason::ToolCalls => "completed",
         FinishReason::Length => "incomplete",
     }
 }

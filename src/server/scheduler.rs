@@ -31,7 +31,7 @@ use rayon::prelude::*;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::metrics::Metrics;
-use super::reply::ReplyText;
+use super::reply::{ReplyDelta, ReplyText};
 use crate::chat::{HarmonyParser, ParseEvent, Tokenizer};
 use crate::engine::generate::common_prefix_len;
 use crate::engine::{Sampler, SamplerSettings};
@@ -47,6 +47,8 @@ pub struct Job {
     /// Most tokens to sample (already within the context).
     pub max_tokens: usize,
     pub stop: Vec<String>,
+    /// Messages to `functions.NAME` are tool calls.
+    pub tools: bool,
     pub events: UnboundedSender<Event>,
     pub received: Instant,
 }
@@ -54,11 +56,8 @@ pub struct Job {
 /// What a request's handler hears.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
-    /// New text since the last delta.
-    Delta {
-        reasoning: String,
-        content: String,
-    },
+    /// New text and tool-call pieces since the last delta.
+    Delta(ReplyDelta),
     Done(Finish),
     /// The request could not be completed (the server is stopping, the forward pass failed).
     Failed(String),
@@ -68,6 +67,8 @@ pub enum Event {
 pub enum FinishReason {
     Stop,
     Length,
+    /// The model called a function and waits for its answer (`<|call|>`).
+    ToolCalls,
 }
 
 impl FinishReason {
@@ -75,6 +76,7 @@ impl FinishReason {
         match self {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
+            FinishReason::ToolCalls => "tool_calls",
         }
     }
 }
@@ -420,7 +422,7 @@ impl Worker {
                     continue;
                 }
             };
-            let reply = ReplyText::new(job.stop.clone());
+            let reply = ReplyText::new(job.stop.clone()).with_tools(job.tools);
             self.slots[slot].active = Some(Active {
                 job,
                 prefilled: reused,
@@ -567,9 +569,9 @@ impl Worker {
             }
             Metrics::add(&self.metrics.generated_tokens, 1);
             let finish = take_token(active, token, slot.sequence.len(), self.options.context);
-            let (reasoning, content) = active.reply.take();
-            if !reasoning.is_empty() || !content.is_empty() {
-                let _ = active.job.events.send(Event::Delta { reasoning, content });
+            let delta = active.reply.take();
+            if !delta.is_empty() {
+                let _ = active.job.events.send(Event::Delta(delta));
             }
             if let Some(reason) = finish {
                 let usage = Usage {
@@ -639,7 +641,9 @@ fn take_token(
         }
         reply.on_event(event);
     });
-    let reason = if stopped || reply.stopped() {
+    let reason = if stopped && reply.made_calls() {
+        Some(FinishReason::ToolCalls)
+    } else if stopped || reply.stopped() {
         Some(FinishReason::Stop)
     } else if active.generated >= active.job.max_tokens || cached + 1 > context {
         Some(FinishReason::Length)
@@ -678,5 +682,6 @@ mod tests {
     fn finish_reasons_have_openai_names() {
         assert_eq!(FinishReason::Stop.as_str(), "stop");
         assert_eq!(FinishReason::Length.as_str(), "length");
+        assert_eq!(FinishReason::ToolCalls.as_str(), "tool_calls");
     }
 }
