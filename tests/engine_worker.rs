@@ -493,7 +493,9 @@ impl Harness {
             kind: RequestKind::NewTurn,
             conversation,
         };
-        self.engine.send(Command::Generate(Box::new(request))).unwrap();
+        self.engine
+            .send(Command::Generate(Box::new(request)))
+            .unwrap();
     }
 
     /// Runs a new turn: its events, through its end.

@@ -762,3 +762,62 @@ fn bad_function_tools_and_tool_messages_get_errors_naming_the_field() {
     }
     server.stop();
 }
+
+/// What the server cannot honour is refused by name (log-probabilities, structured output,
+/// penalties, biases) while their neutral values pass; llama-server's and vLLM's `top_k` and
+/// `min_p` are honoured: `top_k` 1 samples greedily, as temperature 0 does.
+#[test]
+fn unserved_fields_are_refused_and_top_k_and_min_p_are_honoured() {
+    let server = serve(Precision::Fast, options(2, 1024, 8), None);
+    for (extra, param) in [
+        (json!({"logprobs": true}), "logprobs"),
+        (json!({"top_logprobs": 3}), "top_logprobs"),
+        (
+            json!({"response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
+            "response_format",
+        ),
+        (json!({"frequency_penalty": 0.5}), "frequency_penalty"),
+        (json!({"presence_penalty": -1.0}), "presence_penalty"),
+        (json!({"logit_bias": {"1000": 5}}), "logit_bias"),
+        (json!({"min_p": 1.5}), "min_p"),
+        (json!({"top_k": -1}), "top_k"),
+    ] {
+        let body = chat(user("hi"), extra);
+        let (status, reply) = server.post(&body);
+        assert_eq!(status, 400, "{body}: {reply}");
+        assert_eq!(reply["error"]["param"], param, "{body}: {reply}");
+    }
+    let neutral = json!({"logprobs": false, "top_logprobs": 0, "response_format": {"type": "text"},
+                         "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {},
+                         "max_tokens": 2});
+    let (status, reply) = server.post(&chat(user("hi"), neutral));
+    assert_eq!(status, 200, "{reply}");
+    server.stop();
+    // The exact path: a reply must not depend on how much of the prompt came from the cache.
+    let server = serve(Precision::Exact, options(2, 1024, 8), None);
+    let text = |extra: Value| {
+        let (status, reply) = server.post(&chat(user("Count to five."), extra));
+        assert_eq!(status, 200, "{reply}");
+        let message = &reply["choices"][0]["message"];
+        format!("{}|{}", message["reasoning_content"], message["content"])
+    };
+    let greedy = text(json!({"temperature": 0, "max_tokens": 80}));
+    let sampled = [7, 8].map(|seed| text(json!({"seed": seed, "max_tokens": 80})));
+    assert!(
+        greedy.len() > 20 && sampled[0] != sampled[1],
+        "{greedy} {sampled:?}"
+    );
+    assert_eq!(
+        text(json!({"top_k": 1, "seed": 7, "max_tokens": 80})),
+        greedy
+    );
+    assert_eq!(
+        text(json!({"top_k": 1, "seed": 8, "min_p": 0.5, "max_tokens": 80})),
+        greedy
+    );
+    server.stop();
+}

@@ -184,6 +184,84 @@ pub struct ChatCompletionRequest {
     /// most one.
     #[serde(default)]
     pub parallel_tool_calls: Option<bool>,
+    /// Extensions llama-server and vLLM take: keep the k most likely tokens (0: all), and drop
+    /// tokens less likely than this fraction of the most likely one.
+    #[serde(default)]
+    pub top_k: Option<u64>,
+    #[serde(default)]
+    pub min_p: Option<f32>,
+    /// Fields whose non-default values this server cannot honour: refused rather than ignored,
+    /// so a client never takes an unconstrained or unpenalized reply for what it asked.
+    #[serde(default)]
+    pub logprobs: Option<bool>,
+    #[serde(default)]
+    pub top_logprobs: Option<u64>,
+    #[serde(default)]
+    pub response_format: Option<ResponseFormat>,
+    #[serde(default)]
+    pub frequency_penalty: Option<f32>,
+    #[serde(default)]
+    pub presence_penalty: Option<f32>,
+    #[serde(default)]
+    pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+/// `response_format`: only `{"type": "text"}` is served.
+#[derive(Debug, Deserialize)]
+pub struct ResponseFormat {
+    #[serde(rename = "type")]
+    pub kind: String,
+}
+
+/// Refuses the fields asking for what this server does not do (see [`ChatCompletionRequest`]).
+fn refuse_unserved(request: &ChatCompletionRequest) -> Result<(), ApiError> {
+    let refuse = |param: &str, why: &str| {
+        Err(ApiError::invalid(
+            format!("`{param}` is not supported by this server: {why}"),
+            Some(param),
+        ))
+    };
+    if request.logprobs == Some(true) || request.top_logprobs.is_some_and(|n| n > 0) {
+        let param = if request.logprobs == Some(true) {
+            "logprobs"
+        } else {
+            "top_logprobs"
+        };
+        return refuse(param, "replies carry no log-probabilities");
+    }
+    if let Some(format) = &request.response_format {
+        if format.kind != "text" {
+            return refuse(
+                "response_format",
+                &format!(
+                    "{:?} needs constrained sampling; only \"text\" is served",
+                    format.kind
+                ),
+            );
+        }
+    }
+    for (param, value) in [
+        ("frequency_penalty", request.frequency_penalty),
+        ("presence_penalty", request.presence_penalty),
+    ] {
+        if value.is_some_and(|v| v != 0.0) {
+            return refuse(
+                param,
+                "tokens are sampled without repetition penalties (0 is accepted)",
+            );
+        }
+    }
+    if request
+        .logit_bias
+        .as_ref()
+        .is_some_and(|bias| !bias.is_empty())
+    {
+        return refuse(
+            "logit_bias",
+            "logits are sampled unbiased (an empty map is accepted)",
+        );
+    }
+    Ok(())
 }
 
 /// A checked request: the prompt and how to sample it.
@@ -361,6 +439,7 @@ pub fn prepare_chat_dated(
     if request.n.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid("only `n` = 1 is supported", Some("n")));
     }
+    refuse_unserved(&request)?;
     let reasoning = match request.reasoning_effort.as_deref() {
         None => ReasoningEffort::Medium,
         Some(text) => text
@@ -509,12 +588,17 @@ pub fn prepare_chat_dated(
     let sampler = SamplerSettings {
         temperature: request.temperature.unwrap_or(1.0),
         top_p: request.top_p.unwrap_or(1.0),
+        // Past the vocabulary k keeps every token, as 0 does.
+        top_k: request
+            .top_k
+            .map_or(0, |k| usize::try_from(k).unwrap_or(usize::MAX)),
+        min_p: request.min_p.unwrap_or(0.0),
         seed: request.seed,
-        ..SamplerSettings::default()
     };
     if let Err(error) = sampler.validate() {
         let param = match error {
             crate::engine::SamplerError::TopP(_) => "top_p",
+            crate::engine::SamplerError::MinP(_) => "min_p",
             _ => "temperature",
         };
         return Err(ApiError::invalid(error.to_string(), Some(param)));

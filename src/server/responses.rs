@@ -164,6 +164,14 @@ pub fn prepare_responses(
         tools: None,
         tool_choice: None,
         parallel_tool_calls: None,
+        top_k: None,
+        min_p: None,
+        logprobs: None,
+        top_logprobs: None,
+        response_format: None,
+        frequency_penalty: None,
+        presence_penalty: None,
+        logit_bias: None,
     };
     let job = prepare_chat(chat, tokenizer, context).map_err(rename_param)?;
     let echo = Echo {
