@@ -3,7 +3,8 @@
 # (target/openai-venv, reused), starts the server on a free loopback port with the synthetic tiny
 # model, lists the models, streams a chat completion (reasoning and content deltas, usage) and
 # asks for one without streaming, sends function tools and a tool-call exchange, streams a
-# Responses API reply, then sends SIGTERM while a stream
+# Responses API reply and function tools with a call's output as input items, then sends
+# SIGTERM while a stream
 # runs and checks that the stream finishes and the server exits cleanly.
 # Skips (exit 0, with a message) when python3 or its venv module is missing.
 set -euo pipefail
@@ -141,6 +142,24 @@ whole = client.responses.create(model=models[0], input=[{"role": "user", "conten
 assert whole.status in ("completed", "incomplete") and whole.usage.output_tokens <= 8
 print(f"openai client check: responses streamed {len(kinds)} events, {len(reasoning)} chars of "
       f"reasoning, {len(text)} of output text, status {final.status}")
+
+# Function tools in the Responses API, as the Agents SDK sends them: the flat tool form, then a
+# call and its output as input items; the reply must parse with the tools echoed.
+flat_tools = [{"type": "function", "name": "get_weather", "description": "Weather in a city.",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                              "required": ["city"]}, "strict": False}]
+items = [{"role": "user", "content": "Weather in Oslo?"},
+         {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+         {"type": "function_call_output", "call_id": "call_1", "output": '{"temperature": 3}'}]
+answer = client.responses.create(model=models[0], input=items, tools=flat_tools, max_output_tokens=16,
+                                 extra_body={"seed": 3})
+assert answer.status in ("completed", "incomplete"), answer.status
+assert [t.name for t in answer.tools] == ["get_weather"], answer.tools
+kinds = [event.type for event in client.responses.create(
+    model=models[0], input=items, tools=flat_tools, max_output_tokens=16, stream=True)]
+assert kinds[-1] in ("response.completed", "response.incomplete"), kinds
+print(f"openai client check: responses with function tools and a call's output: {answer.status}, "
+      f"{len(kinds)} streamed events")
 PY
 
 # Draining: SIGTERM while a stream runs lets it finish (a chat completion that ends normally),

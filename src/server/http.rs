@@ -261,7 +261,9 @@ async fn whole_response(
 ) -> Response {
     loop {
         match events.recv().await {
-            Some(Event::Delta(delta)) => builder.push(&delta.reasoning, &delta.content),
+            Some(Event::Delta(delta)) => {
+                builder.push(&delta.reasoning, &delta.content, &delta.tool_calls)
+            }
             Some(Event::Done(finish)) => {
                 let status = status_of(finish.reason);
                 return Json(builder.response(status, Some(&finish.usage), None)).into_response();
@@ -295,9 +297,10 @@ fn stream_response(
                 event = events.recv() => event,
             };
             let (out, last) = match event {
-                Some(Event::Delta(delta)) => {
-                    (builder.delta(&delta.reasoning, &delta.content), false)
-                }
+                Some(Event::Delta(delta)) => (
+                    builder.delta(&delta.reasoning, &delta.content, &delta.tool_calls),
+                    false,
+                ),
                 Some(Event::Done(finish)) => (
                     builder.finish(Outcome::Finished(finish.reason, &finish.usage)),
                     true,

@@ -1,15 +1,19 @@
-//! The OpenAI Responses API (`POST /v1/responses`), the subset a chat client uses: `input` as a
-//! string or a list of messages, `instructions`, `reasoning.effort`, `max_output_tokens`,
-//! `temperature`, `top_p`, `stream` (and `seed`, as in chat completions). A request is turned into the chat-completions form and
-//! checked by the same code ([`prepare_chat`]); the reply is a `response` object whose output
-//! holds a reasoning item (the analysis channel) and a message (the final channel).
+//! The OpenAI Responses API (`POST /v1/responses`), the subset a chat client or an agent uses:
+//! `input` as a string or a list of messages, function calls and their outputs, `instructions`,
+//! `tools` (functions), `tool_choice`, `reasoning.effort`, `max_output_tokens`, `temperature`,
+//! `top_p`, `stream` (and `seed`, as in chat completions). A request is turned into the
+//! chat-completions form and checked by the same code ([`prepare_chat`]); the reply is a
+//! `response` object whose output holds a reasoning item (the analysis channel), a message (the
+//! final channel, or a preamble) and a function call when the model made one.
 
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::api::{
-    parse_json, prepare_chat, ApiError, ChatCompletionRequest, ChatJob, Content, Message,
+    parse_json, prepare_chat, ApiError, CalledFunction, ChatCompletionRequest, ChatJob, Content,
+    FunctionParam, Message, ToolCallParam, ToolChoice, ToolParam,
 };
+use super::reply::ToolCallDelta;
 use super::scheduler::{FinishReason, Usage};
 use crate::chat::Tokenizer;
 
@@ -21,8 +25,10 @@ pub enum Input {
     Items(Vec<InputItem>),
 }
 
-/// An input item. Messages are read; reasoning items a client sends back from an earlier reply
-/// are dropped (gpt-oss does not see earlier turns' reasoning); other kinds are refused.
+/// An input item: a message, a function call the model made and its output, or a reasoning item
+/// a client sends back from an earlier reply (kept before the call it led to, as gpt-oss
+/// expects while a tool exchange runs; dropped elsewhere, as gpt-oss does not see earlier turns'
+/// reasoning); other kinds are refused.
 #[derive(Debug, Deserialize)]
 pub struct InputItem {
     #[serde(rename = "type", default)]
@@ -31,6 +37,32 @@ pub struct InputItem {
     pub role: Option<String>,
     #[serde(default)]
     pub content: Option<ItemContent>,
+    /// `function_call` and `function_call_output`: the call's id.
+    #[serde(default)]
+    pub call_id: Option<String>,
+    /// `function_call`: the function and its arguments (JSON text).
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub arguments: Option<Value>,
+    /// `function_call_output`: what the function returned.
+    #[serde(default)]
+    pub output: Option<ItemContent>,
+}
+
+/// `tools[i]`: a function (the Responses API's flat form of a chat-completions tool).
+#[derive(Debug, Deserialize)]
+pub struct ResponsesTool {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub description: Option<String>,
+    #[serde(default)]
+    pub parameters: Option<Value>,
+    #[serde(default)]
+    pub strict: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -78,7 +110,9 @@ pub struct ResponsesRequest {
     #[serde(default)]
     pub previous_response_id: Option<String>,
     #[serde(default)]
-    pub tools: Option<Vec<Value>>,
+    pub tools: Option<Vec<ResponsesTool>>,
+    #[serde(default)]
+    pub tool_choice: Option<ToolChoice>,
 }
 
 /// Parses the body; a wrong type or a missing field is an error naming the field's path.
@@ -94,6 +128,9 @@ pub struct Echo {
     pub max_output_tokens: Option<u64>,
     pub temperature: f32,
     pub top_p: f32,
+    /// The request's tools as the reply repeats them, and its tool choice.
+    pub tools: Vec<Value>,
+    pub tool_choice: Value,
 }
 
 /// Checks the request and renders it as a harmony prompt: `instructions` first as developer
@@ -109,34 +146,51 @@ pub fn prepare_responses(
             Some("previous_response_id"),
         ));
     }
-    if request
-        .tools
-        .as_ref()
-        .is_some_and(|tools| !tools.is_empty())
-    {
-        return Err(ApiError::invalid(
-            "tools are not supported by this server",
-            Some("tools"),
-        ));
-    }
+    let (tools, echoed_tools) = chat_tools(request.tools.unwrap_or_default())?;
+    let echoed_choice = match &request.tool_choice {
+        None => json!("auto"),
+        Some(ToolChoice::Mode(mode)) => json!(mode),
+        Some(ToolChoice::Named(value)) => value.clone(),
+    };
     let mut messages = Vec::new();
+    // The input item each chat message came from, to name it in errors.
+    let mut origins = Vec::new();
     if let Some(instructions) = &request.instructions {
         messages.push(Message {
             role: "developer".into(),
             content: Some(Content::Text(instructions.clone())),
             ..Message::default()
         });
+        origins.push(None);
     }
     match request.input {
-        Input::Text(text) => messages.push(Message {
-            role: "user".into(),
-            content: Some(Content::Text(text)),
-            ..Message::default()
-        }),
+        Input::Text(text) => {
+            messages.push(Message {
+                role: "user".into(),
+                content: Some(Content::Text(text)),
+                ..Message::default()
+            });
+            origins.push(None);
+        }
         Input::Items(items) => {
+            // A reasoning item's text waits for what follows it: a function call keeps it.
+            let mut reasoning: Option<String> = None;
             for (index, item) in items.into_iter().enumerate() {
+                match item.kind.as_deref() {
+                    Some("reasoning") => {
+                        reasoning = Some(reasoning_text(item.content));
+                        continue;
+                    }
+                    Some("function_call") => {
+                        messages.push(call_message(item, index, reasoning.take())?);
+                        origins.push(Some(index));
+                        continue;
+                    }
+                    _ => reasoning = None,
+                }
                 if let Some(message) = input_message(item, index)? {
                     messages.push(message);
+                    origins.push(Some(index));
                 }
             }
         }
@@ -161,8 +215,8 @@ pub fn prepare_responses(
         stop: None,
         reasoning_effort: effort.clone(),
         n: None,
-        tools: None,
-        tool_choice: None,
+        tools: Some(tools),
+        tool_choice: request.tool_choice,
         parallel_tool_calls: None,
         top_k: None,
         min_p: None,
@@ -173,19 +227,164 @@ pub fn prepare_responses(
         presence_penalty: None,
         logit_bias: None,
     };
-    let job = prepare_chat(chat, tokenizer, context).map_err(rename_param)?;
+    let job = prepare_chat(chat, tokenizer, context)
+        .map_err(|error| rename_param(input_param(error, &origins)))?;
     let echo = Echo {
         instructions: request.instructions,
         effort: effort.unwrap_or_else(|| "medium".into()),
         max_output_tokens: request.max_output_tokens,
         temperature: job.sampler.temperature,
         top_p: job.sampler.top_p,
+        tools: echoed_tools,
+        tool_choice: echoed_choice,
     };
     Ok((job, echo))
 }
 
+/// An error about chat message `k` (`messages[k].tool_call_id`, `messages[k].tool_calls[0].
+/// function.name`) names the input item it came from in the Responses API's words.
+fn input_param(mut error: ApiError, origins: &[Option<usize>]) -> ApiError {
+    let Some(param) = error.param.clone() else {
+        return error;
+    };
+    let Some(rest) = param.strip_prefix("messages[") else {
+        return error;
+    };
+    let Some((number, field)) = rest.split_once(']') else {
+        return error;
+    };
+    let Some(Some(index)) = number.parse::<usize>().ok().and_then(|k| origins.get(k)) else {
+        return error;
+    };
+    let mapped = match field {
+        ".tool_call_id" => ".call_id",
+        ".tool_calls[0].function.name" | ".name" => ".name",
+        other => other,
+    };
+    let renamed = format!("input[{index}]{mapped}");
+    error.message = error
+        .message
+        .replace(&format!("messages[{number}]{field}"), &renamed)
+        .replace(&format!("messages[{number}]"), &format!("input[{index}]"));
+    error.param = Some(renamed);
+    error
+}
+
+/// The request's function tools in the chat-completions form (checked there), and as the reply
+/// repeats them. Other kinds (web search, file search, MCP...) are refused.
+fn chat_tools(tools: Vec<ResponsesTool>) -> Result<(Vec<ToolParam>, Vec<Value>), ApiError> {
+    let mut chat = Vec::with_capacity(tools.len());
+    let mut echoed = Vec::with_capacity(tools.len());
+    for (index, tool) in tools.into_iter().enumerate() {
+        let param = format!("tools[{index}]");
+        if tool.kind != "function" {
+            return Err(ApiError::invalid(
+                format!(
+                    "{param}.type is {:?}; this server takes \"function\" tools",
+                    tool.kind
+                ),
+                Some(&format!("{param}.type")),
+            ));
+        }
+        let Some(name) = tool.name else {
+            return Err(ApiError::invalid(
+                format!("{param} has no `name`"),
+                Some(&format!("{param}.name")),
+            ));
+        };
+        echoed.push(
+            json!({"type": "function", "name": name, "description": tool.description,
+                           "parameters": tool.parameters, "strict": tool.strict.unwrap_or(false)}),
+        );
+        chat.push(ToolParam {
+            kind: tool.kind,
+            function: FunctionParam {
+                name,
+                description: tool.description,
+                parameters: tool.parameters,
+                strict: tool.strict,
+            },
+        });
+    }
+    Ok((chat, echoed))
+}
+
+/// A `function_call` item: the assistant's call, with the reasoning item before it (if any).
+fn call_message(
+    item: InputItem,
+    index: usize,
+    reasoning: Option<String>,
+) -> Result<Message, ApiError> {
+    let param = format!("input[{index}]");
+    let Some(name) = item.name else {
+        return Err(ApiError::invalid(
+            format!("{param} is a function call without a `name`"),
+            Some(&format!("{param}.name")),
+        ));
+    };
+    Ok(Message {
+        role: "assistant".into(),
+        reasoning_content: reasoning,
+        tool_calls: Some(vec![ToolCallParam {
+            id: item.call_id,
+            kind: Some("function".into()),
+            function: CalledFunction {
+                name,
+                arguments: item.arguments,
+            },
+        }]),
+        ..Message::default()
+    })
+}
+
+/// The text of a reasoning item's `reasoning_text` parts (a summary-only item has none).
+fn reasoning_text(content: Option<ItemContent>) -> String {
+    match content {
+        None => String::new(),
+        Some(ItemContent::Text(text)) => text,
+        Some(ItemContent::Parts(parts)) => parts
+            .into_iter()
+            .filter(|part| part.kind == "reasoning_text" || part.kind == "text")
+            .filter_map(|part| part.text)
+            .collect(),
+    }
+}
+
+/// The text of an item's content: a string or its text parts.
+fn item_text(content: Option<ItemContent>, param: &str) -> Result<String, ApiError> {
+    Ok(match content {
+        None => String::new(),
+        Some(ItemContent::Text(text)) => text,
+        Some(ItemContent::Parts(parts)) => {
+            let mut text = String::new();
+            for (part_index, part) in parts.into_iter().enumerate() {
+                match (part.kind.as_str(), part.text) {
+                    ("input_text" | "output_text" | "text", Some(piece)) => text.push_str(&piece),
+                    (kind, _) => {
+                        return Err(ApiError::invalid(
+                            format!("{param}.content[{part_index}] is a {kind:?} part; only text parts are supported"),
+                            Some(&format!("{param}.content[{part_index}]")),
+                        ))
+                    }
+                }
+            }
+            text
+        }
+    })
+}
+
 /// The chat checks name chat-completions fields; a Responses client knows these names.
 fn rename_param(mut error: ApiError) -> ApiError {
+    if let Some(param) = error.param.clone() {
+        // tools[i].function.name -> tools[i].name; messages[i] -> input[i] (instructions, when
+        // given, are message 0, so indices past it are shifted by the caller's count).
+        if let Some(rest) = param.strip_prefix("tools[") {
+            let flat = format!("tools[{}", rest.replacen("].function.", "].", 1));
+            error.message = error.message.replace(&param, &flat);
+            error.param = Some(flat);
+            return error;
+        }
+    }
     let renamed = match error.param.as_deref() {
         Some("max_completion_tokens") => Some("max_output_tokens"),
         Some("reasoning_effort") => Some("reasoning.effort"),
@@ -206,7 +405,20 @@ fn input_message(item: InputItem, index: usize) -> Result<Option<Message>, ApiEr
     let param = format!("input[{index}]");
     match item.kind.as_deref() {
         None | Some("message") => {}
-        Some("reasoning") => return Ok(None),
+        Some("function_call_output") => {
+            let Some(call_id) = item.call_id else {
+                return Err(ApiError::invalid(
+                    format!("{param} is a function call output without a `call_id`"),
+                    Some(&format!("{param}.call_id")),
+                ));
+            };
+            return Ok(Some(Message {
+                role: "tool".into(),
+                tool_call_id: Some(call_id),
+                content: Some(Content::Text(item_text(item.output, &param)?)),
+                ..Message::default()
+            }));
+        }
         Some(other) => {
             return Err(ApiError::invalid(
                 format!("{param} is a {other:?} item; this server takes messages"),
@@ -220,25 +432,7 @@ fn input_message(item: InputItem, index: usize) -> Result<Option<Message>, ApiEr
             Some(&format!("{param}.role")),
         ));
     };
-    let text = match item.content {
-        None => String::new(),
-        Some(ItemContent::Text(text)) => text,
-        Some(ItemContent::Parts(parts)) => {
-            let mut text = String::new();
-            for (part_index, part) in parts.into_iter().enumerate() {
-                match (part.kind.as_str(), part.text) {
-                    ("input_text" | "output_text" | "text", Some(piece)) => text.push_str(&piece),
-                    (kind, _) => {
-                        return Err(ApiError::invalid(
-                            format!("{param}.content[{part_index}] is a {kind:?} part; only text parts are supported"),
-                            Some(&format!("{param}.content[{part_index}]")),
-                        ))
-                    }
-                }
-            }
-            text
-        }
-    };
+    let text = item_text(item.content, &param)?;
     if !matches!(role.as_str(), "user" | "assistant" | "system" | "developer") {
         return Err(ApiError::invalid(
             format!("{param}.role is {role:?}; this server takes system, developer, user and assistant messages"),
@@ -261,10 +455,21 @@ pub struct ResponseBuilder {
     pub echo: Echo,
     reasoning: String,
     content: String,
-    /// Output items opened so far: reasoning, then the message, each at most once.
+    /// Output items opened so far: reasoning, then the message, each at most once, then the
+    /// function calls.
     reasoning_open: bool,
     message_open: bool,
+    calls: Vec<CallItem>,
     sequence: u64,
+}
+
+/// A function call among the output items.
+struct CallItem {
+    id: String,
+    call_id: String,
+    name: String,
+    arguments: String,
+    open: bool,
 }
 
 /// How a response ended.
@@ -284,8 +489,25 @@ impl ResponseBuilder {
             content: String::new(),
             reasoning_open: false,
             message_open: false,
+            calls: Vec::new(),
             sequence: 0,
         }
+    }
+
+    /// Index of call `k` among the output items: after the reasoning and the message, if any.
+    fn call_index(&self, k: usize) -> usize {
+        self.message_index() + usize::from(!self.content.is_empty()) + k
+    }
+
+    fn call_item(&self, k: usize, status: &str) -> Value {
+        let call = &self.calls[k];
+        let arguments = if status == "in_progress" {
+            ""
+        } else {
+            &call.arguments
+        };
+        json!({"id": call.id, "type": "function_call", "status": status, "call_id": call.call_id,
+               "name": call.name, "arguments": arguments})
     }
 
     fn reasoning_id(&self) -> String {
@@ -340,8 +562,12 @@ impl ResponseBuilder {
             if !self.reasoning.is_empty() {
                 output.push(self.reasoning_item(item_status));
             }
-            if !self.content.is_empty() || status == "completed" {
+            let answered = status == "completed" && self.calls.is_empty();
+            if !self.content.is_empty() || answered {
                 output.push(self.message_item(item_status));
+            }
+            for k in 0..self.calls.len() {
+                output.push(self.call_item(k, item_status));
             }
         }
         json!({
@@ -360,8 +586,8 @@ impl ResponseBuilder {
             "top_p": self.echo.top_p,
             "reasoning": {"effort": self.echo.effort, "summary": null},
             "parallel_tool_calls": false,
-            "tool_choice": "none",
-            "tools": [],
+            "tool_choice": self.echo.tool_choice,
+            "tools": self.echo.tools,
             "text": {"format": {"type": "text"}},
             "store": false,
             "metadata": {},
@@ -378,8 +604,73 @@ impl ResponseBuilder {
         ]
     }
 
-    /// The events for new reasoning and answer text (opening the output items they belong to).
-    pub fn delta(&mut self, reasoning: &str, content: &str) -> Vec<(String, Value)> {
+    /// The events for new reasoning and answer text and function-call pieces (opening the output
+    /// items they belong to).
+    pub fn delta(
+        &mut self,
+        reasoning: &str,
+        content: &str,
+        calls: &[ToolCallDelta],
+    ) -> Vec<(String, Value)> {
+        let mut events = self.text_delta(reasoning, content);
+        for piece in calls {
+            if let Some((call_id, name)) = &piece.opens {
+                events.extend(self.close_reasoning("completed"));
+                events.extend(self.close_message("completed"));
+                events.extend(self.close_calls("completed"));
+                self.calls.push(CallItem {
+                    id: format!("fc_{}", call_id.trim_start_matches("call_")),
+                    call_id: call_id.clone(),
+                    name: name.clone(),
+                    arguments: String::new(),
+                    open: true,
+                });
+                let k = self.calls.len() - 1;
+                let (index, item) = (self.call_index(k), self.call_item(k, "in_progress"));
+                events.push(self.event(
+                    "response.output_item.added",
+                    json!({"output_index": index, "item": item}),
+                ));
+            }
+            let Some(k) = self.calls.len().checked_sub(1) else {
+                continue;
+            };
+            if piece.arguments.is_empty() {
+                continue;
+            }
+            self.calls[k].arguments.push_str(&piece.arguments);
+            let (id, index) = (self.calls[k].id.clone(), self.call_index(k));
+            events.push(self.event(
+                "response.function_call_arguments.delta",
+                json!({"item_id": id, "output_index": index, "delta": piece.arguments}),
+            ));
+        }
+        events
+    }
+
+    fn close_calls(&mut self, status: &str) -> Vec<(String, Value)> {
+        let mut events = Vec::new();
+        for k in 0..self.calls.len() {
+            if !self.calls[k].open {
+                continue;
+            }
+            self.calls[k].open = false;
+            let (id, index) = (self.calls[k].id.clone(), self.call_index(k));
+            let arguments = self.calls[k].arguments.clone();
+            let item = self.call_item(k, status);
+            events.push(self.event(
+                "response.function_call_arguments.done",
+                json!({"item_id": id, "output_index": index, "arguments": arguments}),
+            ));
+            events.push(self.event(
+                "response.output_item.done",
+                json!({"output_index": index, "item": item}),
+            ));
+        }
+        events
+    }
+
+    fn text_delta(&mut self, reasoning: &str, content: &str) -> Vec<(String, Value)> {
         let mut events = Vec::new();
         if !reasoning.is_empty() && !self.message_open {
             if !self.reasoning_open {
@@ -499,15 +790,30 @@ impl ResponseBuilder {
         };
         let mut events = self.close_reasoning(item_status);
         events.extend(self.close_message(item_status));
+        events.extend(self.close_calls(item_status));
         let response = self.response(status, usage, error);
         events.push(self.event(&format!("response.{status}"), json!({"response": response})));
         events
     }
 
-    /// Records text without producing events (the whole, non-streamed reply).
-    pub fn push(&mut self, reasoning: &str, content: &str) {
+    /// Records text and calls without producing events (the whole, non-streamed reply).
+    pub fn push(&mut self, reasoning: &str, content: &str, calls: &[ToolCallDelta]) {
         self.reasoning.push_str(reasoning);
         self.content.push_str(content);
+        for piece in calls {
+            if let Some((call_id, name)) = &piece.opens {
+                self.calls.push(CallItem {
+                    id: format!("fc_{}", call_id.trim_start_matches("call_")),
+                    call_id: call_id.clone(),
+                    name: name.clone(),
+                    arguments: String::new(),
+                    open: false,
+                });
+            }
+            if let Some(call) = self.calls.last_mut() {
+                call.arguments.push_str(&piece.arguments);
+            }
+        }
     }
 }
 
@@ -580,10 +886,31 @@ mod tests {
             ),
             (
                 r#"{"input": "hi", "tools": [{"type": "web_search"}]}"#,
-                "tools",
+                "tools[0].type",
+            ),
+            (
+                r#"{"input": "hi", "tools": [{"type": "function", "name": "a b"}]}"#,
+                "tools[0].name",
+            ),
+            (
+                r#"{"input": "hi", "tools": [{"type": "function"}]}"#,
+                "tools[0].name",
             ),
             (
                 r#"{"input": [{"type": "function_call_output"}]}"#,
+                "input[0].call_id",
+            ),
+            (
+                r#"{"input": [{"role": "user", "content": "a"},
+                    {"type": "function_call_output", "call_id": "c9", "output": "x"}]}"#,
+                "input[1].call_id",
+            ),
+            (
+                r#"{"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}"#,
+                "input[0].name",
+            ),
+            (
+                r#"{"input": [{"type": "web_search_call"}]}"#,
                 "input[0].type",
             ),
             (
@@ -598,6 +925,7 @@ mod tests {
         }
     }
 
+    /// Reasoning items before a message (not a call) are dropped, as before calls existed.
     #[test]
     fn earlier_reasoning_items_are_dropped() {
         let (with, _) = prepare(
@@ -615,20 +943,126 @@ mod tests {
         assert_eq!(with.prompt, without.prompt);
     }
 
-    #[test]
-    fn streamed_events_are_numbered_and_close_every_item_they_open() {
-        let echo = Echo {
+    fn echo() -> Echo {
+        Echo {
             instructions: None,
             effort: "low".into(),
             max_output_tokens: None,
             temperature: 1.0,
             top_p: 1.0,
-        };
+            tools: Vec::new(),
+            tool_choice: json!("auto"),
+        }
+    }
+
+    /// The same exchange in the Responses API's items and in chat-completions messages renders
+    /// the same prompt: reasoning before a call kept, the call, its output.
+    #[test]
+    fn function_call_items_render_as_the_chat_exchange_does() {
+        let (responses, echo) = prepare(
+            r#"{"instructions": "Be brief.", "input": [
+                {"role": "user", "content": "weather?"},
+                {"type": "reasoning", "id": "rs_1", "summary": [],
+                 "content": [{"type": "reasoning_text", "text": "need it"}]},
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                 "arguments": "{\"city\":\"Oslo\"}"},
+                {"type": "function_call_output", "call_id": "call_1", "output": "3 C"}],
+                "tools": [{"type": "function", "name": "get_weather", "description": "Weather.",
+                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]}"#,
+        )
+        .unwrap();
+        let chat = super::super::api::parse_chat_request(
+            br#"{"messages": [{"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": null, "reasoning_content": "need it", "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": "{\"city\":\"Oslo\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "3 C"}],
+                "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather.",
+                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]}"#,
+        )
+        .unwrap();
+        let chat = prepare_chat(chat, Tokenizer::shared().unwrap(), 4096).unwrap();
+        assert_eq!(responses.prompt, chat.prompt);
+        assert!(responses.tools);
+        assert_eq!(echo.tools[0]["name"], "get_weather");
+        assert_eq!(echo.tool_choice, "auto");
+    }
+
+    fn opening(call_id: &str, arguments: &str) -> ToolCallDelta {
+        ToolCallDelta {
+            index: 0,
+            opens: Some((call_id.into(), "get_weather".into())),
+            arguments: arguments.into(),
+        }
+    }
+
+    fn more(arguments: &str) -> ToolCallDelta {
+        ToolCallDelta {
+            index: 0,
+            opens: None,
+            arguments: arguments.into(),
+        }
+    }
+
+    #[test]
+    fn a_call_streams_as_a_function_call_item_after_the_reasoning() {
+        let mut builder = ResponseBuilder::new("resp_1".into(), 0, "m".into(), echo());
+        let mut events = builder.start();
+        events.extend(builder.delta("need weather", "", &[]));
+        events.extend(builder.delta("", "", &[opening("call_x", "{\"city\":")]));
+        events.extend(builder.delta("", "", &[more("\"Oslo\"}")]));
+        let usage = Usage::default();
+        events.extend(builder.finish(Outcome::Finished(FinishReason::ToolCalls, &usage)));
+        let kinds: Vec<&str> = events.iter().map(|(kind, _)| kind.as_str()).collect();
+        assert_eq!(
+            kinds[4..],
+            [
+                "response.reasoning_text.delta",
+                "response.reasoning_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+        );
+        let added = &events[8].1;
+        assert_eq!(added["output_index"], 1);
+        assert_eq!(added["item"]["type"], "function_call");
+        assert_eq!(added["item"]["call_id"], "call_x");
+        assert_eq!(added["item"]["name"], "get_weather");
+        assert_eq!(events[11].1["arguments"], "{\"city\":\"Oslo\"}");
+        let done = &events.last().unwrap().1["response"];
+        assert_eq!(done["status"], "completed");
+        let output = done["output"].as_array().unwrap();
+        assert_eq!(output.len(), 2, "{done}");
+        assert_eq!(output[1]["type"], "function_call");
+        assert_eq!(output[1]["id"], added["item"]["id"]);
+        assert_eq!(output[1]["arguments"], "{\"city\":\"Oslo\"}");
+        for (index, (_, value)) in events.iter().enumerate() {
+            assert_eq!(value["sequence_number"], index as u64);
+        }
+
+        // The whole reply: the same items.
+        let mut whole = ResponseBuilder::new("resp_1".into(), 0, "m".into(), echo());
+        whole.push("need weather", "", &[opening("call_x", "{\"city\":")]);
+        whole.push("", "", &[more("\"Oslo\"}")]);
+        let response = whole.response("completed", Some(&usage), None);
+        assert_eq!(response["output"], done["output"]);
+    }
+
+    #[test]
+    fn streamed_events_are_numbered_and_close_every_item_they_open() {
+        let echo = echo();
         let mut builder = ResponseBuilder::new("resp_1".into(), 0, "m".into(), echo);
         let mut events = builder.start();
-        events.extend(builder.delta("think", ""));
-        events.extend(builder.delta(" more", "An"));
-        events.extend(builder.delta("", "swer"));
+        events.extend(builder.delta("think", "", &[]));
+        events.extend(builder.delta(" more", "An", &[]));
+        events.extend(builder.delta("", "swer", &[]));
         let usage = Usage {
             prompt_tokens: 10,
             cached_tokens: 4,
