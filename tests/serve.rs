@@ -702,12 +702,17 @@ fn bad_function_tools_and_tool_messages_get_errors_naming_the_field() {
             "tools[0].function.strict",
         ),
         (
-            json!({"tools": [weather], "tool_choice": "required"}),
+            json!({"tool_choice": "required"}),
             ask.clone(),
             "tool_choice",
         ),
         (
-            json!({"tools": [weather], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+            json!({"tools": [weather], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}),
+            ask.clone(),
+            "tool_choice",
+        ),
+        (
+            json!({"tools": [weather], "tool_choice": {"type": "function"}}),
             ask.clone(),
             "tool_choice",
         ),
@@ -819,5 +824,96 @@ fn unserved_fields_are_refused_and_top_k_and_min_p_are_honoured() {
         text(json!({"top_k": 1, "seed": 8, "min_p": 0.5, "max_tokens": 80})),
         greedy
     );
+    server.stop();
+}
+
+/// `tool_choice` naming a function opens that call in the prompt (`<|channel|>commentary
+/// to=functions.NAME <|constrain|>json<|message|>`), so whatever the model samples is the call's
+/// arguments: with random weights too, the reply is a call of that function, whole and streamed.
+/// `"required"` stops the header after `to=functions.` for the model to name one.
+#[test]
+fn a_named_tool_choice_makes_the_reply_a_call_of_that_function() {
+    use ossterm::server::api::{parse_chat_request, prepare_chat_dated};
+    let tokenizer = ossterm::chat::Tokenizer::shared().unwrap();
+    let weather = json!({"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}});
+    let named = json!({"type": "function", "function": {"name": "get_weather"}});
+    let prompt_of = |choice: Value| {
+        let body = chat(
+            user("weather?"),
+            json!({"tools": [weather], "tool_choice": choice}),
+        );
+        let request = parse_chat_request(body.as_bytes()).unwrap();
+        prepare_chat_dated(request, tokenizer, 4096, None).unwrap()
+    };
+    let auto = prompt_of(json!("auto"));
+    let forced = prompt_of(named.clone());
+    assert!(auto.forced.is_empty());
+    assert_eq!(forced.prompt[..auto.prompt.len()], auto.prompt[..]);
+    let tail = tokenizer
+        .decode(&forced.prompt[auto.prompt.len()..])
+        .unwrap();
+    assert_eq!(
+        tail,
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    );
+    assert_eq!(forced.forced, forced.prompt[auto.prompt.len()..]);
+    let any = prompt_of(json!("required"));
+    let tail = tokenizer.decode(&any.prompt[auto.prompt.len()..]).unwrap();
+    assert_eq!(tail, "<|channel|>commentary to=functions.");
+
+    // The exact path: the streamed request reuses the first one's cache, and the fast path's
+    // int8 sums differ in the last bits between a prefill chunk and one token.
+    let server = serve(Precision::Exact, options(2, 1024, 8), None);
+    let body = chat(
+        user("weather?"),
+        json!({"tools": [weather], "tool_choice": named, "max_tokens": 6, "seed": 1}),
+    );
+    let (status, reply) = server.post(&body);
+    assert_eq!(status, 200, "{reply}");
+    let choice = &reply["choices"][0];
+    let message = &choice["message"];
+    assert_eq!(message["content"], Value::Null, "{reply}");
+    let calls = message["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{reply}");
+    assert_eq!(calls[0]["type"], "function");
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    assert!(
+        calls[0]["id"].as_str().unwrap().starts_with("call_"),
+        "{reply}"
+    );
+    // Random weights write no `<|call|>`: the budget ends the call.
+    assert!(["length", "tool_calls"].contains(&choice["finish_reason"].as_str().unwrap()));
+    let arguments = calls[0]["function"]["arguments"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    let mut streamed = body.clone();
+    streamed.pop();
+    streamed.push_str(r#","stream":true}"#);
+    let events = stream(&server, &streamed);
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|data| serde_json::from_str(data).unwrap())
+        .collect();
+    let pieces: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"].get("tool_calls"))
+        .collect();
+    assert_eq!(
+        pieces[0][0]["function"]["name"], "get_weather",
+        "{events:?}"
+    );
+    assert!(
+        pieces[1..].iter().all(|p| p[0].get("id").is_none()),
+        "{events:?}"
+    );
+    let joined: String = pieces
+        .iter()
+        .map(|p| p[0]["function"]["arguments"].as_str().unwrap())
+        .collect();
+    // The same seed and prompt, whole or streamed: the same arguments.
+    assert_eq!(joined, arguments);
     server.stop();
 }

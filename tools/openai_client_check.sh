@@ -106,14 +106,14 @@ for chunk in client.chat.completions.create(model=models[0], messages=answered, 
     pieces += 1
     if chunk.choices and chunk.choices[0].delta.tool_calls:
         calls += 1
-try:
-    client.chat.completions.create(model=models[0], messages=asked, tools=tools,
-                                   tool_choice="required", max_tokens=4)
-    sys.exit("tool_choice required was taken")
-except Exception as error:
-    assert getattr(error, "status_code", None) == 400, error
+# A named tool_choice opens that call in the prompt: even random weights reply with it.
+forced = client.chat.completions.create(
+    model=models[0], messages=asked, tools=tools, max_tokens=8, seed=3,
+    tool_choice={"type": "function", "function": {"name": "get_weather"}})
+call = forced.choices[0].message.tool_calls[0]
+assert call.function.name == "get_weather" and call.id.startswith("call_"), forced
 print(f"openai client check: tools taken (a reply finishing {reply.choices[0].finish_reason}; {calls} call deltas; "
-      f"after a tool answer {pieces} chunks), tool_choice required refused with 400")
+      f"after a tool answer {pieces} chunks); a named tool_choice replied with a {call.function.name} call")
 
 # The Responses API: streamed semantic events, the reasoning item and the message.
 kinds, reasoning, text, final = [], "", "", None
@@ -153,6 +153,10 @@ items = [{"role": "user", "content": "Weather in Oslo?"},
          {"type": "function_call_output", "call_id": "call_1", "output": '{"temperature": 3}'}]
 answer = client.responses.create(model=models[0], input=items, tools=flat_tools, max_output_tokens=16,
                                  extra_body={"seed": 3})
+named = client.responses.create(model=models[0], input="Weather in Oslo?", tools=flat_tools,
+                                tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=8)
+assert [item.type for item in named.output][-1] == "function_call", named.output
+assert named.output[-1].name == "get_weather", named.output
 assert answer.status in ("completed", "incomplete"), answer.status
 assert [t.name for t in answer.tools] == ["get_weather"], answer.tools
 kinds = [event.type for event in client.responses.create(

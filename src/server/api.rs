@@ -4,9 +4,10 @@
 use axum::http::StatusCode;
 use serde::Deserialize;
 
+use crate::chat::tokenizer::special;
 use crate::chat::{
     push_assistant_start, render_turns, Channel, ChatMessage, FunctionTool, ReasoningEffort,
-    RenderOptions, SystemSettings, Tokenizer, Turn,
+    RenderOptions, SystemSettings, Tokenizer, TokenizerError, Turn,
 };
 use crate::engine::SamplerSettings;
 
@@ -276,6 +277,9 @@ pub struct ChatJob {
     /// The prompt defines functions: a message the model addresses to `functions.NAME` is a
     /// tool call, not content.
     pub tools: bool,
+    /// The prompt's last tokens when `tool_choice` forces a call: the call's header, which the
+    /// reply's parser reads before the first sampled token.
+    pub forced: Vec<u32>,
 }
 
 /// Longest function name OpenAI accepts.
@@ -299,34 +303,57 @@ fn check_function_name(name: &str, param: &str) -> Result<(), ApiError> {
     }
 }
 
-/// The request's functions, checked, or none when `tool_choice` is `"none"`.
+/// What `tool_choice` asks of the reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Forced {
+    /// The model decides (`"auto"`, or `"none"` with the tools left out).
+    Nothing,
+    /// `"required"`: a call of some function.
+    AnyCall,
+    /// A call of this function.
+    Call(String),
+}
+
+/// The function a named `tool_choice` names: `{"type": "function", "function": {"name"}}` (chat
+/// completions) or `{"type": "function", "name"}` (the Responses API).
+fn named_choice(value: &serde_json::Value) -> Option<&str> {
+    if value.get("type").and_then(|t| t.as_str()) != Some("function") {
+        return None;
+    }
+    value
+        .get("function")
+        .and_then(|f| f.get("name"))
+        .or_else(|| value.get("name"))
+        .and_then(|n| n.as_str())
+}
+
+/// The request's functions, checked (none when `tool_choice` is `"none"`), and the call
+/// `tool_choice` forces, if any.
 fn function_tools(
     tools: Option<Vec<ToolParam>>,
     choice: Option<ToolChoice>,
-) -> Result<Vec<FunctionTool>, ApiError> {
+) -> Result<(Vec<FunctionTool>, Forced), ApiError> {
     let tools = tools.unwrap_or_default();
-    match &choice {
-        None => {}
-        Some(ToolChoice::Mode(mode)) if mode == "auto" || mode == "none" => {}
-        Some(ToolChoice::Mode(mode)) if mode == "required" => {
-            return Err(ApiError::invalid(
-                "`tool_choice` \"required\" is not supported: this server cannot force a call; use \"auto\"",
-                Some("tool_choice"),
-            ))
-        }
+    let forced = match &choice {
+        None => Forced::Nothing,
+        Some(ToolChoice::Mode(mode)) if mode == "auto" || mode == "none" => Forced::Nothing,
+        Some(ToolChoice::Mode(mode)) if mode == "required" => Forced::AnyCall,
         Some(ToolChoice::Mode(mode)) => {
             return Err(ApiError::invalid(
-                format!("`tool_choice` is {mode:?}; it takes \"none\" or \"auto\""),
+                format!("`tool_choice` is {mode:?}; it takes \"none\", \"auto\", \"required\" or a function"),
                 Some("tool_choice"),
             ))
         }
-        Some(ToolChoice::Named(_)) => {
-            return Err(ApiError::invalid(
-                "`tool_choice` naming a function is not supported: this server cannot force a call; use \"auto\"",
-                Some("tool_choice"),
-            ))
-        }
-    }
+        Some(ToolChoice::Named(value)) => match named_choice(value) {
+            Some(name) => Forced::Call(name.to_owned()),
+            None => {
+                return Err(ApiError::invalid(
+                    "`tool_choice` is not a function choice: give {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                    Some("tool_choice"),
+                ))
+            }
+        },
+    };
     let mut functions: Vec<FunctionTool> = Vec::with_capacity(tools.len());
     for (index, tool) in tools.into_iter().enumerate() {
         let param = format!("tools[{index}]");
@@ -369,7 +396,54 @@ fn function_tools(
         });
     }
     let none = matches!(&choice, Some(ToolChoice::Mode(mode)) if mode == "none");
-    Ok(if none { Vec::new() } else { functions })
+    let known = match &forced {
+        Forced::Nothing => true,
+        Forced::AnyCall => !functions.is_empty(),
+        Forced::Call(name) => functions.iter().any(|f| &f.name == name),
+    };
+    if !known {
+        return Err(ApiError::invalid(
+            match &forced {
+                Forced::Call(name) => {
+                    format!("`tool_choice` names {name:?}, which `tools` does not define")
+                }
+                _ => "`tool_choice` \"required\" needs `tools`".to_owned(),
+            },
+            Some("tool_choice"),
+        ));
+    }
+    Ok(if none {
+        (Vec::new(), Forced::Nothing)
+    } else {
+        (functions, forced)
+    })
+}
+
+/// The tokens that open the call `forced` asks for, after the generation prompt's
+/// `<|start|>assistant`, as the model writes a call's header: the commentary channel and the
+/// recipient, and for a named function the content type and `<|message|>`, so the model writes
+/// only the arguments. For any function the header stops after `to=functions.`: the model names
+/// one.
+fn forced_call_tokens(tokenizer: &Tokenizer, forced: &Forced) -> Result<Vec<u32>, TokenizerError> {
+    let mut ids = Vec::new();
+    let name = match forced {
+        Forced::Nothing => return Ok(ids),
+        Forced::AnyCall => None,
+        Forced::Call(name) => Some(name),
+    };
+    ids.push(special::CHANNEL);
+    tokenizer.encode_text_into(Channel::Commentary.as_str(), &mut ids)?;
+    match name {
+        None => tokenizer.encode_text_into(" to=functions.", &mut ids)?,
+        Some(name) => {
+            tokenizer.encode_text_into(&format!(" to=functions.{name}"), &mut ids)?;
+            tokenizer.encode_text_into(" ", &mut ids)?;
+            ids.push(special::CONSTRAIN);
+            tokenizer.encode_text_into("json", &mut ids)?;
+            ids.push(special::MESSAGE);
+        }
+    }
+    Ok(ids)
 }
 
 /// A prompt entry with its text owned (the messages are consumed while they are checked).
@@ -446,7 +520,7 @@ pub fn prepare_chat_dated(
             .parse()
             .map_err(|message: String| ApiError::invalid(message, Some("reasoning_effort")))?,
     };
-    let tools = function_tools(request.tools, request.tool_choice)?;
+    let (tools, forced) = function_tools(request.tools, request.tool_choice)?;
     let mut developer: Vec<String> = Vec::new();
     let mut entries = Vec::new();
     // The function each call id named, for the tool messages that answer them.
@@ -559,6 +633,8 @@ pub fn prepare_chat_dated(
     )
     .map_err(encode_error)?;
     push_assistant_start(tokenizer, &mut prompt).map_err(encode_error)?;
+    let forced = forced_call_tokens(tokenizer, &forced).map_err(encode_error)?;
+    prompt.extend_from_slice(&forced);
     if prompt.len() >= context {
         return Err(ApiError::invalid(
             format!(
@@ -625,6 +701,7 @@ pub fn prepare_chat_dated(
         stream: request.stream.unwrap_or(false),
         include_usage: request.stream_options.unwrap_or_default().include_usage,
         tools: !tools.is_empty(),
+        forced,
     })
 }
 

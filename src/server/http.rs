@@ -399,6 +399,7 @@ fn submit(
             max_tokens: job.max_tokens,
             stop: job.stop,
             tools: job.tools,
+            forced: job.forced,
             events: sender,
             received: Instant::now(),
         })

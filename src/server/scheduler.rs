@@ -49,6 +49,8 @@ pub struct Job {
     pub stop: Vec<String>,
     /// Messages to `functions.NAME` are tool calls.
     pub tools: bool,
+    /// The prompt's last tokens that open a forced call (see `ChatJob::forced`).
+    pub forced: Vec<u32>,
     pub events: UnboundedSender<Event>,
     pub received: Instant,
 }
@@ -422,7 +424,12 @@ impl Worker {
                     continue;
                 }
             };
-            let reply = ReplyText::new(job.stop.clone()).with_tools(job.tools);
+            let mut reply = ReplyText::new(job.stop.clone()).with_tools(job.tools);
+            let mut parser = HarmonyParser::after_prompt(tokenizer, "assistant");
+            // A forced call's header is prompt, but the reply's parser must have read it.
+            for &token in &job.forced {
+                parser.push(token, &mut |event| reply.on_event(event));
+            }
             self.slots[slot].active = Some(Active {
                 job,
                 prefilled: reused,
@@ -430,7 +437,7 @@ impl Worker {
                 next: None,
                 generated: 0,
                 sampler,
-                parser: HarmonyParser::after_prompt(tokenizer, "assistant"),
+                parser,
                 reply,
                 first_token_at: None,
             });
