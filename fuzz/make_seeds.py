@@ -193,7 +193,7 @@ def server_request():
                 "days": {"type": ["integer", "null"]},
                 "at": {"oneOf": [{"type": "string"}, {"type": "object", "properties": {"lat": {"type": "number"}}}]}},
                 "required": ["city"]}}}],
-        "tool_choice": "auto", "parallel_tool_calls": False}
+        "tool_choice": "auto", "parallel_tool_calls": False, "logprobs": True, "top_logprobs": 2}
     text = {"model": "m", "input": "hi", "instructions": "Be brief.",
             "reasoning": {"effort": "high"}, "max_output_tokens": 40, "stream": True,
             "temperature": 0.7}

@@ -768,15 +768,18 @@ fn bad_function_tools_and_tool_messages_get_errors_naming_the_field() {
     server.stop();
 }
 
-/// What the server cannot honour is refused by name (log-probabilities, structured output,
-/// penalties, biases) while their neutral values pass; llama-server's and vLLM's `top_k` and
+/// What the server cannot honour is refused by name (structured output, penalties, biases, more
+/// than 20 `top_logprobs` or `top_logprobs` without `logprobs`) while their neutral values pass; llama-server's and vLLM's `top_k` and
 /// `min_p` are honoured: `top_k` 1 samples greedily, as temperature 0 does.
 #[test]
 fn unserved_fields_are_refused_and_top_k_and_min_p_are_honoured() {
     let server = serve(Precision::Fast, options(2, 1024, 8), None);
     for (extra, param) in [
-        (json!({"logprobs": true}), "logprobs"),
         (json!({"top_logprobs": 3}), "top_logprobs"),
+        (
+            json!({"logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
         (
             json!({"response_format": {"type": "json_object"}}),
             "response_format",
@@ -915,5 +918,65 @@ fn a_named_tool_choice_makes_the_reply_a_call_of_that_function() {
         .collect();
     // The same seed and prompt, whole or streamed: the same arguments.
     assert_eq!(joined, arguments);
+    server.stop();
+}
+
+/// `logprobs`: one entry per answer token, whose bytes rebuild the answer; `top_logprobs`
+/// alternatives in falling order; greedy sampling picks the first of them; streamed chunks carry
+/// the same entries as the whole reply.
+#[test]
+fn log_probabilities_cover_the_answer_tokens() {
+    let server = serve(Precision::Exact, options(2, 1024, 8), None);
+    let body = chat(
+        user("Count to five."),
+        json!({"temperature": 0, "max_tokens": 80, "logprobs": true, "top_logprobs": 3}),
+    );
+    let (status, reply) = server.post(&body);
+    assert_eq!(status, 200, "{reply}");
+    let choice = &reply["choices"][0];
+    let content = choice["message"]["content"].as_str().unwrap();
+    let entries = choice["logprobs"]["content"].as_array().unwrap();
+    assert!(!content.is_empty() && !entries.is_empty(), "{reply}");
+    let mut bytes = Vec::new();
+    for entry in entries {
+        let top = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3, "{entry}");
+        let values: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+        assert!(
+            values.windows(2).all(|w| w[0] >= w[1]) && values[0] <= 0.0,
+            "{entry}"
+        );
+        assert_eq!(
+            entry["logprob"], top[0]["logprob"],
+            "greedy takes the likeliest: {entry}"
+        );
+        bytes.extend(
+            entry["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8),
+        );
+    }
+    assert_eq!(String::from_utf8_lossy(&bytes), content);
+
+    let mut streamed = body.clone();
+    streamed.pop();
+    streamed.push_str(r#","stream":true}"#);
+    let events = stream(&server, &streamed);
+    let pieces: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|data| serde_json::from_str::<Value>(data).unwrap())
+        .filter_map(|chunk| {
+            chunk["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .cloned()
+        })
+        .flatten()
+        .collect();
+    assert_eq!(&pieces, entries);
+    // Without the flag, null as before.
+    let (_, plain) = server.post(&chat(user("hi"), json!({"max_tokens": 3})));
+    assert_eq!(plain["choices"][0]["logprobs"], Value::Null);
     server.stop();
 }

@@ -86,6 +86,16 @@ reply = client.chat.completions.create(
 assert reply.choices[0].finish_reason in ("stop", "length")
 assert reply.usage.completion_tokens <= 8
 
+scored = client.chat.completions.create(
+    model=models[0], messages=[{"role": "system", "content": "Answer briefly."},
+                               {"role": "user", "content": "What is the capital of France?"}],
+    max_tokens=120, seed=1, reasoning_effort="low", logprobs=True, top_logprobs=2)
+entries = scored.choices[0].logprobs.content
+assert entries and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries), scored
+rebuilt = b"".join(bytes(e.bytes) for e in entries).decode("utf-8", "replace")
+assert rebuilt == scored.choices[0].message.content, (rebuilt, scored.choices[0].message.content)
+print(f"openai client check: logprobs for {len(entries)} answer tokens")
+
 # Function calling as an agent sends it: tools, then the exchange after a call (the assistant's
 # tool_calls with content None, the tool's answer). Random weights make up their reply, so this
 # checks what the client sends is taken and what comes back parses, not that the model calls.

@@ -191,12 +191,14 @@ pub struct ChatCompletionRequest {
     pub top_k: Option<u64>,
     #[serde(default)]
     pub min_p: Option<f32>,
-    /// Fields whose non-default values this server cannot honour: refused rather than ignored,
-    /// so a client never takes an unconstrained or unpenalized reply for what it asked.
+    /// Log-probabilities of the answer's tokens, and of the `top_logprobs` most likely tokens
+    /// at each (at most [`MAX_TOP_LOGPROBS`]).
     #[serde(default)]
     pub logprobs: Option<bool>,
     #[serde(default)]
     pub top_logprobs: Option<u64>,
+    /// Fields whose non-default values this server cannot honour: refused rather than ignored,
+    /// so a client never takes an unconstrained or unpenalized reply for what it asked.
     #[serde(default)]
     pub response_format: Option<ResponseFormat>,
     #[serde(default)]
@@ -222,14 +224,6 @@ fn refuse_unserved(request: &ChatCompletionRequest) -> Result<(), ApiError> {
             Some(param),
         ))
     };
-    if request.logprobs == Some(true) || request.top_logprobs.is_some_and(|n| n > 0) {
-        let param = if request.logprobs == Some(true) {
-            "logprobs"
-        } else {
-            "top_logprobs"
-        };
-        return refuse(param, "replies carry no log-probabilities");
-    }
     if let Some(format) = &request.response_format {
         if format.kind != "text" {
             return refuse(
@@ -280,6 +274,30 @@ pub struct ChatJob {
     /// The prompt's last tokens when `tool_choice` forces a call: the call's header, which the
     /// reply's parser reads before the first sampled token.
     pub forced: Vec<u32>,
+    /// `Some(top)`: report each answer token's log-probability and the `top` likeliest.
+    pub logprobs: Option<usize>,
+}
+
+/// Most `top_logprobs` OpenAI accepts.
+pub const MAX_TOP_LOGPROBS: u64 = 20;
+
+/// `Some(top)` when the request asks for log-probabilities (`top` alternatives each).
+fn logprobs_asked(request: &ChatCompletionRequest) -> Result<Option<usize>, ApiError> {
+    let top = request.top_logprobs.unwrap_or(0);
+    if top > MAX_TOP_LOGPROBS {
+        return Err(ApiError::invalid(
+            format!("`top_logprobs` is {top}; at most {MAX_TOP_LOGPROBS}"),
+            Some("top_logprobs"),
+        ));
+    }
+    match request.logprobs {
+        Some(true) => Ok(Some(top as usize)),
+        _ if top > 0 => Err(ApiError::invalid(
+            "`top_logprobs` needs `logprobs`: true",
+            Some("top_logprobs"),
+        )),
+        _ => Ok(None),
+    }
 }
 
 /// Longest function name OpenAI accepts.
@@ -514,6 +532,7 @@ pub fn prepare_chat_dated(
         return Err(ApiError::invalid("only `n` = 1 is supported", Some("n")));
     }
     refuse_unserved(&request)?;
+    let logprobs = logprobs_asked(&request)?;
     let reasoning = match request.reasoning_effort.as_deref() {
         None => ReasoningEffort::Medium,
         Some(text) => text
@@ -702,6 +721,7 @@ pub fn prepare_chat_dated(
         include_usage: request.stream_options.unwrap_or_default().include_usage,
         tools: !tools.is_empty(),
         forced,
+        logprobs,
     })
 }
 

@@ -20,6 +20,7 @@ use tokio_stream::StreamExt;
 
 use super::api::{parse_chat_request, prepare_chat, ApiError, ChatJob};
 use super::metrics::Metrics;
+use super::reply::{LogprobEntry, TokenLogprob};
 use super::responses::{
     parse_responses_request, prepare_responses, status_of, Outcome, ResponseBuilder,
 };
@@ -214,6 +215,7 @@ async fn chat_completions(
                 created: unix_seconds(),
                 model: state.model_id.clone(),
                 include_usage: accepted.include_usage,
+                logprobs: accepted.logprobs,
             };
             if accepted.stream {
                 stream_reply(reply, events).into_response()
@@ -328,6 +330,7 @@ fn stream_response(
 struct Accepted {
     stream: bool,
     include_usage: bool,
+    logprobs: bool,
 }
 
 /// The body, at most `max_body` bytes. A larger one is read to its end (up to
@@ -390,6 +393,7 @@ fn submit(
     let accepted = Accepted {
         stream: job.stream,
         include_usage: job.include_usage,
+        logprobs: job.logprobs.is_some(),
     };
     state
         .scheduler
@@ -400,6 +404,7 @@ fn submit(
             stop: job.stop,
             tools: job.tools,
             forced: job.forced,
+            logprobs: job.logprobs,
             events: sender,
             received: Instant::now(),
         })
@@ -426,6 +431,8 @@ struct Reply {
     created: u64,
     model: String,
     include_usage: bool,
+    /// The request asked for log-probabilities.
+    logprobs: bool,
 }
 
 impl Reply {
@@ -437,6 +444,24 @@ impl Reply {
             "model": self.model,
             "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason}],
         })
+    }
+
+    /// A choice's `logprobs`: `{"content": [...]}` when asked for, else null.
+    fn logprobs_json(&self, entries: &[LogprobEntry]) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        let one =
+            |t: &TokenLogprob| json!({"token": t.token, "logprob": t.logprob, "bytes": t.bytes});
+        let content: Vec<Value> = entries
+            .iter()
+            .map(|entry| {
+                let mut value = one(&entry.sampled);
+                value["top_logprobs"] = entry.top.iter().map(one).collect();
+                value
+            })
+            .collect();
+        json!({"content": content})
     }
 }
 
@@ -483,11 +508,13 @@ async fn whole_reply(reply: Reply, mut events: mpsc::UnboundedReceiver<Event>) -
     let (mut reasoning, mut content) = (String::new(), String::new());
     // (id, name, arguments) of each call, in order.
     let mut calls: Vec<(String, String, String)> = Vec::new();
+    let mut logprobs = Vec::new();
     loop {
         match events.recv().await {
             Some(Event::Delta(delta)) => {
                 reasoning.push_str(&delta.reasoning);
                 content.push_str(&delta.content);
+                logprobs.extend(delta.logprobs);
                 for piece in delta.tool_calls {
                     if let Some((id, name)) = piece.opens {
                         calls.push((id, name, String::new()));
@@ -521,7 +548,8 @@ async fn whole_reply(reply: Reply, mut events: mpsc::UnboundedReceiver<Event>) -
                     "object": "chat.completion",
                     "created": reply.created,
                     "model": reply.model,
-                    "choices": [{"index": 0, "message": message, "logprobs": null,
+                    "choices": [{"index": 0, "message": message,
+                                 "logprobs": reply.logprobs_json(&logprobs),
                                  "finish_reason": reason.as_str()}],
                     "usage": usage_json(&usage),
                     "timings": timings_json(&finish),
@@ -579,7 +607,11 @@ fn stream_reply(reply: Reply, mut events: mpsc::UnboundedReceiver<Event>) -> imp
                     if !piece.tool_calls.is_empty() {
                         delta["tool_calls"] = tool_call_deltas(piece.tool_calls);
                     }
-                    out.push(data(reply.chunk(delta, None)));
+                    let mut chunk = reply.chunk(delta, None);
+                    if !piece.logprobs.is_empty() {
+                        chunk["choices"][0]["logprobs"] = reply.logprobs_json(&piece.logprobs);
+                    }
+                    out.push(data(chunk));
                     false
                 }
                 Some(Event::Done(finish)) => {
@@ -639,6 +671,7 @@ mod tests {
                 reasoning: reasoning.into(),
                 content: String::new(),
                 tool_calls: calls,
+                logprobs: Vec::new(),
             })
         };
         let events = [
@@ -678,6 +711,7 @@ mod tests {
             created: 0,
             model: "m".into(),
             include_usage: false,
+            logprobs: false,
         }
     }
 

@@ -18,17 +18,38 @@ pub struct ToolCallDelta {
     pub arguments: String,
 }
 
+/// A token's log-probability as OpenAI reports it: its text, its bytes (a token may hold part of
+/// a UTF-8 character) and the log-probability under the model's distribution.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
+}
+
+/// An answer token's log-probability and the likeliest tokens at its position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LogprobEntry {
+    pub sampled: TokenLogprob,
+    pub top: Vec<TokenLogprob>,
+}
+
 /// What a reply produced since it was last taken.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, PartialEq)]
 pub struct ReplyDelta {
     pub reasoning: String,
     pub content: String,
     pub tool_calls: Vec<ToolCallDelta>,
+    /// One entry per answer token (when the request asked for them).
+    pub logprobs: Vec<LogprobEntry>,
 }
 
 impl ReplyDelta {
     pub fn is_empty(&self) -> bool {
-        self.reasoning.is_empty() && self.content.is_empty() && self.tool_calls.is_empty()
+        self.reasoning.is_empty()
+            && self.content.is_empty()
+            && self.tool_calls.is_empty()
+            && self.logprobs.is_empty()
     }
 }
 
@@ -50,6 +71,9 @@ pub struct ReplyText {
     /// Calls opened so far.
     calls: usize,
     tool_calls: Vec<ToolCallDelta>,
+    /// A message's text is being read (between its `<|message|>` and its end).
+    in_message: bool,
+    logprobs: Vec<LogprobEntry>,
 }
 
 impl ReplyText {
@@ -71,6 +95,17 @@ impl ReplyText {
         self.calls > 0
     }
 
+    /// Whether the next text token belongs to the answer (`content`): inside a message that is
+    /// neither reasoning nor a tool call, and before a stop string.
+    pub fn in_answer(&self) -> bool {
+        self.in_message && !self.in_call && self.channel != Some(Channel::Analysis) && !self.stopped
+    }
+
+    /// Records an answer token's log-probabilities, sent with the next delta.
+    pub fn push_logprob(&mut self, entry: LogprobEntry) {
+        self.logprobs.push(entry);
+    }
+
     /// Whether a stop string was found: the reply is over.
     pub fn stopped(&self) -> bool {
         self.stopped
@@ -89,6 +124,7 @@ impl ReplyText {
                 channel, recipient, ..
             } => {
                 self.channel = channel;
+                self.in_message = true;
                 let function = recipient
                     .and_then(|r| r.strip_prefix("functions."))
                     .filter(|name| self.tools && !name.is_empty());
@@ -113,6 +149,7 @@ impl ReplyText {
                     }),
                 }
             }
+            ParseEvent::MessageEnd { .. } => self.in_message = false,
             ParseEvent::Text { channel, text } if !self.stopped => {
                 if channel == Some(Channel::Analysis) {
                     self.reasoning.push_str(text);
@@ -137,7 +174,73 @@ impl ReplyText {
             reasoning: std::mem::take(&mut self.reasoning),
             content: std::mem::take(&mut self.content),
             tool_calls: std::mem::take(&mut self.tool_calls),
+            logprobs: std::mem::take(&mut self.logprobs),
         }
+    }
+}
+
+/// The log-probability OpenAI reports for a token the model cannot produce (JSON has no -inf).
+const LOGPROB_FLOOR: f32 = -9999.0;
+
+/// `token`'s log-probability under the softmax of `logits` (temperature 1: the model's own
+/// distribution, whatever the request samples with) and the `top` likeliest tokens', most
+/// likely first. One pass for the normalizer, one keeping the best `top` in a small sorted list.
+pub fn token_logprobs(
+    logits: &[f32],
+    token: u32,
+    top: usize,
+    tokenizer: &crate::chat::Tokenizer,
+) -> LogprobEntry {
+    let max = logits
+        .iter()
+        .copied()
+        .filter(|l| l.is_finite())
+        .fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits
+        .iter()
+        .filter(|l| l.is_finite())
+        .map(|&l| f64::from(l - max).exp())
+        .sum();
+    let normalizer = f64::from(max) + sum.ln();
+    let logprob = |logit: f32| -> f32 {
+        if logit.is_finite() && normalizer.is_finite() {
+            ((f64::from(logit) - normalizer) as f32).max(LOGPROB_FLOOR)
+        } else {
+            LOGPROB_FLOOR
+        }
+    };
+    let describe = |id: u32, logit: f32| {
+        let bytes = tokenizer
+            .token_bytes(id)
+            .map(<[u8]>::to_vec)
+            .unwrap_or_default();
+        TokenLogprob {
+            token: String::from_utf8_lossy(&bytes).into_owned(),
+            bytes,
+            logprob: logprob(logit),
+        }
+    };
+    let mut best: Vec<(f32, u32)> = Vec::with_capacity(top + 1);
+    if top > 0 {
+        for (id, &logit) in logits.iter().enumerate() {
+            if !logit.is_finite() || (best.len() == top && logit <= best[top - 1].0) {
+                continue;
+            }
+            let at = best.partition_point(|&(kept, _)| kept >= logit);
+            best.insert(at, (logit, id as u32));
+            best.truncate(top);
+        }
+    }
+    let sampled = logits
+        .get(token as usize)
+        .copied()
+        .unwrap_or(f32::NEG_INFINITY);
+    LogprobEntry {
+        sampled: describe(token, sampled),
+        top: best
+            .into_iter()
+            .map(|(logit, id)| describe(id, logit))
+            .collect(),
     }
 }
 
@@ -266,6 +369,58 @@ mod tests {
         );
         assert!(!reply.stopped());
         assert!(reply.made_calls());
+    }
+
+    #[test]
+    fn log_probabilities_are_normalized_and_the_top_tokens_ordered() {
+        let tokenizer = crate::chat::Tokenizer::shared().unwrap();
+        let mut logits = vec![0.0f32; 1000];
+        logits[7] = 3.0;
+        logits[9] = 2.0;
+        logits[11] = f32::NEG_INFINITY;
+        logits[12] = f32::NAN;
+        let entry = token_logprobs(&logits, 9, 3, tokenizer);
+        let normalizer = (3f64.exp() + 2f64.exp() + 996.0).ln();
+        assert!((f64::from(entry.sampled.logprob) - (2.0 - normalizer)).abs() < 1e-5);
+        assert_eq!(entry.sampled.bytes, tokenizer.token_bytes(9).unwrap());
+        let order: Vec<f32> = entry.top.iter().map(|t| t.logprob).collect();
+        assert_eq!(entry.top.len(), 3);
+        assert!(order[0] > order[1] && order[1] > order[2], "{order:?}");
+        assert_eq!(entry.top[0].bytes, tokenizer.token_bytes(7).unwrap());
+        // Probabilities over the whole vocabulary add up to one.
+        let total: f64 = (0..1000u32)
+            .map(|id| f64::from(token_logprobs(&logits, id, 0, tokenizer).sampled.logprob).exp())
+            .sum();
+        assert!((total - 1.0).abs() < 1e-4, "{total}");
+        assert_eq!(
+            token_logprobs(&logits, 11, 0, tokenizer).sampled.logprob,
+            -9999.0
+        );
+        assert_eq!(
+            token_logprobs(&logits, 5000, 0, tokenizer).sampled.logprob,
+            -9999.0
+        );
+    }
+
+    #[test]
+    fn only_answer_text_is_an_answer_token() {
+        let mut reply = ReplyText::new(Vec::new()).with_tools(true);
+        assert!(!reply.in_answer());
+        reply.on_event(start(Channel::Analysis, None));
+        assert!(!reply.in_answer());
+        reply.on_event(ParseEvent::MessageEnd {
+            channel: Some(Channel::Analysis),
+            complete: true,
+        });
+        reply.on_event(start(Channel::Final, None));
+        assert!(reply.in_answer());
+        reply.on_event(ParseEvent::MessageEnd {
+            channel: Some(Channel::Final),
+            complete: true,
+        });
+        assert!(!reply.in_answer());
+        reply.on_event(start(Channel::Commentary, Some("functions.f")));
+        assert!(!reply.in_answer());
     }
 
     #[test]

@@ -31,7 +31,7 @@ use rayon::prelude::*;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::metrics::Metrics;
-use super::reply::{ReplyDelta, ReplyText};
+use super::reply::{token_logprobs, ReplyDelta, ReplyText};
 use crate::chat::{HarmonyParser, ParseEvent, Tokenizer};
 use crate::engine::generate::common_prefix_len;
 use crate::engine::{Sampler, SamplerSettings};
@@ -51,6 +51,8 @@ pub struct Job {
     pub tools: bool,
     /// The prompt's last tokens that open a forced call (see `ChatJob::forced`).
     pub forced: Vec<u32>,
+    /// `Some(top)`: each answer token's log-probability and the `top` likeliest.
+    pub logprobs: Option<usize>,
     pub events: UnboundedSender<Event>,
     pub received: Instant,
 }
@@ -575,6 +577,15 @@ impl Worker {
                 Metrics::add(&m.time_to_first_token_count, 1);
             }
             Metrics::add(&self.metrics.generated_tokens, 1);
+            // Read before the token goes through the parser: whether it lands in the answer.
+            if let (Some(top), Some(tokenizer)) = (active.job.logprobs, self.tokenizer) {
+                if !Tokenizer::is_special(token) && active.reply.in_answer() {
+                    let logits = self.session.batch_logits(row);
+                    active
+                        .reply
+                        .push_logprob(token_logprobs(logits, token, top, tokenizer));
+                }
+            }
             let finish = take_token(active, token, slot.sequence.len(), self.options.context);
             let delta = active.reply.take();
             if !delta.is_empty() {
