@@ -178,7 +178,8 @@ def server_request():
         {"role": "user", "content": [{"type": "text", "text": "hi"}]},
         {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}],
         "stream": True, "stream_options": {"include_usage": True}, "stop": ["a", "b"],
-        "max_tokens": 30, "temperature": 0.5, "top_p": 0.9, "seed": 3, "reasoning_effort": "low"}
+        "max_tokens": 30, "temperature": 0.5, "top_p": 0.9, "seed": 3, "reasoning_effort": "low",
+        "frequency_penalty": 0.5, "presence_penalty": -0.5, "logit_bias": {"100": 5, "200005": -100}}
     small = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5}
     tools = {"messages": [
         {"role": "user", "content": "weather?"},

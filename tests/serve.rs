@@ -768,8 +768,9 @@ fn bad_function_tools_and_tool_messages_get_errors_naming_the_field() {
     server.stop();
 }
 
-/// What the server cannot honour is refused by name (structured output, penalties, biases, more
-/// than 20 `top_logprobs` or `top_logprobs` without `logprobs`) while their neutral values pass; llama-server's and vLLM's `top_k` and
+/// What the server cannot honour is refused by name (structured output, penalties and biases
+/// out of OpenAI's ranges or naming no token, more than 20 `top_logprobs` or `top_logprobs`
+/// without `logprobs`) while their neutral values pass; llama-server's and vLLM's `top_k` and
 /// `min_p` are honoured: `top_k` 1 samples greedily, as temperature 0 does.
 #[test]
 fn unserved_fields_are_refused_and_top_k_and_min_p_are_honoured() {
@@ -788,9 +789,12 @@ fn unserved_fields_are_refused_and_top_k_and_min_p_are_honoured() {
             json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
             "response_format",
         ),
-        (json!({"frequency_penalty": 0.5}), "frequency_penalty"),
-        (json!({"presence_penalty": -1.0}), "presence_penalty"),
-        (json!({"logit_bias": {"1000": 5}}), "logit_bias"),
+        (json!({"frequency_penalty": 2.5}), "frequency_penalty"),
+        (json!({"presence_penalty": -3}), "presence_penalty"),
+        (json!({"logit_bias": {"1000": 101}}), "logit_bias"),
+        (json!({"logit_bias": {"a": 1}}), "logit_bias"),
+        (json!({"logit_bias": {"201088": 1}}), "logit_bias"),
+        (json!({"logit_bias": {"5": "up"}}), "logit_bias"),
         (json!({"min_p": 1.5}), "min_p"),
         (json!({"top_k": -1}), "top_k"),
     ] {
@@ -978,5 +982,54 @@ fn log_probabilities_cover_the_answer_tokens() {
     // Without the flag, null as before.
     let (_, plain) = server.post(&chat(user("hi"), json!({"max_tokens": 3})));
     assert_eq!(plain["choices"][0]["logprobs"], Value::Null);
+    server.stop();
+}
+
+/// `logit_bias` and the repetition penalties, seen through a forced call (every sampled token is
+/// the call's argument text): +100 on one token makes every pick that token; with two tokens
+/// boosted alike, a frequency penalty stops either from running away.
+#[test]
+fn logit_bias_and_penalties_steer_what_is_sampled() {
+    let tokenizer = ossterm::chat::Tokenizer::shared().unwrap();
+    let id = |text: &str| {
+        let ids = tokenizer.encode_text(text).unwrap();
+        assert_eq!(ids.len(), 1, "{text}");
+        ids[0].to_string()
+    };
+    let (x, y) = (id("x"), id("y"));
+    let server = serve(Precision::Exact, options(2, 1024, 8), None);
+    let arguments = |extra: Value| {
+        let mut fields = json!({
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "f"}},
+            "temperature": 0, "max_tokens": 12,
+        });
+        for (key, value) in extra.as_object().unwrap() {
+            fields[key] = value.clone();
+        }
+        let (status, reply) = server.post(&chat(user("go"), fields));
+        assert_eq!(status, 200, "{reply}");
+        reply["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    assert_eq!(
+        arguments(json!({"logit_bias": {x.clone(): 100}})),
+        "x".repeat(12)
+    );
+    let both = json!({x.clone(): 100, y.clone(): 100});
+    let free = arguments(json!({"logit_bias": both}));
+    let penalized = arguments(json!({"logit_bias": both, "frequency_penalty": 2}));
+    assert!(free.chars().all(|c| c == 'x' || c == 'y'), "{free}");
+    let counts = |text: &str| (text.matches('x').count(), text.matches('y').count());
+    let (fx, fy) = counts(&penalized);
+    assert_eq!(fx + fy, 12, "{penalized}");
+    // Each repeat costs 2, so the gap between the two stays within what the model's own
+    // preference pays for: on the tiny model the free run leans 8 to 4 (yxxyxyxxxyxx), the
+    // penalized one evens out.
+    let gap = |(a, b): (usize, usize)| a.abs_diff(b);
+    assert!(gap((fx, fy)) < gap(counts(&free)), "{free} -> {penalized}");
+    assert!(fx >= 3 && fy >= 3, "{free} -> {penalized}");
     server.stop();
 }

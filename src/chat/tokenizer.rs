@@ -151,6 +151,11 @@ impl Tokenizer {
         Ok(&self.token_bytes[start..end])
     }
 
+    /// Token ids run from 0 to this (exclusive), special tokens included.
+    pub fn vocab_size(&self) -> usize {
+        VOCAB_SIZE
+    }
+
     /// Whether `id` is one of the special tokens (`<|start|>`, `<|reserved_200013|>`, ...).
     pub fn is_special(id: u32) -> bool {
         id >= FIRST_SPECIAL_ID

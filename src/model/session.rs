@@ -541,6 +541,13 @@ impl Session {
         &self.batch_logits[index * vocab..(index + 1) * vocab]
     }
 
+    /// [`Session::batch_logits`], to adjust before sampling (a server's logit bias and
+    /// repetition penalties).
+    pub fn batch_logits_mut(&mut self, index: usize) -> &mut [f32] {
+        let vocab = self.model.config.vocab_size;
+        &mut self.batch_logits[index * vocab..(index + 1) * vocab]
+    }
+
     /// Runs `tokens` chunk by chunk on the session's pool.
     fn run(&mut self, tokens: &[u32], mut all_logits: Option<&mut Vec<f32>>) {
         let pool = Arc::clone(&self.pool);

@@ -197,16 +197,18 @@ pub struct ChatCompletionRequest {
     pub logprobs: Option<bool>,
     #[serde(default)]
     pub top_logprobs: Option<u64>,
-    /// Fields whose non-default values this server cannot honour: refused rather than ignored,
-    /// so a client never takes an unconstrained or unpenalized reply for what it asked.
-    #[serde(default)]
-    pub response_format: Option<ResponseFormat>,
+    /// Repetition penalties in [-2, 2] and a bias in [-100, 100] per token id (OpenAI's
+    /// ranges); see [`LogitAdjustments`].
     #[serde(default)]
     pub frequency_penalty: Option<f32>,
     #[serde(default)]
     pub presence_penalty: Option<f32>,
     #[serde(default)]
     pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Fields whose non-default values this server cannot honour: refused rather than ignored,
+    /// so a client never takes an unconstrained reply for what it asked.
+    #[serde(default)]
+    pub response_format: Option<ResponseFormat>,
 }
 
 /// `response_format`: only `{"type": "text"}` is served.
@@ -235,27 +237,6 @@ fn refuse_unserved(request: &ChatCompletionRequest) -> Result<(), ApiError> {
             );
         }
     }
-    for (param, value) in [
-        ("frequency_penalty", request.frequency_penalty),
-        ("presence_penalty", request.presence_penalty),
-    ] {
-        if value.is_some_and(|v| v != 0.0) {
-            return refuse(
-                param,
-                "tokens are sampled without repetition penalties (0 is accepted)",
-            );
-        }
-    }
-    if request
-        .logit_bias
-        .as_ref()
-        .is_some_and(|bias| !bias.is_empty())
-    {
-        return refuse(
-            "logit_bias",
-            "logits are sampled unbiased (an empty map is accepted)",
-        );
-    }
     Ok(())
 }
 
@@ -276,6 +257,74 @@ pub struct ChatJob {
     pub forced: Vec<u32>,
     /// `Some(top)`: report each answer token's log-probability and the `top` likeliest.
     pub logprobs: Option<usize>,
+    /// `logit_bias` and repetition penalties applied before each sampling.
+    pub adjustments: LogitAdjustments,
+}
+
+/// How sampled logits are adjusted: OpenAI's `logit_bias` (added to the listed tokens' logits)
+/// and repetition penalties (`count x frequency + presence` subtracted from the logit of every
+/// token the reply has already sampled `count > 0` times).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LogitAdjustments {
+    pub bias: Vec<(u32, f32)>,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+}
+
+impl LogitAdjustments {
+    pub fn penalizes(&self) -> bool {
+        self.frequency_penalty != 0.0 || self.presence_penalty != 0.0
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bias.is_empty() && !self.penalizes()
+    }
+}
+
+/// OpenAI's ranges: biases in [-100, 100], penalties in [-2, 2].
+const MAX_BIAS: f32 = 100.0;
+const MAX_PENALTY: f32 = 2.0;
+
+/// The request's `logit_bias` and penalties, checked against OpenAI's ranges and the vocabulary.
+fn logit_adjustments(
+    request: &ChatCompletionRequest,
+    vocab: usize,
+) -> Result<LogitAdjustments, ApiError> {
+    let mut bias = Vec::new();
+    for (key, value) in request.logit_bias.iter().flatten() {
+        let id = key.parse::<u32>().ok().filter(|&id| (id as usize) < vocab);
+        let Some(id) = id else {
+            return Err(ApiError::invalid(
+                format!("`logit_bias` key {key:?} is not a token id below {vocab}"),
+                Some("logit_bias"),
+            ));
+        };
+        let amount = value
+            .as_f64()
+            .map(|v| v as f32)
+            .filter(|v| v.abs() <= MAX_BIAS);
+        let Some(amount) = amount else {
+            return Err(ApiError::invalid(
+                format!(
+                    "`logit_bias` of token {id} is {value}; a bias is a number from -100 to 100"
+                ),
+                Some("logit_bias"),
+            ));
+        };
+        bias.push((id, amount));
+    }
+    let penalty = |param: &str, value: Option<f32>| match value.unwrap_or(0.0) {
+        v if v.abs() <= MAX_PENALTY => Ok(v),
+        v => Err(ApiError::invalid(
+            format!("`{param}` is {v}; it is a number from -2 to 2"),
+            Some(param),
+        )),
+    };
+    Ok(LogitAdjustments {
+        bias,
+        frequency_penalty: penalty("frequency_penalty", request.frequency_penalty)?,
+        presence_penalty: penalty("presence_penalty", request.presence_penalty)?,
+    })
 }
 
 /// Most `top_logprobs` OpenAI accepts.
@@ -533,6 +582,7 @@ pub fn prepare_chat_dated(
     }
     refuse_unserved(&request)?;
     let logprobs = logprobs_asked(&request)?;
+    let adjustments = logit_adjustments(&request, tokenizer.vocab_size())?;
     let reasoning = match request.reasoning_effort.as_deref() {
         None => ReasoningEffort::Medium,
         Some(text) => text
@@ -722,6 +772,7 @@ pub fn prepare_chat_dated(
         tools: !tools.is_empty(),
         forced,
         logprobs,
+        adjustments,
     })
 }
 

@@ -405,6 +405,7 @@ fn submit(
             tools: job.tools,
             forced: job.forced,
             logprobs: job.logprobs,
+            adjustments: job.adjustments,
             events: sender,
             received: Instant::now(),
         })

@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 use rayon::prelude::*;
 use tokio::sync::mpsc::UnboundedSender;
 
+use super::api::LogitAdjustments;
 use super::metrics::Metrics;
 use super::reply::{token_logprobs, ReplyDelta, ReplyText};
 use crate::chat::{HarmonyParser, ParseEvent, Tokenizer};
@@ -53,6 +54,8 @@ pub struct Job {
     pub forced: Vec<u32>,
     /// `Some(top)`: each answer token's log-probability and the `top` likeliest.
     pub logprobs: Option<usize>,
+    /// Logit bias and repetition penalties, applied to the row before each sampling.
+    pub adjustments: LogitAdjustments,
     pub events: UnboundedSender<Event>,
     pub received: Instant,
 }
@@ -241,6 +244,8 @@ struct Active {
     parser: HarmonyParser<'static>,
     reply: ReplyText,
     first_token_at: Option<Instant>,
+    /// How often each token was sampled so far (kept only under a repetition penalty).
+    sampled_counts: std::collections::HashMap<u32, u32>,
 }
 
 struct Slot {
@@ -442,6 +447,7 @@ impl Worker {
                 parser,
                 reply,
                 first_token_at: None,
+                sampled_counts: std::collections::HashMap::new(),
             });
         }
     }
@@ -514,6 +520,23 @@ impl Worker {
         }
         self.record_step(seconds, decoding, prefill_rows);
 
+        // Bias and penalties touch a few logits of a row: done here, before the parallel
+        // sampling reads the rows.
+        for (row, planned) in plan.iter().enumerate().filter(|(_, p)| p.samples) {
+            let Some(active) = self.slots[planned.slot].active.as_ref() else {
+                continue;
+            };
+            let adjust = &active.job.adjustments;
+            if adjust.is_empty() {
+                continue;
+            }
+            adjust_logits(
+                self.session.batch_logits_mut(row),
+                adjust,
+                &active.sampled_counts,
+            );
+        }
+
         // Sampling is a few passes over the vocabulary per sequence: the rows are sampled in
         // parallel on the session's pool.
         let mut samples = {
@@ -585,6 +608,9 @@ impl Worker {
                         .reply
                         .push_logprob(token_logprobs(logits, token, top, tokenizer));
                 }
+            }
+            if active.job.adjustments.penalizes() {
+                *active.sampled_counts.entry(token).or_insert(0) += 1;
             }
             let finish = take_token(active, token, slot.sequence.len(), self.options.context);
             let delta = active.reply.take();
@@ -681,6 +707,25 @@ fn take_token(
     reason
 }
 
+/// OpenAI's logit bias and repetition penalties on one row: `bias` added to the listed tokens,
+/// `count x frequency + presence` subtracted from every token sampled `count > 0` times so far.
+fn adjust_logits(
+    logits: &mut [f32],
+    adjust: &LogitAdjustments,
+    sampled_counts: &std::collections::HashMap<u32, u32>,
+) {
+    for &(id, bias) in &adjust.bias {
+        if let Some(logit) = logits.get_mut(id as usize) {
+            *logit += bias;
+        }
+    }
+    for (&id, &count) in sampled_counts {
+        if let Some(logit) = logits.get_mut(id as usize) {
+            *logit -= count as f32 * adjust.frequency_penalty + adjust.presence_penalty;
+        }
+    }
+}
+
 /// Mutable `slots[to]` and shared `slots[from]` (different indices).
 fn two_slots(slots: &mut [Slot], to: usize, from: usize) -> (&mut Slot, &Slot) {
     if to < from {
@@ -701,5 +746,19 @@ mod tests {
         assert_eq!(FinishReason::Stop.as_str(), "stop");
         assert_eq!(FinishReason::Length.as_str(), "length");
         assert_eq!(FinishReason::ToolCalls.as_str(), "tool_calls");
+    }
+
+    #[test]
+    fn bias_and_penalties_move_exactly_the_logits_openai_says() {
+        let mut logits = vec![1.0f32; 8];
+        let adjust = LogitAdjustments {
+            bias: vec![(2, 5.0), (3, -100.0), (99, 1.0)],
+            frequency_penalty: 0.5,
+            presence_penalty: 1.5,
+        };
+        let counts = std::collections::HashMap::from([(2u32, 3u32), (5, 1)]);
+        adjust_logits(&mut logits, &adjust, &counts);
+        // Token 2: +5 bias, -(3 x 0.5 + 1.5); token 5: -(0.5 + 1.5); an id past the row: ignored.
+        assert_eq!(logits, [1.0, 1.0, 3.0, -99.0, 1.0, -1.0, 1.0, 1.0]);
     }
 }
