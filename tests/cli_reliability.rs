@@ -24,6 +24,18 @@ fn stderr_of(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
+/// The stderr of a command clap refused (exit status 2, no panic).
+fn usage_error(what: &str, output: &Output) -> String {
+    assert_no_panic(what, output);
+    assert_eq!(
+        output.status.code(),
+        Some(2),
+        "{what}: {}",
+        stderr_of(output)
+    );
+    stderr_of(output)
+}
+
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")
@@ -691,15 +703,7 @@ fn bench_flags_a_mode_would_ignore_are_refused() {
             args.extend(["--synthetic", "tiny"]);
         }
         let what = args.join(" ");
-        let output = run(&args);
-        assert_no_panic(&what, &output);
-        assert_eq!(
-            output.status.code(),
-            Some(2),
-            "{what}: {}",
-            stderr_of(&output)
-        );
-        let stderr = stderr_of(&output);
+        let stderr = usage_error(&what, &run(&args));
         assert!(
             stderr.contains(ignored[0])
                 && (stderr.contains("cannot be used with") || stderr.contains("required")),
@@ -718,16 +722,8 @@ fn a_bad_choice_for_a_model_flag_names_the_values_on_every_command() {
             ("--kv-cache", "bf16", "f16, f32, q8"),
             ("--attention", "fp16", "auto, f32, bf16"),
         ] {
-            let output = run(&[command, flag, bad]);
             let what = format!("{command} {flag} {bad}");
-            assert_no_panic(&what, &output);
-            assert_eq!(
-                output.status.code(),
-                Some(2),
-                "{what}: {}",
-                stderr_of(&output)
-            );
-            let stderr = stderr_of(&output);
+            let stderr = usage_error(&what, &run(&[command, flag, bad]));
             assert!(
                 stderr.contains(&format!("invalid value '{bad}'")) && stderr.contains(values),
                 "{what}: {stderr}"
