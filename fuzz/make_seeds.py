@@ -171,8 +171,9 @@ def gguf():
 
 
 def server_request():
-    # First byte: bit 0 picks the endpoint (0 chat completions, 1 responses), bits 1-2 the
-    # context (16, 96, 512, 4096 tokens); the rest is the body.
+    # First byte: bit 0 picks the endpoint (0 chat completions, 1 responses; with bit 3 set,
+    # 0 tokenize, 1 detokenize), bits 1-2 the context (16, 96, 512, 4096 tokens); the rest is the
+    # body.
     chat = {"model": "m", "messages": [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "hi"}]},
@@ -207,6 +208,9 @@ def server_request():
              for name, selector, body in [("chat_full.json", 6, chat),
                                           ("chat_small_context.json", 2, small),
                                           ("chat_tools.json", 6, tools),
+                                          ("tokenize_chat.json", 8, {"messages": chat["messages"], "with_pieces": True}),
+                                          ("tokenize_text.json", 14, {"content": "hi <|end|> there"}),
+                                          ("detokenize.json", 9, {"tokens": [200006, 17360, 1428]}),
                                           ("responses_text.json", 7, text),
                                           ("responses_items.json", 7, items)]]
     write("server_request", cases)

@@ -1033,3 +1033,70 @@ fn logit_bias_and_penalties_steer_what_is_sampled() {
     assert!(fx >= 3 && fy >= 3, "{free} -> {penalized}");
     server.stop();
 }
+
+/// `/tokenize` and `/detokenize` in llama-server's and vLLM's forms: text ids as the tokenizer
+/// gives them, a chat's count equal to what the same request is charged as prompt tokens, ids
+/// back to text, and errors for ambiguous or unknown input.
+#[test]
+fn tokenize_and_detokenize_agree_with_the_tokenizer_and_the_chat_prompt() {
+    let tokenizer = ossterm::chat::Tokenizer::shared().unwrap();
+    let server = default_server();
+    let post = |path: &str, body: Value| {
+        read_json(
+            agent()
+                .post(&server.url(path))
+                .send_string(&body.to_string()),
+        )
+    };
+    let text = "Hello, world <|end|> ünïcode";
+    let want = tokenizer.encode_text(text).unwrap();
+    for key in ["content", "prompt"] {
+        let (status, reply) = post("/tokenize", json!({key: text}));
+        assert_eq!(status, 200, "{reply}");
+        let ids: Vec<u32> = serde_json::from_value(reply["tokens"].clone()).unwrap();
+        assert_eq!(ids, want);
+        assert_eq!(reply["count"], want.len());
+        assert_eq!(reply["max_model_len"], 4096);
+    }
+    let (_, pieces) = post(
+        "/tokenize",
+        json!({"content": "Hello", "with_pieces": true}),
+    );
+    assert_eq!(pieces["tokens"][0]["id"], want[0]);
+    assert_eq!(pieces["tokens"][0]["piece"], "Hello");
+    let (status, back) = post("/detokenize", json!({"tokens": want}));
+    assert_eq!(status, 200, "{back}");
+    assert_eq!(
+        (back["content"].as_str(), back["prompt"].as_str()),
+        (Some(text), Some(text))
+    );
+
+    // A chat: the count is the prompt the completion is charged for.
+    let messages = user("What is 2 + 2?");
+    let (_, counted) = post(
+        "/tokenize",
+        json!({"messages": messages, "reasoning_effort": "low"}),
+    );
+    let (status, reply) = server.post(&chat(
+        messages,
+        json!({"reasoning_effort": "low", "max_tokens": 1}),
+    ));
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(
+        counted["count"], reply["usage"]["prompt_tokens"],
+        "{counted}"
+    );
+
+    for (path, body) in [
+        ("/tokenize", json!({"content": "a", "prompt": "b"})),
+        ("/tokenize", json!({})),
+        ("/tokenize", json!({"content": 5})),
+        ("/detokenize", json!({"tokens": [999_999_999]})),
+        ("/detokenize", json!({"tokens": "abc"})),
+    ] {
+        let (status, reply) = post(path, body.clone());
+        assert_eq!(status, 400, "{path} {body}: {reply}");
+        assert_eq!(reply["error"]["type"], "invalid_request_error", "{reply}");
+    }
+    server.stop();
+}

@@ -1,13 +1,16 @@
 //! `ossterm serve`'s request bodies, as a client could send them: the first byte picks the
-//! endpoint (even: `/v1/chat/completions` through `parse_chat_request` and `prepare_chat`, odd:
-//! `/v1/responses` through `parse_responses_request` and `prepare_responses`) and the context
-//! size; the rest is the body.
+//! endpoint (bit 3 clear: even `/v1/chat/completions` through `parse_chat_request` and
+//! `prepare_chat`, odd `/v1/responses` through `parse_responses_request` and
+//! `prepare_responses`; bit 3 set: even `/tokenize`, odd `/detokenize`) and the context size;
+//! the rest is the body.
 //! Invariants: no panic; a refusal is a 4xx whose OpenAI-style body names a message; an accepted
 //! request's prompt and token budget fit the context.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use ossterm::server::api::{parse_chat_request, prepare_chat, ApiError, ChatJob};
+use ossterm::server::api::{
+    detokenize, parse_chat_request, prepare_chat, tokenize, ApiError, ChatJob,
+};
 use ossterm::server::responses::{parse_responses_request, prepare_responses};
 use ossterm_fuzz::{tokenizer, LimitingAllocator};
 
@@ -36,6 +39,17 @@ fuzz_target!(|data: &[u8]| {
     };
     // Contexts from tiny (most prompts do not fit) to the server's default.
     let context = [16, 96, 512, 4096][usize::from(selector >> 1) % 4];
+    if selector & 8 != 0 {
+        let reply = if selector & 1 == 0 {
+            tokenize(body, tokenizer(), context)
+        } else {
+            detokenize(body, tokenizer())
+        };
+        if let Err(error) = reply {
+            assert!(error.status.is_client_error(), "{error:?}");
+        }
+        return;
+    }
     if selector & 1 == 0 {
         let result = parse_chat_request(body)
             .and_then(|request| prepare_chat(request, tokenizer(), context));

@@ -848,3 +848,82 @@ mod tests {
         }
     }
 }
+
+/// `POST /tokenize`, in the forms llama-server and vLLM take: text as `content` or `prompt`
+/// (tokenized as plain text: special tokens' names stay text), or a chat request's `messages`
+/// (its whole harmony prompt, as `/v1/chat/completions` would render it, to count what a request
+/// costs); `with_pieces` (llama-server) pairs each id with its text.
+#[derive(Debug, Deserialize)]
+pub struct TokenizeRequest {
+    #[serde(default)]
+    pub content: Option<String>,
+    #[serde(default)]
+    pub prompt: Option<String>,
+    #[serde(default)]
+    pub messages: Option<serde_json::Value>,
+    #[serde(default)]
+    pub with_pieces: bool,
+}
+
+/// `POST /detokenize`: token ids back to text.
+#[derive(Debug, Deserialize)]
+pub struct DetokenizeRequest {
+    pub tokens: Vec<u32>,
+}
+
+/// The `/tokenize` reply: `tokens` (ids, or `{id, piece}` with pieces), `count` and the context
+/// a request may use (`max_model_len`, as vLLM names it).
+pub fn tokenize(
+    body: &[u8],
+    tokenizer: &Tokenizer,
+    context: usize,
+) -> Result<serde_json::Value, ApiError> {
+    let request: TokenizeRequest = parse_json(body)?;
+    let ids = match (&request.content, &request.prompt, &request.messages) {
+        (Some(text), None, None) | (None, Some(text), None) => tokenizer.encode_text(text),
+        (None, None, Some(_)) => {
+            // The whole body is a chat request: tools and reasoning effort shape the prompt too.
+            let chat = parse_chat_request(body)?;
+            let today = crate::tui::store::date_utc(std::time::SystemTime::now());
+            return prepare_chat_dated(chat, tokenizer, usize::MAX, Some(&today))
+                .map(|job| tokens_json(&job.prompt, request.with_pieces, tokenizer, context));
+        }
+        _ => {
+            return Err(ApiError::invalid(
+                "give exactly one of `content`, `prompt` (text) or `messages` (a chat)",
+                None,
+            ))
+        }
+    }
+    .map_err(|error| ApiError::invalid(format!("cannot tokenize: {error}"), None))?;
+    Ok(tokens_json(&ids, request.with_pieces, tokenizer, context))
+}
+
+fn tokens_json(
+    ids: &[u32],
+    with_pieces: bool,
+    tokenizer: &Tokenizer,
+    context: usize,
+) -> serde_json::Value {
+    let tokens: Vec<serde_json::Value> = if with_pieces {
+        ids.iter()
+            .map(|&id| {
+                let bytes = tokenizer.token_bytes(id).unwrap_or_default();
+                serde_json::json!({"id": id, "piece": String::from_utf8_lossy(bytes)})
+            })
+            .collect()
+    } else {
+        ids.iter().map(|&id| serde_json::json!(id)).collect()
+    };
+    serde_json::json!({"tokens": tokens, "count": ids.len(), "max_model_len": context})
+}
+
+/// The `/detokenize` reply: the text as `content` (llama-server) and `prompt` (vLLM); special
+/// tokens come back as their names.
+pub fn detokenize(body: &[u8], tokenizer: &Tokenizer) -> Result<serde_json::Value, ApiError> {
+    let request: DetokenizeRequest = parse_json(body)?;
+    let text = tokenizer.decode(&request.tokens).map_err(|error| {
+        ApiError::invalid(format!("cannot detokenize: {error}"), Some("tokens"))
+    })?;
+    Ok(serde_json::json!({"content": text, "prompt": text}))
+}

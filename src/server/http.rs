@@ -88,7 +88,8 @@ impl AppState {
 /// socket under it, and it would see a broken pipe instead of the 413.
 const OVERSIZED_BODY_DRAIN_BYTES: usize = 64 << 20;
 
-/// The router: `/v1/chat/completions`, `/v1/responses`, `/v1/models`, `/health`, `/metrics`;
+/// The router: `/v1/chat/completions`, `/v1/responses`, `/tokenize`, `/detokenize`,
+/// `/v1/models`, `/health`, `/metrics`;
 /// bodies larger than
 /// `max_body` bytes are refused with 413.
 pub fn router(state: Arc<AppState>, max_body: usize) -> Router {
@@ -100,6 +101,14 @@ pub fn router(state: Arc<AppState>, max_body: usize) -> Router {
         .route(
             "/v1/responses",
             post(move |state, headers, body| responses(state, headers, body, max_body)),
+        )
+        .route(
+            "/tokenize",
+            post(move |state, headers, body| tokenize(state, headers, body, max_body)),
+        )
+        .route(
+            "/detokenize",
+            post(move |state, headers, body| detokenize(state, headers, body, max_body)),
         )
         .route("/v1/models", get(models))
         .route("/health", get(health))
@@ -150,6 +159,36 @@ fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
+async fn tokenize(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+    max_body: usize,
+) -> Response {
+    let body = read_body(&headers, body, max_body).await;
+    let reply = authorize(&state, &headers)
+        .and_then(|()| super::api::tokenize(&body?, state.tokenizer, state.context));
+    match reply {
+        Ok(value) => Json(value).into_response(),
+        Err(error) => reject(&state, error),
+    }
+}
+
+async fn detokenize(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+    max_body: usize,
+) -> Response {
+    let body = read_body(&headers, body, max_body).await;
+    let reply =
+        authorize(&state, &headers).and_then(|()| super::api::detokenize(&body?, state.tokenizer));
+    match reply {
+        Ok(value) => Json(value).into_response(),
+        Err(error) => reject(&state, error),
+    }
+}
+
 async fn health() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
@@ -188,7 +227,7 @@ async fn metrics(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Resp
 }
 
 async fn not_found() -> ApiError {
-    ApiError::invalid("no such endpoint; this server has POST /v1/chat/completions, GET /v1/models, GET /health and GET /metrics", None)
+    ApiError::invalid("no such endpoint; this server has POST /v1/chat/completions, POST /v1/responses, POST /tokenize, POST /detokenize, GET /v1/models, GET /health and GET /metrics", None)
         .with_status(StatusCode::NOT_FOUND)
         .with_code("not_found")
 }
