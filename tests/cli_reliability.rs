@@ -353,6 +353,28 @@ fn sizes_past_the_context_or_the_machine_are_refused_with_the_numbers() {
                 "bench",
                 "--synthetic",
                 "tiny",
+                "--profile",
+                "--gen-tokens",
+                "0",
+            ]),
+            "--gen-tokens must be at least 1",
+        ),
+        (
+            run(&[
+                "bench",
+                "--synthetic",
+                "tiny",
+                "--profile",
+                "--depth",
+                "200000",
+            ]),
+            "--depth 200000 plus --prompt-tokens 58",
+        ),
+        (
+            run(&[
+                "bench",
+                "--synthetic",
+                "tiny",
                 "--repeat",
                 "18446744073709551615",
             ]),

@@ -119,6 +119,9 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
             "--profile splits a prompt's prefill by phase: --prompt-tokens must be at least 1"
         );
     }
+    if args.profile && args.gen_tokens == 0 {
+        anyhow::bail!("--profile times decoded tokens: --gen-tokens must be at least 1");
+    }
     let mut progress = ProgressLine::new();
     progress.show("loading the model", 0, 1);
     let load_started = std::time::Instant::now();

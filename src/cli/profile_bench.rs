@@ -51,7 +51,10 @@ pub fn run(
         depth
     };
     let prompt = context_tokens(model, decode_context, 13);
-    let mut session = model.new_session(pool, decode_context + gen_tokens + 1);
+    // One session for both parts: at a depth the split prefill rewinds to the same context the
+    // decode runs follow, instead of prefilling it again.
+    let capacity = (decode_context + gen_tokens).max(depth + prompt_tokens) + 1;
+    let mut session = model.new_session(pool, capacity);
     let profile = session.profile();
     if depth > 0 {
         output::note!("prefilling {depth} tokens of context ...");
@@ -170,8 +173,13 @@ pub fn run(
         bytes as f64 / 1e9,
         share * 100.0
     )?;
-    drop(session);
-    write_prefill_phases(&mut out, model, pool, (depth, prompt_tokens), rounds)?;
+    write_prefill_phases(
+        &mut out,
+        model,
+        &mut session,
+        (depth, prompt_tokens),
+        rounds,
+    )?;
     out.flush()?;
     Ok(())
 }
@@ -185,29 +193,29 @@ fn context_tokens(model: &Model, len: usize, salt: usize) -> Vec<u32> {
 }
 
 /// A prompt of `prompt_tokens` (by default the shortest standard prompt's length) prefilled
-/// `rounds` times after `depth` tokens of context (none: a fresh cache) with the phase timers
-/// on: where the time to first token of a turn goes.
+/// `rounds` times after the first `depth` tokens of `session`'s cache (none: a fresh cache) with
+/// the phase timers on: where the time to first token of a turn goes.
 fn write_prefill_phases(
     out: &mut output::Out,
     model: &Arc<Model>,
-    pool: &Arc<rayon::ThreadPool>,
+    session: &mut crate::model::Session,
     (depth, prompt_tokens): (usize, usize),
     rounds: usize,
 ) -> anyhow::Result<()> {
-    let context = context_tokens(model, depth, 13);
     let prompt = context_tokens(model, prompt_tokens, 101);
-    let mut session = model.new_session(pool, depth + prompt_tokens + 1);
     let profile = session.profile();
-    if depth > 0 {
-        output::note!("prefilling {depth} tokens of context ...");
-        pool.install(|| session.prefill(&context))?;
-    }
+    session.set_profile_timing(true);
     session.set_profile_prefill_timing(true);
     let (mut times, mut shown, mut taken) = (
         Vec::new(),
         ProfileCounts::default(),
         ProfileCounts::default(),
     );
+    // What the decode runs left in the counters is not the prefill's.
+    if let Ok(mut counts) = profile.lock() {
+        counts.take_into(&mut taken);
+    }
+    let pool = Arc::clone(session.pool());
     pool.install(|| -> anyhow::Result<()> {
         for round in 0..rounds {
             output::note!("prefill round {} of {rounds}", round + 1);
