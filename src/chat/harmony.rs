@@ -468,6 +468,28 @@ pub fn render_for_completion(
     Ok(ids)
 }
 
+/// Appends, after the generation prompt, the header of a call the model is to write, as the model
+/// writes one: for `Some(name)` `<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>`
+/// (the model writes only the arguments); for `None` up to `to=functions.` (the model names the
+/// function).
+pub fn push_call_header(
+    tokenizer: &Tokenizer,
+    function: Option<&str>,
+    ids: &mut Vec<u32>,
+) -> Result<(), TokenizerError> {
+    ids.push(special::CHANNEL);
+    tokenizer.encode_text_into(Channel::Commentary.as_str(), ids)?;
+    let Some(name) = function else {
+        return tokenizer.encode_text_into(" to=functions.", ids);
+    };
+    tokenizer.encode_text_into(&format!(" to=functions.{name}"), ids)?;
+    tokenizer.encode_text_into(" ", ids)?;
+    ids.push(special::CONSTRAIN);
+    tokenizer.encode_text_into("json", ids)?;
+    ids.push(special::MESSAGE);
+    Ok(())
+}
+
 /// Appends `<|start|>assistant`, the generation prompt's last tokens.
 pub fn push_assistant_start(
     tokenizer: &Tokenizer,

@@ -4,10 +4,9 @@
 use axum::http::StatusCode;
 use serde::Deserialize;
 
-use crate::chat::tokenizer::special;
 use crate::chat::{
-    push_assistant_start, render_turns, Channel, ChatMessage, FunctionTool, ReasoningEffort,
-    RenderOptions, SystemSettings, Tokenizer, TokenizerError, Turn,
+    push_assistant_start, push_call_header, render_turns, Channel, ChatMessage, FunctionTool,
+    ReasoningEffort, RenderOptions, SystemSettings, Tokenizer, Turn,
 };
 use crate::engine::SamplerSettings;
 
@@ -218,26 +217,18 @@ pub struct ResponseFormat {
     pub kind: String,
 }
 
-/// Refuses the fields asking for what this server does not do (see [`ChatCompletionRequest`]).
-fn refuse_unserved(request: &ChatCompletionRequest) -> Result<(), ApiError> {
-    let refuse = |param: &str, why: &str| {
-        Err(ApiError::invalid(
-            format!("`{param}` is not supported by this server: {why}"),
-            Some(param),
-        ))
-    };
-    if let Some(format) = &request.response_format {
-        if format.kind != "text" {
-            return refuse(
-                "response_format",
-                &format!(
-                    "{:?} needs constrained sampling; only \"text\" is served",
-                    format.kind
-                ),
-            );
-        }
+/// Structured output (`json_object`, `json_schema`) needs constrained sampling: refused.
+fn check_response_format(request: &ChatCompletionRequest) -> Result<(), ApiError> {
+    match &request.response_format {
+        Some(format) if format.kind != "text" => Err(ApiError::invalid(
+            format!(
+                "`response_format` {:?} is not supported by this server: it needs constrained sampling; only \"text\" is served",
+                format.kind
+            ),
+            Some("response_format"),
+        )),
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 /// A checked request: the prompt and how to sample it.
@@ -486,33 +477,6 @@ fn function_tools(
     })
 }
 
-/// The tokens that open the call `forced` asks for, after the generation prompt's
-/// `<|start|>assistant`, as the model writes a call's header: the commentary channel and the
-/// recipient, and for a named function the content type and `<|message|>`, so the model writes
-/// only the arguments. For any function the header stops after `to=functions.`: the model names
-/// one.
-fn forced_call_tokens(tokenizer: &Tokenizer, forced: &Forced) -> Result<Vec<u32>, TokenizerError> {
-    let mut ids = Vec::new();
-    let name = match forced {
-        Forced::Nothing => return Ok(ids),
-        Forced::AnyCall => None,
-        Forced::Call(name) => Some(name),
-    };
-    ids.push(special::CHANNEL);
-    tokenizer.encode_text_into(Channel::Commentary.as_str(), &mut ids)?;
-    match name {
-        None => tokenizer.encode_text_into(" to=functions.", &mut ids)?,
-        Some(name) => {
-            tokenizer.encode_text_into(&format!(" to=functions.{name}"), &mut ids)?;
-            tokenizer.encode_text_into(" ", &mut ids)?;
-            ids.push(special::CONSTRAIN);
-            tokenizer.encode_text_into("json", &mut ids)?;
-            ids.push(special::MESSAGE);
-        }
-    }
-    Ok(ids)
-}
-
 /// A prompt entry with its text owned (the messages are consumed while they are checked).
 enum Entry {
     Message(ChatMessage),
@@ -580,7 +544,7 @@ pub fn prepare_chat_dated(
     if request.n.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid("only `n` = 1 is supported", Some("n")));
     }
-    refuse_unserved(&request)?;
+    check_response_format(&request)?;
     let logprobs = logprobs_asked(&request)?;
     let adjustments = logit_adjustments(&request, tokenizer.vocab_size())?;
     let reasoning = match request.reasoning_effort.as_deref() {
@@ -596,7 +560,7 @@ pub fn prepare_chat_dated(
     let mut called: Vec<(String, String)> = Vec::new();
     for (index, message) in request.messages.into_iter().enumerate() {
         let param = format!("messages[{index}]");
-        let text = content_text(message.content, &param)?;
+        let text = content_text(message.content, &param, &["text"])?;
         match message.role.as_str() {
             // Several are joined in order, wherever they stand; an empty one adds nothing (the
             // chat template renders no developer message for an empty system message).
@@ -702,8 +666,17 @@ pub fn prepare_chat_dated(
     )
     .map_err(encode_error)?;
     push_assistant_start(tokenizer, &mut prompt).map_err(encode_error)?;
-    let forced = forced_call_tokens(tokenizer, &forced).map_err(encode_error)?;
-    prompt.extend_from_slice(&forced);
+    // A forced call's header ends the prompt; the reply's parser reads it first.
+    let prompt_len = prompt.len();
+    let function = match &forced {
+        Forced::Nothing => None,
+        Forced::AnyCall => Some(None),
+        Forced::Call(name) => Some(Some(name.as_str())),
+    };
+    if let Some(function) = function {
+        push_call_header(tokenizer, function, &mut prompt).map_err(encode_error)?;
+    }
+    let forced = prompt[prompt_len..].to_vec();
     if prompt.len() >= context {
         return Err(ApiError::invalid(
             format!(
@@ -776,7 +749,13 @@ pub fn prepare_chat_dated(
     })
 }
 
-fn content_text(content: Option<Content>, param: &str) -> Result<String, ApiError> {
+/// The text of `content`: the string, or its parts of the `text_kinds` joined; any other part
+/// is refused, named by its path under `param`.
+pub(super) fn content_text(
+    content: Option<Content>,
+    param: &str,
+    text_kinds: &[&str],
+) -> Result<String, ApiError> {
     match content {
         None => Ok(String::new()),
         Some(Content::Text(text)) => Ok(text),
@@ -784,7 +763,7 @@ fn content_text(content: Option<Content>, param: &str) -> Result<String, ApiErro
             let mut text = String::new();
             for (index, part) in parts.into_iter().enumerate() {
                 match (part.kind.as_str(), part.text) {
-                    ("text", Some(piece)) => text.push_str(&piece),
+                    (kind, Some(piece)) if text_kinds.contains(&kind) => text.push_str(&piece),
                     (kind, _) => {
                         return Err(ApiError::invalid(
                             format!("{param}.content[{index}] is a {kind:?} part; only text parts are supported"),
@@ -883,9 +862,9 @@ pub fn tokenize(
         (Some(text), None, None) | (None, Some(text), None) => tokenizer.encode_text(text),
         (None, None, Some(_)) => {
             // The whole body is a chat request: tools and reasoning effort shape the prompt too.
+            // Rendered whatever its length: counting is how a client learns it is too long.
             let chat = parse_chat_request(body)?;
-            let today = crate::tui::store::date_utc(std::time::SystemTime::now());
-            return prepare_chat_dated(chat, tokenizer, usize::MAX, Some(&today))
+            return prepare_chat(chat, tokenizer, usize::MAX)
                 .map(|job| tokens_json(&job.prompt, request.with_pieces, tokenizer, context));
         }
         _ => {

@@ -104,11 +104,25 @@ pub fn router(state: Arc<AppState>, max_body: usize) -> Router {
         )
         .route(
             "/tokenize",
-            post(move |state, headers, body| tokenize(state, headers, body, max_body)),
+            post(
+                move |State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body| async move {
+                    json_reply(&state, &headers, body, max_body, |body, state| {
+                        super::api::tokenize(body, state.tokenizer, state.context)
+                    })
+                    .await
+                },
+            ),
         )
         .route(
             "/detokenize",
-            post(move |state, headers, body| detokenize(state, headers, body, max_body)),
+            post(
+                move |State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body| async move {
+                    json_reply(&state, &headers, body, max_body, |body, state| {
+                        super::api::detokenize(body, state.tokenizer)
+                    })
+                    .await
+                },
+            ),
         )
         .route("/v1/models", get(models))
         .route("/health", get(health))
@@ -159,33 +173,19 @@ fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
-async fn tokenize(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
+/// An endpoint answering one JSON object computed from the body alone (`/tokenize`,
+/// `/detokenize`): the key, the body limit and the error replies as for the others.
+async fn json_reply(
+    state: &AppState,
+    headers: &HeaderMap,
     body: Body,
     max_body: usize,
+    answer: impl FnOnce(&[u8], &AppState) -> Result<Value, ApiError>,
 ) -> Response {
-    let body = read_body(&headers, body, max_body).await;
-    let reply = authorize(&state, &headers)
-        .and_then(|()| super::api::tokenize(&body?, state.tokenizer, state.context));
-    match reply {
+    let body = read_body(headers, body, max_body).await;
+    match authorize(state, headers).and_then(|()| answer(&body?, state)) {
         Ok(value) => Json(value).into_response(),
-        Err(error) => reject(&state, error),
-    }
-}
-
-async fn detokenize(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Body,
-    max_body: usize,
-) -> Response {
-    let body = read_body(&headers, body, max_body).await;
-    let reply =
-        authorize(&state, &headers).and_then(|()| super::api::detokenize(&body?, state.tokenizer));
-    match reply {
-        Ok(value) => Json(value).into_response(),
-        Err(error) => reject(&state, error),
+        Err(error) => reject(state, error),
     }
 }
 

@@ -10,9 +10,12 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::api::{
-    parse_json, prepare_chat, ApiError, CalledFunction, ChatCompletionRequest, ChatJob, Content,
-    FunctionParam, Message, ToolCallParam, ToolChoice, ToolParam,
+    content_text, parse_json, prepare_chat, ApiError, CalledFunction, ChatCompletionRequest,
+    ChatJob, Content, FunctionParam, Message, ToolCallParam, ToolChoice, ToolParam,
 };
+
+/// The text parts the Responses API's items carry.
+const INPUT_TEXT_KINDS: &[&str] = &["input_text", "output_text", "text"];
 use super::reply::ToolCallDelta;
 use super::scheduler::{FinishReason, Usage};
 use crate::chat::Tokenizer;
@@ -36,7 +39,7 @@ pub struct InputItem {
     #[serde(default)]
     pub role: Option<String>,
     #[serde(default)]
-    pub content: Option<ItemContent>,
+    pub content: Option<Content>,
     /// `function_call` and `function_call_output`: the call's id.
     #[serde(default)]
     pub call_id: Option<String>,
@@ -47,7 +50,7 @@ pub struct InputItem {
     pub arguments: Option<Value>,
     /// `function_call_output`: what the function returned.
     #[serde(default)]
-    pub output: Option<ItemContent>,
+    pub output: Option<Content>,
 }
 
 /// `tools[i]`: a function (the Responses API's flat form of a chat-completions tool).
@@ -63,21 +66,6 @@ pub struct ResponsesTool {
     pub parameters: Option<Value>,
     #[serde(default)]
     pub strict: Option<bool>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum ItemContent {
-    Text(String),
-    Parts(Vec<ItemPart>),
-}
-
-#[derive(Debug, Deserialize)]
-pub struct ItemPart {
-    #[serde(rename = "type")]
-    pub kind: String,
-    #[serde(default)]
-    pub text: Option<String>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -338,39 +326,16 @@ fn call_message(
 }
 
 /// The text of a reasoning item's `reasoning_text` parts (a summary-only item has none).
-fn reasoning_text(content: Option<ItemContent>) -> String {
+fn reasoning_text(content: Option<Content>) -> String {
     match content {
         None => String::new(),
-        Some(ItemContent::Text(text)) => text,
-        Some(ItemContent::Parts(parts)) => parts
+        Some(Content::Text(text)) => text,
+        Some(Content::Parts(parts)) => parts
             .into_iter()
             .filter(|part| part.kind == "reasoning_text" || part.kind == "text")
             .filter_map(|part| part.text)
             .collect(),
     }
-}
-
-/// The text of an item's content: a string or its text parts.
-fn item_text(content: Option<ItemContent>, param: &str) -> Result<String, ApiError> {
-    Ok(match content {
-        None => String::new(),
-        Some(ItemContent::Text(text)) => text,
-        Some(ItemContent::Parts(parts)) => {
-            let mut text = String::new();
-            for (part_index, part) in parts.into_iter().enumerate() {
-                match (part.kind.as_str(), part.text) {
-                    ("input_text" | "output_text" | "text", Some(piece)) => text.push_str(&piece),
-                    (kind, _) => {
-                        return Err(ApiError::invalid(
-                            format!("{param}.content[{part_index}] is a {kind:?} part; only text parts are supported"),
-                            Some(&format!("{param}.content[{part_index}]")),
-                        ))
-                    }
-                }
-            }
-            text
-        }
-    })
 }
 
 /// The chat checks name chat-completions fields; a Responses client knows these names.
@@ -415,7 +380,11 @@ fn input_message(item: InputItem, index: usize) -> Result<Option<Message>, ApiEr
             return Ok(Some(Message {
                 role: "tool".into(),
                 tool_call_id: Some(call_id),
-                content: Some(Content::Text(item_text(item.output, &param)?)),
+                content: Some(Content::Text(content_text(
+                    item.output,
+                    &param,
+                    INPUT_TEXT_KINDS,
+                )?)),
                 ..Message::default()
             }));
         }
@@ -432,7 +401,7 @@ fn input_message(item: InputItem, index: usize) -> Result<Option<Message>, ApiEr
             Some(&format!("{param}.role")),
         ));
     };
-    let text = item_text(item.content, &param)?;
+    let text = content_text(item.content, &param, INPUT_TEXT_KINDS)?;
     if !matches!(role.as_str(), "user" | "assistant" | "system" | "developer") {
         return Err(ApiError::invalid(
             format!("{param}.role is {role:?}; this server takes system, developer, user and assistant messages"),
@@ -497,6 +466,18 @@ impl ResponseBuilder {
     /// Index of call `k` among the output items: after the reasoning and the message, if any.
     fn call_index(&self, k: usize) -> usize {
         self.message_index() + usize::from(!self.content.is_empty()) + k
+    }
+
+    /// A new function-call item (its id from the call's, `fc_` for `call_`); its index.
+    fn add_call(&mut self, call_id: &str, name: &str, open: bool) -> usize {
+        self.calls.push(CallItem {
+            id: format!("fc_{}", call_id.trim_start_matches("call_")),
+            call_id: call_id.to_owned(),
+            name: name.to_owned(),
+            arguments: String::new(),
+            open,
+        });
+        self.calls.len() - 1
     }
 
     fn call_item(&self, k: usize, status: &str) -> Value {
@@ -618,14 +599,7 @@ impl ResponseBuilder {
                 events.extend(self.close_reasoning("completed"));
                 events.extend(self.close_message("completed"));
                 events.extend(self.close_calls("completed"));
-                self.calls.push(CallItem {
-                    id: format!("fc_{}", call_id.trim_start_matches("call_")),
-                    call_id: call_id.clone(),
-                    name: name.clone(),
-                    arguments: String::new(),
-                    open: true,
-                });
-                let k = self.calls.len() - 1;
+                let k = self.add_call(call_id, name, true);
                 let (index, item) = (self.call_index(k), self.call_item(k, "in_progress"));
                 events.push(self.event(
                     "response.output_item.added",
@@ -802,13 +776,7 @@ impl ResponseBuilder {
         self.content.push_str(content);
         for piece in calls {
             if let Some((call_id, name)) = &piece.opens {
-                self.calls.push(CallItem {
-                    id: format!("fc_{}", call_id.trim_start_matches("call_")),
-                    call_id: call_id.clone(),
-                    name: name.clone(),
-                    arguments: String::new(),
-                    open: false,
-                });
+                self.add_call(call_id, name, false);
             }
             if let Some(call) = self.calls.last_mut() {
                 call.arguments.push_str(&piece.arguments);
