@@ -168,10 +168,13 @@ def cases():
     }
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def harmony_arguments(doc, default_out):
+    """Parses --encodings-dir and --out, points openai-harmony at the vocabulary and loads it:
+    (the openai_harmony module, the gpt-oss encoding, --out). Shared with
+    make_harmony_tool_fixtures.py."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--encodings-dir", help="folder holding o200k_base.tiktoken (default: $TIKTOKEN_ENCODINGS_BASE)")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "harmony"))
+    parser.add_argument("--out", default=str(default_out))
     args = parser.parse_args()
     if args.encodings_dir:
         os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(Path(args.encodings_dir).resolve())
@@ -181,7 +184,12 @@ def main():
     import openai_harmony as harmony
 
     encoding = harmony.load_harmony_encoding(harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
-    out = Path(args.out)
+    return harmony, encoding, Path(args.out)
+
+
+def main():
+    harmony, encoding, out = harmony_arguments(
+        __doc__, Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "harmony")
     out.mkdir(parents=True, exist_ok=True)
     for name, case in cases().items():
         conversation = harmony_conversation(case, harmony)

@@ -21,11 +21,10 @@ Requirements: `pip install openai-harmony==0.0.8`; the vocabulary as for make_ha
 (--encodings-dir or TIKTOKEN_ENCODINGS_BASE).
 """
 
-import argparse
 import json
-import os
-import sys
 from pathlib import Path
+
+from make_harmony_fixtures import harmony_arguments
 
 WEATHER_TOOLS = [
     {"type": "function", "function": {"name": "get_location", "description": "Gets the location of the user."}},
@@ -187,25 +186,14 @@ def harmony_prompt(case, harmony, encoding):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--encodings-dir", help="folder holding o200k_base.tiktoken (default: $TIKTOKEN_ENCODINGS_BASE)")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "tests" / "fixtures"
-                                             / "harmony" / "function_tools.json"))
-    args = parser.parse_args()
-    if args.encodings_dir:
-        os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(Path(args.encodings_dir).resolve())
-    if not os.environ.get("TIKTOKEN_ENCODINGS_BASE"):
-        sys.exit("set TIKTOKEN_ENCODINGS_BASE or pass --encodings-dir (a folder with o200k_base.tiktoken)")
-
-    import openai_harmony as harmony
-
-    encoding = harmony.load_harmony_encoding(harmony.HarmonyEncodingName.HARMONY_GPT_OSS)
+    harmony, encoding, path = harmony_arguments(
+        __doc__, Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "harmony" / "function_tools.json")
     out = []
     for case in cases():
         ids = harmony_prompt(case, harmony, encoding)
         out.append({**case, "ids": ids, "text": encoding.decode(ids)})
         print(f"{case['name']}: {len(ids)} ids")
-    Path(args.out).write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
+    path.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
 
 
 if __name__ == "__main__":
