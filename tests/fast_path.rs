@@ -706,10 +706,25 @@ fn the_engine_names_bf16_attention_where_a_session_runs_it() {
         expected
     );
     assert_eq!(label(auto, ActivationFormat::Q8, KvFormat::F16), expected);
-    // The precise activations and the f32 and int8 caches keep f32 attention.
+    // The precise activations and the f32 cache keep f32 attention; the int8 cache runs int8
+    // dot products wherever the AVX-512 path does (not with f32 arithmetic or q8x2).
     assert_eq!(label(auto, ActivationFormat::Q8x2, KvFormat::F16), path);
     assert_eq!(label(auto, ActivationFormat::Mixed, KvFormat::F32), path);
-    assert_eq!(label(auto, ActivationFormat::Mixed, KvFormat::Q8), path);
+    let with_int8 = if model.kernels.uses_int8_attention() {
+        format!("{path}+int8")
+    } else {
+        path.clone()
+    };
+    assert_eq!(
+        label(auto, ActivationFormat::Mixed, KvFormat::Q8),
+        with_int8
+    );
+    assert_eq!(label(auto, ActivationFormat::Q8x2, KvFormat::Q8), path);
+    let f32_arithmetic = AttentionArithmetic::F32;
+    assert_eq!(
+        label(f32_arithmetic, ActivationFormat::Mixed, KvFormat::Q8),
+        path
+    );
     // A session's own choice: f32 never names bf16, bf16 does wherever the CPU has it.
     let f32_only = AttentionArithmetic::F32;
     assert_eq!(

@@ -101,9 +101,9 @@ pub trait ModelBackend: Send + Sync + 'static {
     /// supports one type only answers that one, and the settings then show it).
     fn effective_kv_cache(&self, requested: KvCacheType) -> KvCacheType;
 
-    /// The SIMD path the kernels picked ("avx512", "avx2" or "scalar"), with "+bf16" where a
-    /// session of this attention arithmetic, activations and cache runs attention on bf16 dot
-    /// products.
+    /// The SIMD path the kernels picked ("avx512", "avx2" or "scalar"), with "+bf16" ("+int8")
+    /// where a session of this attention arithmetic, activations and cache runs attention on
+    /// bf16 (int8) dot products.
     fn kernel_path(
         &self,
         attention: AttentionArithmetic,
@@ -1011,6 +1011,11 @@ impl ModelBackend for crate::model::Model {
                 if self.bf16_attention_with(attention, activations, kv_cache) =>
             {
                 format!("{}+bf16", self.kernels.path().name())
+            }
+            crate::model::Precision::Fast
+                if self.int8_attention_with(attention, activations, kv_cache) =>
+            {
+                format!("{}+int8", self.kernels.path().name())
             }
             crate::model::Precision::Fast => self.kernels.path().name().to_string(),
         }

@@ -45,6 +45,8 @@ use half::f16;
 
 #[cfg(target_arch = "x86_64")]
 mod bf16;
+#[cfg(target_arch = "x86_64")]
+mod int8;
 
 /// Keys per tile: a widened f16 tile of keys plus one of values (2 x 64 x 64 x 4 bytes for
 /// head_dim 64) stays in L1 while every head of the group uses it. Tiles start at rows that are
@@ -139,6 +141,11 @@ pub enum AttentionError {
         heads: usize,
         dim: usize,
     },
+    #[error(
+        "int8 attention: the {path} kernels do not run it for head_dim {head_dim} (it needs \
+         AVX-512 VNNI and a head_dim that is a multiple of 64)"
+    )]
+    NoInt8Path { path: &'static str, head_dim: usize },
     #[error("attention benchmark: {0}")]
     Kernel(#[from] KernelError),
     #[error(
@@ -312,6 +319,13 @@ pub struct AttentionScratch {
     running_max: Vec<f32>,
     running_sum: Vec<f32>,
     rescale: Vec<f32>,
+    /// The int8 path's per query row: the row's scale, `128 x sum(q)`, and this tile's
+    /// probability scale.
+    query_scales: Vec<f32>,
+    query_offsets: Vec<i32>,
+    prob_scales: Vec<f32>,
+    /// The int8 path's key scales then value scales of one tile.
+    tile_scales: Vec<f32>,
 }
 
 impl AttentionScratch {
@@ -332,6 +346,10 @@ impl AttentionScratch {
             running_max: vec![0.0; max_heads],
             running_sum: vec![0.0; max_heads],
             rescale: vec![0.0; max_heads],
+            query_scales: vec![0.0; max_heads],
+            query_offsets: vec![0; max_heads],
+            prob_scales: vec![0.0; max_heads],
+            tile_scales: vec![0.0; 2 * TILE_KEYS],
         }
     }
 
@@ -554,6 +572,164 @@ pub fn runs_bf16(k: Kernels, head_dim: usize) -> bool {
     return k.uses_bf16_attention() && bf16::takes(head_dim);
     #[cfg(not(target_arch = "x86_64"))]
     return false;
+}
+
+/// One KV head of an int8 cache: position j's key is `keys[j * head_dim..][..head_dim]` times
+/// `key_scales[j]`, and likewise its value (rows of one head are contiguous, as the int8 cache
+/// stores them).
+#[derive(Clone, Copy, Debug)]
+pub struct Q8KvHead<'a> {
+    pub keys: &'a [i8],
+    pub key_scales: &'a [f32],
+    pub values: &'a [i8],
+    pub value_scales: &'a [f32],
+}
+
+/// Whether attention of this head size over an int8 cache runs on int8 dot products with these
+/// kernels ([`attend_block_q8`]); otherwise the cache is widened to f32 for [`attend_block`].
+pub fn runs_int8(k: Kernels, head_dim: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return k.uses_int8_attention() && int8::takes(head_dim);
+    #[cfg(not(target_arch = "x86_64"))]
+    return false;
+}
+
+/// Checks what [`attend_block_q8`] and its reference rely on beyond the scratch's size.
+fn check_block_q8(
+    query: &BlockQuery<'_>,
+    kv: &Q8KvHead<'_>,
+    visible: &dyn Fn(usize) -> Range<usize>,
+    out: &[f32],
+) -> Result<(), AttentionError> {
+    let rows = KvHead {
+        keys: kv.keys,
+        values: kv.values,
+        row_stride: query.head_dim,
+        offset: 0,
+    };
+    check_block(query, &rows, visible, out)?;
+    if query.tokens > 0 {
+        let last = visible(query.tokens - 1);
+        for (operand, scales) in [
+            ("key scale", kv.key_scales),
+            ("value scale", kv.value_scales),
+        ] {
+            if !last.is_empty() && scales.len() < last.end {
+                return Err(AttentionError::CacheTooShort {
+                    operand,
+                    last: last.end - 1,
+                    needed: last.end,
+                    got: scales.len(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// [`attend_block`] over an int8 cache on int8 dot products (AVX-512 VNNI): the cache is read as
+/// stored. What it computes is [`attend_block_q8_reference`]'s; like the other paths, tiles start
+/// at multiples of [`TILE_KEYS`], so every token's result is the same bits alone as in any block.
+/// Refused where [`runs_int8`] does not hold (the caller widens the cache instead).
+pub fn attend_block_q8(
+    k: Kernels,
+    query: &BlockQuery<'_>,
+    kv: &Q8KvHead<'_>,
+    visible: &dyn Fn(usize) -> Range<usize>,
+    out: &mut [f32],
+    scratch: &mut AttentionScratch,
+) -> Result<(), AttentionError> {
+    if !runs_int8(k, query.head_dim) {
+        return Err(AttentionError::NoInt8Path {
+            path: k.path().name(),
+            head_dim: query.head_dim,
+        });
+    }
+    check_block_q8(query, kv, visible, out)?;
+    scratch.check(query.tokens * query.sinks.len(), query.head_dim)?;
+    if query.tokens == 0 {
+        return Ok(());
+    }
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the kernels use int8 attention only on the AVX-512 path (which needs VNNI); the
+    // shapes were checked above and `takes` the head_dim.
+    unsafe {
+        int8::attend(query, kv, visible, out, scratch)
+    };
+    Ok(())
+}
+
+/// What [`attend_block_q8`] computes, written plainly: the reference its SIMD kernel is tested
+/// against. Token by token and head by head: the scaled query rounded to int8 against its
+/// largest magnitude (`x x (127 / max)`, nearest even); logits the integer dot products with
+/// the key rows times the query's scale (`max / 127`) and the key's; a two-pass softmax whose
+/// denominator sums the f32 probabilities; then per tile of [`TILE_KEYS`] keys (tiles starting at
+/// multiples of it) each probability times its value row's scale rounded to a byte against the
+/// tile's largest (`x 255 / largest`), and the output the integer sums with the value rows times
+/// `largest / 255`. Allocates (it is for tests).
+pub fn attend_block_q8_reference(
+    query: &BlockQuery<'_>,
+    kv: &Q8KvHead<'_>,
+    visible: &dyn Fn(usize) -> Range<usize>,
+    out: &mut [f32],
+) -> Result<(), AttentionError> {
+    check_block_q8(query, kv, visible, out)?;
+    let (d, heads) = (query.head_dim, query.sinks.len());
+    for (t, out) in out.chunks_exact_mut(heads * d).enumerate() {
+        let seen = visible(t);
+        for (g, out) in out.chunks_exact_mut(d).enumerate() {
+            let x: Vec<f32> = query.queries[t * query.token_stride + g * d..][..d]
+                .iter()
+                .map(|x| x * query.scale)
+                .collect();
+            let largest = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let (q, query_scale): (Vec<i32>, f32) = if largest > 0.0 && largest.is_finite() {
+                let inverse = 127.0 / largest;
+                let q = x.iter().map(|v| (v * inverse).round_ties_even() as i32);
+                (q.collect(), largest / 127.0)
+            } else {
+                (vec![0; d], 0.0)
+            };
+            let logits: Vec<f32> = seen
+                .clone()
+                .map(|j| {
+                    let key = &kv.keys[j * d..][..d];
+                    let dot: i32 = q.iter().zip(key).map(|(a, k)| a * *k as i32).sum();
+                    dot as f32 * (kv.key_scales[j] * query_scale)
+                })
+                .collect();
+            let sink = query.sinks[g];
+            let max = logits.iter().fold(sink, |m, &l| m.max(l));
+            let probs: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
+            let denominator = (sink - max).exp() + probs.iter().sum::<f32>();
+            out.fill(0.0);
+            let mut j = seen.start;
+            while j < seen.end {
+                let tile = j..(j - j % TILE_KEYS + TILE_KEYS).min(seen.end);
+                let weighted: Vec<f32> = tile
+                    .clone()
+                    .map(|i| probs[i - seen.start] * kv.value_scales[i])
+                    .collect();
+                let largest = weighted.iter().fold(0.0f32, |m, w| m.max(*w));
+                if largest > 0.0 {
+                    let to_bytes = 255.0 / largest;
+                    let mut sums = vec![0i32; d];
+                    for (i, w) in tile.clone().zip(&weighted) {
+                        let byte = (w * to_bytes).round_ties_even() as i32;
+                        for (s, v) in sums.iter_mut().zip(&kv.values[i * d..][..d]) {
+                            *s += byte * *v as i32;
+                        }
+                    }
+                    for (o, s) in out.iter_mut().zip(&sums) {
+                        *o += *s as f32 * (largest / 255.0);
+                    }
+                }
+                j = tile.end;
+            }
+            out.iter_mut().for_each(|o| *o /= denominator);
+        }
+    }
+    Ok(())
 }
 
 /// [`attend_block`] after its checks.

@@ -450,6 +450,9 @@ pub struct Kernels {
     /// finds `vdpbf16ps` issuing about as fast as an f32 FMA: twice the multiply-adds; see
     /// [`attention::runs_bf16`]).
     bf16_attention: bool,
+    /// Attention over an int8 cache takes int8 dot products (`vpdpbusd` on the AVX-512 path; see
+    /// [`attention::runs_int8`]) instead of widening the cache to f32.
+    int8_attention: bool,
     /// How the AVX2 paths' MXFP4 tile products sum int8 products (only `Avx2Vnni` differs).
     avx2_dot: Avx2Dot,
 }
@@ -496,16 +499,19 @@ impl Kernels {
             path,
             vbmi,
             bf16_attention,
+            int8_attention: path == KernelPath::Avx512,
             avx2_dot,
         }
     }
 
-    /// The same kernels with f32 attention arithmetic: what a CPU without AVX-512 BF16 runs, and
+    /// The same kernels with f32 attention arithmetic over every cache (no bf16 or int8 dot
+    /// products): what a CPU without AVX-512 BF16 runs over an f16 cache, and
     /// what `q8x2` activations keep (tests compare the two; the attention benchmark,
     /// `cargo test --release --test attention -- --ignored --nocapture`, times both).
     pub fn without_bf16_attention(self) -> Self {
         Self {
             bf16_attention: false,
+            int8_attention: false,
             ..self
         }
     }
@@ -520,6 +526,7 @@ impl Kernels {
         let bf16 = false;
         Self {
             bf16_attention: bf16,
+            int8_attention: self.path == KernelPath::Avx512,
             ..self
         }
     }
@@ -530,6 +537,7 @@ impl Kernels {
     pub fn with_probed_attention(self) -> Self {
         Self {
             bf16_attention: Self::on_path(self.path).bf16_attention,
+            int8_attention: Self::on_path(self.path).int8_attention,
             ..self
         }
     }
@@ -538,6 +546,12 @@ impl Kernels {
     /// [`attention::attend_block_bf16_reference`] for what it computes).
     pub fn uses_bf16_attention(&self) -> bool {
         self.bf16_attention
+    }
+
+    /// Whether attention over an int8 cache runs on int8 dot products (see
+    /// [`attention::attend_block_q8_reference`] for what it computes).
+    pub fn uses_int8_attention(&self) -> bool {
+        self.int8_attention
     }
 
     /// The same kernels without the optional AVX-512 VBMI decode of the MXFP4 GEMV: what a CPU

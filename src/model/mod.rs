@@ -452,6 +452,25 @@ impl Model {
             && crate::kernels::attention::runs_bf16(kernels, self.config.head_dim)
     }
 
+    /// Whether a session with this attention arithmetic, activations and cache runs attention
+    /// on int8 dot products (an int8 cache read as stored, on the AVX-512 path).
+    pub fn int8_attention_with(
+        &self,
+        attention: AttentionArithmetic,
+        activations: ActivationFormat,
+        kv: KvFormat,
+    ) -> bool {
+        let kernels = activations.attention_kernels(attention.apply(self.kernels));
+        self.fast.is_some()
+            && kv == KvFormat::Q8
+            && crate::kernels::attention::runs_int8(kernels, self.config.head_dim)
+    }
+
+    /// Whether new sessions' attention runs on int8 dot products.
+    pub fn uses_int8_attention(&self) -> bool {
+        self.int8_attention_with(self.attention, self.activations, self.kv_format)
+    }
+
     /// A short description of the weight formats, for the UI and the benchmark.
     pub fn weights_description(&self) -> String {
         match &self.fast {
@@ -466,6 +485,8 @@ impl Model {
                 };
                 let attention = if self.uses_bf16_attention() {
                     ", attention on bf16 dot products"
+                } else if self.uses_int8_attention() {
+                    ", attention on int8 dot products"
                 } else {
                     ""
                 };

@@ -283,6 +283,12 @@ impl Session {
             .bf16_attention_with(self.attention, self.activations, self.kv_format())
     }
 
+    /// Whether this session's attention runs on int8 dot products (over an int8 cache).
+    pub fn uses_int8_attention(&self) -> bool {
+        self.model
+            .int8_attention_with(self.attention, self.activations, self.kv_format())
+    }
+
     /// The element type the KV cache holds.
     pub fn kv_format(&self) -> KvFormat {
         self.sequence.kv.format()
@@ -318,10 +324,12 @@ impl Session {
             (false, true) => " tiled q8",
             (false, false) => "",
         };
-        // bf16 attention computes other rows than f32; f32 adds nothing, so snapshots written
-        // before the choice existed (or on CPUs without it) still restore.
+        // bf16 and int8 attention compute other rows than f32; f32 adds nothing, so snapshots
+        // written before the choice existed (or on CPUs without it) still restore.
         let arithmetic = if self.uses_bf16_attention() {
             " bf16 attention"
+        } else if self.uses_int8_attention() {
+            " int8 attention"
         } else {
             ""
         };

@@ -62,6 +62,7 @@ pub fn f32_attention_kernels() -> Vec<ossterm::kernels::Kernels> {
 
 /// A block of `tokens` tokens at positions `depth..depth + tokens` over a cache of those
 /// positions, KV head 1 of 2, each token seeing the keys of `window` (all if `None`) up to its own.
+#[derive(Clone)]
 pub struct Block {
     pub group: usize,
     pub head_dim: usize,

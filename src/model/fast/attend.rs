@@ -9,7 +9,8 @@ use std::ops::Range;
 use super::jobs::SharedOut;
 use super::FastPass;
 use crate::kernels::attention::{
-    attend_block, AttentionScratch, BlockQuery, KvElem, KvHead, TILE_KEYS,
+    attend_block, attend_block_q8, runs_int8, AttentionScratch, BlockQuery, KvElem, KvHead,
+    Q8KvHead, TILE_KEYS,
 };
 use crate::kernels::Kernels;
 use crate::model::config::ModelConfig;
@@ -139,10 +140,11 @@ impl FastPass<'_> {
     }
 }
 
-/// [`FastPass::attend`] over an int8 cache. The kernel reads f16 or f32 rows, so each task widens the rows
-/// its KV head's queries can see (once for the whole chunk) into f32 staging, then attends over
-/// that in place, in blocks of tokens. One task per KV head: the widening is shared by the chunk's
-/// tokens.
+/// [`FastPass::attend`] over an int8 cache. Where the kernels take int8 attention
+/// ([`runs_int8`]) the cache is read as stored, in blocks of tokens as over an f16 cache.
+/// Otherwise the kernel reads f16 or f32 rows, so each task widens the rows its KV head's queries
+/// can see (once for the whole chunk) into f32 staging, then attends over that in place, in
+/// blocks of tokens. One task per KV head: the widening is shared by the chunk's tokens.
 impl FastPass<'_> {
     pub(super) fn attend_q8(
         &self,
@@ -156,6 +158,10 @@ impl FastPass<'_> {
         let (k, c) = (self.kernels, self.config);
         let hd = c.head_dim;
         assert!(out.len() >= n * c.q_width(), "scratch sized for the chunk");
+        let attention = self.activations.attention_kernels(k);
+        if runs_int8(attention, hd) {
+            return self.attend_q8_in_place(attention, layer, start, n, q, cache, out);
+        }
         // Staged from a row the kernel's tiles start at, so the tiles of the staged rows are those
         // of the whole cache and a token's result does not depend on where its chunk began.
         let seen = visible_keys(c, layer.kind, start).start;
@@ -202,6 +208,62 @@ impl FastPass<'_> {
                     block = tokens.end;
                     let at = (start, first);
                     attend_tokens(k, c, layer, at, tokens, kv_head, q, &staged, shared);
+                }
+            });
+        });
+    }
+}
+
+impl FastPass<'_> {
+    /// [`FastPass::attend_q8`] on int8 dot products: one task per (KV head, block of up to
+    /// [`BLOCK_TOKENS`] tokens), as [`FastPass::attend`] over an f16 cache.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_q8_in_place(
+        &self,
+        k: Kernels,
+        layer: &Layer,
+        start: usize,
+        n: usize,
+        q: &[f32],
+        cache: &LayerKvQ8<'_>,
+        out: &mut [f32],
+    ) {
+        let c = self.config;
+        let (qw, hd) = (c.q_width(), c.head_dim);
+        let group = c.num_attention_heads / c.num_key_value_heads;
+        let shared = SharedOut(out.as_mut_ptr());
+        let blocks = n.div_ceil(BLOCK_TOKENS);
+        parallel_for(self.team, blocks * c.num_key_value_heads, &|index| {
+            let (kv_head, b) = (index / blocks, index % blocks);
+            let block = b * BLOCK_TOKENS..((b + 1) * BLOCK_TOKENS).min(n);
+            let head = cache.head(kv_head);
+            let kv = Q8KvHead {
+                keys: head.keys,
+                key_scales: head.key_scales,
+                values: head.values,
+                value_scales: head.value_scales,
+            };
+            let heads = kv_head * group..(kv_head + 1) * group;
+            let query = BlockQuery {
+                queries: &q[block.start * qw + heads.start * hd..],
+                token_stride: qw,
+                tokens: block.len(),
+                sinks: &layer.attention.sinks[heads.clone()],
+                head_dim: hd,
+                scale: attention_scale(c),
+            };
+            let visible = |t: usize| visible_keys(c, layer.kind, start + block.start + t);
+            ATTENTION_SCRATCH.with(|tiles| {
+                let mut tiles = tiles.borrow_mut();
+                let tiles = tiles.sized(group, hd);
+                let result = &mut tiles.out[..block.len() * group * hd];
+                attend_block_q8(k, &query, &kv, &visible, result, &mut tiles.scratch)
+                    .expect("attention shapes follow the model config");
+                for (i, row) in block.clone().zip(result.chunks_exact(group * hd)) {
+                    // SAFETY: (block, KV head) owns the group's query heads of its tokens in
+                    // `out`, ranges no other task touches; the buffer outlives the parallel loop.
+                    unsafe { shared.slice(i * qw + heads.start * hd, group * hd) }
+                        .copy_from_slice(row);
                 }
             });
         });
