@@ -7,7 +7,7 @@
 
 use half::f16;
 use ossterm::bench::attention::{
-    bench_attention_with, bench_block_attention, AttentionBenchConfig,
+    bench_attention_with, bench_block_attention, bench_block_attention_q8, AttentionBenchConfig,
 };
 use ossterm::kernels::attention::{
     attend_group, fast_exp, AttentionError, AttentionScratch, GroupQuery, KvElem, KvHead, TILE_KEYS,
@@ -449,6 +449,11 @@ fn benchmark_agrees_with_the_per_key_loop() {
         let row = bench_block_attention(k, &AttentionBenchConfig::quick(), 5, 70)
             .unwrap_or_else(|e| panic!("{}: {e}", k.path()));
         assert!(row.block_ns > 0.0 && row.per_token_ns > 0.0, "{row}");
+        // The int8 kernel's benchmark checks its block against its tokens too.
+        let with_int8 = Kernels::new(k.path()).expect("supported");
+        let row = bench_block_attention_q8(with_int8, &AttentionBenchConfig::quick(), 5, 70)
+            .unwrap_or_else(|e| panic!("{}: {e}", k.path()));
+        assert_eq!(row.is_some(), with_int8.uses_int8_attention());
         for row in &report.rows {
             assert!(
                 row.tiled_best_ns.is_finite() && row.tiled_best_ns > 0.0,
@@ -486,6 +491,17 @@ fn benchmark_report() {
         for (tokens, depth) in [(1, 4096), (16, 128), (16, 4096), (32, 4096)] {
             let row = bench_block_attention(k, &config, tokens, depth).expect("benchmark");
             println!("{row}");
+        }
+    }
+    for k in Kernels::all_supported() {
+        let config = AttentionBenchConfig {
+            repetitions: 15,
+            ..AttentionBenchConfig::standard()
+        };
+        for (tokens, depth) in [(1, 4096), (16, 128), (16, 4096), (32, 4096)] {
+            if let Some(row) = bench_block_attention_q8(k, &config, tokens, depth).expect("bench") {
+                println!("int8 cache, int8 dot products ({}): {row}", k.path());
+            }
         }
     }
 }

@@ -10,9 +10,11 @@ use rand_chacha::ChaCha8Rng;
 
 use super::kernels::time_runs;
 use crate::kernels::attention::{
-    attend_block, attend_group, AttentionError, AttentionScratch, BlockQuery, GroupQuery, KvHead,
+    attend_block, attend_block_q8, attend_group, runs_int8, AttentionError, AttentionScratch,
+    BlockQuery, GroupQuery, KvHead, Q8KvHead,
 };
 use crate::kernels::{KernelPath, Kernels};
+use crate::model::kv::quantize_row_q8;
 
 /// What [`bench_attention_with`] measures.
 #[derive(Clone, Debug)]
@@ -333,6 +335,91 @@ pub fn bench_block_attention(
         per_token_ns: token_best * per_pair,
         block_ns: block_best * per_pair,
     })
+}
+
+/// [`bench_block_attention`] over an int8 cache with int8 dot products ([`attend_block_q8`]):
+/// the same random data, its rows quantized as the int8 cache stores them. `None` where these
+/// kernels do not run int8 attention ([`runs_int8`]).
+pub fn bench_block_attention_q8(
+    k: Kernels,
+    config: &AttentionBenchConfig,
+    tokens: usize,
+    depth: usize,
+) -> Result<Option<BlockBenchRow>, AttentionError> {
+    let (group, d) = (config.group, config.head_dim);
+    if !runs_int8(k, d) {
+        return Ok(None);
+    }
+    let tokens = tokens.max(1);
+    let rows = depth + tokens;
+    let mut rng = ChaCha8Rng::seed_from_u64(0xb10c);
+    let quantized = |rng: &mut ChaCha8Rng| {
+        let mut bytes = vec![0i8; rows * d];
+        let scales: Vec<f32> = bytes
+            .chunks_exact_mut(d)
+            .map(|row| quantize_row_q8(&random(rng, d, 1.0), row))
+            .collect();
+        (bytes, scales)
+    };
+    let (keys, key_scales) = quantized(&mut rng);
+    let (values, value_scales) = quantized(&mut rng);
+    let queries = random(&mut rng, tokens * group * d, 1.0);
+    let sinks = random(&mut rng, group, 2.0);
+    let block = BlockQuery {
+        queries: &queries,
+        token_stride: group * d,
+        tokens,
+        sinks: &sinks,
+        head_dim: d,
+        scale: 1.0 / (d as f32).sqrt(),
+    };
+    let kv = Q8KvHead {
+        keys: &keys,
+        key_scales: &key_scales,
+        values: &values,
+        value_scales: &value_scales,
+    };
+    let visible = |t: usize| 0..depth + t + 1;
+    let mut block_scratch = AttentionScratch::new(tokens * group, d);
+    let mut token_scratch = AttentionScratch::new(group, d);
+    let mut block_out = vec![0.0f32; tokens * group * d];
+    let mut token_out = vec![0.0f32; tokens * group * d];
+    let mut as_block =
+        || attend_block_q8(k, &block, &kv, &visible, &mut block_out, &mut block_scratch);
+    as_block()?;
+    let (block_best, _) = time_runs(config.repetitions, config.min_run_time, &mut as_block)?;
+    let mut by_token = || -> Result<(), AttentionError> {
+        for (t, out) in token_out.chunks_exact_mut(group * d).enumerate() {
+            let one = BlockQuery {
+                queries: &queries[t * group * d..(t + 1) * group * d],
+                tokens: 1,
+                ..block
+            };
+            let seen = visible(t);
+            attend_block_q8(k, &one, &kv, &|_| seen.clone(), out, &mut token_scratch)?;
+        }
+        Ok(())
+    };
+    by_token()?;
+    let (token_best, _) = time_runs(config.repetitions, config.min_run_time, &mut by_token)?;
+    let pairs = || block_out.iter().zip(&token_out);
+    if pairs().any(|(a, b)| a.to_bits() != b.to_bits()) {
+        let difference = pairs()
+            .map(|(a, b)| (a - b).abs() / b.abs().max(1e-3))
+            .fold(0.0f32, f32::max);
+        return Err(AttentionError::BenchMismatch {
+            keys: depth,
+            difference,
+        });
+    }
+    let keys_seen = tokens * (depth + 1) + tokens * (tokens - 1) / 2;
+    let per_pair = 1e9 / (group * keys_seen) as f64;
+    Ok(Some(BlockBenchRow {
+        tokens,
+        depth,
+        per_token_ns: token_best * per_pair,
+        block_ns: block_best * per_pair,
+    }))
 }
 
 /// `n` values uniform in (-spread, spread).

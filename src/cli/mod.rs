@@ -105,7 +105,8 @@ pub struct ModelArgs {
     pub activations: ActivationFormat,
     /// Attention arithmetic over the f16 KV cache: auto (bf16 dot products where the CPU has
     /// AVX-512 BF16 and issues them as fast as f32 FMAs), f32, or bf16 (wherever the CPU has
-    /// AVX-512 BF16). q8x2 activations keep f32.
+    /// AVX-512 BF16). The q8 cache takes int8 dot products on the AVX-512 path unless f32. q8x2
+    /// activations keep f32.
     #[arg(long, value_name = "ARITHMETIC", default_value = "auto", value_parser = choice_parser!(AttentionArithmetic))]
     pub attention: AttentionArithmetic,
     /// Byte order of the MXFP4 experts in the fast path: tiles of 16 rows reordered at load

@@ -50,7 +50,7 @@ const EXP2_POLY: [f32; 5] = [
 /// 2^f by the polynomial. Degree 5, not 4 (3e-6, still far under bf16's 2e-3): degree 4 moved
 /// one near-tied top-1 of the fixtures. -inf (a masked key) and NaN give 0.
 #[inline(always)]
-pub(super) unsafe fn exp_for_bf16(x: __m512) -> __m512 {
+unsafe fn exp_for_bf16(x: __m512) -> __m512 {
     // SAFETY: plain arithmetic on registers; the caller's target features include AVX-512 F.
     unsafe {
         // max returns the second operand for a NaN first one: NaN and -inf both become the floor.

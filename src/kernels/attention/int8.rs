@@ -27,15 +27,43 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::{
-    bf16::exp_for_bf16, fast_exp, finish_rows, AttentionScratch, BlockQuery, Q8KvHead, TileWalk,
-    TILE_KEYS,
-};
+use super::{fast_exp, finish_rows, AttentionScratch, BlockQuery, Q8KvHead, TileWalk, TILE_KEYS};
 
 /// f32 (or i32) lanes of a 512-bit vector.
 const W: usize = 16;
 /// Bytes of a 512-bit vector: a row is whole vectors of int8.
 const BYTES: usize = 64;
+
+/// Below this a probability is exactly 0: 2^(-120 log2 e) is far under the smallest f32.
+const EXP_FLOOR: f32 = -120.0;
+
+/// A degree-3 polynomial for 2^f on [-1/2, 1/2] (least squares on the relative error, 1.8e-4
+/// at worst), lowest degree first after the constant 1: the probabilities are rounded to bytes
+/// next (steps of 1/255 of the largest), and their f32 sum moves by as little.
+const EXP2_POLY: [f32; 3] = [0.693_316_6, 0.241_924_8, 0.054_602_28];
+
+/// e^x (x <= 0) in 16 lanes: 2^(x log2 e) split into 2^n (`vscalefps`) and 2^f by the
+/// polynomial, as the bf16 path's exponential with two terms fewer. -inf (a masked key) and NaN
+/// give 0.
+#[inline(always)]
+unsafe fn exp_for_bytes(x: __m512) -> __m512 {
+    // SAFETY: plain arithmetic on registers; the caller's target features include AVX-512 F.
+    unsafe {
+        // max returns the second operand for a NaN first one: NaN and -inf both become the floor.
+        let x = _mm512_max_ps(x, _mm512_set1_ps(EXP_FLOOR));
+        let t = _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
+        let f = _mm512_sub_ps(t, n);
+        let y = _mm512_fmadd_ps(
+            _mm512_set1_ps(EXP2_POLY[2]),
+            f,
+            _mm512_set1_ps(EXP2_POLY[1]),
+        );
+        let y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(EXP2_POLY[0]));
+        let y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0));
+        _mm512_scalef_ps(y, n)
+    }
+}
 
 /// Whether the int8 path takes this head size: whole vectors of int8 (gpt-oss: 64).
 pub(super) fn takes(head_dim: usize) -> bool {
@@ -45,9 +73,9 @@ pub(super) fn takes(head_dim: usize) -> bool {
 /// Attention of a block over one KV head of an int8 cache.
 ///
 /// # Safety
-/// The CPU has AVX-512 F/BW/VNNI, AVX2 and FMA; [`takes`] holds for the head_dim; the shapes
+/// The CPU has AVX-512 F/BW/VNNI, AVX2, FMA and F16C; [`takes`] holds for the head_dim; the shapes
 /// were checked as for [`super::attend_block_q8`]; `query.tokens` > 0.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn attend(
     query: &BlockQuery<'_>,
     kv: &Q8KvHead<'_>,
@@ -82,19 +110,11 @@ pub(super) unsafe fn attend(
         // Value rows before the block's first visible key are not read.
         let skip = visible(first).start.clamp(tile.start, tile.end) - tile.start;
         let (key_scales, value_scales) = scratch.tile_scales.split_at_mut(TILE_KEYS);
-        for i in 0..TILE_KEYS {
-            let inside = i < count;
-            key_scales[i] = if inside {
-                kv.key_scales[tile.start + i]
-            } else {
-                0.0
-            };
-            value_scales[i] = if inside && i >= skip {
-                kv.value_scales[tile.start + i]
-            } else {
-                0.0
-            };
-        }
+        key_scales[..count].copy_from_slice(&kv.key_scales[tile.clone()]);
+        key_scales[count..].fill(0.0);
+        value_scales[..skip].fill(0.0);
+        value_scales[skip..count].copy_from_slice(&kv.value_scales[tile.start + skip..tile.end]);
+        value_scales[count..].fill(0.0);
         let key_row = |j: usize| kv.keys[j * d..][..d].as_ptr();
         // SAFETY: rows of the tile lie inside the cache (checked by the caller); the transposed
         // tile holds d/4 x TILE_KEYS u32 (the f32 key tile is TILE_KEYS x padded >= d f32).
@@ -189,7 +209,7 @@ pub(super) unsafe fn attend(
 /// # Safety
 /// `to` has room for `src.len()` bytes, a multiple of 16; the CPU has the features below.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn quantize_query(src: &[f32], scale: f32, to: *mut i8) -> (f32, i32) {
     // SAFETY: the caller upholds the contract; loads stay inside `src` (a multiple of 16).
     unsafe {
@@ -235,7 +255,7 @@ fn prefetch_next_tile(row: *const i8, d: usize) {
 /// Each non-null row has d readable bytes; `to` has room for d/4 rows of TILE_KEYS u32 from its
 /// start; the CPU has the features below.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn transpose_keys(rows: &[*const i8; W], d: usize, to: *mut u32) {
     // SAFETY: the caller upholds the contract.
     unsafe {
@@ -288,7 +308,7 @@ unsafe fn transpose_keys(rows: &[*const i8; W], d: usize, to: *mut u32) {
 /// Each non-null row has d readable bytes; `to` has room for 4d bytes; the CPU has the features
 /// below.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn interleave_values(rows: &[*const i8; 4], d: usize, to: *mut i8) {
     // SAFETY: the caller upholds the contract.
     unsafe {
@@ -362,7 +382,7 @@ struct Operands {
 ///
 /// # Safety
 /// As [`attend`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn probabilities(
     operands: &Operands,
     rows: Range<usize>,
@@ -403,7 +423,7 @@ unsafe fn probabilities(
 /// # Safety
 /// As [`probabilities`].
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn softmax_rows<const H: usize, const G: usize>(
     (operands, first, seen, state): (&Operands, usize, &dyn Fn(usize) -> (usize, usize), RowState),
 ) {
@@ -411,7 +431,11 @@ unsafe fn softmax_rows<const H: usize, const G: usize>(
     unsafe {
         let d = operands.d;
         let q = operands.queries.add(first * d);
+        // Each row's sums start at -128 x sum(q), which the keys' offset adds back.
         let mut sums = [[_mm512_setzero_si512(); G]; H];
+        for (h, row) in sums.iter_mut().enumerate() {
+            *row = [_mm512_set1_epi32(-*operands.query_offsets.add(first + h)); G];
+        }
         for p in 0..d / 4 {
             let mut k = [_mm512_setzero_si512(); G];
             for (g, x) in k.iter_mut().enumerate() {
@@ -431,19 +455,18 @@ unsafe fn softmax_rows<const H: usize, const G: usize>(
             let below = |n: usize| if n >= 64 { u64::MAX } else { (1u64 << n) - 1 };
             let visible = below(to) & !below(from);
             let query_scale = _mm512_set1_ps(*operands.query_scales.add(r));
-            let offset = _mm512_set1_epi32(*operands.query_offsets.add(r));
             let mut logits = [_mm512_setzero_ps(); G];
             let mut tile_max = _mm512_set1_ps(f32::NEG_INFINITY);
+            // A row that sees every lane of the tile has no mask to apply.
+            let all = visible == below(G * W);
             for (g, (s, logit)) in row.iter().zip(logits.iter_mut()).enumerate() {
                 let scales =
                     _mm512_mul_ps(_mm512_loadu_ps(operands.key_scales.add(g * W)), query_scale);
-                let dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(*s, offset));
-                let keep = (visible >> (g * W)) as u16;
-                *logit = _mm512_mask_blend_ps(
-                    keep,
-                    _mm512_set1_ps(f32::NEG_INFINITY),
-                    _mm512_mul_ps(dot, scales),
-                );
+                *logit = _mm512_mul_ps(_mm512_cvtepi32_ps(*s), scales);
+                if !all {
+                    let keep = (visible >> (g * W)) as u16;
+                    *logit = _mm512_mask_blend_ps(keep, _mm512_set1_ps(f32::NEG_INFINITY), *logit);
+                }
                 tile_max = _mm512_max_ps(tile_max, *logit);
             }
             let max = *state.running_max.add(r);
@@ -453,7 +476,7 @@ unsafe fn softmax_rows<const H: usize, const G: usize>(
             let mut total = _mm512_setzero_ps();
             let mut weighted_max = _mm512_setzero_ps();
             for (g, logit) in logits.iter_mut().enumerate() {
-                let p = exp_for_bf16(_mm512_sub_ps(*logit, shift));
+                let p = exp_for_bytes(_mm512_sub_ps(*logit, shift));
                 total = _mm512_add_ps(total, p);
                 // The logit's register now holds the probability times its value row's scale.
                 *logit = _mm512_mul_ps(p, _mm512_loadu_ps(operands.value_scales.add(g * W)));
@@ -503,7 +526,7 @@ struct Accumulate {
 /// The pointers hold what [`Accumulate`] says for H rows and the quads; the CPU has the features
 /// below.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn accumulate<const H: usize>(args: Accumulate) {
     const C: usize = BYTES / W;
     // SAFETY: the caller upholds the contract.
