@@ -34,24 +34,20 @@ const W: usize = 16;
 /// Bytes of a 512-bit vector: a row is whole vectors of int8.
 const BYTES: usize = 64;
 
-/// Below this a probability is exactly 0: 2^(-120 log2 e) is far under the smallest f32.
-const EXP_FLOOR: f32 = -120.0;
+/// Below this (in base 2) a probability is exactly 0: 2^-173 is far under the smallest f32.
+const EXP2_FLOOR: f32 = -173.0;
 
 /// A degree-3 polynomial for 2^f on [-1/2, 1/2] (least squares on the relative error, 1.8e-4
 /// at worst), lowest degree first after the constant 1: the probabilities are rounded to bytes
 /// next (steps of 1/255 of the largest), and their f32 sum moves by as little.
 const EXP2_POLY: [f32; 3] = [0.693_316_6, 0.241_924_8, 0.054_602_28];
 
-/// e^x (x <= 0) in 16 lanes: 2^(x log2 e) split into 2^n (`vscalefps`) and 2^f by the
-/// polynomial, as the bf16 path's exponential with two terms fewer. -inf (a masked key) and NaN
-/// give 0.
+/// 2^t (t <= 0, finite or below [`EXP2_FLOOR`]) in 16 lanes: 2^n (`vscalefps`) times 2^f by the
+/// polynomial, n the nearest integer.
 #[inline(always)]
-unsafe fn exp_for_bytes(x: __m512) -> __m512 {
+unsafe fn exp2_for_bytes(t: __m512) -> __m512 {
     // SAFETY: plain arithmetic on registers; the caller's target features include AVX-512 F.
     unsafe {
-        // max returns the second operand for a NaN first one: NaN and -inf both become the floor.
-        let x = _mm512_max_ps(x, _mm512_set1_ps(EXP_FLOOR));
-        let t = _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E));
         let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
         let f = _mm512_sub_ps(t, n);
         let y = _mm512_fmadd_ps(
@@ -454,14 +450,15 @@ unsafe fn softmax_rows<const H: usize, const G: usize>(
             let (from, to) = seen(r);
             let below = |n: usize| if n >= 64 { u64::MAX } else { (1u64 << n) - 1 };
             let visible = below(to) & !below(from);
-            let query_scale = _mm512_set1_ps(*operands.query_scales.add(r));
+            // Logits without the query's scale (>= 0), which joins the exponent below together
+            // with log2(e): one multiply-add per 16 keys instead of three operations.
+            let query_scale = *operands.query_scales.add(r);
             let mut logits = [_mm512_setzero_ps(); G];
             let mut tile_max = _mm512_set1_ps(f32::NEG_INFINITY);
             // A row that sees every lane of the tile has no mask to apply.
             let all = visible == below(G * W);
             for (g, (s, logit)) in row.iter().zip(logits.iter_mut()).enumerate() {
-                let scales =
-                    _mm512_mul_ps(_mm512_loadu_ps(operands.key_scales.add(g * W)), query_scale);
+                let scales = _mm512_loadu_ps(operands.key_scales.add(g * W));
                 *logit = _mm512_mul_ps(_mm512_cvtepi32_ps(*s), scales);
                 if !all {
                     let keep = (visible >> (g * W)) as u16;
@@ -470,13 +467,21 @@ unsafe fn softmax_rows<const H: usize, const G: usize>(
                 tile_max = _mm512_max_ps(tile_max, *logit);
             }
             let max = *state.running_max.add(r);
-            let new_max = max.max(_mm512_reduce_max_ps(tile_max));
+            // f32::max keeps the running maximum when a row that sees nothing gives NaN (0 x -inf).
+            let new_max = max.max(query_scale * _mm512_reduce_max_ps(tile_max));
             let rescale = fast_exp(max - new_max);
-            let shift = _mm512_set1_ps(new_max);
+            let factor = _mm512_set1_ps(query_scale * std::f32::consts::LOG2_E);
+            let shift = _mm512_set1_ps(new_max * std::f32::consts::LOG2_E);
             let mut total = _mm512_setzero_ps();
             let mut weighted_max = _mm512_setzero_ps();
             for (g, logit) in logits.iter_mut().enumerate() {
-                let p = exp_for_bytes(_mm512_sub_ps(*logit, shift));
+                let exponent = _mm512_fmsub_ps(*logit, factor, shift);
+                let p = if all {
+                    exp2_for_bytes(exponent)
+                } else {
+                    // Masked keys: -inf (or NaN for a zero query) becomes the floor, then 0.
+                    exp2_for_bytes(_mm512_max_ps(exponent, _mm512_set1_ps(EXP2_FLOOR)))
+                };
                 total = _mm512_add_ps(total, p);
                 // The logit's register now holds the probability times its value row's scale.
                 *logit = _mm512_mul_ps(p, _mm512_loadu_ps(operands.value_scales.add(g * W)));
@@ -489,13 +494,21 @@ unsafe fn softmax_rows<const H: usize, const G: usize>(
                 0.0
             };
             let to_bytes = _mm512_set1_ps(to_bytes);
-            for (g, weighted) in logits.iter().enumerate() {
-                let q = _mm512_cvtps_epi32(_mm512_mul_ps(*weighted, to_bytes));
-                _mm_storeu_si128(
-                    state.probs.add(r * TILE_KEYS + g * W).cast(),
-                    _mm512_cvtusepi32_epi8(q),
-                );
+            let mut bytes = [_mm512_setzero_si512(); 4];
+            for (b, weighted) in bytes.iter_mut().zip(&logits) {
+                *b = _mm512_cvtps_epi32(_mm512_mul_ps(*weighted, to_bytes));
             }
+            // Two saturating packs leave 128-bit lane L holding keys 4L.. of each group in
+            // turn; a dword permutation puts the 64 bytes in key order.
+            let packed = _mm512_packus_epi16(
+                _mm512_packus_epi32(bytes[0], bytes[1]),
+                _mm512_packus_epi32(bytes[2], bytes[3]),
+            );
+            let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+            _mm512_storeu_si512(
+                state.probs.add(r * TILE_KEYS).cast(),
+                _mm512_permutexvar_epi32(order, packed),
+            );
             let sum = state.running_sum.add(r);
             *sum = *sum * rescale + _mm512_reduce_add_ps(total);
             *state.running_max.add(r) = new_max;
