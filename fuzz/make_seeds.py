@@ -172,8 +172,8 @@ def gguf():
 
 def server_request():
     # First byte: bit 0 picks the endpoint (0 chat completions, 1 responses; with bit 3 set,
-    # 0 tokenize, 1 detokenize), bits 1-2 the context (16, 96, 512, 4096 tokens); the rest is the
-    # body.
+    # 0 tokenize, 1 detokenize; bit 4 set: completions), bits 1-2 the context (16, 96, 512, 4096
+    # tokens); the rest is the body.
     chat = {"model": "m", "messages": [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "hi"}]},
@@ -204,6 +204,9 @@ def server_request():
         {"type": "reasoning", "id": "rs_1", "summary": []},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "b"}]},
         {"role": "developer", "content": "c"}], "seed": 1}
+    completion = {"model": "m", "prompt": "<|start|>user<|message|>hi<|end|><|start|>assistant",
+                  "max_tokens": 20, "stream": True, "stop": "x", "logprobs": 2, "temperature": 0.2,
+                  "logit_bias": {"5": 1}}
     cases = [(name, bytes([selector]) + json.dumps(body).encode())
              for name, selector, body in [("chat_full.json", 6, chat),
                                           ("chat_small_context.json", 2, small),
@@ -212,7 +215,9 @@ def server_request():
                                           ("tokenize_text.json", 14, {"content": "hi <|end|> there"}),
                                           ("detokenize.json", 9, {"tokens": [200006, 17360, 1428]}),
                                           ("responses_text.json", 7, text),
-                                          ("responses_items.json", 7, items)]]
+                                          ("responses_items.json", 7, items),
+                                          ("completion_text.json", 22, completion),
+                                          ("completion_tokens.json", 18, {"prompt": [[200006, 17360, 200008, 1428]], "max_tokens": 8, "echo": True, "skip_special_tokens": False})]]
     write("server_request", cases)
 
 

@@ -1100,3 +1100,127 @@ fn tokenize_and_detokenize_agree_with_the_tokenizer_and_the_chat_prompt() {
     }
     server.stop();
 }
+
+/// `/v1/completions`: the prompt is continued as plain text (no harmony rendering or parsing),
+/// the same text whole and streamed, 16 tokens by default, `echo`, stop strings, the legacy
+/// `logprobs` object, and errors naming the field.
+#[test]
+fn text_completions_continue_the_raw_prompt_whole_and_streamed() {
+    let server = serve(Precision::Exact, options(2, 1024, 8), None);
+    let post = |body: Value| {
+        read_json(
+            agent()
+                .post(&server.url("/v1/completions"))
+                .send_string(&body.to_string()),
+        )
+    };
+    let (status, reply) = post(
+        json!({"model": "synthetic-tiny", "prompt": "Once upon a time",
+                                      "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["object"], "text_completion");
+    assert!(reply["id"].as_str().unwrap().starts_with("cmpl-"));
+    let choice = &reply["choices"][0];
+    let text = choice["text"].as_str().unwrap().to_owned();
+    let usage = &reply["usage"];
+    // Random weights seldom sample an end token in 16 tokens; either way the count says why.
+    let completion = usage["completion_tokens"].as_u64().unwrap();
+    match choice["finish_reason"].as_str().unwrap() {
+        "length" => assert_eq!(completion, 16, "{reply}"),
+        "stop" => assert!(completion < 16, "{reply}"),
+        other => panic!("finish reason {other}"),
+    }
+    // The prompt is the text's own tokens: no harmony system message around it.
+    assert_eq!(usage["prompt_tokens"], 4, "{usage}");
+
+    // Streamed: the same text in pieces, a finish chunk, the usage chunk, [DONE].
+    let response = agent()
+        .post(&server.url("/v1/completions"))
+        .send_string(
+            &json!({"prompt": "Once upon a time", "temperature": 0, "stream": true,
+                    "stream_options": {"include_usage": true}})
+            .to_string(),
+        )
+        .unwrap();
+    let mut chunks = Vec::new();
+    for line in BufReader::new(response.into_reader()).lines() {
+        let line = line.unwrap();
+        if let Some(data) = line.strip_prefix("data: ") {
+            if data == "[DONE]" {
+                break;
+            }
+            chunks.push(serde_json::from_str::<Value>(data).unwrap());
+        }
+    }
+    assert!(chunks.iter().all(|c| c["object"] == "text_completion"));
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(streamed, text);
+    let last = &chunks[chunks.len() - 1];
+    assert_eq!(last["choices"], json!([]));
+    assert_eq!(last["usage"]["completion_tokens"], completion);
+    assert_eq!(
+        chunks[chunks.len() - 2]["choices"][0]["finish_reason"],
+        choice["finish_reason"]
+    );
+
+    // echo puts the prompt first; a stop string cuts the text before it.
+    let (_, echoed) = post(json!({"prompt": "Once upon a time", "temperature": 0, "echo": true}));
+    assert_eq!(
+        echoed["choices"][0]["text"].as_str().unwrap(),
+        format!("Once upon a time{text}")
+    );
+    if let Some(cut) = text.char_indices().nth(3).map(|(at, _)| at) {
+        let stop = &text[cut..];
+        let (_, stopped) = post(json!({"prompt": "Once upon a time", "temperature": 0,
+                                        "stop": stop}));
+        let kept = stopped["choices"][0]["text"].as_str().unwrap();
+        assert!(
+            text.starts_with(kept) && kept.len() <= cut,
+            "{kept:?} of {text:?}"
+        );
+        assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
+    }
+
+    // Legacy log-probabilities: a token per completion token, offsets into the text.
+    let (_, scored) = post(json!({"prompt": "Once upon a time", "temperature": 0,
+                                  "logprobs": 2, "max_tokens": 5}));
+    let logprobs = &scored["choices"][0]["logprobs"];
+    let tokens = logprobs["tokens"].as_array().unwrap();
+    assert!(!tokens.is_empty() && tokens.len() <= 5, "{scored}");
+    assert_eq!(
+        logprobs["token_logprobs"].as_array().unwrap().len(),
+        tokens.len()
+    );
+    assert_eq!(logprobs["text_offset"][0], 0);
+    for top in logprobs["top_logprobs"].as_array().unwrap() {
+        // Two alternatives, keyed by text (two tokens of the same text would share a key).
+        let alternatives = top.as_object().unwrap().len();
+        assert!((1..=2).contains(&alternatives), "{top}");
+    }
+    let joined: String = tokens.iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(joined, scored["choices"][0]["text"].as_str().unwrap());
+
+    // Token-id prompts; errors name the field.
+    let (status, by_ids) = post(json!({"prompt": [1, 2, 3], "max_tokens": 2}));
+    assert_eq!(status, 200, "{by_ids}");
+    assert_eq!(by_ids["usage"]["prompt_tokens"], 3);
+    for (body, param) in [
+        (json!({"prompt": "a", "n": 2}), "n"),
+        (json!({"prompt": "a", "suffix": "b"}), "suffix"),
+        (json!({"prompt": ["a", "b"]}), "prompt"),
+        (json!({"max_tokens": 2}), "prompt"),
+    ] {
+        let (status, error) = post(body.clone());
+        assert_eq!(status, 400, "{body}: {error}");
+        assert!(
+            error["error"]["param"] == json!(param)
+                || error["error"]["message"].as_str().unwrap().contains(param),
+            "{body}: {error}"
+        );
+    }
+    server.stop();
+}

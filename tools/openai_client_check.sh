@@ -174,6 +174,19 @@ kinds = [event.type for event in client.responses.create(
 assert kinds[-1] in ("response.completed", "response.incomplete"), kinds
 print(f"openai client check: responses with function tools and a call's output: {answer.status}, "
       f"{len(kinds)} streamed events")
+
+# The legacy completions API: a raw prompt continued as text, whole and streamed alike (greedy),
+# with the legacy logprobs object.
+whole = client.completions.create(model=models[0], prompt="Once upon a time", max_tokens=12,
+                                  temperature=0, logprobs=2)
+choice = whole.choices[0]
+assert choice.finish_reason in ("stop", "length") and whole.usage.prompt_tokens == 4, whole
+assert "".join(choice.logprobs.tokens) == choice.text, choice.logprobs
+pieces = [c.choices[0].text for c in client.completions.create(
+    model=models[0], prompt="Once upon a time", max_tokens=12, temperature=0, stream=True) if c.choices]
+assert "".join(pieces) == choice.text, (pieces, choice.text)
+print(f"openai client check: completions gave {whole.usage.completion_tokens} tokens "
+      f"({len(choice.text)} chars), streamed in {len(pieces)} chunks")
 PY
 
 # Draining: SIGTERM while a stream runs lets it finish (a chat completion that ends normally),

@@ -1,16 +1,17 @@
 //! `ossterm serve`'s request bodies, as a client could send them: the first byte picks the
 //! endpoint (bit 3 clear: even `/v1/chat/completions` through `parse_chat_request` and
 //! `prepare_chat`, odd `/v1/responses` through `parse_responses_request` and
-//! `prepare_responses`; bit 3 set: even `/tokenize`, odd `/detokenize`) and the context size;
-//! the rest is the body.
+//! `prepare_responses`; bit 3 set: even `/tokenize`, odd `/detokenize`; bit 4 set:
+//! `/v1/completions` through `prepare_completion`) and the context size; the rest is the body.
 //! Invariants: no panic; a refusal is a 4xx whose OpenAI-style body names a message; an accepted
 //! request's prompt and token budget fit the context.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use ossterm::server::api::{
-    detokenize, parse_chat_request, prepare_chat, tokenize, ApiError, ChatJob,
+    detokenize, parse_chat_request, parse_json, prepare_chat, tokenize, ApiError, ChatJob,
 };
+use ossterm::server::completions::{prepare_completion, CompletionRequest};
 use ossterm::server::responses::{parse_responses_request, prepare_responses};
 use ossterm_fuzz::{tokenizer, LimitingAllocator};
 
@@ -39,6 +40,13 @@ fuzz_target!(|data: &[u8]| {
     };
     // Contexts from tiny (most prompts do not fit) to the server's default.
     let context = [16, 96, 512, 4096][usize::from(selector >> 1) % 4];
+    if selector & 16 != 0 {
+        let result = parse_json::<CompletionRequest>(body)
+            .and_then(|request| prepare_completion(request, tokenizer(), context))
+            .map(|(job, _)| job);
+        check(result, context);
+        return;
+    }
     if selector & 8 != 0 {
         let reply = if selector & 1 == 0 {
             tokenize(body, tokenizer(), context)

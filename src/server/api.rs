@@ -250,6 +250,19 @@ pub struct ChatJob {
     pub logprobs: Option<usize>,
     /// `logit_bias` and repetition penalties applied before each sampling.
     pub adjustments: LogitAdjustments,
+    /// How the sampled tokens become text.
+    pub text: TextMode,
+}
+
+/// How a reply's tokens become text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TextMode {
+    /// Harmony messages: reasoning, content and tool calls (chat completions, responses).
+    Harmony,
+    /// Plain text (`/v1/completions`): every token's text in turn, special tokens left out when
+    /// `skip_special_tokens`; `<|return|>`, `<|call|>` and `<|endoftext|>` end it, as gpt-oss's
+    /// generation config says.
+    Raw { skip_special_tokens: bool },
 }
 
 /// How sampled logits are adjusted: OpenAI's `logit_bias` (added to the listed tokens' logits)
@@ -277,12 +290,13 @@ const MAX_BIAS: f32 = 100.0;
 const MAX_PENALTY: f32 = 2.0;
 
 /// The request's `logit_bias` and penalties, checked against OpenAI's ranges and the vocabulary.
-fn logit_adjustments(
-    request: &ChatCompletionRequest,
+pub(super) fn logit_adjustments(
+    logit_bias: Option<&serde_json::Map<String, serde_json::Value>>,
+    (frequency_penalty, presence_penalty): (Option<f32>, Option<f32>),
     vocab: usize,
 ) -> Result<LogitAdjustments, ApiError> {
     let mut bias = Vec::new();
-    for (key, value) in request.logit_bias.iter().flatten() {
+    for (key, value) in logit_bias.into_iter().flatten() {
         let id = key.parse::<u32>().ok().filter(|&id| (id as usize) < vocab);
         let Some(id) = id else {
             return Err(ApiError::invalid(
@@ -313,8 +327,8 @@ fn logit_adjustments(
     };
     Ok(LogitAdjustments {
         bias,
-        frequency_penalty: penalty("frequency_penalty", request.frequency_penalty)?,
-        presence_penalty: penalty("presence_penalty", request.presence_penalty)?,
+        frequency_penalty: penalty("frequency_penalty", frequency_penalty)?,
+        presence_penalty: penalty("presence_penalty", presence_penalty)?,
     })
 }
 
@@ -546,7 +560,11 @@ pub fn prepare_chat_dated(
     }
     check_response_format(&request)?;
     let logprobs = logprobs_asked(&request)?;
-    let adjustments = logit_adjustments(&request, tokenizer.vocab_size())?;
+    let adjustments = logit_adjustments(
+        request.logit_bias.as_ref(),
+        (request.frequency_penalty, request.presence_penalty),
+        tokenizer.vocab_size(),
+    )?;
     let reasoning = match request.reasoning_effort.as_deref() {
         None => ReasoningEffort::Medium,
         Some(text) => text
@@ -703,15 +721,40 @@ pub fn prepare_chat_dated(
         Some(max) => (max.min(room as u64)) as usize,
         None => room,
     };
+    let sampler = sampler_settings(
+        (request.temperature, request.top_p),
+        (request.top_k, request.min_p),
+        request.seed,
+    )?;
+    let stop = stop_strings(request.stop)?;
+    Ok(ChatJob {
+        prompt,
+        sampler,
+        max_tokens,
+        stop,
+        stream: request.stream.unwrap_or(false),
+        include_usage: request.stream_options.unwrap_or_default().include_usage,
+        tools: !tools.is_empty(),
+        forced,
+        logprobs,
+        adjustments,
+        text: TextMode::Harmony,
+    })
+}
+
+/// The sampling fields (temperature, top_p; top_k, min_p; seed), checked. Past the vocabulary
+/// k keeps every token, as 0 does.
+pub(super) fn sampler_settings(
+    (temperature, top_p): (Option<f32>, Option<f32>),
+    (top_k, min_p): (Option<u64>, Option<f32>),
+    seed: Option<u64>,
+) -> Result<SamplerSettings, ApiError> {
     let sampler = SamplerSettings {
-        temperature: request.temperature.unwrap_or(1.0),
-        top_p: request.top_p.unwrap_or(1.0),
-        // Past the vocabulary k keeps every token, as 0 does.
-        top_k: request
-            .top_k
-            .map_or(0, |k| usize::try_from(k).unwrap_or(usize::MAX)),
-        min_p: request.min_p.unwrap_or(0.0),
-        seed: request.seed,
+        temperature: temperature.unwrap_or(1.0),
+        top_p: top_p.unwrap_or(1.0),
+        top_k: top_k.map_or(0, |k| usize::try_from(k).unwrap_or(usize::MAX)),
+        min_p: min_p.unwrap_or(0.0),
+        seed,
     };
     if let Err(error) = sampler.validate() {
         let param = match error {
@@ -721,7 +764,12 @@ pub fn prepare_chat_dated(
         };
         return Err(ApiError::invalid(error.to_string(), Some(param)));
     }
-    let stop = match request.stop {
+    Ok(sampler)
+}
+
+/// `stop` as a list, checked against OpenAI's limit.
+pub(super) fn stop_strings(stop: Option<StopField>) -> Result<Vec<String>, ApiError> {
+    let stop = match stop {
         None => Vec::new(),
         Some(StopField::One(stop)) => vec![stop],
         Some(StopField::Many(stops)) => stops,
@@ -735,18 +783,7 @@ pub fn prepare_chat_dated(
             Some("stop"),
         ));
     }
-    Ok(ChatJob {
-        prompt,
-        sampler,
-        max_tokens,
-        stop,
-        stream: request.stream.unwrap_or(false),
-        include_usage: request.stream_options.unwrap_or_default().include_usage,
-        tools: !tools.is_empty(),
-        forced,
-        logprobs,
-        adjustments,
-    })
+    Ok(stop)
 }
 
 /// The text of `content`: the string, or its parts of the `text_kinds` joined; any other part

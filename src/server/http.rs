@@ -18,7 +18,8 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
-use super::api::{parse_chat_request, prepare_chat, ApiError, ChatJob};
+use super::api::{parse_chat_request, parse_json, prepare_chat, ApiError, ChatJob};
+use super::completions::{legacy_logprobs, prepare_completion, CompletionRequest};
 use super::metrics::Metrics;
 use super::reply::{LogprobEntry, TokenLogprob};
 use super::responses::{
@@ -88,7 +89,8 @@ impl AppState {
 /// socket under it, and it would see a broken pipe instead of the 413.
 const OVERSIZED_BODY_DRAIN_BYTES: usize = 64 << 20;
 
-/// The router: `/v1/chat/completions`, `/v1/responses`, `/tokenize`, `/detokenize`,
+/// The router: `/v1/chat/completions`, `/v1/completions`, `/v1/responses`, `/tokenize`,
+/// `/detokenize`,
 /// `/v1/models`, `/health`, `/metrics`;
 /// bodies larger than
 /// `max_body` bytes are refused with 413.
@@ -97,6 +99,10 @@ pub fn router(state: Arc<AppState>, max_body: usize) -> Router {
         .route(
             "/v1/chat/completions",
             post(move |state, headers, body| chat_completions(state, headers, body, max_body)),
+        )
+        .route(
+            "/v1/completions",
+            post(move |state, headers, body| completions(state, headers, body, max_body)),
         )
         .route(
             "/v1/responses",
@@ -260,6 +266,40 @@ async fn chat_completions(
                 stream_reply(reply, events).into_response()
             } else {
                 whole_reply(reply, events).await
+            }
+        }
+        Err(error) => reject(&state, error),
+    }
+}
+
+async fn completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+    max_body: usize,
+) -> Response {
+    let body = read_body(&headers, body, max_body).await;
+    let started = (|| {
+        authorize(&state, &headers)?;
+        let request: CompletionRequest = parse_json(&body?)?;
+        let (job, echo) = prepare_completion(request, state.tokenizer, state.context)?;
+        let (accepted, events) = submit(&state, job)?;
+        Ok((accepted, events, echo))
+    })();
+    match started {
+        Ok((accepted, events, echo)) => {
+            let reply = Reply {
+                id: format!("cmpl-{:x}", state.next_id.fetch_add(1, Ordering::Relaxed)),
+                created: unix_seconds(),
+                model: state.model_id.clone(),
+                include_usage: accepted.include_usage,
+                logprobs: accepted.logprobs,
+            };
+            let echo = echo.unwrap_or_default();
+            if accepted.stream {
+                stream_completion(reply, events, echo).into_response()
+            } else {
+                whole_completion(reply, events, echo).await
             }
         }
         Err(error) => reject(&state, error),
@@ -445,6 +485,7 @@ fn submit(
             forced: job.forced,
             logprobs: job.logprobs,
             adjustments: job.adjustments,
+            text: job.text,
             events: sender,
             received: Instant::now(),
         })
@@ -600,6 +641,127 @@ async fn whole_reply(reply: Reply, mut events: mpsc::UnboundedReceiver<Event>) -
             None => return failure("the request was dropped".into()).into_response(),
         }
     }
+}
+
+/// The whole completion as one `text_completion` object (the echoed prompt first when asked).
+async fn whole_completion(
+    reply: Reply,
+    mut events: mpsc::UnboundedReceiver<Event>,
+    mut text: String,
+) -> Response {
+    let start = text.len();
+    let mut logprobs = Vec::new();
+    loop {
+        match events.recv().await {
+            Some(Event::Delta(delta)) => {
+                text.push_str(&delta.content);
+                logprobs.extend(delta.logprobs);
+            }
+            Some(Event::Done(finish)) => {
+                let logprobs = match reply.logprobs {
+                    true => legacy_logprobs(&logprobs, start).0,
+                    false => Value::Null,
+                };
+                return Json(json!({
+                    "id": reply.id,
+                    "object": "text_completion",
+                    "created": reply.created,
+                    "model": reply.model,
+                    "choices": [{"text": text, "index": 0, "logprobs": logprobs,
+                                 "finish_reason": finish.reason.as_str()}],
+                    "usage": usage_json(&finish.usage),
+                    "timings": timings_json(&finish),
+                }))
+                .into_response();
+            }
+            Some(Event::Failed(message)) => return failure(message).into_response(),
+            None => return failure("the request was dropped".into()).into_response(),
+        }
+    }
+}
+
+/// A completion as server-sent events: the echoed prompt first (when asked), a chunk per step's
+/// new text, a chunk with the finish reason, the usage chunk when asked for, then
+/// `data: [DONE]`. As for chat, a client that goes away cancels the sequence.
+fn stream_completion(
+    reply: Reply,
+    mut events: mpsc::UnboundedReceiver<Event>,
+    echo: String,
+) -> impl IntoResponse {
+    let (sender, receiver) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
+    tokio::spawn(async move {
+        let data = |value: Value| Ok(SseEvent::default().data(value.to_string()));
+        let chunk = |text: &str, logprobs: Value, finish: Option<&str>| {
+            json!({
+                "id": reply.id,
+                "object": "text_completion",
+                "created": reply.created,
+                "model": reply.model,
+                "choices": [{"text": text, "index": 0, "logprobs": logprobs,
+                             "finish_reason": finish}],
+            })
+        };
+        let mut offset = echo.len();
+        if !echo.is_empty()
+            && sender
+                .send(data(chunk(&echo, Value::Null, None)))
+                .await
+                .is_err()
+        {
+            return;
+        }
+        loop {
+            let event = tokio::select! {
+                _ = sender.closed() => return,
+                event = events.recv() => event,
+            };
+            let mut out = Vec::new();
+            let last = match event {
+                Some(Event::Delta(piece)) => {
+                    let logprobs = if reply.logprobs && !piece.logprobs.is_empty() {
+                        let (value, end) = legacy_logprobs(&piece.logprobs, offset);
+                        offset = end;
+                        value
+                    } else {
+                        Value::Null
+                    };
+                    if !piece.content.is_empty() || !logprobs.is_null() {
+                        out.push(data(chunk(&piece.content, logprobs, None)));
+                    }
+                    false
+                }
+                Some(Event::Done(finish)) => {
+                    let mut last = chunk("", Value::Null, Some(finish.reason.as_str()));
+                    last["timings"] = timings_json(&finish);
+                    out.push(data(last));
+                    if reply.include_usage {
+                        let mut usage = chunk("", Value::Null, None);
+                        usage["choices"] = json!([]);
+                        usage["usage"] = usage_json(&finish.usage);
+                        out.push(data(usage));
+                    }
+                    true
+                }
+                Some(Event::Failed(message)) => {
+                    out.push(data(failure(message).body()));
+                    true
+                }
+                None => true,
+            };
+            if last {
+                out.push(Ok(SseEvent::default().data("[DONE]")));
+            }
+            for item in out {
+                if sender.send(item).await.is_err() {
+                    return;
+                }
+            }
+            if last {
+                return;
+            }
+        }
+    });
+    Sse::new(ReceiverStream::new(receiver)).keep_alive(KeepAlive::default())
 }
 
 /// A chunk's `tool_calls` delta: a call's first piece carries its id, type and name, as

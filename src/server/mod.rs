@@ -6,6 +6,7 @@
 //! come back as events and go out as JSON or server-sent events.
 
 pub mod api;
+pub mod completions;
 pub mod http;
 pub mod metrics;
 pub mod reply;

@@ -84,6 +84,20 @@ impl ReplyText {
         }
     }
 
+    /// A plain-text reply (`/v1/completions`): every token's text is content, fed by
+    /// [`ReplyText::push_plain`].
+    pub fn plain_text(mut self) -> ReplyText {
+        self.in_message = true;
+        self
+    }
+
+    /// Text of a plain-text reply, cut by the stop strings.
+    pub fn push_plain(&mut self, text: &str) {
+        if !self.stopped && !text.is_empty() {
+            self.stopped = self.stops.push(text, &mut self.content);
+        }
+    }
+
     /// Messages to `functions.NAME` become tool calls.
     pub fn with_tools(mut self, tools: bool) -> ReplyText {
         self.tools = tools;

@@ -30,10 +30,10 @@ use std::time::{Duration, Instant};
 use rayon::prelude::*;
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::api::LogitAdjustments;
+use super::api::{LogitAdjustments, TextMode};
 use super::metrics::Metrics;
 use super::reply::{token_logprobs, ReplyDelta, ReplyText};
-use crate::chat::{HarmonyParser, ParseEvent, Tokenizer};
+use crate::chat::{HarmonyParser, ParseEvent, Tokenizer, Utf8Stream};
 use crate::engine::generate::common_prefix_len;
 use crate::engine::{Sampler, SamplerSettings};
 use crate::model::{Sequence, SequenceStep, Session};
@@ -56,6 +56,8 @@ pub struct Job {
     pub logprobs: Option<usize>,
     /// Logit bias and repetition penalties, applied to the row before each sampling.
     pub adjustments: LogitAdjustments,
+    /// Harmony messages, or plain text (`/v1/completions`).
+    pub text: TextMode,
     pub events: UnboundedSender<Event>,
     pub received: Instant,
 }
@@ -242,10 +244,19 @@ struct Active {
     generated: usize,
     sampler: Sampler,
     parser: HarmonyParser<'static>,
+    /// A plain-text reply (`/v1/completions`) decodes token bytes itself instead of parsing
+    /// harmony; `None` for a harmony reply.
+    raw: Option<RawText>,
     reply: ReplyText,
     first_token_at: Option<Instant>,
     /// How often each token was sampled so far (kept only under a repetition penalty).
     sampled_counts: std::collections::HashMap<u32, u32>,
+}
+
+/// The decoding state of a plain-text reply.
+struct RawText {
+    bytes: Utf8Stream,
+    skip_special_tokens: bool,
 }
 
 struct Slot {
@@ -432,6 +443,18 @@ impl Worker {
                 }
             };
             let mut reply = ReplyText::new(job.stop.clone()).with_tools(job.tools);
+            let raw = match job.text {
+                TextMode::Harmony => None,
+                TextMode::Raw {
+                    skip_special_tokens,
+                } => {
+                    reply = reply.plain_text();
+                    Some(RawText {
+                        bytes: Utf8Stream::default(),
+                        skip_special_tokens,
+                    })
+                }
+            };
             let mut parser = HarmonyParser::after_prompt(tokenizer, "assistant");
             // A forced call's header is prompt, but the reply's parser must have read it.
             for &token in &job.forced {
@@ -445,6 +468,7 @@ impl Worker {
                 generated: 0,
                 sampler,
                 parser,
+                raw,
                 reply,
                 first_token_at: None,
                 sampled_counts: std::collections::HashMap::new(),
@@ -612,7 +636,16 @@ impl Worker {
             if active.job.adjustments.penalizes() {
                 *active.sampled_counts.entry(token).or_insert(0) += 1;
             }
-            let finish = take_token(active, token, slot.sequence.len(), self.options.context);
+            let finish = match self.tokenizer {
+                Some(tokenizer) => take_token(
+                    active,
+                    token,
+                    (slot.sequence.len(), self.options.context),
+                    tokenizer,
+                ),
+                // Admission needs the tokenizer: no request is active without one.
+                None => Some(FinishReason::Stop),
+            };
             let delta = active.reply.take();
             if !delta.is_empty() {
                 let _ = active.job.events.send(Event::Delta(delta));
@@ -672,19 +705,31 @@ impl Worker {
 fn take_token(
     active: &mut Active,
     token: u32,
-    cached: usize,
-    context: usize,
+    (cached, context): (usize, usize),
+    tokenizer: &Tokenizer,
 ) -> Option<FinishReason> {
     active.generated += 1;
     active.reply.count_token();
     let mut stopped = false;
     let reply = &mut active.reply;
-    active.parser.push(token, &mut |event| {
-        if let ParseEvent::Stop(_) = event {
-            stopped = true;
+    match &mut active.raw {
+        Some(raw) => {
+            use crate::chat::tokenizer::special::{CALL, END_OF_TEXT, RETURN};
+            if matches!(token, RETURN | CALL | END_OF_TEXT) {
+                stopped = true;
+            } else if !(raw.skip_special_tokens && Tokenizer::is_special(token)) {
+                if let Ok(bytes) = tokenizer.token_bytes(token) {
+                    reply.push_plain(raw.bytes.push(bytes));
+                }
+            }
         }
-        reply.on_event(event);
-    });
+        None => active.parser.push(token, &mut |event| {
+            if let ParseEvent::Stop(_) = event {
+                stopped = true;
+            }
+            reply.on_event(event);
+        }),
+    }
     let reason = if stopped && reply.made_calls() {
         Some(FinishReason::ToolCalls)
     } else if stopped || reply.stopped() {
@@ -696,8 +741,10 @@ fn take_token(
     };
     match reason {
         Some(_) => {
-            if !stopped {
-                active.parser.finish(&mut |event| reply.on_event(event));
+            match &mut active.raw {
+                Some(raw) => reply.push_plain(raw.bytes.finish()),
+                None if !stopped => active.parser.finish(&mut |event| reply.on_event(event)),
+                None => {}
             }
             reply.finish();
             active.next = None;
