@@ -317,7 +317,23 @@ pub fn bench_block_attention(
     let (token_best, _) = time_runs(config.repetitions, config.min_run_time, &mut by_token)?;
     // A token's result does not depend on the block it is in (the kernel's tiles sit at fixed
     // rows), so the two ways agree to the bit.
-    let pairs = || block_out.iter().zip(&token_out);
+    block_row(
+        (tokens, depth, group),
+        (block_best, token_best),
+        &block_out,
+        &token_out,
+    )
+}
+
+/// The row of a block of `tokens` at `depth` (G = `group`) timed as a block and token by token,
+/// after checking that both ways gave the same bits.
+fn block_row(
+    (tokens, depth, group): (usize, usize, usize),
+    (block_best, token_best): (f64, f64),
+    block_out: &[f32],
+    token_out: &[f32],
+) -> Result<BlockBenchRow, AttentionError> {
+    let pairs = || block_out.iter().zip(token_out);
     if pairs().any(|(a, b)| a.to_bits() != b.to_bits()) {
         let difference = pairs()
             .map(|(a, b)| (a - b).abs() / b.abs().max(1e-3))
@@ -402,24 +418,13 @@ pub fn bench_block_attention_q8(
     };
     by_token()?;
     let (token_best, _) = time_runs(config.repetitions, config.min_run_time, &mut by_token)?;
-    let pairs = || block_out.iter().zip(&token_out);
-    if pairs().any(|(a, b)| a.to_bits() != b.to_bits()) {
-        let difference = pairs()
-            .map(|(a, b)| (a - b).abs() / b.abs().max(1e-3))
-            .fold(0.0f32, f32::max);
-        return Err(AttentionError::BenchMismatch {
-            keys: depth,
-            difference,
-        });
-    }
-    let keys_seen = tokens * (depth + 1) + tokens * (tokens - 1) / 2;
-    let per_pair = 1e9 / (group * keys_seen) as f64;
-    Ok(Some(BlockBenchRow {
-        tokens,
-        depth,
-        per_token_ns: token_best * per_pair,
-        block_ns: block_best * per_pair,
-    }))
+    block_row(
+        (tokens, depth, group),
+        (block_best, token_best),
+        &block_out,
+        &token_out,
+    )
+    .map(Some)
 }
 
 /// `n` values uniform in (-spread, spread).

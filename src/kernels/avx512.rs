@@ -970,39 +970,45 @@ pub(crate) unsafe fn q8_gemv(w: &Q8Matrix, x: &Q8Activations, rows: Range<usize>
     }
 }
 
-/// Transpose a 16 x 16 matrix of 32-bit values held as 16 row vectors.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-fn transpose_16x16(rows: [__m512i; 16]) -> [__m512i; 16] {
-    // Within each 128-bit lane: pairs of rows interleaved by dword, then by qword, so u[4i + k]
-    // holds rows 4i..4i+3 of column 4L + k in its 128-bit lane L.
-    let mut t = [_mm512_setzero_si512(); 16];
-    for i in 0..8 {
-        t[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
+/// Transpose a 16 x 16 matrix of 32-bit values held as 16 row vectors: result i holds dword i of
+/// every row, row k in lane k (also the bf16 and int8 attention kernels' key tiles).
+///
+/// # Safety
+/// The CPU has AVX-512 F; inlined into callers that enable it (whatever else they enable).
+#[inline(always)]
+pub(super) unsafe fn transpose_16x16(rows: [__m512i; 16]) -> [__m512i; 16] {
+    // SAFETY: register shuffles only; the caller's target features include AVX-512 F.
+    unsafe {
+        // Within each 128-bit lane: pairs of rows interleaved by dword, then by qword, so u[4i + k]
+        // holds rows 4i..4i+3 of column 4L + k in its 128-bit lane L.
+        let mut t = [_mm512_setzero_si512(); 16];
+        for i in 0..8 {
+            t[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
+        }
+        let mut u = [_mm512_setzero_si512(); 16];
+        for i in 0..4 {
+            u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+            u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+        }
+        // Gather 128-bit lane L of u[k], u[4 + k], u[8 + k], u[12 + k] into column 4L + k.
+        const EVEN_LANES: i32 = 0b10_00_10_00;
+        const ODD_LANES: i32 = 0b11_01_11_01;
+        let mut columns = [_mm512_setzero_si512(); 16];
+        for k in 0..4 {
+            let x0 = _mm512_shuffle_i32x4::<EVEN_LANES>(u[k], u[4 + k]);
+            let x1 = _mm512_shuffle_i32x4::<ODD_LANES>(u[k], u[4 + k]);
+            let y0 = _mm512_shuffle_i32x4::<EVEN_LANES>(u[8 + k], u[12 + k]);
+            let y1 = _mm512_shuffle_i32x4::<ODD_LANES>(u[8 + k], u[12 + k]);
+            columns[k] = _mm512_shuffle_i32x4::<EVEN_LANES>(x0, y0);
+            columns[4 + k] = _mm512_shuffle_i32x4::<EVEN_LANES>(x1, y1);
+            columns[8 + k] = _mm512_shuffle_i32x4::<ODD_LANES>(x0, y0);
+            columns[12 + k] = _mm512_shuffle_i32x4::<ODD_LANES>(x1, y1);
+        }
+        columns
     }
-    let mut u = [_mm512_setzero_si512(); 16];
-    for i in 0..4 {
-        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    // Gather 128-bit lane L of u[k], u[4 + k], u[8 + k], u[12 + k] into column 4L + k.
-    const EVEN_LANES: i32 = 0b10_00_10_00;
-    const ODD_LANES: i32 = 0b11_01_11_01;
-    let mut columns = [_mm512_setzero_si512(); 16];
-    for k in 0..4 {
-        let x0 = _mm512_shuffle_i32x4::<EVEN_LANES>(u[k], u[4 + k]);
-        let x1 = _mm512_shuffle_i32x4::<ODD_LANES>(u[k], u[4 + k]);
-        let y0 = _mm512_shuffle_i32x4::<EVEN_LANES>(u[8 + k], u[12 + k]);
-        let y1 = _mm512_shuffle_i32x4::<ODD_LANES>(u[8 + k], u[12 + k]);
-        columns[k] = _mm512_shuffle_i32x4::<EVEN_LANES>(x0, y0);
-        columns[4 + k] = _mm512_shuffle_i32x4::<EVEN_LANES>(x1, y1);
-        columns[8 + k] = _mm512_shuffle_i32x4::<ODD_LANES>(x0, y0);
-        columns[12 + k] = _mm512_shuffle_i32x4::<ODD_LANES>(x1, y1);
-    }
-    columns
 }
 
 /// Dwords per group of 128 int8 values: 0..16 hold the evens of the four blocks (block j in

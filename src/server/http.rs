@@ -682,76 +682,87 @@ async fn whole_completion(
 
 /// A completion as server-sent events: the echoed prompt first (when asked), a chunk per step's
 /// new text, a chunk with the finish reason, the usage chunk when asked for, then
-/// `data: [DONE]`. As for chat, a client that goes away cancels the sequence.
+/// `data: [DONE]`.
 fn stream_completion(
     reply: Reply,
-    mut events: mpsc::UnboundedReceiver<Event>,
+    events: mpsc::UnboundedReceiver<Event>,
     echo: String,
+) -> impl IntoResponse {
+    let chunk = move |reply: &Reply, text: &str, logprobs: Value, finish: Option<&str>| {
+        json!({
+            "id": reply.id,
+            "object": "text_completion",
+            "created": reply.created,
+            "model": reply.model,
+            "choices": [{"text": text, "index": 0, "logprobs": logprobs,
+                         "finish_reason": finish}],
+        })
+    };
+    let mut offset = echo.len();
+    let first = match echo.is_empty() {
+        true => Vec::new(),
+        false => vec![chunk(&reply, &echo, Value::Null, None)],
+    };
+    sse_events(first, events, move |event, out| match event {
+        Event::Delta(piece) => {
+            let logprobs = if reply.logprobs && !piece.logprobs.is_empty() {
+                let (value, end) = legacy_logprobs(&piece.logprobs, offset);
+                offset = end;
+                value
+            } else {
+                Value::Null
+            };
+            if !piece.content.is_empty() || !logprobs.is_null() {
+                out.push(chunk(&reply, &piece.content, logprobs, None));
+            }
+        }
+        Event::Done(finish) => {
+            let mut last = chunk(&reply, "", Value::Null, Some(finish.reason.as_str()));
+            last["timings"] = timings_json(&finish);
+            out.push(last);
+            if reply.include_usage {
+                let mut usage = chunk(&reply, "", Value::Null, None);
+                usage["choices"] = json!([]);
+                usage["usage"] = usage_json(&finish.usage);
+                out.push(usage);
+            }
+        }
+        Event::Failed(message) => out.push(failure(message).body()),
+    })
+}
+
+/// Server-sent events of one request: `first`, then what `render` makes of each scheduler event
+/// (until `Done` or `Failed`, or the scheduler dropping the request), then `data: [DONE]`. A task
+/// forwards them and stops as soon as the client's stream is dropped, which closes the
+/// scheduler's channel and so cancels the sequence before its next step.
+fn sse_events(
+    first: Vec<Value>,
+    mut events: mpsc::UnboundedReceiver<Event>,
+    mut render: impl FnMut(Event, &mut Vec<Value>) + Send + 'static,
 ) -> impl IntoResponse {
     let (sender, receiver) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
     tokio::spawn(async move {
-        let data = |value: Value| Ok(SseEvent::default().data(value.to_string()));
-        let chunk = |text: &str, logprobs: Value, finish: Option<&str>| {
-            json!({
-                "id": reply.id,
-                "object": "text_completion",
-                "created": reply.created,
-                "model": reply.model,
-                "choices": [{"text": text, "index": 0, "logprobs": logprobs,
-                             "finish_reason": finish}],
-            })
-        };
-        let mut offset = echo.len();
-        if !echo.is_empty()
-            && sender
-                .send(data(chunk(&echo, Value::Null, None)))
-                .await
-                .is_err()
-        {
-            return;
+        let data = |value: &Value| Ok(SseEvent::default().data(value.to_string()));
+        for value in &first {
+            if sender.send(data(value)).await.is_err() {
+                return;
+            }
         }
+        let mut out = Vec::new();
         loop {
             let event = tokio::select! {
                 _ = sender.closed() => return,
                 event = events.recv() => event,
             };
-            let mut out = Vec::new();
-            let last = match event {
-                Some(Event::Delta(piece)) => {
-                    let logprobs = if reply.logprobs && !piece.logprobs.is_empty() {
-                        let (value, end) = legacy_logprobs(&piece.logprobs, offset);
-                        offset = end;
-                        value
-                    } else {
-                        Value::Null
-                    };
-                    if !piece.content.is_empty() || !logprobs.is_null() {
-                        out.push(data(chunk(&piece.content, logprobs, None)));
-                    }
-                    false
-                }
-                Some(Event::Done(finish)) => {
-                    let mut last = chunk("", Value::Null, Some(finish.reason.as_str()));
-                    last["timings"] = timings_json(&finish);
-                    out.push(data(last));
-                    if reply.include_usage {
-                        let mut usage = chunk("", Value::Null, None);
-                        usage["choices"] = json!([]);
-                        usage["usage"] = usage_json(&finish.usage);
-                        out.push(data(usage));
-                    }
-                    true
-                }
-                Some(Event::Failed(message)) => {
-                    out.push(data(failure(message).body()));
-                    true
-                }
-                None => true,
-            };
-            if last {
-                out.push(Ok(SseEvent::default().data("[DONE]")));
+            let last = !matches!(event, Some(Event::Delta(_)));
+            if let Some(event) = event {
+                render(event, &mut out);
             }
-            for item in out {
+            let mut items: Vec<_> = out.drain(..).map(|value| data(&value)).collect();
+            if last {
+                items.push(Ok(SseEvent::default().data("[DONE]")));
+            }
+            for item in items {
                 if sender.send(item).await.is_err() {
                     return;
                 }
@@ -779,76 +790,42 @@ fn tool_call_deltas(pieces: Vec<super::reply::ToolCallDelta>) -> Value {
 
 /// Server-sent events: a first chunk with the role, a chunk per step's new text (reasoning as
 /// both `reasoning_content` and `reasoning`, the answer as `content`), a chunk with the finish
-/// reason, the usage chunk when asked for, then `data: [DONE]`. A task forwards the scheduler's
-/// events and stops as soon as the client's stream is dropped, which closes the scheduler's
-/// channel and so cancels the sequence before its next step.
-fn stream_reply(reply: Reply, mut events: mpsc::UnboundedReceiver<Event>) -> impl IntoResponse {
-    let (sender, receiver) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
-    tokio::spawn(async move {
-        let data = |value: Value| Ok(SseEvent::default().data(value.to_string()));
-        let first = reply.chunk(json!({"role": "assistant", "content": ""}), None);
-        if sender.send(data(first)).await.is_err() {
-            return;
+/// reason, the usage chunk when asked for, then `data: [DONE]` ([`sse_events`]: a client that
+/// goes away cancels the sequence).
+fn stream_reply(reply: Reply, events: mpsc::UnboundedReceiver<Event>) -> impl IntoResponse {
+    let first = reply.chunk(json!({"role": "assistant", "content": ""}), None);
+    sse_events(vec![first], events, move |event, out| match event {
+        Event::Delta(piece) => {
+            let mut delta = json!({});
+            if !piece.reasoning.is_empty() {
+                delta["reasoning_content"] = json!(piece.reasoning);
+                delta["reasoning"] = json!(piece.reasoning);
+            }
+            if !piece.content.is_empty() {
+                delta["content"] = json!(piece.content);
+            }
+            if !piece.tool_calls.is_empty() {
+                delta["tool_calls"] = tool_call_deltas(piece.tool_calls);
+            }
+            let mut chunk = reply.chunk(delta, None);
+            if !piece.logprobs.is_empty() {
+                chunk["choices"][0]["logprobs"] = reply.logprobs_json(&piece.logprobs);
+            }
+            out.push(chunk);
         }
-        loop {
-            let event = tokio::select! {
-                _ = sender.closed() => return,
-                event = events.recv() => event,
-            };
-            let mut out = Vec::new();
-            let last = match event {
-                Some(Event::Delta(piece)) => {
-                    let mut delta = json!({});
-                    if !piece.reasoning.is_empty() {
-                        delta["reasoning_content"] = json!(piece.reasoning);
-                        delta["reasoning"] = json!(piece.reasoning);
-                    }
-                    if !piece.content.is_empty() {
-                        delta["content"] = json!(piece.content);
-                    }
-                    if !piece.tool_calls.is_empty() {
-                        delta["tool_calls"] = tool_call_deltas(piece.tool_calls);
-                    }
-                    let mut chunk = reply.chunk(delta, None);
-                    if !piece.logprobs.is_empty() {
-                        chunk["choices"][0]["logprobs"] = reply.logprobs_json(&piece.logprobs);
-                    }
-                    out.push(data(chunk));
-                    false
-                }
-                Some(Event::Done(finish)) => {
-                    let Finish { reason, usage, .. } = finish;
-                    let mut chunk = reply.chunk(json!({}), Some(reason.as_str()));
-                    chunk["timings"] = timings_json(&finish);
-                    out.push(data(chunk));
-                    if reply.include_usage {
-                        let mut chunk = reply.chunk(json!({}), None);
-                        chunk["choices"] = json!([]);
-                        chunk["usage"] = usage_json(&usage);
-                        out.push(data(chunk));
-                    }
-                    true
-                }
-                Some(Event::Failed(message)) => {
-                    out.push(data(failure(message).body()));
-                    true
-                }
-                None => true,
-            };
-            if last {
-                out.push(Ok(SseEvent::default().data("[DONE]")));
-            }
-            for item in out {
-                if sender.send(item).await.is_err() {
-                    return;
-                }
-            }
-            if last {
-                return;
+        Event::Done(finish) => {
+            let mut chunk = reply.chunk(json!({}), Some(finish.reason.as_str()));
+            chunk["timings"] = timings_json(&finish);
+            out.push(chunk);
+            if reply.include_usage {
+                let mut chunk = reply.chunk(json!({}), None);
+                chunk["choices"] = json!([]);
+                chunk["usage"] = usage_json(&finish.usage);
+                out.push(chunk);
             }
         }
-    });
-    Sse::new(ReceiverStream::new(receiver)).keep_alive(KeepAlive::default())
+        Event::Failed(message) => out.push(failure(message).body()),
+    })
 }
 
 fn unix_seconds() -> u64 {

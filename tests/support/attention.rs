@@ -232,3 +232,48 @@ impl Block {
             .fold(1e-3f64, |m, v| m.max(v.abs() as f64))
     }
 }
+
+/// The largest difference of `got` from `want` over `magnitude` (NaN counts as infinite).
+pub fn worst(got: &[f32], want: &[f64], magnitude: f64) -> f64 {
+    assert_eq!(got.len(), want.len());
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| {
+            let error = (*g as f64 - w).abs() / magnitude;
+            if error.is_nan() {
+                f64::INFINITY
+            } else {
+                error
+            }
+        })
+        .fold(0.0, f64::max)
+}
+
+/// (group, head_dim), tokens, depth, window.
+pub type CaseShape = ((usize, usize), usize, usize, Option<usize>);
+
+/// Ragged blocks for each (group, head_dim): depths off the tile, causal ends inside a tile,
+/// windows whose edges split pairs and quads of keys, blocks of 1-17 tokens.
+pub fn ragged_cases(shapes: &[(usize, usize)]) -> Vec<CaseShape> {
+    let mut cases = Vec::new();
+    for &shape in shapes {
+        for (tokens, depth) in [
+            (1, 0),
+            (1, 1),
+            (1, 62),
+            (1, 63),
+            (1, 64),
+            (1, 130),
+            (3, 61),
+            (16, 0),
+            (16, 48),
+            (17, 100),
+            (5, 300),
+        ] {
+            for window in [None, Some(7), Some(128)] {
+                cases.push((shape, tokens, depth, window));
+            }
+        }
+    }
+    cases
+}

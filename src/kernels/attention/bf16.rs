@@ -261,34 +261,12 @@ unsafe fn transpose_keys(rows: &[*const f16; W], d: usize, to: *mut u16) {
                     *x = f16_to_bf16(row.add(c));
                 }
             }
-            let mut t = [_mm512_setzero_si512(); W];
-            for k in 0..W / 2 {
-                t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
-                t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
-            }
-            // u[4k + j], k a group of four rows: in 128-bit lane L, column 4L + j of rows 4k..4k+4.
-            let mut u = [_mm512_setzero_si512(); W];
-            for k in 0..W / 4 {
-                u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
-                u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
-                u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
-                u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
-            }
-            for j in 0..4 {
-                let even_low = _mm512_shuffle_i32x4::<0x88>(u[j], u[4 + j]);
-                let odd_low = _mm512_shuffle_i32x4::<0xDD>(u[j], u[4 + j]);
-                let even_high = _mm512_shuffle_i32x4::<0x88>(u[8 + j], u[12 + j]);
-                let odd_high = _mm512_shuffle_i32x4::<0xDD>(u[8 + j], u[12 + j]);
-                let columns = [
-                    _mm512_shuffle_i32x4::<0x88>(even_low, even_high),
-                    _mm512_shuffle_i32x4::<0x88>(odd_low, odd_high),
-                    _mm512_shuffle_i32x4::<0xDD>(even_low, even_high),
-                    _mm512_shuffle_i32x4::<0xDD>(odd_low, odd_high),
-                ];
-                for (lane, column) in columns.into_iter().enumerate() {
-                    let pair = c / 2 + 4 * lane + j;
-                    _mm512_storeu_si512(to.add(pair * TILE_KEYS).cast(), column);
-                }
+            for (group, column) in crate::kernels::avx512::transpose_16x16(r)
+                .into_iter()
+                .enumerate()
+            {
+                let group = c / 2 + group;
+                _mm512_storeu_si512(to.add(group * TILE_KEYS).cast(), column);
             }
         }
     }
