@@ -1224,3 +1224,81 @@ fn text_completions_continue_the_raw_prompt_whole_and_streamed() {
     }
     server.stop();
 }
+
+/// The Responses API's log-probabilities: `include: ["message.output_text.logprobs"]` fills the
+/// output_text part's `logprobs` (one entry per answer token, their text the answer's), and the
+/// stream's `output_text.delta` events carry the same entries in pieces.
+#[test]
+fn responses_report_log_probabilities_when_included() {
+    let server = serve(Precision::Exact, options(2, 1024, 8), None);
+    let url = server.url("/v1/responses");
+    let body = json!({"input": "Count to five.", "temperature": 0, "max_output_tokens": 80,
+                      "include": ["message.output_text.logprobs"], "top_logprobs": 2});
+    let (status, whole) = read_json(agent().post(&url).send_string(&body.to_string()));
+    assert_eq!(status, 200, "{whole}");
+    let part = whole["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|item| item["type"] == "message")
+        .map(|item| item["content"][0].clone())
+        .expect("an answer message");
+    let entries = part["logprobs"].as_array().unwrap().clone();
+    assert!(!entries.is_empty(), "{whole}");
+    let mut bytes = Vec::new();
+    for entry in &entries {
+        assert_eq!(
+            entry["top_logprobs"].as_array().unwrap().len(),
+            2,
+            "{entry}"
+        );
+        assert!(entry["logprob"].as_f64().unwrap() <= 0.0);
+        bytes.extend(
+            entry["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8),
+        );
+    }
+    assert_eq!(
+        String::from_utf8_lossy(&bytes),
+        part["text"].as_str().unwrap()
+    );
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let response = agent()
+        .post(&url)
+        .send_string(&streamed.to_string())
+        .unwrap();
+    let mut pieces = Vec::new();
+    let mut done = None;
+    for line in BufReader::new(response.into_reader()).lines() {
+        let line = line.unwrap();
+        if let Some(data) = line.strip_prefix("data: ") {
+            let event: Value = serde_json::from_str(data).unwrap();
+            match event["type"].as_str().unwrap() {
+                "response.output_text.delta" => {
+                    pieces.extend(event["logprobs"].as_array().unwrap().clone())
+                }
+                "response.output_text.done" => done = Some(event["logprobs"].clone()),
+                _ => {}
+            }
+        }
+    }
+    assert_eq!(pieces, entries);
+    assert_eq!(done, Some(Value::from(entries)));
+    // Without `include`, empty lists as before.
+    let (_, plain) = read_json(
+        agent()
+            .post(&url)
+            .send_string(&json!({"input": "hi", "max_output_tokens": 40}).to_string()),
+    );
+    for item in plain["output"].as_array().unwrap() {
+        if item["type"] == "message" {
+            assert_eq!(item["content"][0]["logprobs"], json!([]));
+        }
+    }
+    server.stop();
+}

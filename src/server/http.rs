@@ -21,7 +21,7 @@ use tokio_stream::StreamExt;
 use super::api::{parse_chat_request, parse_json, prepare_chat, ApiError, ChatJob};
 use super::completions::{legacy_logprobs, prepare_completion, CompletionRequest};
 use super::metrics::Metrics;
-use super::reply::{LogprobEntry, TokenLogprob};
+use super::reply::{logprob_json, LogprobEntry};
 use super::responses::{
     parse_responses_request, prepare_responses, status_of, Outcome, ResponseBuilder,
 };
@@ -343,6 +343,7 @@ async fn whole_response(
     loop {
         match events.recv().await {
             Some(Event::Delta(delta)) => {
+                builder.add_logprobs(&delta.logprobs);
                 builder.push(&delta.reasoning, &delta.content, &delta.tool_calls)
             }
             Some(Event::Done(finish)) => {
@@ -378,10 +379,13 @@ fn stream_response(
                 event = events.recv() => event,
             };
             let (out, last) = match event {
-                Some(Event::Delta(delta)) => (
-                    builder.delta(&delta.reasoning, &delta.content, &delta.tool_calls),
-                    false,
-                ),
+                Some(Event::Delta(delta)) => {
+                    builder.add_logprobs(&delta.logprobs);
+                    (
+                        builder.delta(&delta.reasoning, &delta.content, &delta.tool_calls),
+                        false,
+                    )
+                }
                 Some(Event::Done(finish)) => (
                     builder.finish(Outcome::Finished(finish.reason, &finish.usage)),
                     true,
@@ -532,16 +536,7 @@ impl Reply {
         if !self.logprobs {
             return Value::Null;
         }
-        let one =
-            |t: &TokenLogprob| json!({"token": t.token, "logprob": t.logprob, "bytes": t.bytes});
-        let content: Vec<Value> = entries
-            .iter()
-            .map(|entry| {
-                let mut value = one(&entry.sampled);
-                value["top_logprobs"] = entry.top.iter().map(one).collect();
-                value
-            })
-            .collect();
+        let content: Vec<Value> = entries.iter().map(logprob_json).collect();
         json!({"content": content})
     }
 }

@@ -193,6 +193,15 @@ impl ReplyText {
     }
 }
 
+/// An entry as OpenAI's chat completions and Responses API write it: the token's text,
+/// log-probability and bytes, with the likeliest alternatives in `top_logprobs`.
+pub fn logprob_json(entry: &LogprobEntry) -> serde_json::Value {
+    let one = |t: &TokenLogprob| serde_json::json!({"token": t.token, "logprob": t.logprob, "bytes": t.bytes});
+    let mut value = one(&entry.sampled);
+    value["top_logprobs"] = entry.top.iter().map(one).collect();
+    value
+}
+
 /// The log-probability OpenAI reports for a token the model cannot produce (JSON has no -inf).
 const LOGPROB_FLOOR: f32 = -9999.0;
 

@@ -16,7 +16,7 @@ use super::api::{
 
 /// The text parts the Responses API's items carry.
 const INPUT_TEXT_KINDS: &[&str] = &["input_text", "output_text", "text"];
-use super::reply::ToolCallDelta;
+use super::reply::{logprob_json, LogprobEntry, ToolCallDelta};
 use super::scheduler::{FinishReason, Usage};
 use crate::chat::Tokenizer;
 
@@ -101,7 +101,18 @@ pub struct ResponsesRequest {
     pub tools: Option<Vec<ResponsesTool>>,
     #[serde(default)]
     pub tool_choice: Option<ToolChoice>,
+    /// `"message.output_text.logprobs"` asks for the answer tokens' log-probabilities (other
+    /// values are accepted and add nothing).
+    #[serde(default)]
+    pub include: Option<Vec<String>>,
+    /// The likeliest alternatives per answer token (0-20); more than 0 asks for log-probabilities
+    /// too.
+    #[serde(default)]
+    pub top_logprobs: Option<u64>,
 }
+
+/// The `include` value that asks for log-probabilities.
+const INCLUDE_LOGPROBS: &str = "message.output_text.logprobs";
 
 /// Parses the body; a wrong type or a missing field is an error naming the field's path.
 pub fn parse_responses_request(body: &[u8]) -> Result<ResponsesRequest, ApiError> {
@@ -208,8 +219,15 @@ pub fn prepare_responses(
         parallel_tool_calls: None,
         top_k: None,
         min_p: None,
-        logprobs: None,
-        top_logprobs: None,
+        logprobs: Some(
+            request
+                .include
+                .iter()
+                .flatten()
+                .any(|item| item == INCLUDE_LOGPROBS)
+                || request.top_logprobs.is_some_and(|top| top > 0),
+        ),
+        top_logprobs: request.top_logprobs,
         response_format: None,
         frequency_penalty: None,
         presence_penalty: None,
@@ -430,6 +448,10 @@ pub struct ResponseBuilder {
     message_open: bool,
     calls: Vec<CallItem>,
     sequence: u64,
+    /// The answer tokens' log-probabilities (when asked for): all of them, and those not yet
+    /// sent with an `output_text.delta`.
+    logprobs: Vec<Value>,
+    pending_logprobs: Vec<Value>,
 }
 
 /// A function call among the output items.
@@ -460,6 +482,8 @@ impl ResponseBuilder {
             message_open: false,
             calls: Vec::new(),
             sequence: 0,
+            logprobs: Vec::new(),
+            pending_logprobs: Vec::new(),
         }
     }
 
@@ -520,7 +544,8 @@ impl ResponseBuilder {
         let content = if status == "in_progress" {
             json!([])
         } else {
-            json!([{"type": "output_text", "text": self.content, "annotations": [], "logprobs": []}])
+            json!([{"type": "output_text", "text": self.content, "annotations": [],
+                    "logprobs": self.logprobs}])
         };
         json!({"id": self.message_id(), "type": "message", "role": "assistant",
                "status": status, "content": content})
@@ -687,10 +712,11 @@ impl ResponseBuilder {
             }
             self.content.push_str(content);
             let (id, index) = (self.message_id(), self.message_index());
+            let logprobs = std::mem::take(&mut self.pending_logprobs);
             events.push(self.event(
                 "response.output_text.delta",
                 json!({"item_id": id, "output_index": index, "content_index": 0,
-                       "delta": content, "logprobs": []}),
+                       "delta": content, "logprobs": logprobs}),
             ));
         }
         events
@@ -729,16 +755,18 @@ impl ResponseBuilder {
         let (id, index) = (self.message_id(), self.message_index());
         let text = self.content.clone();
         let item = self.message_item(status);
+        let logprobs = Value::from(self.logprobs.clone());
         vec![
             self.event(
                 "response.output_text.done",
                 json!({"item_id": id, "output_index": index, "content_index": 0,
-                       "text": text, "logprobs": []}),
+                       "text": text, "logprobs": logprobs}),
             ),
             self.event(
                 "response.content_part.done",
                 json!({"item_id": id, "output_index": index, "content_index": 0,
-                       "part": {"type": "output_text", "text": text, "annotations": [], "logprobs": []}}),
+                       "part": {"type": "output_text", "text": text, "annotations": [],
+                                "logprobs": logprobs}}),
             ),
             self.event(
                 "response.output_item.done",
@@ -768,6 +796,15 @@ impl ResponseBuilder {
         let response = self.response(status, usage, error);
         events.push(self.event(&format!("response.{status}"), json!({"response": response})));
         events
+    }
+
+    /// Answer tokens' log-probabilities, sent with the next answer text (and in the message).
+    pub fn add_logprobs(&mut self, entries: &[LogprobEntry]) {
+        for entry in entries {
+            let value = logprob_json(entry);
+            self.logprobs.push(value.clone());
+            self.pending_logprobs.push(value);
+        }
     }
 
     /// Records text and calls without producing events (the whole, non-streamed reply).
