@@ -9,7 +9,7 @@ use std::ops::Range;
 use super::jobs::SharedOut;
 use super::FastPass;
 use crate::kernels::attention::{
-    attend_block, attend_block_q8, runs_int8, AttentionScratch, BlockQuery, KvElem, KvHead,
+    attend_block, attend_block_q8, runs_int8, AttentionError, AttentionScratch, BlockQuery, KvHead,
     Q8KvHead, TILE_KEYS,
 };
 use crate::kernels::Kernels;
@@ -63,18 +63,28 @@ pub fn prepare_attention_scratch(group: usize, head_dim: usize) {
     });
 }
 
+/// The kernel call of one block: the block's queries, each token's visible cache rows, the
+/// block's output rows and the thread's scratch.
+type BlockKernel<'a> = dyn Fn(
+        &BlockQuery<'_>,
+        &dyn Fn(usize) -> Range<usize>,
+        &mut [f32],
+        &mut AttentionScratch,
+    ) -> Result<(), AttentionError>
+    + 'a;
+
 /// One block's attention: tokens `block` of the chunk (at positions `start + i`), KV head
-/// `kv_head`'s query group, over `head` (whose row 0 is cache position `first`), into `out`.
+/// `kv_head`'s query group, by `kernel` over a cache whose row 0 is position `first`, into
+/// `out`.
 #[allow(clippy::too_many_arguments)]
-fn attend_tokens<T: KvElem>(
-    k: Kernels,
+fn attend_tokens(
     c: &ModelConfig,
     layer: &Layer,
     (start, first): (usize, usize),
     block: Range<usize>,
     kv_head: usize,
     q: &[f32],
-    head: &KvHead<'_, T>,
+    kernel: &BlockKernel<'_>,
     out: SharedOut,
 ) {
     let (qw, hd) = (c.q_width(), c.head_dim);
@@ -96,7 +106,7 @@ fn attend_tokens<T: KvElem>(
         let mut tiles = tiles.borrow_mut();
         let tiles = tiles.sized(group, hd);
         let result = &mut tiles.out[..block.len() * group * hd];
-        attend_block(k, &query, head, &visible, result, &mut tiles.scratch)
+        kernel(&query, &visible, result, &mut tiles.scratch)
             .expect("attention shapes follow the model config");
         for (i, row) in block.clone().zip(result.chunks_exact(group * hd)) {
             // SAFETY: (block, KV head) owns the group's query heads of its tokens in `out`, ranges
@@ -135,7 +145,13 @@ impl FastPass<'_> {
                 offset: 0,
             };
             let k = self.activations.attention_kernels(self.kernels);
-            attend_tokens(k, c, layer, (start, 0), block, kv_head, q, &head, shared);
+            let kernel = |query: &BlockQuery<'_>,
+                          visible: &dyn Fn(usize) -> Range<usize>,
+                          out: &mut [f32],
+                          scratch: &mut AttentionScratch| {
+                attend_block(k, query, &head, visible, out, scratch)
+            };
+            attend_tokens(c, layer, (start, 0), block, kv_head, q, &kernel, shared);
         });
     }
 }
@@ -206,8 +222,22 @@ impl FastPass<'_> {
                 while block < n {
                     let tokens = block..(block + BLOCK_TOKENS).min(n);
                     block = tokens.end;
-                    let at = (start, first);
-                    attend_tokens(k, c, layer, at, tokens, kv_head, q, &staged, shared);
+                    let kernel = |query: &BlockQuery<'_>,
+                                  visible: &dyn Fn(usize) -> Range<usize>,
+                                  out: &mut [f32],
+                                  scratch: &mut AttentionScratch| {
+                        attend_block(k, query, &staged, visible, out, scratch)
+                    };
+                    attend_tokens(
+                        c,
+                        layer,
+                        (start, first),
+                        tokens,
+                        kv_head,
+                        q,
+                        &kernel,
+                        shared,
+                    );
                 }
             });
         });
@@ -229,8 +259,6 @@ impl FastPass<'_> {
         out: &mut [f32],
     ) {
         let c = self.config;
-        let (qw, hd) = (c.q_width(), c.head_dim);
-        let group = c.num_attention_heads / c.num_key_value_heads;
         let shared = SharedOut(out.as_mut_ptr());
         let blocks = n.div_ceil(BLOCK_TOKENS);
         parallel_for(self.team, blocks * c.num_key_value_heads, &|index| {
@@ -243,29 +271,13 @@ impl FastPass<'_> {
                 values: head.values,
                 value_scales: head.value_scales,
             };
-            let heads = kv_head * group..(kv_head + 1) * group;
-            let query = BlockQuery {
-                queries: &q[block.start * qw + heads.start * hd..],
-                token_stride: qw,
-                tokens: block.len(),
-                sinks: &layer.attention.sinks[heads.clone()],
-                head_dim: hd,
-                scale: attention_scale(c),
+            let kernel = |query: &BlockQuery<'_>,
+                          visible: &dyn Fn(usize) -> Range<usize>,
+                          out: &mut [f32],
+                          scratch: &mut AttentionScratch| {
+                attend_block_q8(k, query, &kv, visible, out, scratch)
             };
-            let visible = |t: usize| visible_keys(c, layer.kind, start + block.start + t);
-            ATTENTION_SCRATCH.with(|tiles| {
-                let mut tiles = tiles.borrow_mut();
-                let tiles = tiles.sized(group, hd);
-                let result = &mut tiles.out[..block.len() * group * hd];
-                attend_block_q8(k, &query, &kv, &visible, result, &mut tiles.scratch)
-                    .expect("attention shapes follow the model config");
-                for (i, row) in block.clone().zip(result.chunks_exact(group * hd)) {
-                    // SAFETY: (block, KV head) owns the group's query heads of its tokens in
-                    // `out`, ranges no other task touches; the buffer outlives the parallel loop.
-                    unsafe { shared.slice(i * qw + heads.start * hd, group * hd) }
-                        .copy_from_slice(row);
-                }
-            });
+            attend_tokens(c, layer, (start, 0), block, kv_head, q, &kernel, shared);
         });
     }
 }
