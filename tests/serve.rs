@@ -1289,6 +1289,15 @@ fn responses_report_log_probabilities_when_included() {
     }
     assert_eq!(pieces, entries);
     assert_eq!(done, Some(Value::from(entries)));
+    // Bad values are refused by name.
+    for (bad, param) in [
+        (json!({"input": "hi", "top_logprobs": 21}), "top_logprobs"),
+        (json!({"input": "hi", "include": "message.output_text.logprobs"}), "include"),
+    ] {
+        let (status, error) = read_json(agent().post(&url).send_string(&bad.to_string()));
+        assert_eq!(status, 400, "{bad}: {error}");
+        assert_eq!(error["error"]["param"], json!(param), "{bad}: {error}");
+    }
     // Without `include`, empty lists as before.
     let (_, plain) = read_json(
         agent()

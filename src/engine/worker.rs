@@ -1005,19 +1005,16 @@ impl ModelBackend for crate::model::Model {
         activations: ActivationFormat,
         kv_cache: KvCacheType,
     ) -> String {
-        match self.precision {
-            crate::model::Precision::Exact => "portable".to_string(),
-            crate::model::Precision::Fast
-                if self.bf16_attention_with(attention, activations, kv_cache) =>
-            {
-                format!("{}+bf16", self.kernels.path().name())
-            }
-            crate::model::Precision::Fast
-                if self.int8_attention_with(attention, activations, kv_cache) =>
-            {
-                format!("{}+int8", self.kernels.path().name())
-            }
-            crate::model::Precision::Fast => self.kernels.path().name().to_string(),
+        if self.precision == crate::model::Precision::Exact {
+            return "portable".to_string();
+        }
+        let path = self.kernels.path().name();
+        match self
+            .attention_products_with(attention, activations, kv_cache)
+            .name()
+        {
+            Some(products) => format!("{path}+{products}"),
+            None => path.to_string(),
         }
     }
 }

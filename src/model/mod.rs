@@ -33,6 +33,27 @@ pub use options::{
     ActivationFormat, AttentionArithmetic, ExpertLayout, KvFormat, LoadOptions, Precision,
     TileCache, Unembedding, WeightFormat,
 };
+
+/// What attention's products run on in a session (see [`Model::attention_products_with`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionProducts {
+    F32,
+    /// bf16 dot products over the f16 cache (AVX-512 BF16).
+    Bf16,
+    /// int8 dot products over the int8 cache (AVX-512 VNNI).
+    Int8,
+}
+
+impl AttentionProducts {
+    /// `bf16` or `int8`; nothing for f32, the reference arithmetic.
+    pub fn name(self) -> Option<&'static str> {
+        match self {
+            AttentionProducts::F32 => None,
+            AttentionProducts::Bf16 => Some("bf16"),
+            AttentionProducts::Int8 => Some("int8"),
+        }
+    }
+}
 pub use session::{ForwardError, Sequence, SequenceStep, Session};
 pub use snapshot::{KvSnapshot, SnapshotError};
 pub use weights::Weights;
@@ -425,11 +446,11 @@ impl Model {
         }
     }
 
-    /// Whether new sessions' attention runs on bf16 dot products: the kernels' choice for this
-    /// CPU, over the default f16 cache, unless the activations are `q8x2` (the precise setting
-    /// keeps f32 attention).
-    pub fn uses_bf16_attention(&self) -> bool {
-        self.bf16_attention_with(self.attention, self.activations, self.kv_format)
+    /// What new sessions' attention multiplies on: bf16 dot products over the default f16 cache
+    /// where the kernels choose them for this CPU, int8 ones over the int8 cache on the AVX-512
+    /// path, f32 otherwise (always with `q8x2` activations, the precise setting).
+    pub fn attention_products(&self) -> AttentionProducts {
+        self.attention_products_with(self.attention, self.activations, self.kv_format)
     }
 
     /// The attention arithmetic the model was loaded with: new sessions' (a session may change
@@ -438,37 +459,27 @@ impl Model {
         self.attention
     }
 
-    /// Whether a session with this attention arithmetic, activations and cache runs attention
-    /// on bf16 dot products.
-    pub fn bf16_attention_with(
+    /// What a session with this attention arithmetic, activations and cache multiplies on in
+    /// attention: the one place that decides (labels, descriptions and snapshot identities ask
+    /// here).
+    pub fn attention_products_with(
         &self,
         attention: AttentionArithmetic,
         activations: ActivationFormat,
         kv: KvFormat,
-    ) -> bool {
+    ) -> AttentionProducts {
         let kernels = activations.attention_kernels(attention.apply(self.kernels));
-        self.fast.is_some()
-            && kv == KvFormat::F16
-            && crate::kernels::attention::runs_bf16(kernels, self.config.head_dim)
-    }
-
-    /// Whether a session with this attention arithmetic, activations and cache runs attention
-    /// on int8 dot products (an int8 cache read as stored, on the AVX-512 path).
-    pub fn int8_attention_with(
-        &self,
-        attention: AttentionArithmetic,
-        activations: ActivationFormat,
-        kv: KvFormat,
-    ) -> bool {
-        let kernels = activations.attention_kernels(attention.apply(self.kernels));
-        self.fast.is_some()
-            && kv == KvFormat::Q8
-            && crate::kernels::attention::runs_int8(kernels, self.config.head_dim)
-    }
-
-    /// Whether new sessions' attention runs on int8 dot products.
-    pub fn uses_int8_attention(&self) -> bool {
-        self.int8_attention_with(self.attention, self.activations, self.kv_format)
+        let head_dim = self.config.head_dim;
+        match kv {
+            _ if self.fast.is_none() => AttentionProducts::F32,
+            KvFormat::F16 if crate::kernels::attention::runs_bf16(kernels, head_dim) => {
+                AttentionProducts::Bf16
+            }
+            KvFormat::Q8 if crate::kernels::attention::runs_int8(kernels, head_dim) => {
+                AttentionProducts::Int8
+            }
+            _ => AttentionProducts::F32,
+        }
     }
 
     /// A short description of the weight formats, for the UI and the benchmark.
@@ -483,12 +494,9 @@ impl Model {
                     ),
                     None => String::new(),
                 };
-                let attention = if self.uses_bf16_attention() {
-                    ", attention on bf16 dot products"
-                } else if self.uses_int8_attention() {
-                    ", attention on int8 dot products"
-                } else {
-                    ""
+                let attention = match self.attention_products().name() {
+                    Some(name) => format!(", attention on {name} dot products"),
+                    None => String::new(),
                 };
                 format!(
                     "experts mxfp4 x {} activations, rest {}{draft}{attention}",

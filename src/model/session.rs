@@ -277,16 +277,15 @@ impl Session {
         }
     }
 
-    /// Whether this session's attention runs on bf16 dot products.
-    pub fn uses_bf16_attention(&self) -> bool {
+    /// What this session's attention multiplies on.
+    pub fn attention_products(&self) -> super::AttentionProducts {
         self.model
-            .bf16_attention_with(self.attention, self.activations, self.kv_format())
+            .attention_products_with(self.attention, self.activations, self.kv_format())
     }
 
-    /// Whether this session's attention runs on int8 dot products (over an int8 cache).
-    pub fn uses_int8_attention(&self) -> bool {
-        self.model
-            .int8_attention_with(self.attention, self.activations, self.kv_format())
+    /// Whether this session's attention runs on bf16 dot products.
+    pub fn uses_bf16_attention(&self) -> bool {
+        self.attention_products() == super::AttentionProducts::Bf16
     }
 
     /// The element type the KV cache holds.
@@ -326,12 +325,9 @@ impl Session {
         };
         // bf16 and int8 attention compute other rows than f32; f32 adds nothing, so snapshots
         // written before the choice existed (or on CPUs without it) still restore.
-        let arithmetic = if self.uses_bf16_attention() {
-            " bf16 attention"
-        } else if self.uses_int8_attention() {
-            " int8 attention"
-        } else {
-            ""
+        let arithmetic = match self.attention_products().name() {
+            Some(name) => format!(" {name} attention"),
+            None => String::new(),
         };
         let identity = format!(
             "{:016x} {:?} {} {} {path}{layout}{arithmetic}",

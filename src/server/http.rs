@@ -233,7 +233,7 @@ async fn metrics(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Resp
 }
 
 async fn not_found() -> ApiError {
-    ApiError::invalid("no such endpoint; this server has POST /v1/chat/completions, POST /v1/responses, POST /tokenize, POST /detokenize, GET /v1/models, GET /health and GET /metrics", None)
+    ApiError::invalid("no such endpoint; this server has POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /tokenize, POST /detokenize, GET /v1/models, GET /health and GET /metrics", None)
         .with_status(StatusCode::NOT_FOUND)
         .with_code("not_found")
 }

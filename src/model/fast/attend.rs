@@ -73,6 +73,19 @@ type BlockKernel<'a> = dyn Fn(
     ) -> Result<(), AttentionError>
     + 'a;
 
+/// `kernel` as a [`BlockKernel`] (names the closure's argument types once for its callers).
+fn block_kernel<F>(kernel: F) -> F
+where
+    F: Fn(
+        &BlockQuery<'_>,
+        &dyn Fn(usize) -> Range<usize>,
+        &mut [f32],
+        &mut AttentionScratch,
+    ) -> Result<(), AttentionError>,
+{
+    kernel
+}
+
 /// One block's attention: tokens `block` of the chunk (at positions `start + i`), KV head
 /// `kv_head`'s query group, by `kernel` over a cache whose row 0 is position `first`, into
 /// `out`.
@@ -145,12 +158,9 @@ impl FastPass<'_> {
                 offset: 0,
             };
             let k = self.activations.attention_kernels(self.kernels);
-            let kernel = |query: &BlockQuery<'_>,
-                          visible: &dyn Fn(usize) -> Range<usize>,
-                          out: &mut [f32],
-                          scratch: &mut AttentionScratch| {
+            let kernel = block_kernel(|query, visible, out, scratch| {
                 attend_block(k, query, &head, visible, out, scratch)
-            };
+            });
             attend_tokens(c, layer, (start, 0), block, kv_head, q, &kernel, shared);
         });
     }
@@ -222,12 +232,9 @@ impl FastPass<'_> {
                 while block < n {
                     let tokens = block..(block + BLOCK_TOKENS).min(n);
                     block = tokens.end;
-                    let kernel = |query: &BlockQuery<'_>,
-                                  visible: &dyn Fn(usize) -> Range<usize>,
-                                  out: &mut [f32],
-                                  scratch: &mut AttentionScratch| {
+                    let kernel = block_kernel(|query, visible, out, scratch| {
                         attend_block(k, query, &staged, visible, out, scratch)
-                    };
+                    });
                     attend_tokens(
                         c,
                         layer,
@@ -271,12 +278,9 @@ impl FastPass<'_> {
                 values: head.values,
                 value_scales: head.value_scales,
             };
-            let kernel = |query: &BlockQuery<'_>,
-                          visible: &dyn Fn(usize) -> Range<usize>,
-                          out: &mut [f32],
-                          scratch: &mut AttentionScratch| {
+            let kernel = block_kernel(|query, visible, out, scratch| {
                 attend_block_q8(k, query, &kv, visible, out, scratch)
-            };
+            });
             attend_tokens(c, layer, (start, 0), block, kv_head, q, &kernel, shared);
         });
     }
