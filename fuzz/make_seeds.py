@@ -207,6 +207,18 @@ def server_request():
     completion = {"model": "m", "prompt": "<|start|>user<|message|>hi<|end|><|start|>assistant",
                   "max_tokens": 20, "stream": True, "stop": "x", "logprobs": 2, "temperature": 0.2,
                   "logit_bias": {"5": 1}}
+    schema = {"type": "object", "properties": {
+        "answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        "tags": {"type": "array", "items": {"$ref": "#/$defs/tag"}, "maxItems": 3}},
+        "required": ["answer"], "additionalProperties": False,
+        "$defs": {"tag": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 8}}}
+    structured = {"messages": [{"role": "user", "content": "ok?"},
+                               {"role": "assistant", "content": "{\"answer\":"}],
+                  "continue_final_message": True, "max_tokens": 50,
+                  "response_format": {"type": "json_schema", "json_schema": {
+                      "name": "verdict", "description": "Yes or no.", "strict": True, "schema": schema}}}
+    structured_text = {"input": "ok?", "text": {"format": {"type": "json_schema", "name": "v", "schema": schema}}}
+    structured_completion = {"prompt": "JSON:", "response_format": {"type": "json_object"}}
     cases = [(name, bytes([selector]) + json.dumps(body).encode())
              for name, selector, body in [("chat_full.json", 6, chat),
                                           ("chat_small_context.json", 2, small),
@@ -217,6 +229,9 @@ def server_request():
                                           ("responses_text.json", 7, text),
                                           ("responses_items.json", 7, items),
                                           ("completion_text.json", 22, completion),
+                                          ("chat_structured.json", 6, structured),
+                                          ("responses_structured.json", 7, structured_text),
+                                          ("completion_structured.json", 22, structured_completion),
                                           ("completion_tokens.json", 18, {"prompt": [[200006, 17360, 200008, 1428]], "max_tokens": 8, "echo": True, "skip_special_tokens": False})]]
     write("server_request", cases)
 

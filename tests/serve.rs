@@ -697,9 +697,11 @@ fn bad_function_tools_and_tool_messages_get_errors_naming_the_field() {
             "tools[0].function.parameters",
         ),
         (
-            json!({"tools": [{"type": "function", "function": {"name": "f", "strict": true}}]}),
+            json!({"tools": [{"type": "function", "function": {"name": "f", "strict": true,
+                "parameters": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 2,
+                    "maximum": 1}}, "required": ["n"]}}}]}),
             ask.clone(),
-            "tools[0].function.strict",
+            "tools[0].function.parameters",
         ),
         (
             json!({"tool_choice": "required"}),
@@ -768,7 +770,8 @@ fn bad_function_tools_and_tool_messages_get_errors_naming_the_field() {
     server.stop();
 }
 
-/// What the server cannot honour is refused by name (structured output, penalties and biases
+/// What the server cannot honour is refused by name (a schema without one or that nothing
+/// satisfies, an answer to continue that is not there, penalties and biases
 /// out of OpenAI's ranges or naming no token, more than 20 `top_logprobs` or `top_logprobs`
 /// without `logprobs`) while their neutral values pass; llama-server's and vLLM's `top_k` and
 /// `min_p` are honoured: `top_k` 1 samples greedily, as temperature 0 does.
@@ -782,12 +785,17 @@ fn unserved_fields_are_refused_and_top_k_and_min_p_are_honoured() {
             "top_logprobs",
         ),
         (
-            json!({"response_format": {"type": "json_object"}}),
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
             "response_format",
         ),
         (
-            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                "strict": true, "schema": {"type": "integer", "minimum": 3, "maximum": 1}}}}),
             "response_format",
+        ),
+        (
+            json!({"continue_final_message": true}),
+            "continue_final_message",
         ),
         (json!({"frequency_penalty": 2.5}), "frequency_penalty"),
         (json!({"presence_penalty": -3}), "presence_penalty"),
@@ -1292,7 +1300,10 @@ fn responses_report_log_probabilities_when_included() {
     // Bad values are refused by name.
     for (bad, param) in [
         (json!({"input": "hi", "top_logprobs": 21}), "top_logprobs"),
-        (json!({"input": "hi", "include": "message.output_text.logprobs"}), "include"),
+        (
+            json!({"input": "hi", "include": "message.output_text.logprobs"}),
+            "include",
+        ),
     ] {
         let (status, error) = read_json(agent().post(&url).send_string(&bad.to_string()));
         assert_eq!(status, 400, "{bad}: {error}");
@@ -1309,5 +1320,245 @@ fn responses_report_log_probabilities_when_included() {
             assert_eq!(item["content"][0]["logprobs"], json!([]));
         }
     }
+    server.stop();
+}
+
+/// A schema the structured-output tests hold replies to: every field bounded, so a reply of random
+/// weights ends (the mask leaves `<|return|>` alone once the object is whole).
+fn answer_schema() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "answer": {"enum": ["yes", "no", "maybe"]},
+            "confidence": {"type": "integer", "minimum": 0, "maximum": 100},
+            "checked": {"type": "boolean"}
+        },
+        "required": ["answer", "confidence", "checked"],
+        "additionalProperties": false
+    })
+}
+
+fn assert_fits_answer_schema(text: &str) {
+    let value: Value =
+        serde_json::from_str(text).unwrap_or_else(|error| panic!("{text:?}: {error}"));
+    let object = value.as_object().unwrap();
+    assert_eq!(object.len(), 3, "{text}");
+    assert!(
+        ["yes", "no", "maybe"].contains(&value["answer"].as_str().unwrap()),
+        "{text}"
+    );
+    assert!(value["confidence"].as_u64().unwrap() <= 100, "{text}");
+    assert!(value["checked"].is_boolean(), "{text}");
+}
+
+/// Structured outputs: random weights held to a schema write a conforming document and stop
+/// (whole and streamed alike, sampled or greedy) in `/v1/completions` (vLLM's `response_format`,
+/// from the first token) and in chat completions, where the final channel is constrained: an
+/// answer prefilled with `continue_final_message` starts there, and the prefix must fit the
+/// schema. The developer message describes the format as harmony's cookbook says.
+#[test]
+fn structured_outputs_hold_replies_to_the_schema() {
+    let server = serve(Precision::Fast, options(2, 1024, 8), None);
+    let format = json!({"type": "json_schema",
+                        "json_schema": {"name": "verdict", "schema": answer_schema(), "strict": true}});
+    let post = |path: &str, body: Value| {
+        read_json(
+            agent()
+                .post(&server.url(path))
+                .send_string(&body.to_string()),
+        )
+    };
+    for (seed, temperature) in [(1, 1.0), (2, 1.0), (3, 0.0)] {
+        let (status, reply) = post(
+            "/v1/completions",
+            json!({"prompt": "The verdict as JSON:", "max_tokens": 200, "seed": seed,
+                   "temperature": temperature, "response_format": format}),
+        );
+        assert_eq!(status, 200, "{reply}");
+        assert_eq!(reply["choices"][0]["finish_reason"], "stop", "{reply}");
+        assert_fits_answer_schema(reply["choices"][0]["text"].as_str().unwrap());
+    }
+
+    // Chat: the prefilled answer `{"answer":"` is prompt, the reply continues it (compact, as
+    // the format's documents are written).
+    let messages = json!([
+        {"role": "system", "content": "Answer as JSON."},
+        {"role": "user", "content": "Is water wet?"},
+        {"role": "assistant", "content": "{\"answer\":\""}
+    ]);
+    for stream_reply in [false, true] {
+        let body = chat(
+            messages.clone(),
+            json!({"response_format": format, "continue_final_message": true, "seed": 4,
+                   "max_tokens": 200, "stream": stream_reply}),
+        );
+        let content = if stream_reply {
+            let events = stream(&server, &body);
+            let mut content = String::new();
+            let mut finish = Value::Null;
+            for event in &events[..events.len() - 1] {
+                let chunk: Value = serde_json::from_str(event).unwrap();
+                let choice = &chunk["choices"][0];
+                if let Some(piece) = choice["delta"]["content"].as_str() {
+                    content.push_str(piece);
+                }
+                if !choice["finish_reason"].is_null() {
+                    finish = choice["finish_reason"].clone();
+                }
+            }
+            assert_eq!(finish, "stop", "{events:?}");
+            content
+        } else {
+            let (status, reply) = server.post(&body);
+            assert_eq!(status, 200, "{reply}");
+            assert_eq!(reply["choices"][0]["finish_reason"], "stop", "{reply}");
+            reply["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        };
+        assert_fits_answer_schema(&format!("{{\"answer\":\"{content}"));
+    }
+
+    // A prefix the schema cannot continue is refused, naming the format.
+    let mut bad = messages.clone();
+    bad[2]["content"] = json!("{\"verdict\"");
+    let (status, reply) = server.post(&chat(
+        bad,
+        json!({"response_format": format, "continue_final_message": true}),
+    ));
+    assert_eq!(status, 400, "{reply}");
+    assert_eq!(reply["error"]["param"], "response_format", "{reply}");
+
+    // JSON mode: an object, or (cut by max_tokens) the start of one.
+    let (status, reply) = post(
+        "/v1/completions",
+        json!({"prompt": "JSON:", "max_tokens": 24, "seed": 5,
+               "response_format": {"type": "json_object"}}),
+    );
+    assert_eq!(status, 200, "{reply}");
+    let text = reply["choices"][0]["text"].as_str().unwrap();
+    match reply["choices"][0]["finish_reason"].as_str().unwrap() {
+        "stop" => assert!(serde_json::from_str::<Value>(text).unwrap().is_object()),
+        _ => assert!(text.starts_with('{'), "{text:?}"),
+    }
+
+    // Without a prefill the request is served too: the reply reasons freely first (the gate
+    // is `ReplyText::in_final_answer`, tested on the parser's events in src/server/reply.rs).
+    let (status, reply) = server.post(&chat(
+        user("Is water wet?"),
+        json!({"response_format": format, "max_tokens": 12, "seed": 6}),
+    ));
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["choices"][0]["finish_reason"], "length", "{reply}");
+
+    // The Responses API takes it as `text.format` (the schema's fields inline) and echoes it.
+    let text_format = json!({"type": "json_schema", "name": "verdict", "schema": answer_schema()});
+    let (status, reply) = post(
+        "/v1/responses",
+        json!({"input": "Is water wet?", "max_output_tokens": 8, "text": {"format": text_format}}),
+    );
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["text"]["format"], text_format, "{reply}");
+    let (status, reply) = post(
+        "/v1/responses",
+        json!({"input": "Is water wet?", "text": {"format": {"type": "json_schema", "name": "v"}}}),
+    );
+    assert_eq!(status, 400, "{reply}");
+    assert_eq!(reply["error"]["param"], "text.format", "{reply}");
+    server.stop();
+}
+
+/// The developer message ends in harmony's `# Response Formats` section (after the instructions
+/// and tools), and a prefilled answer leaves the prompt open on the final channel.
+#[test]
+fn a_response_format_renders_in_the_developer_message() {
+    use ossterm::server::api::{parse_chat_request, prepare_chat_dated};
+    let tokenizer = ossterm::chat::Tokenizer::shared().unwrap();
+    let body = json!({
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Is water wet?"},
+            {"role": "assistant", "content": "{\"answer\":"},
+        ],
+        "response_format": {"type": "json_schema", "json_schema": {
+            "name": "verdict", "description": "A yes or no.",
+            "schema": {"type": "object", "properties": {"answer": {"type": "string"}}}}},
+        "continue_final_message": true,
+    });
+    let request = parse_chat_request(body.to_string().as_bytes()).unwrap();
+    let job = prepare_chat_dated(request, tokenizer, 4096, None).unwrap();
+    let text = tokenizer.decode(&job.prompt).unwrap();
+    let developer = "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n# Response Formats\n\n\
+        ## verdict\n\n// A yes or no.\n{\"type\":\"object\",\"properties\":{\"answer\":{\"type\":\"string\"}}}<|end|>";
+    assert!(text.contains(developer), "{text}");
+    assert!(
+        text.ends_with(
+            "<|start|>user<|message|>Is water wet?<|end|><|start|>assistant<|channel|>final<|message|>{\"answer\":"
+        ),
+        "{text}"
+    );
+    assert_eq!(
+        tokenizer.decode(&job.forced).unwrap(),
+        "<|channel|>final<|message|>"
+    );
+}
+
+/// `strict` function tools: a call's arguments are held to the parameters' schema and end in
+/// `<|call|>`, so random weights forced into a call (a named `tool_choice`) write conforming
+/// arguments and the reply finishes with `tool_calls`, in chat completions and in the Responses
+/// API (its flat tools).
+#[test]
+fn strict_tools_get_arguments_that_fit_their_schema() {
+    let server = serve(Precision::Fast, options(2, 1024, 8), None);
+    let parameters = json!({"type": "object", "additionalProperties": false,
+        "required": ["city", "days"],
+        "properties": {"city": {"enum": ["Oslo", "Lima"]},
+                       "days": {"type": "integer", "minimum": 1, "maximum": 7}}});
+    let check = |arguments: &str| {
+        let value: Value =
+            serde_json::from_str(arguments).unwrap_or_else(|e| panic!("{arguments:?}: {e}"));
+        assert!(
+            ["Oslo", "Lima"].contains(&value["city"].as_str().unwrap()),
+            "{arguments}"
+        );
+        assert!(
+            (1..=7).contains(&value["days"].as_u64().unwrap()),
+            "{arguments}"
+        );
+        assert_eq!(value.as_object().unwrap().len(), 2, "{arguments}");
+    };
+    let tool = json!({"type": "function", "function": {"name": "forecast", "strict": true,
+        "description": "The forecast.", "parameters": parameters}});
+    for seed in [1, 2] {
+        let (status, reply) = server.post(&chat(
+            user("Weather?"),
+            json!({"tools": [tool], "max_tokens": 100, "seed": seed,
+                   "tool_choice": {"type": "function", "function": {"name": "forecast"}}}),
+        ));
+        assert_eq!(status, 200, "{reply}");
+        let choice = &reply["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls", "{reply}");
+        let call = &choice["message"]["tool_calls"][0]["function"];
+        assert_eq!(call["name"], "forecast");
+        check(call["arguments"].as_str().unwrap());
+    }
+    let flat = json!({"type": "function", "name": "forecast", "strict": true,
+                      "parameters": parameters});
+    let (status, reply) = read_json(
+        agent().post(&server.url("/v1/responses")).send_string(
+            &json!({"input": "Weather?", "tools": [flat], "max_output_tokens": 100,
+                    "tool_choice": {"type": "function", "name": "forecast"}})
+            .to_string(),
+        ),
+    );
+    assert_eq!(status, 200, "{reply}");
+    let call = reply["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|item| item["type"] == "function_call")
+        .unwrap_or_else(|| panic!("{reply}"));
+    check(call["arguments"].as_str().unwrap());
     server.stop();
 }

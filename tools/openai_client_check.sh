@@ -187,6 +187,35 @@ pieces = [c.choices[0].text for c in client.completions.create(
 assert "".join(pieces) == choice.text, (pieces, choice.text)
 print(f"openai client check: completions gave {whole.usage.completion_tokens} tokens "
       f"({len(choice.text)} chars), streamed in {len(pieces)} chunks")
+
+# Structured outputs: a schema every random reply can finish, held in completions (vLLM's
+# response_format) and in a chat's final channel (continuing a prefilled answer).
+import json
+verdict = {"name": "verdict", "strict": True, "schema": {
+    "type": "object", "additionalProperties": False, "required": ["answer", "sure"],
+    "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}}}}
+done = client.completions.create(model=models[0], prompt="Verdict:", max_tokens=60, seed=2,
+                                 extra_body={"response_format": {"type": "json_schema", "json_schema": verdict}})
+value = json.loads(done.choices[0].text)
+assert done.choices[0].finish_reason == "stop" and value["answer"] in ("yes", "no"), done
+answer = client.chat.completions.create(
+    model=models[0], max_tokens=60, seed=3,
+    messages=[{"role": "user", "content": "Is it?"}, {"role": "assistant", "content": '{"answer":"'}],
+    response_format={"type": "json_schema", "json_schema": verdict},
+    extra_body={"continue_final_message": True})
+value = json.loads('{"answer":"' + answer.choices[0].message.content)
+assert isinstance(value["sure"], bool), answer
+# A strict function (as the Agents SDK sends them) forced by tool_choice: conforming arguments.
+strict = [{"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city"],
+    "properties": {"city": {"enum": ["Oslo", "Lima"]}}}}}]
+called = client.chat.completions.create(
+    model=models[0], messages=asked, tools=strict, max_tokens=60, seed=4,
+    tool_choice={"type": "function", "function": {"name": "get_weather"}})
+arguments = json.loads(called.choices[0].message.tool_calls[0].function.arguments)
+assert called.choices[0].finish_reason == "tool_calls" and arguments["city"] in ("Oslo", "Lima"), called
+print(f"openai client check: structured outputs {done.choices[0].text} and {value}; "
+      f"strict call arguments {arguments}")
 PY
 
 # Draining: SIGTERM while a stream runs lets it finish (a chat completion that ends normally),

@@ -89,15 +89,45 @@ pub fn developer_text(instructions: &str) -> String {
     format!("# Instructions\n\n{instructions}")
 }
 
-/// The developer message's text with function tools: the instructions (if any), then the `# Tools`
-/// section.
-fn developer_text_with(instructions: Option<&str>, tools: &[FunctionTool]) -> Option<String> {
+/// A structured output the developer message describes: an entry of harmony's
+/// `# Response Formats` section (the OpenAI cookbook's harmony guide), named as in the API's
+/// `response_format`, the schema as compact JSON.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ResponseFormatSection {
+    pub name: String,
+    pub description: Option<String>,
+    pub schema: String,
+}
+
+/// `# Response Formats\n\n## {name}\n\n// {description}\n{schema}` (no comment line without a
+/// description).
+fn response_formats_section(format: &ResponseFormatSection) -> String {
+    let comment = match &format.description {
+        Some(description) => format!("// {description}\n"),
+        None => String::new(),
+    };
+    format!(
+        "# Response Formats\n\n## {}\n\n{comment}{}",
+        format.name, format.schema
+    )
+}
+
+/// The developer message's text: the instructions (if any), the `# Tools` section (with function
+/// tools), then the `# Response Formats` section (with a structured output).
+fn developer_text_with(
+    instructions: Option<&str>,
+    tools: &[FunctionTool],
+    format: Option<&ResponseFormatSection>,
+) -> Option<String> {
     let mut sections = Vec::new();
     if let Some(instructions) = instructions {
         sections.push(developer_text(instructions));
     }
     if !tools.is_empty() {
         sections.push(functions_section(tools));
+    }
+    if let Some(format) = format {
+        sections.push(response_formats_section(format));
     }
     (!sections.is_empty()).then(|| sections.join("\n\n"))
 }
@@ -424,18 +454,20 @@ pub fn render_history(
         &conversation.system,
         conversation.developer.as_deref(),
         &[],
+        None,
         &turns,
         options,
     )
 }
 
-/// Renders a prompt's history: the system message, the developer message (its instructions and
-/// the function tools, if any), then the kept turns.
+/// Renders a prompt's history: the system message, the developer message (its instructions, the
+/// function tools and the response format, if any), then the kept turns.
 pub fn render_turns(
     tokenizer: &Tokenizer,
     system: &SystemSettings,
     instructions: Option<&str>,
     tools: &[FunctionTool],
+    format: Option<&ResponseFormatSection>,
     turns: &[Turn<'_>],
     options: &RenderOptions,
 ) -> Result<Vec<u32>, TokenizerError> {
@@ -447,7 +479,7 @@ pub fn render_turns(
         &system_text_with(system, !tools.is_empty()),
         &mut ids,
     )?;
-    if let Some(developer) = developer_text_with(instructions, tools) {
+    if let Some(developer) = developer_text_with(instructions, tools, format) {
         render_message_into(tokenizer, "developer", None, &developer, &mut ids)?;
     }
     for turn in kept_turns(turns, options) {
@@ -486,6 +518,19 @@ pub fn push_call_header(
     tokenizer.encode_text_into(" ", ids)?;
     ids.push(special::CONSTRAIN);
     tokenizer.encode_text_into("json", ids)?;
+    ids.push(special::MESSAGE);
+    Ok(())
+}
+
+/// Appends, after the generation prompt, the header of a message on `channel` as the model
+/// writes one (`<|channel|>final<|message|>`): what a prefilled answer continues.
+pub fn push_channel_header(
+    tokenizer: &Tokenizer,
+    channel: Channel,
+    ids: &mut Vec<u32>,
+) -> Result<(), TokenizerError> {
+    ids.push(special::CHANNEL);
+    tokenizer.encode_text_into(channel.as_str(), ids)?;
     ids.push(special::MESSAGE);
     Ok(())
 }

@@ -10,8 +10,9 @@ pub use conversation::{
     Channel, ChatMessage, Conversation, ConversationError, ReasoningEffort, Role, SystemSettings,
 };
 pub use harmony::{
-    functions_section, push_assistant_start, push_call_header, render_for_completion,
-    render_history, render_turns, FunctionTool, RenderOptions, Turn,
+    functions_section, push_assistant_start, push_call_header, push_channel_header,
+    render_for_completion, render_history, render_turns, FunctionTool, RenderOptions,
+    ResponseFormatSection, Turn,
 };
 pub use parser::{HarmonyParser, Malformation, ParseEvent, StopToken};
 pub use tokenizer::{Tokenizer, TokenizerError, Utf8Stream};

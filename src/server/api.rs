@@ -4,9 +4,12 @@
 use axum::http::StatusCode;
 use serde::Deserialize;
 
+use super::structured::{structured_output, OutputConstraint, ResponseFormatField};
+use crate::chat::tokenizer::special;
 use crate::chat::{
-    push_assistant_start, push_call_header, render_turns, Channel, ChatMessage, FunctionTool,
-    ReasoningEffort, RenderOptions, SystemSettings, Tokenizer, Turn,
+    push_assistant_start, push_call_header, push_channel_header, render_turns, Channel,
+    ChatMessage, FunctionTool, ReasoningEffort, RenderOptions, Role, SystemSettings, Tokenizer,
+    Turn,
 };
 use crate::engine::SamplerSettings;
 
@@ -204,31 +207,14 @@ pub struct ChatCompletionRequest {
     pub presence_penalty: Option<f32>,
     #[serde(default)]
     pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
-    /// Fields whose non-default values this server cannot honour: refused rather than ignored,
-    /// so a client never takes an unconstrained reply for what it asked.
+    /// Structured output: `json_object` or `json_schema`, enforced while sampling the final
+    /// channel (see [`super::structured`]).
     #[serde(default)]
-    pub response_format: Option<ResponseFormat>,
-}
-
-/// `response_format`: only `{"type": "text"}` is served.
-#[derive(Debug, Deserialize)]
-pub struct ResponseFormat {
-    #[serde(rename = "type")]
-    pub kind: String,
-}
-
-/// Structured output (`json_object`, `json_schema`) needs constrained sampling: refused.
-fn check_response_format(request: &ChatCompletionRequest) -> Result<(), ApiError> {
-    match &request.response_format {
-        Some(format) if format.kind != "text" => Err(ApiError::invalid(
-            format!(
-                "`response_format` {:?} is not supported by this server: it needs constrained sampling; only \"text\" is served",
-                format.kind
-            ),
-            Some("response_format"),
-        )),
-        _ => Ok(()),
-    }
+    pub response_format: Option<ResponseFormatField>,
+    /// vLLM's extension: the last message, an assistant's, is left open on the final channel
+    /// and the reply continues it (a prefilled answer); the reply holds only the new text.
+    #[serde(default)]
+    pub continue_final_message: Option<bool>,
 }
 
 /// A checked request: the prompt and how to sample it.
@@ -252,6 +238,10 @@ pub struct ChatJob {
     pub adjustments: LogitAdjustments,
     /// How the sampled tokens become text.
     pub text: TextMode,
+    /// The structured output the final answer is held to.
+    pub constraint: Option<OutputConstraint>,
+    /// The `strict` functions' argument constraints, by name.
+    pub tool_constraints: Vec<(String, OutputConstraint)>,
 }
 
 /// How a reply's tokens become text.
@@ -399,12 +389,13 @@ fn named_choice(value: &serde_json::Value) -> Option<&str> {
         .and_then(|n| n.as_str())
 }
 
-/// The request's functions, checked (none when `tool_choice` is `"none"`), and the call
-/// `tool_choice` forces, if any.
+/// The request's functions, checked (none when `tool_choice` is `"none"`), the call
+/// `tool_choice` forces, if any, and the argument constraints of the `strict` ones.
+#[allow(clippy::type_complexity)]
 fn function_tools(
     tools: Option<Vec<ToolParam>>,
     choice: Option<ToolChoice>,
-) -> Result<(Vec<FunctionTool>, Forced), ApiError> {
+) -> Result<(Vec<FunctionTool>, Forced, Vec<(String, OutputConstraint)>), ApiError> {
     let tools = tools.unwrap_or_default();
     let forced = match &choice {
         None => Forced::Nothing,
@@ -427,6 +418,7 @@ fn function_tools(
         },
     };
     let mut functions: Vec<FunctionTool> = Vec::with_capacity(tools.len());
+    let mut strict = Vec::new();
     for (index, tool) in tools.into_iter().enumerate() {
         let param = format!("tools[{index}]");
         if tool.kind != "function" {
@@ -454,12 +446,18 @@ fn function_tools(
                 ));
             }
         }
-        // `strict` asks for schema-constrained arguments, which needs constrained sampling.
+        // `strict`: the arguments are held to the parameters' schema while sampled.
         if function.strict == Some(true) {
-            return Err(ApiError::invalid(
-                format!("{param}.function.strict is not supported: arguments are sampled freely"),
-                Some(&format!("{param}.function.strict")),
-            ));
+            let schema = function.parameters.clone().unwrap_or_else(
+                || serde_json::json!({"type": "object", "properties": {}, "additionalProperties": false}),
+            );
+            let constraint = OutputConstraint::compile(schema, true).map_err(|reason| {
+                ApiError::invalid(
+                    format!("{param}.function.parameters: {reason}"),
+                    Some(&format!("{param}.function.parameters")),
+                )
+            })?;
+            strict.push((function.name.clone(), constraint));
         }
         functions.push(FunctionTool {
             name: function.name,
@@ -485,9 +483,9 @@ fn function_tools(
         ));
     }
     Ok(if none {
-        (Vec::new(), Forced::Nothing)
+        (Vec::new(), Forced::Nothing, Vec::new())
     } else {
-        (functions, forced)
+        (functions, forced, strict)
     })
 }
 
@@ -558,8 +556,8 @@ pub fn prepare_chat_dated(
     if request.n.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid("only `n` = 1 is supported", Some("n")));
     }
-    check_response_format(&request)?;
     let logprobs = logprobs_asked(&request)?;
+    let structured = structured_output(request.response_format, "response_format")?;
     let adjustments = logit_adjustments(
         request.logit_bias.as_ref(),
         (request.frequency_penalty, request.presence_penalty),
@@ -571,7 +569,7 @@ pub fn prepare_chat_dated(
             .parse()
             .map_err(|message: String| ApiError::invalid(message, Some("reasoning_effort")))?,
     };
-    let (tools, forced) = function_tools(request.tools, request.tool_choice)?;
+    let (tools, forced, strict_tools) = function_tools(request.tools, request.tool_choice)?;
     let mut developer: Vec<String> = Vec::new();
     let mut entries = Vec::new();
     // The function each call id named, for the tool messages that answer them.
@@ -654,6 +652,29 @@ pub fn prepare_chat_dated(
             }
         }
     }
+    let open_answer = if request.continue_final_message.unwrap_or(false) {
+        if forced != Forced::Nothing {
+            return Err(ApiError::invalid(
+                "`continue_final_message` continues an answer, while `tool_choice` asks for a call: give one of them",
+                Some("continue_final_message"),
+            ));
+        }
+        match entries.pop() {
+            Some(Entry::Message(message))
+                if message.role == Role::Assistant && message.channel == Some(Channel::Final) =>
+            {
+                Some(message.content)
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    "`continue_final_message` needs the last message to be an assistant's answer (no tool calls) to continue",
+                    Some("continue_final_message"),
+                ))
+            }
+        }
+    } else {
+        None
+    };
     let system = SystemSettings {
         reasoning: Some(reasoning),
         date: date.map(str::to_owned),
@@ -679,6 +700,7 @@ pub fn prepare_chat_dated(
         &system,
         instructions.as_deref(),
         &tools,
+        structured.as_ref().and_then(|s| s.section.as_ref()),
         &turns,
         &RenderOptions::default(),
     )
@@ -694,7 +716,29 @@ pub fn prepare_chat_dated(
     if let Some(function) = function {
         push_call_header(tokenizer, function, &mut prompt).map_err(encode_error)?;
     }
+    if open_answer.is_some() {
+        push_channel_header(tokenizer, Channel::Final, &mut prompt).map_err(encode_error)?;
+    }
     let forced = prompt[prompt_len..].to_vec();
+    let mut structured = structured;
+    if let Some(answer) = &open_answer {
+        // The answer so far is prompt: the reply's parser does not read it (the reply is the
+        // new text), but a structured output must have.
+        let answer_start = prompt.len();
+        tokenizer
+            .encode_text_into(answer, &mut prompt)
+            .map_err(encode_error)?;
+        if let Some(structured) = structured.as_mut() {
+            for &token in &prompt[answer_start..] {
+                structured.constraint.advance(token, special::RETURN).map_err(|error| {
+                    ApiError::invalid(
+                        format!("the assistant message to continue does not fit `response_format`: {error}"),
+                        Some("response_format"),
+                    )
+                })?;
+            }
+        }
+    }
     if prompt.len() >= context {
         return Err(ApiError::invalid(
             format!(
@@ -739,6 +783,8 @@ pub fn prepare_chat_dated(
         logprobs,
         adjustments,
         text: TextMode::Harmony,
+        constraint: structured.map(|s| s.constraint),
+        tool_constraints: strict_tools,
     })
 }
 

@@ -10,6 +10,7 @@ use super::api::{
     TextMode, MAX_TOP_LOGPROBS,
 };
 use super::reply::LogprobEntry;
+use super::structured::{structured_output, ResponseFormatField};
 use crate::chat::Tokenizer;
 
 /// OpenAI's default reply length on this endpoint (vLLM's too).
@@ -72,6 +73,11 @@ pub struct CompletionRequest {
     /// vLLM's extension: leave special tokens out of the text (the default) or write them.
     #[serde(default)]
     pub skip_special_tokens: Option<bool>,
+    /// vLLM's extension: the whole completion held to JSON (`json_object`) or a schema
+    /// (`json_schema`), from its first token (the prompt is the caller's: nothing describes the
+    /// format to the model).
+    #[serde(default)]
+    pub response_format: Option<ResponseFormatField>,
 }
 
 /// The job of a completions request, and the prompt's text when `echo` asks for it.
@@ -191,6 +197,9 @@ pub fn prepare_completion(
         text: TextMode::Raw {
             skip_special_tokens,
         },
+        constraint: structured_output(request.response_format, "response_format")?
+            .map(|structured| structured.constraint),
+        tool_constraints: Vec::new(),
     };
     Ok((job, echoed))
 }

@@ -490,6 +490,8 @@ fn submit(
             logprobs: job.logprobs,
             adjustments: job.adjustments,
             text: job.text,
+            constraint: job.constraint,
+            tool_constraints: job.tool_constraints,
             events: sender,
             received: Instant::now(),
         })

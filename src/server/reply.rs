@@ -68,6 +68,8 @@ pub struct ReplyText {
     tools: bool,
     /// The open message is a tool call.
     in_call: bool,
+    /// The function the open call names.
+    call_name: String,
     /// Calls opened so far.
     calls: usize,
     tool_calls: Vec<ToolCallDelta>,
@@ -115,6 +117,17 @@ impl ReplyText {
         self.in_message && !self.in_call && self.channel != Some(Channel::Analysis) && !self.stopped
     }
 
+    /// Whether the next token belongs to the final channel's message: what a structured output
+    /// holds to its format (reasoning, preambles and tool calls stay free).
+    pub fn in_final_answer(&self) -> bool {
+        self.in_answer() && self.channel == Some(Channel::Final)
+    }
+
+    /// The function whose arguments the next token belongs to: inside a tool call's message.
+    pub fn in_call_arguments(&self) -> Option<&str> {
+        (self.in_message && self.in_call && !self.stopped).then_some(self.call_name.as_str())
+    }
+
     /// Records an answer token's log-probabilities, sent with the next delta.
     pub fn push_logprob(&mut self, entry: LogprobEntry) {
         self.logprobs.push(entry);
@@ -144,6 +157,8 @@ impl ReplyText {
                     .filter(|name| self.tools && !name.is_empty());
                 self.in_call = function.is_some();
                 if let Some(name) = function {
+                    self.call_name.clear();
+                    self.call_name.push_str(name);
                     self.tool_calls.push(ToolCallDelta {
                         index: self.calls,
                         opens: Some((new_call_id(), name.to_owned())),
@@ -337,6 +352,61 @@ mod tests {
 
     fn text(channel: Option<Channel>, text: &str) -> ParseEvent<'_> {
         ParseEvent::Text { channel, text }
+    }
+
+    /// A structured output holds the final channel's message only: not the reasoning before it,
+    /// not a preamble, not a tool call's arguments.
+    #[test]
+    fn only_the_final_message_is_the_structured_answer() {
+        use crate::chat::tokenizer::special::{CHANNEL, END, MESSAGE, START};
+        use crate::chat::{HarmonyParser, Tokenizer};
+        let tokenizer = Tokenizer::shared().unwrap();
+        let mut reply = ReplyText::new(Vec::new()).with_tools(true);
+        let mut parser = HarmonyParser::after_prompt(tokenizer, "assistant");
+        let mut gate_after = |pieces: &[&str]| {
+            for piece in pieces {
+                let ids = match *piece {
+                    "<|channel|>" => vec![CHANNEL],
+                    "<|message|>" => vec![MESSAGE],
+                    "<|end|>" => vec![END],
+                    "<|start|>" => vec![START],
+                    text => tokenizer.encode_text(text).unwrap(),
+                };
+                for id in ids {
+                    parser.push(id, &mut |event| reply.on_event(event));
+                }
+            }
+            reply.in_final_answer()
+        };
+        assert!(!gate_after(&["<|channel|>", "analysis", "<|message|>"]));
+        assert!(!gate_after(&[
+            "Think.",
+            "<|end|>",
+            "<|start|>",
+            "assistant"
+        ]));
+        assert!(!gate_after(&[
+            "<|channel|>",
+            "commentary",
+            "<|message|>",
+            "Soon.",
+            "<|end|>"
+        ]));
+        assert!(!gate_after(&[
+            "<|start|>",
+            "assistant",
+            "<|channel|>",
+            "commentary to=functions.f"
+        ]));
+        assert!(!gate_after(&[
+            "<|message|>",
+            "{}",
+            "<|end|>",
+            "<|start|>",
+            "assistant"
+        ]));
+        assert!(gate_after(&["<|channel|>", "final", "<|message|>"]));
+        assert!(gate_after(&["{\"a\":"]));
     }
 
     #[test]

@@ -18,6 +18,7 @@ use super::api::{
 const INPUT_TEXT_KINDS: &[&str] = &["input_text", "output_text", "text"];
 use super::reply::{logprob_json, LogprobEntry, ToolCallDelta};
 use super::scheduler::{FinishReason, Usage};
+use super::structured::TextFormatField;
 use crate::chat::Tokenizer;
 
 /// `input`: one user message as a string, or a list of items.
@@ -109,6 +110,16 @@ pub struct ResponsesRequest {
     /// too.
     #[serde(default)]
     pub top_logprobs: Option<u64>,
+    /// `text.format`: plain text, `json_object` or `json_schema` (structured output).
+    #[serde(default)]
+    pub text: Option<TextParam>,
+}
+
+/// The Responses API's `text` settings.
+#[derive(Debug, Default, Deserialize)]
+pub struct TextParam {
+    #[serde(default)]
+    pub format: Option<Value>,
 }
 
 /// The `include` value that asks for log-probabilities.
@@ -130,6 +141,8 @@ pub struct Echo {
     /// The request's tools as the reply repeats them, and its tool choice.
     pub tools: Vec<Value>,
     pub tool_choice: Value,
+    /// `text.format` as the request gave it (`{"type": "text"}` by default).
+    pub format: Value,
 }
 
 /// Checks the request and renders it as a harmony prompt: `instructions` first as developer
@@ -201,6 +214,14 @@ pub fn prepare_responses(
         ));
     }
     let effort = request.reasoning.and_then(|r| r.effort);
+    let format = request
+        .text
+        .and_then(|text| text.format)
+        .unwrap_or_else(|| json!({"type": "text"}));
+    let response_format =
+        serde_json::from_value::<TextFormatField>(format.clone()).map_err(|error| {
+            ApiError::invalid(format!("`text.format`: {error}"), Some("text.format"))
+        })?;
     let chat = ChatCompletionRequest {
         model: request.model,
         messages,
@@ -228,7 +249,8 @@ pub fn prepare_responses(
                 || request.top_logprobs.is_some_and(|top| top > 0),
         ),
         top_logprobs: request.top_logprobs,
-        response_format: None,
+        response_format: Some(response_format.into()),
+        continue_final_message: None,
         frequency_penalty: None,
         presence_penalty: None,
         logit_bias: None,
@@ -243,6 +265,7 @@ pub fn prepare_responses(
         top_p: job.sampler.top_p,
         tools: echoed_tools,
         tool_choice: echoed_choice,
+        format,
     };
     Ok((job, echo))
 }
@@ -372,6 +395,7 @@ fn rename_param(mut error: ApiError) -> ApiError {
         Some("max_completion_tokens") => Some("max_output_tokens"),
         Some("reasoning_effort") => Some("reasoning.effort"),
         Some("messages") => Some("input"),
+        Some("response_format") => Some("text.format"),
         _ => None,
     };
     if let Some(param) = renamed {
@@ -594,7 +618,7 @@ impl ResponseBuilder {
             "parallel_tool_calls": false,
             "tool_choice": self.echo.tool_choice,
             "tools": self.echo.tools,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": self.echo.format},
             "store": false,
             "metadata": {},
             "usage": usage.map(usage_json),
@@ -957,6 +981,7 @@ mod tests {
             top_p: 1.0,
             tools: Vec::new(),
             tool_choice: json!("auto"),
+            format: json!({"type": "text"}),
         }
     }
 

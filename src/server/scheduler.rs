@@ -33,6 +33,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::api::{LogitAdjustments, TextMode};
 use super::metrics::Metrics;
 use super::reply::{token_logprobs, ReplyDelta, ReplyText};
+use super::structured::OutputConstraint;
 use crate::chat::{HarmonyParser, ParseEvent, Tokenizer, Utf8Stream};
 use crate::engine::generate::common_prefix_len;
 use crate::engine::{Sampler, SamplerSettings};
@@ -58,6 +59,11 @@ pub struct Job {
     pub adjustments: LogitAdjustments,
     /// Harmony messages, or plain text (`/v1/completions`).
     pub text: TextMode,
+    /// The structured output the answer (a harmony reply's final message, or the whole plain
+    /// text) is held to.
+    pub constraint: Option<OutputConstraint>,
+    /// The arguments of calls of these (`strict`) functions are held to their schemas.
+    pub tool_constraints: Vec<(String, OutputConstraint)>,
     pub events: UnboundedSender<Event>,
     pub received: Instant,
 }
@@ -130,7 +136,8 @@ pub struct SchedulerOptions {
 }
 
 enum Command {
-    Submit(Job),
+    /// Boxed: a job is a few hundred bytes (its sampler settings and constraints).
+    Submit(Box<Job>),
     /// Finish what was accepted, cancelling whatever still runs at the deadline.
     Drain(Instant),
 }
@@ -193,10 +200,12 @@ impl Scheduler {
             waiting.fetch_sub(1, Ordering::AcqRel);
             return Err(SubmitError::QueueFull(depth));
         }
-        self.commands.send(Command::Submit(job)).map_err(|_| {
-            waiting.fetch_sub(1, Ordering::AcqRel);
-            SubmitError::ShuttingDown
-        })
+        self.commands
+            .send(Command::Submit(Box::new(job)))
+            .map_err(|_| {
+                waiting.fetch_sub(1, Ordering::AcqRel);
+                SubmitError::ShuttingDown
+            })
     }
 
     /// Refuses new requests from now on; the thread finishes the running and waiting ones and
@@ -251,6 +260,27 @@ struct Active {
     first_token_at: Option<Instant>,
     /// How often each token was sampled so far (kept only under a repetition penalty).
     sampled_counts: std::collections::HashMap<u32, u32>,
+    /// A structured output's mask was applied to this step's row: the sampled token advances
+    /// it.
+    constrained: bool,
+}
+
+impl Active {
+    /// The structured output the next sampled token is held to, if any, and the token that ends
+    /// it: the answer's (`<|return|>`) in a plain-text reply or a final message, a strict
+    /// function's (`<|call|>`) in its call's arguments.
+    fn next_constraint(&mut self) -> Option<(&mut OutputConstraint, u32)> {
+        use crate::chat::tokenizer::special::{CALL, RETURN};
+        if self.raw.is_some() || self.reply.in_final_answer() {
+            return self.job.constraint.as_mut().map(|c| (c, RETURN));
+        }
+        let name = self.reply.in_call_arguments()?;
+        self.job
+            .tool_constraints
+            .iter_mut()
+            .find(|(function, _)| function == name)
+            .map(|(_, c)| (c, CALL))
+    }
 }
 
 /// The decoding state of a plain-text reply.
@@ -321,7 +351,7 @@ impl Worker {
             };
             for command in first.into_iter().chain(commands.try_iter()) {
                 match command {
-                    Command::Submit(job) => self.waiting.push_back(job),
+                    Command::Submit(job) => self.waiting.push_back(*job),
                     Command::Drain(until) => {
                         deadline = Some(deadline.map_or(until, |d| d.min(until)));
                     }
@@ -472,6 +502,7 @@ impl Worker {
                 reply,
                 first_token_at: None,
                 sampled_counts: std::collections::HashMap::new(),
+                constrained: false,
             });
         }
     }
@@ -544,21 +575,30 @@ impl Worker {
         }
         self.record_step(seconds, decoding, prefill_rows);
 
-        // Bias and penalties touch a few logits of a row: done here, before the parallel
-        // sampling reads the rows.
+        // Bias and penalties touch a few logits of a row, a structured output's mask forbids
+        // what cannot continue it (after the bias, which must not bring a forbidden token
+        // back): done here, before the parallel sampling reads the rows.
         for (row, planned) in plan.iter().enumerate().filter(|(_, p)| p.samples) {
-            let Some(active) = self.slots[planned.slot].active.as_ref() else {
+            let slot = &mut self.slots[planned.slot];
+            let Some(active) = slot.active.as_mut() else {
                 continue;
             };
             let adjust = &active.job.adjustments;
-            if adjust.is_empty() {
-                continue;
+            if !adjust.is_empty() {
+                adjust_logits(
+                    self.session.batch_logits_mut(row),
+                    adjust,
+                    &active.sampled_counts,
+                );
             }
-            adjust_logits(
-                self.session.batch_logits_mut(row),
-                adjust,
-                &active.sampled_counts,
-            );
+            let masked = active
+                .next_constraint()
+                .map(|(constraint, end)| constraint.mask(self.session.batch_logits_mut(row), end));
+            active.constrained = masked.is_some();
+            if let Some(Err(error)) = masked {
+                let _ = active.job.events.send(Event::Failed(error));
+                slot.active = None;
+            }
         }
 
         // Sampling is a few passes over the vocabulary per sequence: the rows are sampled in
@@ -635,6 +675,18 @@ impl Worker {
             }
             if active.job.adjustments.penalizes() {
                 *active.sampled_counts.entry(token).or_insert(0) += 1;
+            }
+            // The reply has not moved since the mask: the same constraint takes the token.
+            let advanced = match active.constrained {
+                true => active
+                    .next_constraint()
+                    .map(|(c, end)| c.advance(token, end)),
+                false => None,
+            };
+            if let Some(Err(error)) = advanced {
+                let _ = active.job.events.send(Event::Failed(error));
+                slot.active = None;
+                continue;
             }
             let finish = match self.tokenizer {
                 Some(tokenizer) => take_token(
