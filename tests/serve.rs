@@ -167,6 +167,53 @@ fn streaming_sends_chunks_usage_and_done_with_the_same_text() {
     server.stop();
 }
 
+/// Requests that arrive together with a long shared prefix: the later ones wait for the first
+/// one's prefill and copy its keys and values, so the prefix is computed once; the replies are
+/// what each gets alone (exact path, greedy).
+#[test]
+fn requests_sharing_a_prefix_prefill_it_once() {
+    let system = "You answer in the style of a ship's log, with dates. ".repeat(40);
+    let bodies: Vec<String> = (0..3)
+        .map(|i| {
+            chat(
+                json!([{"role": "system", "content": system},
+                       {"role": "user", "content": format!("entry {i}")}]),
+                json!({"max_tokens": 8, "temperature": 0}),
+            )
+        })
+        .collect();
+    let server = serve(Precision::Exact, options(4, 2048, 8), None);
+    let together: Vec<Value> = std::thread::scope(|scope| {
+        let handles: Vec<_> = bodies
+            .iter()
+            .map(|body| scope.spawn(|| server.post(body).1))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let prompt = together[0]["usage"]["prompt_tokens"].as_u64().unwrap();
+    let mut cached: Vec<u64> = together
+        .iter()
+        .map(|r| {
+            r["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    cached.sort_unstable();
+    assert!(prompt > 400, "{prompt}");
+    // The first computes everything; the others copy all but the last few tokens.
+    assert_eq!(cached[0], 0, "{together:?}");
+    assert!(
+        cached[1] + 24 >= prompt && cached[2] + 24 >= prompt,
+        "{cached:?} of {prompt}"
+    );
+    for (body, t) in bodies.iter().zip(&together) {
+        let (_, a) = server.post(body);
+        assert_eq!(a["choices"][0]["message"], t["choices"][0]["message"]);
+    }
+    server.stop();
+}
+
 #[test]
 fn concurrent_requests_get_the_replies_they_get_alone() {
     // The exact path computes a batch exactly as each sequence alone, so greedy replies match.

@@ -407,6 +407,18 @@ mod tests {
         ]));
         assert!(gate_after(&["<|channel|>", "final", "<|message|>"]));
         assert!(gate_after(&["{\"a\":"]));
+        // The header a model may write for JSON: `<|channel|>final <|constrain|>json<|message|>`.
+        let mut reply = ReplyText::new(Vec::new());
+        let mut parser = HarmonyParser::after_prompt(tokenizer, "assistant");
+        let mut ids = vec![CHANNEL];
+        ids.extend(tokenizer.encode_text("final ").unwrap());
+        ids.push(crate::chat::tokenizer::special::CONSTRAIN);
+        ids.extend(tokenizer.encode_text("json").unwrap());
+        ids.push(MESSAGE);
+        for id in ids {
+            parser.push(id, &mut |event| reply.on_event(event));
+        }
+        assert!(reply.in_final_answer());
     }
 
     #[test]

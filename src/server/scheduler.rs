@@ -433,6 +433,9 @@ impl Worker {
             else {
                 return;
             };
+            if self.wait_for_shared_prefill() {
+                return;
+            }
             let Some(job) = self.waiting.pop_front() else {
                 return;
             };
@@ -505,6 +508,30 @@ impl Worker {
                 constrained: false,
             });
         }
+    }
+
+    /// Whether the first waiting prompt should wait for another slot's prefill: when a slot is
+    /// still prefilling a prompt that shares at least [`MIN_PREFIX_COPY`] more tokens with it than
+    /// any cache holds now, that prefix is copied once it is done instead of being prefilled
+    /// twice, each at half the step's prefill budget (requests that arrive together with the
+    /// same system prompt, the `n` choices of one request). The prefilling slot goes on, so the
+    /// wait ends; only the queue's head waits, keeping arrival order.
+    fn wait_for_shared_prefill(&self) -> bool {
+        let prompt = &self.waiting[0].prompt;
+        let limit = prompt.len() - 1;
+        let cached = self
+            .slots
+            .iter()
+            .map(|s| common_prefix_len(s.sequence.tokens(), prompt).min(limit))
+            .max()
+            .unwrap_or(0);
+        self.slots
+            .iter()
+            .filter_map(|s| s.active.as_ref())
+            .filter(|active| active.next.is_none() && active.generated == 0)
+            .any(|active| {
+                common_prefix_len(&active.job.prompt, prompt).min(limit) >= cached + MIN_PREFIX_COPY
+            })
     }
 
     /// One forward pass over every active slot, then sampling and streaming.
