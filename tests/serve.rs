@@ -851,6 +851,8 @@ fn unserved_fields_are_refused_and_top_k_and_min_p_are_honoured() {
         (json!({"logit_bias": {"201088": 1}}), "logit_bias"),
         (json!({"logit_bias": {"5": "up"}}), "logit_bias"),
         (json!({"min_p": 1.5}), "min_p"),
+        (json!({"n": 0}), "n"),
+        (json!({"n": 17}), "n"),
         (json!({"top_k": -1}), "top_k"),
     ] {
         let body = chat(user("hi"), extra);
@@ -1264,7 +1266,7 @@ fn text_completions_continue_the_raw_prompt_whole_and_streamed() {
     assert_eq!(status, 200, "{by_ids}");
     assert_eq!(by_ids["usage"]["prompt_tokens"], 3);
     for (body, param) in [
-        (json!({"prompt": "a", "n": 2}), "n"),
+        (json!({"prompt": "a", "n": 0}), "n"),
         (json!({"prompt": "a", "suffix": "b"}), "suffix"),
         (json!({"prompt": ["a", "b"]}), "prompt"),
         (json!({"max_tokens": 2}), "prompt"),
@@ -1607,5 +1609,93 @@ fn strict_tools_get_arguments_that_fit_their_schema() {
         .find(|item| item["type"] == "function_call")
         .unwrap_or_else(|| panic!("{reply}"));
     check(call["arguments"].as_str().unwrap());
+    server.stop();
+}
+
+/// `n` choices: one sequence each (the later ones copy the first one's prefill), seeds `seed`,
+/// `seed + 1`, ..., so each choice is the reply a request with that seed gets alone; streamed,
+/// every chunk names its choice and the stream ends after the last one finishes; usage counts
+/// the prompt once and every choice's tokens. Completions take `n` the same way.
+#[test]
+fn n_choices_are_the_replies_of_consecutive_seeds() {
+    let server = serve(Precision::Exact, options(4, 1024, 8), None);
+    // A prefilled (empty) answer: random weights then write content, not an unheaded mumble.
+    let body = |extra: Value| {
+        let mut base = json!({"max_tokens": 12, "seed": 40, "continue_final_message": true});
+        for (key, value) in extra.as_object().unwrap() {
+            base[key] = value.clone();
+        }
+        let messages = json!([{"role": "user", "content": "Name three rivers."},
+                              {"role": "assistant", "content": ""}]);
+        chat(messages, base)
+    };
+    let (status, reply) = server.post(&body(json!({"n": 3})));
+    assert_eq!(status, 200, "{reply}");
+    let choices = reply["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{reply}");
+    let mut completion = 0;
+    for (index, choice) in choices.iter().enumerate() {
+        assert_eq!(choice["index"], index);
+        let (_, alone) = server.post(&body(json!({"seed": 40 + index})));
+        assert_eq!(
+            choice["message"], alone["choices"][0]["message"],
+            "choice {index}"
+        );
+        completion += alone["usage"]["completion_tokens"].as_u64().unwrap();
+    }
+    assert_ne!(choices[0]["message"], choices[1]["message"], "{reply}");
+    assert_eq!(reply["usage"]["completion_tokens"], completion, "{reply}");
+    let prompt = reply["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(reply["usage"]["total_tokens"], prompt + completion);
+
+    // Streamed: the same messages, rebuilt per choice index.
+    let events = stream(
+        &server,
+        &body(json!({"n": 3, "stream": true, "stream_options": {"include_usage": true}})),
+    );
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let mut content = vec![String::new(); 3];
+    let mut finishes = 0;
+    let mut usage = Value::Null;
+    for event in &events[..events.len() - 1] {
+        let chunk: Value = serde_json::from_str(event).unwrap();
+        if chunk["choices"] == json!([]) {
+            usage = chunk["usage"].clone();
+            continue;
+        }
+        let choice = &chunk["choices"][0];
+        let index = choice["index"].as_u64().unwrap() as usize;
+        if let Some(text) = choice["delta"]["content"].as_str() {
+            content[index].push_str(text);
+        }
+        if !choice["finish_reason"].is_null() {
+            finishes += 1;
+        }
+    }
+    assert_eq!(finishes, 3, "{events:?}");
+    assert_eq!(usage["completion_tokens"], completion, "{usage}");
+    for (index, text) in content.iter().enumerate() {
+        assert!(!text.is_empty());
+        assert_eq!(
+            text, &choices[index]["message"]["content"],
+            "choice {index}"
+        );
+    }
+
+    // Completions: two choices, each the seed's text alone.
+    let post = |body: Value| {
+        read_json(
+            agent()
+                .post(&server.url("/v1/completions"))
+                .send_string(&body.to_string()),
+        )
+    };
+    let (status, two) = post(json!({"prompt": "Rivers:", "n": 2, "seed": 9, "max_tokens": 6}));
+    assert_eq!(status, 200, "{two}");
+    for index in 0..2 {
+        let (_, alone) = post(json!({"prompt": "Rivers:", "seed": 9 + index, "max_tokens": 6}));
+        assert_eq!(two["choices"][index]["index"], index);
+        assert_eq!(two["choices"][index]["text"], alone["choices"][0]["text"]);
+    }
     server.stop();
 }

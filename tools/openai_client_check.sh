@@ -216,6 +216,9 @@ arguments = json.loads(called.choices[0].message.tool_calls[0].function.argument
 assert called.choices[0].finish_reason == "tool_calls" and arguments["city"] in ("Oslo", "Lima"), called
 print(f"openai client check: structured outputs {done.choices[0].text} and {value}; "
       f"strict call arguments {arguments}")
+two = client.completions.create(model=models[0], prompt="Rivers:", n=2, max_tokens=6, seed=5)
+assert [c.index for c in two.choices] == [0, 1] and two.usage.completion_tokens == 12, two
+print(f"openai client check: n=2 gave choices {[c.text for c in two.choices]}")
 PY
 
 # Draining: SIGTERM while a stream runs lets it finish (a chat completion that ends normally),

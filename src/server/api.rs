@@ -217,6 +217,21 @@ pub struct ChatCompletionRequest {
     pub continue_final_message: Option<bool>,
 }
 
+/// Most choices (`n`) one request may ask for: each is a sequence of its own, holding a slot.
+pub const MAX_CHOICES: u64 = 16;
+
+/// The request's `n`: how many replies to sample from the prompt (1 by default).
+pub(super) fn choice_count(n: Option<u64>) -> Result<usize, ApiError> {
+    match n.unwrap_or(1) {
+        0 => Err(ApiError::invalid("`n` must be at least 1", Some("n"))),
+        n if n > MAX_CHOICES => Err(ApiError::invalid(
+            format!("`n` is {n}; at most {MAX_CHOICES} choices per request"),
+            Some("n"),
+        )),
+        n => Ok(n as usize),
+    }
+}
+
 /// A checked request: the prompt and how to sample it.
 #[derive(Debug)]
 pub struct ChatJob {
@@ -226,6 +241,8 @@ pub struct ChatJob {
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// Replies to sample (`n`), each its own sequence sharing the prompt's prefill.
+    pub choices: usize,
     /// The prompt defines functions: a message the model addresses to `functions.NAME` is a
     /// tool call, not content.
     pub tools: bool,
@@ -553,9 +570,7 @@ pub fn prepare_chat_dated(
             Some("messages"),
         ));
     }
-    if request.n.is_some_and(|n| n != 1) {
-        return Err(ApiError::invalid("only `n` = 1 is supported", Some("n")));
-    }
+    let choices = choice_count(request.n)?;
     let logprobs = logprobs_asked(&request)?;
     let structured = structured_output(request.response_format, "response_format")?;
     let adjustments = logit_adjustments(
@@ -778,6 +793,7 @@ pub fn prepare_chat_dated(
         stop,
         stream: request.stream.unwrap_or(false),
         include_usage: request.stream_options.unwrap_or_default().include_usage,
+        choices,
         tools: !tools.is_empty(),
         forced,
         logprobs,

@@ -6,8 +6,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::api::{
-    logit_adjustments, sampler_settings, stop_strings, ApiError, ChatJob, StopField, StreamOptions,
-    TextMode, MAX_TOP_LOGPROBS,
+    choice_count, logit_adjustments, sampler_settings, stop_strings, ApiError, ChatJob, StopField,
+    StreamOptions, TextMode, MAX_TOP_LOGPROBS,
 };
 use super::reply::LogprobEntry;
 use super::structured::{structured_output, ResponseFormatField};
@@ -86,9 +86,7 @@ pub fn prepare_completion(
     tokenizer: &Tokenizer,
     context: usize,
 ) -> Result<(ChatJob, Option<String>), ApiError> {
-    if request.n.is_some_and(|n| n != 1) {
-        return Err(ApiError::invalid("only `n` = 1 is supported", Some("n")));
-    }
+    let choices = choice_count(request.n)?;
     if request.best_of.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid(
             "only `best_of` = 1 is supported",
@@ -191,6 +189,7 @@ pub fn prepare_completion(
         max_tokens,
         stream: request.stream.unwrap_or(false),
         include_usage: request.stream_options.unwrap_or_default().include_usage,
+        choices,
         tools: false,
         forced: Vec::new(),
         logprobs,
@@ -292,7 +291,7 @@ mod tests {
     #[test]
     fn what_cannot_be_served_is_refused_by_name() {
         for (body, param) in [
-            (r#"{"prompt": "a", "n": 2}"#, "n"),
+            (r#"{"prompt": "a", "n": 17}"#, "n"),
             (r#"{"prompt": "a", "best_of": 3}"#, "best_of"),
             (r#"{"prompt": "a", "suffix": "b"}"#, "suffix"),
             (r#"{"prompt": ["a", "b"]}"#, "prompt"),

@@ -21,11 +21,13 @@ use tokio_stream::StreamExt;
 use super::api::{parse_chat_request, parse_json, prepare_chat, ApiError, ChatJob};
 use super::completions::{legacy_logprobs, prepare_completion, CompletionRequest};
 use super::metrics::Metrics;
+use super::reply::ReplyDelta;
 use super::reply::{logprob_json, LogprobEntry};
 use super::responses::{
     parse_responses_request, prepare_responses, status_of, Outcome, ResponseBuilder,
 };
 use super::scheduler::{Event, Finish, Job, Scheduler, SubmitError, Usage};
+use super::structured::OutputConstraint;
 use crate::chat::Tokenizer;
 
 /// What every handler shares.
@@ -261,6 +263,7 @@ async fn chat_completions(
                 model: state.model_id.clone(),
                 include_usage: accepted.include_usage,
                 logprobs: accepted.logprobs,
+                choices: accepted.choices,
             };
             if accepted.stream {
                 stream_reply(reply, events).into_response()
@@ -294,6 +297,7 @@ async fn completions(
                 model: state.model_id.clone(),
                 include_usage: accepted.include_usage,
                 logprobs: accepted.logprobs,
+                choices: accepted.choices,
             };
             let echo = echo.unwrap_or_default();
             if accepted.stream {
@@ -336,12 +340,10 @@ async fn responses(
 
 /// The whole reply as one `response` object (status completed, or incomplete at the token
 /// limit).
-async fn whole_response(
-    mut builder: ResponseBuilder,
-    mut events: mpsc::UnboundedReceiver<Event>,
-) -> Response {
+async fn whole_response(mut builder: ResponseBuilder, mut events: Events) -> Response {
     loop {
-        match events.recv().await {
+        // One choice: the Responses API has no `n`.
+        match events.recv().await.map(|(_, event)| event) {
             Some(Event::Delta(delta)) => {
                 builder.add_logprobs(&delta.logprobs);
                 builder.push(&delta.reasoning, &delta.content, &delta.tool_calls)
@@ -359,10 +361,7 @@ async fn whole_response(
 /// The Responses API's semantic events (`event:` the type, `data:` the event object), ending
 /// with `response.completed`, `response.incomplete` or `response.failed`. Hanging up cancels
 /// the sequence, as for chat completions.
-fn stream_response(
-    mut builder: ResponseBuilder,
-    mut events: mpsc::UnboundedReceiver<Event>,
-) -> impl IntoResponse {
+fn stream_response(mut builder: ResponseBuilder, mut events: Events) -> impl IntoResponse {
     let (sender, receiver) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
     tokio::spawn(async move {
         let sse = |(kind, value): (String, Value)| {
@@ -376,7 +375,7 @@ fn stream_response(
         loop {
             let event = tokio::select! {
                 _ = sender.closed() => return,
-                event = events.recv() => event,
+                event = events.recv() => event.map(|(_, event)| event),
             };
             let (out, last) = match event {
                 Some(Event::Delta(delta)) => {
@@ -414,7 +413,11 @@ struct Accepted {
     stream: bool,
     include_usage: bool,
     logprobs: bool,
+    choices: usize,
 }
+
+/// The scheduler's events of one request, each tagged with its choice (`0..n`).
+type Events = mpsc::UnboundedReceiver<(usize, Event)>;
 
 /// The body, at most `max_body` bytes. A larger one is read to its end (up to
 /// [`OVERSIZED_BODY_DRAIN_BYTES`] more) and refused with 413, so that the client gets the reply.
@@ -459,7 +462,7 @@ fn start_chat(
     state: &AppState,
     headers: &HeaderMap,
     body: Result<Bytes, ApiError>,
-) -> Result<(Accepted, mpsc::UnboundedReceiver<Event>), ApiError> {
+) -> Result<(Accepted, Events), ApiError> {
     authorize(state, headers)?;
     let body = body?;
     let request = parse_chat_request(&body)?;
@@ -467,49 +470,108 @@ fn start_chat(
     submit(state, job)
 }
 
-/// Hands a checked job to the scheduler; the receiver hears its events.
-fn submit(
-    state: &AppState,
-    job: ChatJob,
-) -> Result<(Accepted, mpsc::UnboundedReceiver<Event>), ApiError> {
+/// Hands a checked job to the scheduler, one sequence per choice (`n`); the receiver hears
+/// their events. Choices of a seeded request take seeds `seed`, `seed + 1`, ... (repeatable, and
+/// not all the same reply); the scheduler has the later ones copy the first one's prefill.
+fn submit(state: &AppState, job: ChatJob) -> Result<(Accepted, Events), ApiError> {
     let (sender, receiver) = mpsc::unbounded_channel();
     let accepted = Accepted {
         stream: job.stream,
         include_usage: job.include_usage,
         logprobs: job.logprobs.is_some(),
+        choices: job.choices,
     };
-    state
-        .scheduler
-        .submit(Job {
-            prompt: job.prompt,
-            sampler: job.sampler,
-            max_tokens: job.max_tokens,
-            stop: job.stop,
-            tools: job.tools,
-            forced: job.forced,
-            logprobs: job.logprobs,
-            adjustments: job.adjustments,
-            text: job.text,
-            constraint: job.constraint,
-            tool_constraints: job.tool_constraints,
-            events: sender,
-            received: Instant::now(),
-        })
-        .map_err(|error| {
-            let code = match error {
-                SubmitError::QueueFull(_) => "queue_full",
-                SubmitError::ShuttingDown => "shutting_down",
-            };
-            ApiError {
-                status: StatusCode::SERVICE_UNAVAILABLE,
-                message: error.to_string(),
-                kind: "server_error",
-                param: None,
-                code: Some(code),
-            }
-        })?;
+    let received = Instant::now();
+    for choice in 0..job.choices {
+        let mut sampler = job.sampler;
+        sampler.seed = sampler.seed.map(|seed| seed.wrapping_add(choice as u64));
+        let tool_constraints = job
+            .tool_constraints
+            .iter()
+            .map(|(name, constraint)| (name.clone(), constraint.fork()))
+            .collect();
+        // A failed submit drops the receiver: choices already queued are cancelled with it.
+        state
+            .scheduler
+            .submit(Job {
+                prompt: job.prompt.clone(),
+                sampler,
+                max_tokens: job.max_tokens,
+                stop: job.stop.clone(),
+                tools: job.tools,
+                forced: job.forced.clone(),
+                logprobs: job.logprobs,
+                adjustments: job.adjustments.clone(),
+                text: job.text,
+                constraint: job.constraint.as_ref().map(OutputConstraint::fork),
+                tool_constraints,
+                choice,
+                events: sender.clone(),
+                received,
+            })
+            .map_err(|error| {
+                let code = match error {
+                    SubmitError::QueueFull(_) => "queue_full",
+                    SubmitError::ShuttingDown => "shutting_down",
+                };
+                ApiError {
+                    status: StatusCode::SERVICE_UNAVAILABLE,
+                    message: error.to_string(),
+                    kind: "server_error",
+                    param: None,
+                    code: Some(code),
+                }
+            })?;
+    }
     Metrics::add(&state.metrics.requests, 1);
     Ok((accepted, receiver))
+}
+
+/// Every choice's deltas and finish, in choice order, once all have finished; the first
+/// failure ends the request.
+async fn gather(
+    mut events: Events,
+    choices: usize,
+) -> Result<Vec<(Vec<ReplyDelta>, Finish)>, ApiError> {
+    let mut deltas: Vec<Vec<ReplyDelta>> = (0..choices).map(|_| Vec::new()).collect();
+    let mut finishes: Vec<Option<Finish>> = vec![None; choices];
+    let mut open = choices;
+    while open > 0 {
+        match events.recv().await {
+            Some((choice, Event::Delta(delta))) => {
+                if let Some(list) = deltas.get_mut(choice) {
+                    list.push(delta);
+                }
+            }
+            Some((choice, Event::Done(finish))) => {
+                if let Some(slot @ None) = finishes.get_mut(choice) {
+                    *slot = Some(finish);
+                    open -= 1;
+                }
+            }
+            Some((_, Event::Failed(message))) => return Err(failure(message)),
+            None => return Err(failure("the request was dropped".into())),
+        }
+    }
+    Ok(deltas
+        .into_iter()
+        .zip(finishes.into_iter().flatten())
+        .collect())
+}
+
+/// The usage of a request's choices together: the prompt (and what of it came from a cache)
+/// once, as the first choice counted it, the completions summed.
+fn total_usage<'a>(usages: impl IntoIterator<Item = &'a Usage>) -> Usage {
+    let mut total = Usage::default();
+    for (index, usage) in usages.into_iter().enumerate() {
+        if index == 0 {
+            total.prompt_tokens = usage.prompt_tokens;
+            total.cached_tokens = usage.cached_tokens;
+        }
+        total.completion_tokens += usage.completion_tokens;
+        total.reasoning_tokens += usage.reasoning_tokens;
+    }
+    total
 }
 
 /// The fields every chunk or response of one request repeats.
@@ -520,16 +582,18 @@ struct Reply {
     include_usage: bool,
     /// The request asked for log-probabilities.
     logprobs: bool,
+    /// Choices (`n`).
+    choices: usize,
 }
 
 impl Reply {
-    fn chunk(&self, delta: Value, finish_reason: Option<&str>) -> Value {
+    fn chunk(&self, choice: usize, delta: Value, finish_reason: Option<&str>) -> Value {
         json!({
             "id": self.id,
             "object": "chat.completion.chunk",
             "created": self.created,
             "model": self.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason}],
+            "choices": [{"index": choice, "delta": delta, "logprobs": null, "finish_reason": finish_reason}],
         })
     }
 
@@ -582,160 +646,185 @@ fn failure(message: String) -> ApiError {
 
 /// The whole reply as one `chat.completion` object. If the client goes away, this future is
 /// dropped with the receiver, which cancels the sequence.
-async fn whole_reply(reply: Reply, mut events: mpsc::UnboundedReceiver<Event>) -> Response {
+async fn whole_reply(reply: Reply, events: Events) -> Response {
+    let choices = match gather(events, reply.choices).await {
+        Ok(choices) => choices,
+        Err(error) => return error.into_response(),
+    };
+    let usage = total_usage(choices.iter().map(|(_, finish)| &finish.usage));
+    let timings = timings_json(&choices[0].1);
+    let choices: Vec<Value> = choices
+        .into_iter()
+        .enumerate()
+        .map(|(index, (deltas, finish))| chat_choice(&reply, index, deltas, &finish))
+        .collect();
+    Json(json!({
+        "id": reply.id,
+        "object": "chat.completion",
+        "created": reply.created,
+        "model": reply.model,
+        "choices": choices,
+        "usage": usage_json(&usage),
+        "timings": timings,
+    }))
+    .into_response()
+}
+
+/// One choice of a whole chat reply: its message (reasoning, content, tool calls), log-
+/// probabilities and finish reason.
+fn chat_choice(reply: &Reply, index: usize, deltas: Vec<ReplyDelta>, finish: &Finish) -> Value {
     let (mut reasoning, mut content) = (String::new(), String::new());
     // (id, name, arguments) of each call, in order.
     let mut calls: Vec<(String, String, String)> = Vec::new();
     let mut logprobs = Vec::new();
-    loop {
-        match events.recv().await {
-            Some(Event::Delta(delta)) => {
-                reasoning.push_str(&delta.reasoning);
-                content.push_str(&delta.content);
-                logprobs.extend(delta.logprobs);
-                for piece in delta.tool_calls {
-                    if let Some((id, name)) = piece.opens {
-                        calls.push((id, name, String::new()));
-                    }
-                    if let Some(call) = calls.get_mut(piece.index) {
-                        call.2.push_str(&piece.arguments);
-                    }
-                }
+    for delta in deltas {
+        reasoning.push_str(&delta.reasoning);
+        content.push_str(&delta.content);
+        logprobs.extend(delta.logprobs);
+        for piece in delta.tool_calls {
+            if let Some((id, name)) = piece.opens {
+                calls.push((id, name, String::new()));
             }
-            Some(Event::Done(finish)) => {
-                let Finish { reason, usage, .. } = finish;
-                let mut message = json!({"role": "assistant", "content": content});
-                if !calls.is_empty() {
-                    if content.is_empty() {
-                        message["content"] = Value::Null;
-                    }
-                    message["tool_calls"] = calls
-                        .iter()
-                        .map(|(id, name, arguments)| {
-                            json!({"id": id, "type": "function",
-                                   "function": {"name": name, "arguments": arguments}})
-                        })
-                        .collect();
-                }
-                if !reasoning.is_empty() {
-                    message["reasoning_content"] = json!(reasoning);
-                    message["reasoning"] = json!(reasoning);
-                }
-                return Json(json!({
-                    "id": reply.id,
-                    "object": "chat.completion",
-                    "created": reply.created,
-                    "model": reply.model,
-                    "choices": [{"index": 0, "message": message,
-                                 "logprobs": reply.logprobs_json(&logprobs),
-                                 "finish_reason": reason.as_str()}],
-                    "usage": usage_json(&usage),
-                    "timings": timings_json(&finish),
-                }))
-                .into_response();
+            if let Some(call) = calls.get_mut(piece.index) {
+                call.2.push_str(&piece.arguments);
             }
-            Some(Event::Failed(message)) => return failure(message).into_response(),
-            None => return failure("the request was dropped".into()).into_response(),
         }
     }
+    let mut message = json!({"role": "assistant", "content": content});
+    if !calls.is_empty() {
+        if content.is_empty() {
+            message["content"] = Value::Null;
+        }
+        message["tool_calls"] = calls
+            .iter()
+            .map(|(id, name, arguments)| {
+                json!({"id": id, "type": "function",
+                       "function": {"name": name, "arguments": arguments}})
+            })
+            .collect();
+    }
+    if !reasoning.is_empty() {
+        message["reasoning_content"] = json!(reasoning);
+        message["reasoning"] = json!(reasoning);
+    }
+    json!({"index": index, "message": message,
+           "logprobs": reply.logprobs_json(&logprobs),
+           "finish_reason": finish.reason.as_str()})
 }
 
-/// The whole completion as one `text_completion` object (the echoed prompt first when asked).
-async fn whole_completion(
-    reply: Reply,
-    mut events: mpsc::UnboundedReceiver<Event>,
-    mut text: String,
-) -> Response {
-    let start = text.len();
-    let mut logprobs = Vec::new();
-    loop {
-        match events.recv().await {
-            Some(Event::Delta(delta)) => {
+/// The whole completion as one `text_completion` object, a choice per `n` (the echoed prompt
+/// first in each when asked).
+async fn whole_completion(reply: Reply, events: Events, echo: String) -> Response {
+    let choices = match gather(events, reply.choices).await {
+        Ok(choices) => choices,
+        Err(error) => return error.into_response(),
+    };
+    let usage = total_usage(choices.iter().map(|(_, finish)| &finish.usage));
+    let timings = timings_json(&choices[0].1);
+    let choices: Vec<Value> = choices
+        .into_iter()
+        .enumerate()
+        .map(|(index, (deltas, finish))| {
+            let mut text = echo.clone();
+            let mut logprobs = Vec::new();
+            for delta in deltas {
                 text.push_str(&delta.content);
                 logprobs.extend(delta.logprobs);
             }
-            Some(Event::Done(finish)) => {
-                let logprobs = match reply.logprobs {
-                    true => legacy_logprobs(&logprobs, start).0,
-                    false => Value::Null,
-                };
-                return Json(json!({
-                    "id": reply.id,
-                    "object": "text_completion",
-                    "created": reply.created,
-                    "model": reply.model,
-                    "choices": [{"text": text, "index": 0, "logprobs": logprobs,
-                                 "finish_reason": finish.reason.as_str()}],
-                    "usage": usage_json(&finish.usage),
-                    "timings": timings_json(&finish),
-                }))
-                .into_response();
-            }
-            Some(Event::Failed(message)) => return failure(message).into_response(),
-            None => return failure("the request was dropped".into()).into_response(),
-        }
-    }
+            let logprobs = match reply.logprobs {
+                true => legacy_logprobs(&logprobs, echo.len()).0,
+                false => Value::Null,
+            };
+            json!({"text": text, "index": index, "logprobs": logprobs,
+                   "finish_reason": finish.reason.as_str()})
+        })
+        .collect();
+    Json(json!({
+        "id": reply.id,
+        "object": "text_completion",
+        "created": reply.created,
+        "model": reply.model,
+        "choices": choices,
+        "usage": usage_json(&usage),
+        "timings": timings,
+    }))
+    .into_response()
 }
 
-/// A completion as server-sent events: the echoed prompt first (when asked), a chunk per step's
-/// new text, a chunk with the finish reason, the usage chunk when asked for, then
-/// `data: [DONE]`.
-fn stream_completion(
-    reply: Reply,
-    events: mpsc::UnboundedReceiver<Event>,
-    echo: String,
-) -> impl IntoResponse {
-    let chunk = move |reply: &Reply, text: &str, logprobs: Value, finish: Option<&str>| {
-        json!({
-            "id": reply.id,
-            "object": "text_completion",
-            "created": reply.created,
-            "model": reply.model,
-            "choices": [{"text": text, "index": 0, "logprobs": logprobs,
-                         "finish_reason": finish}],
-        })
-    };
-    let mut offset = echo.len();
+/// A completion as server-sent events: the echoed prompt first (when asked, in each choice), a
+/// chunk per step's new text, a chunk with each choice's finish reason, the usage chunk when
+/// asked for, then `data: [DONE]`.
+fn stream_completion(reply: Reply, events: Events, echo: String) -> impl IntoResponse {
+    let chunk =
+        move |reply: &Reply, index: usize, text: &str, logprobs: Value, finish: Option<&str>| {
+            json!({
+                "id": reply.id,
+                "object": "text_completion",
+                "created": reply.created,
+                "model": reply.model,
+                "choices": [{"text": text, "index": index, "logprobs": logprobs,
+                             "finish_reason": finish}],
+            })
+        };
+    let mut offsets = vec![echo.len(); reply.choices];
     let first = match echo.is_empty() {
         true => Vec::new(),
-        false => vec![chunk(&reply, &echo, Value::Null, None)],
+        false => (0..reply.choices)
+            .map(|index| chunk(&reply, index, &echo, Value::Null, None))
+            .collect(),
     };
-    sse_events(first, events, move |event, out| match event {
-        Event::Delta(piece) => {
-            let logprobs = if reply.logprobs && !piece.logprobs.is_empty() {
-                let (value, end) = legacy_logprobs(&piece.logprobs, offset);
-                offset = end;
-                value
-            } else {
-                Value::Null
-            };
-            if !piece.content.is_empty() || !logprobs.is_null() {
-                out.push(chunk(&reply, &piece.content, logprobs, None));
+    let mut usages = vec![Usage::default(); reply.choices];
+    let choices = reply.choices;
+    sse_events(
+        first,
+        events,
+        choices,
+        move |index, event, last, out| match event {
+            Event::Delta(piece) => {
+                let logprobs = match (
+                    reply.logprobs && !piece.logprobs.is_empty(),
+                    offsets.get_mut(index),
+                ) {
+                    (true, Some(offset)) => {
+                        let (value, end) = legacy_logprobs(&piece.logprobs, *offset);
+                        *offset = end;
+                        value
+                    }
+                    _ => Value::Null,
+                };
+                if !piece.content.is_empty() || !logprobs.is_null() {
+                    out.push(chunk(&reply, index, &piece.content, logprobs, None));
+                }
             }
-        }
-        Event::Done(finish) => {
-            let mut last = chunk(&reply, "", Value::Null, Some(finish.reason.as_str()));
-            last["timings"] = timings_json(&finish);
-            out.push(last);
-            if reply.include_usage {
-                let mut usage = chunk(&reply, "", Value::Null, None);
-                usage["choices"] = json!([]);
-                usage["usage"] = usage_json(&finish.usage);
-                out.push(usage);
+            Event::Done(finish) => {
+                let mut done = chunk(&reply, index, "", Value::Null, Some(finish.reason.as_str()));
+                done["timings"] = timings_json(&finish);
+                out.push(done);
+                if let Some(usage) = usages.get_mut(index) {
+                    *usage = finish.usage;
+                }
+                if last && reply.include_usage {
+                    let mut usage = chunk(&reply, 0, "", Value::Null, None);
+                    usage["choices"] = json!([]);
+                    usage["usage"] = usage_json(&total_usage(&usages));
+                    out.push(usage);
+                }
             }
-        }
-        Event::Failed(message) => out.push(failure(message).body()),
-    })
+            Event::Failed(message) => out.push(failure(message).body()),
+        },
+    )
 }
 
 /// Server-sent events of one request: `first`, then what `render` makes of each scheduler event
-/// (until `Done` or `Failed`, or the scheduler dropping the request), then `data: [DONE]`. A task
+/// (told the choice it belongs to and whether it is the last: the last choice's `Done`, a
+/// `Failed`), until then or the scheduler dropping the request, then `data: [DONE]`. A task
 /// forwards them and stops as soon as the client's stream is dropped, which closes the
-/// scheduler's channel and so cancels the sequence before its next step.
+/// scheduler's channel and so cancels the sequences before their next step.
 fn sse_events(
     first: Vec<Value>,
-    mut events: mpsc::UnboundedReceiver<Event>,
-    mut render: impl FnMut(Event, &mut Vec<Value>) + Send + 'static,
+    mut events: Events,
+    choices: usize,
+    mut render: impl FnMut(usize, Event, bool, &mut Vec<Value>) + Send + 'static,
 ) -> impl IntoResponse {
     let (sender, receiver) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
     tokio::spawn(async move {
@@ -746,14 +835,22 @@ fn sse_events(
             }
         }
         let mut out = Vec::new();
+        let mut open = choices;
         loop {
             let event = tokio::select! {
                 _ = sender.closed() => return,
                 event = events.recv() => event,
             };
-            let last = !matches!(event, Some(Event::Delta(_)));
-            if let Some(event) = event {
-                render(event, &mut out);
+            let last = match &event {
+                Some((_, Event::Delta(_))) => false,
+                Some((_, Event::Done(_))) => {
+                    open = open.saturating_sub(1);
+                    open == 0
+                }
+                Some((_, Event::Failed(_))) | None => true,
+            };
+            if let Some((choice, event)) = event {
+                render(choice, event, last, &mut out);
             }
             let mut items: Vec<_> = out.drain(..).map(|value| data(&value)).collect();
             if last {
@@ -789,40 +886,52 @@ fn tool_call_deltas(pieces: Vec<super::reply::ToolCallDelta>) -> Value {
 /// both `reasoning_content` and `reasoning`, the answer as `content`), a chunk with the finish
 /// reason, the usage chunk when asked for, then `data: [DONE]` ([`sse_events`]: a client that
 /// goes away cancels the sequence).
-fn stream_reply(reply: Reply, events: mpsc::UnboundedReceiver<Event>) -> impl IntoResponse {
-    let first = reply.chunk(json!({"role": "assistant", "content": ""}), None);
-    sse_events(vec![first], events, move |event, out| match event {
-        Event::Delta(piece) => {
-            let mut delta = json!({});
-            if !piece.reasoning.is_empty() {
-                delta["reasoning_content"] = json!(piece.reasoning);
-                delta["reasoning"] = json!(piece.reasoning);
-            }
-            if !piece.content.is_empty() {
-                delta["content"] = json!(piece.content);
-            }
-            if !piece.tool_calls.is_empty() {
-                delta["tool_calls"] = tool_call_deltas(piece.tool_calls);
-            }
-            let mut chunk = reply.chunk(delta, None);
-            if !piece.logprobs.is_empty() {
-                chunk["choices"][0]["logprobs"] = reply.logprobs_json(&piece.logprobs);
-            }
-            out.push(chunk);
-        }
-        Event::Done(finish) => {
-            let mut chunk = reply.chunk(json!({}), Some(finish.reason.as_str()));
-            chunk["timings"] = timings_json(&finish);
-            out.push(chunk);
-            if reply.include_usage {
-                let mut chunk = reply.chunk(json!({}), None);
-                chunk["choices"] = json!([]);
-                chunk["usage"] = usage_json(&finish.usage);
+fn stream_reply(reply: Reply, events: Events) -> impl IntoResponse {
+    let first = (0..reply.choices)
+        .map(|index| reply.chunk(index, json!({"role": "assistant", "content": ""}), None))
+        .collect();
+    let mut usages = vec![Usage::default(); reply.choices];
+    let choices = reply.choices;
+    sse_events(
+        first,
+        events,
+        choices,
+        move |index, event, last, out| match event {
+            Event::Delta(piece) => {
+                let mut delta = json!({});
+                if !piece.reasoning.is_empty() {
+                    delta["reasoning_content"] = json!(piece.reasoning);
+                    delta["reasoning"] = json!(piece.reasoning);
+                }
+                if !piece.content.is_empty() {
+                    delta["content"] = json!(piece.content);
+                }
+                if !piece.tool_calls.is_empty() {
+                    delta["tool_calls"] = tool_call_deltas(piece.tool_calls);
+                }
+                let mut chunk = reply.chunk(index, delta, None);
+                if !piece.logprobs.is_empty() {
+                    chunk["choices"][0]["logprobs"] = reply.logprobs_json(&piece.logprobs);
+                }
                 out.push(chunk);
             }
-        }
-        Event::Failed(message) => out.push(failure(message).body()),
-    })
+            Event::Done(finish) => {
+                let mut chunk = reply.chunk(index, json!({}), Some(finish.reason.as_str()));
+                chunk["timings"] = timings_json(&finish);
+                out.push(chunk);
+                if let Some(usage) = usages.get_mut(index) {
+                    *usage = finish.usage;
+                }
+                if last && reply.include_usage {
+                    let mut chunk = reply.chunk(0, json!({}), None);
+                    chunk["choices"] = json!([]);
+                    chunk["usage"] = usage_json(&total_usage(&usages));
+                    out.push(chunk);
+                }
+            }
+            Event::Failed(message) => out.push(failure(message).body()),
+        },
+    )
 }
 
 fn unix_seconds() -> u64 {
@@ -840,7 +949,7 @@ mod tests {
     use std::time::Duration;
 
     /// The events of a reply that reasons, then calls `get_weather` in two pieces.
-    fn tool_call_events() -> mpsc::UnboundedReceiver<Event> {
+    fn tool_call_events() -> Events {
         let (sender, receiver) = mpsc::unbounded_channel();
         let piece = |reasoning: &str, calls: Vec<ToolCallDelta>| {
             Event::Delta(ReplyDelta {
@@ -876,7 +985,7 @@ mod tests {
             }),
         ];
         for event in events {
-            sender.send(event).unwrap();
+            sender.send((0, event)).unwrap();
         }
         receiver
     }
@@ -888,6 +997,7 @@ mod tests {
             model: "m".into(),
             include_usage: false,
             logprobs: false,
+            choices: 1,
         }
     }
 

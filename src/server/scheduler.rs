@@ -64,8 +64,18 @@ pub struct Job {
     pub constraint: Option<OutputConstraint>,
     /// The arguments of calls of these (`strict`) functions are held to their schemas.
     pub tool_constraints: Vec<(String, OutputConstraint)>,
-    pub events: UnboundedSender<Event>,
+    /// Which of the request's choices (`n`) this is: its events go out tagged with it.
+    pub choice: usize,
+    pub events: UnboundedSender<(usize, Event)>,
     pub received: Instant,
+}
+
+impl Job {
+    /// Tells the request's handler, tagged with the choice (a handler that went away is not an
+    /// error: the sequence is dropped at the next step).
+    fn send(&self, event: Event) {
+        let _ = self.events.send((self.choice, event));
+    }
 }
 
 /// What a request's handler hears.
@@ -384,11 +394,11 @@ impl Worker {
     fn cancel_all(&mut self, why: &str) {
         for job in self.waiting.drain(..) {
             self.metrics.queue_depth.fetch_sub(1, Ordering::AcqRel);
-            let _ = job.events.send(Event::Failed(why.into()));
+            job.send(Event::Failed(why.into()));
         }
         for slot in &mut self.slots {
             if let Some(active) = slot.active.take() {
-                let _ = active.job.events.send(Event::Failed(why.into()));
+                active.job.send(Event::Failed(why.into()));
             }
         }
     }
@@ -471,7 +481,7 @@ impl Worker {
             let sampler = match Sampler::new(job.sampler) {
                 Ok(sampler) => sampler,
                 Err(error) => {
-                    let _ = job.events.send(Event::Failed(error.to_string()));
+                    job.send(Event::Failed(error.to_string()));
                     continue;
                 }
             };
@@ -592,9 +602,8 @@ impl Worker {
         if let Err(error) = result {
             for planned in &plan {
                 if let Some(active) = self.slots[planned.slot].active.take() {
-                    let _ = active
+                    active
                         .job
-                        .events
                         .send(Event::Failed(format!("the forward pass failed: {error}")));
                 }
             }
@@ -623,7 +632,7 @@ impl Worker {
                 .map(|(constraint, end)| constraint.mask(self.session.batch_logits_mut(row), end));
             active.constrained = masked.is_some();
             if let Some(Err(error)) = masked {
-                let _ = active.job.events.send(Event::Failed(error));
+                active.job.send(Event::Failed(error));
                 slot.active = None;
             }
         }
@@ -677,7 +686,7 @@ impl Worker {
             let token = match sampled {
                 Ok(token) => token,
                 Err(error) => {
-                    let _ = active.job.events.send(Event::Failed(error));
+                    active.job.send(Event::Failed(error));
                     slot.active = None;
                     continue;
                 }
@@ -711,7 +720,7 @@ impl Worker {
                 false => None,
             };
             if let Some(Err(error)) = advanced {
-                let _ = active.job.events.send(Event::Failed(error));
+                active.job.send(Event::Failed(error));
                 slot.active = None;
                 continue;
             }
@@ -727,7 +736,7 @@ impl Worker {
             };
             let delta = active.reply.take();
             if !delta.is_empty() {
-                let _ = active.job.events.send(Event::Delta(delta));
+                active.job.send(Event::Delta(delta));
             }
             if let Some(reason) = finish {
                 let usage = Usage {
@@ -737,7 +746,7 @@ impl Worker {
                     reasoning_tokens: active.reply.reasoning_tokens,
                 };
                 let first = active.first_token_at.unwrap_or_else(Instant::now);
-                let _ = active.job.events.send(Event::Done(Finish {
+                active.job.send(Event::Done(Finish {
                     reason,
                     usage,
                     time_to_first_token: first.duration_since(active.job.received),

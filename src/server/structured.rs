@@ -217,6 +217,13 @@ impl OutputConstraint {
             .map_err(|error| format!("the structured output failed: {}", first_line(&error)))
     }
 
+    /// An independent copy in the same state (for another choice of the same request).
+    pub fn fork(&self) -> OutputConstraint {
+        OutputConstraint {
+            matcher: Box::new(self.matcher.deep_clone()),
+        }
+    }
+
     /// Whether the document is whole (the next token may only end the reply).
     pub fn is_complete(&mut self) -> bool {
         self.matcher.is_stopped() || self.matcher.is_accepting().unwrap_or(false)
