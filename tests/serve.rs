@@ -1556,7 +1556,7 @@ fn a_response_format_renders_in_the_developer_message() {
 /// `strict` function tools: a call's arguments are held to the parameters' schema and end in
 /// `<|call|>`, so random weights forced into a call (a named `tool_choice`) write conforming
 /// arguments and the reply finishes with `tool_calls`, in chat completions and in the Responses
-/// API (its flat tools).
+/// API (its flat tools). `tool_choice: "required"` holds the name to the defined functions.
 #[test]
 fn strict_tools_get_arguments_that_fit_their_schema() {
     let server = serve(Precision::Fast, options(2, 1024, 8), None);
@@ -1592,6 +1592,34 @@ fn strict_tools_get_arguments_that_fit_their_schema() {
         assert_eq!(call["name"], "forecast");
         check(call["arguments"].as_str().unwrap());
     }
+    // `required`: the model names the function, held to the defined names, and the strict
+    // one's arguments to its schema (a function without `strict` gets any JSON object).
+    let other = json!({"type": "function", "function": {"name": "get_time", "strict": true,
+        "parameters": {"type": "object", "required": ["zone"], "additionalProperties": false,
+                       "properties": {"zone": {"enum": ["UTC", "CET"]}}}}});
+    let mut named = std::collections::BTreeSet::new();
+    for seed in 1..=6 {
+        let (status, reply) = server.post(&chat(
+            user("Weather?"),
+            json!({"tools": [tool, other], "tool_choice": "required", "max_tokens": 100,
+                   "seed": seed}),
+        ));
+        assert_eq!(status, 200, "{reply}");
+        let choice = &reply["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls", "{reply}");
+        let call = &choice["message"]["tool_calls"][0]["function"];
+        let arguments = call["arguments"].as_str().unwrap();
+        match call["name"].as_str().unwrap() {
+            "forecast" => check(arguments),
+            "get_time" => assert!(
+                arguments == r#"{"zone":"UTC"}"# || arguments == r#"{"zone":"CET"}"#,
+                "{arguments}"
+            ),
+            name => panic!("called {name:?}: {reply}"),
+        }
+        named.insert(call["name"].as_str().unwrap().to_owned());
+    }
+    assert_eq!(named.len(), 2, "{named:?}");
     let flat = json!({"type": "function", "name": "forecast", "strict": true,
                       "parameters": parameters});
     let (status, reply) = read_json(

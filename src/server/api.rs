@@ -259,6 +259,9 @@ pub struct ChatJob {
     pub constraint: Option<OutputConstraint>,
     /// The `strict` functions' argument constraints, by name.
     pub tool_constraints: Vec<(String, OutputConstraint)>,
+    /// `tool_choice: "required"`: the reply from its first token, a defined function's name
+    /// and its arguments (see [`OutputConstraint::required_call`]).
+    pub call: Option<OutputConstraint>,
 }
 
 /// How a reply's tokens become text.
@@ -406,6 +409,11 @@ fn named_choice(value: &serde_json::Value) -> Option<&str> {
         .and_then(|n| n.as_str())
 }
 
+/// The schema of a function that takes no arguments: `{}`.
+fn no_arguments() -> serde_json::Value {
+    serde_json::json!({"type": "object", "properties": {}, "additionalProperties": false})
+}
+
 /// The request's functions, checked (none when `tool_choice` is `"none"`), the call
 /// `tool_choice` forces, if any, and the argument constraints of the `strict` ones.
 #[allow(clippy::type_complexity)]
@@ -465,9 +473,7 @@ fn function_tools(
         }
         // `strict`: the arguments are held to the parameters' schema while sampled.
         if function.strict == Some(true) {
-            let schema = function.parameters.clone().unwrap_or_else(
-                || serde_json::json!({"type": "object", "properties": {}, "additionalProperties": false}),
-            );
+            let schema = function.parameters.clone().unwrap_or_else(no_arguments);
             let constraint = OutputConstraint::compile(schema, true).map_err(|reason| {
                 ApiError::invalid(
                     format!("{param}.function.parameters: {reason}"),
@@ -585,6 +591,23 @@ pub fn prepare_chat_dated(
             .map_err(|message: String| ApiError::invalid(message, Some("reasoning_effort")))?,
     };
     let (tools, forced, strict_tools) = function_tools(request.tools, request.tool_choice)?;
+    // `required`: the reply is held to a defined function's name and its arguments.
+    let call = match forced {
+        Forced::AnyCall => {
+            let functions: Vec<(&str, Option<serde_json::Value>)> = tools
+                .iter()
+                .map(|f| {
+                    let strict = strict_tools.iter().any(|(name, _)| *name == f.name);
+                    let schema = strict.then(|| f.parameters.clone().unwrap_or_else(no_arguments));
+                    (f.name.as_str(), schema)
+                })
+                .collect();
+            let constraint = OutputConstraint::required_call(&functions)
+                .map_err(|reason| ApiError::invalid(reason, Some("tools")))?;
+            Some(constraint)
+        }
+        _ => None,
+    };
     let mut developer: Vec<String> = Vec::new();
     let mut entries = Vec::new();
     // The function each call id named, for the tool messages that answer them.
@@ -801,6 +824,7 @@ pub fn prepare_chat_dated(
         text: TextMode::Harmony,
         constraint: structured.map(|s| s.constraint),
         tool_constraints: strict_tools,
+        call,
     })
 }
 

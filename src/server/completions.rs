@@ -199,6 +199,7 @@ pub fn prepare_completion(
         constraint: structured_output(request.response_format, "response_format")?
             .map(|structured| structured.constraint),
         tool_constraints: Vec::new(),
+        call: None,
     };
     Ok((job, echoed))
 }

@@ -505,6 +505,7 @@ fn submit(state: &AppState, job: ChatJob) -> Result<(Accepted, Events), ApiError
                 text: job.text,
                 constraint: job.constraint.as_ref().map(OutputConstraint::fork),
                 tool_constraints,
+                call: job.call.as_ref().map(OutputConstraint::fork),
                 choice,
                 events: sender.clone(),
                 received,

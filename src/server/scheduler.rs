@@ -64,6 +64,9 @@ pub struct Job {
     pub constraint: Option<OutputConstraint>,
     /// The arguments of calls of these (`strict`) functions are held to their schemas.
     pub tool_constraints: Vec<(String, OutputConstraint)>,
+    /// A reply that must call a function (`tool_choice: "required"`): held from its first token
+    /// to a defined name and its arguments, ending in `<|call|>`.
+    pub call: Option<OutputConstraint>,
     /// Which of the request's choices (`n`) this is: its events go out tagged with it.
     pub choice: usize,
     pub events: UnboundedSender<(usize, Event)>,
@@ -277,10 +280,14 @@ struct Active {
 
 impl Active {
     /// The structured output the next sampled token is held to, if any, and the token that ends
-    /// it: the answer's (`<|return|>`) in a plain-text reply or a final message, a strict
-    /// function's (`<|call|>`) in its call's arguments.
+    /// it: a required call's (`<|call|>`) from the first token; the answer's (`<|return|>`) in a
+    /// plain-text reply or a final message; a strict function's (`<|call|>`) in its call's
+    /// arguments.
     fn next_constraint(&mut self) -> Option<(&mut OutputConstraint, u32)> {
         use crate::chat::tokenizer::special::{CALL, RETURN};
+        if let Some(call) = self.job.call.as_mut() {
+            return Some((call, CALL));
+        }
         if self.raw.is_some() || self.reply.in_final_answer() {
             return self.job.constraint.as_mut().map(|c| (c, RETURN));
         }

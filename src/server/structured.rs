@@ -146,17 +146,7 @@ impl OutputConstraint {
     /// blank lines. Without `strict`, keywords llguidance does not enforce are ignored (OpenAI's
     /// best-effort mode); with it they are refused.
     pub fn compile(mut schema: Value, strict: bool) -> Result<OutputConstraint, String> {
-        if let Value::Object(object) = &mut schema {
-            let options = object
-                .entry("x-guidance")
-                .or_insert_with(|| Value::Object(Default::default()));
-            if let Value::Object(options) = options {
-                options
-                    .entry("whitespace_flexible")
-                    .or_insert(Value::Bool(false));
-                options.entry("lenient").or_insert(Value::Bool(!strict));
-            }
-        }
+        compact_unless_told(&mut schema, strict);
         let factory = factory()?;
         let parser = factory
             .create_parser(TopLevelGrammar::from_json_schema(schema))
@@ -165,6 +155,41 @@ impl OutputConstraint {
         if let Some(error) = matcher.get_error() {
             return Err(format!(
                 "the schema cannot be enforced: {}",
+                first_line(&error)
+            ));
+        }
+        Ok(OutputConstraint { matcher })
+    }
+
+    /// The rest of a reply that must call one of `functions` (`tool_choice: "required"`, after
+    /// the prompt's `to=functions.`): a defined function's name, the header's end as the model
+    /// writes it (` <|constrain|>json`, optional, then `<|message|>`), and arguments held to that
+    /// function's schema (`Some`, a strict function's parameters) or any JSON object (`None`).
+    pub fn required_call(functions: &[(&str, Option<Value>)]) -> Result<OutputConstraint, String> {
+        use crate::chat::tokenizer::special::{CONSTRAIN, MESSAGE};
+        let mut grammar = String::from("start: ");
+        let alternatives: Vec<String> = (0..functions.len()).map(|i| format!("call{i}")).collect();
+        grammar.push_str(&alternatives.join(" | "));
+        grammar.push('\n');
+        grammar.push_str(&format!(
+            "header: (\" \" <[{CONSTRAIN}]> \"json\")? <[{MESSAGE}]>\n"
+        ));
+        for (i, (name, schema)) in functions.iter().enumerate() {
+            let (mut schema, strict) = match schema {
+                Some(schema) => (schema.clone(), true),
+                None => (serde_json::json!({"type": "object"}), false),
+            };
+            compact_unless_told(&mut schema, strict);
+            // Names are checked to be letters, digits, `_` and `-`: safe inside a literal.
+            grammar.push_str(&format!("call{i}: \"{name}\" header %json {schema}\n"));
+        }
+        let parser = factory()?
+            .create_parser(TopLevelGrammar::from_lark(grammar))
+            .map_err(|error| format!("the functions cannot be enforced: {}", first_line(&error)))?;
+        let matcher = Box::new(Matcher::new(Ok(parser)));
+        if let Some(error) = matcher.get_error() {
+            return Err(format!(
+                "the functions cannot be enforced: {}",
                 first_line(&error)
             ));
         }
@@ -227,6 +252,22 @@ impl OutputConstraint {
     /// Whether the document is whole (the next token may only end the reply).
     pub fn is_complete(&mut self) -> bool {
         self.matcher.is_stopped() || self.matcher.is_accepting().unwrap_or(false)
+    }
+}
+
+/// The schema's `x-guidance` options, unless the request set them: no whitespace between
+/// tokens, and (unless `strict`) keywords llguidance does not enforce ignored.
+fn compact_unless_told(schema: &mut Value, strict: bool) {
+    if let Value::Object(object) = schema {
+        let options = object
+            .entry("x-guidance")
+            .or_insert_with(|| Value::Object(Default::default()));
+        if let Value::Object(options) = options {
+            options
+                .entry("whitespace_flexible")
+                .or_insert(Value::Bool(false));
+            options.entry("lenient").or_insert(Value::Bool(!strict));
+        }
     }
 }
 
