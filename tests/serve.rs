@@ -71,6 +71,12 @@ fn health_models_metrics_and_unknown_paths() {
     assert!(models["data"][0]["meta"]["n_ctx_train"].as_u64().unwrap() >= 4096);
     assert!(models["data"][0]["meta"]["n_vocab"].as_u64().unwrap() > 0);
     assert_eq!(models["data"][0]["meta"]["n_parallel"], 4);
+    // One model by id, as `models.retrieve` asks; another id is a 404 naming it.
+    let one = read_json(agent().get(&server.url("/v1/models/synthetic-tiny")).call()).1;
+    assert_eq!(one, models["data"][0]);
+    let (status, missing) = read_json(agent().get(&server.url("/v1/models/gpt-4")).call());
+    assert_eq!(status, 404);
+    assert_eq!(missing["error"]["code"], "model_not_found", "{missing}");
     let metrics = agent().get(&server.url("/metrics")).call().unwrap();
     assert!(metrics.content_type().starts_with("text/plain"));
     let text = metrics.into_string().unwrap();

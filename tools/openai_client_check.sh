@@ -50,6 +50,7 @@ else:
 
 client = OpenAI(base_url=base + "/v1", api_key="unused", timeout=60)
 models = [m.id for m in client.models.list()]
+assert client.models.retrieve(models[0]).id == models[0]
 assert models == ["synthetic-tiny"], models
 
 reasoning, content, finish, usage, chunks = "", "", None, None, 0

@@ -133,6 +133,7 @@ pub fn router(state: Arc<AppState>, max_body: usize) -> Router {
             ),
         )
         .route("/v1/models", get(models))
+        .route("/v1/models/{model}", get(model))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
@@ -205,9 +206,37 @@ async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Respo
     if let Err(error) = authorize(&state, &headers) {
         return reject(&state, error);
     }
-    // The context a request may use under the names clients read: vLLM's `max_model_len`, and
-    // llama-server's `meta` (`n_ctx` per slot, `n_ctx_train` of the model).
-    Json(json!({"object": "list", "data": [{
+    Json(json!({"object": "list", "data": [model_json(&state)]})).into_response()
+}
+
+/// `GET /v1/models/{model}` (the openai package's `models.retrieve`): the model served, or 404.
+async fn model(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    if let Err(error) = authorize(&state, &headers) {
+        return reject(&state, error);
+    }
+    if id != state.model_id {
+        let error = ApiError::invalid(
+            format!(
+                "the model {id:?} does not exist; this server serves {:?}",
+                state.model_id
+            ),
+            Some("model"),
+        )
+        .with_status(StatusCode::NOT_FOUND)
+        .with_code("model_not_found");
+        return reject(&state, error);
+    }
+    Json(model_json(&state)).into_response()
+}
+
+/// The model object, with the context a request may use under the names clients read: vLLM's
+/// `max_model_len`, and llama-server's `meta` (`n_ctx` per slot, `n_ctx_train` of the model).
+fn model_json(state: &AppState) -> Value {
+    json!({
         "id": state.model_id,
         "object": "model",
         "created": state.started,
@@ -219,8 +248,7 @@ async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Respo
             "n_vocab": state.vocab,
             "n_parallel": state.parallel,
         },
-    }]}))
-    .into_response()
+    })
 }
 
 async fn metrics(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
@@ -235,7 +263,7 @@ async fn metrics(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Resp
 }
 
 async fn not_found() -> ApiError {
-    ApiError::invalid("no such endpoint; this server has POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /tokenize, POST /detokenize, GET /v1/models, GET /health and GET /metrics", None)
+    ApiError::invalid("no such endpoint; this server has POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /tokenize, POST /detokenize, GET /v1/models, GET /v1/models/{model}, GET /health and GET /metrics", None)
         .with_status(StatusCode::NOT_FOUND)
         .with_code("not_found")
 }
