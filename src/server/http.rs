@@ -674,8 +674,25 @@ fn failure(message: String) -> ApiError {
 }
 
 /// The whole reply as one `chat.completion` object. If the client goes away, this future is
-/// dropped with the receiver, which cancels the sequence.
+/// dropped with the receiver, which cancels the sequences.
 async fn whole_reply(reply: Reply, events: Events) -> Response {
+    whole(
+        &reply,
+        events,
+        "chat.completion",
+        |index, deltas, finish| chat_choice(&reply, index, deltas, finish),
+    )
+    .await
+}
+
+/// A whole reply of every choice as one `object`: `choice` makes each from its deltas and
+/// finish; usage counts them together, timings are the first one's.
+async fn whole(
+    reply: &Reply,
+    events: Events,
+    object: &str,
+    mut choice: impl FnMut(usize, Vec<ReplyDelta>, &Finish) -> Value,
+) -> Response {
     let choices = match gather(events, reply.choices).await {
         Ok(choices) => choices,
         Err(error) => return error.into_response(),
@@ -685,11 +702,11 @@ async fn whole_reply(reply: Reply, events: Events) -> Response {
     let choices: Vec<Value> = choices
         .into_iter()
         .enumerate()
-        .map(|(index, (deltas, finish))| chat_choice(&reply, index, deltas, &finish))
+        .map(|(index, (deltas, finish))| choice(index, deltas, &finish))
         .collect();
     Json(json!({
         "id": reply.id,
-        "object": "chat.completion",
+        "object": object,
         "created": reply.created,
         "model": reply.model,
         "choices": choices,
@@ -744,16 +761,11 @@ fn chat_choice(reply: &Reply, index: usize, deltas: Vec<ReplyDelta>, finish: &Fi
 /// The whole completion as one `text_completion` object, a choice per `n` (the echoed prompt
 /// first in each when asked).
 async fn whole_completion(reply: Reply, events: Events, echo: String) -> Response {
-    let choices = match gather(events, reply.choices).await {
-        Ok(choices) => choices,
-        Err(error) => return error.into_response(),
-    };
-    let usage = total_usage(choices.iter().map(|(_, finish)| &finish.usage));
-    let timings = timings_json(&choices[0].1);
-    let choices: Vec<Value> = choices
-        .into_iter()
-        .enumerate()
-        .map(|(index, (deltas, finish))| {
+    whole(
+        &reply,
+        events,
+        "text_completion",
+        |index, deltas, finish| {
             let mut text = echo.clone();
             let mut logprobs = Vec::new();
             for delta in deltas {
@@ -765,19 +777,10 @@ async fn whole_completion(reply: Reply, events: Events, echo: String) -> Respons
                 false => Value::Null,
             };
             json!({"text": text, "index": index, "logprobs": logprobs,
-                   "finish_reason": finish.reason.as_str()})
-        })
-        .collect();
-    Json(json!({
-        "id": reply.id,
-        "object": "text_completion",
-        "created": reply.created,
-        "model": reply.model,
-        "choices": choices,
-        "usage": usage_json(&usage),
-        "timings": timings,
-    }))
-    .into_response()
+               "finish_reason": finish.reason.as_str()})
+        },
+    )
+    .await
 }
 
 /// A completion as server-sent events: the echoed prompt first (when asked, in each choice), a

@@ -147,18 +147,19 @@ impl OutputConstraint {
     /// best-effort mode); with it they are refused.
     pub fn compile(mut schema: Value, strict: bool) -> Result<OutputConstraint, String> {
         compact_unless_told(&mut schema, strict);
-        let factory = factory()?;
-        let parser = factory
-            .create_parser(TopLevelGrammar::from_json_schema(schema))
-            .map_err(|error| format!("the schema cannot be enforced: {}", first_line(&error)))?;
+        Self::from_grammar(TopLevelGrammar::from_json_schema(schema), "the schema")
+    }
+
+    /// A grammar compiled over o200k_harmony; an error names `what` could not be enforced.
+    fn from_grammar(grammar: TopLevelGrammar, what: &str) -> Result<OutputConstraint, String> {
+        let parser = factory()?
+            .create_parser(grammar)
+            .map_err(|error| format!("{what} cannot be enforced: {}", first_line(&error)))?;
         let matcher = Box::new(Matcher::new(Ok(parser)));
-        if let Some(error) = matcher.get_error() {
-            return Err(format!(
-                "the schema cannot be enforced: {}",
-                first_line(&error)
-            ));
+        match matcher.get_error() {
+            Some(error) => Err(format!("{what} cannot be enforced: {}", first_line(&error))),
+            None => Ok(OutputConstraint { matcher }),
         }
-        Ok(OutputConstraint { matcher })
     }
 
     /// The rest of a reply that must call one of `functions` (`tool_choice: "required"`, after
@@ -183,17 +184,7 @@ impl OutputConstraint {
             // Names are checked to be letters, digits, `_` and `-`: safe inside a literal.
             grammar.push_str(&format!("call{i}: \"{name}\" header %json {schema}\n"));
         }
-        let parser = factory()?
-            .create_parser(TopLevelGrammar::from_lark(grammar))
-            .map_err(|error| format!("the functions cannot be enforced: {}", first_line(&error)))?;
-        let matcher = Box::new(Matcher::new(Ok(parser)));
-        if let Some(error) = matcher.get_error() {
-            return Err(format!(
-                "the functions cannot be enforced: {}",
-                first_line(&error)
-            ));
-        }
-        Ok(OutputConstraint { matcher })
+        Self::from_grammar(TopLevelGrammar::from_lark(grammar), "the functions")
     }
 
     /// Sets every logit the constraint forbids next to minus infinity. Once the document is whole
