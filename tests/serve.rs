@@ -1733,3 +1733,59 @@ fn n_choices_are_the_replies_of_consecutive_seeds() {
     }
     server.stop();
 }
+
+/// CORS: browser pages on this machine and the configured origins (the test server allows
+/// `https://app.example.com`) may call the API, preflight included; other sites get no
+/// `Access-Control-Allow-Origin`, so a page the user visits cannot drive the local model.
+#[test]
+fn browser_pages_of_this_machine_and_configured_origins_may_call_the_api() {
+    let server = default_server();
+    let allowed = |origin: &str| {
+        let preflight = agent()
+            .request("OPTIONS", &server.url("/v1/chat/completions"))
+            .set("Origin", origin)
+            .set("Access-Control-Request-Method", "POST")
+            .set(
+                "Access-Control-Request-Headers",
+                "authorization, content-type",
+            )
+            .call()
+            .unwrap();
+        let allow = preflight
+            .header("access-control-allow-origin")
+            .map(str::to_owned);
+        let get = agent()
+            .get(&server.url("/v1/models"))
+            .set("Origin", origin)
+            .call()
+            .unwrap();
+        assert_eq!(get.status(), 200);
+        assert_eq!(
+            get.header("access-control-allow-origin").map(str::to_owned),
+            allow,
+            "{origin}"
+        );
+        if allow.is_some() {
+            let methods = preflight.header("access-control-allow-methods").unwrap();
+            assert!(methods.contains("POST"), "{methods}");
+            let headers = preflight.header("access-control-allow-headers").unwrap();
+            assert!(headers.contains("authorization"), "{headers}");
+        }
+        allow
+    };
+    for origin in [
+        "http://localhost:3000",
+        "http://127.0.0.1:5173",
+        "https://app.example.com",
+    ] {
+        assert_eq!(allowed(origin).as_deref(), Some(origin));
+    }
+    for origin in [
+        "https://evil.example",
+        "http://localhost.evil.example",
+        "null",
+    ] {
+        assert_eq!(allowed(origin), None, "{origin}");
+    }
+    server.stop();
+}

@@ -40,6 +40,27 @@ pub struct ServeArgs {
     /// Compute with the exact reference path (slow; for checks).
     #[arg(long)]
     pub exact: bool,
+    /// An origin (`https://app.example.com`) whose browser pages may call the API, besides
+    /// pages on this machine (localhost); `*` for every origin. Repeatable.
+    #[arg(long = "cors-origin", value_name = "ORIGIN", value_parser = parse_origin)]
+    pub cors_origins: Vec<String>,
+}
+
+/// `*`, or a scheme and host with an optional port (what a browser sends as `Origin`).
+fn parse_origin(text: &str) -> Result<String, String> {
+    let origin = text.trim_end_matches('/');
+    let rest = origin
+        .strip_prefix("http://")
+        .or_else(|| origin.strip_prefix("https://"));
+    match rest {
+        _ if origin == "*" => Ok(origin.to_owned()),
+        Some(host) if !host.is_empty() && !host.contains(['/', '?', '#', ' ']) => {
+            Ok(origin.to_owned())
+        }
+        _ => Err(format!(
+            "{text:?} is not an origin: give scheme and host (and port), e.g. https://app.example.com, or *"
+        )),
+    }
 }
 
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -90,6 +111,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         max_body_bytes: crate::server::MAX_BODY_BYTES,
         handle_signals: true,
         drain_grace: std::time::Duration::from_secs(args.drain_seconds),
+        cors_origins: args.cors_origins.clone(),
     };
     let server = crate::server::start(session, options, listener)?;
     eprintln!(
@@ -103,4 +125,31 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     server.wait()?;
     eprintln!("ossterm serve: stopped");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_origin;
+
+    #[test]
+    fn origins_are_scheme_and_host() {
+        assert_eq!(parse_origin("*").unwrap(), "*");
+        assert_eq!(
+            parse_origin("https://app.example.com/").unwrap(),
+            "https://app.example.com"
+        );
+        assert_eq!(
+            parse_origin("http://10.0.0.2:3000").unwrap(),
+            "http://10.0.0.2:3000"
+        );
+        for bad in [
+            "app.example.com",
+            "https://",
+            "https://a.com/path",
+            "ftp://a.com",
+            "",
+        ] {
+            assert!(parse_origin(bad).is_err(), "{bad}");
+        }
+    }
 }

@@ -143,6 +143,56 @@ pub fn router(state: Arc<AppState>, max_body: usize) -> Router {
         .with_state(state)
 }
 
+/// Which browser pages may call the API (CORS): pages served from this machine (`localhost`,
+/// `127.0.0.1`, `[::1]`, any port, http or https) and the `extra` origins (`*`: every origin).
+/// Other pages get no `Access-Control-Allow-Origin`, so a website the user happens to visit
+/// cannot use the local model through the browser (ollama limits origins for the same reason);
+/// clients outside a browser (curl, the openai package, editors) send no origin and are not
+/// affected. Preflight requests are answered here; `Authorization` and `Content-Type` may be
+/// sent.
+pub fn cors(extra: &[String]) -> tower_http::cors::CorsLayer {
+    use tower_http::cors::{AllowOrigin, CorsLayer};
+    let any = extra.iter().any(|origin| origin == "*");
+    let extra: Vec<String> = extra
+        .iter()
+        .map(|o| o.trim_end_matches('/').to_owned())
+        .collect();
+    let allowed = AllowOrigin::predicate(move |origin: &HeaderValue, _| {
+        let Ok(origin) = origin.to_str() else {
+            return false;
+        };
+        any || is_local_origin(origin) || extra.iter().any(|o| o == origin)
+    });
+    CorsLayer::new()
+        .allow_origin(allowed)
+        .allow_methods([axum::http::Method::GET, axum::http::Method::POST])
+        .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE])
+        .max_age(std::time::Duration::from_secs(3600))
+}
+
+/// `http(s)://localhost`, `127.0.0.1` or `[::1]`, with any port and nothing after.
+fn is_local_origin(origin: &str) -> bool {
+    let Some(rest) = origin
+        .strip_prefix("http://")
+        .or_else(|| origin.strip_prefix("https://"))
+    else {
+        return false;
+    };
+    let host = match rest.strip_prefix("[::1]") {
+        Some(port) => return port.is_empty() || is_port(port),
+        None => rest.split_once(':').map_or(rest, |(host, _)| host),
+    };
+    let port = &rest[host.len()..];
+    matches!(host, "localhost" | "127.0.0.1") && (port.is_empty() || is_port(port))
+}
+
+/// `:` and one to five digits.
+fn is_port(text: &str) -> bool {
+    text.strip_prefix(':').is_some_and(|digits| {
+        (1..=5).contains(&digits.len()) && digits.bytes().all(|b| b.is_ascii_digit())
+    })
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut response = (self.status, Json(self.body())).into_response();
@@ -1045,6 +1095,31 @@ mod tests {
             .enable_all()
             .build()
             .unwrap()
+    }
+
+    #[test]
+    fn local_origins_are_pages_of_this_machine() {
+        for origin in [
+            "http://localhost",
+            "http://localhost:3000",
+            "https://127.0.0.1:8443",
+            "http://[::1]:5173",
+        ] {
+            assert!(is_local_origin(origin), "{origin}");
+        }
+        for origin in [
+            "http://localhost.evil.com",
+            "http://127.0.0.1.evil.com:80",
+            "https://example.com",
+            "http://localhost:3000/x",
+            "http://localhost:",
+            "http://localhost:123456",
+            "null",
+            "file://",
+            "http://[::1]x",
+        ] {
+            assert!(!is_local_origin(origin), "{origin}");
+        }
     }
 
     #[test]

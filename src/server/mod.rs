@@ -53,6 +53,9 @@ pub struct ServeOptions {
     pub handle_signals: bool,
     /// How long a signal lets running requests finish before they are cancelled.
     pub drain_grace: Duration,
+    /// Origins whose browser pages may call the API besides local ones (`*`: any); see
+    /// [`http::cors`].
+    pub cors_origins: Vec<String>,
 }
 
 /// Refuses a non-loopback address without an API key.
@@ -155,12 +158,13 @@ pub fn start(
     let handle_signals = options.handle_signals;
     let signal_grace = options.drain_grace;
     let max_body = options.max_body_bytes;
+    let cors_origins = options.cors_origins.clone();
     let thread = std::thread::Builder::new()
         .name("ossterm-serve".into())
         .spawn(move || {
             runtime.block_on(async move {
                 let listener = tokio::net::TcpListener::from_std(listener).map_err(io_error)?;
-                let app = http::router(state.clone(), max_body);
+                let app = http::router(state.clone(), max_body).layer(http::cors(&cors_origins));
                 let shutdown_state = state.clone();
                 let shutdown = async move {
                     let grace = wait_for_stop(stopped, handle_signals, signal_grace).await;

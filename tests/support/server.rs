@@ -83,6 +83,7 @@ impl Server {
             max_body_bytes,
             handle_signals: false,
             drain_grace: Duration::ZERO,
+            cors_origins: vec!["https://app.example.com".into()],
         };
         let running = start(session, options, listener).unwrap();
         let base = format!("http://{}", running.addr);
