@@ -134,6 +134,11 @@ pub fn start(
     };
     listener.set_nonblocking(true).map_err(io_error)?;
     let tokenizer = Tokenizer::shared()?;
+    // The structured-output parser's vocabulary tables, built while the server starts rather
+    // than during the first request that asks for a format.
+    let _ = std::thread::Builder::new()
+        .name("ossterm-grammar".into())
+        .spawn(structured::prepare);
     let metrics = Arc::new(Metrics::default());
     let config = &session.model().config;
     let (trained_context, vocab) = (config.max_position_embeddings, config.vocab_size);

@@ -291,6 +291,13 @@ impl TokenizerEnv for HarmonyTokens {
     }
 }
 
+/// Builds the parser factory now (on the calling thread) if no request has: the server does
+/// this in the background at start, so the first structured request does not wait for it (0.8 s
+/// and about 80 MB on Zen 4).
+pub fn prepare() {
+    let _ = factory();
+}
+
 /// The parser factory over o200k_harmony, built on first use (the vocabulary's trie and its
 /// slices: a fraction of a second) and shared by every request.
 fn factory() -> Result<&'static ParserFactory, String> {
