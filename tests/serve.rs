@@ -1274,7 +1274,7 @@ fn text_completions_continue_the_raw_prompt_whole_and_streamed() {
     for (body, param) in [
         (json!({"prompt": "a", "n": 0}), "n"),
         (json!({"prompt": "a", "suffix": "b"}), "suffix"),
-        (json!({"prompt": ["a", "b"]}), "prompt"),
+        (json!({"prompt": []}), "prompt"),
         (json!({"max_tokens": 2}), "prompt"),
     ] {
         let (status, error) = post(body.clone());
@@ -1731,6 +1731,32 @@ fn n_choices_are_the_replies_of_consecutive_seeds() {
         assert_eq!(two["choices"][index]["index"], index);
         assert_eq!(two["choices"][index]["text"], alone["choices"][0]["text"]);
     }
+    // Several prompts (as vLLM takes them): prompt p's choices are p x n.. (p + 1) x n, each
+    // what that prompt and seed give alone; usage counts every prompt once.
+    let prompts = ["Rivers:", "Mountains of the north:"];
+    let (status, four) = post(
+        json!({"prompt": prompts, "n": 2, "seed": 9, "max_tokens": 6,
+                                      "echo": true}),
+    );
+    assert_eq!(status, 200, "{four}");
+    let mut prompt_tokens = 0;
+    for (p, prompt) in prompts.iter().enumerate() {
+        for c in 0..2 {
+            let (_, alone) = post(json!({"prompt": prompt, "seed": 9 + c, "max_tokens": 6,
+                                         "echo": true}));
+            let choice = &four["choices"][p * 2 + c];
+            assert_eq!(choice["index"], p * 2 + c);
+            assert_eq!(
+                choice["text"], alone["choices"][0]["text"],
+                "prompt {p} choice {c}"
+            );
+            assert!(choice["text"].as_str().unwrap().starts_with(prompt));
+            if c == 0 {
+                prompt_tokens += alone["usage"]["prompt_tokens"].as_u64().unwrap();
+            }
+        }
+    }
+    assert_eq!(four["usage"]["prompt_tokens"], prompt_tokens, "{four}");
     server.stop();
 }
 

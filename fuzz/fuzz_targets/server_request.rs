@@ -41,10 +41,17 @@ fuzz_target!(|data: &[u8]| {
     // Contexts from tiny (most prompts do not fit) to the server's default.
     let context = [16, 96, 512, 4096][usize::from(selector >> 1) % 4];
     if selector & 16 != 0 {
-        let result = parse_json::<CompletionRequest>(body)
+        match parse_json::<CompletionRequest>(body)
             .and_then(|request| prepare_completion(request, tokenizer(), context))
-            .map(|(job, _)| job);
-        check(result, context);
+        {
+            Ok(jobs) => {
+                assert!(!jobs.is_empty(), "an accepted request has a prompt");
+                for (job, _) in jobs {
+                    check(Ok(job), context);
+                }
+            }
+            Err(error) => check(Err(error), context),
+        }
         return;
     }
     if selector & 8 != 0 {

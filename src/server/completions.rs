@@ -7,10 +7,10 @@ use serde_json::{json, Value};
 
 use super::api::{
     choice_count, logit_adjustments, sampler_settings, stop_strings, ApiError, ChatJob, StopField,
-    StreamOptions, TextMode, MAX_TOP_LOGPROBS,
+    StreamOptions, TextMode, MAX_CHOICES, MAX_TOP_LOGPROBS,
 };
 use super::reply::LogprobEntry;
-use super::structured::{structured_output, ResponseFormatField};
+use super::structured::{structured_output, OutputConstraint, ResponseFormatField};
 use crate::chat::Tokenizer;
 
 /// OpenAI's default reply length on this endpoint (vLLM's too).
@@ -80,12 +80,13 @@ pub struct CompletionRequest {
     pub response_format: Option<ResponseFormatField>,
 }
 
-/// The job of a completions request, and the prompt's text when `echo` asks for it.
+/// The jobs of a completions request, one per prompt (`prompt` may list several, as vLLM takes
+/// it), each with that prompt's text when `echo` asks for it.
 pub fn prepare_completion(
     request: CompletionRequest,
     tokenizer: &Tokenizer,
     context: usize,
-) -> Result<(ChatJob, Option<String>), ApiError> {
+) -> Result<Vec<(ChatJob, Option<String>)>, ApiError> {
     let choices = choice_count(request.n)?;
     if request.best_of.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid(
@@ -99,58 +100,34 @@ pub fn prepare_completion(
             Some("suffix"),
         ));
     }
-    let one = |count: usize| {
-        ApiError::invalid(
-            format!("`prompt` holds {count} prompts; this server completes one per request"),
-            Some("prompt"),
-        )
-    };
     let encode = |text: &str| {
         tokenizer.encode_with_special_tokens(text).map_err(|error| {
             ApiError::invalid(format!("cannot encode the prompt: {error}"), Some("prompt"))
         })
     };
-    let prompt = match request.prompt {
-        PromptField::Text(text) => encode(&text)?,
-        PromptField::Texts(texts) if texts.len() == 1 => encode(&texts[0])?,
-        PromptField::Texts(texts) => return Err(one(texts.len())),
-        PromptField::Tokens(ids) => ids,
-        PromptField::TokenLists(mut lists) if lists.len() == 1 => lists.remove(0),
-        PromptField::TokenLists(lists) => return Err(one(lists.len())),
+    let prompts: Vec<Vec<u32>> = match request.prompt {
+        PromptField::Text(text) => vec![encode(&text)?],
+        PromptField::Texts(texts) => texts.iter().map(|t| encode(t)).collect::<Result<_, _>>()?,
+        PromptField::Tokens(ids) => vec![ids],
+        PromptField::TokenLists(lists) => lists,
     };
-    if prompt.is_empty() {
+    if prompts.is_empty() {
         return Err(ApiError::invalid(
-            "`prompt` is empty: give at least one token of text",
+            "`prompt` is an empty list: give at least one prompt",
+            Some("prompt"),
+        ));
+    }
+    if (prompts.len() * choices) as u64 > MAX_CHOICES {
+        return Err(ApiError::invalid(
+            format!(
+                "{} prompts x `n` {choices} make {} completions; at most {MAX_CHOICES} per request",
+                prompts.len(),
+                prompts.len() * choices
+            ),
             Some("prompt"),
         ));
     }
     let vocab = tokenizer.vocab_size();
-    if let Some(id) = prompt.iter().find(|&&id| id as usize >= vocab) {
-        return Err(ApiError::invalid(
-            format!("`prompt` holds token {id}; token ids are below {vocab}"),
-            Some("prompt"),
-        ));
-    }
-    if prompt.len() >= context {
-        return Err(ApiError::invalid(
-            format!(
-                "the prompt is {} tokens, but the context holds {context} (prompt and completion); shorten it",
-                prompt.len()
-            ),
-            Some("prompt"),
-        )
-        .with_code("context_length_exceeded"));
-    }
-    let room = context - prompt.len();
-    let max_tokens = match request.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS) {
-        0 => {
-            return Err(ApiError::invalid(
-                "`max_tokens` must be at least 1",
-                Some("max_tokens"),
-            ))
-        }
-        max => max.min(room as u64) as usize,
-    };
     let logprobs = match request.logprobs {
         Some(top) if top > MAX_TOP_LOGPROBS => {
             return Err(ApiError::invalid(
@@ -168,40 +145,86 @@ pub fn prepare_completion(
         ));
     }
     let skip_special_tokens = request.skip_special_tokens.unwrap_or(true);
-    let echoed = if echo {
-        Some(prompt_text(tokenizer, &prompt, skip_special_tokens))
-    } else {
-        None
-    };
-    let job = ChatJob {
-        sampler: sampler_settings(
-            (request.temperature, request.top_p),
-            (request.top_k, request.min_p),
-            request.seed,
-        )?,
-        adjustments: logit_adjustments(
-            request.logit_bias.as_ref(),
-            (request.frequency_penalty, request.presence_penalty),
-            vocab,
-        )?,
-        stop: stop_strings(request.stop)?,
-        prompt,
-        max_tokens,
-        stream: request.stream.unwrap_or(false),
-        include_usage: request.stream_options.unwrap_or_default().include_usage,
-        choices,
-        tools: false,
-        forced: Vec::new(),
-        logprobs,
-        text: TextMode::Raw {
-            skip_special_tokens,
-        },
-        constraint: structured_output(request.response_format, "response_format")?
-            .map(|structured| structured.constraint),
-        tool_constraints: Vec::new(),
-        call: None,
-    };
-    Ok((job, echoed))
+    let sampler = sampler_settings(
+        (request.temperature, request.top_p),
+        (request.top_k, request.min_p),
+        request.seed,
+    )?;
+    let adjustments = logit_adjustments(
+        request.logit_bias.as_ref(),
+        (request.frequency_penalty, request.presence_penalty),
+        vocab,
+    )?;
+    let stop = stop_strings(request.stop)?;
+    let constraint = structured_output(request.response_format, "response_format")?
+        .map(|structured| structured.constraint);
+    let several = prompts.len() > 1;
+    let mut jobs = Vec::with_capacity(prompts.len());
+    for (index, prompt) in prompts.into_iter().enumerate() {
+        // With several prompts an error names the one it is about.
+        let which = if several {
+            format!("`prompt[{index}]`")
+        } else {
+            "`prompt`".to_owned()
+        };
+        if prompt.is_empty() {
+            return Err(ApiError::invalid(
+                format!("{which} is empty: give at least one token of text"),
+                Some("prompt"),
+            ));
+        }
+        if let Some(id) = prompt.iter().find(|&&id| id as usize >= vocab) {
+            return Err(ApiError::invalid(
+                format!("{which} holds token {id}; token ids are below {vocab}"),
+                Some("prompt"),
+            ));
+        }
+        if prompt.len() >= context {
+            return Err(ApiError::invalid(
+                format!(
+                    "{which} is {} tokens, but the context holds {context} (prompt and completion); shorten it",
+                    prompt.len()
+                ),
+                Some("prompt"),
+            )
+            .with_code("context_length_exceeded"));
+        }
+        let room = context - prompt.len();
+        let max_tokens = match request.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS) {
+            0 => {
+                return Err(ApiError::invalid(
+                    "`max_tokens` must be at least 1",
+                    Some("max_tokens"),
+                ))
+            }
+            max => max.min(room as u64) as usize,
+        };
+        let echoed = echo.then(|| prompt_text(tokenizer, &prompt, skip_special_tokens));
+        let job = ChatJob {
+            sampler,
+            adjustments: adjustments.clone(),
+            stop: stop.clone(),
+            prompt,
+            max_tokens,
+            stream: request.stream.unwrap_or(false),
+            include_usage: request
+                .stream_options
+                .as_ref()
+                .is_some_and(|options| options.include_usage),
+            choices,
+            tools: false,
+            forced: Vec::new(),
+            logprobs,
+            text: TextMode::Raw {
+                skip_special_tokens,
+            },
+            constraint: constraint.as_ref().map(OutputConstraint::fork),
+            tool_constraints: Vec::new(),
+            call: None,
+        };
+        jobs.push((job, echoed));
+    }
+    Ok(jobs)
 }
 
 /// The prompt's tokens as the completion would write them.
@@ -249,9 +272,38 @@ pub fn legacy_logprobs(entries: &[LogprobEntry], mut offset: usize) -> (Value, u
 mod tests {
     use super::*;
 
+    /// The job of a one-prompt request.
     fn prepare(body: &str) -> Result<(ChatJob, Option<String>), ApiError> {
+        let mut jobs = prepare_all(body)?;
+        assert_eq!(jobs.len(), 1, "{body}");
+        Ok(jobs.remove(0))
+    }
+
+    fn prepare_all(body: &str) -> Result<Vec<(ChatJob, Option<String>)>, ApiError> {
         let request: CompletionRequest = super::super::api::parse_json(body.as_bytes())?;
         prepare_completion(request, Tokenizer::shared().unwrap(), 64)
+    }
+
+    #[test]
+    fn several_prompts_are_one_job_each() {
+        let jobs =
+            prepare_all(r#"{"prompt": ["Hello", "Hi there"], "n": 2, "echo": true}"#).unwrap();
+        let tokenizer = Tokenizer::shared().unwrap();
+        let texts: Vec<String> = jobs
+            .iter()
+            .map(|(job, _)| tokenizer.decode(&job.prompt).unwrap())
+            .collect();
+        assert_eq!(texts, ["Hello", "Hi there"]);
+        assert!(jobs.iter().all(|(job, _)| job.choices == 2));
+        assert_eq!(jobs[1].1.as_deref(), Some("Hi there"));
+        let ids = prepare_all(r#"{"prompt": [[1, 2], [3]]}"#).unwrap();
+        assert_eq!(ids[1].0.prompt, vec![3]);
+        // A bad prompt is named by its index; too many completions in all are refused.
+        let error = prepare_all(r#"{"prompt": ["a", ""]}"#).unwrap_err();
+        assert!(error.message.contains("prompt[1]"), "{}", error.message);
+        let error = prepare_all(r#"{"prompt": ["a", "b", "c"], "n": 6}"#).unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("prompt"));
+        assert!(prepare_all(r#"{"prompt": []}"#).is_err());
     }
 
     #[test]
@@ -295,7 +347,7 @@ mod tests {
             (r#"{"prompt": "a", "n": 17}"#, "n"),
             (r#"{"prompt": "a", "best_of": 3}"#, "best_of"),
             (r#"{"prompt": "a", "suffix": "b"}"#, "suffix"),
-            (r#"{"prompt": ["a", "b"]}"#, "prompt"),
+            (r#"{"prompt": []}"#, "prompt"),
             (r#"{"prompt": ""}"#, "prompt"),
             (r#"{"prompt": [300000]}"#, "prompt"),
             (r#"{"prompt": "a", "max_tokens": 0}"#, "max_tokens"),

@@ -342,6 +342,7 @@ async fn chat_completions(
                 include_usage: accepted.include_usage,
                 logprobs: accepted.logprobs,
                 choices: accepted.choices,
+                per_prompt: accepted.per_prompt,
             };
             if accepted.stream {
                 stream_reply(reply, events).into_response()
@@ -363,12 +364,23 @@ async fn completions(
     let started = (|| {
         authorize(&state, &headers)?;
         let request: CompletionRequest = parse_json(&body?)?;
-        let (job, echo) = prepare_completion(request, state.tokenizer, state.context)?;
-        let (accepted, events) = submit(&state, job)?;
-        Ok((accepted, events, echo))
+        let jobs = prepare_completion(request, state.tokenizer, state.context)?;
+        // One channel for every prompt's choices: prompt p's are p x n.. (p + 1) x n.
+        let (sender, events) = mpsc::unbounded_channel();
+        let mut echoes = Vec::with_capacity(jobs.len());
+        let mut accepted: Option<Accepted> = None;
+        for (job, echo) in jobs {
+            let first = echoes.len() * job.choices;
+            let this = submit_into(&state, job, &sender, first)?;
+            echoes.push(echo.unwrap_or_default());
+            accepted.get_or_insert(this).choices = first + this.choices;
+        }
+        Metrics::add(&state.metrics.requests, 1);
+        let accepted = accepted.ok_or_else(|| failure("a request without a prompt".into()))?;
+        Ok((accepted, events, echoes))
     })();
     match started {
-        Ok((accepted, events, echo)) => {
+        Ok((accepted, events, echoes)) => {
             let reply = Reply {
                 id: format!("cmpl-{:x}", state.next_id.fetch_add(1, Ordering::Relaxed)),
                 created: unix_seconds(),
@@ -376,12 +388,12 @@ async fn completions(
                 include_usage: accepted.include_usage,
                 logprobs: accepted.logprobs,
                 choices: accepted.choices,
+                per_prompt: accepted.per_prompt,
             };
-            let echo = echo.unwrap_or_default();
             if accepted.stream {
-                stream_completion(reply, events, echo).into_response()
+                stream_completion(reply, events, echoes).into_response()
             } else {
-                whole_completion(reply, events, echo).await
+                whole_completion(reply, events, echoes).await
             }
         }
         Err(error) => reject(&state, error),
@@ -487,11 +499,15 @@ fn stream_response(mut builder: ResponseBuilder, mut events: Events) -> impl Int
 }
 
 /// What the handler keeps of a request once the scheduler has it.
+#[derive(Clone, Copy)]
 struct Accepted {
     stream: bool,
     include_usage: bool,
     logprobs: bool,
+    /// Choices in all (prompts x `n`).
     choices: usize,
+    /// Choices per prompt (`n`).
+    per_prompt: usize,
 }
 
 /// The scheduler's events of one request, each tagged with its choice (`0..n`).
@@ -553,11 +569,25 @@ fn start_chat(
 /// not all the same reply); the scheduler has the later ones copy the first one's prefill.
 fn submit(state: &AppState, job: ChatJob) -> Result<(Accepted, Events), ApiError> {
     let (sender, receiver) = mpsc::unbounded_channel();
+    let accepted = submit_into(state, job, &sender, 0)?;
+    Metrics::add(&state.metrics.requests, 1);
+    Ok((accepted, receiver))
+}
+
+/// [`submit`] onto an existing channel, the choices numbered from `first` (a completions
+/// request's later prompts).
+fn submit_into(
+    state: &AppState,
+    job: ChatJob,
+    sender: &mpsc::UnboundedSender<(usize, Event)>,
+    first: usize,
+) -> Result<Accepted, ApiError> {
     let accepted = Accepted {
         stream: job.stream,
         include_usage: job.include_usage,
         logprobs: job.logprobs.is_some(),
         choices: job.choices,
+        per_prompt: job.choices,
     };
     let received = Instant::now();
     for choice in 0..job.choices {
@@ -584,7 +614,7 @@ fn submit(state: &AppState, job: ChatJob) -> Result<(Accepted, Events), ApiError
                 constraint: job.constraint.as_ref().map(OutputConstraint::fork),
                 tool_constraints,
                 call: job.call.as_ref().map(OutputConstraint::fork),
-                choice,
+                choice: first + choice,
                 events: sender.clone(),
                 received,
             })
@@ -602,8 +632,7 @@ fn submit(state: &AppState, job: ChatJob) -> Result<(Accepted, Events), ApiError
                 }
             })?;
     }
-    Metrics::add(&state.metrics.requests, 1);
-    Ok((accepted, receiver))
+    Ok(accepted)
 }
 
 /// Every choice's deltas and finish, in choice order, once all have finished; the first
@@ -638,14 +667,15 @@ async fn gather(
         .collect())
 }
 
-/// The usage of a request's choices together: the prompt (and what of it came from a cache)
-/// once, as the first choice counted it, the completions summed.
-fn total_usage<'a>(usages: impl IntoIterator<Item = &'a Usage>) -> Usage {
+/// The usage of a request's choices together (`per_prompt` of each prompt, in order): each
+/// prompt (and what of it came from a cache) once, as its first choice counted it, the
+/// completions summed.
+fn total_usage<'a>(usages: impl IntoIterator<Item = &'a Usage>, per_prompt: usize) -> Usage {
     let mut total = Usage::default();
     for (index, usage) in usages.into_iter().enumerate() {
-        if index == 0 {
-            total.prompt_tokens = usage.prompt_tokens;
-            total.cached_tokens = usage.cached_tokens;
+        if index % per_prompt.max(1) == 0 {
+            total.prompt_tokens += usage.prompt_tokens;
+            total.cached_tokens += usage.cached_tokens;
         }
         total.completion_tokens += usage.completion_tokens;
         total.reasoning_tokens += usage.reasoning_tokens;
@@ -661,8 +691,9 @@ struct Reply {
     include_usage: bool,
     /// The request asked for log-probabilities.
     logprobs: bool,
-    /// Choices (`n`).
+    /// Choices in all, and per prompt (`n`; a completions request may have several prompts).
     choices: usize,
+    per_prompt: usize,
 }
 
 impl Reply {
@@ -747,7 +778,10 @@ async fn whole(
         Ok(choices) => choices,
         Err(error) => return error.into_response(),
     };
-    let usage = total_usage(choices.iter().map(|(_, finish)| &finish.usage));
+    let usage = total_usage(
+        choices.iter().map(|(_, finish)| &finish.usage),
+        reply.per_prompt,
+    );
     let timings = timings_json(&choices[0].1);
     let choices: Vec<Value> = choices
         .into_iter()
@@ -810,33 +844,30 @@ fn chat_choice(reply: &Reply, index: usize, deltas: Vec<ReplyDelta>, finish: &Fi
 
 /// The whole completion as one `text_completion` object, a choice per `n` (the echoed prompt
 /// first in each when asked).
-async fn whole_completion(reply: Reply, events: Events, echo: String) -> Response {
-    whole(
-        &reply,
-        events,
-        "text_completion",
-        |index, deltas, finish| {
-            let mut text = echo.clone();
-            let mut logprobs = Vec::new();
-            for delta in deltas {
-                text.push_str(&delta.content);
-                logprobs.extend(delta.logprobs);
-            }
-            let logprobs = match reply.logprobs {
-                true => legacy_logprobs(&logprobs, echo.len()).0,
-                false => Value::Null,
-            };
-            json!({"text": text, "index": index, "logprobs": logprobs,
+async fn whole_completion(reply: Reply, events: Events, echoes: Vec<String>) -> Response {
+    let per_prompt = reply.per_prompt.max(1);
+    let choice = |index: usize, deltas: Vec<ReplyDelta>, finish: &Finish| {
+        let echo = echoes.get(index / per_prompt).map_or("", String::as_str);
+        let mut text = echo.to_owned();
+        let mut logprobs = Vec::new();
+        for delta in deltas {
+            text.push_str(&delta.content);
+            logprobs.extend(delta.logprobs);
+        }
+        let logprobs = match reply.logprobs {
+            true => legacy_logprobs(&logprobs, echo.len()).0,
+            false => Value::Null,
+        };
+        json!({"text": text, "index": index, "logprobs": logprobs,
                "finish_reason": finish.reason.as_str()})
-        },
-    )
-    .await
+    };
+    whole(&reply, events, "text_completion", choice).await
 }
 
 /// A completion as server-sent events: the echoed prompt first (when asked, in each choice), a
 /// chunk per step's new text, a chunk with each choice's finish reason, the usage chunk when
 /// asked for, then `data: [DONE]`.
-fn stream_completion(reply: Reply, events: Events, echo: String) -> impl IntoResponse {
+fn stream_completion(reply: Reply, events: Events, echoes: Vec<String>) -> impl IntoResponse {
     let chunk =
         move |reply: &Reply, index: usize, text: &str, logprobs: Value, finish: Option<&str>| {
             json!({
@@ -848,13 +879,13 @@ fn stream_completion(reply: Reply, events: Events, echo: String) -> impl IntoRes
                              "finish_reason": finish}],
             })
         };
-    let mut offsets = vec![echo.len(); reply.choices];
-    let first = match echo.is_empty() {
-        true => Vec::new(),
-        false => (0..reply.choices)
-            .map(|index| chunk(&reply, index, &echo, Value::Null, None))
-            .collect(),
-    };
+    let per_prompt = reply.per_prompt.max(1);
+    let echo_of = |index: usize| echoes.get(index / per_prompt).map_or("", String::as_str);
+    let mut offsets: Vec<usize> = (0..reply.choices).map(|i| echo_of(i).len()).collect();
+    let first = (0..reply.choices)
+        .filter(|&index| !echo_of(index).is_empty())
+        .map(|index| chunk(&reply, index, echo_of(index), Value::Null, None))
+        .collect();
     let mut usages = vec![Usage::default(); reply.choices];
     let choices = reply.choices;
     sse_events(
@@ -888,7 +919,7 @@ fn stream_completion(reply: Reply, events: Events, echo: String) -> impl IntoRes
                 if last && reply.include_usage {
                     let mut usage = chunk(&reply, 0, "", Value::Null, None);
                     usage["choices"] = json!([]);
-                    usage["usage"] = usage_json(&total_usage(&usages));
+                    usage["usage"] = usage_json(&total_usage(&usages, reply.per_prompt));
                     out.push(usage);
                 }
             }
@@ -1007,7 +1038,7 @@ fn stream_reply(reply: Reply, events: Events) -> impl IntoResponse {
                 if last && reply.include_usage {
                     let mut chunk = reply.chunk(0, json!({}), None);
                     chunk["choices"] = json!([]);
-                    chunk["usage"] = usage_json(&total_usage(&usages));
+                    chunk["usage"] = usage_json(&total_usage(&usages, reply.per_prompt));
                     out.push(chunk);
                 }
             }
@@ -1080,6 +1111,7 @@ mod tests {
             include_usage: false,
             logprobs: false,
             choices: 1,
+            per_prompt: 1,
         }
     }
 
