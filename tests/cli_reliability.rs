@@ -394,6 +394,17 @@ fn sizes_past_the_context_or_the_machine_are_refused_with_the_numbers() {
     assert_no_panic("--drain-seconds", &output);
     assert_eq!(output.status.code(), Some(2));
     assert!(stderr_of(&output).contains("18446744073709551615 is not in 0..=86400"));
+    // An origin that is not one (a path, no scheme) is refused by name before anything loads.
+    for bad in ["app.example.com", "https://app.example.com/chat"] {
+        let output = run(&["serve", "--synthetic", "tiny", "--cors-origin", bad]);
+        assert_no_panic("--cors-origin", &output);
+        assert_eq!(output.status.code(), Some(2));
+        assert!(
+            stderr_of(&output).contains("is not an origin"),
+            "{}",
+            stderr_of(&output)
+        );
+    }
     // More ids than the context (64 positions in this fixture) are refused before anything
     // is allocated; the logits themselves are streamed to the file a chunk at a time.
     let ids = vec!["1"; 100].join(",");

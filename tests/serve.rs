@@ -32,6 +32,14 @@ fn chat(messages: Value, extra: Value) -> String {
     body.to_string()
 }
 
+/// The job `/v1/chat/completions` would run for `body`, rendered with `date` (None: no date line).
+fn prepared(body: &str, context: usize, date: Option<&str>) -> ossterm::server::api::ChatJob {
+    use ossterm::server::api::{parse_chat_request, prepare_chat_dated};
+    let request = parse_chat_request(body.as_bytes()).unwrap();
+    let tokenizer = ossterm::chat::Tokenizer::shared().unwrap();
+    prepare_chat_dated(request, tokenizer, context, date).unwrap()
+}
+
 fn user(text: &str) -> Value {
     json!([{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": text}])
 }
@@ -651,8 +659,6 @@ fn an_unbounded_grace_drains_an_idle_server_without_overflow() {
 /// message from the client becomes the developer instructions, token for token.
 #[test]
 fn a_system_message_renders_as_harmony_developer_instructions() {
-    use ossterm::server::api::{parse_chat_request, prepare_chat_dated};
-    let tokenizer = ossterm::chat::Tokenizer::shared().unwrap();
     let body = json!({
         "messages": [
             {"role": "system", "content": "Answer briefly."},
@@ -662,12 +668,7 @@ fn a_system_message_renders_as_harmony_developer_instructions() {
         ],
         "reasoning_effort": "low",
     });
-    let render = |body: &Value| {
-        let request = parse_chat_request(body.to_string().as_bytes()).unwrap();
-        prepare_chat_dated(request, tokenizer, 4096, Some("2025-08-05"))
-            .unwrap()
-            .prompt
-    };
+    let render = |body: &Value| prepared(&body.to_string(), 4096, Some("2025-08-05")).prompt;
     let want: Vec<u32> =
         "200006 17360 200008 3575 553 17554 162016 11 261 4410 6439 2359 22203 656 \
         7788 17527 558 87447 100594 25 220 1323 19 12 3218 198 6576 3521 25 220 1323 20 12 3062 12 \
@@ -695,7 +696,6 @@ fn a_system_message_renders_as_harmony_developer_instructions() {
 /// ending in `<|call|>`, answers from `functions.NAME`, reasoning kept until a final answer.
 #[test]
 fn function_tools_and_calls_render_as_openai_harmony_renders_them() {
-    use ossterm::server::api::{parse_chat_request, prepare_chat_dated};
     let tokenizer = ossterm::chat::Tokenizer::shared().unwrap();
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -705,9 +705,7 @@ fn function_tools_and_calls_render_as_openai_harmony_renders_them() {
     assert_eq!(cases.len(), 5);
     for case in &cases {
         let name = case["name"].as_str().unwrap();
-        let request = parse_chat_request(case["request"].to_string().as_bytes()).unwrap();
-        let job = prepare_chat_dated(request, tokenizer, 8192, case["date"].as_str())
-            .unwrap_or_else(|error| panic!("{name}: {error:?}"));
+        let job = prepared(&case["request"].to_string(), 8192, case["date"].as_str());
         let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
         if job.prompt != want {
             panic!(
@@ -903,7 +901,6 @@ fn unserved_fields_are_refused_and_top_k_and_min_p_are_honoured() {
 /// `"required"` stops the header after `to=functions.` for the model to name one.
 #[test]
 fn a_named_tool_choice_makes_the_reply_a_call_of_that_function() {
-    use ossterm::server::api::{parse_chat_request, prepare_chat_dated};
     let tokenizer = ossterm::chat::Tokenizer::shared().unwrap();
     let weather = json!({"type": "function", "function": {"name": "get_weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}});
@@ -913,8 +910,7 @@ fn a_named_tool_choice_makes_the_reply_a_call_of_that_function() {
             user("weather?"),
             json!({"tools": [weather], "tool_choice": choice}),
         );
-        let request = parse_chat_request(body.as_bytes()).unwrap();
-        prepare_chat_dated(request, tokenizer, 4096, None).unwrap()
+        prepared(&body, 4096, None)
     };
     let auto = prompt_of(json!("auto"));
     let forced = prompt_of(named.clone());
@@ -1528,7 +1524,6 @@ fn structured_outputs_hold_replies_to_the_schema() {
 /// and tools), and a prefilled answer leaves the prompt open on the final channel.
 #[test]
 fn a_response_format_renders_in_the_developer_message() {
-    use ossterm::server::api::{parse_chat_request, prepare_chat_dated};
     let tokenizer = ossterm::chat::Tokenizer::shared().unwrap();
     let body = json!({
         "messages": [
@@ -1541,8 +1536,7 @@ fn a_response_format_renders_in_the_developer_message() {
             "schema": {"type": "object", "properties": {"answer": {"type": "string"}}}}},
         "continue_final_message": true,
     });
-    let request = parse_chat_request(body.to_string().as_bytes()).unwrap();
-    let job = prepare_chat_dated(request, tokenizer, 4096, None).unwrap();
+    let job = prepared(&body.to_string(), 4096, None);
     let text = tokenizer.decode(&job.prompt).unwrap();
     let developer = "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n# Response Formats\n\n\
         ## verdict\n\n// A yes or no.\n{\"type\":\"object\",\"properties\":{\"answer\":{\"type\":\"string\"}}}<|end|>";

@@ -276,16 +276,8 @@ pub fn bench_block_attention(
     let mut rng = ChaCha8Rng::seed_from_u64(0xb10c);
     let keys = random_f16(&mut rng, rows * d);
     let values = random_f16(&mut rng, rows * d);
-    let queries = random(&mut rng, tokens * group * d, 1.0);
-    let sinks = random(&mut rng, group, 2.0);
-    let block = BlockQuery {
-        queries: &queries,
-        token_stride: group * d,
-        tokens,
-        sinks: &sinks,
-        head_dim: d,
-        scale: 1.0 / (d as f32).sqrt(),
-    };
+    let (queries, sinks) = random_block(&mut rng, tokens, group, d);
+    let block = block_query(&queries, &sinks, tokens, d);
     let kv = KvHead {
         keys: &keys,
         values: &values,
@@ -293,30 +285,78 @@ pub fn bench_block_attention(
         offset: 0,
     };
     let visible = |t: usize| 0..depth + t + 1;
-    let mut block_scratch = AttentionScratch::new(tokens * group, d);
-    let mut token_scratch = AttentionScratch::new(group, d);
-    let mut block_out = vec![0.0f32; tokens * group * d];
-    let mut token_out = vec![0.0f32; tokens * group * d];
-    let mut as_block =
-        || attend_block(k, &block, &kv, &visible, &mut block_out, &mut block_scratch);
-    as_block()?;
-    let (block_best, _) = time_runs(config.repetitions, config.min_run_time, &mut as_block)?;
-    let mut by_token = || -> Result<(), AttentionError> {
-        for (t, out) in token_out.chunks_exact_mut(group * d).enumerate() {
+    time_block_and_tokens(
+        config,
+        (tokens, depth),
+        |out, scratch| attend_block(k, &block, &kv, &visible, out, scratch),
+        |t, out, scratch| {
             let query = GroupQuery {
                 queries: &queries[t * group * d..(t + 1) * group * d],
                 sinks: &sinks,
                 head_dim: d,
                 scale: block.scale,
             };
-            attend_group(k, &query, &kv, visible(t), out, &mut token_scratch)?;
+            attend_group(k, &query, &kv, visible(t), out, scratch)
+        },
+    )
+}
+
+/// The random queries (`tokens` x `group` rows of `d`) and sinks the block rows time.
+fn random_block(
+    rng: &mut ChaCha8Rng,
+    tokens: usize,
+    group: usize,
+    d: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    (
+        random(rng, tokens * group * d, 1.0),
+        random(rng, group, 2.0),
+    )
+}
+
+/// `queries` (tokens x heads rows of `d`) with `sinks` as one block, scaled by 1/sqrt(d).
+fn block_query<'a>(
+    queries: &'a [f32],
+    sinks: &'a [f32],
+    tokens: usize,
+    d: usize,
+) -> BlockQuery<'a> {
+    BlockQuery {
+        queries,
+        token_stride: sinks.len() * d,
+        tokens,
+        sinks,
+        head_dim: d,
+        scale: 1.0 / (d as f32).sqrt(),
+    }
+}
+
+/// Times `as_block` (the whole block into the output) and `token` (token t alone into its
+/// rows), each on its own scratch, after a first run of each; a token's result does not depend
+/// on the block it is in (the kernels' tiles sit at fixed rows), so the two outputs must agree
+/// to the bit ([`block_row`]).
+fn time_block_and_tokens(
+    config: &AttentionBenchConfig,
+    (tokens, depth): (usize, usize),
+    mut as_block: impl FnMut(&mut [f32], &mut AttentionScratch) -> Result<(), AttentionError>,
+    mut token: impl FnMut(usize, &mut [f32], &mut AttentionScratch) -> Result<(), AttentionError>,
+) -> Result<BlockBenchRow, AttentionError> {
+    let (group, d) = (config.group, config.head_dim);
+    let mut block_scratch = AttentionScratch::new(tokens * group, d);
+    let mut token_scratch = AttentionScratch::new(group, d);
+    let mut block_out = vec![0.0f32; tokens * group * d];
+    let mut token_out = vec![0.0f32; tokens * group * d];
+    let mut whole = || as_block(&mut block_out, &mut block_scratch);
+    whole()?;
+    let (block_best, _) = time_runs(config.repetitions, config.min_run_time, &mut whole)?;
+    let mut by_token = || -> Result<(), AttentionError> {
+        for (t, out) in token_out.chunks_exact_mut(group * d).enumerate() {
+            token(t, out, &mut token_scratch)?;
         }
         Ok(())
     };
     by_token()?;
     let (token_best, _) = time_runs(config.repetitions, config.min_run_time, &mut by_token)?;
-    // A token's result does not depend on the block it is in (the kernel's tiles sit at fixed
-    // rows), so the two ways agree to the bit.
     block_row(
         (tokens, depth, group),
         (block_best, token_best),
@@ -379,16 +419,8 @@ pub fn bench_block_attention_q8(
     };
     let (keys, key_scales) = quantized(&mut rng);
     let (values, value_scales) = quantized(&mut rng);
-    let queries = random(&mut rng, tokens * group * d, 1.0);
-    let sinks = random(&mut rng, group, 2.0);
-    let block = BlockQuery {
-        queries: &queries,
-        token_stride: group * d,
-        tokens,
-        sinks: &sinks,
-        head_dim: d,
-        scale: 1.0 / (d as f32).sqrt(),
-    };
+    let (queries, sinks) = random_block(&mut rng, tokens, group, d);
+    let block = block_query(&queries, &sinks, tokens, d);
     let kv = Q8KvHead {
         keys: &keys,
         key_scales: &key_scales,
@@ -396,33 +428,19 @@ pub fn bench_block_attention_q8(
         value_scales: &value_scales,
     };
     let visible = |t: usize| 0..depth + t + 1;
-    let mut block_scratch = AttentionScratch::new(tokens * group, d);
-    let mut token_scratch = AttentionScratch::new(group, d);
-    let mut block_out = vec![0.0f32; tokens * group * d];
-    let mut token_out = vec![0.0f32; tokens * group * d];
-    let mut as_block =
-        || attend_block_q8(k, &block, &kv, &visible, &mut block_out, &mut block_scratch);
-    as_block()?;
-    let (block_best, _) = time_runs(config.repetitions, config.min_run_time, &mut as_block)?;
-    let mut by_token = || -> Result<(), AttentionError> {
-        for (t, out) in token_out.chunks_exact_mut(group * d).enumerate() {
+    time_block_and_tokens(
+        config,
+        (tokens, depth),
+        |out, scratch| attend_block_q8(k, &block, &kv, &visible, out, scratch),
+        |t, out, scratch| {
             let one = BlockQuery {
                 queries: &queries[t * group * d..(t + 1) * group * d],
                 tokens: 1,
                 ..block
             };
             let seen = visible(t);
-            attend_block_q8(k, &one, &kv, &|_| seen.clone(), out, &mut token_scratch)?;
-        }
-        Ok(())
-    };
-    by_token()?;
-    let (token_best, _) = time_runs(config.repetitions, config.min_run_time, &mut by_token)?;
-    block_row(
-        (tokens, depth, group),
-        (block_best, token_best),
-        &block_out,
-        &token_out,
+            attend_block_q8(k, &one, &kv, &|_| seen.clone(), out, scratch)
+        },
     )
     .map(Some)
 }

@@ -886,58 +886,65 @@ fn stream_completion(reply: Reply, events: Events, echoes: Vec<String>) -> impl 
         .filter(|&index| !echo_of(index).is_empty())
         .map(|index| chunk(&reply, index, echo_of(index), Value::Null, None))
         .collect();
-    let mut usages = vec![Usage::default(); reply.choices];
-    let choices = reply.choices;
-    sse_events(
-        first,
-        events,
-        choices,
-        move |index, event, last, out| match event {
-            Event::Delta(piece) => {
-                let logprobs = match (
-                    reply.logprobs && !piece.logprobs.is_empty(),
-                    offsets.get_mut(index),
-                ) {
-                    (true, Some(offset)) => {
-                        let (value, end) = legacy_logprobs(&piece.logprobs, *offset);
-                        *offset = end;
-                        value
-                    }
-                    _ => Value::Null,
-                };
-                if !piece.content.is_empty() || !logprobs.is_null() {
-                    out.push(chunk(&reply, index, &piece.content, logprobs, None));
+    let usage = UsageChunk::of(&reply, "text_completion");
+    sse_events(first, events, usage, move |index, event, out| match event {
+        Event::Delta(piece) => {
+            let logprobs = match (
+                reply.logprobs && !piece.logprobs.is_empty(),
+                offsets.get_mut(index),
+            ) {
+                (true, Some(offset)) => {
+                    let (value, end) = legacy_logprobs(&piece.logprobs, *offset);
+                    *offset = end;
+                    value
                 }
+                _ => Value::Null,
+            };
+            if !piece.content.is_empty() || !logprobs.is_null() {
+                out.push(chunk(&reply, index, &piece.content, logprobs, None));
             }
-            Event::Done(finish) => {
-                let mut done = chunk(&reply, index, "", Value::Null, Some(finish.reason.as_str()));
-                done["timings"] = timings_json(&finish);
-                out.push(done);
-                if let Some(usage) = usages.get_mut(index) {
-                    *usage = finish.usage;
-                }
-                if last && reply.include_usage {
-                    let mut usage = chunk(&reply, 0, "", Value::Null, None);
-                    usage["choices"] = json!([]);
-                    usage["usage"] = usage_json(&total_usage(&usages, reply.per_prompt));
-                    out.push(usage);
-                }
-            }
-            Event::Failed(message) => out.push(failure(message).body()),
-        },
-    )
+        }
+        Event::Done(finish) => {
+            let mut done = chunk(&reply, index, "", Value::Null, Some(finish.reason.as_str()));
+            done["timings"] = timings_json(&finish);
+            out.push(done);
+        }
+        Event::Failed(message) => out.push(failure(message).body()),
+    })
+}
+
+/// The usage chunk that ends a stream whose request asked for it (`stream_options.include_usage`):
+/// `{id, object, created, model, choices: [], usage}`, the choices' usage together.
+struct UsageChunk {
+    /// The chunk without `usage`; `None` when the request did not ask for it.
+    template: Option<Value>,
+    choices: usize,
+    per_prompt: usize,
+}
+
+impl UsageChunk {
+    fn of(reply: &Reply, object: &str) -> UsageChunk {
+        UsageChunk {
+            template: reply.include_usage.then(|| {
+                json!({"id": reply.id, "object": object, "created": reply.created,
+                       "model": reply.model, "choices": []})
+            }),
+            choices: reply.choices,
+            per_prompt: reply.per_prompt,
+        }
+    }
 }
 
 /// Server-sent events of one request: `first`, then what `render` makes of each scheduler event
-/// (told the choice it belongs to and whether it is the last: the last choice's `Done`, a
-/// `Failed`), until then or the scheduler dropping the request, then `data: [DONE]`. A task
-/// forwards them and stops as soon as the client's stream is dropped, which closes the
-/// scheduler's channel and so cancels the sequences before their next step.
+/// (told the choice it belongs to), until the last choice's `Done`, a `Failed` or the scheduler
+/// dropping the request; after the last `Done` the usage chunk when asked for; then
+/// `data: [DONE]`. A task forwards them and stops as soon as the client's stream is dropped,
+/// which closes the scheduler's channel and so cancels the sequences before their next step.
 fn sse_events(
     first: Vec<Value>,
     mut events: Events,
-    choices: usize,
-    mut render: impl FnMut(usize, Event, bool, &mut Vec<Value>) + Send + 'static,
+    usage: UsageChunk,
+    mut render: impl FnMut(usize, Event, &mut Vec<Value>) + Send + 'static,
 ) -> impl IntoResponse {
     let (sender, receiver) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
     tokio::spawn(async move {
@@ -948,22 +955,31 @@ fn sse_events(
             }
         }
         let mut out = Vec::new();
-        let mut open = choices;
+        let mut open = usage.choices;
+        let mut usages = vec![Usage::default(); usage.choices];
         loop {
             let event = tokio::select! {
                 _ = sender.closed() => return,
                 event = events.recv() => event,
             };
-            let last = match &event {
-                Some((_, Event::Delta(_))) => false,
-                Some((_, Event::Done(_))) => {
+            let (last, finished) = match &event {
+                Some((_, Event::Delta(_))) => (false, false),
+                Some((choice, Event::Done(finish))) => {
+                    if let Some(slot) = usages.get_mut(*choice) {
+                        *slot = finish.usage;
+                    }
                     open = open.saturating_sub(1);
-                    open == 0
+                    (open == 0, open == 0)
                 }
-                Some((_, Event::Failed(_))) | None => true,
+                Some((_, Event::Failed(_))) | None => (true, false),
             };
             if let Some((choice, event)) = event {
-                render(choice, event, last, &mut out);
+                render(choice, event, &mut out);
+            }
+            if let (true, Some(template)) = (finished, &usage.template) {
+                let mut chunk = template.clone();
+                chunk["usage"] = usage_json(&total_usage(&usages, usage.per_prompt));
+                out.push(chunk);
             }
             let mut items: Vec<_> = out.drain(..).map(|value| data(&value)).collect();
             if last {
@@ -1003,48 +1019,33 @@ fn stream_reply(reply: Reply, events: Events) -> impl IntoResponse {
     let first = (0..reply.choices)
         .map(|index| reply.chunk(index, json!({"role": "assistant", "content": ""}), None))
         .collect();
-    let mut usages = vec![Usage::default(); reply.choices];
-    let choices = reply.choices;
-    sse_events(
-        first,
-        events,
-        choices,
-        move |index, event, last, out| match event {
-            Event::Delta(piece) => {
-                let mut delta = json!({});
-                if !piece.reasoning.is_empty() {
-                    delta["reasoning_content"] = json!(piece.reasoning);
-                    delta["reasoning"] = json!(piece.reasoning);
-                }
-                if !piece.content.is_empty() {
-                    delta["content"] = json!(piece.content);
-                }
-                if !piece.tool_calls.is_empty() {
-                    delta["tool_calls"] = tool_call_deltas(piece.tool_calls);
-                }
-                let mut chunk = reply.chunk(index, delta, None);
-                if !piece.logprobs.is_empty() {
-                    chunk["choices"][0]["logprobs"] = reply.logprobs_json(&piece.logprobs);
-                }
-                out.push(chunk);
+    let usage = UsageChunk::of(&reply, "chat.completion.chunk");
+    sse_events(first, events, usage, move |index, event, out| match event {
+        Event::Delta(piece) => {
+            let mut delta = json!({});
+            if !piece.reasoning.is_empty() {
+                delta["reasoning_content"] = json!(piece.reasoning);
+                delta["reasoning"] = json!(piece.reasoning);
             }
-            Event::Done(finish) => {
-                let mut chunk = reply.chunk(index, json!({}), Some(finish.reason.as_str()));
-                chunk["timings"] = timings_json(&finish);
-                out.push(chunk);
-                if let Some(usage) = usages.get_mut(index) {
-                    *usage = finish.usage;
-                }
-                if last && reply.include_usage {
-                    let mut chunk = reply.chunk(0, json!({}), None);
-                    chunk["choices"] = json!([]);
-                    chunk["usage"] = usage_json(&total_usage(&usages, reply.per_prompt));
-                    out.push(chunk);
-                }
+            if !piece.content.is_empty() {
+                delta["content"] = json!(piece.content);
             }
-            Event::Failed(message) => out.push(failure(message).body()),
-        },
-    )
+            if !piece.tool_calls.is_empty() {
+                delta["tool_calls"] = tool_call_deltas(piece.tool_calls);
+            }
+            let mut chunk = reply.chunk(index, delta, None);
+            if !piece.logprobs.is_empty() {
+                chunk["choices"][0]["logprobs"] = reply.logprobs_json(&piece.logprobs);
+            }
+            out.push(chunk);
+        }
+        Event::Done(finish) => {
+            let mut chunk = reply.chunk(index, json!({}), Some(finish.reason.as_str()));
+            chunk["timings"] = timings_json(&finish);
+            out.push(chunk);
+        }
+        Event::Failed(message) => out.push(failure(message).body()),
+    })
 }
 
 fn unix_seconds() -> u64 {
