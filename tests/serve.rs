@@ -1809,3 +1809,203 @@ fn browser_pages_of_this_machine_and_configured_origins_may_call_the_api() {
     }
     server.stop();
 }
+
+/// What `echo` with `logprobs` should report for `ids`: each token's log-probability after the
+/// ones before it, from the same model's logits at every position (`prefill_all_logits`), and
+/// the likeliest token's.
+fn expected_prompt_logprobs(precision: Precision, ids: &[u32]) -> Vec<(f64, f64)> {
+    let pool = ossterm::engine::build_pool(2).unwrap();
+    let mut session = support::server::tiny_model(precision).new_session(&pool, 1024);
+    let mut all = Vec::new();
+    session.prefill_all_logits(ids, &mut all).unwrap();
+    let vocab = all.len() / ids.len();
+    all.chunks_exact(vocab)
+        .zip(&ids[1..])
+        .map(|(row, &next)| {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sum: f64 = row.iter().map(|&l| f64::from(l - max).exp()).sum();
+            let normalizer = f64::from(max) + sum.ln();
+            let logprob = |logit: f32| f64::from(logit) - normalizer;
+            (logprob(row[next as usize]), logprob(max))
+        })
+        .collect()
+}
+
+#[test]
+fn echoed_prompts_are_scored_at_every_position_as_evaluation_harnesses_ask() {
+    let server = serve(Precision::Fast, options(2, 1024, 8), None);
+    let tokenizer = ossterm::chat::Tokenizer::shared().unwrap();
+    let text = "The quick brown fox jumps over the lazy dog, and the model scores every word";
+    let ids = tokenizer.encode_text(text).unwrap();
+    let n = ids.len();
+    let expected = expected_prompt_logprobs(Precision::Fast, &ids);
+    let post = |body: Value| {
+        read_json(
+            agent()
+                .post(&server.url("/v1/completions"))
+                .send_string(&body.to_string()),
+        )
+    };
+    // What lm-evaluation-harness sends for a log-likelihood: token ids, one generated token.
+    let body = json!({"model": "synthetic-tiny", "prompt": ids, "echo": true, "logprobs": 1,
+                      "max_tokens": 1, "temperature": 0});
+    let (status, reply) = post(body.clone());
+    assert_eq!(status, 200, "{reply}");
+    let choice = &reply["choices"][0];
+    assert!(
+        choice["text"].as_str().unwrap().starts_with(text),
+        "{choice}"
+    );
+    let logprobs = &choice["logprobs"];
+    let tokens = logprobs["tokens"].as_array().unwrap();
+    let scores = logprobs["token_logprobs"].as_array().unwrap();
+    let tops = logprobs["top_logprobs"].as_array().unwrap();
+    let offsets = logprobs["text_offset"].as_array().unwrap();
+    assert_eq!(
+        tokens.len(),
+        n + 1,
+        "the prompt's tokens and the generated one: {logprobs}"
+    );
+    assert_eq!(
+        (scores.len(), tops.len(), offsets.len()),
+        (n + 1, n + 1, n + 1)
+    );
+    assert!(
+        scores[0].is_null() && tops[0].is_null(),
+        "nothing predicts the first token"
+    );
+    let joined: String = tokens[..n].iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(joined, text);
+    assert!(offsets.windows(2).all(|w| w[0].as_u64() <= w[1].as_u64()));
+    for (p, &(logprob, best)) in expected.iter().enumerate() {
+        let got = scores[p + 1].as_f64().unwrap();
+        assert!(
+            (got - logprob).abs() < 1e-3,
+            "position {}: {got} against {logprob}",
+            p + 1
+        );
+        let top: Vec<f64> = tops[p + 1]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        assert_eq!(top.len(), 1, "{}", tops[p + 1]);
+        assert!(
+            (top[0] - best).abs() < 1e-3,
+            "position {}: {top:?} against {best}",
+            p + 1
+        );
+    }
+    // Asked again, the prompt is cached in a slot, but every position is still computed.
+    let (_, again) = post(body);
+    assert_eq!(
+        again["choices"][0]["logprobs"]["token_logprobs"]
+            .as_array()
+            .unwrap()[..n],
+        scores[..n]
+    );
+    assert_eq!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+        "{again}"
+    );
+
+    // Scoring alone (`max_tokens` 0): the prompt is the whole answer.
+    let (status, scored) = post(json!({"prompt": text, "echo": true, "logprobs": 3,
+                                       "max_tokens": 0}));
+    assert_eq!(status, 200, "{scored}");
+    let choice = &scored["choices"][0];
+    assert_eq!(choice["text"], text);
+    assert_eq!(choice["finish_reason"], "length");
+    assert_eq!(scored["usage"]["completion_tokens"], 0);
+    assert_eq!(choice["logprobs"]["tokens"].as_array().unwrap().len(), n);
+    assert_eq!(
+        choice["logprobs"]["top_logprobs"][1]
+            .as_object()
+            .unwrap()
+            .len(),
+        3
+    );
+    let (status, refused) = post(json!({"prompt": text, "max_tokens": 0}));
+    assert_eq!(status, 400, "{refused}");
+
+    // Streamed: the echoed prompt comes with its log-probabilities in one chunk, then the
+    // reply's tokens with theirs.
+    let response = agent()
+        .post(&server.url("/v1/completions"))
+        .send_string(
+            &json!({"prompt": ids, "echo": true, "logprobs": 1, "max_tokens": 3,
+                    "temperature": 0, "stream": true})
+            .to_string(),
+        )
+        .unwrap();
+    let mut chunks = Vec::new();
+    for line in BufReader::new(response.into_reader()).lines() {
+        let line = line.unwrap();
+        if let Some(data) = line.strip_prefix("data: ") {
+            if data == "[DONE]" {
+                break;
+            }
+            chunks.push(serde_json::from_str::<Value>(data).unwrap());
+        }
+    }
+    let echoed = &chunks[0]["choices"][0];
+    assert_eq!(echoed["text"], text, "{echoed}");
+    let streamed = echoed["logprobs"]["token_logprobs"].as_array().unwrap();
+    assert_eq!(streamed.len(), n);
+    assert_eq!(streamed[..], scores[..n]);
+    let later: usize = chunks[1..]
+        .iter()
+        .filter_map(|c| c["choices"][0]["logprobs"]["tokens"].as_array())
+        .map(Vec::len)
+        .sum();
+    assert!((1..=3).contains(&later), "the reply's tokens: {chunks:?}");
+    server.stop();
+}
+
+#[test]
+fn prompts_scored_beside_running_streams_and_each_other_get_the_same_scores() {
+    let server = serve(Precision::Fast, options(3, 1024, 8), None);
+    let reader = stream_in_background(
+        &server,
+        chat(user("long"), json!({"max_tokens": 400, "stream": true})),
+    );
+    server.wait_for_metric("ossterm_tokens_generated_total", |v| v > 0.0);
+    // Longer than a prefill chunk (32 here) while a stream decodes: scored in several steps,
+    // each a batch with the stream's row, two requests taking turns.
+    let text = "It was the best of times, it was the worst of times, it was the age of wisdom, \
+                it was the age of foolishness, it was the epoch of belief, it was the epoch of \
+                incredulity, it was the season of Light, it was the season of Darkness, it was the \
+                spring of hope, it was the winter of despair";
+    let tokenizer = ossterm::chat::Tokenizer::shared().unwrap();
+    let ids = tokenizer.encode_text(text).unwrap();
+    assert!(ids.len() > 64, "{} tokens", ids.len());
+    let expected = expected_prompt_logprobs(Precision::Fast, &ids);
+    let url = server.url("/v1/completions");
+    let scorers: Vec<_> = (0..2)
+        .map(|_| {
+            let (url, ids) = (url.clone(), ids.clone());
+            std::thread::spawn(move || {
+                let body = json!({"prompt": ids, "echo": true, "logprobs": 1, "max_tokens": 0});
+                read_json(agent().post(&url).send_string(&body.to_string()))
+            })
+        })
+        .collect();
+    for scorer in scorers {
+        let (status, reply) = scorer.join().unwrap();
+        assert_eq!(status, 200, "{reply}");
+        let scores = reply["choices"][0]["logprobs"]["token_logprobs"]
+            .as_array()
+            .unwrap()
+            .clone();
+        assert_eq!(scores.len(), ids.len());
+        let worst = expected
+            .iter()
+            .zip(&scores[1..])
+            .map(|(&(logprob, _), got)| (got.as_f64().unwrap() - logprob).abs())
+            .fold(0.0, f64::max);
+        assert!(worst < 2e-3, "worst difference {worst}");
+    }
+    server.stop();
+    reader.join().unwrap();
+}

@@ -189,6 +189,21 @@ assert "".join(pieces) == choice.text, (pieces, choice.text)
 print(f"openai client check: completions gave {whole.usage.completion_tokens} tokens "
       f"({len(choice.text)} chars), streamed in {len(pieces)} chunks")
 
+# A log-likelihood as lm-evaluation-harness asks for it: the prompt echoed and scored at every
+# position (token_logprobs[0] is null), then one greedy token; the sum over a continuation.
+context, continuation = "The capital of France is", " Paris"
+scored = client.completions.create(model=models[0], prompt=context + continuation, max_tokens=1,
+                                   temperature=0, logprobs=1, echo=True)
+lp = scored.choices[0].logprobs
+ctxlen = scored.usage.prompt_tokens - 1
+assert lp.token_logprobs[0] is None and len(lp.tokens) == scored.usage.prompt_tokens + 1, lp
+assert all(x <= 0 for x in lp.token_logprobs[1:]), lp
+loglikelihood = sum(lp.token_logprobs[ctxlen:-1])
+greedy = all(t == max(top.values()) for t, top in
+             zip(lp.token_logprobs[ctxlen:-1], lp.top_logprobs[ctxlen:-1]))
+print(f"openai client check: echo + logprobs scored {len(lp.tokens) - 1} prompt tokens; "
+      f"log-likelihood of the continuation {loglikelihood:.2f}, greedy {greedy}")
+
 # Structured outputs: a schema every random reply can finish, held in completions (vLLM's
 # response_format) and in a chat's final channel (continuing a prefilled answer).
 import json

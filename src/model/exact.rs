@@ -17,7 +17,7 @@ use super::ops::{
 };
 use super::profile::{PassProfile, Phase};
 use super::rope::apply_rope_rows;
-use super::session::SequenceStep;
+use super::session::{AllLogits, SequenceStep};
 use super::weights::{
     bf16_to_f32, e8m0_to_f32, Bf16Matrix, Layer, Linear, Mxfp4Experts, FP4_VALUES,
 };
@@ -27,6 +27,9 @@ use crate::kernels::{Mxfp4Layout, Mxfp4Matrix};
 /// Tokens per prefill chunk: large enough that a weight block is reused many times, small enough
 /// that the chunk's activations stay in cache.
 pub const PREFILL_CHUNK: usize = 64;
+
+/// Rows per unembedding product when every row of a step is scored (see [`AllLogits`]).
+const SCORED_ROWS: usize = 16;
 
 /// Activation buffers for one chunk, reused for every chunk and every decoded token.
 pub struct Scratch {
@@ -92,14 +95,15 @@ impl Scratch {
 
 /// Runs the new tokens of every step (at most [`PREFILL_CHUNK`] in all) as the rows of one pass,
 /// each step's tokens at its sequence's next positions over its own cache. Leaves the logits of
-/// each step's last token in `logits` ([steps x vocab]), or, for a single step, every token's
-/// appended to `all_logits`. The caller appends the tokens to the sequences.
+/// each step's last token in `logits` ([steps x vocab]) and hands every row's logits of the step
+/// `all_logits` names to its callback (a single step's `logits` are then its last row's). The
+/// caller appends the tokens to the sequences.
 pub fn forward(
     model: &Model,
     steps: &mut [SequenceStep<'_>],
     s: &mut Scratch,
     logits: &mut [f32],
-    all_logits: Option<&mut Vec<f32>>,
+    all_logits: Option<AllLogits<'_>>,
 ) {
     let c = &model.config;
     let weights = &model.weights;
@@ -147,27 +151,41 @@ pub fn forward(
     s.profile.enter(Phase::Unembedding);
 
     let vocab = c.vocab_size;
-    if let Some(out) = all_logits {
-        assert_eq!(
-            steps.len(),
-            1,
-            "every position's logits are asked of one sequence"
-        );
-        rms_norm_rows(
-            &s.x[..n * h],
-            &weights.final_norm,
-            eps,
-            &mut s.normed[..n * h],
-        );
-        let at = out.len();
-        out.resize(at + n * vocab, 0.0);
-        // The logits tool's path: [vocab x rows] is too large for the scratch.
-        let mut transposed = vec![0.0; n * vocab];
-        matmul(&weights.lm_head, &s.normed[..n * h], n, &mut transposed);
-        transpose(&transposed, vocab, n, &mut out[at..]);
-        logits[..vocab].copy_from_slice(&out[out.len() - vocab..]);
-        s.profile.end();
-        return;
+    if let Some(all) = all_logits {
+        let first: usize = steps[..all.step].iter().map(|step| step.tokens.len()).sum();
+        let count = steps[all.step].tokens.len();
+        let rows = &s.x[first * h..(first + count) * h];
+        // The reference path's own buffers, a block of rows at a time: [vocab x rows] of the
+        // whole step would not fit the scratch.
+        let block = SCORED_ROWS.min(count);
+        let (mut normed, mut transposed) = (vec![0.0; block * h], vec![0.0; block * vocab]);
+        let mut block_logits = vec![0.0; block * vocab];
+        for part in rows.chunks(SCORED_ROWS * h) {
+            let n = part.len() / h;
+            rms_norm_rows(part, &weights.final_norm, eps, &mut normed[..n * h]);
+            matmul(
+                &weights.lm_head,
+                &normed[..n * h],
+                n,
+                &mut transposed[..n * vocab],
+            );
+            transpose(
+                &transposed[..n * vocab],
+                vocab,
+                n,
+                &mut block_logits[..n * vocab],
+            );
+            for row in block_logits[..n * vocab].chunks_exact(vocab) {
+                (all.row)(row);
+            }
+            if steps.len() == 1 {
+                logits[..vocab].copy_from_slice(&block_logits[(n - 1) * vocab..n * vocab]);
+            }
+        }
+        if steps.len() == 1 {
+            s.profile.end();
+            return;
+        }
     }
     // Only each step's last row goes through the final norm and the unembedding.
     let mut last = 0;

@@ -54,7 +54,7 @@ impl AttentionProducts {
         }
     }
 }
-pub use session::{ForwardError, Sequence, SequenceStep, Session};
+pub use session::{AllLogits, ForwardError, Sequence, SequenceStep, Session};
 pub use snapshot::{KvSnapshot, SnapshotError};
 pub use weights::Weights;
 

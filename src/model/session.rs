@@ -30,6 +30,8 @@ pub enum ForwardError {
     TokenOutOfRange { token: u32, vocab: usize },
     #[error("nothing to process: the token list is empty")]
     Empty,
+    #[error("every row's logits were asked of step {step}, but the pass has {steps} steps")]
+    NoSuchStep { step: usize, steps: usize },
     #[error("a batch holds at most {limit} tokens; {rows} were asked for")]
     BatchTooLarge { limit: usize, rows: usize },
     #[error("the sequence's cache holds {found} elements; this session computes with {expected}")]
@@ -49,6 +51,15 @@ pub struct Sequence {
 pub struct SequenceStep<'a> {
     pub sequence: &'a mut Sequence,
     pub tokens: &'a [u32],
+}
+
+/// The logits of every row of one step of a pass (a prompt scored at each position: a server's
+/// `echo` with `logprobs`, the logits tool), handed to `row` in the step's order. The pass
+/// holds a block of rows at a time, never rows x vocabulary.
+pub struct AllLogits<'a> {
+    /// Which step of the pass.
+    pub step: usize,
+    pub row: &'a mut (dyn FnMut(&[f32]) + Send),
 }
 
 impl Sequence {
@@ -489,6 +500,24 @@ impl Session {
     /// sequence they belong to. Afterwards [`Session::batch_logits`] holds each step's logits
     /// after its last token. Checks every step before computing anything.
     pub fn forward_batch(&mut self, steps: &mut [SequenceStep<'_>]) -> Result<(), ForwardError> {
+        self.forward_batch_scoring(steps, None)
+    }
+
+    /// [`Session::forward_batch`], also handing every row's logits of the step `all` names to
+    /// its callback (in the weight format's full unembedding), before the pass returns.
+    pub fn forward_batch_scoring(
+        &mut self,
+        steps: &mut [SequenceStep<'_>],
+        all: Option<AllLogits<'_>>,
+    ) -> Result<(), ForwardError> {
+        if let Some(all) = &all {
+            if all.step >= steps.len() {
+                return Err(ForwardError::NoSuchStep {
+                    step: all.step,
+                    steps: steps.len(),
+                });
+            }
+        }
         let mut rows = 0;
         for step in steps.iter() {
             check_step(&self.model, step.sequence, step.tokens)?;
@@ -529,7 +558,7 @@ impl Session {
                 steps,
                 rows,
                 batch_logits,
-                None,
+                all,
             );
         });
         for step in steps.iter_mut() {
@@ -571,7 +600,13 @@ impl Session {
                     sequence,
                     tokens: chunk,
                 }];
-                let all = all_logits.as_deref_mut();
+                let mut append = all_logits
+                    .as_deref_mut()
+                    .map(|out| move |row: &[f32]| out.extend_from_slice(row));
+                let all = append.as_mut().map(|append| AllLogits {
+                    step: 0,
+                    row: append,
+                });
                 forward(
                     model,
                     &pool,
@@ -624,7 +659,7 @@ fn forward(
     steps: &mut [SequenceStep<'_>],
     rows: usize,
     logits: &mut [f32],
-    all_logits: Option<&mut Vec<f32>>,
+    all_logits: Option<AllLogits<'_>>,
 ) {
     match scratch {
         Scratch::Exact(scratch) => exact::forward(model, steps, scratch, logits, all_logits),

@@ -251,6 +251,9 @@ pub struct ChatJob {
     pub forced: Vec<u32>,
     /// `Some(top)`: report each answer token's log-probability and the `top` likeliest.
     pub logprobs: Option<usize>,
+    /// `Some(top)`: also each prompt token's (`/v1/completions` with `echo`), computed at every
+    /// position of the prompt's prefill.
+    pub prompt_logprobs: Option<usize>,
     /// `logit_bias` and repetition penalties applied before each sampling.
     pub adjustments: LogitAdjustments,
     /// How the sampled tokens become text.
@@ -820,6 +823,7 @@ pub fn prepare_chat_dated(
         tools: !tools.is_empty(),
         forced,
         logprobs,
+        prompt_logprobs: None,
         adjustments,
         text: TextMode::Harmony,
         constraint: structured.map(|s| s.constraint),

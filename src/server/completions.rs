@@ -9,7 +9,7 @@ use super::api::{
     choice_count, logit_adjustments, sampler_settings, stop_strings, ApiError, ChatJob, StopField,
     StreamOptions, TextMode, MAX_CHOICES, MAX_TOP_LOGPROBS,
 };
-use super::reply::LogprobEntry;
+use super::reply::{LogprobEntry, PromptLogprobs};
 use super::structured::{structured_output, OutputConstraint, ResponseFormatField};
 use crate::chat::Tokenizer;
 
@@ -138,12 +138,9 @@ pub fn prepare_completion(
         top => top.map(|top| top as usize),
     };
     let echo = request.echo.unwrap_or(false);
-    if echo && logprobs.is_some() {
-        return Err(ApiError::invalid(
-            "`echo` with `logprobs` would need the prompt's log-probabilities, which this server does not compute",
-            Some("echo"),
-        ));
-    }
+    // The echoed prompt's tokens get theirs too, as OpenAI's legacy API and vLLM report them:
+    // what evaluation harnesses score a continuation with.
+    let prompt_logprobs = logprobs.filter(|_| echo);
     let skip_special_tokens = request.skip_special_tokens.unwrap_or(true);
     let sampler = sampler_settings(
         (request.temperature, request.top_p),
@@ -191,9 +188,12 @@ pub fn prepare_completion(
         }
         let room = context - prompt.len();
         let max_tokens = match request.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS) {
+            // Only the echoed prompt (and its log-probabilities): scoring a text, as OpenAI's
+            // legacy API and vLLM allow.
+            0 if echo => 0,
             0 => {
                 return Err(ApiError::invalid(
-                    "`max_tokens` must be at least 1",
+                    "`max_tokens` must be at least 1 (0 only with `echo`)",
                     Some("max_tokens"),
                 ))
             }
@@ -215,6 +215,7 @@ pub fn prepare_completion(
             tools: false,
             forced: Vec::new(),
             logprobs,
+            prompt_logprobs,
             text: TextMode::Raw {
                 skip_special_tokens,
             },
@@ -244,19 +245,40 @@ fn prompt_text(tokenizer: &Tokenizer, prompt: &[u32], skip_special_tokens: bool)
 /// The legacy `logprobs` object of a choice: per token its text, log-probability, the likeliest
 /// alternatives (text to log-probability) and its offset in the choice's text, which begins
 /// `offset` bytes into the completion. Returns the object and the offset after these tokens.
-pub fn legacy_logprobs(entries: &[LogprobEntry], mut offset: usize) -> (Value, usize) {
+pub fn legacy_logprobs(entries: &[LogprobEntry], offset: usize) -> (Value, usize) {
+    legacy_logprobs_after(None, entries, offset)
+}
+
+/// [`legacy_logprobs`] after the echoed prompt's tokens (`echo` with `logprobs`), which start
+/// at offset 0: the first with null log-probability and alternatives, as nothing predicts it.
+pub fn legacy_logprobs_after(
+    prompt: Option<&PromptLogprobs>,
+    entries: &[LogprobEntry],
+    mut offset: usize,
+) -> (Value, usize) {
     let (mut tokens, mut token_logprobs, mut top, mut offsets) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    if let Some(prompt) = prompt {
+        tokens.push(json!(prompt.first));
+        token_logprobs.push(Value::Null);
+        top.push(Value::Null);
+        offsets.push(json!(0));
+        let mut at = prompt.first.len();
+        for entry in &prompt.rest {
+            push_legacy(
+                entry,
+                at,
+                (&mut tokens, &mut token_logprobs, &mut top, &mut offsets),
+            );
+            at += entry.sampled.token.len();
+        }
+    }
     for entry in entries {
-        tokens.push(json!(entry.sampled.token));
-        token_logprobs.push(json!(entry.sampled.logprob));
-        let alternatives: serde_json::Map<String, Value> = entry
-            .top
-            .iter()
-            .map(|t| (t.token.clone(), json!(t.logprob)))
-            .collect();
-        top.push(Value::Object(alternatives));
-        offsets.push(json!(offset));
+        push_legacy(
+            entry,
+            offset,
+            (&mut tokens, &mut token_logprobs, &mut top, &mut offsets),
+        );
         offset += entry.sampled.token.len();
     }
     let value = json!({
@@ -266,6 +288,28 @@ pub fn legacy_logprobs(entries: &[LogprobEntry], mut offset: usize) -> (Value, u
         "text_offset": offsets,
     });
     (value, offset)
+}
+
+/// The legacy lists' items for one token at `offset`.
+fn push_legacy(
+    entry: &LogprobEntry,
+    offset: usize,
+    (tokens, token_logprobs, top, offsets): (
+        &mut Vec<Value>,
+        &mut Vec<Value>,
+        &mut Vec<Value>,
+        &mut Vec<Value>,
+    ),
+) {
+    tokens.push(json!(entry.sampled.token));
+    token_logprobs.push(json!(entry.sampled.logprob));
+    let alternatives: serde_json::Map<String, Value> = entry
+        .top
+        .iter()
+        .map(|t| (t.token.clone(), json!(t.logprob)))
+        .collect();
+    top.push(Value::Object(alternatives));
+    offsets.push(json!(offset));
 }
 
 #[cfg(test)]
@@ -352,7 +396,6 @@ mod tests {
             (r#"{"prompt": [300000]}"#, "prompt"),
             (r#"{"prompt": "a", "max_tokens": 0}"#, "max_tokens"),
             (r#"{"prompt": "a", "logprobs": 21}"#, "logprobs"),
-            (r#"{"prompt": "a", "echo": true, "logprobs": 1}"#, "echo"),
             (r#"{"prompt": "a", "temperature": -1}"#, "temperature"),
             (r#"{"prompt": "a", "stop": ["1","2","3","4","5"]}"#, "stop"),
             (r#"{"prompt": "a", "logit_bias": {"x": 1}}"#, "logit_bias"),
@@ -365,6 +408,48 @@ mod tests {
         let error = prepare(&long).expect_err("too long");
         assert_eq!(error.code, Some("context_length_exceeded"));
         assert!(prepare(r#"{"max_tokens": 3}"#).is_err(), "no prompt");
+    }
+
+    #[test]
+    fn echo_with_logprobs_scores_the_prompt_and_may_generate_nothing() {
+        let (job, echo) =
+            prepare(r#"{"prompt": "Hello there", "echo": true, "logprobs": 2}"#).unwrap();
+        assert_eq!((job.logprobs, job.prompt_logprobs), (Some(2), Some(2)));
+        assert_eq!(echo.as_deref(), Some("Hello there"));
+        let (job, _) = prepare(r#"{"prompt": "Hi", "logprobs": 2}"#).unwrap();
+        assert_eq!(
+            job.prompt_logprobs, None,
+            "without echo only the reply is scored"
+        );
+        let (job, _) = prepare(r#"{"prompt": "Hi", "echo": true, "max_tokens": 0}"#).unwrap();
+        assert_eq!((job.max_tokens, job.prompt_logprobs), (0, None));
+    }
+
+    #[test]
+    fn legacy_logprobs_put_the_echoed_prompt_first() {
+        use super::super::reply::TokenLogprob;
+        let token = |text: &str, logprob: f32| TokenLogprob {
+            token: text.into(),
+            bytes: text.as_bytes().to_vec(),
+            logprob,
+        };
+        let prompt = PromptLogprobs {
+            first: "Hé".into(),
+            rest: vec![LogprobEntry {
+                sampled: token(" you", -2.0),
+                top: vec![token(" me", -0.5)],
+            }],
+        };
+        let reply = [LogprobEntry {
+            sampled: token("!", -0.25),
+            top: vec![],
+        }];
+        let (value, end) = legacy_logprobs_after(Some(&prompt), &reply, 7);
+        assert_eq!(value["tokens"], json!(["Hé", " you", "!"]));
+        assert_eq!(value["token_logprobs"], json!([null, -2.0, -0.25]));
+        assert_eq!(value["top_logprobs"], json!([null, {" me": -0.5}, {}]));
+        assert_eq!(value["text_offset"], json!([0, 3, 7]));
+        assert_eq!(end, 8);
     }
 
     #[test]

@@ -19,7 +19,9 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
 use super::api::{parse_chat_request, parse_json, prepare_chat, ApiError, ChatJob};
-use super::completions::{legacy_logprobs, prepare_completion, CompletionRequest};
+use super::completions::{
+    legacy_logprobs, legacy_logprobs_after, prepare_completion, CompletionRequest,
+};
 use super::metrics::Metrics;
 use super::reply::ReplyDelta;
 use super::reply::{logprob_json, LogprobEntry};
@@ -609,6 +611,7 @@ fn submit_into(
                 tools: job.tools,
                 forced: job.forced.clone(),
                 logprobs: job.logprobs,
+                prompt_logprobs: job.prompt_logprobs,
                 adjustments: job.adjustments.clone(),
                 text: job.text,
                 constraint: job.constraint.as_ref().map(OutputConstraint::fork),
@@ -849,13 +852,14 @@ async fn whole_completion(reply: Reply, events: Events, echoes: Vec<String>) -> 
     let choice = |index: usize, deltas: Vec<ReplyDelta>, finish: &Finish| {
         let echo = echoes.get(index / per_prompt).map_or("", String::as_str);
         let mut text = echo.to_owned();
-        let mut logprobs = Vec::new();
+        let (mut logprobs, mut prompt) = (Vec::new(), None);
         for delta in deltas {
             text.push_str(&delta.content);
             logprobs.extend(delta.logprobs);
+            prompt = prompt.or(delta.prompt);
         }
         let logprobs = match reply.logprobs {
-            true => legacy_logprobs(&logprobs, echo.len()).0,
+            true => legacy_logprobs_after(prompt.as_ref(), &logprobs, echo.len()).0,
             false => Value::Null,
         };
         json!({"text": text, "index": index, "logprobs": logprobs,
@@ -882,13 +886,20 @@ fn stream_completion(reply: Reply, events: Events, echoes: Vec<String>) -> impl 
     let per_prompt = reply.per_prompt.max(1);
     let echo_of = |index: usize| echoes.get(index / per_prompt).map_or("", String::as_str);
     let mut offsets: Vec<usize> = (0..reply.choices).map(|i| echo_of(i).len()).collect();
+    // With log-probabilities the echoed prompt waits for its own (they come with the first
+    // delta, after the prefill); without, it goes out at once.
     let first = (0..reply.choices)
-        .filter(|&index| !echo_of(index).is_empty())
+        .filter(|&index| !reply.logprobs && !echo_of(index).is_empty())
         .map(|index| chunk(&reply, index, echo_of(index), Value::Null, None))
         .collect();
     let usage = UsageChunk::of(&reply, "text_completion");
     sse_events(first, events, usage, move |index, event, out| match event {
         Event::Delta(piece) => {
+            if let Some(prompt) = &piece.prompt {
+                let logprobs = legacy_logprobs_after(Some(prompt), &[], 0).0;
+                let echo = echoes.get(index / per_prompt).map_or("", String::as_str);
+                out.push(chunk(&reply, index, echo, logprobs, None));
+            }
             let logprobs = match (
                 reply.logprobs && !piece.logprobs.is_empty(),
                 offsets.get_mut(index),
@@ -1071,6 +1082,7 @@ mod tests {
                 content: String::new(),
                 tool_calls: calls,
                 logprobs: Vec::new(),
+                prompt: None,
             })
         };
         let events = [

@@ -34,6 +34,15 @@ pub struct LogprobEntry {
     pub top: Vec<TokenLogprob>,
 }
 
+/// The prompt's tokens scored by the model, as `echo` with `logprobs` reports them
+/// (`/v1/completions`): the first by its text alone (nothing before it predicts it), each later
+/// one with its log-probability given the tokens before it and the likeliest tokens there.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct PromptLogprobs {
+    pub first: String,
+    pub rest: Vec<LogprobEntry>,
+}
+
 /// What a reply produced since it was last taken.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct ReplyDelta {
@@ -42,6 +51,8 @@ pub struct ReplyDelta {
     pub tool_calls: Vec<ToolCallDelta>,
     /// One entry per answer token (when the request asked for them).
     pub logprobs: Vec<LogprobEntry>,
+    /// In the first delta of a request that asked for the prompt's log-probabilities.
+    pub prompt: Option<PromptLogprobs>,
 }
 
 impl ReplyDelta {
@@ -50,6 +61,7 @@ impl ReplyDelta {
             && self.content.is_empty()
             && self.tool_calls.is_empty()
             && self.logprobs.is_empty()
+            && self.prompt.is_none()
     }
 }
 
@@ -204,6 +216,7 @@ impl ReplyText {
             content: std::mem::take(&mut self.content),
             tool_calls: std::mem::take(&mut self.tool_calls),
             logprobs: std::mem::take(&mut self.logprobs),
+            prompt: None,
         }
     }
 }

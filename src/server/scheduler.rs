@@ -32,12 +32,12 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::{LogitAdjustments, TextMode};
 use super::metrics::Metrics;
-use super::reply::{token_logprobs, ReplyDelta, ReplyText};
+use super::reply::{token_logprobs, PromptLogprobs, ReplyDelta, ReplyText};
 use super::structured::OutputConstraint;
 use crate::chat::{HarmonyParser, ParseEvent, Tokenizer, Utf8Stream};
 use crate::engine::generate::common_prefix_len;
 use crate::engine::{Sampler, SamplerSettings};
-use crate::model::{Sequence, SequenceStep, Session};
+use crate::model::{AllLogits, Sequence, SequenceStep, Session};
 
 /// Fewest prefix tokens worth copying from another slot instead of prefilling them.
 const MIN_PREFIX_COPY: usize = 16;
@@ -55,6 +55,10 @@ pub struct Job {
     pub forced: Vec<u32>,
     /// `Some(top)`: each answer token's log-probability and the `top` likeliest.
     pub logprobs: Option<usize>,
+    /// `Some(top)`: every prompt token's log-probability given those before it and the `top`
+    /// likeliest there, sent in the reply's first delta. Such a prompt is prefilled whole: a
+    /// cached prefix has no logits to report.
+    pub prompt_logprobs: Option<usize>,
     /// Logit bias and repetition penalties, applied to the row before each sampling.
     pub adjustments: LogitAdjustments,
     /// Harmony messages, or plain text (`/v1/completions`).
@@ -276,6 +280,9 @@ struct Active {
     /// A structured output's mask was applied to this step's row: the sampled token advances
     /// it.
     constrained: bool,
+    /// The prompt's log-probabilities so far, when the job asked for them; sent with the
+    /// reply's first delta.
+    prompt_logprobs: Option<PromptLogprobs>,
 }
 
 impl Active {
@@ -457,8 +464,12 @@ impl Worker {
                 return;
             };
             self.metrics.queue_depth.fetch_sub(1, Ordering::AcqRel);
-            // At least one prompt token is computed: its logits pick the first token.
-            let limit = job.prompt.len() - 1;
+            // At least one prompt token is computed: its logits pick the first token. A prompt
+            // scored at every position is computed whole.
+            let limit = match job.prompt_logprobs {
+                Some(_) => 0,
+                None => job.prompt.len() - 1,
+            };
             let mut reused = own.min(limit);
             let best_other = self
                 .slots
@@ -510,6 +521,13 @@ impl Worker {
             for &token in &job.forced {
                 parser.push(token, &mut |event| reply.on_event(event));
             }
+            let prompt_logprobs = job.prompt_logprobs.map(|_| PromptLogprobs {
+                first: tokenizer
+                    .token_bytes(job.prompt[0])
+                    .map(|bytes| String::from_utf8_lossy(bytes).into_owned())
+                    .unwrap_or_default(),
+                rest: Vec::with_capacity(job.prompt.len() - 1),
+            });
             self.slots[slot].active = Some(Active {
                 job,
                 prefilled: reused,
@@ -523,6 +541,7 @@ impl Worker {
                 first_token_at: None,
                 sampled_counts: std::collections::HashMap::new(),
                 constrained: false,
+                prompt_logprobs,
             });
         }
     }
@@ -534,6 +553,9 @@ impl Worker {
     /// same system prompt, the `n` choices of one request). The prefilling slot goes on, so the
     /// wait ends; only the queue's head waits, keeping arrival order.
     fn wait_for_shared_prefill(&self) -> bool {
+        if self.waiting[0].prompt_logprobs.is_some() {
+            return false;
+        }
         let prompt = &self.waiting[0].prompt;
         let limit = prompt.len() - 1;
         let cached = self
@@ -570,10 +592,18 @@ impl Worker {
         let mut plan = Vec::with_capacity(self.slots.len());
         let mut steps = Vec::with_capacity(self.slots.len());
         let mut prefill_rows = 0;
+        // One prompt a pass is scored at every position (each scored row costs a read of the
+        // unembedding per block of rows); another waits for the next step.
+        let mut scored: Option<(usize, PromptScorer<'_>)> = None;
         for (index, slot) in self.slots.iter_mut().enumerate() {
-            let Some(active) = slot.active.as_mut() else {
+            let Slot { sequence, active } = slot;
+            let Some(active) = active.as_mut() else {
                 continue;
             };
+            let scores = active.next.is_none() && active.prompt_logprobs.is_some();
+            if scores && scored.is_some() {
+                continue;
+            }
             let tokens: &[u32] = match &active.next {
                 Some(token) => std::slice::from_ref(token),
                 None => {
@@ -589,21 +619,43 @@ impl Worker {
             };
             let samples =
                 active.next.is_some() || active.prefilled + tokens.len() == active.job.prompt.len();
+            if let (true, Some(out), Some(top), Some(tokenizer)) = (
+                scores,
+                active.prompt_logprobs.as_mut(),
+                active.job.prompt_logprobs,
+                self.tokenizer,
+            ) {
+                let scorer = PromptScorer {
+                    out,
+                    prompt: &active.job.prompt,
+                    position: active.prefilled,
+                    top,
+                    tokenizer,
+                };
+                scored = Some((steps.len(), scorer));
+            }
             plan.push(Planned {
                 slot: index,
                 tokens: tokens.len(),
                 samples,
             });
-            steps.push(SequenceStep {
-                sequence: &mut slot.sequence,
-                tokens,
-            });
+            steps.push(SequenceStep { sequence, tokens });
         }
         if steps.is_empty() {
             return;
         }
         let started = Instant::now();
-        let result = self.session.forward_batch(&mut steps);
+        let result = match scored.as_mut() {
+            Some((step, scorer)) => {
+                let mut row = |logits: &[f32]| scorer.score(logits);
+                let all = AllLogits {
+                    step: *step,
+                    row: &mut row,
+                };
+                self.session.forward_batch_scoring(&mut steps, Some(all))
+            }
+            None => self.session.forward_batch(&mut steps),
+        };
         drop(steps);
         let seconds = started.elapsed().as_secs_f64();
         if let Err(error) = result {
@@ -690,6 +742,29 @@ impl Worker {
             let Some(sampled) = samples[row].take() else {
                 continue;
             };
+            if active.job.max_tokens == 0 {
+                // Scoring only (`echo` with `max_tokens` 0): the prompt is the whole answer.
+                let delta = ReplyDelta {
+                    prompt: active.prompt_logprobs.take(),
+                    ..ReplyDelta::default()
+                };
+                if !delta.is_empty() {
+                    active.job.send(Event::Delta(delta));
+                }
+                let now = Instant::now();
+                active.job.send(Event::Done(Finish {
+                    reason: FinishReason::Length,
+                    usage: Usage {
+                        prompt_tokens: active.job.prompt.len(),
+                        cached_tokens: active.reused,
+                        ..Usage::default()
+                    },
+                    time_to_first_token: now.duration_since(active.job.received),
+                    decode_time: Duration::ZERO,
+                }));
+                slot.active = None;
+                continue;
+            }
             let token = match sampled {
                 Ok(token) => token,
                 Err(error) => {
@@ -741,7 +816,8 @@ impl Worker {
                 // Admission needs the tokenizer: no request is active without one.
                 None => Some(FinishReason::Stop),
             };
-            let delta = active.reply.take();
+            let mut delta = active.reply.take();
+            delta.prompt = active.prompt_logprobs.take();
             if !delta.is_empty() {
                 active.job.send(Event::Delta(delta));
             }
@@ -791,6 +867,29 @@ impl Worker {
                 m.prefill_stall_max_seconds.raise(stall);
             }
         }
+    }
+}
+
+/// Turns each scored row of a prompt chunk into the log-probability of the prompt token that
+/// follows it: the row at prompt position `p` predicts token `p + 1`; the prompt's last row
+/// predicts the reply, which is sampled from it as usual.
+struct PromptScorer<'a> {
+    out: &'a mut PromptLogprobs,
+    prompt: &'a [u32],
+    /// The prompt position of the next row.
+    position: usize,
+    top: usize,
+    tokenizer: &'static Tokenizer,
+}
+
+impl PromptScorer<'_> {
+    fn score(&mut self, logits: &[f32]) {
+        if let Some(&next) = self.prompt.get(self.position + 1) {
+            self.out
+                .rest
+                .push(token_logprobs(logits, next, self.top, self.tokenizer));
+        }
+        self.position += 1;
     }
 }
 

@@ -21,7 +21,7 @@ use super::ops::{add_bias_rows, add_into, embed_tokens, rms_norm_rows, route_tok
 use super::options::{ActivationFormat, Product};
 use super::profile::{PassProfile, Phase};
 use super::rope::{apply_rope_rows, RopeTable};
-use super::session::SequenceStep;
+use super::session::{AllLogits, SequenceStep};
 use super::team::parallel_for;
 use super::team::Team;
 use super::weights::{Layer, Weights};
@@ -31,6 +31,11 @@ use jobs::{Job, SharedOut, Work};
 /// Tokens per prefill chunk in the fast path: enough that each of 32 experts sees dozens of
 /// tokens, so a decoded weight tile is reused many times.
 pub const PREFILL_CHUNK: usize = 512;
+
+/// Rows per unembedding product when every row of a step is scored: the matrix (0.6 GB on the
+/// 20b) is read once per block instead of once per row, and the block's logits (with split
+/// activation rows, 2 x 16 x 201,088 floats: 26 MB) stay a small part of the scratch.
+const SCORED_ROWS: usize = 16;
 
 /// Activation buffers of the fast path for one chunk, sized once per session. Buffers a product
 /// writes hold two rows per token (split activations) until they are folded.
@@ -206,14 +211,15 @@ impl<'s, 'a> SharedSteps<'s, 'a> {
 impl FastPass<'_> {
     /// Runs the new tokens of every step (at most [`PREFILL_CHUNK`] in all) as the rows of one
     /// pass, each step's tokens at its sequence's next positions over its own cache. Leaves the
-    /// logits of each step's last token in `logits` ([steps x vocab]), or, for a single step, every
-    /// token's appended to `all_logits`. The caller appends the tokens to the sequences.
+    /// logits of each step's last token in `logits` ([steps x vocab]) and hands every row's logits of
+    /// the step `all_logits` names to its callback (a single step's `logits` are then its last
+    /// row's full logits). The caller appends the tokens to the sequences.
     pub fn forward(
         &self,
         steps: &mut [SequenceStep<'_>],
         s: &mut Scratch,
         logits: &mut [f32],
-        all_logits: Option<&mut Vec<f32>>,
+        all_logits: Option<AllLogits<'_>>,
     ) {
         let c = self.config;
         let h = c.hidden_size;
@@ -261,29 +267,15 @@ impl FastPass<'_> {
 
         let vocab = c.vocab_size;
         let lm_head = &self.fast.lm_head;
-        if let Some(out) = all_logits {
-            assert_eq!(
-                steps.len(),
-                1,
-                "every position's logits are asked of one sequence"
-            );
-            rms_norm_rows(
-                &s.x[..n * h],
-                &self.weights.final_norm,
-                eps,
-                &mut s.normed[..n * h],
-            );
-            // Row by row, so the scratch never holds n x vocab (the logits tool asks for every
-            // row).
-            for r in 0..n {
-                let x = &s.normed[r * h..(r + 1) * h];
-                let (xq, work, row_logits) = (&mut s.normed_q, &mut s.work, &mut s.logits);
-                self.project(lm_head, x, 1, xq, work, row_logits, &mut s.profile);
-                out.extend_from_slice(&s.logits[..vocab]);
+        if let Some(all) = all_logits {
+            self.score_every_row(steps, all, s);
+            if steps.len() == 1 {
+                // A single step's last row is the last block's: its full logits are the pass's.
+                let last = (steps[0].tokens.len() - 1) % SCORED_ROWS;
+                logits[..vocab].copy_from_slice(&s.logits[last * vocab..(last + 1) * vocab]);
+                s.profile.end();
+                return;
             }
-            logits[..vocab].copy_from_slice(&s.logits[..vocab]);
-            s.profile.end();
-            return;
         }
         // Only each step's last row goes through the final norm and the unembedding, all rows in
         // one product, so the unembedding matrix is read once for the whole batch.
@@ -321,6 +313,47 @@ impl FastPass<'_> {
         );
         logits[..rows * vocab].copy_from_slice(&s.logits[..rows * vocab]);
         s.profile.end();
+    }
+
+    /// Every row of step `all.step` through the final norm and the full unembedding, a block
+    /// of [`SCORED_ROWS`] rows per product (one read of the matrix per block, where a row at a
+    /// time read it per row), each row's logits handed to the callback in order.
+    fn score_every_row(&self, steps: &[SequenceStep<'_>], all: AllLogits<'_>, s: &mut Scratch) {
+        let c = self.config;
+        let (h, vocab) = (c.hidden_size, c.vocab_size);
+        let first: usize = steps[..all.step].iter().map(|step| step.tokens.len()).sum();
+        let count = steps[all.step].tokens.len();
+        let lm_head = &self.fast.lm_head;
+        let per_token = self.rows_per_token(lm_head);
+        let block = SCORED_ROWS.min(count);
+        if s.logits.len() < per_token * block * vocab {
+            s.logits.resize(per_token * block * vocab, 0.0);
+        }
+        s.work.reserve_blocked(per_token * block * vocab);
+        let mut done = 0;
+        while done < count {
+            let rows = (count - done).min(SCORED_ROWS);
+            let at = (first + done) * h;
+            rms_norm_rows(
+                &s.x[at..at + rows * h],
+                &self.weights.final_norm,
+                c.rms_norm_eps,
+                &mut s.normed[..rows * h],
+            );
+            self.project(
+                lm_head,
+                &s.normed[..rows * h],
+                rows,
+                &mut s.normed_q,
+                &mut s.work,
+                &mut s.logits,
+                &mut s.profile,
+            );
+            for row in s.logits[..rows * vocab].chunks_exact(vocab) {
+                (all.row)(row);
+            }
+            done += rows;
+        }
     }
 
     /// Self-attention of the `n` rows of `steps`, each step's rows over its own cache of layer
