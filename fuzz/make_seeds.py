@@ -233,7 +233,8 @@ def server_request():
                                           ("responses_structured.json", 7, structured_text),
                                           ("completion_structured.json", 22, structured_completion),
                                           ("completion_prompts.json", 22, {"prompt": ["a", "<|start|>b"], "n": 2, "echo": True, "seed": 4}),
-                                          ("completion_tokens.json", 18, {"prompt": [[200006, 17360, 200008, 1428]], "max_tokens": 8, "echo": True, "skip_special_tokens": False})]]
+                                          ("completion_tokens.json", 18, {"prompt": [[200006, 17360, 200008, 1428]], "max_tokens": 8, "echo": True, "skip_special_tokens": False}),
+                                          ("completion_scored.json", 22, {"prompt": [976, 9290, 328, 10128], "echo": True, "logprobs": 1, "max_tokens": 0})]]
     write("server_request", cases)
 
 
