@@ -116,7 +116,7 @@ pub fn router(state: Arc<AppState>, max_body: usize) -> Router {
             "/tokenize",
             post(
                 move |State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body| async move {
-                    json_reply(&state, &headers, body, max_body, |body, state| {
+                    json_reply(state, headers, body, max_body, |body, state| {
                         super::api::tokenize(body, state.tokenizer, state.context)
                     })
                     .await
@@ -127,7 +127,7 @@ pub fn router(state: Arc<AppState>, max_body: usize) -> Router {
             "/detokenize",
             post(
                 move |State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body| async move {
-                    json_reply(&state, &headers, body, max_body, |body, state| {
+                    json_reply(state, headers, body, max_body, |body, state| {
                         super::api::detokenize(body, state.tokenizer)
                     })
                     .await
@@ -237,16 +237,21 @@ fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
 /// An endpoint answering one JSON object computed from the body alone (`/tokenize`,
 /// `/detokenize`): the key, the body limit and the error replies as for the others.
 async fn json_reply(
-    state: &AppState,
-    headers: &HeaderMap,
+    state: Arc<AppState>,
+    headers: HeaderMap,
     body: Body,
     max_body: usize,
-    answer: impl FnOnce(&[u8], &AppState) -> Result<Value, ApiError>,
+    answer: impl FnOnce(&[u8], &AppState) -> Result<Value, ApiError> + Send + 'static,
 ) -> Response {
-    let body = read_body(headers, body, max_body).await;
-    match authorize(state, headers).and_then(|()| answer(&body?, state)) {
+    let body = read_body(&headers, body, max_body).await;
+    let shared = state.clone();
+    let answered = off_the_workers(move || {
+        authorize(&shared, &headers).and_then(|()| answer(&body?, &shared))
+    })
+    .await;
+    match answered {
         Ok(value) => Json(value).into_response(),
-        Err(error) => reject(state, error),
+        Err(error) => reject(&state, error),
     }
 }
 
@@ -332,7 +337,8 @@ async fn chat_completions(
     max_body: usize,
 ) -> Response {
     let body = read_body(&headers, body, max_body).await;
-    match start_chat(&state, &headers, body) {
+    let shared = state.clone();
+    match off_the_workers(move || start_chat(&shared, &headers, body)).await {
         Ok((accepted, events)) => {
             let reply = Reply {
                 id: format!(
@@ -363,8 +369,10 @@ async fn completions(
     max_body: usize,
 ) -> Response {
     let body = read_body(&headers, body, max_body).await;
-    let started = (|| {
-        authorize(&state, &headers)?;
+    let shared = state.clone();
+    let started = off_the_workers(move || {
+        let state = &shared;
+        authorize(state, &headers)?;
         let request: CompletionRequest = parse_json(&body?)?;
         let jobs = prepare_completion(request, state.tokenizer, state.context)?;
         // One channel for every prompt's choices: prompt p's are p x n.. (p + 1) x n.
@@ -373,14 +381,15 @@ async fn completions(
         let mut accepted: Option<Accepted> = None;
         for (job, echo) in jobs {
             let first = echoes.len() * job.choices;
-            let this = submit_into(&state, job, &sender, first)?;
+            let this = submit_into(state, job, &sender, first)?;
             echoes.push(echo.unwrap_or_default());
             accepted.get_or_insert(this).choices = first + this.choices;
         }
         Metrics::add(&state.metrics.requests, 1);
         let accepted = accepted.ok_or_else(|| failure("a request without a prompt".into()))?;
         Ok((accepted, events, echoes))
-    })();
+    })
+    .await;
     match started {
         Ok((accepted, events, echoes)) => {
             let reply = Reply {
@@ -409,13 +418,15 @@ async fn responses(
     max_body: usize,
 ) -> Response {
     let body = read_body(&headers, body, max_body).await;
-    let started = (|| {
-        authorize(&state, &headers)?;
+    let shared = state.clone();
+    let started = off_the_workers(move || {
+        authorize(&shared, &headers)?;
         let request = parse_responses_request(&body?)?;
-        let (job, echo) = prepare_responses(request, state.tokenizer, state.context)?;
-        let (accepted, events) = submit(&state, job)?;
+        let (job, echo) = prepare_responses(request, shared.tokenizer, shared.context)?;
+        let (accepted, events) = submit(&shared, job)?;
         Ok((accepted, events, echo))
-    })();
+    })
+    .await;
     match started {
         Ok((accepted, events, echo)) => {
             let id = format!("resp_{:x}", state.next_id.fetch_add(1, Ordering::Relaxed));
@@ -552,6 +563,24 @@ async fn read_body(headers: &HeaderMap, body: Body, max_body: usize) -> Result<B
         return Err(too_large());
     }
     Ok(Bytes::from(kept))
+}
+
+/// A request's own CPU work before it queues (parsing, rendering the prompt, tokenizing,
+/// compiling a schema into a grammar: milliseconds, up to a few hundred for a 4 MiB body) on
+/// tokio's blocking threads: on the two async workers it would hold up the streams of running
+/// replies and `/health` meanwhile. A panic there is answered as a 500, not propagated.
+async fn off_the_workers<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(work).await.unwrap_or_else(|_| {
+        Err(ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: "preparing the request failed (a bug: please report it)".into(),
+            kind: "server_error",
+            param: None,
+            code: None,
+        })
+    })
 }
 
 fn start_chat(
@@ -1140,6 +1169,30 @@ mod tests {
             .enable_all()
             .build()
             .unwrap()
+    }
+
+    #[test]
+    fn request_work_off_the_workers_answers_its_result_and_a_panic_as_a_500() {
+        let rt = runtime();
+        let answer = rt.block_on(off_the_workers(|| {
+            Ok(std::thread::current().name().map(str::to_owned))
+        }));
+        // Not the runtime's own thread: tokio's blocking pool.
+        assert_ne!(
+            answer.unwrap(),
+            std::thread::current().name().map(str::to_owned)
+        );
+        let refused = rt.block_on(off_the_workers(|| -> Result<(), ApiError> {
+            Err(ApiError::invalid("bad", None))
+        }));
+        assert_eq!(refused.unwrap_err().status, StatusCode::BAD_REQUEST);
+        let panicked = rt.block_on(off_the_workers(|| -> Result<(), ApiError> {
+            panic!("a bug while preparing")
+        }));
+        assert_eq!(
+            panicked.unwrap_err().status,
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
     }
 
     #[test]

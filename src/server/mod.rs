@@ -156,6 +156,9 @@ pub fn start(
     let (stop, stopped) = tokio::sync::oneshot::channel::<Duration>();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
+        // Requests are prepared on blocking threads (see `http::off_the_workers`): a few at
+        // once keep two cores busy, and a flood of large bodies cannot start hundreds.
+        .max_blocking_threads(4)
         .thread_name("ossterm-http")
         .enable_all()
         .build()
