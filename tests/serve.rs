@@ -1897,7 +1897,7 @@ fn echoed_prompts_are_scored_at_every_position_as_evaluation_harnesses_ask() {
             p + 1
         );
     }
-    // Asked again, the prompt is cached in a slot, but every position is still computed.
+    // Asked again, the scores of the cached prompt are reused with it: all but the last row.
     let (_, again) = post(body);
     assert_eq!(
         again["choices"][0]["logprobs"]["token_logprobs"]
@@ -1906,8 +1906,52 @@ fn echoed_prompts_are_scored_at_every_position_as_evaluation_harnesses_ask() {
         scores[..n]
     );
     assert_eq!(
-        again["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+        again["usage"]["prompt_tokens_details"]["cached_tokens"],
+        n - 1,
         "{again}"
+    );
+    // Another answer to the same question (as a multiple-choice benchmark asks): the shared
+    // context comes from the cache, scores included; the rest is computed.
+    let other = tokenizer
+        .encode_text("The quick brown fox jumps over the lazy dog, and the model guesses a word")
+        .unwrap();
+    let shared = ids.iter().zip(&other).take_while(|(a, b)| a == b).count();
+    assert!(shared > 4 && shared < n, "{shared} of {n}");
+    let (_, answer) = post(
+        json!({"prompt": other, "echo": true, "logprobs": 1, "max_tokens": 1,
+                                  "temperature": 0}),
+    );
+    assert_eq!(
+        answer["usage"]["prompt_tokens_details"]["cached_tokens"],
+        shared - 1,
+        "{answer}"
+    );
+    let got = answer["choices"][0]["logprobs"]["token_logprobs"]
+        .as_array()
+        .unwrap();
+    for (p, &(logprob, _)) in expected_prompt_logprobs(Precision::Fast, &other)
+        .iter()
+        .enumerate()
+    {
+        let value = got[p + 1].as_f64().unwrap();
+        assert!(
+            (value - logprob).abs() < 1e-3,
+            "position {}: {value} against {logprob}",
+            p + 1
+        );
+    }
+    // More alternatives than the cache kept: computed again.
+    let (_, wider) = post(json!({"prompt": other, "echo": true, "logprobs": 3, "max_tokens": 1}));
+    assert_eq!(
+        wider["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+        "{wider}"
+    );
+    assert_eq!(
+        wider["choices"][0]["logprobs"]["top_logprobs"][2]
+            .as_object()
+            .unwrap()
+            .len(),
+        3
     );
 
     // Scoring alone (`max_tokens` 0): the prompt is the whole answer.
@@ -1991,9 +2035,13 @@ fn prompts_scored_beside_running_streams_and_each_other_get_the_same_scores() {
             })
         })
         .collect();
+    let mut cached = 0;
     for scorer in scorers {
         let (status, reply) = scorer.join().unwrap();
         assert_eq!(status, 200, "{reply}");
+        cached += reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
         let scores = reply["choices"][0]["logprobs"]["token_logprobs"]
             .as_array()
             .unwrap()
@@ -2006,6 +2054,9 @@ fn prompts_scored_beside_running_streams_and_each_other_get_the_same_scores() {
             .fold(0.0, f64::max);
         assert!(worst < 2e-3, "worst difference {worst}");
     }
+    // The later of the two waited for the first one's scored prefill and took all of it but
+    // the last row from its slot.
+    assert_eq!(cached, ids.len() as u64 - 1);
     server.stop();
     reader.join().unwrap();
 }

@@ -316,6 +316,36 @@ struct RawText {
 struct Slot {
     sequence: Sequence,
     active: Option<Active>,
+    /// What a scored prompt left of the cached tokens' log-probabilities, for the next scored
+    /// prompt sharing the prefix (an evaluation harness sends each question's context once per
+    /// answer).
+    scores: CachedScores,
+}
+
+/// Entry `i` scores token `i + 1` of what the slot last scored given the tokens before it, each
+/// with `top` alternatives; a prompt sharing tokens `0..=i + 1` with the cache may take it.
+#[derive(Default)]
+struct CachedScores {
+    entries: Vec<super::reply::LogprobEntry>,
+    top: usize,
+}
+
+impl CachedScores {
+    /// The sequence keeps its first `len` tokens and goes on with others: the entries of tokens
+    /// past them go.
+    fn truncate(&mut self, len: usize) {
+        self.entries.truncate(len.saturating_sub(1));
+    }
+
+    /// How much of `prompt` a scoring job can take from this slot: `common` tokens of it are
+    /// cached, but an entry is only reusable for a token the prompt shares too, and the entries
+    /// must hold at least `top` alternatives.
+    fn reusable(&self, common: usize, top: usize) -> usize {
+        if top > self.top {
+            return 0;
+        }
+        common.saturating_sub(1).min(self.entries.len())
+    }
 }
 
 struct Worker {
@@ -343,6 +373,7 @@ impl Worker {
             .map(|_| Slot {
                 sequence: session.new_sequence(options.context),
                 active: None,
+                scores: CachedScores::default(),
             })
             .collect();
         Worker {
@@ -446,13 +477,9 @@ impl Worker {
                 .iter()
                 .enumerate()
                 .filter(|(_, s)| s.active.is_none());
+            let head = &self.waiting[0];
             let Some((slot, own)) = free
-                .map(|(i, s)| {
-                    (
-                        i,
-                        common_prefix_len(s.sequence.tokens(), &self.waiting[0].prompt),
-                    )
-                })
+                .map(|(i, s)| (i, reusable(s, head)))
                 .max_by_key(|&(i, len)| (len, std::cmp::Reverse(i)))
             else {
                 return;
@@ -464,18 +491,15 @@ impl Worker {
                 return;
             };
             self.metrics.queue_depth.fetch_sub(1, Ordering::AcqRel);
-            // At least one prompt token is computed: its logits pick the first token. A prompt
-            // scored at every position is computed whole.
-            let limit = match job.prompt_logprobs {
-                Some(_) => 0,
-                None => job.prompt.len() - 1,
-            };
+            // At least one prompt token is computed: its logits pick the first token. A scored
+            // prompt reuses only what its slot has scores for.
+            let limit = job.prompt.len() - 1;
             let mut reused = own.min(limit);
             let best_other = self
                 .slots
                 .iter()
                 .enumerate()
-                .filter(|&(i, _)| i != slot)
+                .filter(|&(i, _)| i != slot && job.prompt_logprobs.is_none())
                 .map(|(i, s)| {
                     (
                         i,
@@ -487,9 +511,18 @@ impl Worker {
                 if len >= reused + MIN_PREFIX_COPY {
                     let (to, from) = two_slots(&mut self.slots, slot, source);
                     reused = to.sequence.copy_prefix_from(&from.sequence, len);
+                    // Another slot's tokens: this slot's scores describe what it held before.
+                    to.scores = CachedScores::default();
                 }
             }
-            self.slots[slot].sequence.truncate(reused);
+            let target = &mut self.slots[slot];
+            target.sequence.truncate(reused);
+            match job.prompt_logprobs {
+                // The entry of token `reused` too: the prompt shares that token (see
+                // `CachedScores::reusable`), and its row is not computed again.
+                Some(_) => target.scores.entries.truncate(reused),
+                None => target.scores.truncate(reused),
+            }
             let m = &self.metrics;
             Metrics::add(&m.prompt_tokens, job.prompt.len() as u64);
             Metrics::add(&m.cached_prompt_tokens, reused as u64);
@@ -521,12 +554,21 @@ impl Worker {
             for &token in &job.forced {
                 parser.push(token, &mut |event| reply.on_event(event));
             }
-            let prompt_logprobs = job.prompt_logprobs.map(|_| PromptLogprobs {
-                first: tokenizer
-                    .token_bytes(job.prompt[0])
-                    .map(|bytes| String::from_utf8_lossy(bytes).into_owned())
-                    .unwrap_or_default(),
-                rest: Vec::with_capacity(job.prompt.len() - 1),
+            let cached = &self.slots[slot].scores.entries;
+            let prompt_logprobs = job.prompt_logprobs.map(|top| {
+                let mut rest = Vec::with_capacity(job.prompt.len() - 1);
+                rest.extend(cached[..reused].iter().map(|entry| {
+                    let mut entry = entry.clone();
+                    entry.top.truncate(top);
+                    entry
+                }));
+                PromptLogprobs {
+                    first: tokenizer
+                        .token_bytes(job.prompt[0])
+                        .map(|bytes| String::from_utf8_lossy(bytes).into_owned())
+                        .unwrap_or_default(),
+                    rest,
+                }
             });
             self.slots[slot].active = Some(Active {
                 job,
@@ -553,21 +595,28 @@ impl Worker {
     /// same system prompt, the `n` choices of one request). The prefilling slot goes on, so the
     /// wait ends; only the queue's head waits, keeping arrival order.
     fn wait_for_shared_prefill(&self) -> bool {
-        if self.waiting[0].prompt_logprobs.is_some() {
-            return false;
-        }
-        let prompt = &self.waiting[0].prompt;
+        let head = &self.waiting[0];
+        let prompt = &head.prompt;
         let limit = prompt.len() - 1;
-        let cached = self
-            .slots
-            .iter()
-            .map(|s| common_prefix_len(s.sequence.tokens(), prompt).min(limit))
-            .max()
-            .unwrap_or(0);
+        // A scored prompt takes only its own slot's scored prefix, so it waits for a scored
+        // prefill with enough alternatives, which leaves its scores in that slot.
+        let cached = match head.prompt_logprobs {
+            Some(_) => self.slots.iter().map(|s| reusable(s, head)).max(),
+            None => self
+                .slots
+                .iter()
+                .map(|s| common_prefix_len(s.sequence.tokens(), prompt).min(limit))
+                .max(),
+        }
+        .unwrap_or(0);
         self.slots
             .iter()
             .filter_map(|s| s.active.as_ref())
             .filter(|active| active.next.is_none() && active.generated == 0)
+            .filter(|active| match head.prompt_logprobs {
+                Some(top) => active.job.prompt_logprobs.is_some_and(|t| t >= top),
+                None => true,
+            })
             .any(|active| {
                 common_prefix_len(&active.job.prompt, prompt).min(limit) >= cached + MIN_PREFIX_COPY
             })
@@ -596,7 +645,9 @@ impl Worker {
         // unembedding per block of rows); another waits for the next step.
         let mut scored: Option<(usize, PromptScorer<'_>)> = None;
         for (index, slot) in self.slots.iter_mut().enumerate() {
-            let Slot { sequence, active } = slot;
+            let Slot {
+                sequence, active, ..
+            } = slot;
             let Some(active) = active.as_mut() else {
                 continue;
             };
@@ -742,10 +793,17 @@ impl Worker {
             let Some(sampled) = samples[row].take() else {
                 continue;
             };
+            let prompt_scores = active.prompt_logprobs.take();
+            if let (Some(scores), Some(top)) = (&prompt_scores, active.job.prompt_logprobs) {
+                slot.scores = CachedScores {
+                    entries: scores.rest.clone(),
+                    top,
+                };
+            }
             if active.job.max_tokens == 0 {
                 // Scoring only (`echo` with `max_tokens` 0): the prompt is the whole answer.
                 let delta = ReplyDelta {
-                    prompt: active.prompt_logprobs.take(),
+                    prompt: prompt_scores,
                     ..ReplyDelta::default()
                 };
                 if !delta.is_empty() {
@@ -817,7 +875,7 @@ impl Worker {
                 None => Some(FinishReason::Stop),
             };
             let mut delta = active.reply.take();
-            delta.prompt = active.prompt_logprobs.take();
+            delta.prompt = prompt_scores;
             if !delta.is_empty() {
                 active.job.send(Event::Delta(delta));
             }
@@ -964,6 +1022,16 @@ fn adjust_logits(
         if let Some(logit) = logits.get_mut(id as usize) {
             *logit -= count as f32 * adjust.frequency_penalty + adjust.presence_penalty;
         }
+    }
+}
+
+/// How many of `job`'s prompt tokens `slot` holds for it: the common prefix, or for a scored
+/// prompt the part of it the slot has scores for ([`CachedScores::reusable`]).
+fn reusable(slot: &Slot, job: &Job) -> usize {
+    let common = common_prefix_len(slot.sequence.tokens(), &job.prompt);
+    match job.prompt_logprobs {
+        Some(top) => slot.scores.reusable(common, top),
+        None => common,
     }
 }
 
