@@ -2060,3 +2060,51 @@ fn prompts_scored_beside_running_streams_and_each_other_get_the_same_scores() {
     server.stop();
     reader.join().unwrap();
 }
+
+#[test]
+fn the_answers_of_a_batched_question_share_its_scored_context() {
+    let server = serve(Precision::Fast, options(4, 1024, 8), None);
+    let tokenizer = ossterm::chat::Tokenizer::shared().unwrap();
+    let context = "Question: which of these is the capital of France, the city on the Seine that \
+                   hosts the Louvre and the Eiffel Tower? Answer:";
+    let answers = [" Paris", " Berlin", " Madrid", " Rome"];
+    let prompts: Vec<Vec<u32>> = answers
+        .iter()
+        .map(|a| tokenizer.encode_text(&format!("{context}{a}")).unwrap())
+        .collect();
+    let shared = prompts[0]
+        .iter()
+        .zip(&prompts[1])
+        .take_while(|(a, b)| a == b)
+        .count();
+    assert!(shared > 20, "{shared}");
+    // One request, four prompts, as a harness batches a question's answers: the first is
+    // computed, each later one waits for the one before and takes the context's scores.
+    let body = json!({"prompt": prompts, "echo": true, "logprobs": 1, "max_tokens": 1,
+                      "temperature": 0});
+    let (status, reply) = read_json(
+        agent()
+            .post(&server.url("/v1/completions"))
+            .send_string(&body.to_string()),
+    );
+    assert_eq!(status, 200, "{reply}");
+    let cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(cached, 3 * (shared as u64 - 1), "{}", reply["usage"]);
+    for (choice, prompt) in reply["choices"].as_array().unwrap().iter().zip(&prompts) {
+        let got = choice["logprobs"]["token_logprobs"].as_array().unwrap();
+        for (p, &(logprob, _)) in expected_prompt_logprobs(Precision::Fast, prompt)
+            .iter()
+            .enumerate()
+        {
+            let value = got[p + 1].as_f64().unwrap();
+            assert!(
+                (value - logprob).abs() < 1e-3,
+                "position {}: {value} against {logprob}",
+                p + 1
+            );
+        }
+    }
+    server.stop();
+}

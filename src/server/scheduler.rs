@@ -598,10 +598,15 @@ impl Worker {
         let head = &self.waiting[0];
         let prompt = &head.prompt;
         let limit = prompt.len() - 1;
-        // A scored prompt takes only its own slot's scored prefix, so it waits for a scored
-        // prefill with enough alternatives, which leaves its scores in that slot.
+        // A scored prompt takes only the scored prefix of the free slot it is given, so it
+        // waits for a scored prefill with enough alternatives, which leaves its scores there.
         let cached = match head.prompt_logprobs {
-            Some(_) => self.slots.iter().map(|s| reusable(s, head)).max(),
+            Some(_) => self
+                .slots
+                .iter()
+                .filter(|s| s.active.is_none())
+                .map(|s| reusable(s, head))
+                .max(),
             None => self
                 .slots
                 .iter()
