@@ -2108,3 +2108,106 @@ fn the_answers_of_a_batched_question_share_its_scored_context() {
     }
     server.stop();
 }
+
+#[test]
+fn responses_are_kept_continued_by_previous_response_id_retrieved_and_deleted() {
+    let server = serve(Precision::Exact, options(2, 1024, 8), None);
+    let url = server.url("/v1/responses");
+    let post = |body: Value| read_json(agent().post(&url).send_string(&body.to_string()));
+    let get = |id: &str| {
+        read_json(
+            agent()
+                .get(&server.url(&format!("/v1/responses/{id}")))
+                .call(),
+        )
+    };
+    let ask = |input: Value, extra: Value| {
+        let mut body = json!({"model": "synthetic-tiny", "input": input, "max_output_tokens": 24,
+                              "seed": 5, "temperature": 0, "reasoning": {"effort": "low"}});
+        for (key, value) in extra.as_object().unwrap() {
+            body[key] = value.clone();
+        }
+        body
+    };
+    let (status, first) = post(ask(json!("Hello there"), json!({})));
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(first["store"], true, "kept by default, as in OpenAI's API");
+    let id = first["id"].as_str().unwrap().to_owned();
+    assert_eq!(
+        get(&id),
+        (200, first.clone()),
+        "retrieved as it was answered"
+    );
+
+    // The next turn names the first: its conversation (input and output items) comes first.
+    let (status, second) = post(ask(
+        json!("And again?"),
+        json!({"previous_response_id": id}),
+    ));
+    assert_eq!(status, 200, "{second}");
+    let input_tokens = |r: &Value| r["usage"]["input_tokens"].as_u64().unwrap();
+    assert!(input_tokens(&second) > input_tokens(&first));
+    // The first turn's prompt is the second's prefix: its cache is reused.
+    let cached = second["usage"]["input_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached >= input_tokens(&first) - 1,
+        "{cached} of {}",
+        input_tokens(&first)
+    );
+    // Sending the whole conversation as input is the same request.
+    let mut items = vec![json!({"role": "user", "content": "Hello there"})];
+    items.extend(first["output"].as_array().unwrap().iter().cloned());
+    items.push(json!({"role": "user", "content": "And again?"}));
+    let (_, explicit) = post(ask(Value::Array(items), json!({"store": false})));
+    assert_eq!(input_tokens(&explicit), input_tokens(&second));
+    assert_eq!(explicit["output"], second["output"]);
+    assert_eq!(explicit["store"], false);
+    assert_eq!(get(explicit["id"].as_str().unwrap()).0, 404, "not kept");
+
+    // Streamed, continuing the second: the response.completed event's response is kept.
+    let mut streamed = ask(
+        json!("Once more"),
+        json!({"previous_response_id": second["id"]}),
+    );
+    streamed["stream"] = json!(true);
+    let reply = agent()
+        .post(&url)
+        .send_string(&streamed.to_string())
+        .unwrap();
+    let last = BufReader::new(reply.into_reader())
+        .lines()
+        .map_while(Result::ok)
+        .filter_map(|line| line.strip_prefix("data: ").map(str::to_owned))
+        .last()
+        .unwrap();
+    let last: Value = serde_json::from_str(&last).unwrap();
+    let third = &last["response"];
+    assert!(input_tokens(third) > input_tokens(&second), "{last}");
+    assert_eq!(get(third["id"].as_str().unwrap()), (200, third.clone()));
+
+    // Deleted: gone, and no longer a conversation to continue.
+    let deleted = read_json(
+        agent()
+            .delete(&server.url(&format!("/v1/responses/{id}")))
+            .call(),
+    );
+    assert_eq!(deleted.0, 200);
+    assert_eq!(
+        deleted.1,
+        json!({"id": id, "object": "response", "deleted": true})
+    );
+    assert_eq!(get(&id).0, 404);
+    let (status, refused) = post(ask(json!("hi"), json!({"previous_response_id": id})));
+    assert_eq!(status, 400, "{refused}");
+    assert_eq!(refused["error"]["code"], "previous_response_not_found");
+    assert_eq!(refused["error"]["param"], "previous_response_id");
+    let again = read_json(
+        agent()
+            .delete(&server.url(&format!("/v1/responses/{id}")))
+            .call(),
+    );
+    assert_eq!(again.0, 404);
+    server.stop();
+}

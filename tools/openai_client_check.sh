@@ -36,6 +36,7 @@ trap cleanup EXIT
 
 timeout 120 "$venv/bin/python" - "$port" <<'PY'
 import sys, time, urllib.request
+import openai
 from openai import OpenAI
 
 base = f"http://127.0.0.1:{sys.argv[1]}"
@@ -153,6 +154,30 @@ whole = client.responses.create(model=models[0], input=[{"role": "user", "conten
 assert whole.status in ("completed", "incomplete") and whole.usage.output_tokens <= 8
 print(f"openai client check: responses streamed {len(kinds)} events, {len(reasoning)} chars of "
       f"reasoning, {len(text)} of output text, status {final.status}")
+
+# A kept response continued by id, retrieved and deleted, as the openai package does it
+# (instructions and reasoning effort are not carried over: the same ones are sent again).
+follow = client.responses.create(model=models[0], instructions="Answer briefly.", input="And Germany?",
+                                 reasoning={"effort": "low"}, previous_response_id=final.id,
+                                 max_output_tokens=8)
+assert follow.usage.input_tokens > final.usage.input_tokens, (follow.usage, final.usage)
+# The same prompt as the whole conversation sent as input.
+conversation = [{"role": "user", "content": "What is the capital of France?"}]
+conversation += [item.model_dump(exclude_none=True) for item in final.output]
+conversation.append({"role": "user", "content": "And Germany?"})
+explicit = client.responses.create(model=models[0], instructions="Answer briefly.", input=conversation,
+                                   reasoning={"effort": "low"}, max_output_tokens=8, store=False)
+assert explicit.usage.input_tokens == follow.usage.input_tokens, (explicit.usage, follow.usage)
+assert not explicit.store
+assert client.responses.retrieve(follow.id).id == follow.id
+client.responses.delete(final.id)
+try:
+    client.responses.retrieve(final.id)
+    raise AssertionError("a deleted response was retrieved")
+except openai.NotFoundError:
+    pass
+print(f"openai client check: previous_response_id reused {follow.usage.input_tokens_details.cached_tokens} "
+      f"cached tokens of {follow.usage.input_tokens}; retrieve and delete")
 
 # Function tools in the Responses API, as the Agents SDK sends them: the flat tool form, then a
 # call and its output as input items; the reply must parse with the tools echoed.

@@ -25,10 +25,9 @@ use super::completions::{
 use super::metrics::Metrics;
 use super::reply::ReplyDelta;
 use super::reply::{logprob_json, LogprobEntry};
-use super::responses::{
-    parse_responses_request, prepare_responses, status_of, Outcome, ResponseBuilder,
-};
+use super::responses::{continue_previous, prepare_responses, status_of, Outcome, ResponseBuilder};
 use super::scheduler::{Event, Finish, Job, Scheduler, SubmitError, Usage};
+use super::stored::ResponseStore;
 use super::structured::OutputConstraint;
 use crate::chat::Tokenizer;
 
@@ -47,6 +46,8 @@ pub struct AppState {
     pub vocab: usize,
     /// Sequences decoded at once (`--parallel`).
     pub parallel: usize,
+    /// Finished Responses API replies kept for `previous_response_id` and retrieval.
+    pub responses: std::sync::Mutex<ResponseStore>,
     next_id: AtomicU64,
 }
 
@@ -69,6 +70,7 @@ impl AppState {
             trained_context: 0,
             vocab: 0,
             parallel: 1,
+            responses: std::sync::Mutex::new(ResponseStore::default()),
             next_id: AtomicU64::new(1),
         }
     }
@@ -133,6 +135,10 @@ pub fn router(state: Arc<AppState>, max_body: usize) -> Router {
                     .await
                 },
             ),
+        )
+        .route(
+            "/v1/responses/{id}",
+            get(stored_response).delete(delete_response),
         )
         .route("/v1/models", get(models))
         .route("/v1/models/{model}", get(model))
@@ -290,6 +296,75 @@ async fn model(
     Json(model_json(&state)).into_response()
 }
 
+/// `GET /v1/responses/{id}`: a kept response as it was answered, or 404.
+async fn stored_response(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    if let Err(error) = authorize(&state, &headers) {
+        return reject(&state, error);
+    }
+    let found = state.store().response(&id).cloned();
+    match found {
+        Some(response) => Json(response).into_response(),
+        None => reject(&state, response_not_found(&id)),
+    }
+}
+
+/// `DELETE /v1/responses/{id}`: forgets a kept response.
+async fn delete_response(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    if let Err(error) = authorize(&state, &headers) {
+        return reject(&state, error);
+    }
+    let removed = state.store().remove(&id);
+    match removed {
+        true => Json(json!({"id": id, "object": "response", "deleted": true})).into_response(),
+        false => reject(&state, response_not_found(&id)),
+    }
+}
+
+fn response_not_found(id: &str) -> ApiError {
+    ApiError::invalid(
+        format!(
+            "no response with id '{id}' is kept (stored in memory, the last {} at most)",
+            super::stored::MAX_RESPONSES
+        ),
+        None,
+    )
+    .with_status(StatusCode::NOT_FOUND)
+    .with_code("not_found")
+}
+
+impl AppState {
+    /// The response store; a panic while it was held does not make it unusable (its bounds
+    /// hold between operations).
+    fn store(&self) -> std::sync::MutexGuard<'_, ResponseStore> {
+        self.responses
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Keeps a finished response (completed or incomplete) with the conversation it ended:
+    /// `conversation` (its input) and its output items.
+    fn keep_response(&self, mut conversation: Vec<Value>, response: &Value) {
+        if !matches!(
+            response["status"].as_str(),
+            Some("completed" | "incomplete")
+        ) {
+            return;
+        }
+        if let Some(output) = response["output"].as_array() {
+            conversation.extend(output.iter().cloned());
+        }
+        self.store().insert(response.clone(), conversation);
+    }
+}
+
 /// The model object, with the context a request may use under the names clients read: vLLM's
 /// `max_model_len`, and llama-server's `meta` (`n_ctx` per slot, `n_ctx_train` of the model).
 fn model_json(state: &AppState) -> Value {
@@ -421,20 +496,21 @@ async fn responses(
     let shared = state.clone();
     let started = off_the_workers(move || {
         authorize(&shared, &headers)?;
-        let request = parse_responses_request(&body?)?;
+        let (request, conversation) = continue_previous(&body?, &shared.store())?;
         let (job, echo) = prepare_responses(request, shared.tokenizer, shared.context)?;
         let (accepted, events) = submit(&shared, job)?;
-        Ok((accepted, events, echo))
+        Ok((accepted, events, echo, conversation))
     })
     .await;
     match started {
-        Ok((accepted, events, echo)) => {
+        Ok((accepted, events, echo, conversation)) => {
             let id = format!("resp_{:x}", state.next_id.fetch_add(1, Ordering::Relaxed));
             let builder = ResponseBuilder::new(id, unix_seconds(), state.model_id.clone(), echo);
+            let keep = conversation.map(|conversation| (state.clone(), conversation));
             if accepted.stream {
-                stream_response(builder, events).into_response()
+                stream_response(builder, events, keep).into_response()
             } else {
-                whole_response(builder, events).await
+                whole_response(builder, events, keep).await
             }
         }
         Err(error) => reject(&state, error),
@@ -443,7 +519,10 @@ async fn responses(
 
 /// The whole reply as one `response` object (status completed, or incomplete at the token
 /// limit).
-async fn whole_response(mut builder: ResponseBuilder, mut events: Events) -> Response {
+/// A response to keep once done: the server's state and the conversation it continues.
+type Keep = Option<(Arc<AppState>, Vec<Value>)>;
+
+async fn whole_response(mut builder: ResponseBuilder, mut events: Events, keep: Keep) -> Response {
     loop {
         // One choice: the Responses API has no `n`.
         match events.recv().await.map(|(_, event)| event) {
@@ -453,7 +532,11 @@ async fn whole_response(mut builder: ResponseBuilder, mut events: Events) -> Res
             }
             Some(Event::Done(finish)) => {
                 let status = status_of(finish.reason);
-                return Json(builder.response(status, Some(&finish.usage), None)).into_response();
+                let response = builder.response(status, Some(&finish.usage), None);
+                if let Some((state, conversation)) = keep {
+                    state.keep_response(conversation, &response);
+                }
+                return Json(response).into_response();
             }
             Some(Event::Failed(message)) => return failure(message).into_response(),
             None => return failure("the request was dropped".into()).into_response(),
@@ -464,7 +547,11 @@ async fn whole_response(mut builder: ResponseBuilder, mut events: Events) -> Res
 /// The Responses API's semantic events (`event:` the type, `data:` the event object), ending
 /// with `response.completed`, `response.incomplete` or `response.failed`. Hanging up cancels
 /// the sequence, as for chat completions.
-fn stream_response(mut builder: ResponseBuilder, mut events: Events) -> impl IntoResponse {
+fn stream_response(
+    mut builder: ResponseBuilder,
+    mut events: Events,
+    mut keep: Keep,
+) -> impl IntoResponse {
     let (sender, receiver) = mpsc::channel::<Result<SseEvent, Infallible>>(64);
     tokio::spawn(async move {
         let sse = |(kind, value): (String, Value)| {
@@ -488,10 +575,16 @@ fn stream_response(mut builder: ResponseBuilder, mut events: Events) -> impl Int
                         false,
                     )
                 }
-                Some(Event::Done(finish)) => (
-                    builder.finish(Outcome::Finished(finish.reason, &finish.usage)),
-                    true,
-                ),
+                Some(Event::Done(finish)) => {
+                    let out = builder.finish(Outcome::Finished(finish.reason, &finish.usage));
+                    // The last event carries the whole response.
+                    if let (Some((state, conversation)), Some((_, last))) =
+                        (keep.take(), out.last())
+                    {
+                        state.keep_response(conversation, &last["response"]);
+                    }
+                    (out, true)
+                }
                 Some(Event::Failed(message)) => (builder.finish(Outcome::Failed(&message)), true),
                 None => (
                     builder.finish(Outcome::Failed("the request was dropped")),

@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod reply;
 pub mod responses;
 pub mod scheduler;
+pub mod stored;
 pub mod structured;
 
 use std::net::{IpAddr, SocketAddr};

@@ -18,6 +18,7 @@ use super::api::{
 const INPUT_TEXT_KINDS: &[&str] = &["input_text", "output_text", "text"];
 use super::reply::{logprob_json, LogprobEntry, ToolCallDelta};
 use super::scheduler::{FinishReason, Usage};
+use super::stored::ResponseStore;
 use super::structured::TextFormatField;
 use crate::chat::Tokenizer;
 
@@ -96,8 +97,12 @@ pub struct ResponsesRequest {
     /// Not in OpenAI's Responses API; taken as chat completions take it, for repeatable replies.
     #[serde(default)]
     pub seed: Option<u64>,
+    /// Resolved by [`continue_previous`] before the request is parsed here.
     #[serde(default)]
     pub previous_response_id: Option<String>,
+    /// Keep the response for `previous_response_id` and retrieval (OpenAI's default: true).
+    #[serde(default)]
+    pub store: Option<bool>,
     #[serde(default)]
     pub tools: Option<Vec<ResponsesTool>>,
     #[serde(default)]
@@ -143,6 +148,8 @@ pub struct Echo {
     pub tool_choice: Value,
     /// `text.format` as the request gave it (`{"type": "text"}` by default).
     pub format: Value,
+    /// Whether the response is kept.
+    pub store: bool,
 }
 
 /// Checks the request and renders it as a harmony prompt: `instructions` first as developer
@@ -152,11 +159,9 @@ pub fn prepare_responses(
     tokenizer: &Tokenizer,
     context: usize,
 ) -> Result<(ChatJob, Echo), ApiError> {
-    if request.previous_response_id.is_some() {
-        return Err(ApiError::invalid(
-            "this server keeps no responses: send the whole conversation as `input` instead of `previous_response_id`",
-            Some("previous_response_id"),
-        ));
+    if let Some(id) = &request.previous_response_id {
+        // Not resolved by `continue_previous`: there is no store to look it up in.
+        return Err(previous_not_found(id));
     }
     let (tools, echoed_tools) = chat_tools(request.tools.unwrap_or_default())?;
     let echoed_choice = match &request.tool_choice {
@@ -266,8 +271,59 @@ pub fn prepare_responses(
         tools: echoed_tools,
         tool_choice: echoed_choice,
         format,
+        store: request.store.unwrap_or(true),
     };
     Ok((job, echo))
+}
+
+/// The request in `body` with `previous_response_id` resolved against `store`: the stored
+/// conversation's items before the request's own input (`instructions` are not carried over,
+/// as in OpenAI's API). Also the conversation this response continues, to keep with its output
+/// once it is done, unless the request says `store: false`.
+pub fn continue_previous(
+    body: &[u8],
+    store: &ResponseStore,
+) -> Result<(ResponsesRequest, Option<Vec<Value>>), ApiError> {
+    let mut value: Value = parse_json(body)?;
+    let own = match value.get("input") {
+        Some(Value::String(text)) => vec![json!({"role": "user", "content": text})],
+        Some(Value::Array(items)) => items.clone(),
+        // Wrong or missing: the typed parse names it.
+        _ => return parse_responses_request(body).map(|request| (request, None)),
+    };
+    let mut items = Vec::new();
+    if let Some(id) = value.get("previous_response_id").and_then(Value::as_str) {
+        items.extend_from_slice(
+            store
+                .conversation(id)
+                .ok_or_else(|| previous_not_found(id))?,
+        );
+        items.extend(own);
+        value["input"] = Value::Array(items.clone());
+        if let Some(fields) = value.as_object_mut() {
+            fields.remove("previous_response_id");
+        }
+    } else {
+        items = own;
+    }
+    let body = serde_json::to_vec(&value).map_err(|error| {
+        ApiError::invalid(format!("the request could not be rebuilt: {error}"), None)
+    })?;
+    let request = parse_responses_request(&body)?;
+    let keep = request.store.unwrap_or(true);
+    Ok((request, keep.then_some(items)))
+}
+
+/// The error for a `previous_response_id` the store does not have, as OpenAI words it.
+fn previous_not_found(id: &str) -> ApiError {
+    ApiError::invalid(
+        format!(
+            "previous response with id '{id}' not found (this server keeps the last {} responses in memory, until it stops)",
+            super::stored::MAX_RESPONSES
+        ),
+        Some("previous_response_id"),
+    )
+    .with_code("previous_response_not_found")
 }
 
 /// An error about chat message `k` (`messages[k].tool_call_id`, `messages[k].tool_calls[0].
@@ -619,7 +675,7 @@ impl ResponseBuilder {
             "tool_choice": self.echo.tool_choice,
             "tools": self.echo.tools,
             "text": {"format": self.echo.format},
-            "store": false,
+            "store": self.echo.store,
             "metadata": {},
             "usage": usage.map(usage_json),
         })
@@ -982,6 +1038,7 @@ mod tests {
             tools: Vec::new(),
             tool_choice: json!("auto"),
             format: json!({"type": "text"}),
+            store: true,
         }
     }
 
