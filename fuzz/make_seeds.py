@@ -231,6 +231,7 @@ def server_request():
                                           ("completion_text.json", 22, completion),
                                           ("chat_structured.json", 6, structured),
                                           ("responses_structured.json", 7, structured_text),
+                                          ("responses_previous.json", 7, {"input": "and then?", "previous_response_id": "resp_1", "store": False}),
                                           ("completion_structured.json", 22, structured_completion),
                                           ("completion_prompts.json", 22, {"prompt": ["a", "<|start|>b"], "n": 2, "echo": True, "seed": 4}),
                                           ("completion_tokens.json", 18, {"prompt": [[200006, 17360, 200008, 1428]], "max_tokens": 8, "echo": True, "skip_special_tokens": False}),

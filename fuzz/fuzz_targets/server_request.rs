@@ -1,6 +1,6 @@
 //! `ossterm serve`'s request bodies, as a client could send them: the first byte picks the
 //! endpoint (bit 3 clear: even `/v1/chat/completions` through `parse_chat_request` and
-//! `prepare_chat`, odd `/v1/responses` through `parse_responses_request` and
+//! `prepare_chat`, odd `/v1/responses` through `continue_previous` and
 //! `prepare_responses`; bit 3 set: even `/tokenize`, odd `/detokenize`; bit 4 set:
 //! `/v1/completions` through `prepare_completion`) and the context size; the rest is the body.
 //! Invariants: no panic; a refusal is a 4xx whose OpenAI-style body names a message; an accepted
@@ -12,7 +12,8 @@ use ossterm::server::api::{
     detokenize, parse_chat_request, parse_json, prepare_chat, tokenize, ApiError, ChatJob,
 };
 use ossterm::server::completions::{prepare_completion, CompletionRequest};
-use ossterm::server::responses::{parse_responses_request, prepare_responses};
+use ossterm::server::responses::{continue_previous, prepare_responses};
+use ossterm::server::stored::ResponseStore;
 use ossterm_fuzz::{tokenizer, LimitingAllocator};
 
 /// The tokenizer's tables and a few KiB of request.
@@ -71,8 +72,10 @@ fuzz_target!(|data: &[u8]| {
             .and_then(|request| prepare_chat(request, tokenizer(), context));
         check(result, context, false);
     } else {
-        let result = parse_responses_request(body)
-            .and_then(|request| prepare_responses(request, tokenizer(), context))
+        // Through the store's request rewriting (an empty store: a previous_response_id is
+        // unknown).
+        let result = continue_previous(body, &ResponseStore::default())
+            .and_then(|(request, _)| prepare_responses(request, tokenizer(), context))
             .map(|(job, _)| job);
         check(result, context, false);
     }
