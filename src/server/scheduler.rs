@@ -18,7 +18,10 @@
 //! Prefix reuse: a finished sequence stays in its slot. A new request takes the free slot whose
 //! tokens share the longest prefix with its prompt, and if another slot (running or not) shares
 //! a longer one (the same system and developer messages, an earlier turn of the same chat), the
-//! keys and values of that prefix are copied over instead of computed again.
+//! keys and values of that prefix are copied over instead of computed again. A prompt scored at
+//! every position (`echo` with `logprobs`) needs the scores of what it reuses: each slot keeps
+//! those its last scored prompt computed, and such a prompt reuses only its own slot's scored
+//! prefix.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -56,8 +59,8 @@ pub struct Job {
     /// `Some(top)`: each answer token's log-probability and the `top` likeliest.
     pub logprobs: Option<usize>,
     /// `Some(top)`: every prompt token's log-probability given those before it and the `top`
-    /// likeliest there, sent in the reply's first delta. Such a prompt is prefilled whole: a
-    /// cached prefix has no logits to report.
+    /// likeliest there, sent in the reply's first delta. Such a prompt reuses a cached prefix
+    /// only with the scores a scored prompt left for it ([`CachedScores`]).
     pub prompt_logprobs: Option<usize>,
     /// Logit bias and repetition penalties, applied to the row before each sampling.
     pub adjustments: LogitAdjustments,
