@@ -44,6 +44,25 @@ fn user(text: &str) -> Value {
     json!([{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": text}])
 }
 
+/// The chunks of a streamed `/v1/completions` reply to `body`, parsed, until `[DONE]`.
+fn completion_chunks(server: &Server, body: Value) -> Vec<Value> {
+    let response = agent()
+        .post(&server.url("/v1/completions"))
+        .send_string(&body.to_string())
+        .unwrap();
+    let mut chunks = Vec::new();
+    for line in BufReader::new(response.into_reader()).lines() {
+        let line = line.unwrap();
+        if let Some(data) = line.strip_prefix("data: ") {
+            if data == "[DONE]" {
+                break;
+            }
+            chunks.push(serde_json::from_str::<Value>(data).unwrap());
+        }
+    }
+    chunks
+}
+
 /// The `data:` payloads of a streamed reply, until `[DONE]` (included).
 fn stream(server: &Server, body: &str) -> Vec<String> {
     let response = agent()
@@ -1194,24 +1213,11 @@ fn text_completions_continue_the_raw_prompt_whole_and_streamed() {
     assert_eq!(usage["prompt_tokens"], 4, "{usage}");
 
     // Streamed: the same text in pieces, a finish chunk, the usage chunk, [DONE].
-    let response = agent()
-        .post(&server.url("/v1/completions"))
-        .send_string(
-            &json!({"prompt": "Once upon a time", "temperature": 0, "stream": true,
-                    "stream_options": {"include_usage": true}})
-            .to_string(),
-        )
-        .unwrap();
-    let mut chunks = Vec::new();
-    for line in BufReader::new(response.into_reader()).lines() {
-        let line = line.unwrap();
-        if let Some(data) = line.strip_prefix("data: ") {
-            if data == "[DONE]" {
-                break;
-            }
-            chunks.push(serde_json::from_str::<Value>(data).unwrap());
-        }
-    }
+    let chunks = completion_chunks(
+        &server,
+        json!({"prompt": "Once upon a time", "temperature": 0, "stream": true,
+               "stream_options": {"include_usage": true}}),
+    );
     assert!(chunks.iter().all(|c| c["object"] == "text_completion"));
     let streamed: String = chunks
         .iter()
@@ -1975,24 +1981,11 @@ fn echoed_prompts_are_scored_at_every_position_as_evaluation_harnesses_ask() {
 
     // Streamed: the echoed prompt comes with its log-probabilities in one chunk, then the
     // reply's tokens with theirs.
-    let response = agent()
-        .post(&server.url("/v1/completions"))
-        .send_string(
-            &json!({"prompt": ids, "echo": true, "logprobs": 1, "max_tokens": 3,
-                    "temperature": 0, "stream": true})
-            .to_string(),
-        )
-        .unwrap();
-    let mut chunks = Vec::new();
-    for line in BufReader::new(response.into_reader()).lines() {
-        let line = line.unwrap();
-        if let Some(data) = line.strip_prefix("data: ") {
-            if data == "[DONE]" {
-                break;
-            }
-            chunks.push(serde_json::from_str::<Value>(data).unwrap());
-        }
-    }
+    let chunks = completion_chunks(
+        &server,
+        json!({"prompt": ids, "echo": true, "logprobs": 1, "max_tokens": 3,
+               "temperature": 0, "stream": true}),
+    );
     let echoed = &chunks[0]["choices"][0];
     assert_eq!(echoed["text"], text, "{echoed}");
     let streamed = echoed["logprobs"]["token_logprobs"].as_array().unwrap();
