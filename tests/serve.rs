@@ -1837,6 +1837,22 @@ fn expected_prompt_logprobs(precision: Precision, ids: &[u32]) -> Vec<(f64, f64)
         .collect()
 }
 
+/// `choice`'s prompt scores are the fast path's own for `prompt` (within 1e-3).
+fn assert_prompt_scored(choice: &Value, prompt: &[u32]) {
+    let got = choice["logprobs"]["token_logprobs"].as_array().unwrap();
+    for (p, &(logprob, _)) in expected_prompt_logprobs(Precision::Fast, prompt)
+        .iter()
+        .enumerate()
+    {
+        let value = got[p + 1].as_f64().unwrap();
+        assert!(
+            (value - logprob).abs() < 1e-3,
+            "position {}: {value} against {logprob}",
+            p + 1
+        );
+    }
+}
+
 #[test]
 fn echoed_prompts_are_scored_at_every_position_as_evaluation_harnesses_ask() {
     let server = serve(Precision::Fast, options(2, 1024, 8), None);
@@ -1932,20 +1948,7 @@ fn echoed_prompts_are_scored_at_every_position_as_evaluation_harnesses_ask() {
         shared - 1,
         "{answer}"
     );
-    let got = answer["choices"][0]["logprobs"]["token_logprobs"]
-        .as_array()
-        .unwrap();
-    for (p, &(logprob, _)) in expected_prompt_logprobs(Precision::Fast, &other)
-        .iter()
-        .enumerate()
-    {
-        let value = got[p + 1].as_f64().unwrap();
-        assert!(
-            (value - logprob).abs() < 1e-3,
-            "position {}: {value} against {logprob}",
-            p + 1
-        );
-    }
+    assert_prompt_scored(&answer["choices"][0], &other);
     // More alternatives than the cache kept: computed again.
     let (_, wider) = post(json!({"prompt": other, "echo": true, "logprobs": 3, "max_tokens": 1}));
     assert_eq!(
@@ -2086,18 +2089,7 @@ fn the_answers_of_a_batched_question_share_its_scored_context() {
         .unwrap();
     assert_eq!(cached, 3 * (shared as u64 - 1), "{}", reply["usage"]);
     for (choice, prompt) in reply["choices"].as_array().unwrap().iter().zip(&prompts) {
-        let got = choice["logprobs"]["token_logprobs"].as_array().unwrap();
-        for (p, &(logprob, _)) in expected_prompt_logprobs(Precision::Fast, prompt)
-            .iter()
-            .enumerate()
-        {
-            let value = got[p + 1].as_f64().unwrap();
-            assert!(
-                (value - logprob).abs() < 1e-3,
-                "position {}: {value} against {logprob}",
-                p + 1
-            );
-        }
+        assert_prompt_scored(choice, prompt);
     }
     server.stop();
 }
