@@ -13,7 +13,6 @@ use ossterm::server::api::{
 };
 use ossterm::server::completions::{prepare_completion, CompletionRequest};
 use ossterm::server::responses::{continue_previous, prepare_responses};
-use ossterm::server::stored::ResponseStore;
 use ossterm_fuzz::{tokenizer, LimitingAllocator};
 
 /// The tokenizer's tables and a few KiB of request.
@@ -72,9 +71,9 @@ fuzz_target!(|data: &[u8]| {
             .and_then(|request| prepare_chat(request, tokenizer(), context));
         check(result, context, false);
     } else {
-        // Through the store's request rewriting (an empty store: a previous_response_id is
+        // Through the store's request rewriting (nothing kept: a previous_response_id is
         // unknown).
-        let result = continue_previous(body, &ResponseStore::default())
+        let result = continue_previous(body, |_| None)
             .and_then(|(request, _)| prepare_responses(request, tokenizer(), context))
             .map(|(job, _)| job);
         check(result, context, false);

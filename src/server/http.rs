@@ -496,7 +496,8 @@ async fn responses(
     let shared = state.clone();
     let started = off_the_workers(move || {
         authorize(&shared, &headers)?;
-        let (request, conversation) = continue_previous(&body?, &shared.store())?;
+        let kept = |id: &str| shared.store().conversation(id).map(<[Value]>::to_vec);
+        let (request, conversation) = continue_previous(&body?, kept)?;
         let (job, echo) = prepare_responses(request, shared.tokenizer, shared.context)?;
         let (accepted, events) = submit(&shared, job)?;
         Ok((accepted, events, echo, conversation))

@@ -18,7 +18,6 @@ use super::api::{
 const INPUT_TEXT_KINDS: &[&str] = &["input_text", "output_text", "text"];
 use super::reply::{logprob_json, LogprobEntry, ToolCallDelta};
 use super::scheduler::{FinishReason, Usage};
-use super::stored::ResponseStore;
 use super::structured::TextFormatField;
 use crate::chat::Tokenizer;
 
@@ -276,13 +275,15 @@ pub fn prepare_responses(
     Ok((job, echo))
 }
 
-/// The request in `body` with `previous_response_id` resolved against `store`: the stored
-/// conversation's items before the request's own input (`instructions` are not carried over,
-/// as in OpenAI's API). Also the conversation this response continues, to keep with its output
-/// once it is done, unless the request says `store: false`.
+/// The request in `body` with `previous_response_id` resolved by `conversation` (a kept
+/// response's conversation, see [`super::stored::ResponseStore::conversation`]): those items
+/// before the request's own input (`instructions` are not carried over, as in OpenAI's API).
+/// Also the conversation this response continues, to keep with its output once it is done,
+/// unless the request says `store: false`. The lookup is a closure so that the store is locked
+/// only while the items are copied, not while the request is parsed.
 pub fn continue_previous(
     body: &[u8],
-    store: &ResponseStore,
+    conversation: impl FnOnce(&str) -> Option<Vec<Value>>,
 ) -> Result<(ResponsesRequest, Option<Vec<Value>>), ApiError> {
     let mut value: Value = parse_json(body)?;
     let own = match value.get("input") {
@@ -291,14 +292,11 @@ pub fn continue_previous(
         // Wrong or missing: the typed parse names it.
         _ => return parse_responses_request(body).map(|request| (request, None)),
     };
-    let mut items = Vec::new();
+    let items;
     if let Some(id) = value.get("previous_response_id").and_then(Value::as_str) {
-        items.extend_from_slice(
-            store
-                .conversation(id)
-                .ok_or_else(|| previous_not_found(id))?,
-        );
-        items.extend(own);
+        let mut kept = conversation(id).ok_or_else(|| previous_not_found(id))?;
+        kept.extend(own);
+        items = kept;
         value["input"] = Value::Array(items.clone());
         if let Some(fields) = value.as_object_mut() {
             fields.remove("previous_response_id");
