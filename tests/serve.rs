@@ -377,6 +377,12 @@ fn an_api_key_is_required_when_set_and_exposure_without_one_is_refused() {
         .set("Authorization", "Bearer sekrit")
         .send_string(&body);
     assert_eq!(read_json(ok).0, 200);
+    // Kept responses too: neither read nor deleted without the key.
+    let stored = server.url("/v1/responses/resp_1");
+    for reply in [agent().get(&stored).call(), agent().delete(&stored).call()] {
+        let (status, body) = read_json(reply);
+        assert_eq!(status, 401, "{body}");
+    }
     assert_eq!(
         agent().get(&server.url("/health")).call().unwrap().status(),
         200

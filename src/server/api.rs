@@ -552,6 +552,26 @@ pub fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiE
     Ok(request)
 }
 
+/// Refuses a prompt (`what`, in the request's `param`) of `len` tokens that leaves no room for
+/// a reply in `context`: 400 `context_length_exceeded`, as OpenAI and vLLM answer it.
+pub fn check_fits(
+    what: &str,
+    len: usize,
+    context: usize,
+    param: &'static str,
+) -> Result<(), ApiError> {
+    if len < context {
+        return Ok(());
+    }
+    Err(ApiError::invalid(
+        format!(
+            "{what} is {len} tokens, but the context holds {context} (prompt and reply); shorten it"
+        ),
+        Some(param),
+    )
+    .with_code("context_length_exceeded"))
+}
+
 /// Renders the messages as a harmony prompt and checks every sampling field. System and
 /// developer messages become harmony's developer instructions (gpt-oss reserves the harmony
 /// system message for identity, dates and reasoning effort), as the model card's chat template
@@ -780,16 +800,7 @@ pub fn prepare_chat_dated(
             }
         }
     }
-    if prompt.len() >= context {
-        return Err(ApiError::invalid(
-            format!(
-                "the prompt is {} tokens, but the context holds {context} (prompt and reply); shorten the messages",
-                prompt.len()
-            ),
-            Some("messages"),
-        )
-        .with_code("context_length_exceeded"));
-    }
+    check_fits("the prompt", prompt.len(), context, "messages")?;
 
     let (max_param, max) = match (request.max_completion_tokens, request.max_tokens) {
         (Some(max), _) => ("max_completion_tokens", Some(max)),

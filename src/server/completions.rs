@@ -6,8 +6,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::api::{
-    choice_count, logit_adjustments, sampler_settings, stop_strings, ApiError, ChatJob, StopField,
-    StreamOptions, TextMode, MAX_CHOICES, MAX_TOP_LOGPROBS,
+    check_fits, choice_count, logit_adjustments, sampler_settings, stop_strings, ApiError, ChatJob,
+    StopField, StreamOptions, TextMode, MAX_CHOICES, MAX_TOP_LOGPROBS,
 };
 use super::reply::{LogprobEntry, PromptLogprobs};
 use super::structured::{structured_output, OutputConstraint, ResponseFormatField};
@@ -176,16 +176,7 @@ pub fn prepare_completion(
                 Some("prompt"),
             ));
         }
-        if prompt.len() >= context {
-            return Err(ApiError::invalid(
-                format!(
-                    "{which} is {} tokens, but the context holds {context} (prompt and completion); shorten it",
-                    prompt.len()
-                ),
-                Some("prompt"),
-            )
-            .with_code("context_length_exceeded"));
-        }
+        check_fits(&which, prompt.len(), context, "prompt")?;
         let room = context - prompt.len();
         let max_tokens = match request.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS) {
             // Only the echoed prompt (and its log-probabilities): scoring a text, as OpenAI's
@@ -425,14 +416,16 @@ mod tests {
         assert_eq!((job.max_tokens, job.prompt_logprobs), (0, None));
     }
 
-    #[test]
-    fn legacy_logprobs_put_the_echoed_prompt_first() {
-        use super::super::reply::TokenLogprob;
-        let token = |text: &str, logprob: f32| TokenLogprob {
+    fn token(text: &str, logprob: f32) -> super::super::reply::TokenLogprob {
+        super::super::reply::TokenLogprob {
             token: text.into(),
             bytes: text.as_bytes().to_vec(),
             logprob,
-        };
+        }
+    }
+
+    #[test]
+    fn legacy_logprobs_put_the_echoed_prompt_first() {
         let prompt = PromptLogprobs {
             first: "Hé".into(),
             rest: vec![LogprobEntry {
@@ -454,12 +447,6 @@ mod tests {
 
     #[test]
     fn legacy_logprobs_count_offsets_in_bytes() {
-        use super::super::reply::TokenLogprob;
-        let token = |text: &str, logprob: f32| TokenLogprob {
-            token: text.into(),
-            bytes: text.as_bytes().to_vec(),
-            logprob,
-        };
         let entries = vec![
             LogprobEntry {
                 sampled: token("Hé", -0.5),

@@ -944,6 +944,46 @@ mod tests {
     }
 
     #[test]
+    fn a_previous_response_goes_first_and_bad_store_fields_are_named() {
+        let kept = vec![json!({"role": "user", "content": "a"})];
+        let lookup = |id: &str| (id == "resp_1").then(|| kept.clone());
+        let body = br#"{"input": "b", "previous_response_id": "resp_1"}"#;
+        let (request, conversation) = continue_previous(body, lookup).unwrap();
+        let conversation = conversation.expect("kept by default");
+        assert_eq!(conversation[0], kept[0]);
+        assert_eq!(conversation[1], json!({"role": "user", "content": "b"}));
+        assert!(request.previous_response_id.is_none());
+        assert!(matches!(request.input, Input::Items(ref items) if items.len() == 2));
+        let (_, conversation) =
+            continue_previous(br#"{"input": "b", "store": false}"#, lookup).unwrap();
+        assert!(conversation.is_none(), "store: false keeps nothing");
+        for (body, param, code) in [
+            (
+                &br#"{"input": "b", "previous_response_id": "resp_9"}"#[..],
+                "previous_response_id",
+                Some("previous_response_not_found"),
+            ),
+            (
+                br#"{"input": "b", "previous_response_id": 5}"#,
+                "previous_response_id",
+                None,
+            ),
+            (br#"{"input": "b", "store": "yes"}"#, "store", None),
+            (
+                br#"{"input": 5, "previous_response_id": "resp_1"}"#,
+                "input",
+                None,
+            ),
+        ] {
+            let error = continue_previous(body, lookup).unwrap_err();
+            assert_eq!(error.param.as_deref(), Some(param), "{error:?}");
+            if code.is_some() {
+                assert_eq!(error.code, code);
+            }
+        }
+    }
+
+    #[test]
     fn effort_and_limits_are_read_and_errors_name_responses_fields() {
         let (job, echo) = prepare(
             r#"{"input": "hi", "reasoning": {"effort": "low"}, "max_output_tokens": 7, "stream": true}"#,
