@@ -129,6 +129,45 @@ fn health_models_metrics_and_unknown_paths() {
     server.stop();
 }
 
+/// The chat page at the root, its script, their headers; served without the API key (the page
+/// holds no data and asks for the key itself) while the API still wants it; `--no-webui` serves
+/// neither.
+#[test]
+fn the_chat_page_is_served_at_the_root_unless_turned_off() {
+    let server = serve(Precision::Fast, options(1, 512, 2), Some("sk-page"));
+    let page = agent().get(&server.url("/")).call().unwrap();
+    assert_eq!(page.content_type(), "text/html");
+    let policy = page.header("content-security-policy").unwrap().to_owned();
+    assert!(policy.contains("script-src 'self'"), "{policy}");
+    assert!(policy.contains("connect-src 'self'"), "{policy}");
+    assert_eq!(page.header("x-content-type-options"), Some("nosniff"));
+    let html = page.into_string().unwrap();
+    assert!(
+        html.contains(r#"<script src="chat.js"></script>"#),
+        "{html}"
+    );
+    for id in ["messages", "input", "send", "effort", "api-key", "new-chat"] {
+        assert!(html.contains(&format!(r#"id="{id}""#)), "page lacks #{id}");
+    }
+    let script = agent().get(&server.url("/chat.js")).call().unwrap();
+    assert_eq!(script.content_type(), "text/javascript");
+    let js = script.into_string().unwrap();
+    assert!(js.contains("v1/chat/completions"));
+    // The page reads the model id and context from the API, which still wants the key.
+    let (status, _) = read_json(agent().get(&server.url("/v1/models")).call());
+    assert_eq!(status, 401);
+    server.stop();
+
+    let api_only =
+        Server::start_with_page(Precision::Fast, 2, options(1, 512, 2), None, 1 << 20, false);
+    for path in ["/", "/chat.js"] {
+        let (status, body) = read_json(agent().get(&api_only.url(path)).call());
+        assert_eq!(status, 404, "{path}");
+        assert_eq!(body["error"]["code"], "not_found");
+    }
+    api_only.stop();
+}
+
 #[test]
 fn a_chat_completion_has_the_openai_shape_and_is_repeatable_with_a_seed() {
     // The exact path: a reply must not depend on how much of the prompt came from the cache (the

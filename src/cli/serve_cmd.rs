@@ -44,6 +44,9 @@ pub struct ServeArgs {
     /// pages on this machine (localhost); `*` for every origin. Repeatable.
     #[arg(long = "cors-origin", value_name = "ORIGIN", value_parser = parse_origin)]
     pub cors_origins: Vec<String>,
+    /// Do not serve the chat page at the root URL (the API only).
+    #[arg(long)]
+    pub no_webui: bool,
 }
 
 /// `*`, or a scheme and host with an optional port (what a browser sends as `Origin`).
@@ -112,15 +115,21 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         handle_signals: true,
         drain_grace: std::time::Duration::from_secs(args.drain_seconds),
         cors_origins: args.cors_origins.clone(),
+        web_ui: !args.no_webui,
     };
     let server = crate::server::start(session, options, listener)?;
     eprintln!(
-        "ossterm serve: {model_id} ({}) on http://{}/v1 — {} sequences x {} tokens, KV {}",
+        "ossterm serve: {model_id} ({}) on http://{}/v1 — {} sequences x {} tokens, KV {}{}",
         model.source,
         server.addr,
         args.parallel,
         args.context,
-        super::model_cmds::human_bytes(kv_bytes as u64)
+        super::model_cmds::human_bytes(kv_bytes as u64),
+        if args.no_webui {
+            String::new()
+        } else {
+            format!("; chat page at http://{}/", server.addr)
+        }
     );
     server.wait()?;
     eprintln!("ossterm serve: stopped");

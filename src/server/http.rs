@@ -96,12 +96,17 @@ impl AppState {
 const OVERSIZED_BODY_DRAIN_BYTES: usize = 64 << 20;
 
 /// The router: `/v1/chat/completions`, `/v1/completions`, `/v1/responses`, `/tokenize`,
-/// `/detokenize`,
-/// `/v1/models`, `/health`, `/metrics`;
-/// bodies larger than
-/// `max_body` bytes are refused with 413.
-pub fn router(state: Arc<AppState>, max_body: usize) -> Router {
-    Router::new()
+/// `/detokenize`, `/v1/models`, `/health`, `/metrics`, and with `web_ui` the chat page at `/`;
+/// bodies larger than `max_body` bytes are refused with 413.
+pub fn router(state: Arc<AppState>, max_body: usize, web_ui: bool) -> Router {
+    let routes = if web_ui {
+        Router::new()
+            .route("/", get(super::webui::page))
+            .route("/chat.js", get(super::webui::script))
+    } else {
+        Router::new()
+    };
+    routes
         .route(
             "/v1/chat/completions",
             post(move |state, headers, body| chat_completions(state, headers, body, max_body)),
@@ -395,7 +400,7 @@ async fn metrics(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Resp
 }
 
 async fn not_found() -> ApiError {
-    ApiError::invalid("no such endpoint; this server has POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /tokenize, POST /detokenize, GET /v1/models, GET /v1/models/{model}, GET /health and GET /metrics", None)
+    ApiError::invalid("no such endpoint; this server has POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /tokenize, POST /detokenize, GET /v1/models, GET /v1/models/{model}, GET /health, GET /metrics and (unless the server runs with --no-webui) the chat page at GET /", None)
         .with_status(StatusCode::NOT_FOUND)
         .with_code("not_found")
 }

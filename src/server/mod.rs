@@ -14,6 +14,7 @@ pub mod responses;
 pub mod scheduler;
 pub mod stored;
 pub mod structured;
+pub mod webui;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -57,6 +58,8 @@ pub struct ServeOptions {
     /// Origins whose browser pages may call the API besides local ones (`*`: any); see
     /// [`http::cors`].
     pub cors_origins: Vec<String>,
+    /// Serve the chat page at `/` (see [`webui`]).
+    pub web_ui: bool,
 }
 
 /// Refuses a non-loopback address without an API key.
@@ -168,12 +171,13 @@ pub fn start(
     let signal_grace = options.drain_grace;
     let max_body = options.max_body_bytes;
     let cors_origins = options.cors_origins.clone();
+    let web_ui = options.web_ui;
     let thread = std::thread::Builder::new()
         .name("ossterm-serve".into())
         .spawn(move || {
             runtime.block_on(async move {
                 let listener = tokio::net::TcpListener::from_std(listener).map_err(io_error)?;
-                let app = http::router(state.clone(), max_body).layer(http::cors(&cors_origins));
+                let app = http::router(state.clone(), max_body, web_ui).layer(http::cors(&cors_origins));
                 let shutdown_state = state.clone();
                 let shutdown = async move {
                     let grace = wait_for_stop(stopped, handle_signals, signal_grace).await;

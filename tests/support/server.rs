@@ -73,6 +73,18 @@ impl Server {
         api_key: Option<&str>,
         max_body_bytes: usize,
     ) -> Server {
+        Self::start_with_page(precision, threads, scheduler, api_key, max_body_bytes, true)
+    }
+
+    /// As [`Server::start`], serving the chat page at `/` or not (`--no-webui`).
+    pub fn start_with_page(
+        precision: Precision,
+        threads: usize,
+        scheduler: SchedulerOptions,
+        api_key: Option<&str>,
+        max_body_bytes: usize,
+        web_ui: bool,
+    ) -> Server {
         let pool = ossterm::engine::build_pool(threads).unwrap();
         let session = tiny_model(precision).new_session(&pool, 1);
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -84,6 +96,7 @@ impl Server {
             handle_signals: false,
             drain_grace: Duration::ZERO,
             cors_origins: vec!["https://app.example.com".into()],
+            web_ui,
         };
         let running = start(session, options, listener).unwrap();
         let base = format!("http://{}", running.addr);

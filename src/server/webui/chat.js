@@ -1,0 +1,332 @@
+// The chat page `ossterm serve` shows at its root: streams /v1/chat/completions and shows the
+// reasoning (analysis channel) apart from the answer. The first part is the protocol (also run
+// by tests/webui/chat.test.js under Node); the second wires it to the page. Text from the model
+// is only ever set as textContent, never parsed as HTML.
+'use strict';
+
+// Splits server-sent events out of a stream of text pieces (which may cut an event anywhere)
+// and hands each event's data to `onData`.
+function createSseParser(onData) {
+  let buffer = '';
+  return {
+    push(text) {
+      buffer += text.replace(/\r\n?/g, '\n');
+      let end;
+      while ((end = buffer.indexOf('\n\n')) >= 0) {
+        const event = buffer.slice(0, end);
+        buffer = buffer.slice(end + 2);
+        const data = event
+          .split('\n')
+          .filter((line) => line.startsWith('data:'))
+          .map((line) => line.slice(5).replace(/^ /, ''))
+          .join('\n');
+        if (data) onData(data);
+      }
+    },
+  };
+}
+
+function newReply() {
+  return { reasoning: '', content: '', finishReason: null, usage: null, timings: null, error: null, done: false };
+}
+
+// Folds one `data:` payload of a streamed chat completion into `reply`. The server sends the
+// reasoning under both `reasoning_content` and `reasoning` (clients read one or the other):
+// take one of them, not both.
+function applyData(reply, data) {
+  if (data === '[DONE]') {
+    reply.done = true;
+    return reply;
+  }
+  let chunk;
+  try {
+    chunk = JSON.parse(data);
+  } catch (_) {
+    reply.error = 'the server sent something that is not JSON: ' + data.slice(0, 200);
+    return reply;
+  }
+  if (chunk.error) {
+    reply.error = chunk.error.message || String(chunk.error);
+    return reply;
+  }
+  const choice = (chunk.choices || [])[0];
+  if (choice) {
+    const delta = choice.delta || {};
+    const reasoning = delta.reasoning_content !== undefined ? delta.reasoning_content : delta.reasoning;
+    if (typeof reasoning === 'string') reply.reasoning += reasoning;
+    if (typeof delta.content === 'string') reply.content += delta.content;
+    if (choice.finish_reason) reply.finishReason = choice.finish_reason;
+  }
+  if (chunk.usage) reply.usage = chunk.usage;
+  if (chunk.timings) reply.timings = chunk.timings;
+  return reply;
+}
+
+// The request body for `history` (user and assistant turns) under `settings`.
+function requestBody(history, settings) {
+  const messages = [];
+  if (settings.system && settings.system.trim()) messages.push({ role: 'developer', content: settings.system });
+  for (const turn of history) messages.push({ role: turn.role, content: turn.content });
+  const body = {
+    messages,
+    stream: true,
+    stream_options: { include_usage: true },
+    reasoning_effort: settings.effort || 'medium',
+  };
+  if (settings.model) body.model = settings.model;
+  const temperature = Number(settings.temperature);
+  if (settings.temperature !== '' && Number.isFinite(temperature)) body.temperature = temperature;
+  const maxTokens = Math.floor(Number(settings.maxTokens));
+  if (Number.isFinite(maxTokens) && maxTokens > 0) body.max_tokens = maxTokens;
+  return body;
+}
+
+function authHeaders(apiKey) {
+  return apiKey ? { Authorization: 'Bearer ' + apiKey } : {};
+}
+
+// The message of an error reply (OpenAI's `{"error": {"message"}}`), or its status.
+async function errorMessage(response) {
+  const text = await response.text();
+  try {
+    const parsed = JSON.parse(text);
+    if (parsed.error && parsed.error.message) return parsed.error.message + ' (HTTP ' + response.status + ')';
+  } catch (_) { /* not JSON: fall through */ }
+  return 'HTTP ' + response.status + (text ? ': ' + text.slice(0, 200) : '');
+}
+
+// Streams one reply; `onUpdate(reply)` after every event. Resolves with the reply (its `error`
+// set when the stream carried one); rejects when the request fails or `signal` aborts it.
+async function streamChat({ baseUrl, apiKey, body, signal, onUpdate, fetchImpl }) {
+  const doFetch = fetchImpl || fetch;
+  const response = await doFetch(new URL('v1/chat/completions', baseUrl), {
+    method: 'POST',
+    headers: Object.assign({ 'Content-Type': 'application/json' }, authHeaders(apiKey)),
+    body: JSON.stringify(body),
+    signal,
+  });
+  if (!response.ok) throw new Error(await errorMessage(response));
+  const reply = newReply();
+  const parser = createSseParser((data) => {
+    applyData(reply, data);
+    if (onUpdate) onUpdate(reply);
+  });
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    parser.push(decoder.decode(value, { stream: true }));
+  }
+  parser.push(decoder.decode() + '\n\n');
+  return reply;
+}
+
+// One line of figures under a reply: tokens, decode speed, time to first token.
+function statsLine(reply, firstTokenSeconds) {
+  const parts = [];
+  const tokens = reply.usage ? reply.usage.completion_tokens : null;
+  if (tokens !== null && tokens !== undefined) parts.push(tokens + ' tokens');
+  if (reply.timings && reply.timings.predicted_per_second > 0) {
+    parts.push(reply.timings.predicted_per_second.toFixed(1) + ' tokens/s');
+  }
+  if (firstTokenSeconds !== null && firstTokenSeconds !== undefined) {
+    parts.push('first token after ' + firstTokenSeconds.toFixed(2) + ' s');
+  }
+  const cached = reply.usage && reply.usage.prompt_tokens_details ? reply.usage.prompt_tokens_details.cached_tokens : 0;
+  if (reply.usage) parts.push(reply.usage.prompt_tokens + ' prompt tokens (' + (cached || 0) + ' cached)');
+  if (reply.finishReason === 'length') parts.push('cut at the token limit');
+  return parts.join(' · ');
+}
+
+if (typeof module !== 'undefined' && module.exports) {
+  module.exports = { createSseParser, newReply, applyData, requestBody, streamChat, statsLine, errorMessage };
+}
+
+// ---- the page ----------------------------------------------------------------------------------
+
+if (typeof document !== 'undefined') {
+  const $ = (id) => document.getElementById(id);
+  const baseUrl = new URL('.', location.href);
+  const fields = { system: $('system'), effort: $('effort'), temperature: $('temperature'), maxTokens: $('max-tokens') };
+  const apiKeyField = $('api-key');
+  const history = [];
+  let running = null;
+  let model = null;
+  // Bumped by "New chat": a reply still streaming for the old conversation must not join the new.
+  let conversation = 0;
+
+  // Settings outlive a reload; the API key only the tab (sessionStorage).
+  for (const [name, field] of Object.entries(fields)) {
+    const saved = localStorage.getItem('ossterm.' + name);
+    if (saved !== null) field.value = saved;
+    field.addEventListener('change', () => localStorage.setItem('ossterm.' + name, field.value));
+  }
+  apiKeyField.value = sessionStorage.getItem('ossterm.apiKey') || '';
+  apiKeyField.addEventListener('change', () => {
+    sessionStorage.setItem('ossterm.apiKey', apiKeyField.value);
+    connect();
+  });
+
+  const settingsPanel = $('settings');
+  const toggle = $('toggle-settings');
+  function showSettings(open) {
+    settingsPanel.hidden = !open;
+    toggle.setAttribute('aria-expanded', String(open));
+  }
+  toggle.addEventListener('click', () => showSettings(settingsPanel.hidden));
+
+  function setStatus(text, bad) {
+    const status = $('status');
+    status.textContent = text;
+    status.classList.toggle('bad', Boolean(bad));
+  }
+
+  async function connect() {
+    try {
+      const response = await fetch(new URL('v1/models', baseUrl), { headers: authHeaders(apiKeyField.value) });
+      if (response.status === 401) {
+        setStatus('this server needs an API key (Settings)', true);
+        showSettings(true);
+        return;
+      }
+      if (!response.ok) throw new Error(await errorMessage(response));
+      const list = await response.json();
+      const first = (list.data || [])[0];
+      model = first ? first.id : null;
+      const context = first && first.max_model_len ? ', ' + first.max_model_len + ' tokens of context' : '';
+      setStatus((model || 'model') + context);
+    } catch (error) {
+      setStatus('cannot reach the server: ' + error.message, true);
+    }
+  }
+
+  const messages = $('messages');
+  function addTurn(role) {
+    $('empty').hidden = true;
+    const turn = document.createElement('div');
+    turn.className = 'turn ' + role;
+    messages.appendChild(turn);
+    return turn;
+  }
+  function addPart(turn, tag, className, text) {
+    const part = document.createElement(tag);
+    part.className = className;
+    if (text !== undefined) part.textContent = text;
+    turn.appendChild(part);
+    return part;
+  }
+  const nearBottom = () => messages.scrollHeight - messages.scrollTop - messages.clientHeight < 80;
+
+  const input = $('input');
+  const send = $('send');
+  function setRunning(controller) {
+    running = controller;
+    send.textContent = controller ? 'Stop' : 'Send';
+    send.classList.toggle('primary', !controller);
+  }
+
+  async function submit() {
+    const text = input.value;
+    if (!text.trim()) return;
+    input.value = '';
+    history.push({ role: 'user', content: text });
+    addPart(addTurn('user'), 'div', 'text', text);
+    const turn = addTurn('assistant');
+    const details = addPart(turn, 'details', 'reasoning');
+    addPart(details, 'summary', '', 'Reasoning');
+    const reasoningText = addPart(details, 'div', '').appendChild(document.createTextNode(''));
+    details.hidden = true;
+    const answer = addPart(turn, 'div', 'text').appendChild(document.createTextNode(''));
+    const stats = addPart(turn, 'div', 'stats', 'waiting for the first token…');
+    const controller = new AbortController();
+    const mine = conversation;
+    setRunning(controller);
+    const started = performance.now();
+    let firstToken = null;
+    let reply = newReply();
+    let frame = 0;
+    function render() {
+      frame = 0;
+      const follow = nearBottom();
+      if (reply.reasoning.length > reasoningText.length) {
+        details.hidden = false;
+        reasoningText.appendData(reply.reasoning.slice(reasoningText.length));
+      }
+      if (reply.content.length > answer.length) answer.appendData(reply.content.slice(answer.length));
+      // Open while the model thinks, closed once the answer starts.
+      if (!details.hidden) details.open = !reply.content;
+      if (follow) messages.scrollTop = messages.scrollHeight;
+    }
+    const settings = { model };
+    for (const [name, field] of Object.entries(fields)) settings[name] = field.value;
+    // Whether the model answered at all: a refused or failed request, or one stopped before
+    // its first token, leaves the question out of the conversation and back in the box.
+    let answered = false;
+    try {
+      reply = await streamChat({
+        baseUrl,
+        apiKey: apiKeyField.value,
+        body: requestBody(history, settings),
+        signal: controller.signal,
+        onUpdate(update) {
+          reply = update;
+          if (firstToken === null && (update.reasoning || update.content)) {
+            firstToken = (performance.now() - started) / 1000;
+            stats.textContent = 'generating…';
+          }
+          // At most one repaint a frame however fast tokens come, each adding only new text.
+          if (!frame) frame = requestAnimationFrame(render);
+        },
+      });
+      render();
+      if (reply.error) {
+        addPart(turn, 'div', 'error', reply.error);
+        stats.textContent = '';
+      } else {
+        stats.textContent = statsLine(reply, firstToken);
+      }
+      answered = !reply.error || Boolean(reply.content || reply.reasoning);
+    } catch (error) {
+      if (frame) cancelAnimationFrame(frame);
+      render();
+      if (error.name === 'AbortError') {
+        stats.textContent = 'stopped' + (reply.usage ? ' · ' + statsLine(reply, firstToken) : '');
+      } else {
+        addPart(turn, 'div', 'error', error.message);
+        stats.textContent = '';
+      }
+      answered = Boolean(reply.content || reply.reasoning);
+    }
+    if (mine !== conversation) {
+      setRunning(null);
+      return;
+    }
+    if (answered) {
+      history.push({ role: 'assistant', content: reply.content });
+    } else {
+      history.pop();
+      if (!input.value) input.value = text;
+    }
+    setRunning(null);
+    input.focus();
+  }
+
+  send.addEventListener('click', () => (running ? running.abort() : submit()));
+  input.addEventListener('keydown', (event) => {
+    if (event.key === 'Enter' && !event.shiftKey && !event.isComposing) {
+      event.preventDefault();
+      if (!running) submit();
+    }
+  });
+  $('new-chat').addEventListener('click', () => {
+    if (running) running.abort();
+    conversation += 1;
+    history.length = 0;
+    for (const turn of [...messages.querySelectorAll('.turn')]) turn.remove();
+    $('empty').hidden = false;
+    input.focus();
+  });
+  connect();
+  input.focus();
+}

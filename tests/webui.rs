@@ -1,0 +1,73 @@
+//! The chat page's script (src/server/webui/chat.js) under Node's test runner
+//! (tests/webui/chat.test.js), against a real server: an in-process `ossterm serve` on the tiny
+//! model, with an API key as a server exposed on a network would have. Skipped, saying so, on a
+//! machine without Node.js.
+
+mod support;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use ossterm::model::Precision;
+use support::server::{agent, scheduler, Server};
+
+const KEY: &str = "sk-webui-test";
+
+fn node_available() -> bool {
+    Command::new("node")
+        .arg("--version")
+        .output()
+        .is_ok_and(|out| out.status.success())
+}
+
+/// `name`'s value on `/metrics`, read with the key.
+fn metric(server: &Server, name: &str) -> f64 {
+    let text = agent()
+        .get(&server.url("/metrics"))
+        .set("Authorization", &format!("Bearer {KEY}"))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {text}"))
+}
+
+#[test]
+fn the_page_script_streams_refuses_and_stops_against_the_server() {
+    if !node_available() {
+        eprintln!("node not installed: skipping the chat page's script tests");
+        return;
+    }
+    let server = Server::start(
+        Precision::Fast,
+        2,
+        scheduler(2, 8192, 4),
+        Some(KEY),
+        1 << 20,
+    );
+    let out = Command::new("node")
+        .args(["--test", "tests/webui/chat.test.js"])
+        .env("OSSTERM_TEST_SERVER", format!("{}/", server.base))
+        .env("OSSTERM_TEST_API_KEY", KEY)
+        .output()
+        .expect("node runs");
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "node --test failed:\n{report}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Every test ran against the server; none was skipped.
+    assert!(report.contains("# pass 7"), "{report}");
+    assert!(report.contains("# skipped 0"), "{report}");
+    // The stopped reply (asked for 4,000 tokens) left the batch when its client went away.
+    let until = Instant::now() + Duration::from_secs(5);
+    while metric(&server, "ossterm_active_sequences") != 0.0 {
+        assert!(Instant::now() < until, "the stopped stream still decodes");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(metric(&server, "ossterm_tokens_generated_total") < 1000.0);
+    server.stop();
+}
