@@ -82,6 +82,43 @@ async function main() {
     assert.ok(secondPrompt >= firstPrompt + 8, `${firstPrompt} then ${secondPrompt} prompt tokens`);
     assert.ok(secondCached > 0);
     assert.equal(await page.inputValue('#input'), '');
+    // How a reply is shown, from a canned stream (random weights write no Markdown): the
+    // reasoning in its fold, closed once the answer starts; Markdown as elements; markup and
+    // script links in the model's text stay text.
+    const answerText = [
+      '## Result', '', 'Plain <img src=x onerror="window.injected=1"> and **bold** text.', '',
+      '| tool | speed |', '|---|---|', '| ossterm | `fast` |', '',
+      '```sh', 'ossterm serve --synthetic 20b', '```', '',
+      '- [docs](https://example.com/docs)', '- [bad](javascript:window.injected=2)',
+    ].join('\n');
+    const event = (delta, extra) => 'data: ' + JSON.stringify(Object.assign(
+      { choices: [{ index: 0, delta, finish_reason: null }] }, extra || {})) + '\n\n';
+    let canned = event({ reasoning_content: 'Thinking it ', reasoning: 'Thinking it ' })
+      + event({ reasoning_content: 'over.', reasoning: 'over.' });
+    for (let at = 0; at < answerText.length; at += 7) canned += event({ content: answerText.slice(at, at + 7) });
+    canned += event({}, { choices: [{ index: 0, delta: {}, finish_reason: 'stop' }], timings: { predicted_per_second: 42 } })
+      + 'data: ' + JSON.stringify({ choices: [], usage: { prompt_tokens: 90, completion_tokens: 60, prompt_tokens_details: { cached_tokens: 80 } } })
+      + '\n\ndata: [DONE]\n\n';
+    await page.route('**/v1/chat/completions', (route) => route.fulfill({
+      status: 200, headers: { 'Content-Type': 'text/event-stream' }, body: canned }));
+    await page.fill('#input', 'Show me Markdown');
+    await page.press('#input', 'Enter');
+    const shown = page.locator('.turn.assistant >> nth=2');
+    await shown.locator('.stats:text-matches("42.0 tokens/s")').waitFor();
+    assert.equal(await shown.locator('.reasoning').isVisible(), true);
+    assert.equal(await shown.locator('.reasoning').evaluate((d) => d.open), false);
+    assert.equal(await shown.locator('.reasoning div').textContent(), 'Thinking it over.');
+    assert.equal(await shown.locator('.answer h4').textContent(), 'Result');
+    assert.equal(await shown.locator('.answer strong').textContent(), 'bold');
+    assert.deepEqual(await shown.locator('.answer td').allTextContents(), ['ossterm', 'fast']);
+    assert.equal(await shown.locator('.answer pre code').textContent(), 'ossterm serve --synthetic 20b');
+    assert.equal(await shown.locator('.answer img').count(), 0);
+    assert.match(await shown.locator('.answer p').first().textContent(), /<img src=x onerror=/);
+    assert.deepEqual(await shown.locator('.answer a').evaluateAll((links) => links.map((a) => a.href)),
+      ['https://example.com/docs']);
+    assert.match(await shown.locator('.answer li').nth(1).textContent(), /\[bad\]\(javascript:/);
+    assert.equal(await page.evaluate(() => window.injected), undefined);
+    await page.unroute('**/v1/chat/completions');
     await page.screenshot({ path: screenshot });
     await page.click('#new-chat');
     assert.equal(await page.locator('.turn').count(), 0);

@@ -60,6 +60,30 @@ test('an error event or a payload that is not JSON becomes the reply error', () 
   assert.match(garbled.error, /not JSON/);
 });
 
+// A response whose body yields `pieces`, as fetch would give it.
+function fakeFetch(status, pieces) {
+  return async () => new Response(new ReadableStream({
+    start(controller) {
+      for (const piece of pieces) controller.enqueue(new TextEncoder().encode(piece));
+      controller.close();
+    },
+  }), { status, headers: { 'Content-Type': 'text/event-stream' } });
+}
+
+test('a stream that ends without [DONE] is an error, the text so far kept', async () => {
+  const delta = (content) => 'data: ' + JSON.stringify({ choices: [{ index: 0, delta: { content } }] }) + '\n\n';
+  const cut = await chat.streamChat({ baseUrl: 'http://x/', body: {}, fetchImpl: fakeFetch(200, [delta('Hel'), delta('lo')]) });
+  assert.equal(cut.content, 'Hello');
+  assert.match(cut.error, /closed before the reply ended/);
+  // The last event without its blank line still counts.
+  const whole = await chat.streamChat({ baseUrl: 'http://x/', body: {}, fetchImpl: fakeFetch(200, [delta('Hi'), 'data: [DONE]']) });
+  assert.equal(whole.content, 'Hi');
+  assert.equal(whole.error, null);
+  // An error status rejects with the server's message.
+  const refused = fakeFetch(429, [JSON.stringify({ error: { message: 'all slots are busy' } })]);
+  await assert.rejects(chat.streamChat({ baseUrl: 'http://x/', body: {}, fetchImpl: refused }), /all slots are busy \(HTTP 429\)/);
+});
+
 test('the request carries the settings and the conversation', () => {
   const history = [{ role: 'user', content: 'hi' }, { role: 'assistant', content: 'hello' }, { role: 'user', content: 'again' }];
   const body = chat.requestBody(history, { system: 'Be brief.', effort: 'high', temperature: '0.5', maxTokens: '64', model: 'm' });
@@ -76,6 +100,43 @@ test('the request carries the settings and the conversation', () => {
   assert.equal(bare.messages.length, 3);
   assert.equal('temperature' in bare, false);
   assert.equal('max_tokens' in bare, false);
+});
+
+test('markdown blocks: headings, fences, lists, tables, quotes, rules, paragraphs', () => {
+  const text = [
+    '## Plan', '', 'First line', 'second line', '', '```rust', 'fn main() {', '', '}', '```',
+    '- one', '- two', '  more of two', '  1. nested', '', '3. three', '4. four', '',
+    '| a | b \\| c |', '|---|:-:|', '| 1 | `x` |', '', '> quoted **bold**', '', '---', 'end',
+  ].join('\n');
+  const blocks = chat.parseMarkdown(text);
+  assert.deepEqual(blocks.map((b) => b.type),
+    ['heading', 'paragraph', 'code', 'list', 'list', 'table', 'quote', 'rule', 'paragraph']);
+  assert.deepEqual(blocks[0], { type: 'heading', level: 2, text: 'Plan' });
+  assert.equal(blocks[1].text, 'First line\nsecond line');
+  assert.deepEqual(blocks[2], { type: 'code', language: 'rust', text: 'fn main() {\n\n}' });
+  assert.equal(blocks[3].ordered, false);
+  assert.deepEqual(blocks[3].items, [{ level: 0, text: 'one' }, { level: 0, text: 'two\nmore of two' }, { level: 1, text: 'nested' }]);
+  assert.equal(blocks[4].ordered, true);
+  assert.equal(blocks[4].start, 3);
+  assert.deepEqual(blocks[5].head, ['a', 'b | c']);
+  assert.deepEqual(blocks[5].rows, [['1', '`x`']]);
+  assert.deepEqual(blocks[6].blocks, [{ type: 'paragraph', text: 'quoted **bold**' }]);
+  // A reply cut inside a code fence (still streaming) shows the code so far as code.
+  assert.deepEqual(chat.parseMarkdown('Run:\n```sh\nls -l'), [
+    { type: 'paragraph', text: 'Run:' }, { type: 'code', language: 'sh', text: 'ls -l' }]);
+  assert.deepEqual(chat.parseMarkdown(''), []);
+});
+
+test('markdown spans: code, strong, emphasis, http links only; the rest stays text', () => {
+  assert.deepEqual(chat.parseInline('Use `a*b` and **bold** or *it* [docs](https://example.com/x).'), [
+    { type: 'text', text: 'Use ' }, { type: 'code', text: 'a*b' }, { type: 'text', text: ' and ' },
+    { type: 'strong', text: 'bold' }, { type: 'text', text: ' or ' }, { type: 'em', text: 'it' },
+    { type: 'text', text: ' ' }, { type: 'link', text: 'docs', href: 'https://example.com/x' }, { type: 'text', text: '.' },
+  ]);
+  // Markup-looking text that is not Markdown, and links that are not http(s), stay text.
+  for (const plain of ['2 * 3 * 4', '<img src=x onerror=alert(1)>', '[x](javascript:alert(1))', 'a ** b']) {
+    assert.deepEqual(chat.parseInline(plain), [{ type: 'text', text: plain }], plain);
+  }
 });
 
 const server = process.env.OSSTERM_TEST_SERVER;

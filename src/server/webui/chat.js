@@ -96,7 +96,8 @@ async function errorMessage(response) {
 }
 
 // Streams one reply; `onUpdate(reply)` after every event. Resolves with the reply (its `error`
-// set when the stream carried one); rejects when the request fails or `signal` aborts it.
+// set when the stream carried one or ended without `[DONE]`); rejects when the request fails or
+// `signal` aborts it.
 async function streamChat({ baseUrl, apiKey, body, signal, onUpdate, fetchImpl }) {
   const doFetch = fetchImpl || fetch;
   const response = await doFetch(new URL('v1/chat/completions', baseUrl), {
@@ -119,6 +120,7 @@ async function streamChat({ baseUrl, apiKey, body, signal, onUpdate, fetchImpl }
     parser.push(decoder.decode(value, { stream: true }));
   }
   parser.push(decoder.decode() + '\n\n');
+  if (!reply.done && !reply.error) reply.error = 'the connection closed before the reply ended';
   return reply;
 }
 
@@ -139,8 +141,119 @@ function statsLine(reply, firstTokenSeconds) {
   return parts.join(' · ');
 }
 
+// ---- Markdown, as the model writes it --------------------------------------------------------
+// Answers come in Markdown (headings, lists, tables, code). Parsed here into plain blocks and
+// spans, which the page turns into elements whose text is set as text: nothing the model writes
+// is ever read as HTML. A reply still streaming is parsed as it stands (an open code fence is a
+// code block until it closes).
+
+const FENCE = /^\s*(```|~~~)\s*([\w+#.-]*)\s*$/;
+const HEADING = /^(#{1,6})\s+(.*?)\s*#*\s*$/;
+const RULE = /^\s*([-*_])(\s*\1){2,}\s*$/;
+const ITEM = /^(\s*)([-*+]|\d{1,9}[.)])\s+(.*)$/;
+const TABLE_RULE = /^\s*\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?\s*$/;
+
+function tableCells(line) {
+  let row = line.trim();
+  if (row.startsWith('|')) row = row.slice(1);
+  if (row.endsWith('|') && !row.endsWith('\\|')) row = row.slice(0, -1);
+  return row.split(/(?<!\\)\|/).map((cell) => cell.trim().replace(/\\\|/g, '|'));
+}
+
+// Blocks of `text`: {type: 'paragraph' | 'heading' | 'code' | 'list' | 'quote' | 'table' | 'rule'}.
+function parseMarkdown(text) {
+  const lines = text.split('\n');
+  const blocks = [];
+  let i = 0;
+  while (i < lines.length) {
+    const line = lines[i];
+    let match;
+    if (!line.trim()) {
+      i++;
+    } else if ((match = FENCE.exec(line))) {
+      const body = [];
+      i++;
+      while (i < lines.length && !(lines[i].trim().startsWith(match[1]) && !lines[i].trim().slice(3).trim())) {
+        body.push(lines[i]);
+        i++;
+      }
+      i++;
+      blocks.push({ type: 'code', language: match[2], text: body.join('\n') });
+    } else if ((match = HEADING.exec(line))) {
+      blocks.push({ type: 'heading', level: match[1].length, text: match[2] });
+      i++;
+    } else if (RULE.test(line)) {
+      blocks.push({ type: 'rule' });
+      i++;
+    } else if (line.includes('|') && i + 1 < lines.length && TABLE_RULE.test(lines[i + 1]) && lines[i + 1].includes('-')) {
+      const head = tableCells(line);
+      const rows = [];
+      i += 2;
+      while (i < lines.length && lines[i].includes('|') && lines[i].trim()) {
+        rows.push(tableCells(lines[i]));
+        i++;
+      }
+      blocks.push({ type: 'table', head, rows });
+    } else if (/^\s*>/.test(line)) {
+      const quoted = [];
+      while (i < lines.length && /^\s*>/.test(lines[i])) {
+        quoted.push(lines[i].replace(/^\s*> ?/, ''));
+        i++;
+      }
+      blocks.push({ type: 'quote', blocks: parseMarkdown(quoted.join('\n')) });
+    } else if ((match = ITEM.exec(line))) {
+      const ordered = /\d/.test(match[2]);
+      const items = [];
+      while (i < lines.length) {
+        const item = ITEM.exec(lines[i]);
+        if (item && /\d/.test(item[2]) === ordered) {
+          items.push({ level: Math.floor(item[1].replace(/\t/g, '  ').length / 2), text: item[3] });
+        } else if (item) {
+          // A nested list of the other kind: an item one level in.
+          items.push({ level: Math.max(1, Math.floor(item[1].length / 2)), text: item[3] });
+        } else if (lines[i].trim() && /^\s+/.test(lines[i]) && items.length) {
+          items[items.length - 1].text += '\n' + lines[i].trim();
+        } else {
+          break;
+        }
+        i++;
+      }
+      blocks.push({ type: 'list', ordered, start: ordered ? parseInt(match[2], 10) : 1, items });
+    } else {
+      const body = [];
+      while (i < lines.length && lines[i].trim() && !FENCE.test(lines[i]) && !HEADING.test(lines[i])
+        && !ITEM.test(lines[i]) && !/^\s*>/.test(lines[i]) && !(body.length && RULE.test(lines[i]))) {
+        body.push(lines[i]);
+        i++;
+      }
+      blocks.push({ type: 'paragraph', text: body.join('\n') });
+    }
+  }
+  return blocks;
+}
+
+const INLINE = /(`+)([\s\S]*?[^`])\1(?!`)|\*\*(?=\S)([\s\S]*?\S)\*\*|__(?=\S)([\s\S]*?\S)__|\*(?=[^\s*])([^*]*?[^\s*])\*|\[([^\]\n]+)\]\((https?:\/\/[^\s)]+)\)/g;
+
+// Spans of a block's text: {type: 'text' | 'code' | 'strong' | 'em' | 'link', text, href}.
+function parseInline(text) {
+  const spans = [];
+  let at = 0;
+  for (const match of text.matchAll(INLINE)) {
+    if (match.index > at) spans.push({ type: 'text', text: text.slice(at, match.index) });
+    if (match[1]) spans.push({ type: 'code', text: match[2].trim() || match[2] });
+    else if (match[3] !== undefined || match[4] !== undefined) spans.push({ type: 'strong', text: match[3] !== undefined ? match[3] : match[4] });
+    else if (match[5] !== undefined) spans.push({ type: 'em', text: match[5] });
+    else spans.push({ type: 'link', text: match[6], href: match[7] });
+    at = match.index + match[0].length;
+  }
+  if (at < text.length) spans.push({ type: 'text', text: text.slice(at) });
+  return spans;
+}
+
 if (typeof module !== 'undefined' && module.exports) {
-  module.exports = { createSseParser, newReply, applyData, requestBody, streamChat, statsLine, errorMessage };
+  module.exports = {
+    createSseParser, newReply, applyData, requestBody, streamChat, statsLine, errorMessage, parseMarkdown, parseInline,
+  };
 }
 
 // ---- the page ----------------------------------------------------------------------------------
@@ -201,6 +314,72 @@ if (typeof document !== 'undefined') {
     }
   }
 
+  function element(tag, text) {
+    const node = document.createElement(tag);
+    if (text !== undefined) node.textContent = text;
+    return node;
+  }
+  function inline(parent, text) {
+    for (const span of parseInline(text)) {
+      if (span.type === 'text') {
+        parent.appendChild(document.createTextNode(span.text));
+      } else if (span.type === 'link') {
+        const link = element('a', span.text);
+        link.href = span.href;
+        link.rel = 'noopener noreferrer';
+        link.target = '_blank';
+        parent.appendChild(link);
+      } else {
+        parent.appendChild(element(span.type, span.text));
+      }
+    }
+    return parent;
+  }
+  // Elements for Markdown blocks (see parseMarkdown); every text set as text.
+  function markdownNodes(blocks) {
+    return blocks.map((block) => {
+      switch (block.type) {
+        case 'heading': return inline(element('h' + Math.min(6, block.level + 2)), block.text);
+        case 'rule': return element('hr');
+        case 'code': {
+          const pre = element('pre');
+          const code = pre.appendChild(element('code', block.text));
+          if (block.language) code.dataset.language = block.language;
+          return pre;
+        }
+        case 'quote': {
+          const quote = element('blockquote');
+          quote.append(...markdownNodes(block.blocks));
+          return quote;
+        }
+        case 'list': {
+          const list = element(block.ordered ? 'ol' : 'ul');
+          if (block.ordered && block.start !== 1) list.start = block.start;
+          for (const item of block.items) {
+            const li = inline(element('li'), item.text);
+            if (item.level) li.style.marginLeft = 1.5 * item.level + 'em';
+            list.appendChild(li);
+          }
+          return list;
+        }
+        case 'table': {
+          const wrap = element('div');
+          wrap.className = 'table';
+          const table = wrap.appendChild(element('table'));
+          const head = table.appendChild(element('thead')).appendChild(element('tr'));
+          for (const cell of block.head) head.appendChild(inline(element('th'), cell));
+          const body = table.appendChild(element('tbody'));
+          for (const row of block.rows) {
+            const tr = body.appendChild(element('tr'));
+            for (const cell of row) tr.appendChild(inline(element('td'), cell));
+          }
+          return wrap;
+        }
+        default: return inline(element('p'), block.text);
+      }
+    });
+  }
+
   const messages = $('messages');
   function addTurn(role) {
     $('empty').hidden = true;
@@ -237,7 +416,8 @@ if (typeof document !== 'undefined') {
     addPart(details, 'summary', '', 'Reasoning');
     const reasoningText = addPart(details, 'div', '').appendChild(document.createTextNode(''));
     details.hidden = true;
-    const answer = addPart(turn, 'div', 'text').appendChild(document.createTextNode(''));
+    const answer = addPart(turn, 'div', 'answer');
+    let shownAnswer = '';
     const stats = addPart(turn, 'div', 'stats', 'waiting for the first token…');
     const controller = new AbortController();
     const mine = conversation;
@@ -253,7 +433,10 @@ if (typeof document !== 'undefined') {
         details.hidden = false;
         reasoningText.appendData(reply.reasoning.slice(reasoningText.length));
       }
-      if (reply.content.length > answer.length) answer.appendData(reply.content.slice(answer.length));
+      if (reply.content !== shownAnswer) {
+        shownAnswer = reply.content;
+        answer.replaceChildren(...markdownNodes(parseMarkdown(shownAnswer)));
+      }
       // Open while the model thinks, closed once the answer starts.
       if (!details.hidden) details.open = !reply.content;
       if (follow) messages.scrollTop = messages.scrollHeight;
@@ -318,6 +501,9 @@ if (typeof document !== 'undefined') {
       event.preventDefault();
       if (!running) submit();
     }
+  });
+  document.addEventListener('keydown', (event) => {
+    if (event.key === 'Escape' && running) running.abort();
   });
   $('new-chat').addEventListener('click', () => {
     if (running) running.abort();
