@@ -416,12 +416,52 @@ fn an_api_key_is_required_when_set_and_exposure_without_one_is_refused() {
         .set("Authorization", "Bearer sekrit")
         .send_string(&body);
     assert_eq!(read_json(ok).0, 200);
-    // Kept responses too: neither read nor deleted without the key.
-    let stored = server.url("/v1/responses/resp_1");
-    for reply in [agent().get(&stored).call(), agent().delete(&stored).call()] {
-        let (status, body) = read_json(reply);
-        assert_eq!(status, 401, "{body}");
+    // The scheme's name in any case (RFC 6750); a key that differs anywhere, is cut short or runs
+    // on, or comes under another scheme, is refused.
+    let with = |value: &str| {
+        read_json(
+            agent()
+                .post(&server.url("/v1/chat/completions"))
+                .set("Authorization", value)
+                .send_string(&body),
+        )
+        .0
+    };
+    assert_eq!(with("bearer sekrit"), 200);
+    for wrong in [
+        "Bearer sekri",
+        "Bearer sekritt",
+        "Bearer Sekrit",
+        "Basic sekrit",
+        "sekrit",
+        "Bearer",
+    ] {
+        assert_eq!(with(wrong), 401, "{wrong}");
     }
+    // Every endpoint but the health check and the chat page: kept responses can be neither read
+    // nor deleted without the key.
+    let stored = server.url("/v1/responses/resp_1");
+    for (name, reply) in [
+        ("get response", agent().get(&stored).call()),
+        ("delete response", agent().delete(&stored).call()),
+        ("models", agent().get(&server.url("/v1/models")).call()),
+        (
+            "model",
+            agent().get(&server.url("/v1/models/synthetic-tiny")).call(),
+        ),
+        ("metrics", agent().get(&server.url("/metrics")).call()),
+    ] {
+        let (status, body) = read_json(reply);
+        assert_eq!(status, 401, "{name}: {body}");
+        assert_eq!(body["error"]["code"], "invalid_api_key", "{name}");
+    }
+    let (status, _) = read_json(
+        agent()
+            .get(&server.url("/v1/models/synthetic-tiny"))
+            .set("Authorization", "Bearer sekrit")
+            .call(),
+    );
+    assert_eq!(status, 200);
     assert_eq!(
         agent().get(&server.url("/health")).call().unwrap().status(),
         200

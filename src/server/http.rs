@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, FromRequestParts, State};
+use axum::http::request::Parts;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -223,7 +224,8 @@ fn reject(state: &AppState, error: ApiError) -> Response {
     error.into_response()
 }
 
-/// With an API key set, `Authorization: Bearer KEY` is required.
+/// With an API key set, `Authorization: Bearer KEY` is required (the scheme's name in any case,
+/// as RFC 6750 has it).
 fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(key) = &state.api_key else {
         return Ok(());
@@ -231,8 +233,13 @@ fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     let given = headers
         .get(header::AUTHORIZATION)
         .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.strip_prefix("Bearer "));
-    if given == Some(key.as_str()) {
+        .and_then(|value| {
+            let (scheme, token) = value.trim().split_once(' ')?;
+            scheme
+                .eq_ignore_ascii_case("bearer")
+                .then(|| token.trim_start())
+        });
+    if given.is_some_and(|given| same_key(given.as_bytes(), key.as_bytes())) {
         Ok(())
     } else {
         Err(ApiError {
@@ -242,6 +249,33 @@ fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
             param: None,
             code: Some("invalid_api_key"),
         })
+    }
+}
+
+/// Whether `given` is `key`, in a time that depends on their lengths only, not on where they first
+/// differ (a server on a network must not tell a guesser how much of the key it got right).
+fn same_key(given: &[u8], key: &[u8]) -> bool {
+    let differences = given.iter().zip(key).fold(0u8, |acc, (a, b)| acc | (a ^ b));
+    // `black_box` keeps the compiler from turning the fold into an early-exit comparison.
+    std::hint::black_box(differences) == 0 && given.len() == key.len()
+}
+
+/// A bodiless request that carries the API key (when the server has one), as an extractor, so a
+/// handler states the requirement in its signature and a request without the key never reaches
+/// it. Handlers that take a body check after reading it instead (see `read_body`), so a client
+/// still writing its body gets the 401 rather than a reset connection.
+struct Authorized;
+
+impl FromRequestParts<Arc<AppState>> for Authorized {
+    type Rejection = Response;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &Arc<AppState>,
+    ) -> Result<Self, Response> {
+        authorize(state, &parts.headers)
+            .map(|()| Authorized)
+            .map_err(|error| reject(state, error))
     }
 }
 
@@ -270,22 +304,16 @@ async fn health() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
 
-async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    if let Err(error) = authorize(&state, &headers) {
-        return reject(&state, error);
-    }
+async fn models(_: Authorized, State(state): State<Arc<AppState>>) -> Response {
     Json(json!({"object": "list", "data": [model_json(&state)]})).into_response()
 }
 
 /// `GET /v1/models/{model}` (the openai package's `models.retrieve`): the model served, or 404.
 async fn model(
+    _: Authorized,
     State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Response {
-    if let Err(error) = authorize(&state, &headers) {
-        return reject(&state, error);
-    }
     if id != state.model_id {
         let error = ApiError::invalid(
             format!(
@@ -303,13 +331,10 @@ async fn model(
 
 /// `GET /v1/responses/{id}`: a kept response as it was answered, or 404.
 async fn stored_response(
+    _: Authorized,
     State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Response {
-    if let Err(error) = authorize(&state, &headers) {
-        return reject(&state, error);
-    }
     let found = state.store().response(&id).cloned();
     match found {
         Some(response) => Json(response).into_response(),
@@ -319,13 +344,10 @@ async fn stored_response(
 
 /// `DELETE /v1/responses/{id}`: forgets a kept response.
 async fn delete_response(
+    _: Authorized,
     State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Response {
-    if let Err(error) = authorize(&state, &headers) {
-        return reject(&state, error);
-    }
     let removed = state.store().remove(&id);
     match removed {
         true => Json(json!({"id": id, "object": "response", "deleted": true})).into_response(),
@@ -388,10 +410,7 @@ fn model_json(state: &AppState) -> Value {
     })
 }
 
-async fn metrics(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    if let Err(error) = authorize(&state, &headers) {
-        return reject(&state, error);
-    }
+async fn metrics(_: Authorized, State(state): State<Arc<AppState>>) -> Response {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         state.metrics.render(),
@@ -1200,6 +1219,14 @@ mod tests {
     use super::super::scheduler::{FinishReason, Usage};
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn keys_match_only_whole_and_exact() {
+        assert!(same_key(b"sk-123", b"sk-123"));
+        for given in [&b"sk-12"[..], b"sk-1234", b"sk-124", b"SK-123", b""] {
+            assert!(!same_key(given, b"sk-123"), "{given:?}");
+        }
+    }
 
     /// The events of a reply that reasons, then calls `get_weather` in two pieces.
     fn tool_call_events() -> Events {
