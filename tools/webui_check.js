@@ -34,9 +34,11 @@ async function main() {
     await page.waitForSelector('.turn.assistant .stats:text-matches("tokens/s")', { timeout: 60000 });
     assert.equal(await page.textContent('.turn.user .text'), 'Hello there');
     const stats = await page.textContent('.turn.assistant .stats');
-    assert.match(stats, /^\d+ tokens · [\d.]+ tokens\/s · .*prompt tokens \(\d+ cached\)/);
+    assert.match(stats, /^\d+ tokens · [\d.]+ tokens\/s · first token after [\d.]+ s · \d+ prompt tokens \(\d+ cached\)/);
     assert.equal(await page.inputValue('#input'), '');
     assert.equal(await page.textContent('#send'), 'Send');
+    // Text, or (random weights) a note that the tokens held none: never an empty reply.
+    assert.ok((await page.textContent('.turn.assistant .answer')).length > 0);
 
     // A long reply (settings: 4,000 tokens) stopped with the button; the server lets it go.
     await page.click('#toggle-settings');

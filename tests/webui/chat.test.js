@@ -49,6 +49,9 @@ test('reasoning sent under both names is counted once; content, finish, usage, t
   assert.equal(reply.error, null);
   assert.equal(chat.statsLine(reply, 0.25),
     '9 tokens · 12.5 tokens/s · first token after 0.25 s · 70 prompt tokens (64 cached) · cut at the token limit');
+  // The server's own time to first token, where its timings carry one, over the page's.
+  reply.timings.prompt_ms = 861;
+  assert.match(chat.statsLine(reply, 0.25), /first token after 0\.86 s/);
 });
 
 test('an error event or a payload that is not JSON becomes the reply error', () => {

@@ -124,7 +124,9 @@ async function streamChat({ baseUrl, apiKey, body, signal, onUpdate, fetchImpl }
   return reply;
 }
 
-// One line of figures under a reply: tokens, decode speed, time to first token.
+// One line of figures under a reply: tokens, decode speed, time to first token (the server's,
+// from its timings, where it sends them: it counts tokens that show no text too; else as seen
+// here).
 function statsLine(reply, firstTokenSeconds) {
   const parts = [];
   const tokens = reply.usage ? reply.usage.completion_tokens : null;
@@ -132,9 +134,9 @@ function statsLine(reply, firstTokenSeconds) {
   if (reply.timings && reply.timings.predicted_per_second > 0) {
     parts.push(reply.timings.predicted_per_second.toFixed(1) + ' tokens/s');
   }
-  if (firstTokenSeconds !== null && firstTokenSeconds !== undefined) {
-    parts.push('first token after ' + firstTokenSeconds.toFixed(2) + ' s');
-  }
+  const serverFirst = reply.timings && reply.timings.prompt_ms > 0 ? reply.timings.prompt_ms / 1000 : null;
+  const first = serverFirst !== null ? serverFirst : firstTokenSeconds;
+  if (first !== null && first !== undefined) parts.push('first token after ' + first.toFixed(2) + ' s');
   const cached = reply.usage && reply.usage.prompt_tokens_details ? reply.usage.prompt_tokens_details.cached_tokens : 0;
   if (reply.usage) parts.push(reply.usage.prompt_tokens + ' prompt tokens (' + (cached || 0) + ' cached)');
   if (reply.finishReason === 'length') parts.push('cut at the token limit');
@@ -468,6 +470,10 @@ if (typeof document !== 'undefined') {
         stats.textContent = '';
       } else {
         stats.textContent = statsLine(reply, firstToken);
+        if (!reply.content && !reply.reasoning && reply.usage && reply.usage.completion_tokens > 0) {
+          // Tokens outside any harmony message (random weights write such): say so, not nothing.
+          addPart(answer, 'p', 'note', 'The reply’s tokens held no reasoning or answer text.');
+        }
       }
       answered = !reply.error || Boolean(reply.content || reply.reasoning);
     } catch (error) {
