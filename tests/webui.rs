@@ -6,10 +6,9 @@
 mod support;
 
 use std::process::Command;
-use std::time::{Duration, Instant};
 
 use ossterm::model::Precision;
-use support::server::{agent, scheduler, Server};
+use support::server::{scheduler, Server};
 
 const KEY: &str = "sk-webui-test";
 
@@ -18,20 +17,6 @@ fn node_available() -> bool {
         .arg("--version")
         .output()
         .is_ok_and(|out| out.status.success())
-}
-
-/// `name`'s value on `/metrics`, read with the key.
-fn metric(server: &Server, name: &str) -> f64 {
-    let text = agent()
-        .get(&server.url("/metrics"))
-        .set("Authorization", &format!("Bearer {KEY}"))
-        .call()
-        .unwrap()
-        .into_string()
-        .unwrap();
-    text.lines()
-        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in {text}"))
 }
 
 #[test]
@@ -64,11 +49,7 @@ fn the_page_script_streams_refuses_and_stops_against_the_server() {
     assert!(report.contains("# skipped 0"), "{report}");
     assert!(!report.contains("# pass 0"), "{report}");
     // The stopped reply (asked for 4,000 tokens) left the batch when its client went away.
-    let until = Instant::now() + Duration::from_secs(5);
-    while metric(&server, "ossterm_active_sequences") != 0.0 {
-        assert!(Instant::now() < until, "the stopped stream still decodes");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert!(metric(&server, "ossterm_tokens_generated_total") < 1000.0);
+    server.wait_for_metric("ossterm_active_sequences", |active| active == 0.0);
+    assert!(server.metric("ossterm_tokens_generated_total") < 1000.0);
     server.stop();
 }

@@ -61,6 +61,8 @@ pub struct Server {
     running: Option<RunningServer>,
     /// `http://127.0.0.1:PORT`.
     pub base: String,
+    /// The key the server wants, sent with the metrics reads.
+    api_key: Option<String>,
 }
 
 impl Server {
@@ -103,6 +105,7 @@ impl Server {
         Server {
             running: Some(running),
             base,
+            api_key: api_key.map(str::to_owned),
         }
     }
 
@@ -119,14 +122,13 @@ impl Server {
         read_json(result)
     }
 
-    /// The value of the metric `name` on /metrics.
+    /// The value of the metric `name` on /metrics (read with the server's key, if it has one).
     pub fn metric(&self, name: &str) -> f64 {
-        let text = agent()
-            .get(&self.url("/metrics"))
-            .call()
-            .unwrap()
-            .into_string()
-            .unwrap();
+        let mut request = agent().get(&self.url("/metrics"));
+        if let Some(key) = &self.api_key {
+            request = request.set("Authorization", &format!("Bearer {key}"));
+        }
+        let text = request.call().unwrap().into_string().unwrap();
         text.lines()
             .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
             .unwrap_or_else(|| panic!("no {name} in {text}"))
