@@ -56,10 +56,18 @@ async function main() {
       await page.waitForTimeout(100);
     }
     assert.equal(await page.locator('.turn').count(), 4);
-    // The setting outlives a reload.
+    // The setting and the conversation outlive a reload; New chat forgets the conversation.
+    const statsBefore = await page.locator('.turn .stats').allTextContents();
     await page.reload();
     await page.waitForFunction(() => document.getElementById('status').textContent.includes('synthetic-tiny'));
     assert.equal(await page.inputValue('#max-tokens'), '4000');
+    assert.equal(await page.locator('.turn').count(), 4);
+    assert.deepEqual(await page.locator('.turn.user .text').allTextContents(), ['Hello there', 'Tell me a long story']);
+    assert.deepEqual(await page.locator('.turn .stats').allTextContents(), statsBefore);
+    await page.click('#new-chat');
+    await page.reload();
+    await page.waitForFunction(() => document.getElementById('status').textContent.includes('synthetic-tiny'));
+    assert.equal(await page.locator('.turn').count(), 0);
     assert.equal(await page.isVisible('#settings'), false);
     await page.click('#toggle-settings');
     await page.fill('#max-tokens', '24');

@@ -492,7 +492,8 @@ if (typeof document !== 'undefined') {
       return;
     }
     if (answered) {
-      history.push({ role: 'assistant', content: reply.content });
+      history.push({ role: 'assistant', content: reply.content, reasoning: reply.reasoning, stats: stats.textContent });
+      saveConversation();
     } else {
       history.pop();
       if (!input.value) input.value = text;
@@ -515,10 +516,44 @@ if (typeof document !== 'undefined') {
     if (running) running.abort();
     conversation += 1;
     history.length = 0;
+    saveConversation();
     for (const turn of [...messages.querySelectorAll('.turn')]) turn.remove();
     $('empty').hidden = false;
     input.focus();
   });
+  // The conversation outlives a reload (in this browser's local storage, until New chat).
+  function saveConversation() {
+    try {
+      if (history.length) localStorage.setItem('ossterm.conversation', JSON.stringify(history));
+      else localStorage.removeItem('ossterm.conversation');
+    } catch (_) { /* storage full or refused: the page works without it */ }
+  }
+  function restoreConversation() {
+    let saved;
+    try {
+      saved = JSON.parse(localStorage.getItem('ossterm.conversation') || '[]');
+    } catch (_) {
+      return;
+    }
+    if (!Array.isArray(saved)) return;
+    for (const turn of saved) {
+      if (!turn || typeof turn.content !== 'string' || (turn.role !== 'user' && turn.role !== 'assistant')) return;
+      if (turn.role === 'user') {
+        addPart(addTurn('user'), 'div', 'text', turn.content);
+      } else {
+        const shown = addTurn('assistant');
+        if (typeof turn.reasoning === 'string' && turn.reasoning) {
+          const details = addPart(shown, 'details', 'reasoning');
+          addPart(details, 'summary', '', 'Reasoning');
+          addPart(details, 'div', '', turn.reasoning);
+        }
+        addPart(shown, 'div', 'answer').replaceChildren(...markdownNodes(parseMarkdown(turn.content)));
+        addPart(shown, 'div', 'stats', typeof turn.stats === 'string' ? turn.stats : '');
+      }
+      history.push(turn);
+    }
+  }
+  restoreConversation();
   connect();
   input.focus();
 }
