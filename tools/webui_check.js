@@ -68,6 +68,14 @@ async function main() {
     await page.reload();
     await page.waitForFunction(() => document.getElementById('status').textContent.includes('synthetic-tiny'));
     assert.equal(await page.locator('.turn').count(), 0);
+    // A saved value that is not a conversation (another version's, a hand edit) is dropped whole.
+    for (const bad of ['{not json', '{"role": "user"}', '[{"role": "user", "content": "kept?"}, {"role": "system", "content": 1}]']) {
+      await page.evaluate((value) => localStorage.setItem('ossterm.conversation', value), bad);
+      await page.reload();
+      await page.waitForFunction(() => document.getElementById('status').textContent.includes('synthetic-tiny'));
+      assert.equal(await page.locator('.turn').count(), 0, bad);
+      assert.equal(await page.evaluate(() => localStorage.getItem('ossterm.conversation')), null, bad);
+    }
     assert.equal(await page.isVisible('#settings'), false);
     await page.click('#toggle-settings');
     await page.fill('#max-tokens', '24');

@@ -25,7 +25,9 @@ if [ ! -d "$modules/node_modules/playwright-core" ]; then
 fi
 
 cargo build --release --quiet
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+free_port() {
+    node -e 'const s = require("net").createServer().listen(0, "127.0.0.1", () => { console.log(s.address().port); s.close(); })'
+}
 open_port=$(free_port)
 keyed_port=$(free_port)
 logs=$(mktemp -d)
@@ -39,7 +41,8 @@ cleanup() { kill "$open_server" "$keyed_server" 2>/dev/null || true; rm -rf "$lo
 trap cleanup EXIT
 for port in "$open_port" "$keyed_port"; do
     for _ in $(seq 100); do
-        curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
+        node -e 'fetch(process.argv[1]).then((r) => process.exit(r.ok ? 0 : 1), () => process.exit(1))' \
+            "http://127.0.0.1:$port/health" && break
         sleep 0.2
     done
 done

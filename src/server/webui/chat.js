@@ -399,6 +399,32 @@ if (typeof document !== 'undefined') {
   }
   const nearBottom = () => messages.scrollHeight - messages.scrollTop - messages.clientHeight < 80;
 
+  // An assistant turn: the reasoning fold (hidden until it has text), the answer and the line
+  // of figures. `show` brings them up to `reply`, adding only the reasoning that is new.
+  function addAssistantTurn(statsText) {
+    const turn = addTurn('assistant');
+    const details = addPart(turn, 'details', 'reasoning');
+    addPart(details, 'summary', '', 'Reasoning');
+    const reasoningText = addPart(details, 'div', '').appendChild(document.createTextNode(''));
+    details.hidden = true;
+    const answer = addPart(turn, 'div', 'answer');
+    const stats = addPart(turn, 'div', 'stats', statsText);
+    let shownAnswer = null;
+    function show(reply) {
+      if (reply.reasoning.length > reasoningText.length) {
+        details.hidden = false;
+        reasoningText.appendData(reply.reasoning.slice(reasoningText.length));
+      }
+      if (reply.content !== shownAnswer) {
+        shownAnswer = reply.content;
+        answer.replaceChildren(...markdownNodes(parseMarkdown(shownAnswer)));
+      }
+      // Open while the model thinks, closed once the answer starts.
+      if (!details.hidden) details.open = !reply.content;
+    }
+    return { turn, answer, stats, show };
+  }
+
   const input = $('input');
   const send = $('send');
   function setRunning(controller) {
@@ -413,14 +439,7 @@ if (typeof document !== 'undefined') {
     input.value = '';
     history.push({ role: 'user', content: text });
     addPart(addTurn('user'), 'div', 'text', text);
-    const turn = addTurn('assistant');
-    const details = addPart(turn, 'details', 'reasoning');
-    addPart(details, 'summary', '', 'Reasoning');
-    const reasoningText = addPart(details, 'div', '').appendChild(document.createTextNode(''));
-    details.hidden = true;
-    const answer = addPart(turn, 'div', 'answer');
-    let shownAnswer = '';
-    const stats = addPart(turn, 'div', 'stats', 'waiting for the first token…');
+    const { turn, answer, stats, show } = addAssistantTurn('waiting for the first token…');
     const controller = new AbortController();
     const mine = conversation;
     setRunning(controller);
@@ -429,18 +448,10 @@ if (typeof document !== 'undefined') {
     let reply = newReply();
     let frame = 0;
     function render() {
+      if (frame) cancelAnimationFrame(frame);
       frame = 0;
       const follow = nearBottom();
-      if (reply.reasoning.length > reasoningText.length) {
-        details.hidden = false;
-        reasoningText.appendData(reply.reasoning.slice(reasoningText.length));
-      }
-      if (reply.content !== shownAnswer) {
-        shownAnswer = reply.content;
-        answer.replaceChildren(...markdownNodes(parseMarkdown(shownAnswer)));
-      }
-      // Open while the model thinks, closed once the answer starts.
-      if (!details.hidden) details.open = !reply.content;
+      show(reply);
       if (follow) messages.scrollTop = messages.scrollHeight;
     }
     const settings = { model };
@@ -460,7 +471,7 @@ if (typeof document !== 'undefined') {
             firstToken = (performance.now() - started) / 1000;
             stats.textContent = 'generating…';
           }
-          // At most one repaint a frame however fast tokens come, each adding only new text.
+          // At most one repaint a frame however fast tokens come.
           if (!frame) frame = requestAnimationFrame(render);
         },
       });
@@ -477,7 +488,6 @@ if (typeof document !== 'undefined') {
       }
       answered = !reply.error || Boolean(reply.content || reply.reasoning);
     } catch (error) {
-      if (frame) cancelAnimationFrame(frame);
       render();
       if (error.name === 'AbortError') {
         stats.textContent = 'stopped' + (reply.usage ? ' · ' + statsLine(reply, firstToken) : '');
@@ -528,27 +538,27 @@ if (typeof document !== 'undefined') {
       else localStorage.removeItem('ossterm.conversation');
     } catch (_) { /* storage full or refused: the page works without it */ }
   }
+  // A saved value that is not wholly a conversation (another version's, edited by hand) is
+  // dropped whole rather than shown in part.
   function restoreConversation() {
     let saved;
     try {
       saved = JSON.parse(localStorage.getItem('ossterm.conversation') || '[]');
     } catch (_) {
+      saved = null;
+    }
+    const isTurn = (turn) => turn && typeof turn.content === 'string'
+      && (turn.role === 'user' || (turn.role === 'assistant'
+        && typeof (turn.reasoning || '') === 'string' && typeof (turn.stats || '') === 'string'));
+    if (!Array.isArray(saved) || !saved.every(isTurn)) {
+      localStorage.removeItem('ossterm.conversation');
       return;
     }
-    if (!Array.isArray(saved)) return;
     for (const turn of saved) {
-      if (!turn || typeof turn.content !== 'string' || (turn.role !== 'user' && turn.role !== 'assistant')) return;
       if (turn.role === 'user') {
         addPart(addTurn('user'), 'div', 'text', turn.content);
       } else {
-        const shown = addTurn('assistant');
-        if (typeof turn.reasoning === 'string' && turn.reasoning) {
-          const details = addPart(shown, 'details', 'reasoning');
-          addPart(details, 'summary', '', 'Reasoning');
-          addPart(details, 'div', '', turn.reasoning);
-        }
-        addPart(shown, 'div', 'answer').replaceChildren(...markdownNodes(parseMarkdown(turn.content)));
-        addPart(shown, 'div', 'stats', typeof turn.stats === 'string' ? turn.stats : '');
+        addAssistantTurn(turn.stats || '').show({ reasoning: turn.reasoning || '', content: turn.content });
       }
       history.push(turn);
     }
