@@ -428,6 +428,15 @@ fn an_api_key_is_required_when_set_and_exposure_without_one_is_refused() {
         .0
     };
     assert_eq!(with("bearer sekrit"), 200);
+    // A header that is not text (HTTP allows bytes past ASCII) is a wrong key, not a panic.
+    let mut raw = std::net::TcpStream::connect(server.base.trim_start_matches("http://")).unwrap();
+    raw.write_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekr\xffit\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut reply = Vec::new();
+    raw.read_to_end(&mut reply).unwrap();
+    let reply = String::from_utf8_lossy(&reply);
+    assert!(reply.starts_with("HTTP/1.1 401"), "{reply}");
+    assert!(reply.contains("invalid_api_key"), "{reply}");
     for wrong in [
         "Bearer sekri",
         "Bearer sekritt",
