@@ -829,7 +829,7 @@ fn kernel_paths_from_the_environment_are_checked_before_anything_runs() {
     assert_fails_with(
         "misspelt",
         &run_on("avx2-vnnx"),
-        "expected scalar, avx2, avx2-vnni, avx512 or auto",
+        "expected scalar, avx2, avx2-vnni, avx512, amx or auto",
     );
     for path in ossterm::kernels::KernelPath::ALL {
         let output = run_on(path.name());

@@ -849,3 +849,50 @@ fn experts_whole_per_thread_give_the_bits_of_the_split_regions() {
         );
     }
 }
+
+/// End to end, the `amx` path (its experts' GEMMs on the matrix unit: small_wide's 128 tokens
+/// give each of its 8 experts about 64 rows) computes the AVX-512 path's logits within the
+/// bounds every pair of paths keeps (`every_kernel_path_computes_the_same_logits`), and agrees
+/// with the exact path as the default format must. Skipped, saying so, without AMX.
+#[test]
+fn the_amx_path_computes_the_avx512_logits() {
+    use ossterm::kernels::{KernelPath, Kernels};
+    if let Some(reason) = KernelPath::amx_unavailable_reason() {
+        eprintln!("skipped: no AMX here ({reason})");
+        return;
+    }
+    let dir = golden_dirs()
+        .into_iter()
+        .find(|d| d.ends_with("small_wide"))
+        .expect("the small_wide fixture");
+    let logits = |path| {
+        let opts = LoadOptions {
+            kernels: Some(path),
+            ..LoadOptions::default()
+        };
+        all_logits(&dir, &opts)
+    };
+    let ((avx512, vocab), (amx, _)) = (logits(KernelPath::Avx512), logits(KernelPath::Amx));
+    let r = agreement(&avx512, &amx, vocab);
+    eprintln!(
+        "amx vs avx512: top-1 {}/{}, median error {:.2e}",
+        r.top1,
+        r.positions,
+        r.quantile(0.5)
+    );
+    assert!(r.quantile(0.5) < 5e-3, "median error {}", r.quantile(0.5));
+    assert!(r.top1 * 100 >= r.positions * 95, "top-1 {}", r.top1);
+    let exact = compare(
+        &dir,
+        &LoadOptions {
+            kernels: Some(KernelPath::Amx),
+            ..LoadOptions::default()
+        },
+    );
+    assert!(
+        exact.top1 * 100 >= exact.positions * 95,
+        "top-1 {}",
+        exact.top1
+    );
+    assert!(Kernels::new(KernelPath::Amx).is_ok());
+}

@@ -707,6 +707,7 @@ fn kernel_path_names_parse_and_unsupported_paths_are_refused() {
         parse_kernel_path("avx512").unwrap(),
         Some(KernelPath::Avx512)
     );
+    assert_eq!(parse_kernel_path("AMX").unwrap(), Some(KernelPath::Amx));
     assert_eq!(parse_kernel_path("auto").unwrap(), None);
     assert_eq!(parse_kernel_path("").unwrap(), None);
     let err = parse_kernel_path("neon").unwrap_err();
@@ -1055,6 +1056,15 @@ fn check_tiled_products(
             if k.path() == KernelPath::Scalar {
                 continue;
             }
+            if k.path() == KernelPath::Amx {
+                // The matrix unit sums in its own order: close to the reference (above), not
+                // the bits of the AVX-512 row order or GEMV.
+                if k.uses_vbmi() {
+                    gemm(k.without_vbmi(), true, x, range.clone(), &mut other);
+                    assert_eq!(bits(&got), bits(&other), "{what}: other nibble decode");
+                }
+                continue;
+            }
             if matches!(k.path(), KernelPath::Avx2 | KernelPath::Avx2Vnni) {
                 // One tile kernel behind both entries.
                 if tokens <= MAX_GEMV_TOKENS {
@@ -1269,7 +1279,11 @@ fn check_power_of_two_batch(
     let x = quantize(x_values);
     let mut batch = vec![f32::NAN; x.rows() * rows];
     product(true, &x, &mut batch);
-    if !matches!(k.path(), KernelPath::Avx2 | KernelPath::Avx2Vnni) {
+    // The AVX2 paths' row order is another kernel, and so is AMX's (the matrix unit's sum order).
+    if !matches!(
+        k.path(),
+        KernelPath::Avx2 | KernelPath::Avx2Vnni | KernelPath::Amx
+    ) {
         let mut row_order = vec![f32::NAN; x.rows() * rows];
         product(false, &x, &mut row_order);
         assert_eq!(bits(&batch), bits(&row_order), "{what}: row order");
@@ -1444,6 +1458,66 @@ fn avx2_tile_products_match_across_paths_and_batches() {
                         "{what} {} {tiles:?}: token {t} alone",
                         k.path()
                     );
+                }
+            }
+        }
+    }
+}
+
+/// The AMX GEMM (every tiled MXFP4 product of the `amx` path) against the scalar reference from
+/// one token to where the token count crosses its passes (64 tokens a pass over the weights), with
+/// an odd number of token tiles and of weight tiles, a ragged last tile, `max / 127` scales (two
+/// bf16 parts) and power-of-two scales (one), and blocks whose scales the bf16 exponent add
+/// cannot take (the scalar decode; the top range stays below f32 overflow, which the matrix unit
+/// meets in the weights alone). Skipped, saying so, where the CPU or OS has no AMX.
+#[test]
+fn amx_gemm_matches_scalar_across_passes_and_scales() {
+    let Some(k) = Kernels::all_supported()
+        .into_iter()
+        .find(|k| k.path() == KernelPath::Amx)
+    else {
+        eprintln!(
+            "skipped: no AMX here ({})",
+            KernelPath::amx_unavailable_reason().unwrap_or_default()
+        );
+        return;
+    };
+    let mut rng = rng(41);
+    for (rows, cols, scales) in [
+        (48, 160, 118..=130),
+        (64, 2880, 118..=130),
+        (80, 96, 0..=3),
+        (32, 128, 225..=235),
+    ] {
+        let data = Mxfp4Data::random(&mut rng, rows, cols, scales.clone());
+        let tiled = TiledData::from(&data);
+        let (w, t) = (data.matrix(), tiled.matrix());
+        let mut scratch = GemmScratch::new(cols);
+        for tokens in [1, 3, 16, 31, 65, 130] {
+            let values = random_f32(&mut rng, tokens * cols, 3.0);
+            for rule in [ScaleRule::Tight, ScaleRule::PowerOfTwo] {
+                let mut x = Q8Activations::new();
+                k.quantize_activation_rows_with(&values, cols, rule, true, &mut x)
+                    .unwrap();
+                for range in [0..rows, 5..rows - 3] {
+                    let n = range.len();
+                    let mut expected = vec![0.0; tokens * n];
+                    scalar()
+                        .mxfp4_gemm(&w, &x, range.clone(), &mut expected, &mut scratch)
+                        .unwrap();
+                    let bounds = magnitude_bounds(
+                        range.clone(),
+                        cols,
+                        |r, out| w.dequantize_row(r, out).unwrap(),
+                        &x,
+                    );
+                    let mut got = vec![f32::NAN; tokens * n];
+                    k.mxfp4_gemm(&t, &x, range.clone(), &mut got, &mut scratch)
+                        .unwrap();
+                    let what = format!(
+                        "AMX {rows}x{cols} scales {scales:?} M={tokens} {rule:?} rows {range:?}"
+                    );
+                    assert_close(&what, &got, &expected, &bounds);
                 }
             }
         }

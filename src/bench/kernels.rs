@@ -98,6 +98,9 @@ pub struct KernelBenchResult {
     /// GEMVs and streamed products: `best_gb_per_s` over the plain read bandwidth measured with
     /// the same thread count (what streaming the weights could reach at most).
     pub bandwidth_fraction: Option<f64>,
+    /// Tiled MXFP4 GEMMs on the `amx` path: `best_gmac_per_s` over the `tdpbf16ps` tile peak
+    /// measured with the same thread count.
+    pub tile_fraction: Option<f64>,
 }
 
 /// The plain read bandwidth on some threads (widest loads of the kernel path, no arithmetic).
@@ -117,6 +120,16 @@ pub struct PeakResult {
     pub gmac_per_s: f64,
 }
 
+/// The AMX tile peak on some threads ([`Kernels::tile_mac_probe`] on each at once).
+#[derive(Clone, Debug, Serialize)]
+pub struct TilePeakResult {
+    pub threads: usize,
+    /// `tdpbf16ps` multiply-adds per second of all threads together, in 1e9 (the GEMM's).
+    pub bf16_gmac_per_s: f64,
+    /// `tdpbssd` multiply-adds per second of all threads together, in 1e9.
+    pub int8_gmac_per_s: f64,
+}
+
 /// All measurements of one run.
 #[derive(Clone, Debug, Serialize)]
 pub struct KernelBenchReport {
@@ -127,6 +140,8 @@ pub struct KernelBenchReport {
     pub cpu: CpuInfo,
     /// The int8 peak per thread count (empty on the scalar path, which has no such instruction).
     pub int8_peak: Vec<PeakResult>,
+    /// The AMX matrix unit's peak per thread count (the `amx` path only).
+    pub tile_peak: Vec<TilePeakResult>,
     /// The read bandwidth per thread count, which GEMVs are related to.
     pub read_bandwidth: Vec<ReadBandwidthResult>,
     pub experts: usize,
@@ -162,6 +177,20 @@ impl fmt::Display for KernelBenchReport {
                  higher of a probe before and one after that thread count's kernels)"
             )?;
         }
+        for p in &self.tile_peak {
+            writeln!(
+                f,
+                "AMX tile peak (4 sum tiles, operands in registers) on {} thread{}: tdpbf16ps \
+                 {:.1} GMAC/s, tdpbssd {:.1} GMAC/s ({:.1} and {:.1} per thread); the MXFP4 \
+                 GEMM runs on tdpbf16ps: % tile beside it",
+                p.threads,
+                if p.threads == 1 { "" } else { "s" },
+                p.bf16_gmac_per_s,
+                p.int8_gmac_per_s,
+                p.bf16_gmac_per_s / p.threads.max(1) as f64,
+                p.int8_gmac_per_s / p.threads.max(1) as f64,
+            )?;
+        }
         for b in &self.read_bandwidth {
             writeln!(
                 f,
@@ -175,14 +204,23 @@ impl fmt::Display for KernelBenchReport {
         }
         writeln!(
             f,
-            "{:<12} {:>7} {:>6} {:>11} {:>11} {:>9} {:>9} {:>7} {:>7}",
-            "kernel", "threads", "M", "best ms", "median ms", "GB/s", "GMAC/s", "% peak", "% read"
+            "{:<12} {:>7} {:>6} {:>11} {:>11} {:>9} {:>9} {:>7} {:>7} {:>7}",
+            "kernel",
+            "threads",
+            "M",
+            "best ms",
+            "median ms",
+            "GB/s",
+            "GMAC/s",
+            "% peak",
+            "% read",
+            "% tile"
         )?;
         let percent = |p: Option<f64>| p.map_or(String::new(), |p| format!("{:.0}%", 100.0 * p));
         for r in &self.results {
             writeln!(
                 f,
-                "{:<12} {:>7} {:>6} {:>11.3} {:>11.3} {:>9.1} {:>9.1} {:>7} {:>7}",
+                "{:<12} {:>7} {:>6} {:>11.3} {:>11.3} {:>9.1} {:>9.1} {:>7} {:>7} {:>7}",
                 r.kernel,
                 r.threads,
                 r.tokens,
@@ -191,7 +229,8 @@ impl fmt::Display for KernelBenchReport {
                 r.best_gb_per_s,
                 r.best_gmac_per_s,
                 percent(r.peak_fraction),
-                percent(r.bandwidth_fraction)
+                percent(r.bandwidth_fraction),
+                percent(r.tile_fraction)
             )?;
         }
         Ok(())
@@ -201,16 +240,17 @@ impl fmt::Display for KernelBenchReport {
 /// The MXFP4 GEMV's nibble decode on `kernels`, for the report.
 fn gemv_decode(kernels: Kernels) -> &'static str {
     match kernels.path() {
-        KernelPath::Avx512 if kernels.uses_vbmi() => "vpermb",
-        KernelPath::Avx512 | KernelPath::Avx2 | KernelPath::Avx2Vnni => "vpshufb",
+        KernelPath::Avx512 | KernelPath::Amx if kernels.uses_vbmi() => "vpermb",
+        KernelPath::Avx512 | KernelPath::Amx | KernelPath::Avx2 | KernelPath::Avx2Vnni => "vpshufb",
         KernelPath::Scalar => "scalar",
     }
 }
 
 /// What the probe of `path` runs, for the report.
 fn peak_instructions(path: &str) -> &'static str {
-    match path {
-        "avx512" => "vpdpbusd, 16 chains",
+    // The path's name is the first word (a refused AMX is described after it).
+    match path.split(' ').next().unwrap_or_default() {
+        "avx512" | "amx" => "vpdpbusd, 16 chains",
         "avx2" => "vpmaddubsw + vpmaddwd",
         "avx2-vnni" => "256-bit vpdpbusd",
         _ => "scalar",
@@ -219,8 +259,8 @@ fn peak_instructions(path: &str) -> &'static str {
 
 /// What the read-bandwidth probe of `path` loads with, for the report.
 fn read_loads(path: &str) -> &'static str {
-    match path {
-        "avx512" => "512-bit",
+    match path.split(' ').next().unwrap_or_default() {
+        "avx512" | "amx" => "512-bit",
         "avx2" | "avx2-vnni" => "256-bit",
         _ => "scalar",
     }
@@ -248,6 +288,36 @@ fn measure_peak(
         threads,
         gmac_per_s: (threads * PROBE_ROUNDS * PROBE_ROUND_MACS) as f64 / best / 1e9,
     })
+}
+
+/// Rounds of a tile probe call: about a millisecond at the bf16 tile peak.
+const TILE_PROBE_ROUNDS: usize = 1 << 16;
+
+/// The AMX tile peak of `kernels` on `pool` (`None` off the `amx` path).
+fn measure_tile_peak(
+    kernels: Kernels,
+    pool: &rayon::ThreadPool,
+    config: &KernelBenchConfig,
+) -> Result<Option<TilePeakResult>, KernelError> {
+    if kernels.tile_mac_probe(1, false).is_none() {
+        return Ok(None);
+    }
+    let threads = pool.current_num_threads();
+    let rate = |int8: bool| {
+        let (best, _) = time_runs(config.repetitions.max(10), config.min_run_time, || {
+            pool.broadcast(|_| {
+                std::hint::black_box(kernels.tile_mac_probe(TILE_PROBE_ROUNDS, int8))
+            });
+            Ok::<(), KernelError>(())
+        })?;
+        let macs = threads * TILE_PROBE_ROUNDS * Kernels::tile_probe_round_macs(int8);
+        Ok::<f64, KernelError>(macs as f64 / best / 1e9)
+    };
+    Ok(Some(TilePeakResult {
+        threads,
+        bf16_gmac_per_s: rate(false)?,
+        int8_gmac_per_s: rate(true)?,
+    }))
 }
 
 /// Random weights in the three integer formats, built directly (no bf16 round trip) to keep
@@ -511,6 +581,7 @@ pub fn run_kernel_bench(
         .collect();
     let mut results = Vec::new();
     let mut int8_peak = Vec::new();
+    let mut tile_peak = Vec::new();
     let mut read_bandwidth = Vec::new();
     for &threads in &config.thread_counts {
         let pool = rayon::ThreadPoolBuilder::new()
@@ -520,6 +591,7 @@ pub fn run_kernel_bench(
         let peak = (kernels.path() != KernelPath::Scalar)
             .then(|| measure_peak(kernels, &pool, config))
             .transpose()?;
+        let tiles = measure_tile_peak(kernels, &pool, config)?;
         // Best of at least five passes, as the GEMVs are timed: the ratio compares like with like.
         let (best_read, median_read) = super::probe::simd_read_bandwidth_gbps(
             kernels,
@@ -738,12 +810,21 @@ pub fn run_kernel_bench(
             }
             int8_peak.push(peak);
         }
+        if let Some(tiles) = tiles {
+            for r in &mut results[first_result..] {
+                if r.kernel == "mxfp4_tiles_gemm" {
+                    r.tile_fraction = Some(r.best_gmac_per_s / tiles.bf16_gmac_per_s);
+                }
+            }
+            tile_peak.push(tiles);
+        }
     }
     Ok(KernelBenchReport {
-        path: kernels.path().name().to_string(),
+        path: kernels.path().describe(),
         gemv_decode: gemv_decode(kernels).to_string(),
         cpu: CpuInfo::current(),
         int8_peak,
+        tile_peak,
         read_bandwidth,
         experts: config.experts,
         rows: config.rows,
@@ -795,6 +876,7 @@ fn result(
         best_gmac_per_s: macs as f64 / best / 1e9,
         peak_fraction: None,
         bandwidth_fraction: None,
+        tile_fraction: None,
     }
 }
 

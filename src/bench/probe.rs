@@ -142,7 +142,9 @@ fn sum_lines(path: crate::kernels::KernelPath, lines: &[u8]) -> u64 {
         // path needs AVX-512 F among its features); the slice is readable, and aligned as the
         // callers in this module make it.
         #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx512 => unsafe { sum_lines_avx512(lines.as_ptr(), lines.len()) },
+        KernelPath::Avx512 | KernelPath::Amx => unsafe {
+            sum_lines_avx512(lines.as_ptr(), lines.len())
+        },
         // SAFETY: as above, for AVX2.
         #[cfg(target_arch = "x86_64")]
         KernelPath::Avx2 | KernelPath::Avx2Vnni => unsafe {

@@ -197,7 +197,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         threads: pool.current_num_threads(),
         kernels: match model.precision {
             crate::model::Precision::Exact => "portable (exact)".into(),
-            crate::model::Precision::Fast => model.kernels.path().name().into(),
+            crate::model::Precision::Fast => model.kernels.path().describe(),
         },
         weights: model.weights_description(),
         kv_cache: model.kv_format.name().into(),

@@ -3,12 +3,17 @@
 //!
 //! # Choosing a path
 //! The path is chosen once per process: call [`init_kernel_path`] at start-up (it reads
-//! `OSSTERM_KERNELS=scalar|avx2|avx2-vnni|avx512|auto` and refuses a path this CPU lacks), then [`kernels`]
+//! `OSSTERM_KERNELS=scalar|avx2|avx2-vnni|avx512|amx|auto` and refuses a path this CPU lacks), then [`kernels`]
 //! hands out a [`Kernels`] value whose methods run on that path. Tests and benchmarks build a
 //! [`Kernels`] for any supported path with [`Kernels::new`] and compare them side by side.
 //!
 //! * `Avx512`: AVX-512 F/BW with VNNI (`vpdpbusd`), F16C and FMA; where AVX-512 VBMI is detected
 //!   too, the MXFP4 GEMV decodes nibbles with `vpermb` ([`Kernels::without_vbmi`] turns it off).
+//! * `Amx`: the AVX-512 path with every tiled MXFP4 product (GEMV and GEMM entries alike) on the
+//!   AMX matrix unit (`tdpbf16ps`, see the `amx` module), where the CPU reports AMX-TILE,
+//!   AMX-INT8 and AVX-512 VBMI and the OS grants the tile state; chosen by `auto` there. It sums
+//!   in another order than the AVX-512 kernels (close, not the same bits); the forward pass
+//!   takes it for prompts and [`Kernels::without_amx`] for decode steps and batches.
 //! * `Avx2Vnni`: the AVX2 path whose MXFP4 tile products and int8 probe sum with 256-bit
 //!   `vpdpbusd`: AVX-VNNI (Intel's client cores from Alder Lake on, which lack AVX-512; Zen 5),
 //!   or the EVEX form of AVX-512 VNNI/VL on CPUs that have that instead (so the path runs, and
@@ -55,6 +60,8 @@ mod scalar;
 pub mod swiglu;
 
 #[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
@@ -92,7 +99,7 @@ pub const GEMM_TILE_ROWS: usize = 16;
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
     #[error(
-        "unknown kernel path {value:?} in {KERNELS_ENV}: expected scalar, avx2, avx2-vnni, avx512 or auto"
+        "unknown kernel path {value:?} in {KERNELS_ENV}: expected scalar, avx2, avx2-vnni, avx512, amx or auto"
     )]
     UnknownPath { value: String },
     #[error("{KERNELS_ENV} is not valid UTF-8")]
@@ -146,15 +153,18 @@ pub enum KernelPath {
     Avx2,
     Avx2Vnni,
     Avx512,
+    /// The AVX-512 path with its prefill GEMMs on the AMX matrix unit (`tdpbssd`).
+    Amx,
 }
 
 impl KernelPath {
     /// Slowest to fastest: detection picks the last one the CPU supports.
-    pub const ALL: [KernelPath; 4] = [
+    pub const ALL: [KernelPath; 5] = [
         KernelPath::Scalar,
         KernelPath::Avx2,
         KernelPath::Avx2Vnni,
         KernelPath::Avx512,
+        KernelPath::Amx,
     ];
 
     pub fn name(self) -> &'static str {
@@ -163,6 +173,7 @@ impl KernelPath {
             KernelPath::Avx2 => "avx2",
             KernelPath::Avx2Vnni => "avx2-vnni",
             KernelPath::Avx512 => "avx512",
+            KernelPath::Amx => "amx",
         }
     }
 
@@ -182,13 +193,59 @@ impl KernelPath {
             }
             #[cfg(target_arch = "x86_64")]
             KernelPath::Avx512 => avx512::missing_features(),
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Amx => {
+                let mut missing = avx512::missing_features();
+                if missing.is_empty() {
+                    if let Err(reason) = amx::availability() {
+                        missing.push(reason);
+                    }
+                }
+                missing
+            }
             #[cfg(not(target_arch = "x86_64"))]
-            KernelPath::Avx2 | KernelPath::Avx2Vnni | KernelPath::Avx512 => vec!["x86-64"],
+            KernelPath::Avx2 | KernelPath::Avx2Vnni | KernelPath::Avx512 | KernelPath::Amx => {
+                vec!["x86-64"]
+            }
         }
     }
 
     pub fn is_supported(self) -> bool {
         self.missing_features().is_empty()
+    }
+
+    /// Whether this path runs the AVX-512 kernels (`Amx` adds the matrix unit for GEMMs).
+    pub fn is_avx512(self) -> bool {
+        matches!(self, KernelPath::Avx512 | KernelPath::Amx)
+    }
+
+    /// Why the AMX path cannot run here (`None`: it can): the CPU, the operating system or the
+    /// kernel's refusal of the tile state.
+    pub fn amx_unavailable_reason() -> Option<String> {
+        let missing = KernelPath::Amx.missing_features();
+        (!missing.is_empty()).then(|| missing.join(", "))
+    }
+
+    /// Why a CPU that reports AMX runs without it (the OS or kernel refused the tile state, or
+    /// a feature its path needs is missing), `None` where AMX runs or the CPU has none: what
+    /// `bench` and the kernels gauge show beside the path that runs instead.
+    pub fn amx_refusal() -> Option<String> {
+        #[cfg(target_arch = "x86_64")]
+        if amx::missing_cpu_features().is_empty() {
+            return KernelPath::amx_unavailable_reason();
+        }
+        None
+    }
+
+    /// This path's name, followed by why AMX is not used where the CPU has it and this path is
+    /// not `amx` (e.g. "avx512 (AMX refused: ...)").
+    pub fn describe(self) -> String {
+        match KernelPath::amx_refusal() {
+            Some(reason) if self != KernelPath::Amx && self.is_avx512() => {
+                format!("{} (AMX refused: {reason})", self.name())
+            }
+            _ => self.name().to_string(),
+        }
     }
 }
 
@@ -206,6 +263,7 @@ pub fn parse_kernel_path(value: &str) -> Result<Option<KernelPath>, KernelError>
         "avx2" => Ok(Some(KernelPath::Avx2)),
         "avx2-vnni" | "avx2vnni" => Ok(Some(KernelPath::Avx2Vnni)),
         "avx512" | "avx-512" => Ok(Some(KernelPath::Avx512)),
+        "amx" => Ok(Some(KernelPath::Amx)),
         _ => Err(KernelError::UnknownPath {
             value: value.to_string(),
         }),
@@ -416,9 +474,13 @@ fn check_bf16(
 macro_rules! dispatch {
     ($kernels:expr, avx512: $avx512:expr, avx2: $avx2:expr, scalar: $scalar:expr $(,)?) => {
         match $kernels.path() {
-            // SAFETY: see the macro's doc: Avx512 is only held after detecting its features.
+            // SAFETY: see the macro's doc: Avx512 and Amx (AVX-512 plus the matrix unit, which
+            // only the GEMMs choosing by `Kernels::path` run) are only held after detecting their
+            // features.
             #[cfg(target_arch = "x86_64")]
-            $crate::kernels::KernelPath::Avx512 => unsafe { $avx512 },
+            $crate::kernels::KernelPath::Avx512 | $crate::kernels::KernelPath::Amx => unsafe {
+                $avx512
+            },
             // SAFETY: see the macro's doc: Avx2 and Avx2Vnni (AVX2 plus a 256-bit `vpdpbusd`,
             // which only the code choosing by `Kernels::avx2_dot` runs) are only held after
             // detecting their features.
@@ -486,8 +548,8 @@ impl Kernels {
     fn on_path(path: KernelPath) -> Self {
         #[cfg(target_arch = "x86_64")]
         let (vbmi, bf16_attention, avx2_dot) = (
-            path == KernelPath::Avx512 && avx512::vbmi_detected(),
-            path == KernelPath::Avx512 && avx512::bf16_dot_pays(),
+            path.is_avx512() && avx512::vbmi_detected(),
+            path.is_avx512() && avx512::bf16_dot_pays(),
             match path {
                 KernelPath::Avx2Vnni => avx2::vnni_encoding().unwrap_or(Avx2Dot::Maddubs),
                 _ => Avx2Dot::Maddubs,
@@ -499,7 +561,7 @@ impl Kernels {
             path,
             vbmi,
             bf16_attention,
-            int8_attention: path == KernelPath::Avx512,
+            int8_attention: path.is_avx512(),
             avx2_dot,
         }
     }
@@ -521,12 +583,12 @@ impl Kernels {
     /// it down on. Elsewhere unchanged.
     pub fn with_bf16_attention(self) -> Self {
         #[cfg(target_arch = "x86_64")]
-        let bf16 = self.path == KernelPath::Avx512 && avx512::bf16_detected();
+        let bf16 = self.path.is_avx512() && avx512::bf16_detected();
         #[cfg(not(target_arch = "x86_64"))]
         let bf16 = false;
         Self {
             bf16_attention: bf16,
-            int8_attention: self.path == KernelPath::Avx512,
+            int8_attention: self.path.is_avx512(),
             ..self
         }
     }
@@ -570,7 +632,7 @@ impl Kernels {
     pub fn prefers_tiled_mxfp4(&self) -> bool {
         matches!(
             self.path,
-            KernelPath::Avx512 | KernelPath::Avx2 | KernelPath::Avx2Vnni
+            KernelPath::Avx512 | KernelPath::Amx | KernelPath::Avx2 | KernelPath::Avx2Vnni
         )
     }
 
@@ -581,7 +643,7 @@ impl Kernels {
     pub fn prefers_tiled_q8(&self) -> bool {
         matches!(
             self.path,
-            KernelPath::Avx512 | KernelPath::Avx2 | KernelPath::Avx2Vnni
+            KernelPath::Avx512 | KernelPath::Amx | KernelPath::Avx2 | KernelPath::Avx2Vnni
         )
     }
 
@@ -591,8 +653,22 @@ impl Kernels {
     pub fn prefers_tiled_q4(&self) -> bool {
         matches!(
             self.path,
-            KernelPath::Avx512 | KernelPath::Avx2 | KernelPath::Avx2Vnni
+            KernelPath::Avx512 | KernelPath::Amx | KernelPath::Avx2 | KernelPath::Avx2Vnni
         )
+    }
+
+    /// The same kernels without the AMX matrix unit (the `amx` path becomes `avx512`; others
+    /// stay): for decode steps, whose few rows per expert are bound by streaming the weights
+    /// (the GEMV), and for batches of sequences, whose rows must give each sequence the bits it
+    /// gets alone (the matrix unit sums in another order).
+    pub fn without_amx(self) -> Self {
+        match self.path {
+            KernelPath::Amx => Self {
+                path: KernelPath::Avx512,
+                ..self
+            },
+            _ => self,
+        }
     }
 
     /// Whether the MXFP4 GEMV decodes with `vpermb` (AVX-512 VBMI).
@@ -754,7 +830,12 @@ impl Kernels {
         scratch.check(w.cols)?;
         dispatch!(
             self,
-            avx512: avx512::mxfp4_gemm(w, x, rows, out, scratch, self.vbmi),
+            avx512: if self.path == KernelPath::Amx && w.layout == Mxfp4Layout::Tiles {
+                // The Amx path is only held after `amx::availability` granted the tile state.
+                amx::mxfp4_gemm(w, x, rows, out)
+            } else {
+                avx512::mxfp4_gemm(w, x, rows, out, scratch, self.vbmi)
+            },
             avx2: if w.layout == Mxfp4Layout::Tiles {
                 avx2::tiles::mxfp4_product(w, x, rows, out, self.avx2_dot)
             } else {
@@ -775,7 +856,11 @@ impl Kernels {
         out: &mut [f32],
         scratch: &mut GemmScratch,
     ) -> Result<(), KernelError> {
-        if x.rows() <= MAX_GEMV_TOKENS {
+        // On the `amx` path every tiled product takes the matrix unit, however few its rows: a
+        // row's bits must not depend on how many share its product (see `Kernels::without_amx`
+        // for the passes that stream the weights instead).
+        let amx = self.path == KernelPath::Amx && w.layout == Mxfp4Layout::Tiles;
+        if x.rows() <= MAX_GEMV_TOKENS && !amx {
             self.mxfp4_gemv(w, x, rows, out)
         } else {
             self.mxfp4_gemm(w, x, rows, out, scratch)
@@ -939,5 +1024,29 @@ impl Kernels {
         check_len("f32 destination row", dst.len(), src.len())?;
         dispatch!(self, f16_to_f32(src, dst));
         Ok(())
+    }
+}
+
+impl Kernels {
+    /// `rounds` rounds of [`Kernels::tile_probe_round_macs`] multiply-adds on the AMX matrix
+    /// unit (`tdpbssd` if `int8`, else `tdpbf16ps`, four sum tiles, operands in the tile
+    /// registers): its peak, beside which `bench --kernels` prints the AMX GEMM. `None` off the
+    /// `amx` path.
+    pub fn tile_mac_probe(&self, rounds: usize, int8: bool) -> Option<f32> {
+        #[cfg(target_arch = "x86_64")]
+        if self.path == KernelPath::Amx {
+            // SAFETY: the Amx path is only held after `amx::availability` granted the tile state.
+            return Some(unsafe { amx::tile_probe(rounds, int8) });
+        }
+        let _ = (rounds, int8);
+        None
+    }
+
+    /// Multiply-adds of one round of [`Kernels::tile_mac_probe`].
+    pub fn tile_probe_round_macs(int8: bool) -> usize {
+        #[cfg(target_arch = "x86_64")]
+        return amx::tile_probe_round_macs(int8);
+        #[cfg(not(target_arch = "x86_64"))]
+        return 0;
     }
 }
