@@ -850,13 +850,12 @@ fn experts_whole_per_thread_give_the_bits_of_the_split_regions() {
     }
 }
 
-/// End to end, the `amx` path (its experts' GEMMs on the matrix unit: small_wide's 128 tokens
-/// give each of its 8 experts about 64 rows) computes the AVX-512 path's logits within the
-/// bounds every pair of paths keeps (`every_kernel_path_computes_the_same_logits`), and agrees
-/// with the exact path as the default format must. Skipped, saying so, without AMX.
+/// End to end, the `amx` path (its experts' GEMMs of 16 rows and more on the matrix unit:
+/// small_wide's 128 tokens give each of its 8 experts about 64 rows) computes the AVX-512 path's
+/// logits bit for bit. Skipped, saying so, without AMX.
 #[test]
 fn the_amx_path_computes_the_avx512_logits() {
-    use ossterm::kernels::{KernelPath, Kernels};
+    use ossterm::kernels::KernelPath;
     if let Some(reason) = KernelPath::amx_unavailable_reason() {
         eprintln!("skipped: no AMX here ({reason})");
         return;
@@ -870,29 +869,14 @@ fn the_amx_path_computes_the_avx512_logits() {
             kernels: Some(path),
             ..LoadOptions::default()
         };
-        all_logits(&dir, &opts)
+        all_logits(&dir, &opts).0
     };
-    let ((avx512, vocab), (amx, _)) = (logits(KernelPath::Avx512), logits(KernelPath::Amx));
-    let r = agreement(&avx512, &amx, vocab);
-    eprintln!(
-        "amx vs avx512: top-1 {}/{}, median error {:.2e}",
-        r.top1,
-        r.positions,
-        r.quantile(0.5)
-    );
-    assert!(r.quantile(0.5) < 5e-3, "median error {}", r.quantile(0.5));
-    assert!(r.top1 * 100 >= r.positions * 95, "top-1 {}", r.top1);
-    let exact = compare(
-        &dir,
-        &LoadOptions {
-            kernels: Some(KernelPath::Amx),
-            ..LoadOptions::default()
-        },
-    );
-    assert!(
-        exact.top1 * 100 >= exact.positions * 95,
-        "top-1 {}",
-        exact.top1
-    );
-    assert!(Kernels::new(KernelPath::Amx).is_ok());
+    let (avx512, amx) = (logits(KernelPath::Avx512), logits(KernelPath::Amx));
+    assert_eq!(avx512.len(), amx.len());
+    let differ = avx512
+        .iter()
+        .zip(&amx)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    assert_eq!(differ, 0, "{differ} logits differ between avx512 and amx");
 }

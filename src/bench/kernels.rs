@@ -98,7 +98,7 @@ pub struct KernelBenchResult {
     /// GEMVs and streamed products: `best_gb_per_s` over the plain read bandwidth measured with
     /// the same thread count (what streaming the weights could reach at most).
     pub bandwidth_fraction: Option<f64>,
-    /// Tiled MXFP4 GEMMs on the `amx` path: `best_gmac_per_s` over the `tdpbf16ps` tile peak
+    /// Tiled MXFP4 GEMMs on the `amx` path: `best_gmac_per_s` over the `tdpbssd` tile peak
     /// measured with the same thread count.
     pub tile_fraction: Option<f64>,
 }
@@ -124,9 +124,9 @@ pub struct PeakResult {
 #[derive(Clone, Debug, Serialize)]
 pub struct TilePeakResult {
     pub threads: usize,
-    /// `tdpbf16ps` multiply-adds per second of all threads together, in 1e9 (the GEMM's).
+    /// `tdpbf16ps` multiply-adds per second of all threads together, in 1e9.
     pub bf16_gmac_per_s: f64,
-    /// `tdpbssd` multiply-adds per second of all threads together, in 1e9.
+    /// `tdpbssd` multiply-adds per second of all threads together, in 1e9 (the GEMM's).
     pub int8_gmac_per_s: f64,
 }
 
@@ -182,7 +182,7 @@ impl fmt::Display for KernelBenchReport {
                 f,
                 "AMX tile peak (4 sum tiles, operands in registers) on {} thread{}: tdpbf16ps \
                  {:.1} GMAC/s, tdpbssd {:.1} GMAC/s ({:.1} and {:.1} per thread); the MXFP4 \
-                 GEMM runs on tdpbf16ps: % tile beside it",
+                 GEMM runs on tdpbssd: % tile beside it",
                 p.threads,
                 if p.threads == 1 { "" } else { "s" },
                 p.bf16_gmac_per_s,
@@ -813,7 +813,7 @@ pub fn run_kernel_bench(
         if let Some(tiles) = tiles {
             for r in &mut results[first_result..] {
                 if r.kernel == "mxfp4_tiles_gemm" {
-                    r.tile_fraction = Some(r.best_gmac_per_s / tiles.bf16_gmac_per_s);
+                    r.tile_fraction = Some(r.best_gmac_per_s / tiles.int8_gmac_per_s);
                 }
             }
             tile_peak.push(tiles);

@@ -9,11 +9,9 @@
 //!
 //! * `Avx512`: AVX-512 F/BW with VNNI (`vpdpbusd`), F16C and FMA; where AVX-512 VBMI is detected
 //!   too, the MXFP4 GEMV decodes nibbles with `vpermb` ([`Kernels::without_vbmi`] turns it off).
-//! * `Amx`: the AVX-512 path with every tiled MXFP4 product (GEMV and GEMM entries alike) on the
-//!   AMX matrix unit (`tdpbf16ps`, see the `amx` module), where the CPU reports AMX-TILE,
-//!   AMX-INT8 and AVX-512 VBMI and the OS grants the tile state; chosen by `auto` there. It sums
-//!   in another order than the AVX-512 kernels (close, not the same bits); the forward pass
-//!   takes it for prompts and [`Kernels::without_amx`] for decode steps and batches.
+//! * `Amx`: the AVX-512 path with its tiled MXFP4 GEMMs of 16 activation rows and more on the
+//!   AMX matrix unit (`tdpbssd`, see the `amx` module), with the AVX-512 GEMM's bits; where the
+//!   CPU reports AMX-TILE and AMX-INT8 and the OS grants the tile state, `auto` picks it.
 //! * `Avx2Vnni`: the AVX2 path whose MXFP4 tile products and int8 probe sum with 256-bit
 //!   `vpdpbusd`: AVX-VNNI (Intel's client cores from Alder Lake on, which lack AVX-512; Zen 5),
 //!   or the EVEX form of AVX-512 VNNI/VL on CPUs that have that instead (so the path runs, and
@@ -657,20 +655,6 @@ impl Kernels {
         )
     }
 
-    /// The same kernels without the AMX matrix unit (the `amx` path becomes `avx512`; others
-    /// stay): for decode steps, whose few rows per expert are bound by streaming the weights
-    /// (the GEMV), and for batches of sequences, whose rows must give each sequence the bits it
-    /// gets alone (the matrix unit sums in another order).
-    pub fn without_amx(self) -> Self {
-        match self.path {
-            KernelPath::Amx => Self {
-                path: KernelPath::Avx512,
-                ..self
-            },
-            _ => self,
-        }
-    }
-
     /// Whether the MXFP4 GEMV decodes with `vpermb` (AVX-512 VBMI).
     pub fn uses_vbmi(&self) -> bool {
         self.vbmi
@@ -830,8 +814,12 @@ impl Kernels {
         scratch.check(w.cols)?;
         dispatch!(
             self,
-            avx512: if self.path == KernelPath::Amx && w.layout == Mxfp4Layout::Tiles {
-                // The Amx path is only held after `amx::availability` granted the tile state.
+            avx512: if self.path == KernelPath::Amx
+                && w.layout == Mxfp4Layout::Tiles
+                && x.rows() >= amx::MIN_ROWS
+            {
+                // The Amx path is only held after `amx::availability` granted the tile state;
+                // both kernels give the same bits, so the row count only picks the faster.
                 amx::mxfp4_gemm(w, x, rows, out)
             } else {
                 avx512::mxfp4_gemm(w, x, rows, out, scratch, self.vbmi)
@@ -856,11 +844,7 @@ impl Kernels {
         out: &mut [f32],
         scratch: &mut GemmScratch,
     ) -> Result<(), KernelError> {
-        // On the `amx` path every tiled product takes the matrix unit, however few its rows: a
-        // row's bits must not depend on how many share its product (see `Kernels::without_amx`
-        // for the passes that stream the weights instead).
-        let amx = self.path == KernelPath::Amx && w.layout == Mxfp4Layout::Tiles;
-        if x.rows() <= MAX_GEMV_TOKENS && !amx {
+        if x.rows() <= MAX_GEMV_TOKENS {
             self.mxfp4_gemv(w, x, rows, out)
         } else {
             self.mxfp4_gemm(w, x, rows, out, scratch)
@@ -1030,8 +1014,8 @@ impl Kernels {
 impl Kernels {
     /// `rounds` rounds of [`Kernels::tile_probe_round_macs`] multiply-adds on the AMX matrix
     /// unit (`tdpbssd` if `int8`, else `tdpbf16ps`, four sum tiles, operands in the tile
-    /// registers): its peak, beside which `bench --kernels` prints the AMX GEMM. `None` off the
-    /// `amx` path.
+    /// registers): its peak, beside which `bench --kernels` prints the AMX GEMM (int8). `None`
+    /// off the `amx` path.
     pub fn tile_mac_probe(&self, rounds: usize, int8: bool) -> Option<f32> {
         #[cfg(target_arch = "x86_64")]
         if self.path == KernelPath::Amx {

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use rayon::ThreadPool;
 
 use super::exact;
-use super::fast::{self, AmxRows, FastPass};
+use super::fast::{self, FastPass};
 use super::kv::{KvShape, KvStore, RowSpan};
 use super::options::{ActivationFormat, AttentionArithmetic, KvFormat, Precision};
 use super::profile::{PassProfile, ProfileCounts, SharedProfile};
@@ -454,7 +454,7 @@ impl Session {
     /// Appends `tokens` to the context and returns the logits of the last one.
     pub fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], ForwardError> {
         self.check(tokens)?;
-        self.run(tokens, None, Rows::Prompt);
+        self.run(tokens, None);
         Ok(&self.logits)
     }
 
@@ -466,17 +466,13 @@ impl Session {
         all_logits: &mut Vec<f32>,
     ) -> Result<(), ForwardError> {
         self.check(tokens)?;
-        self.run(tokens, Some(all_logits), Rows::Prompt);
+        self.run(tokens, Some(all_logits));
         Ok(())
     }
 
-    /// Appends one token and returns its logits: a decode step, which streams the weights
-    /// rather than taking the matrix unit (see [`Rows`]).
+    /// Appends one token and returns its logits.
     pub fn decode(&mut self, token: u32) -> Result<&[f32], ForwardError> {
-        let tokens = std::slice::from_ref(&token);
-        self.check(tokens)?;
-        self.run(tokens, None, Rows::Decode);
-        Ok(&self.logits)
+        self.prefill(std::slice::from_ref(&token))
     }
 
     /// Tokens the forward pass processes at once; callers that report prefill progress or check
@@ -544,8 +540,6 @@ impl Session {
         if self.batch_logits.len() < steps.len() * vocab {
             self.batch_logits.resize(steps.len() * vocab, 0.0);
         }
-        // A batch's steps of more than one token are prompt rows, the others decode rows.
-        let kind = Rows::Batch;
         let pool = Arc::clone(&self.pool);
         pool.install(|| {
             let Session {
@@ -561,7 +555,7 @@ impl Session {
                 &pool,
                 (*activations, *attention),
                 scratch,
-                (steps, kind),
+                steps,
                 rows,
                 batch_logits,
                 all,
@@ -588,7 +582,7 @@ impl Session {
     }
 
     /// Runs `tokens` chunk by chunk on the session's pool.
-    fn run(&mut self, tokens: &[u32], mut all_logits: Option<&mut Vec<f32>>, kind: Rows) {
+    fn run(&mut self, tokens: &[u32], mut all_logits: Option<&mut Vec<f32>>) {
         let pool = Arc::clone(&self.pool);
         let chunk_len = self.chunk_len();
         pool.install(|| {
@@ -618,7 +612,7 @@ impl Session {
                     &pool,
                     (*activations, *attention),
                     scratch,
-                    (&mut steps, kind),
+                    &mut steps,
                     chunk.len(),
                     logits,
                     all,
@@ -655,19 +649,6 @@ fn check_step(model: &Model, sequence: &Sequence, tokens: &[u32]) -> Result<(), 
 /// chunk's regions are long and its quantization is not: those go to rayon.
 pub const TEAM_ROWS: usize = 96;
 
-/// What the rows of a pass are, which decides which take the AMX matrix unit (see
-/// [`AmxRows`]; on other kernel paths it changes nothing).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Rows {
-    /// A prompt (or its rest after a cached prefix) of one sequence: every row, even one.
-    Prompt,
-    /// A decode step: none.
-    Decode,
-    /// A batch's steps ([`Session::forward_batch`]): those of more than one token are prompt
-    /// rows (a one-token prompt step runs as a decode row there).
-    Batch,
-}
-
 /// One pass over `rows` tokens of `steps`, on a thread of `pool`.
 #[allow(clippy::too_many_arguments)]
 fn forward(
@@ -675,23 +656,11 @@ fn forward(
     pool: &ThreadPool,
     (activations, attention): (ActivationFormat, AttentionArithmetic),
     scratch: &mut Scratch,
-    (steps, kind): (&mut [SequenceStep<'_>], Rows),
+    steps: &mut [SequenceStep<'_>],
     rows: usize,
     logits: &mut [f32],
     all_logits: Option<AllLogits<'_>>,
 ) {
-    let amx_rows = match kind {
-        Rows::Prompt => AmxRows::All,
-        Rows::Decode => AmxRows::None,
-        Rows::Batch => {
-            let prompts = steps.iter().filter(|step| step.tokens.len() > 1).count();
-            match prompts {
-                0 => AmxRows::None,
-                p if p == steps.len() => AmxRows::All,
-                _ => AmxRows::PromptSteps,
-            }
-        }
-    };
     match scratch {
         Scratch::Exact(scratch) => exact::forward(model, steps, scratch, logits, all_logits),
         Scratch::Fast(scratch) => {
@@ -704,13 +673,9 @@ fn forward(
                         .as_ref()
                         .expect("a fast session has fast weights"),
                     rope: &model.rope,
-                    kernels: match amx_rows {
-                        AmxRows::None => attention.apply(model.kernels).without_amx(),
-                        AmxRows::All | AmxRows::PromptSteps => attention.apply(model.kernels),
-                    },
+                    kernels: attention.apply(model.kernels),
                     activations,
                     team,
-                    amx_rows,
                 };
                 pass.forward(steps, scratch, logits, all_logits)
             };

@@ -58,11 +58,6 @@ pub struct Scratch {
     decoded: Vec<(usize, usize)>,
     /// Per expert, the (token, weight) pairs routed to it.
     routes: Vec<Vec<(usize, f32)>>,
-    /// Per expert, the pairs of a batch's decode rows while its prompt rows run
-    /// ([`AmxRows::PromptSteps`]).
-    held_routes: Vec<Vec<(usize, f32)>>,
-    /// Per row of a pass, whether it belongs to a step of more than one token.
-    prompt_rows: Vec<bool>,
     /// The rows of `expert_in_q` routed to one expert (prefill).
     route_rows: Vec<usize>,
     gathered: Q8Activations,
@@ -127,8 +122,6 @@ impl Scratch {
             router: vec![0.0; n * e],
             decoded: Vec::with_capacity(n),
             routes: (0..e).map(|_| Vec::with_capacity(n)).collect(),
-            held_routes: (0..e).map(|_| Vec::with_capacity(n)).collect(),
-            prompt_rows: Vec::with_capacity(n),
             route_rows: Vec::with_capacity(2 * n),
             gathered: Q8Activations::with_capacity(2 * n, h),
             draft_in: Q8Activations::with_capacity(n, h),
@@ -185,25 +178,6 @@ pub struct FastPass<'a> {
     pub activations: ActivationFormat,
     /// Pool threads kept awake for this pass (decode), or `None` to use rayon.
     pub team: Option<&'a Team>,
-    /// Which rows' expert products take the AMX matrix unit (with `kernels` on the `amx` path).
-    pub amx_rows: AmxRows,
-}
-
-/// Which rows of a pass multiply their experts on the AMX matrix unit. The matrix unit sums in
-/// another order than the AVX-512 kernels, so a row's bits depend on which it takes; the choice
-/// goes by what the row is (a prompt's or a decode step's), never by how many rows share a
-/// product, so a prompt's state and logits are the same bits prefilled at once, in chunks, in a
-/// server's batch or after a cached prefix, and a decoded token's the same alone or batched.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AmxRows {
-    /// None (decode steps, whose few rows per expert are bound by streaming the weights; or a
-    /// kernel path without AMX).
-    None,
-    /// Every row (a prompt of one sequence).
-    All,
-    /// The rows of steps of more than one token (a server's batch mixing prompt chunks and
-    /// decode steps): their experts go first on the matrix unit, the decode rows' after.
-    PromptSteps,
 }
 
 /// The steps of a batch, shared by the tasks of one parallel region that each take a different
@@ -253,13 +227,6 @@ impl FastPass<'_> {
         let eps = c.rms_norm_eps;
         let rows: usize = steps.iter().map(|step| step.tokens.len()).sum();
         s.profile.begin(rows, steps.len(), Phase::Rest);
-        if self.amx_rows == AmxRows::PromptSteps {
-            s.prompt_rows.clear();
-            for step in steps.iter() {
-                let prompt = step.tokens.len() > 1;
-                s.prompt_rows.extend(step.tokens.iter().map(|_| prompt));
-            }
-        }
         let mut n = 0;
         for step in steps.iter() {
             let len = step.tokens.len();
@@ -548,31 +515,9 @@ impl FastPass<'_> {
         s.moe_out[..n * h].fill(0.0);
         if n == 1 {
             self.decode_experts(layer, s);
-        } else if self.amx_rows == AmxRows::PromptSteps {
-            self.prompt_rows_first(layer, s);
         } else {
             self.batch_experts(layer, s);
         }
-    }
-
-    /// [`AmxRows::PromptSteps`]: the experts of the prompt rows on the matrix unit, then the
-    /// decode rows' on the AVX-512 kernels, each row's experts still added in expert order (a
-    /// row is in one of the two runs only).
-    fn prompt_rows_first(&self, layer: &Layer, s: &mut Scratch) {
-        for (routes, held) in s.routes.iter_mut().zip(s.held_routes.iter_mut()) {
-            held.clear();
-            held.extend(routes.iter().filter(|&&(i, _)| !s.prompt_rows[i]));
-            routes.retain(|&(i, _)| s.prompt_rows[i]);
-        }
-        self.batch_experts(layer, s);
-        std::mem::swap(&mut s.routes, &mut s.held_routes);
-        let decode = FastPass {
-            kernels: self.kernels.without_amx(),
-            amx_rows: AmxRows::None,
-            ..*self
-        };
-        decode.batch_experts(layer, s);
-        std::mem::swap(&mut s.routes, &mut s.held_routes);
     }
 
     /// Quantized rows per token of `w`'s input: two for split activations, one for a quantized
