@@ -132,6 +132,26 @@ fn magnitude_bounds(
     bounds
 }
 
+/// The scalar reference's MXFP4 GEMM of `range` and each output's sum of magnitudes.
+fn mxfp4_reference(
+    w: &Mxfp4Matrix,
+    x: &Q8Activations,
+    range: Range<usize>,
+    scratch: &mut GemmScratch,
+) -> (Vec<f32>, Vec<f32>) {
+    let mut expected = vec![0.0; x.rows() * range.len()];
+    scalar()
+        .mxfp4_gemm(w, x, range.clone(), &mut expected, scratch)
+        .unwrap();
+    let bounds = magnitude_bounds(
+        range,
+        w.cols(),
+        |r, out| w.dequantize_row(r, out).unwrap(),
+        x,
+    );
+    (expected, bounds)
+}
+
 fn assert_close(what: &str, got: &[f32], expected: &[f32], bounds: &[f32]) {
     assert_eq!(got.len(), expected.len(), "{what}: output length");
     for (i, ((g, e), b)) in got.iter().zip(expected).zip(bounds).enumerate() {
@@ -166,16 +186,7 @@ fn mxfp4_gemv_and_gemm_match_scalar_on_every_path() {
             let range = if rows > 4 { 1..rows - 1 } else { 0..rows };
             let n = range.len();
             let mut scratch = GemmScratch::new(cols);
-            let mut expected = vec![0.0; tokens * n];
-            scalar()
-                .mxfp4_gemm(&w, &x, range.clone(), &mut expected, &mut scratch)
-                .unwrap();
-            let bounds = magnitude_bounds(
-                range.clone(),
-                cols,
-                |r, out| w.dequantize_row(r, out).unwrap(),
-                &x,
-            );
+            let (expected, bounds) = mxfp4_reference(&w, &x, range.clone(), &mut scratch);
             for k in simd_paths() {
                 let mut got = vec![f32::NAN; tokens * n];
                 k.mxfp4_gemm(&w, &x, range.clone(), &mut got, &mut scratch)
@@ -1492,16 +1503,7 @@ fn amx_gemm_gives_the_avx512_bits_across_passes_and_scales() {
                     let what = format!(
                         "AMX {rows}x{cols} scales {scales:?} M={tokens} {rule:?} rows {range:?}"
                     );
-                    let mut expected = vec![0.0; tokens * n];
-                    scalar()
-                        .mxfp4_gemm(&w, &x, range.clone(), &mut expected, &mut scratch)
-                        .unwrap();
-                    let bounds = magnitude_bounds(
-                        range.clone(),
-                        cols,
-                        |r, out| w.dequantize_row(r, out).unwrap(),
-                        &x,
-                    );
+                    let (expected, bounds) = mxfp4_reference(&w, &x, range.clone(), &mut scratch);
                     let mut got = vec![f32::NAN; tokens * n];
                     k.mxfp4_gemm(&t, &x, range.clone(), &mut got, &mut scratch)
                         .unwrap();

@@ -84,7 +84,7 @@ kv_one="$(gauge 'KV cache')"
 echo "tmux_e2e: turn 1: $kv_one; $(gauge 'decode'); $(gauge 'kernels'); $(gauge 'weights')"
 grep -Eq "[1-9][0-9]*/8192" <<<"$kv_one" || fail "the KV cache gauge did not move"
 gauge "decode" | grep -q "tok/s" || fail "no decode rate"
-gauge "kernels" | grep -Eq "avx512|avx2|scalar" || fail "no kernel path"
+gauge "kernels" | grep -Eq "amx|avx512|avx2|scalar" || fail "no kernel path"
 gauge "weights" | grep -q "q8" || fail "no weight format"
 
 # Turn two reuses the cached prefix.

@@ -47,8 +47,8 @@ use std::sync::OnceLock;
 
 use super::aligned::AlignedVec;
 use super::formats::{
-    tile_lanes, tile_out, Mxfp4Layout, Mxfp4Matrix, Q8Activations, BLOCK_LEN, FP4_DOUBLED,
-    GROUP_BLOCKS, GROUP_LEN, MXFP4_TILE_ROWS,
+    repeat_table, tile_lanes, tile_out, Mxfp4Layout, Mxfp4Matrix, Q8Activations, BLOCK_LEN,
+    FP4_DOUBLED, GROUP_BLOCKS, GROUP_LEN, MXFP4_TILE_ROWS,
 };
 
 /// Tokens of an A tile and weight rows of a B tile.
@@ -173,24 +173,35 @@ struct TileConfig {
     rows: [u8; 16],
 }
 
+impl TileConfig {
+    /// Palette 1 with tile registers 0..8 of `rows` rows of `bytes_per_row` bytes.
+    const fn palette1(bytes_per_row: [u16; 8], rows: [u8; 8]) -> Self {
+        let mut config = TileConfig {
+            palette: 1,
+            start_row: 0,
+            reserved: [0; 14],
+            bytes_per_row: [0; 16],
+            rows: [0; 16],
+        };
+        let mut t = 0;
+        while t < 8 {
+            config.bytes_per_row[t] = bytes_per_row[t];
+            config.rows[t] = rows[t];
+            t += 1;
+        }
+        config
+    }
+}
+
 /// The block products' tiles: tmm0..tmm3 int32 sums (16 x 64 bytes); tmm4, tmm5 activations
 /// (16 tokens x 32 bytes); tmm6, tmm7 weights (8 x 64 bytes: 32 K values of 16 rows).
-static BLOCK_CONFIG: TileConfig = TileConfig {
-    palette: 1,
-    start_row: 0,
-    reserved: [0; 14],
-    bytes_per_row: [64, 64, 64, 64, 32, 32, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0],
-    rows: [16, 16, 16, 16, 16, 16, 8, 8, 0, 0, 0, 0, 0, 0, 0, 0],
-};
+static BLOCK_CONFIG: TileConfig = TileConfig::palette1(
+    [64, 64, 64, 64, 32, 32, 64, 64],
+    [16, 16, 16, 16, 16, 16, 8, 8],
+);
 
 /// The peak probe's tiles: all eight 16 x 64 bytes (full K for both instructions).
-static FULL_CONFIG: TileConfig = TileConfig {
-    palette: 1,
-    start_row: 0,
-    reserved: [0; 14],
-    bytes_per_row: [64, 64, 64, 64, 64, 64, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0],
-    rows: [16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0],
-};
+static FULL_CONFIG: TileConfig = TileConfig::palette1([64; 8], [16; 8]);
 
 /// The tile registers configured while alive; released on drop, so the thread carries no tile
 /// state between calls (and the OS saves none for it).
@@ -311,15 +322,7 @@ thread_local! {
 }
 
 /// Signed doubled FP4 values, repeated for each 128-bit lane of `vpshufb`.
-const FP4_DOUBLED_64: [i8; 64] = {
-    let mut table = [0i8; 64];
-    let mut i = 0;
-    while i < 64 {
-        table[i] = FP4_DOUBLED[i % 16];
-        i += 1;
-    }
-    table
-};
+const FP4_DOUBLED_64: [i8; 64] = repeat_table(&FP4_DOUBLED);
 
 /// Packs the tokens of `x` as A tiles: per token tile and block 16 rows of 32 bytes (the
 /// block's 16 even then 16 odd elements; rows past the tokens zero), and each block's scale

@@ -11,9 +11,9 @@ use half::f16;
 
 use super::avx2::{prefetch_share, prefetch_share_into};
 use super::formats::{
-    ByteSpans, Mxfp4Layout, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix, ScaleExponents,
-    BLOCK_LEN, CORRECTION_LANE_MXFP4, CORRECTION_LANE_Q4, CORRECTION_LANE_Q8, GROUP_BLOCKS,
-    GROUP_LANES, GROUP_LEN,
+    repeat_table, ByteSpans, Mxfp4Layout, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix,
+    ScaleExponents, BLOCK_LEN, CORRECTION_LANE_MXFP4, CORRECTION_LANE_Q4, CORRECTION_LANE_Q8,
+    GROUP_BLOCKS, GROUP_LANES, GROUP_LEN,
 };
 use super::{GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
 
@@ -589,15 +589,7 @@ impl GroupSource for Q8Matrix {
 
 /// [`MXFP4_UNSIGNED`] four times over: a `vpermb` table, which indexes with a byte's low six
 /// bits, so the neighbouring nibble's bits 4-5 that a byte carries select the same entry.
-const MXFP4_UNSIGNED_64: [i8; 64] = {
-    let mut table = [0i8; 64];
-    let mut i = 0;
-    while i < 64 {
-        table[i] = MXFP4_UNSIGNED[i % 16];
-        i += 1;
-    }
-    table
-};
+const MXFP4_UNSIGNED_64: [i8; 64] = repeat_table(&MXFP4_UNSIGNED);
 
 /// `vpshufb` control that puts scale byte j of a broadcast dword into the top byte of lanes
 /// 4j..4j+3 (the 128-bit lane j) and zeros the rest: `s << 24`, one shift away from the f32 bits

@@ -29,6 +29,18 @@ pub const FP4_E2M1: [f32; 16] = [
     0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
 ];
 
+/// A 16-entry byte table four times over: one per 128-bit lane for `vpshufb`, or a `vpermb`
+/// table that ignores index bits 4-5.
+pub(crate) const fn repeat_table(table: &[i8; 16]) -> [i8; 64] {
+    let mut out = [0i8; 64];
+    let mut i = 0;
+    while i < 64 {
+        out[i] = table[i % 16];
+        i += 1;
+    }
+    out
+}
+
 /// FP4 values doubled so they are integers; the kernels multiply these and halve the result.
 pub(crate) const FP4_DOUBLED: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
