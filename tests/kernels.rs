@@ -847,10 +847,17 @@ fn kernel_bench_reports_every_kernel_with_positive_rates() {
     // largest token count is above that), plus one GEMM per token count.
     let max_gemv = ossterm::kernels::MAX_GEMV_TOKENS;
     assert!(config.gemm_tokens.iter().any(|&t| t >= max_gemv));
+    // Where the kernels prefer tiles (every SIMD path; the quick shape's rows fill whole tiles),
+    // every format and the streamed products are measured again in tiles.
     let per_format = max_gemv + config.gemm_tokens.len();
+    let layouts = if kernels().prefers_tiled_mxfp4() {
+        2
+    } else {
+        1
+    };
     assert_eq!(
         report.results.len(),
-        config.thread_counts.len() * (3 * per_format + config.stream_tokens.len())
+        config.thread_counts.len() * layouts * (3 * per_format + config.stream_tokens.len())
     );
     // The streamed products read every matrix once per run, with each token count asked for.
     let streamed: Vec<usize> = report
@@ -936,9 +943,39 @@ fn kernel_bench_reports_every_kernel_with_positive_rates() {
             "{r:?}"
         );
     }
+    // The `amx` path also measures the matrix unit's peak and relates its GEMM rows to it (those
+    // the matrix unit runs); other paths have neither.
+    if kernels().path() == KernelPath::Amx {
+        let threads: Vec<usize> = report.tile_peak.iter().map(|p| p.threads).collect();
+        assert_eq!(threads, config.thread_counts);
+        assert!(report.tile_peak.iter().all(|p| p.gmac_per_s > 0.0));
+        assert!(text.contains("AMX tile peak"), "{text}");
+    } else {
+        assert!(report.tile_peak.is_empty());
+    }
+    for r in &report.results {
+        let on_tiles = kernels().path() == KernelPath::Amx
+            && r.kernel == "mxfp4_tiles_gemm"
+            && r.tokens >= ossterm::kernels::AMX_MIN_ROWS;
+        assert_eq!(r.tile_fraction.is_some(), on_tiles, "{r:?}");
+    }
     let json = serde_json::to_value(&report).unwrap();
     assert!(json["cpu"]["flags"].is_array() && json["int8_peak"].is_array());
-    assert!(json["read_bandwidth"].is_array());
+    assert!(json["read_bandwidth"].is_array() && json["tile_peak"].is_array());
+}
+
+/// The AMX peak probe multiplies what it says: four `tdpbssd` of ones (K = 64) a round, so the
+/// first sum tile holds 64 per round; `None` off the `amx` path.
+#[test]
+fn the_tile_peak_probe_computes_its_products() {
+    use ossterm::kernels::TILE_PROBE_ROUND_MACS;
+    assert_eq!(TILE_PROBE_ROUND_MACS, 4 * 16 * 16 * 64);
+    for k in Kernels::all_supported() {
+        for rounds in [0usize, 1, 7, 1000] {
+            let want = (k.path() == KernelPath::Amx).then_some(64 * rounds as i32);
+            assert_eq!(k.tile_mac_probe(rounds), want, "{:?}", k.path());
+        }
+    }
 }
 
 #[test]

@@ -14,8 +14,8 @@ use serde::Serialize;
 use super::probe::CpuInfo;
 use crate::kernels::{
     tile_mxfp4, GemmScratch, KernelError, KernelPath, Kernels, Mxfp4Matrix, Q4Matrix,
-    Q8Activations, Q8Matrix, ScaleRule, GROUP_BLOCKS, GROUP_LEN, MAX_GEMV_TOKENS, MXFP4_TILE_ROWS,
-    PROBE_ROUND_MACS,
+    Q8Activations, Q8Matrix, ScaleRule, AMX_MIN_ROWS, GROUP_BLOCKS, GROUP_LEN, MAX_GEMV_TOKENS,
+    MXFP4_TILE_ROWS, PROBE_ROUND_MACS, TILE_PROBE_ROUND_MACS,
 };
 use crate::model::options::{ActivationFormat, Product, Split};
 
@@ -58,14 +58,15 @@ impl KernelBenchConfig {
         }
     }
 
-    /// A shape small enough for tests.
+    /// A shape small enough for tests: rows a whole number of tiles, so the tiled rows are
+    /// measured too, and a GEMM of 17 tokens, which the `amx` path runs on the matrix unit.
     pub fn quick() -> Self {
         Self {
             experts: 2,
-            rows: 40,
+            rows: 48,
             cols: 160,
             thread_counts: vec![1, 2],
-            gemm_tokens: vec![1, 5],
+            gemm_tokens: vec![1, 5, 17],
             stream_tokens: vec![3, 6],
             repetitions: 2,
             min_run_time: Duration::from_micros(200),
@@ -120,14 +121,12 @@ pub struct PeakResult {
     pub gmac_per_s: f64,
 }
 
-/// The AMX tile peak on some threads ([`Kernels::tile_mac_probe`] on each at once).
+/// The AMX `tdpbssd` peak on some threads ([`Kernels::tile_mac_probe`] on each at once).
 #[derive(Clone, Debug, Serialize)]
 pub struct TilePeakResult {
     pub threads: usize,
-    /// `tdpbf16ps` multiply-adds per second of all threads together, in 1e9.
-    pub bf16_gmac_per_s: f64,
-    /// `tdpbssd` multiply-adds per second of all threads together, in 1e9 (the GEMM's).
-    pub int8_gmac_per_s: f64,
+    /// Multiply-adds per second of all threads together, in 1e9.
+    pub gmac_per_s: f64,
 }
 
 /// All measurements of one run.
@@ -140,6 +139,8 @@ pub struct KernelBenchReport {
     pub cpu: CpuInfo,
     /// The int8 peak per thread count (empty on the scalar path, which has no such instruction).
     pub int8_peak: Vec<PeakResult>,
+    /// Why a CPU that has AMX runs this path without it (the OS refused the tile state, say).
+    pub amx_refusal: Option<String>,
     /// The AMX matrix unit's peak per thread count (the `amx` path only).
     pub tile_peak: Vec<TilePeakResult>,
     /// The read bandwidth per thread count, which GEMVs are related to.
@@ -159,6 +160,9 @@ impl fmt::Display for KernelBenchReport {
              {}x{}, GEMM on one",
             self.path, self.gemv_decode, self.experts, self.rows, self.cols
         )?;
+        if let Some(reason) = &self.amx_refusal {
+            writeln!(f, "AMX refused: {reason}")?;
+        }
         for p in &self.int8_peak {
             writeln!(
                 f,
@@ -180,15 +184,12 @@ impl fmt::Display for KernelBenchReport {
         for p in &self.tile_peak {
             writeln!(
                 f,
-                "AMX tile peak (4 sum tiles, operands in registers) on {} thread{}: tdpbf16ps \
-                 {:.1} GMAC/s, tdpbssd {:.1} GMAC/s ({:.1} and {:.1} per thread); the MXFP4 \
-                 GEMM runs on tdpbssd: % tile beside it",
+                "AMX tile peak (tdpbssd, 4 sum tiles, operands in registers) on {} thread{}: \
+                 {:.1} GMAC/s ({:.1} per thread); % tile: the MXFP4 GEMM over it",
                 p.threads,
                 if p.threads == 1 { "" } else { "s" },
-                p.bf16_gmac_per_s,
-                p.int8_gmac_per_s,
-                p.bf16_gmac_per_s / p.threads.max(1) as f64,
-                p.int8_gmac_per_s / p.threads.max(1) as f64,
+                p.gmac_per_s,
+                p.gmac_per_s / p.threads.max(1) as f64,
             )?;
         }
         for b in &self.read_bandwidth {
@@ -248,8 +249,7 @@ fn gemv_decode(kernels: Kernels) -> &'static str {
 
 /// What the probe of `path` runs, for the report.
 fn peak_instructions(path: &str) -> &'static str {
-    // The path's name is the first word (a refused AMX is described after it).
-    match path.split(' ').next().unwrap_or_default() {
+    match path {
         "avx512" | "amx" => "vpdpbusd, 16 chains",
         "avx2" => "vpmaddubsw + vpmaddwd",
         "avx2-vnni" => "256-bit vpdpbusd",
@@ -259,7 +259,7 @@ fn peak_instructions(path: &str) -> &'static str {
 
 /// What the read-bandwidth probe of `path` loads with, for the report.
 fn read_loads(path: &str) -> &'static str {
-    match path.split(' ').next().unwrap_or_default() {
+    match path {
         "avx512" | "amx" => "512-bit",
         "avx2" | "avx2-vnni" => "256-bit",
         _ => "scalar",
@@ -290,8 +290,8 @@ fn measure_peak(
     })
 }
 
-/// Rounds of a tile probe call: about a millisecond at the bf16 tile peak.
-const TILE_PROBE_ROUNDS: usize = 1 << 16;
+/// Rounds of a tile probe call: about a millisecond at the tile peak.
+const TILE_PROBE_ROUNDS: usize = 1 << 15;
 
 /// The AMX tile peak of `kernels` on `pool` (`None` off the `amx` path).
 fn measure_tile_peak(
@@ -299,24 +299,17 @@ fn measure_tile_peak(
     pool: &rayon::ThreadPool,
     config: &KernelBenchConfig,
 ) -> Result<Option<TilePeakResult>, KernelError> {
-    if kernels.tile_mac_probe(1, false).is_none() {
+    if kernels.tile_mac_probe(1).is_none() {
         return Ok(None);
     }
     let threads = pool.current_num_threads();
-    let rate = |int8: bool| {
-        let (best, _) = time_runs(config.repetitions.max(10), config.min_run_time, || {
-            pool.broadcast(|_| {
-                std::hint::black_box(kernels.tile_mac_probe(TILE_PROBE_ROUNDS, int8))
-            });
-            Ok::<(), KernelError>(())
-        })?;
-        let macs = threads * TILE_PROBE_ROUNDS * Kernels::tile_probe_round_macs(int8);
-        Ok::<f64, KernelError>(macs as f64 / best / 1e9)
-    };
+    let (best, _) = time_runs(config.repetitions.max(10), config.min_run_time, || {
+        pool.broadcast(|_| std::hint::black_box(kernels.tile_mac_probe(TILE_PROBE_ROUNDS)));
+        Ok::<(), KernelError>(())
+    })?;
     Ok(Some(TilePeakResult {
         threads,
-        bf16_gmac_per_s: rate(false)?,
-        int8_gmac_per_s: rate(true)?,
+        gmac_per_s: (threads * TILE_PROBE_ROUNDS * TILE_PROBE_ROUND_MACS) as f64 / best / 1e9,
     }))
 }
 
@@ -812,15 +805,17 @@ pub fn run_kernel_bench(
         }
         if let Some(tiles) = tiles {
             for r in &mut results[first_result..] {
-                if r.kernel == "mxfp4_tiles_gemm" {
-                    r.tile_fraction = Some(r.best_gmac_per_s / tiles.int8_gmac_per_s);
+                // Fewer rows run on the AVX-512 kernel even on the `amx` path.
+                if r.kernel == "mxfp4_tiles_gemm" && r.tokens >= AMX_MIN_ROWS {
+                    r.tile_fraction = Some(r.best_gmac_per_s / tiles.gmac_per_s);
                 }
             }
             tile_peak.push(tiles);
         }
     }
     Ok(KernelBenchReport {
-        path: kernels.path().describe(),
+        path: kernels.path().name().to_string(),
+        amx_refusal: KernelPath::amx_refusal().filter(|_| kernels.path() != KernelPath::Amx),
         gemv_decode: gemv_decode(kernels).to_string(),
         cpu: CpuInfo::current(),
         int8_peak,

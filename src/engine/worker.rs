@@ -1008,13 +1008,7 @@ impl ModelBackend for crate::model::Model {
         if self.precision == crate::model::Precision::Exact {
             return "portable".to_string();
         }
-        let path = match crate::kernels::KernelPath::amx_refusal() {
-            // The reason is in `bench` and the log; the gauge only says it.
-            Some(_) if self.kernels.path() == crate::kernels::KernelPath::Avx512 => {
-                "avx512 (no AMX)"
-            }
-            _ => self.kernels.path().name(),
-        };
+        let path = self.kernels.path().gauge_name();
         match self
             .attention_products_with(attention, activations, kv_cache)
             .name()

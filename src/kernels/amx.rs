@@ -70,7 +70,7 @@ const PASS_TOKEN_TILES: usize = 4;
 /// product (same bits either way): below, one token tile's sums and scaling cost more than the
 /// `vpdpbusd` they replace (`bench --kernels`, Xeon with AMX, one thread, 2880 x 2880: AVX-512
 /// 0.54 / 0.75 / 1.18 ms at M = 8 / 16 / 32 against 0.60 / 0.60 / 0.93 ms).
-pub(crate) const MIN_ROWS: usize = 16;
+pub const MIN_ROWS: usize = 16;
 
 const ARCH_GET_XCOMP_PERM: libc::c_long = 0x1022;
 const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
@@ -200,7 +200,7 @@ static BLOCK_CONFIG: TileConfig = TileConfig::palette1(
     [16, 16, 16, 16, 16, 16, 8, 8],
 );
 
-/// The peak probe's tiles: all eight 16 x 64 bytes (full K for both instructions).
+/// The peak probe's tiles: all eight 16 x 64 bytes (K = 64).
 static FULL_CONFIG: TileConfig = TileConfig::palette1([64; 8], [16; 8]);
 
 /// The tile registers configured while alive; released on drop, so the thread carries no tile
@@ -546,21 +546,18 @@ pub(crate) unsafe fn mxfp4_gemm(
     })
 }
 
-/// Multiply-adds of one tile probe round: four products of 16 x 16 x K, K = 32 (bf16) or 64
-/// (int8).
-pub(crate) const fn tile_probe_round_macs(int8: bool) -> usize {
-    4 * TILE * TILE * if int8 { 64 } else { 32 }
-}
+/// Multiply-adds of one tile probe round: four `tdpbssd` of 16 x 16 x 64.
+pub(crate) const TILE_PROBE_ROUND_MACS: usize = 4 * TILE * TILE * 64;
 
-/// `rounds` rounds of four independent tile products (`tdpbssd` if `int8`, else `tdpbf16ps`)
-/// on operands that stay in the tile registers: the matrix unit's peak, which the GEMM is
-/// measured against. Returns the first sum, so the work cannot be dropped.
+/// `rounds` rounds of four independent `tdpbssd` on operands that stay in the tile registers:
+/// the matrix unit's int8 peak, which the GEMM is measured against. Returns the first sum, so
+/// the work cannot be dropped.
 ///
 /// # Safety
 /// [`availability`] returned `Ok`.
-pub(crate) unsafe fn tile_probe(rounds: usize, int8: bool) -> f32 {
-    let ones = AlignedVec::<u16>::filled(TILE * 32, if int8 { 0x0101 } else { 0x3F80 });
-    let mut sums = AlignedVec::<f32>::filled(TILE * TILE, 0.0);
+pub(crate) unsafe fn tile_probe(rounds: usize) -> i32 {
+    let ones = AlignedVec::<u8>::filled(TILE * 64, 1);
+    let mut sums = AlignedVec::<i32>::filled(TILE * TILE, 0);
     // SAFETY: the caller checked the tile state; the loads read the 1 KiB of `ones`, the store
     // writes the 1 KiB of `sums`.
     unsafe {
@@ -576,23 +573,13 @@ pub(crate) unsafe fn tile_probe(rounds: usize, int8: bool) -> f32 {
             options(nostack, readonly),
         );
         for _ in 0..rounds {
-            if int8 {
-                asm!(
-                    "tdpbssd tmm0, tmm4, tmm6",
-                    "tdpbssd tmm1, tmm4, tmm7",
-                    "tdpbssd tmm2, tmm5, tmm6",
-                    "tdpbssd tmm3, tmm5, tmm7",
-                    options(nostack, nomem),
-                );
-            } else {
-                asm!(
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tdpbf16ps tmm1, tmm4, tmm7",
-                    "tdpbf16ps tmm2, tmm5, tmm6",
-                    "tdpbf16ps tmm3, tmm5, tmm7",
-                    options(nostack, nomem),
-                );
-            }
+            asm!(
+                "tdpbssd tmm0, tmm4, tmm6",
+                "tdpbssd tmm1, tmm4, tmm7",
+                "tdpbssd tmm2, tmm5, tmm6",
+                "tdpbssd tmm3, tmm5, tmm7",
+                options(nostack, nomem),
+            );
         }
         session.store_sums(0, sums.as_mut_ptr().cast());
     }

@@ -236,14 +236,29 @@ impl KernelPath {
     }
 
     /// This path's name, followed by why AMX is not used where the CPU has it and this path is
-    /// not `amx` (e.g. "avx512 (AMX refused: ...)").
+    /// the AVX-512 one instead (e.g. "avx512 (AMX refused: ...)"): what `bench` reports.
     pub fn describe(self) -> String {
-        match KernelPath::amx_refusal() {
-            Some(reason) if self != KernelPath::Amx && self.is_avx512() => {
-                format!("{} (AMX refused: {reason})", self.name())
-            }
-            _ => self.name().to_string(),
+        match self.refused_amx() {
+            Some(reason) => format!("{} (AMX refused: {reason})", self.name()),
+            None => self.name().to_string(),
         }
+    }
+
+    /// [`KernelPath::describe`] short enough for the app's kernels gauge ("avx512 (no AMX)");
+    /// the reason is in `bench`.
+    pub fn gauge_name(self) -> &'static str {
+        match self.refused_amx() {
+            Some(_) => "avx512 (no AMX)",
+            None => self.name(),
+        }
+    }
+
+    /// [`KernelPath::amx_refusal`] where it concerns this path: the AVX-512 path running on a
+    /// CPU whose AMX was refused.
+    fn refused_amx(self) -> Option<String> {
+        (self == KernelPath::Avx512)
+            .then(KernelPath::amx_refusal)
+            .flatten()
     }
 }
 
@@ -1012,25 +1027,29 @@ impl Kernels {
 }
 
 impl Kernels {
-    /// `rounds` rounds of [`Kernels::tile_probe_round_macs`] multiply-adds on the AMX matrix
-    /// unit (`tdpbssd` if `int8`, else `tdpbf16ps`, four sum tiles, operands in the tile
-    /// registers): its peak, beside which `bench --kernels` prints the AMX GEMM (int8). `None`
-    /// off the `amx` path.
-    pub fn tile_mac_probe(&self, rounds: usize, int8: bool) -> Option<f32> {
+    /// `rounds` rounds of [`TILE_PROBE_ROUND_MACS`] multiply-adds on the AMX matrix unit (four
+    /// independent `tdpbssd`, operands in the tile registers): its int8 peak, beside which
+    /// `bench --kernels` prints the AMX GEMM. `None` off the `amx` path.
+    pub fn tile_mac_probe(&self, rounds: usize) -> Option<i32> {
         #[cfg(target_arch = "x86_64")]
         if self.path == KernelPath::Amx {
             // SAFETY: the Amx path is only held after `amx::availability` granted the tile state.
-            return Some(unsafe { amx::tile_probe(rounds, int8) });
+            return Some(unsafe { amx::tile_probe(rounds) });
         }
-        let _ = (rounds, int8);
+        let _ = rounds;
         None
     }
-
-    /// Multiply-adds of one round of [`Kernels::tile_mac_probe`].
-    pub fn tile_probe_round_macs(int8: bool) -> usize {
-        #[cfg(target_arch = "x86_64")]
-        return amx::tile_probe_round_macs(int8);
-        #[cfg(not(target_arch = "x86_64"))]
-        return 0;
-    }
 }
+
+/// Fewest activation rows of a tiled MXFP4 GEMM that the `amx` path runs on the matrix unit
+/// (fewer take the AVX-512 kernel; the bits are the same).
+#[cfg(target_arch = "x86_64")]
+pub const AMX_MIN_ROWS: usize = amx::MIN_ROWS;
+#[cfg(not(target_arch = "x86_64"))]
+pub const AMX_MIN_ROWS: usize = 16;
+
+/// Multiply-adds of one round of [`Kernels::tile_mac_probe`]: four 16 x 16 x 64 products.
+#[cfg(target_arch = "x86_64")]
+pub const TILE_PROBE_ROUND_MACS: usize = amx::TILE_PROBE_ROUND_MACS;
+#[cfg(not(target_arch = "x86_64"))]
+pub const TILE_PROBE_ROUND_MACS: usize = 4 * 16 * 16 * 64;
