@@ -955,7 +955,7 @@ fn kernel_bench_reports_every_kernel_with_positive_rates() {
     }
     for r in &report.results {
         let on_tiles = kernels().path() == KernelPath::Amx
-            && r.kernel == "mxfp4_tiles_gemm"
+            && matches!(r.kernel.as_str(), "mxfp4_tiles_gemm" | "q8_tiles_gemm")
             && r.tokens >= ossterm::kernels::AMX_MIN_ROWS;
         assert_eq!(r.tile_fraction.is_some(), on_tiles, "{r:?}");
     }
@@ -1548,6 +1548,72 @@ fn amx_gemm_gives_the_avx512_bits_across_passes_and_scales() {
                     let mut other = vec![f32::NAN; tokens * n];
                     avx512
                         .mxfp4_gemm(&t, &x, range.clone(), &mut other, &mut scratch)
+                        .unwrap();
+                    assert_eq!(bits(&got), bits(&other), "{what}: AVX-512 bits");
+                }
+            }
+        }
+    }
+}
+
+/// The AMX Q8 GEMM (the `amx` path's tiled Q8 products of 16 rows and more: the attention
+/// projections of a prompt) gives the AVX-512 tile GEMM's bits, and the scalar reference's
+/// results within the sum-order tolerance: one token tile to several passes, odd token and
+/// weight tiles, ranges that cut tiles, column counts with a short last group or a single
+/// partial one, both activation scale rules, and weights small enough for subnormal f16 scales
+/// or large. Skipped, saying so, where the CPU or OS has no AMX.
+#[test]
+fn amx_q8_gemm_gives_the_avx512_bits_across_passes_and_scales() {
+    let Some(k) = Kernels::all_supported()
+        .into_iter()
+        .find(|k| k.path() == KernelPath::Amx)
+    else {
+        eprintln!(
+            "skipped: no AMX here ({})",
+            KernelPath::amx_unavailable_reason().unwrap_or_default()
+        );
+        return;
+    };
+    let avx512 = Kernels::new(KernelPath::Avx512).expect("AMX CPUs have AVX-512");
+    let mut rng = rng(43);
+    for (rows, cols, magnitude) in [
+        (48, 2880, 0.2),
+        (32, 160, 1.0),
+        (80, 96, 3e-6),
+        (16, 4096, 2e3),
+    ] {
+        let weights = to_bf16(&random_f32(&mut rng, rows * cols, magnitude));
+        let q8 = Q8Matrix::from_bf16(rows, cols, &weights).unwrap();
+        let tiled = q8.to_tiles().unwrap();
+        let mut scratch = GemmScratch::new(cols);
+        for tokens in [16, 17, 31, 65, 130] {
+            let values = random_f32(&mut rng, tokens * cols, 3.0);
+            for rule in [ScaleRule::Tight, ScaleRule::PowerOfTwo] {
+                let mut x = Q8Activations::new();
+                k.quantize_activation_rows_with(&values, cols, rule, true, &mut x)
+                    .unwrap();
+                for range in [0..rows, 5..rows - 3] {
+                    let n = range.len();
+                    let what = format!(
+                        "AMX Q8 {rows}x{cols} weights {magnitude} M={tokens} {rule:?} rows {range:?}"
+                    );
+                    let mut expected = vec![0.0; tokens * n];
+                    scalar()
+                        .q8_gemm(&q8, &x, range.clone(), &mut expected, &mut scratch)
+                        .unwrap();
+                    let bounds = magnitude_bounds(
+                        range.clone(),
+                        cols,
+                        |r, o| q8.dequantize_row(r, o).unwrap(),
+                        &x,
+                    );
+                    let mut got = vec![f32::NAN; tokens * n];
+                    k.q8_gemm(&tiled, &x, range.clone(), &mut got, &mut scratch)
+                        .unwrap();
+                    assert_close(&what, &got, &expected, &bounds);
+                    let mut other = vec![f32::NAN; tokens * n];
+                    avx512
+                        .q8_gemm(&tiled, &x, range.clone(), &mut other, &mut scratch)
                         .unwrap();
                     assert_eq!(bits(&got), bits(&other), "{what}: AVX-512 bits");
                 }

@@ -99,7 +99,7 @@ pub struct KernelBenchResult {
     /// GEMVs and streamed products: `best_gb_per_s` over the plain read bandwidth measured with
     /// the same thread count (what streaming the weights could reach at most).
     pub bandwidth_fraction: Option<f64>,
-    /// Tiled MXFP4 GEMMs on the `amx` path: `best_gmac_per_s` over the `tdpbssd` tile peak
+    /// Tiled MXFP4 and Q8 GEMMs on the `amx` path: `best_gmac_per_s` over the `tdpbssd` tile peak
     /// measured with the same thread count.
     pub tile_fraction: Option<f64>,
 }
@@ -185,7 +185,7 @@ impl fmt::Display for KernelBenchReport {
             writeln!(
                 f,
                 "AMX tile peak (tdpbssd, 4 sum tiles, operands in registers) on {} thread{}: \
-                 {:.1} GMAC/s ({:.1} per thread); % tile: the MXFP4 GEMM over it",
+                 {:.1} GMAC/s ({:.1} per thread); % tile: the tiled MXFP4 and Q8 GEMMs over it",
                 p.threads,
                 if p.threads == 1 { "" } else { "s" },
                 p.gmac_per_s,
@@ -806,7 +806,8 @@ pub fn run_kernel_bench(
         if let Some(tiles) = tiles {
             for r in &mut results[first_result..] {
                 // Fewer rows run on the AVX-512 kernel even on the `amx` path.
-                if r.kernel == "mxfp4_tiles_gemm" && r.tokens >= AMX_MIN_ROWS {
+                let on_tiles = matches!(r.kernel.as_str(), "mxfp4_tiles_gemm" | "q8_tiles_gemm");
+                if on_tiles && r.tokens >= AMX_MIN_ROWS {
                     r.tile_fraction = Some(r.best_gmac_per_s / tiles.gmac_per_s);
                 }
             }

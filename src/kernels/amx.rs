@@ -1,6 +1,8 @@
 //! AMX (Intel Advanced Matrix Extensions) tile products for prefill: `tdpbssd` multiplies a
 //! 16 x 32 int8 tile of activations by a 32 x 16 int8 tile of weights into 16 x 16 int32 sums on
 //! the core's matrix unit, which the vector units then scale, with no `vpdpbusd` per product.
+//! It runs the tiled MXFP4 products (the experts) and the tiled Q8 ones (the attention
+//! projections) of 16 rows and more.
 //!
 //! # Per-block scales, and the same bits as AVX-512
 //! Every integer format scales each block of 32 weights and of 32 activations on its own, so a
@@ -29,6 +31,10 @@
 //!   dword `s`, the 8 nibbles of elements 8s..8s+8 of each of 16 rows. Its low nibbles (elements
 //!   8s, 8s+2, 8s+4, 8s+6) decode with `vpshufb` straight into B row `s`, its high nibbles into B
 //!   row `4 + s`: no shuffle. A decoded tile (512 bytes a block) serves every token tile of a pass.
+//! * Q8 weights are stored per tile, group and dword as 64-byte vectors already (plus 128, the
+//!   unsigned operand of `vpdpbusd`): a block's B tile is its four even-dword then four odd-dword
+//!   vectors with the top bit flipped back to signed, whose sums are the unsigned sums plus the
+//!   activations' correction, the same integers.
 //! * Activations (A tiles, 16 tokens x 32 bytes): [`Q8Activations`] keep a group's even elements
 //!   before its odd ones, 16 bytes per block each; packed once per call as, per block, the 16 even
 //!   then the 16 odd elements (the order the B rows above expect), 512 contiguous bytes a tile.
@@ -46,9 +52,10 @@ use std::ops::Range;
 use std::sync::OnceLock;
 
 use super::aligned::AlignedVec;
+use super::avx2::prefetch_share_into;
 use super::formats::{
-    repeat_table, tile_lanes, tile_out, Mxfp4Layout, Mxfp4Matrix, Q8Activations, BLOCK_LEN,
-    FP4_DOUBLED, GROUP_BLOCKS, GROUP_LEN, MXFP4_TILE_ROWS,
+    repeat_table, tile_lanes, tile_out, ByteSpans, Mxfp4Layout, Mxfp4Matrix, Q8Activations,
+    Q8Matrix, BLOCK_LEN, FP4_DOUBLED, GROUP_BLOCKS, GROUP_LEN, MXFP4_TILE_ROWS,
 };
 
 /// Tokens of an A tile and weight rows of a B tile.
@@ -66,10 +73,11 @@ const LOOKAHEAD: usize = 2;
 /// 2880 columns) and the decoded weight tile stay in L2 while the tile is reused.
 const PASS_TOKEN_TILES: usize = 4;
 
-/// Fewest activation rows for which the matrix unit beats the AVX-512 tile GEMM on an MXFP4
-/// product (same bits either way): below, one token tile's sums and scaling cost more than the
-/// `vpdpbusd` they replace (`bench --kernels`, Xeon with AMX, one thread, 2880 x 2880: AVX-512
-/// 0.54 / 0.75 / 1.18 ms at M = 8 / 16 / 32 against 0.60 / 0.60 / 0.93 ms).
+/// Fewest activation rows for which the matrix unit beats the AVX-512 tile GEMM (same bits
+/// either way): below, one token tile's sums and scaling cost more than the `vpdpbusd` they
+/// replace (`bench --kernels`, Xeon with AMX, 2880 x 2880: MXFP4 on one thread, AVX-512 0.54 /
+/// 0.75 / 1.18 ms at M = 8 / 16 / 32 against 0.60 / 0.60 / 0.93 ms; Q8 on two threads, 0.44 /
+/// 0.79 ms at M = 16 / 32 against 0.44-0.48 / 0.60-0.64 ms).
 pub const MIN_ROWS: usize = 16;
 
 const ARCH_GET_XCOMP_PERM: libc::c_long = 0x1022;
@@ -363,43 +371,121 @@ fn pack_activations(
     }
 }
 
-/// Decodes tile `tile` of a tiled MXFP4 matrix into `blocks` B tiles of signed doubled FP4
-/// values (see the module's doc for the order).
-///
-/// # Safety
-/// AVX-512 F/BW available; `tile` is a tile of `w` (tiled layout); `out` holds
-/// `blocks x` [`B_TILE_BYTES`] bytes, 64-byte aligned.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn decode_mxfp4_tile(w: &Mxfp4Matrix, tile: usize, blocks: usize, out: &mut [u8]) {
-    assert!(out.len() >= blocks * B_TILE_BYTES);
-    let (bytes_at, _) = w.tile_offsets(tile);
-    let vectors = &w.blocks[bytes_at..bytes_at + blocks * 4 * 64];
-    // SAFETY: every load reads 64 bytes inside `vectors` and every store 64 bytes inside `out`
-    // (lengths above); the features are the caller's contract.
-    unsafe {
-        let table = _mm512_loadu_si512(FP4_DOUBLED_64.as_ptr().cast());
-        let nibble = _mm512_set1_epi8(0x0F);
-        for block in 0..blocks {
-            let dst = out.as_mut_ptr().add(block * B_TILE_BYTES);
-            for s in 0..4 {
-                let v = _mm512_loadu_si512(vectors.as_ptr().add((block * 4 + s) * 64).cast());
-                let low = _mm512_and_si512(v, nibble);
-                let high = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nibble);
-                _mm512_store_si512(dst.add(s * 64).cast(), _mm512_shuffle_epi8(table, low));
-                _mm512_store_si512(
-                    dst.add((4 + s) * 64).cast(),
-                    _mm512_shuffle_epi8(table, high),
-                );
+/// A tiled matrix as the matrix unit reads it: B tiles of signed int8 per tile and block, and
+/// the 16 rows' scales of each block.
+trait TileWeights: ByteSpans {
+    /// What the float sums are multiplied by at the end (the AVX-512 kernels' format factor).
+    const FACTOR: f32;
+    fn cols(&self) -> usize;
+    /// Writes tile `tile`'s first `blocks` blocks as B tiles (rows 0..4 the block's even
+    /// activation dwords, 4..8 its odd ones, as the packed activations hold them).
+    ///
+    /// # Safety
+    /// AVX-512 F/BW available; `tile` is a tile of the matrix, `blocks` at most its blocks per
+    /// row; `out` holds `blocks x` [`B_TILE_BYTES`] bytes, 64-byte aligned.
+    unsafe fn decode_tile(&self, tile: usize, blocks: usize, out: &mut [u8]);
+    /// The 16 rows' scales of block `block` of tile `tile` as f32 lanes.
+    ///
+    /// # Safety
+    /// AVX-512 F available; `tile` and `block` inside the matrix.
+    unsafe fn weight_scales(&self, tile: usize, block: usize) -> __m512;
+}
+
+impl TileWeights for Mxfp4Matrix<'_> {
+    /// The doubled FP4 table made every product twice too large.
+    const FACTOR: f32 = 0.5;
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    /// Signed doubled FP4 values (see the module's doc for the order).
+    #[inline(always)]
+    unsafe fn decode_tile(&self, tile: usize, blocks: usize, out: &mut [u8]) {
+        assert!(out.len() >= blocks * B_TILE_BYTES);
+        let (bytes_at, _) = self.tile_offsets(tile);
+        let vectors = &self.blocks[bytes_at..bytes_at + blocks * 4 * 64];
+        // SAFETY: every load reads 64 bytes inside `vectors` and every store 64 bytes inside
+        // `out` (lengths above); the features are the caller's contract.
+        unsafe {
+            let table = _mm512_loadu_si512(FP4_DOUBLED_64.as_ptr().cast());
+            let nibble = _mm512_set1_epi8(0x0F);
+            for block in 0..blocks {
+                let dst = out.as_mut_ptr().add(block * B_TILE_BYTES);
+                for s in 0..4 {
+                    let v = _mm512_loadu_si512(vectors.as_ptr().add((block * 4 + s) * 64).cast());
+                    let low = _mm512_and_si512(v, nibble);
+                    let high = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nibble);
+                    _mm512_store_si512(dst.add(s * 64).cast(), _mm512_shuffle_epi8(table, low));
+                    _mm512_store_si512(
+                        dst.add((4 + s) * 64).cast(),
+                        _mm512_shuffle_epi8(table, high),
+                    );
+                }
             }
+        }
+    }
+    #[inline(always)]
+    unsafe fn weight_scales(&self, tile: usize, block: usize) -> __m512 {
+        let (_, scales_at) = self.tile_offsets(tile);
+        // SAFETY: a tile's scales are `blocks x 16` bytes from `scales_at`; the features are
+        // the caller's contract.
+        unsafe {
+            let bytes = _mm_loadu_si128(self.scales.as_ptr().add(scales_at + block * TILE).cast());
+            // E8M0 byte s is 2^(s-127): the f32 with exponent field s (0 gives 0, 255 infinity,
+            // as `e8m0_kernel_scale`).
+            _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_cvtepu8_epi32(bytes)))
         }
     }
 }
 
-/// The 16 x 16 products of one token tile (`a`: its `blocks` A tiles) and one decoded weight
-/// tile (`b`): per block, int32 sums x (weight scale x activation scale) added in f32, block by
-/// block, with `weight_scales(block)` the 16 rows' scales of a block as f32 lanes and
-/// `act_scales` the tile's `[block][token]` scales.
+impl TileWeights for Q8Matrix {
+    const FACTOR: f32 = 1.0;
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    /// The tile layout keeps each block's dwords for the 16 rows as 64-byte vectors, evens
+    /// (dwords 4j..4j+4 of the group) 1 KiB before odds, plus 128 for `vpdpbusd`: a block's
+    /// B tile is its four even then four odd vectors back to signed. The signed sums are the
+    /// unsigned ones plus the activations' correction, so the integers match the AVX-512 path's.
+    #[inline(always)]
+    unsafe fn decode_tile(&self, tile: usize, blocks: usize, out: &mut [u8]) {
+        assert!(out.len() >= blocks * B_TILE_BYTES && blocks <= self.groups * GROUP_BLOCKS);
+        let base = self.tile_vector(tile, 0, 0);
+        let tile_len = self.groups * GROUP_LEN * MXFP4_TILE_ROWS;
+        let vectors = &self.quants[base..base + tile_len];
+        let dwords = GROUP_LEN / 4;
+        // SAFETY: every load reads 64 bytes inside the tile's `vectors` (block < groups x 4,
+        // dwords below 32) and every store 64 bytes inside `out` (lengths above).
+        unsafe {
+            let flip = _mm512_set1_epi8(i8::MIN);
+            for block in 0..blocks {
+                let (group, j) = (block / GROUP_BLOCKS, block % GROUP_BLOCKS);
+                let dst = out.as_mut_ptr().add(block * B_TILE_BYTES);
+                for s in 0..4 {
+                    for (half, dword) in [(0, 4 * j + s), (4, dwords / 2 + 4 * j + s)] {
+                        let at = (group * dwords + dword) * 64;
+                        let v = _mm512_loadu_si512(vectors.as_ptr().add(at).cast());
+                        _mm512_store_si512(
+                            dst.add((half + s) * 64).cast(),
+                            _mm512_xor_si512(v, flip),
+                        );
+                    }
+                }
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn weight_scales(&self, tile: usize, block: usize) -> __m512 {
+        let at = self.tile_scales(tile, block);
+        assert!(at + TILE <= self.scales.len());
+        // SAFETY: 16 f16 scales at `at` (checked); the features are the caller's contract.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(self.scales.as_ptr().add(at).cast())) }
+    }
+}
+
+/// The 16 x 16 products of one token tile (`a`: its `blocks` A tiles) and weight tile `tile`
+/// of `w`, decoded into `b`: per block, int32 sums x (weight scale x activation scale) added in
+/// f32, block by block, with `act_scales` the token tile's `[block][token]` scales; prefetches
+/// share `part` of `parts` of `prefetch` into L2.
 ///
 /// # Safety
 /// `session` holds [`BLOCK_CONFIG`]; AVX-512 F available; `a` holds `blocks` A tiles, `b`
@@ -407,22 +493,26 @@ unsafe fn decode_mxfp4_tile(w: &Mxfp4Matrix, tile: usize, blocks: usize, out: &m
 /// x 16` floats.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn tile_product(
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_product<W: TileWeights>(
     session: &TileSession,
+    w: &W,
+    tile: usize,
     a: *const u8,
     b: *const u8,
     sums: *mut u8,
     act_scales: *const f32,
     blocks: usize,
-    weight_scales: impl Fn(usize) -> __m512,
+    prefetch: &[(*const u8, usize); 2],
+    (part, parts): (usize, usize),
 ) -> [__m512; TILE] {
     let mut acc = [_mm512_setzero_ps(); TILE];
     // The AVX-512 tile GEMM's float steps, in its order: convert, scale product, FMA.
     let scale_block = |block: usize, acc: &mut [__m512; TILE]| {
         let c = sums.wrapping_add((block % SUM_TILES) * C_TILE_BYTES);
-        let w_scales = weight_scales(block);
         // SAFETY: `c` is a stored sum tile and `block < blocks` (the contract's sizes).
         unsafe {
+            let w_scales = w.weight_scales(tile, block);
             let a_scales = act_scales.add(block * TILE);
             for (row, acc) in acc.iter_mut().enumerate() {
                 let sum = _mm512_cvtepi32_ps(_mm512_load_si512(c.add(row * 64).cast()));
@@ -441,6 +531,7 @@ unsafe fn tile_product(
             );
         }
         for block in 0..blocks {
+            prefetch_share_into::<true>(prefetch, part * blocks + block, parts * blocks);
             let next = block + LOOKAHEAD;
             if next < blocks {
                 session.issue(next, a.add(next * A_TILE_BYTES), b.add(next * B_TILE_BYTES));
@@ -471,11 +562,35 @@ pub(crate) unsafe fn mxfp4_gemm(
     out: &mut [f32],
 ) {
     debug_assert_eq!(w.layout, Mxfp4Layout::Tiles);
+    // SAFETY: the caller's contract is `gemm`'s.
+    unsafe { gemm(w, x, rows, out) }
+}
+
+/// As [`mxfp4_gemm`] for a tiled Q8 `w`: the bits of the AVX-512 Q8 tile GEMM.
+///
+/// # Safety
+/// As [`mxfp4_gemm`], and the CPU has F16C (AVX-512 F converts the scales).
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+pub(crate) unsafe fn q8_gemm(w: &Q8Matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
+    debug_assert!(w.tiled);
+    // SAFETY: the caller's contract is `gemm`'s.
+    unsafe { gemm(w, x, rows, out) }
+}
+
+/// The matrix unit's GEMM of a tiled `w`: per pass of up to [`PASS_TOKEN_TILES`] token tiles,
+/// each weight tile decoded once into B tiles and multiplied by every token tile of the pass.
+///
+/// # Safety
+/// As [`mxfp4_gemm`], with F16C. Its own features (not only its callers'), so that the
+/// scratch closure below is compiled with them too.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+unsafe fn gemm<W: TileWeights>(w: &W, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
     let tokens = x.rows();
     if rows.is_empty() || tokens == 0 {
         return;
     }
-    let blocks = w.cols / BLOCK_LEN;
+    let blocks = w.cols() / BLOCK_LEN;
     let padded = tokens.div_ceil(TILE) * TILE;
     let token_tiles = padded / TILE;
     let width = rows.len();
@@ -502,20 +617,18 @@ pub(crate) unsafe fn mxfp4_gemm(
         // stores) the lanes of `out` that `rows` covers.
         unsafe {
             let session = TileSession::start(&BLOCK_CONFIG);
-            let half = _mm512_set1_ps(0.5);
+            let factor = _mm512_set1_ps(W::FACTOR);
             let weight_tiles = rows.start / MXFP4_TILE_ROWS..rows.end.div_ceil(MXFP4_TILE_ROWS);
             for pass in (0..token_tiles).step_by(PASS_TOKEN_TILES) {
                 let pass_end = (pass + PASS_TOKEN_TILES).min(token_tiles);
                 for tile in weight_tiles.clone() {
-                    decode_mxfp4_tile(w, tile, blocks, b);
-                    let (_, scales_at) = w.tile_offsets(tile);
-                    let scales = w.scales[scales_at..scales_at + blocks * TILE].as_ptr();
-                    let weight_scales = |block: usize| {
-                        let bytes = _mm_loadu_si128(scales.add(block * TILE).cast());
-                        // E8M0 byte s is 2^(s-127): the f32 with exponent field s (0 gives 0,
-                        // 255 infinity, as `e8m0_kernel_scale`).
-                        _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_cvtepu8_epi32(bytes)))
-                    };
+                    w.decode_tile(tile, blocks, b);
+                    // The next tile (past `rows` up to the matrix's end, so the next task's
+                    // first tile is not a cold miss either) comes into L2 while this one's
+                    // token tiles are multiplied: the decode above would otherwise wait for
+                    // memory at every tile.
+                    let next = ((tile + 1) * MXFP4_TILE_ROWS).min(w.row_count());
+                    let spans = w.byte_spans(next..(next + MXFP4_TILE_ROWS).min(w.row_count()));
                     let lanes = tile_lanes(tile, &rows);
                     let mask =
                         (((1u32 << lanes.end) - 1) & !((1u32 << lanes.start) - 1)) as __mmask16;
@@ -523,20 +636,22 @@ pub(crate) unsafe fn mxfp4_gemm(
                     for token_tile in pass..pass_end {
                         let acc = tile_product(
                             &session,
+                            w,
+                            tile,
                             a.as_ptr().add(token_tile * blocks * A_TILE_BYTES),
                             b.as_ptr(),
                             sums,
                             act_scales.as_ptr().add(token_tile * blocks * TILE),
                             blocks,
-                            weight_scales,
+                            &spans,
+                            (token_tile - pass, pass_end - pass),
                         );
                         let base = token_tile * TILE;
                         for (row, acc) in acc.iter().enumerate().take(tokens - base) {
-                            // The doubled FP4 table made every product twice too large.
                             _mm512_mask_storeu_ps(
                                 first.wrapping_add((base + row) * width),
                                 mask,
-                                _mm512_mul_ps(*acc, half),
+                                _mm512_mul_ps(*acc, factor),
                             );
                         }
                     }

@@ -901,7 +901,12 @@ impl Kernels {
         scratch.check(w.cols)?;
         dispatch!(
             self,
-            avx512: avx512::q8_gemm(w, x, rows, out, scratch),
+            avx512: if self.path == KernelPath::Amx && w.tiled && x.rows() >= amx::MIN_ROWS {
+                // As in `mxfp4_gemm`: the tile state was granted, the bits are the same.
+                amx::q8_gemm(w, x, rows, out)
+            } else {
+                avx512::q8_gemm(w, x, rows, out, scratch)
+            },
             avx2: if w.tiled {
                 avx2::tiles::q8_product(w, x, rows, out, self.avx2_dot)
             } else {
