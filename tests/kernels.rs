@@ -1502,7 +1502,8 @@ fn avx2_tile_products_match_across_paths_and_batches() {
 /// The AMX GEMM (the `amx` path's tiled MXFP4 products of 16 rows and more) gives the AVX-512
 /// tile GEMM's bits, and so the scalar reference's results within the sum-order tolerance, from
 /// one token tile to where the token count crosses its passes (64 tokens a pass over the
-/// weights), with odd numbers of token and weight tiles, a range that cuts tiles, `max / 127`
+/// weights), with odd numbers of token and weight tiles, last token tiles of each size the
+/// kernel scales apart (1-4, 5-8, 9-12, 13-16 tokens), a range that cuts tiles, `max / 127`
 /// and power-of-two activation scales, and zero and extreme weight scales. Skipped, saying so,
 /// where the CPU or OS has no AMX.
 #[test]
@@ -1529,7 +1530,7 @@ fn amx_gemm_gives_the_avx512_bits_across_passes_and_scales() {
         let tiled = TiledData::from(&data);
         let (w, t) = (data.matrix(), tiled.matrix());
         let mut scratch = GemmScratch::new(cols);
-        for tokens in [16, 17, 31, 65, 130] {
+        for tokens in [16, 17, 24, 31, 44, 65, 130] {
             let values = random_f32(&mut rng, tokens * cols, 3.0);
             for rule in [ScaleRule::Tight, ScaleRule::PowerOfTwo] {
                 let mut x = Q8Activations::new();
@@ -1586,7 +1587,7 @@ fn amx_q8_gemm_gives_the_avx512_bits_across_passes_and_scales() {
         let q8 = Q8Matrix::from_bf16(rows, cols, &weights).unwrap();
         let tiled = q8.to_tiles().unwrap();
         let mut scratch = GemmScratch::new(cols);
-        for tokens in [16, 17, 31, 65, 130] {
+        for tokens in [16, 17, 24, 31, 44, 65, 130] {
             let values = random_f32(&mut rng, tokens * cols, 3.0);
             for rule in [ScaleRule::Tight, ScaleRule::PowerOfTwo] {
                 let mut x = Q8Activations::new();

@@ -494,7 +494,7 @@ impl TileWeights for Q8Matrix {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile_product<W: TileWeights>(
+unsafe fn tile_product<W: TileWeights, const ROWS: usize>(
     session: &TileSession,
     w: &W,
     tile: usize,
@@ -514,7 +514,7 @@ unsafe fn tile_product<W: TileWeights>(
         unsafe {
             let w_scales = w.weight_scales(tile, block);
             let a_scales = act_scales.add(block * TILE);
-            for (row, acc) in acc.iter_mut().enumerate() {
+            for (row, acc) in acc.iter_mut().enumerate().take(ROWS) {
                 let sum = _mm512_cvtepi32_ps(_mm512_load_si512(c.add(row * 64).cast()));
                 let scale = _mm512_mul_ps(w_scales, _mm512_set1_ps(*a_scales.add(row)));
                 *acc = _mm512_fmadd_ps(sum, scale, *acc);
@@ -634,19 +634,31 @@ unsafe fn gemm<W: TileWeights>(w: &W, x: &Q8Activations, rows: Range<usize>, out
                         (((1u32 << lanes.end) - 1) & !((1u32 << lanes.start) - 1)) as __mmask16;
                     let first = tile_out(out, tile * MXFP4_TILE_ROWS, rows.start);
                     for token_tile in pass..pass_end {
-                        let acc = tile_product(
-                            &session,
-                            w,
-                            tile,
-                            a.as_ptr().add(token_tile * blocks * A_TILE_BYTES),
-                            b.as_ptr(),
-                            sums,
-                            act_scales.as_ptr().add(token_tile * blocks * TILE),
-                            blocks,
-                            &spans,
-                            (token_tile - pass, pass_end - pass),
-                        );
                         let base = token_tile * TILE;
+                        macro_rules! product {
+                            ($rows:literal) => {
+                                tile_product::<W, $rows>(
+                                    &session,
+                                    w,
+                                    tile,
+                                    a.as_ptr().add(token_tile * blocks * A_TILE_BYTES),
+                                    b.as_ptr(),
+                                    sums,
+                                    act_scales.as_ptr().add(token_tile * blocks * TILE),
+                                    blocks,
+                                    &spans,
+                                    (token_tile - pass, pass_end - pass),
+                                )
+                            };
+                        }
+                        // A short last token tile scales only its tokens' rows (in steps of
+                        // four): its other sums are zero products nobody reads.
+                        let acc = match (tokens - base).min(TILE) {
+                            1..=4 => product!(4),
+                            5..=8 => product!(8),
+                            9..=12 => product!(12),
+                            _ => product!(16),
+                        };
                         for (row, acc) in acc.iter().enumerate().take(tokens - base) {
                             _mm512_mask_storeu_ps(
                                 first.wrapping_add((base + row) * width),
