@@ -1501,7 +1501,7 @@ fn avx2_tile_products_match_across_paths_and_batches() {
 
 /// The AMX GEMM (the `amx` path's tiled MXFP4 products of 16 rows and more) gives the AVX-512
 /// tile GEMM's bits, and so the scalar reference's results within the sum-order tolerance, from
-/// one token tile to where the token count crosses its passes (64 tokens a pass over the
+/// one token tile to where the token count crosses its passes (128 tokens a pass over the
 /// weights), with odd numbers of token and weight tiles, last token tiles of each size the
 /// kernel scales apart (1-4, 5-8, 9-12, 13-16 tokens), a range that cuts tiles, `max / 127`
 /// and power-of-two activation scales, and zero and extreme weight scales. Skipped, saying so,

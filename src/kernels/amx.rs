@@ -69,9 +69,12 @@ const C_TILE_BYTES: usize = TILE * 64;
 /// Sum tiles in rotation (tmm0..tmm3); the matrix unit runs [`LOOKAHEAD`] blocks ahead.
 const SUM_TILES: usize = 4;
 const LOOKAHEAD: usize = 2;
-/// Token tiles multiplied in one pass over the weights: their packed activations (180 KiB at
-/// 2880 columns) and the decoded weight tile stay in L2 while the tile is reused.
-const PASS_TOKEN_TILES: usize = 4;
+/// Token tiles multiplied in one pass over the weights: their packed activations (360 KiB at
+/// 2880 columns) and the decoded weight tile stay in L2 while the tile is reused. With 4, a
+/// 58-token prompt's attention projections (116 split rows) read their weights from memory
+/// twice: 147-155 ms of attention against 129-136 ms with 8 (Xeon, `bench --profile`, two
+/// alternations; a 512-token prefill the same within noise).
+const PASS_TOKEN_TILES: usize = 8;
 
 /// Fewest activation rows for which the matrix unit beats the AVX-512 tile GEMM (same bits
 /// either way): below, one token tile's sums and scaling cost more than the `vpdpbusd` they
