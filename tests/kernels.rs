@@ -1499,16 +1499,9 @@ fn avx2_tile_products_match_across_paths_and_batches() {
     }
 }
 
-/// The AMX GEMM (the `amx` path's tiled MXFP4 products of 16 rows and more) gives the AVX-512
-/// tile GEMM's bits, and so the scalar reference's results within the sum-order tolerance, from
-/// one token tile to where the token count crosses its passes (128 tokens a pass over the
-/// weights), with odd numbers of token and weight tiles, last token tiles of each size the
-/// kernel scales apart (1-4, 5-8, 9-12, 13-16 tokens), a range that cuts tiles, `max / 127`
-/// and power-of-two activation scales, and zero and extreme weight scales. Skipped, saying so,
-/// where the CPU or OS has no AMX.
-#[test]
-fn amx_gemm_gives_the_avx512_bits_across_passes_and_scales() {
-    let Some(k) = Kernels::all_supported()
+/// The `amx` and `avx512` kernels, or `None` after saying why where the CPU or OS has no AMX.
+fn amx_and_avx512() -> Option<(Kernels, Kernels)> {
+    let Some(amx) = Kernels::all_supported()
         .into_iter()
         .find(|k| k.path() == KernelPath::Amx)
     else {
@@ -1516,9 +1509,61 @@ fn amx_gemm_gives_the_avx512_bits_across_passes_and_scales() {
             "skipped: no AMX here ({})",
             KernelPath::amx_unavailable_reason().unwrap_or_default()
         );
-        return;
+        return None;
     };
     let avx512 = Kernels::new(KernelPath::Avx512).expect("AMX CPUs have AVX-512");
+    Some((amx, avx512))
+}
+
+/// Runs `check(x, rows, what)` for the AMX cases of a `rows x cols` matrix: token counts from
+/// one tile to past a pass of 128, with last token tiles of each size the kernel scales apart
+/// (1-4, 5-8, 9-12, 13-16 tokens), `max / 127` and power-of-two activation scales, all rows and
+/// a range that cuts tiles.
+fn for_each_amx_case(
+    rng: &mut ChaCha8Rng,
+    amx: &Kernels,
+    (rows, cols): (usize, usize),
+    mut check: impl FnMut(&Q8Activations, Range<usize>, &str),
+) {
+    for tokens in [16, 17, 24, 31, 44, 65, 130] {
+        let values = random_f32(rng, tokens * cols, 3.0);
+        for rule in [ScaleRule::Tight, ScaleRule::PowerOfTwo] {
+            let mut x = Q8Activations::new();
+            amx.quantize_activation_rows_with(&values, cols, rule, true, &mut x)
+                .unwrap();
+            for range in [0..rows, 5..rows - 3] {
+                let what = format!("M={tokens} {rule:?} rows {range:?}");
+                check(&x, range, &what);
+            }
+        }
+    }
+}
+
+/// `product` on the `amx` path is within the sum-order tolerance of `expected` and has the
+/// `avx512` path's bits.
+fn assert_amx_product(
+    what: &str,
+    (amx, avx512): (&Kernels, &Kernels),
+    (expected, bounds): (&[f32], &[f32]),
+    mut product: impl FnMut(&Kernels, &mut [f32]),
+) {
+    let mut got = vec![f32::NAN; expected.len()];
+    product(amx, &mut got);
+    assert_close(what, &got, expected, bounds);
+    let mut other = vec![f32::NAN; expected.len()];
+    product(avx512, &mut other);
+    assert_eq!(bits(&got), bits(&other), "{what}: AVX-512 bits");
+}
+
+/// The AMX GEMM (the `amx` path's tiled MXFP4 products of 16 rows and more) gives the AVX-512
+/// tile GEMM's bits, and so the scalar reference's results within the sum-order tolerance, in
+/// every case of [`for_each_amx_case`], with odd numbers of token and weight tiles and zero and
+/// extreme weight scales. Skipped, saying so, where the CPU or OS has no AMX.
+#[test]
+fn amx_gemm_gives_the_avx512_bits_across_passes_and_scales() {
+    let Some((amx, avx512)) = amx_and_avx512() else {
+        return;
+    };
     let mut rng = rng(41);
     for (rows, cols, scales) in [
         (48, 160, 118..=130),
@@ -1530,52 +1575,28 @@ fn amx_gemm_gives_the_avx512_bits_across_passes_and_scales() {
         let tiled = TiledData::from(&data);
         let (w, t) = (data.matrix(), tiled.matrix());
         let mut scratch = GemmScratch::new(cols);
-        for tokens in [16, 17, 24, 31, 44, 65, 130] {
-            let values = random_f32(&mut rng, tokens * cols, 3.0);
-            for rule in [ScaleRule::Tight, ScaleRule::PowerOfTwo] {
-                let mut x = Q8Activations::new();
-                k.quantize_activation_rows_with(&values, cols, rule, true, &mut x)
-                    .unwrap();
-                for range in [0..rows, 5..rows - 3] {
-                    let n = range.len();
-                    let what = format!(
-                        "AMX {rows}x{cols} scales {scales:?} M={tokens} {rule:?} rows {range:?}"
-                    );
-                    let (expected, bounds) = mxfp4_reference(&w, &x, range.clone(), &mut scratch);
-                    let mut got = vec![f32::NAN; tokens * n];
-                    k.mxfp4_gemm(&t, &x, range.clone(), &mut got, &mut scratch)
-                        .unwrap();
-                    assert_close(&what, &got, &expected, &bounds);
-                    let mut other = vec![f32::NAN; tokens * n];
-                    avx512
-                        .mxfp4_gemm(&t, &x, range.clone(), &mut other, &mut scratch)
-                        .unwrap();
-                    assert_eq!(bits(&got), bits(&other), "{what}: AVX-512 bits");
-                }
-            }
-        }
+        for_each_amx_case(&mut rng, &amx, (rows, cols), |x, range, case| {
+            let what = format!("AMX {rows}x{cols} scales {scales:?} {case}");
+            let (expected, bounds) = mxfp4_reference(&w, x, range.clone(), &mut scratch);
+            assert_amx_product(&what, (&amx, &avx512), (&expected, &bounds), |k, out| {
+                k.mxfp4_gemm(&t, x, range.clone(), out, &mut scratch)
+                    .unwrap()
+            });
+        });
     }
 }
 
 /// The AMX Q8 GEMM (the `amx` path's tiled Q8 products of 16 rows and more: the attention
 /// projections of a prompt) gives the AVX-512 tile GEMM's bits, and the scalar reference's
-/// results within the sum-order tolerance: one token tile to several passes, odd token and
-/// weight tiles, ranges that cut tiles, column counts with a short last group or a single
-/// partial one, both activation scale rules, and weights small enough for subnormal f16 scales
-/// or large. Skipped, saying so, where the CPU or OS has no AMX.
+/// results within the sum-order tolerance, in every case of [`for_each_amx_case`], with odd
+/// token and weight tiles, column counts with a short last group or a single partial one, and
+/// weights small enough for subnormal f16 scales or large. Skipped, saying so, where the CPU or
+/// OS has no AMX.
 #[test]
 fn amx_q8_gemm_gives_the_avx512_bits_across_passes_and_scales() {
-    let Some(k) = Kernels::all_supported()
-        .into_iter()
-        .find(|k| k.path() == KernelPath::Amx)
-    else {
-        eprintln!(
-            "skipped: no AMX here ({})",
-            KernelPath::amx_unavailable_reason().unwrap_or_default()
-        );
+    let Some((amx, avx512)) = amx_and_avx512() else {
         return;
     };
-    let avx512 = Kernels::new(KernelPath::Avx512).expect("AMX CPUs have AVX-512");
     let mut rng = rng(43);
     for (rows, cols, magnitude) in [
         (48, 2880, 0.2),
@@ -1587,38 +1608,22 @@ fn amx_q8_gemm_gives_the_avx512_bits_across_passes_and_scales() {
         let q8 = Q8Matrix::from_bf16(rows, cols, &weights).unwrap();
         let tiled = q8.to_tiles().unwrap();
         let mut scratch = GemmScratch::new(cols);
-        for tokens in [16, 17, 24, 31, 44, 65, 130] {
-            let values = random_f32(&mut rng, tokens * cols, 3.0);
-            for rule in [ScaleRule::Tight, ScaleRule::PowerOfTwo] {
-                let mut x = Q8Activations::new();
-                k.quantize_activation_rows_with(&values, cols, rule, true, &mut x)
-                    .unwrap();
-                for range in [0..rows, 5..rows - 3] {
-                    let n = range.len();
-                    let what = format!(
-                        "AMX Q8 {rows}x{cols} weights {magnitude} M={tokens} {rule:?} rows {range:?}"
-                    );
-                    let mut expected = vec![0.0; tokens * n];
-                    scalar()
-                        .q8_gemm(&q8, &x, range.clone(), &mut expected, &mut scratch)
-                        .unwrap();
-                    let bounds = magnitude_bounds(
-                        range.clone(),
-                        cols,
-                        |r, o| q8.dequantize_row(r, o).unwrap(),
-                        &x,
-                    );
-                    let mut got = vec![f32::NAN; tokens * n];
-                    k.q8_gemm(&tiled, &x, range.clone(), &mut got, &mut scratch)
-                        .unwrap();
-                    assert_close(&what, &got, &expected, &bounds);
-                    let mut other = vec![f32::NAN; tokens * n];
-                    avx512
-                        .q8_gemm(&tiled, &x, range.clone(), &mut other, &mut scratch)
-                        .unwrap();
-                    assert_eq!(bits(&got), bits(&other), "{what}: AVX-512 bits");
-                }
-            }
-        }
+        for_each_amx_case(&mut rng, &amx, (rows, cols), |x, range, case| {
+            let what = format!("AMX Q8 {rows}x{cols} weights {magnitude} {case}");
+            let mut expected = vec![0.0; x.rows() * range.len()];
+            scalar()
+                .q8_gemm(&q8, x, range.clone(), &mut expected, &mut scratch)
+                .unwrap();
+            let bounds = magnitude_bounds(
+                range.clone(),
+                cols,
+                |r, o| q8.dequantize_row(r, o).unwrap(),
+                x,
+            );
+            assert_amx_product(&what, (&amx, &avx512), (&expected, &bounds), |k, out| {
+                k.q8_gemm(&tiled, x, range.clone(), out, &mut scratch)
+                    .unwrap()
+            });
+        });
     }
 }
