@@ -850,9 +850,10 @@ fn experts_whole_per_thread_give_the_bits_of_the_split_regions() {
     }
 }
 
-/// End to end, the `amx` path (its experts' GEMMs of 16 rows and more on the matrix unit:
-/// small_wide's 128 tokens give each of its 8 experts about 64 rows) computes the AVX-512 path's
-/// logits bit for bit. Skipped, saying so, without AMX.
+/// End to end, the `amx` path (its experts' and attention projections' GEMMs of 16 rows and more
+/// on the matrix unit: small_wide's 128 tokens give each of its 8 experts about 64 rows) runs the
+/// matrix unit and computes the AVX-512 path's logits bit for bit. Skipped, saying so, without
+/// AMX.
 #[test]
 fn the_amx_path_computes_the_avx512_logits() {
     use ossterm::kernels::KernelPath;
@@ -871,7 +872,13 @@ fn the_amx_path_computes_the_avx512_logits() {
         };
         all_logits(&dir, &opts).0
     };
-    let (avx512, amx) = (logits(KernelPath::Avx512), logits(KernelPath::Amx));
+    let avx512 = logits(KernelPath::Avx512);
+    let before = ossterm::kernels::amx_gemm_count();
+    let amx = logits(KernelPath::Amx);
+    assert!(
+        ossterm::kernels::amx_gemm_count() > before,
+        "the amx path's prefill never used the matrix unit"
+    );
     assert_eq!(avx512.len(), amx.len());
     let differ = avx512
         .iter()

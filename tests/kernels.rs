@@ -1539,8 +1539,8 @@ fn for_each_amx_case(
     }
 }
 
-/// `product` on the `amx` path is within the sum-order tolerance of `expected` and has the
-/// `avx512` path's bits.
+/// `product` on the `amx` path runs on the matrix unit, is within the sum-order tolerance of
+/// `expected` and has the `avx512` path's bits.
 fn assert_amx_product(
     what: &str,
     (amx, avx512): (&Kernels, &Kernels),
@@ -1548,7 +1548,13 @@ fn assert_amx_product(
     mut product: impl FnMut(&Kernels, &mut [f32]),
 ) {
     let mut got = vec![f32::NAN; expected.len()];
+    // Other tests may run GEMMs on the matrix unit meanwhile: the count only has to grow.
+    let before = ossterm::kernels::amx_gemm_count();
     product(amx, &mut got);
+    assert!(
+        ossterm::kernels::amx_gemm_count() > before,
+        "{what}: the amx path did not use the matrix unit"
+    );
     assert_close(what, &got, expected, bounds);
     let mut other = vec![f32::NAN; expected.len()];
     product(avx512, &mut other);

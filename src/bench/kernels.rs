@@ -816,7 +816,7 @@ pub fn run_kernel_bench(
     }
     Ok(KernelBenchReport {
         path: kernels.path().name().to_string(),
-        amx_refusal: KernelPath::amx_refusal().filter(|_| kernels.path() != KernelPath::Amx),
+        amx_refusal: kernels.path().refused_amx(),
         gemv_decode: gemv_decode(kernels).to_string(),
         cpu: CpuInfo::current(),
         int8_peak,

@@ -9,7 +9,8 @@
 //! tile's K is one block: each `tdpbssd` gives the exact int32 block sums of 16 tokens x 16 weight
 //! rows, the integers every other path computes. They leave the unit (`tilestored`) and are added
 //! into 16 f32 accumulators with one convert and one FMA by `weight scale x activation scale` per
-//! 16 sums, block by block in column order, then halved (the doubled FP4 table): the float steps
+//! 16 sums, block by block in column order, then times the format's factor (MXFP4's doubled
+//! table: halved): the float steps
 //! of the AVX-512 tile GEMM in the same order, so the results are its bits, and a row's bits do
 //! not depend on which kernel (GEMV, AVX-512 or AMX GEMM) the number of rows sharing its product
 //! chose. Four sum tiles rotate so the matrix unit works two blocks ahead of the float work, which
@@ -27,14 +28,13 @@
 //!
 //! # Operands
 //! * Weights (B tiles, 8 rows x 64 bytes: row q holds bytes 4q..4q+4 of the block of each of the
-//!   16 weight rows): a tiled MXFP4 matrix ([`Mxfp4Layout::Tiles`]) holds, per tile, block and
-//!   dword `s`, the 8 nibbles of elements 8s..8s+8 of each of 16 rows. Its low nibbles (elements
-//!   8s, 8s+2, 8s+4, 8s+6) decode with `vpshufb` straight into B row `s`, its high nibbles into B
-//!   row `4 + s`: no shuffle. A decoded tile (512 bytes a block) serves every token tile of a pass.
-//! * Q8 weights are stored per tile, group and dword as 64-byte vectors already (plus 128, the
-//!   unsigned operand of `vpdpbusd`): a block's B tile is its four even-dword then four odd-dword
-//!   vectors with the top bit flipped back to signed, whose sums are the unsigned sums plus the
-//!   activations' correction, the same integers.
+//!   16 weight rows): the AVX-512 tile kernels' operands ([`TileSource::operands`]) already are
+//!   such rows: per tile, block and dword `s` of a tiled MXFP4 matrix ([`Mxfp4Layout::Tiles`]) its
+//!   low nibbles (elements 8s, 8s+2, 8s+4, 8s+6) decode straight into B row `s` and its high
+//!   nibbles into row `4 + s`, and a tiled Q8 matrix stores both rows as they are. Those operands
+//!   are unsigned (the format's offset added for `vpdpbusd`); less the offset they are the signed
+//!   bytes `tdpbssd` takes, whose sums are the unsigned sums plus the activations' correction:
+//!   the same integers. A decoded tile (512 bytes a block) serves every token tile of a pass.
 //! * Activations (A tiles, 16 tokens x 32 bytes): [`Q8Activations`] keep a group's even elements
 //!   before its odd ones, 16 bytes per block each; packed once per call as, per block, the 16 even
 //!   then the 16 odd elements (the order the B rows above expect), 512 contiguous bytes a tile.
@@ -49,13 +49,16 @@ use std::arch::asm;
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use super::aligned::AlignedVec;
 use super::avx2::prefetch_share_into;
+use super::avx512::tiles::{Mxfp4Tiles, Q8Tiles, TileSource};
+use super::avx512::{format_factor, operand_offset};
 use super::formats::{
-    repeat_table, tile_lanes, tile_out, ByteSpans, Mxfp4Layout, Mxfp4Matrix, Q8Activations,
-    Q8Matrix, BLOCK_LEN, FP4_DOUBLED, GROUP_BLOCKS, GROUP_LEN, MXFP4_TILE_ROWS,
+    tile_lanes, tile_out, Mxfp4Layout, Mxfp4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN,
+    GROUP_BLOCKS, GROUP_LEN, MXFP4_TILE_ROWS,
 };
 
 /// Tokens of an A tile and weight rows of a B tile.
@@ -332,9 +335,6 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
-/// Signed doubled FP4 values, repeated for each 128-bit lane of `vpshufb`.
-const FP4_DOUBLED_64: [i8; 64] = repeat_table(&FP4_DOUBLED);
-
 /// Packs the tokens of `x` as A tiles: per token tile and block 16 rows of 32 bytes (the
 /// block's 16 even then 16 odd elements; rows past the tokens zero), and each block's scale
 /// into `scales[tile][block][row]` (0 past the tokens).
@@ -374,121 +374,39 @@ fn pack_activations(
     }
 }
 
-/// A tiled matrix as the matrix unit reads it: B tiles of signed int8 per tile and block, and
-/// the 16 rows' scales of each block.
-trait TileWeights: ByteSpans {
-    /// What the float sums are multiplied by at the end (the AVX-512 kernels' format factor).
-    const FACTOR: f32;
-    fn cols(&self) -> usize;
-    /// Writes tile `tile`'s first `blocks` blocks as B tiles (rows 0..4 the block's even
-    /// activation dwords, 4..8 its odd ones, as the packed activations hold them).
-    ///
-    /// # Safety
-    /// AVX-512 F/BW available; `tile` is a tile of the matrix, `blocks` at most its blocks per
-    /// row; `out` holds `blocks x` [`B_TILE_BYTES`] bytes, 64-byte aligned.
-    unsafe fn decode_tile(&self, tile: usize, blocks: usize, out: &mut [u8]);
-    /// The 16 rows' scales of block `block` of tile `tile` as f32 lanes.
-    ///
-    /// # Safety
-    /// AVX-512 F available; `tile` and `block` inside the matrix.
-    unsafe fn weight_scales(&self, tile: usize, block: usize) -> __m512;
-}
-
-impl TileWeights for Mxfp4Matrix<'_> {
-    /// The doubled FP4 table made every product twice too large.
-    const FACTOR: f32 = 0.5;
-    fn cols(&self) -> usize {
-        self.cols
-    }
-    /// Signed doubled FP4 values (see the module's doc for the order).
-    #[inline(always)]
-    unsafe fn decode_tile(&self, tile: usize, blocks: usize, out: &mut [u8]) {
-        assert!(out.len() >= blocks * B_TILE_BYTES);
-        let (bytes_at, _) = self.tile_offsets(tile);
-        let vectors = &self.blocks[bytes_at..bytes_at + blocks * 4 * 64];
-        // SAFETY: every load reads 64 bytes inside `vectors` and every store 64 bytes inside
-        // `out` (lengths above); the features are the caller's contract.
-        unsafe {
-            let table = _mm512_loadu_si512(FP4_DOUBLED_64.as_ptr().cast());
-            let nibble = _mm512_set1_epi8(0x0F);
-            for block in 0..blocks {
-                let dst = out.as_mut_ptr().add(block * B_TILE_BYTES);
-                for s in 0..4 {
-                    let v = _mm512_loadu_si512(vectors.as_ptr().add((block * 4 + s) * 64).cast());
-                    let low = _mm512_and_si512(v, nibble);
-                    let high = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nibble);
-                    _mm512_store_si512(dst.add(s * 64).cast(), _mm512_shuffle_epi8(table, low));
-                    _mm512_store_si512(
-                        dst.add((4 + s) * 64).cast(),
-                        _mm512_shuffle_epi8(table, high),
-                    );
-                }
+/// Writes tile `tile` of `w`, its first `blocks` blocks, as B tiles of signed int8: per block,
+/// the AVX-512 kernels' unsigned operands of dword `s` (their even half as row `s`, odd half as
+/// row `4 + s`, the order the packed activations hold them) less the format's offset. The
+/// signed sums are the unsigned sums plus the activations' correction: the same integers.
+///
+/// # Safety
+/// AVX-512 F/BW available; `tile` is a tile of `w`, `blocks` at most its blocks per row; `out`
+/// holds `blocks x` [`B_TILE_BYTES`] bytes, 64-byte aligned.
+#[inline(always)]
+unsafe fn decode_tile<W: TileSource>(w: &W, tile: usize, blocks: usize, out: &mut [u8]) {
+    assert!(out.len() >= blocks * B_TILE_BYTES);
+    let (vectors, _) = w.tile_base(tile);
+    // SAFETY: `operands` reads inside the tile for blocks of the row and s < 4 (its contract,
+    // upheld by the caller's); every store writes 64 bytes inside `out` (length above).
+    unsafe {
+        // The offset as a byte: 128 wraps to -128, and the subtraction wraps alike.
+        let offset = _mm512_set1_epi8(operand_offset(W::FORMAT) as i8);
+        for block in 0..blocks {
+            let dst = out.as_mut_ptr().add(block * B_TILE_BYTES);
+            for s in 0..4 {
+                let (evens, odds) = W::operands(vectors, block, s);
+                _mm512_store_si512(dst.add(s * 64).cast(), _mm512_sub_epi8(evens, offset));
+                _mm512_store_si512(dst.add((4 + s) * 64).cast(), _mm512_sub_epi8(odds, offset));
             }
         }
     }
-    #[inline(always)]
-    unsafe fn weight_scales(&self, tile: usize, block: usize) -> __m512 {
-        let (_, scales_at) = self.tile_offsets(tile);
-        // SAFETY: a tile's scales are `blocks x 16` bytes from `scales_at`; the features are
-        // the caller's contract.
-        unsafe {
-            let bytes = _mm_loadu_si128(self.scales.as_ptr().add(scales_at + block * TILE).cast());
-            // E8M0 byte s is 2^(s-127): the f32 with exponent field s (0 gives 0, 255 infinity,
-            // as `e8m0_kernel_scale`).
-            _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_cvtepu8_epi32(bytes)))
-        }
-    }
 }
 
-impl TileWeights for Q8Matrix {
-    const FACTOR: f32 = 1.0;
-    fn cols(&self) -> usize {
-        self.cols
-    }
-    /// The tile layout keeps each block's dwords for the 16 rows as 64-byte vectors, evens
-    /// (dwords 4j..4j+4 of the group) 1 KiB before odds, plus 128 for `vpdpbusd`: a block's
-    /// B tile is its four even then four odd vectors back to signed. The signed sums are the
-    /// unsigned ones plus the activations' correction, so the integers match the AVX-512 path's.
-    #[inline(always)]
-    unsafe fn decode_tile(&self, tile: usize, blocks: usize, out: &mut [u8]) {
-        assert!(out.len() >= blocks * B_TILE_BYTES && blocks <= self.groups * GROUP_BLOCKS);
-        let base = self.tile_vector(tile, 0, 0);
-        let tile_len = self.groups * GROUP_LEN * MXFP4_TILE_ROWS;
-        let vectors = &self.quants[base..base + tile_len];
-        let dwords = GROUP_LEN / 4;
-        // SAFETY: every load reads 64 bytes inside the tile's `vectors` (block < groups x 4,
-        // dwords below 32) and every store 64 bytes inside `out` (lengths above).
-        unsafe {
-            let flip = _mm512_set1_epi8(i8::MIN);
-            for block in 0..blocks {
-                let (group, j) = (block / GROUP_BLOCKS, block % GROUP_BLOCKS);
-                let dst = out.as_mut_ptr().add(block * B_TILE_BYTES);
-                for s in 0..4 {
-                    for (half, dword) in [(0, 4 * j + s), (4, dwords / 2 + 4 * j + s)] {
-                        let at = (group * dwords + dword) * 64;
-                        let v = _mm512_loadu_si512(vectors.as_ptr().add(at).cast());
-                        _mm512_store_si512(
-                            dst.add((half + s) * 64).cast(),
-                            _mm512_xor_si512(v, flip),
-                        );
-                    }
-                }
-            }
-        }
-    }
-    #[inline(always)]
-    unsafe fn weight_scales(&self, tile: usize, block: usize) -> __m512 {
-        let at = self.tile_scales(tile, block);
-        assert!(at + TILE <= self.scales.len());
-        // SAFETY: 16 f16 scales at `at` (checked); the features are the caller's contract.
-        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(self.scales.as_ptr().add(at).cast())) }
-    }
-}
-
-/// The 16 x 16 products of one token tile (`a`: its `blocks` A tiles) and weight tile `tile`
-/// of `w`, decoded into `b`: per block, int32 sums x (weight scale x activation scale) added in
-/// f32, block by block, with `act_scales` the token tile's `[block][token]` scales; prefetches
-/// share `part` of `parts` of `prefetch` into L2.
+/// The 16 x 16 products of one token tile (`a`: its `blocks` A tiles) and a weight tile decoded
+/// into `b` whose scales start at `scales` (from [`TileSource::tile_base`]): per block, int32
+/// sums x (weight scale x activation scale) added in f32, block by block, with `act_scales` the
+/// token tile's `[block][token]` scales; prefetches share `part` of `parts` of `prefetch` into
+/// L2.
 ///
 /// # Safety
 /// `session` holds [`BLOCK_CONFIG`]; AVX-512 F available; `a` holds `blocks` A tiles, `b`
@@ -497,10 +415,9 @@ impl TileWeights for Q8Matrix {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile_product<W: TileWeights, const ROWS: usize>(
+unsafe fn tile_product<W: TileSource, const ROWS: usize>(
     session: &TileSession,
-    w: &W,
-    tile: usize,
+    scales: *const u8,
     a: *const u8,
     b: *const u8,
     sums: *mut u8,
@@ -515,7 +432,7 @@ unsafe fn tile_product<W: TileWeights, const ROWS: usize>(
         let c = sums.wrapping_add((block % SUM_TILES) * C_TILE_BYTES);
         // SAFETY: `c` is a stored sum tile and `block < blocks` (the contract's sizes).
         unsafe {
-            let w_scales = w.weight_scales(tile, block);
+            let w_scales = W::scales(scales, block);
             let a_scales = act_scales.add(block * TILE);
             for (row, acc) in acc.iter_mut().enumerate().take(ROWS) {
                 let sum = _mm512_cvtepi32_ps(_mm512_load_si512(c.add(row * 64).cast()));
@@ -567,7 +484,7 @@ pub(crate) unsafe fn mxfp4_gemm(
 ) {
     debug_assert_eq!(w.layout, Mxfp4Layout::Tiles);
     // SAFETY: the caller's contract is `gemm`'s.
-    unsafe { gemm(w, x, rows, out) }
+    unsafe { gemm(&Mxfp4Tiles::<false>(w), x, rows, out) }
 }
 
 /// As [`mxfp4_gemm`] for a tiled Q8 `w`: the bits of the AVX-512 Q8 tile GEMM.
@@ -578,7 +495,15 @@ pub(crate) unsafe fn mxfp4_gemm(
 pub(crate) unsafe fn q8_gemm(w: &Q8Matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
     debug_assert!(w.tiled);
     // SAFETY: the caller's contract is `gemm`'s.
-    unsafe { gemm(w, x, rows, out) }
+    unsafe { gemm(&Q8Tiles(w), x, rows, out) }
+}
+
+/// GEMMs the matrix unit has run in this process (one relaxed add a call, not per block): how
+/// tests see that the `amx` path took it, since its results are the AVX-512 path's bits.
+static GEMMS: AtomicUsize = AtomicUsize::new(0);
+
+pub(crate) fn gemm_count() -> usize {
+    GEMMS.load(Ordering::Relaxed)
 }
 
 /// The matrix unit's GEMM of a tiled `w`: per pass of up to [`PASS_TOKEN_TILES`] token tiles,
@@ -590,11 +515,12 @@ pub(crate) unsafe fn q8_gemm(w: &Q8Matrix, x: &Q8Activations, rows: Range<usize>
 /// GEMM ran at a quarter of its speed.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,f16c")]
-unsafe fn gemm<W: TileWeights>(w: &W, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
+unsafe fn gemm<W: TileSource>(w: &W, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
     let tokens = x.rows();
     if rows.is_empty() || tokens == 0 {
         return;
     }
+    GEMMS.fetch_add(1, Ordering::Relaxed);
     let blocks = w.cols() / BLOCK_LEN;
     let padded = tokens.div_ceil(TILE) * TILE;
     let token_tiles = padded / TILE;
@@ -622,18 +548,19 @@ unsafe fn gemm<W: TileWeights>(w: &W, x: &Q8Activations, rows: Range<usize>, out
         // stores) the lanes of `out` that `rows` covers.
         unsafe {
             let session = TileSession::start(&BLOCK_CONFIG);
-            let factor = _mm512_set1_ps(W::FACTOR);
+            let factor = _mm512_set1_ps(format_factor(W::FORMAT));
             let weight_tiles = rows.start / MXFP4_TILE_ROWS..rows.end.div_ceil(MXFP4_TILE_ROWS);
             for pass in (0..token_tiles).step_by(PASS_TOKEN_TILES) {
                 let pass_end = (pass + PASS_TOKEN_TILES).min(token_tiles);
                 for tile in weight_tiles.clone() {
-                    w.decode_tile(tile, blocks, b);
+                    decode_tile(w, tile, blocks, b);
+                    let (_, scales) = w.tile_base(tile);
                     // The next tile (past `rows` up to the matrix's end, so the next task's
                     // first tile is not a cold miss either) comes into L2 while this one's
                     // token tiles are multiplied: the decode above would otherwise wait for
                     // memory at every tile.
-                    let next = ((tile + 1) * MXFP4_TILE_ROWS).min(w.row_count());
-                    let spans = w.byte_spans(next..(next + MXFP4_TILE_ROWS).min(w.row_count()));
+                    let next = ((tile + 1) * MXFP4_TILE_ROWS).min(w.rows());
+                    let spans = w.spans(next..(next + MXFP4_TILE_ROWS).min(w.rows()));
                     let lanes = tile_lanes(tile, &rows);
                     let mask =
                         (((1u32 << lanes.end) - 1) & !((1u32 << lanes.start) - 1)) as __mmask16;
@@ -644,8 +571,7 @@ unsafe fn gemm<W: TileWeights>(w: &W, x: &Q8Activations, rows: Range<usize>, out
                             ($rows:literal) => {
                                 tile_product::<W, $rows>(
                                     &session,
-                                    w,
-                                    tile,
+                                    scales,
                                     a.as_ptr().add(token_tile * blocks * A_TILE_BYTES),
                                     b.as_ptr(),
                                     sums,

@@ -13,11 +13,11 @@ use super::avx2::{prefetch_share, prefetch_share_into};
 use super::formats::{
     repeat_table, ByteSpans, Mxfp4Layout, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix,
     ScaleExponents, BLOCK_LEN, CORRECTION_LANE_MXFP4, CORRECTION_LANE_Q4, CORRECTION_LANE_Q8,
-    GROUP_BLOCKS, GROUP_LANES, GROUP_LEN,
+    GROUP_BLOCKS, GROUP_LANES, GROUP_LEN, MXFP4_OFFSET, Q4_OFFSET, Q8_OFFSET,
 };
 use super::{GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
 
-mod tiles;
+pub(super) mod tiles;
 
 const REQUIRED: [&str; 6] = ["avx512f", "avx512bw", "avx512vnni", "avx2", "fma", "f16c"];
 
@@ -62,11 +62,21 @@ const fn correction_mask(format: u8) -> __mmask16 {
 }
 
 /// MXFP4 sums use doubled FP4 values.
-const fn format_factor(format: u8) -> f32 {
+pub(super) const fn format_factor(format: u8) -> f32 {
     if format == FORMAT_MXFP4 {
         0.5
     } else {
         1.0
+    }
+}
+
+/// What the unsigned operands of `format` add to its signed values (the offset each block's
+/// correction takes off again); the matrix unit, which multiplies signed bytes, subtracts it.
+pub(super) const fn operand_offset(format: u8) -> i32 {
+    match format {
+        FORMAT_MXFP4 => MXFP4_OFFSET,
+        FORMAT_Q4 => Q4_OFFSET,
+        _ => Q8_OFFSET,
     }
 }
 

@@ -9,8 +9,8 @@
 //!
 //! * `Avx512`: AVX-512 F/BW with VNNI (`vpdpbusd`), F16C and FMA; where AVX-512 VBMI is detected
 //!   too, the MXFP4 GEMV decodes nibbles with `vpermb` ([`Kernels::without_vbmi`] turns it off).
-//! * `Amx`: the AVX-512 path with its tiled MXFP4 GEMMs of 16 activation rows and more on the
-//!   AMX matrix unit (`tdpbssd`, see the `amx` module), with the AVX-512 GEMM's bits; where the
+//! * `Amx`: the AVX-512 path with its tiled MXFP4 and Q8 GEMMs of 16 activation rows and more on
+//!   the AMX matrix unit (`tdpbssd`, see the `amx` module), with the AVX-512 GEMM's bits; where the
 //!   CPU reports AMX-TILE and AMX-INT8 and the OS grants the tile state, `auto` picks it.
 //! * `Avx2Vnni`: the AVX2 path whose MXFP4 tile products and int8 probe sum with 256-bit
 //!   `vpdpbusd`: AVX-VNNI (Intel's client cores from Alder Lake on, which lack AVX-512; Zen 5),
@@ -254,8 +254,8 @@ impl KernelPath {
     }
 
     /// [`KernelPath::amx_refusal`] where it concerns this path: the AVX-512 path running on a
-    /// CPU whose AMX was refused.
-    fn refused_amx(self) -> Option<String> {
+    /// CPU whose AMX was refused (what [`KernelPath::describe`] and `bench --kernels` show).
+    pub fn refused_amx(self) -> Option<String> {
         (self == KernelPath::Avx512)
             .then(KernelPath::amx_refusal)
             .flatten()
@@ -1046,12 +1046,25 @@ impl Kernels {
     }
 }
 
-/// Fewest activation rows of a tiled MXFP4 GEMM that the `amx` path runs on the matrix unit
-/// (fewer take the AVX-512 kernel; the bits are the same).
+/// Fewest activation rows of a tiled MXFP4 or Q8 GEMM that the `amx` path runs on the matrix
+/// unit (fewer take the AVX-512 kernel; the bits are the same).
 #[cfg(target_arch = "x86_64")]
 pub const AMX_MIN_ROWS: usize = amx::MIN_ROWS;
 #[cfg(not(target_arch = "x86_64"))]
 pub const AMX_MIN_ROWS: usize = 16;
+
+/// GEMMs the AMX matrix unit has run in this process (0 without AMX): its results are the
+/// AVX-512 path's bits, so this is how a test sees that the `amx` path used it.
+pub fn amx_gemm_count() -> usize {
+    #[cfg(target_arch = "x86_64")]
+    {
+        amx::gemm_count()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        0
+    }
+}
 
 /// Multiply-adds of one round of [`Kernels::tile_mac_probe`]: four 16 x 16 x 64 products.
 #[cfg(target_arch = "x86_64")]

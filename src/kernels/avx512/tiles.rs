@@ -50,7 +50,7 @@ const BLOCK_VECTORS: usize = BLOCK_LEN / 8;
 /// A matrix in a tile layout as the kernels here read it: per tile of 16 rows, block and dword
 /// pair `s` (0..4) the unsigned operands for the block's even activation dword `s` and odd
 /// dword `s`, and per block 16 scales as f32 lanes.
-trait TileSource {
+pub(in crate::kernels) trait TileSource {
     const FORMAT: u8;
     /// Most tokens of a call that run through [`direct`]; beyond, tiles are formed into
     /// scratch once (see [`DIRECT_CALL_TOKENS`]).
@@ -88,7 +88,9 @@ trait TileSource {
 
 /// A tiled MXFP4 matrix, decoded with `vpermb` when `VBMI` (no masks: it ignores index bits 6-7
 /// and the table repeats every 16), else with `vpshufb` after masking.
-struct Mxfp4Tiles<'a, const VBMI: bool>(&'a Mxfp4Matrix<'a>);
+pub(in crate::kernels) struct Mxfp4Tiles<'a, const VBMI: bool>(
+    pub(in crate::kernels) &'a Mxfp4Matrix<'a>,
+);
 
 impl<'a, const VBMI: bool> TileSource for Mxfp4Tiles<'a, VBMI> {
     const FORMAT: u8 = FORMAT_MXFP4;
@@ -151,7 +153,7 @@ impl<'a, const VBMI: bool> TileSource for Mxfp4Tiles<'a, VBMI> {
 }
 
 /// A tiled Q8 matrix: its vectors are the operands as stored.
-struct Q8Tiles<'a>(&'a Q8Matrix);
+pub(in crate::kernels) struct Q8Tiles<'a>(pub(in crate::kernels) &'a Q8Matrix);
 
 impl<'a> TileSource for Q8Tiles<'a> {
     const FORMAT: u8 = FORMAT_Q8;
