@@ -299,7 +299,7 @@ pub static SETTINGS: &[Setting] = &[
     setting! {
         name: "attention", label: "attention", key: "engine.attention",
         flag: Some("attention"), value_name: "ARITHMETIC",
-        help: "Attention over the f16 KV cache: auto (bf16 dot products where the CPU has AVX-512 BF16 and issues them fast), f32 or bf16; the q8 cache takes int8 dot products on the AVX-512 path unless f32",
+        help: "Attention over the f16 KV cache: auto (bf16 on the AMX matrix unit where the CPU has AMX-BF16, else bf16 dot products where the CPU has AVX-512 BF16 and issues them fast), f32 or bf16; the q8 cache takes int8 dot products on the AVX-512 path unless f32",
         kind: Kind::Choice { names: AttentionArithmetic::NAMES },
         cost: Cost::NewCache, field: (Choice, attention, AttentionArithmetic),
     },

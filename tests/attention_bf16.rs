@@ -24,11 +24,20 @@ use support::attention::{ragged_cases, worst, Block};
 const KERNEL_TOLERANCE: f64 = 3e-3;
 const EXACT_TOLERANCE: f64 = 2e-2;
 
-/// The kernels with bf16 attention, if this CPU has AVX-512 BF16 (whatever the probe chose).
-fn bf16_kernels() -> Option<Kernels> {
+/// The kernels with bf16 attention, if this CPU has AVX-512 BF16 (whatever the probe chose):
+/// `vdpbf16ps` on the AVX-512 path, and on the amx path the matrix unit's `tdpbf16ps` where
+/// the CPU has AMX-BF16.
+fn bf16_kernels() -> Vec<Kernels> {
     support::attention::bf16_attention_kernels()
-        .into_iter()
-        .next()
+}
+
+fn name(k: Kernels) -> String {
+    let unit = if k.uses_amx_attention() {
+        "tdpbf16ps"
+    } else {
+        "vdpbf16ps"
+    };
+    format!("{:?} ({unit})", k.path())
 }
 
 /// A block's f16-exact cache as f16 (keys, values).
@@ -72,15 +81,24 @@ fn the_reference_stays_near_the_exact_result() {
 
 #[test]
 fn the_kernel_matches_its_reference_and_is_the_same_alone_as_in_a_block() {
-    let Some(k) = bf16_kernels() else {
+    let kernels = bf16_kernels();
+    if kernels.is_empty() {
         println!("this CPU has no AVX-512 BF16: only the reference is checked");
-        return;
-    };
+    }
+    for k in kernels {
+        kernel_matches_its_reference(k);
+    }
+}
+
+fn kernel_matches_its_reference(k: Kernels) {
     let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
     let (mut to_reference, mut to_exact) = (0.0f64, 0.0f64);
     for (shape, tokens, depth, window) in ragged_cases(&[(8, 64), (3, 32), (2, 96)]) {
         let block = Block::random(&mut rng, shape, tokens, depth, window);
-        let label = format!("{shape:?} {tokens} tokens at {depth}, window {window:?}");
+        let label = format!(
+            "{}: {shape:?} {tokens} tokens at {depth}, window {window:?}",
+            name(k)
+        );
         let (keys, values) = f16_cache(&block);
         let got = block.run_block(k, &keys, &values);
         let magnitude = block.magnitude();
@@ -104,14 +122,48 @@ fn the_kernel_matches_its_reference_and_is_the_same_alone_as_in_a_block() {
             "{label}: a token alone differs from the block"
         );
     }
-    println!("bf16 kernel: worst {to_reference:e} from its reference, {to_exact:e} from exact");
+    println!(
+        "bf16 kernel {}: worst {to_reference:e} from its reference, {to_exact:e} from exact",
+        name(k)
+    );
+}
+
+/// On a CPU with AMX-BF16 the amx path's bf16 attention runs on the matrix unit, which sums in
+/// another order than `vdpbf16ps`: outputs differ in their last bits, so the test above checked
+/// two kernels, not one twice.
+#[test]
+fn the_matrix_unit_runs_where_the_cpu_has_it() {
+    let kernels = bf16_kernels();
+    let Some(amx) = kernels.iter().find(|k| k.uses_amx_attention()) else {
+        println!("no AMX-BF16 here: the vdpbf16ps kernel alone is checked");
+        return;
+    };
+    assert_eq!(amx.path(), ossterm::kernels::KernelPath::Amx);
+    let vector = kernels
+        .iter()
+        .find(|k| !k.uses_amx_attention())
+        .expect("a CPU with AMX-BF16 has AVX-512 BF16");
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let block = Block::random(&mut rng, (8, 64), 16, 200, None);
+    let (keys, values) = f16_cache(&block);
+    let on_tiles = block.run_block(*amx, &keys, &values);
+    let on_vectors = block.run_block(*vector, &keys, &values);
+    let differ = support::differing_bits(&on_tiles, &on_vectors);
+    assert!(
+        differ > on_tiles.len() / 10,
+        "only {differ} of {} outputs differ",
+        on_tiles.len()
+    );
 }
 
 #[test]
 fn the_kernel_is_not_the_f32_path() {
-    let Some(k) = bf16_kernels() else {
-        return;
-    };
+    for k in bf16_kernels() {
+        kernel_is_not_the_f32_path(k);
+    }
+}
+
+fn kernel_is_not_the_f32_path(k: Kernels) {
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     let block = Block::random(&mut rng, (8, 64), 16, 200, None);
     let (keys, values) = f16_cache(&block);
@@ -127,9 +179,12 @@ fn the_kernel_is_not_the_f32_path() {
 
 #[test]
 fn head_dims_the_path_does_not_take_run_in_f32() {
-    let Some(k) = bf16_kernels() else {
-        return;
-    };
+    for k in bf16_kernels() {
+        head_dims_run_in_f32(k);
+    }
+}
+
+fn head_dims_run_in_f32(k: Kernels) {
     let mut rng = ChaCha8Rng::seed_from_u64(4);
     let block = Block::random(&mut rng, (4, 48), 5, 70, None);
     let (keys, values) = f16_cache(&block);

@@ -798,7 +798,12 @@ fn the_attention_flag_picks_the_arithmetic_bench_names() {
             .to_string()
     };
     let kernels = Kernels::new(kernel_path()).expect("the process-wide path is supported");
-    let bf16 = "attention on bf16 dot products";
+    // The vector kernel's words, or the matrix unit's on the amx path with AMX-BF16.
+    let bf16 = if kernels.with_bf16_attention().uses_amx_attention() {
+        "attention on bf16 tile products (AMX)"
+    } else {
+        "attention on bf16 dot products"
+    };
     for (extra, expected) in [
         (&["--attention", "f32"][..], false),
         (

@@ -852,8 +852,10 @@ fn experts_whole_per_thread_give_the_bits_of_the_split_regions() {
 
 /// End to end, the `amx` path (its experts' and attention projections' GEMMs of 16 rows and more
 /// on the matrix unit: small_wide's 128 tokens give each of its 8 experts about 64 rows) runs the
-/// matrix unit and computes the AVX-512 path's logits bit for bit. Skipped, saying so, without
-/// AMX.
+/// matrix unit and computes the AVX-512 path's logits bit for bit, attention in f32 on both (the
+/// `amx` path's own attention, bf16 on the matrix unit, sums in another order than any vector
+/// kernel; its accuracy is the fixture bounds' and tests/attention_bf16.rs's). Skipped, saying
+/// so, without AMX.
 #[test]
 fn the_amx_path_computes_the_avx512_logits() {
     use ossterm::kernels::KernelPath;
@@ -868,6 +870,7 @@ fn the_amx_path_computes_the_avx512_logits() {
     let logits = |path| {
         let opts = LoadOptions {
             kernels: Some(path),
+            attention: AttentionArithmetic::F32,
             ..LoadOptions::default()
         };
         all_logits(&dir, &opts).0

@@ -103,10 +103,10 @@ pub struct ModelArgs {
     /// product) or mixed (two rows where one loses most: attention, unembedding, experts' down).
     #[arg(long, value_name = "FORMAT", default_value = "mixed", value_parser = choice_parser!(ActivationFormat))]
     pub activations: ActivationFormat,
-    /// Attention arithmetic over the f16 KV cache: auto (bf16 dot products where the CPU has
-    /// AVX-512 BF16 and issues them as fast as f32 FMAs), f32, or bf16 (wherever the CPU has
-    /// AVX-512 BF16). The q8 cache takes int8 dot products on the AVX-512 path unless f32. q8x2
-    /// activations keep f32.
+    /// Attention arithmetic over the f16 KV cache: auto (bf16 on the AMX matrix unit on the amx
+    /// path with AMX-BF16; elsewhere bf16 dot products where the CPU has AVX-512 BF16 and issues
+    /// them as fast as f32 FMAs), f32, or bf16 (wherever the CPU has AVX-512 BF16). The q8 cache
+    /// takes int8 dot products on the AVX-512 path unless f32. q8x2 activations keep f32.
     #[arg(long, value_name = "ARITHMETIC", default_value = "auto", value_parser = choice_parser!(AttentionArithmetic))]
     pub attention: AttentionArithmetic,
     /// Byte order of the MXFP4 experts in the fast path: tiles of 16 rows reordered at load

@@ -129,6 +129,20 @@ pub(crate) fn missing_cpu_features() -> Vec<&'static str> {
     missing
 }
 
+/// Whether AMX runs here ([`availability`]) with AMX-BF16 too (CPUID leaf 7 EDX bit 22), and
+/// AVX-512 BF16 and DQ for the vector work around the tiles: the bf16 tile products of attention
+/// ([`crate::kernels::attention`]).
+pub(crate) fn bf16_available() -> bool {
+    static BF16: OnceLock<bool> = OnceLock::new();
+    *BF16.get_or_init(|| {
+        availability().is_ok()
+            && __cpuid(0).eax >= 7
+            && __cpuid_count(7, 0).edx & (1 << 22) != 0
+            && std::arch::is_x86_feature_detected!("avx512bf16")
+            && std::arch::is_x86_feature_detected!("avx512dq")
+    })
+}
+
 /// Whether the OS saves the tile configuration and data (XCR0 bits 17 and 18).
 fn os_enables_tiles() -> bool {
     // SAFETY: CPUID leaf 1 exists on every x86-64 CPU; XGETBV runs only where CPUID says the OS
@@ -179,7 +193,7 @@ fn grant_tile_state() -> Result<(), String> {
 
 /// The LDTILECFG operand: palette 1, then bytes per row and rows of each tile register.
 #[repr(C, align(64))]
-struct TileConfig {
+pub(in crate::kernels) struct TileConfig {
     palette: u8,
     start_row: u8,
     reserved: [u8; 14],
@@ -214,17 +228,18 @@ static BLOCK_CONFIG: TileConfig = TileConfig::palette1(
     [16, 16, 16, 16, 16, 16, 8, 8],
 );
 
-/// The peak probe's tiles: all eight 16 x 64 bytes (K = 64).
-static FULL_CONFIG: TileConfig = TileConfig::palette1([64; 8], [16; 8]);
+/// The peak probe's tiles, and the bf16 attention's: all eight 16 x 64 bytes (K = 64 int8 or
+/// 32 bf16).
+pub(in crate::kernels) static FULL_CONFIG: TileConfig = TileConfig::palette1([64; 8], [16; 8]);
 
 /// The tile registers configured while alive; released on drop, so the thread carries no tile
 /// state between calls (and the OS saves none for it).
-struct TileSession;
+pub(in crate::kernels) struct TileSession;
 
 impl TileSession {
     /// # Safety
     /// [`availability`] returned `Ok`.
-    unsafe fn start(config: &'static TileConfig) -> Self {
+    pub(in crate::kernels) unsafe fn start(config: &'static TileConfig) -> Self {
         // SAFETY: the caller checked that the OS granted the tile state; the operand is a valid
         // 64-byte configuration.
         unsafe {

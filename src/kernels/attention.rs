@@ -44,6 +44,8 @@ use super::{dispatch, KernelError, Kernels};
 use half::f16;
 
 #[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
 mod bf16;
 #[cfg(target_arch = "x86_64")]
 mod int8;
@@ -314,6 +316,8 @@ pub struct AttentionScratch {
     acc: AlignedVec<f32>,
     /// The bf16 path's probabilities, heads x TILE_KEYS.
     probs_bf16: AlignedVec<u16>,
+    /// The AMX path's operands and state.
+    amx: AmxScratch,
     /// Stands in for the keys past the end of a ragged tile (padded zeros).
     zero_row: AlignedVec<f32>,
     running_max: Vec<f32>,
@@ -342,6 +346,7 @@ impl AttentionScratch {
             logits: AlignedVec::filled(max_heads * TILE_KEYS, 0.0),
             acc: AlignedVec::filled(max_heads * padded, 0.0),
             probs_bf16: AlignedVec::filled(max_heads * TILE_KEYS, 0),
+            amx: AmxScratch::new(max_heads, padded),
             zero_row: AlignedVec::filled(padded, 0.0),
             running_max: vec![0.0; max_heads],
             running_sum: vec![0.0; max_heads],
@@ -363,6 +368,52 @@ impl AttentionScratch {
             });
         }
         Ok(())
+    }
+}
+
+/// The buffers of the AMX path (`amx.rs`), whose products are transposed: query rows across the
+/// 16 lanes of a row tile, keys or head dims down it. Rows are the block's query rows rounded up
+/// to a multiple of 16.
+#[derive(Clone, Debug)]
+struct AmxScratch {
+    /// bf16 queries, rows x head_dim; then per row tile its pairs of elements transposed
+    /// (head_dim / 2 x 16 dwords).
+    queries: AlignedVec<u16>,
+    query_pairs: AlignedVec<u32>,
+    /// Each row's visible cache rows, running maximum and sum.
+    seen_from: Vec<usize>,
+    seen_to: Vec<usize>,
+    running_max: Vec<f32>,
+    running_sum: Vec<f32>,
+    /// Unnormalized outputs, per row tile head_dim x 16.
+    acc: AlignedVec<f32>,
+    /// A key tile in bf16 (TILE_KEYS x head_dim), its values transposed (head_dim x TILE_KEYS).
+    keys: AlignedVec<u16>,
+    values: AlignedVec<u16>,
+    /// Two row tiles' logits (TILE_KEYS x 16 each) and paired bf16 probabilities (TILE_KEYS / 2
+    /// x 16 each), one's value products (head_dim x 16).
+    logits: AlignedVec<f32>,
+    probs: AlignedVec<u32>,
+    partial: AlignedVec<f32>,
+}
+
+impl AmxScratch {
+    fn new(max_heads: usize, padded: usize) -> Self {
+        let rows = max_heads.next_multiple_of(16);
+        Self {
+            queries: AlignedVec::filled(rows * padded, 0),
+            query_pairs: AlignedVec::filled(rows * padded / 2, 0),
+            seen_from: vec![0; rows],
+            seen_to: vec![0; rows],
+            running_max: vec![0.0; rows],
+            running_sum: vec![0.0; rows],
+            acc: AlignedVec::filled(rows * padded, 0.0),
+            keys: AlignedVec::filled(TILE_KEYS * padded, 0),
+            values: AlignedVec::filled(TILE_KEYS * padded, 0),
+            logits: AlignedVec::filled(2 * TILE_KEYS * 16, 0.0),
+            probs: AlignedVec::filled(2 * TILE_KEYS / 2 * 16, 0),
+            partial: AlignedVec::filled(padded * 16, 0.0),
+        }
     }
 }
 
@@ -754,9 +805,15 @@ fn attend_checked<T: KvElem>(
                 offset: kv.offset,
             };
             // SAFETY: the kernels use bf16 attention only where the CPU has AVX-512 BF16 (with
-            // the AVX-512 path's features); the callers validated the shapes and `takes` the
-            // head_dim.
-            unsafe { bf16::attend(query, &kv, visible, out, scratch) };
+            // the AVX-512 path's features), on the matrix unit only where it runs bf16 tiles;
+            // the callers validated the shapes and `takes` the head_dim.
+            unsafe {
+                if k.uses_amx_attention() {
+                    amx::attend(query, &kv, visible, out, scratch);
+                } else {
+                    bf16::attend(query, &kv, visible, out, scratch);
+                }
+            }
             return;
         }
     }

@@ -562,7 +562,9 @@ impl Kernels {
         #[cfg(target_arch = "x86_64")]
         let (vbmi, bf16_attention, avx2_dot) = (
             path.is_avx512() && avx512::vbmi_detected(),
-            path.is_avx512() && avx512::bf16_dot_pays(),
+            // The matrix unit's bf16 tiles pay wherever they run, whatever `vdpbf16ps` costs.
+            (path == KernelPath::Amx && amx::bf16_available())
+                || (path.is_avx512() && avx512::bf16_dot_pays()),
             match path {
                 KernelPath::Avx2Vnni => avx2::vnni_encoding().unwrap_or(Avx2Dot::Maddubs),
                 _ => Avx2Dot::Maddubs,
@@ -596,7 +598,8 @@ impl Kernels {
     /// it down on. Elsewhere unchanged.
     pub fn with_bf16_attention(self) -> Self {
         #[cfg(target_arch = "x86_64")]
-        let bf16 = self.path.is_avx512() && avx512::bf16_detected();
+        let bf16 = (self.path == KernelPath::Amx && amx::bf16_available())
+            || (self.path.is_avx512() && avx512::bf16_detected());
         #[cfg(not(target_arch = "x86_64"))]
         let bf16 = false;
         Self {
@@ -621,6 +624,16 @@ impl Kernels {
     /// [`attention::attend_block_bf16_reference`] for what it computes).
     pub fn uses_bf16_attention(&self) -> bool {
         self.bf16_attention
+    }
+
+    /// Whether that bf16 attention runs its tile products on the AMX matrix unit (`tdpbf16ps`,
+    /// the `amx` path where the CPU has AMX-BF16) rather than on `vdpbf16ps`: the same
+    /// arithmetic, summed in another order.
+    pub fn uses_amx_attention(&self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return self.bf16_attention && self.path == KernelPath::Amx && amx::bf16_available();
+        #[cfg(not(target_arch = "x86_64"))]
+        return false;
     }
 
     /// Whether attention over an int8 cache runs on int8 dot products (see

@@ -453,6 +453,16 @@ impl Model {
         self.attention_products_with(self.attention, self.activations, self.kv_format)
     }
 
+    /// Whether new sessions' bf16 attention runs its products on the AMX matrix unit
+    /// ([`crate::kernels::Kernels::uses_amx_attention`]).
+    pub fn attention_on_matrix_unit(&self) -> bool {
+        self.attention_products() == AttentionProducts::Bf16
+            && self
+                .activations
+                .attention_kernels(self.attention.apply(self.kernels))
+                .uses_amx_attention()
+    }
+
     /// The attention arithmetic the model was loaded with: new sessions' (a session may change
     /// its own, [`Session::set_attention`]).
     pub fn attention(&self) -> AttentionArithmetic {
@@ -495,6 +505,9 @@ impl Model {
                     None => String::new(),
                 };
                 let attention = match self.attention_products().name() {
+                    Some(name) if self.attention_on_matrix_unit() => {
+                        format!(", attention on {name} tile products (AMX)")
+                    }
                     Some(name) => format!(", attention on {name} dot products"),
                     None => String::new(),
                 };

@@ -27,9 +27,9 @@ use super::{
 };
 
 /// f32 lanes of a 512-bit vector.
-const W: usize = 16;
+pub(super) const W: usize = 16;
 /// bf16 elements of a 512-bit vector.
-const BF16_LANES: usize = 32;
+pub(super) const BF16_LANES: usize = 32;
 
 /// Below this a probability is exactly 0: 2^(-120 log2 e) is far under the smallest f32.
 const EXP_FLOOR: f32 = -120.0;
@@ -50,7 +50,7 @@ const EXP2_POLY: [f32; 5] = [
 /// 2^f by the polynomial. Degree 5, not 4 (3e-6, still far under bf16's 2e-3): degree 4 moved
 /// one near-tied top-1 of the fixtures. -inf (a masked key) and NaN give 0.
 #[inline(always)]
-unsafe fn exp_for_bf16(x: __m512) -> __m512 {
+pub(super) unsafe fn exp_for_bf16(x: __m512) -> __m512 {
     // SAFETY: plain arithmetic on registers; the caller's target features include AVX-512 F.
     unsafe {
         // max returns the second operand for a NaN first one: NaN and -inf both become the floor.
@@ -90,7 +90,7 @@ fn as_bits(x: __m512bh) -> __m512i {
 /// 32 elements are readable from `at`; the CPU has AVX-512 F/BF16 and F16C.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
-unsafe fn f16_to_bf16(at: *const f16) -> __m512i {
+pub(super) unsafe fn f16_to_bf16(at: *const f16) -> __m512i {
     // SAFETY: the caller upholds the contract.
     unsafe {
         let low = _mm512_cvtph_ps(_mm256_loadu_si256(at.cast()));
@@ -127,19 +127,9 @@ pub(super) unsafe fn attend(
     let probs = scratch.probs_bf16.as_mut_ptr();
     // SAFETY: the caller checked the shapes: rows r < tokens x heads <= max_heads, each source
     // query row holds d elements, and d <= max_head_dim, so every write stays in the buffers.
-    unsafe {
-        let scale = _mm512_set1_ps(query.scale);
-        for r in 0..tokens * heads {
-            let (t, g) = (r / heads, r % heads);
-            let src = query.queries[t * query.token_stride + g * d..][..d].as_ptr();
-            for c in (0..d).step_by(BF16_LANES) {
-                let low = _mm512_mul_ps(_mm512_loadu_ps(src.add(c)), scale);
-                let high = _mm512_mul_ps(_mm512_loadu_ps(src.add(c + W)), scale);
-                let bits = as_bits(_mm512_cvtne2ps_pbh(high, low));
-                _mm512_storeu_si512(queries.add(r * d + c).cast(), bits);
-            }
-            scratch.running_max[r] = query.sinks[g];
-        }
+    unsafe { stage_queries(query, queries) };
+    for r in 0..tokens * heads {
+        scratch.running_max[r] = query.sinks[r % heads];
     }
     scratch.running_sum[..tokens * heads].fill(0.0);
     scratch.acc[..tokens * heads * d].fill(0.0);
@@ -189,10 +179,6 @@ pub(super) unsafe fn attend(
         // probabilities are read up to count rounded up to 16, which `probabilities` wrote
         // (zeros past count), inside each row of TILE_KEYS.
         unsafe {
-            let interleave = _mm512_set_epi16(
-                31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5,
-                20, 4, 19, 3, 18, 2, 17, 1, 16, 0,
-            );
             for p in 0..pairs {
                 let j = 2 * (first_pair + p);
                 let even = (j >= skip).then(|| value_row(tile.start + j));
@@ -200,17 +186,7 @@ pub(super) unsafe fn attend(
                 for row in [even, odd].into_iter().flatten() {
                     prefetch_row_of_next_tile(row, layout);
                 }
-                for c in (0..d).step_by(W) {
-                    let mut halves = [_mm512_setzero_ps(); 2];
-                    for (half, row) in halves.iter_mut().zip([even, odd]) {
-                        if let Some(at) = row {
-                            *half = _mm512_cvtph_ps(_mm256_loadu_si256(at.add(c).cast()));
-                        }
-                    }
-                    let both = as_bits(_mm512_cvtne2ps_pbh(halves[1], halves[0]));
-                    let pair = _mm512_permutexvar_epi16(interleave, both);
-                    _mm512_storeu_si512(value_pairs.add(p * 2 * d + 2 * c).cast(), pair);
-                }
+                stage_value_pair([even, odd], d, value_pairs.add(p * 2 * d));
             }
             let mut r = rows.start;
             while r < rows.end {
@@ -241,6 +217,61 @@ pub(super) unsafe fn attend(
     finish_rows(query, scratch, d, out);
 }
 
+/// The block's query rows (token-major, then head) scaled and rounded to bf16, as rows of d
+/// elements from `to`.
+///
+/// # Safety
+/// `to` has room for `tokens x heads` rows of d; the shapes were checked as for [`attend`]; the
+/// CPU has the features below.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+pub(super) unsafe fn stage_queries(query: &BlockQuery<'_>, to: *mut u16) {
+    let (d, heads) = (query.head_dim, query.sinks.len());
+    // SAFETY: the caller upholds the contract.
+    unsafe {
+        let scale = _mm512_set1_ps(query.scale);
+        for r in 0..query.tokens * heads {
+            let (t, g) = (r / heads, r % heads);
+            let src = query.queries[t * query.token_stride + g * d..][..d].as_ptr();
+            for c in (0..d).step_by(BF16_LANES) {
+                let low = _mm512_mul_ps(_mm512_loadu_ps(src.add(c)), scale);
+                let high = _mm512_mul_ps(_mm512_loadu_ps(src.add(c + W)), scale);
+                let bits = as_bits(_mm512_cvtne2ps_pbh(high, low));
+                _mm512_storeu_si512(to.add(r * d + c).cast(), bits);
+            }
+        }
+    }
+}
+
+/// Two consecutive value rows (f16; `None`: zeros) as one pair of bf16 rows interleaved column
+/// by column: element c of the even row at `to[2c]`, of the odd row at `to[2c + 1]` (2d bf16),
+/// the operand `vdpbf16ps` and `tdpbf16ps` take for a pair of keys.
+///
+/// # Safety
+/// Each row has d readable f16; `to` has room for 2d bf16; the CPU has the features below.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+pub(super) unsafe fn stage_value_pair(rows: [Option<*const f16>; 2], d: usize, to: *mut u16) {
+    // SAFETY: the caller upholds the contract.
+    unsafe {
+        let interleave = _mm512_set_epi16(
+            31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20,
+            4, 19, 3, 18, 2, 17, 1, 16, 0,
+        );
+        for c in (0..d).step_by(W) {
+            let mut halves = [_mm512_setzero_ps(); 2];
+            for (half, row) in halves.iter_mut().zip(rows) {
+                if let Some(at) = row {
+                    *half = _mm512_cvtph_ps(_mm256_loadu_si256(at.add(c).cast()));
+                }
+            }
+            let both = as_bits(_mm512_cvtne2ps_pbh(halves[1], halves[0]));
+            let pair = _mm512_permutexvar_epi16(interleave, both);
+            _mm512_storeu_si512(to.add(2 * c).cast(), pair);
+        }
+    }
+}
+
 /// 16 key rows (f16, `null` for keys past the tile's end: zeros) as bf16 pairs transposed:
 /// pair p (elements 2p and 2p + 1) of key i at `to[p * TILE_KEYS + i]` (u32 units; `to` points
 /// at the group's first key). A 16 x 16 transpose of dwords per 32 elements of the rows.
@@ -250,7 +281,7 @@ pub(super) unsafe fn attend(
 /// start; the CPU has the features below.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
-unsafe fn transpose_keys(rows: &[*const f16; W], d: usize, to: *mut u16) {
+pub(super) unsafe fn transpose_keys(rows: &[*const f16; W], d: usize, to: *mut u16) {
     // SAFETY: the caller upholds the contract.
     unsafe {
         let to = to.cast::<u32>();
