@@ -387,11 +387,12 @@ struct AmxScratch {
     running_sum: Vec<f32>,
     /// Unnormalized outputs, per row tile head_dim x 16.
     acc: AlignedVec<f32>,
-    /// A key tile in bf16 (TILE_KEYS x head_dim), its values transposed (head_dim x TILE_KEYS).
+    /// Three key tiles in bf16 (TILE_KEYS x head_dim each), their values transposed (head_dim x
+    /// TILE_KEYS each): a pipeline stages one while the others are multiplied.
     keys: AlignedVec<u16>,
     values: AlignedVec<u16>,
-    /// Two row tiles' logits (TILE_KEYS x 16 each) and paired bf16 probabilities (TILE_KEYS / 2
-    /// x 16 each), one's value products (head_dim x 16).
+    /// Two steps' logits (TILE_KEYS x 16 each), paired bf16 probabilities (TILE_KEYS / 2 x 16
+    /// each) and value products (head_dim x 16 each).
     logits: AlignedVec<f32>,
     probs: AlignedVec<u32>,
     partial: AlignedVec<f32>,
@@ -408,11 +409,11 @@ impl AmxScratch {
             running_max: vec![0.0; rows],
             running_sum: vec![0.0; rows],
             acc: AlignedVec::filled(rows * padded, 0.0),
-            keys: AlignedVec::filled(TILE_KEYS * padded, 0),
-            values: AlignedVec::filled(TILE_KEYS * padded, 0),
+            keys: AlignedVec::filled(3 * TILE_KEYS * padded, 0),
+            values: AlignedVec::filled(3 * TILE_KEYS * padded, 0),
             logits: AlignedVec::filled(2 * TILE_KEYS * 16, 0.0),
             probs: AlignedVec::filled(2 * TILE_KEYS / 2 * 16, 0),
-            partial: AlignedVec::filled(padded * 16, 0.0),
+            partial: AlignedVec::filled(2 * padded * 16, 0.0),
         }
     }
 }

@@ -39,7 +39,8 @@ use half::f16;
 
 use super::bf16::{f16_to_bf16, stage_queries, BF16_LANES};
 use super::{
-    prefetch_row_of_next_tile, AttentionScratch, BlockQuery, KvHead, RowLayout, TileWalk, TILE_KEYS,
+    prefetch_row_of_next_tile, AmxScratch, AttentionScratch, BlockQuery, KvHead, RowLayout,
+    TileWalk, TILE_KEYS,
 };
 use crate::kernels::amx::{TileSession, FULL_CONFIG};
 use crate::kernels::avx512::transpose_16x16;
@@ -225,35 +226,255 @@ pub(super) unsafe fn attend(
 
     // SAFETY: the caller checked that the OS granted the tile state.
     let session = unsafe { TileSession::start(&FULL_CONFIG) };
+    if row_tiles == 1 {
+        // SAFETY: the session holds FULL_CONFIG; the caller's contract.
+        unsafe { attend_one_row_tile(kv, layout, visible, tokens, amx) };
+    } else {
+        // SAFETY: as above.
+        unsafe { attend_row_tiles(kv, layout, visible, (tokens, heads), amx) };
+    }
+    drop(session);
+
+    for (r, out) in out.chunks_exact_mut(d).take(total).enumerate() {
+        let sink = query.sinks[r % heads];
+        let denominator = amx.running_sum[r] + (sink - amx.running_max[r]).exp();
+        let inverse = 1.0 / denominator;
+        let acc = &amx.acc[(r / ROWS) * d * ROWS + r % ROWS..];
+        for (c, o) in out.iter_mut().enumerate() {
+            *o = acc[c * ROWS] * inverse;
+        }
+    }
+}
+
+/// Stages key tile `tile` for the products: its keys as bf16 rows of d (zeros up to a whole 16)
+/// at `keys`, its values transposed ([`stage_values_transposed`]) at `values`, values before
+/// row `skip` of the tile (the block's first visible key) and past its end as zeros; asks for
+/// the next tile's rows meanwhile.
+///
+/// # Safety
+/// The tile's rows lie inside the cache; `keys` and `values` have room for TILE_KEYS x d bf16;
+/// the CPU has the features below.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+unsafe fn stage_tile(
+    kv: &KvHead<'_, f16>,
+    layout: RowLayout,
+    tile: Range<usize>,
+    skip: usize,
+    (keys, values): (*mut u16, *mut u16),
+) {
+    let d = layout.head_dim;
+    let count = tile.len();
+    let (groups, halves) = (count.div_ceil(LANES), count.div_ceil(K));
+    let key_row = |j: usize| kv.keys[j * kv.row_stride + kv.offset..][..d].as_ptr();
+    let value_row = |j: usize| kv.values[j * kv.row_stride + kv.offset..][..d].as_ptr();
+    // SAFETY: the caller upholds the contract.
+    unsafe {
+        for key in 0..groups * LANES {
+            let to = keys.add(key * d);
+            if key < count {
+                let from = key_row(tile.start + key);
+                prefetch_row_of_next_tile(from, layout);
+                for c in (0..d).step_by(BF16_LANES) {
+                    _mm512_storeu_si512(to.add(c).cast(), f16_to_bf16(from.add(c)));
+                }
+            } else {
+                std::ptr::write_bytes(to, 0, d);
+            }
+        }
+        let mut value_rows = [std::ptr::null(); TILE_KEYS];
+        for (j, row) in value_rows.iter_mut().enumerate().take(count).skip(skip) {
+            *row = value_row(tile.start + j);
+            prefetch_row_of_next_tile(*row, layout);
+        }
+        stage_values_transposed(&value_rows, halves, d, values);
+    }
+}
+
+/// The tile walk of a block whose rows fill one row tile (a decoded token's G rows, or a few
+/// tokens), pipelined over the key tiles instead of the row tiles, each product issued a phase
+/// of other work before its result is read (see [`attend_row_tiles`]): step i runs tile i's
+/// softmax, stages tile i + 2, issues tile i's value products and tile i + 1's logits, and adds
+/// tile i - 1's value products. The operations on a row are those of [`attend_row_tiles`] in the
+/// same order, so its bits too.
+///
+/// # Safety
+/// As [`attend`]'s after its staging of the queries and state; [`FULL_CONFIG`] is loaded.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c")]
+unsafe fn attend_one_row_tile(
+    kv: &KvHead<'_, f16>,
+    layout: RowLayout,
+    visible: &dyn Fn(usize) -> Range<usize>,
+    tokens: usize,
+    amx: &mut AmxScratch,
+) {
+    let d = layout.head_dim;
+    let staged = TILE_KEYS * d;
+    let (keys_base, values_base) = (amx.keys.as_mut_ptr(), amx.values.as_mut_ptr());
+    let keys = |i: usize| keys_base.wrapping_add(i % 3 * staged);
+    let values = |i: usize| values_base.wrapping_add(i % 3 * staged);
+    let (logits_base, probs_base) = (amx.logits.as_mut_ptr(), amx.probs.as_mut_ptr());
+    let logits = |i: usize| logits_base.wrapping_add(i % 2 * TILE_KEYS * ROWS);
+    let probs = |i: usize| probs_base.wrapping_add(i % 2 * TILE_KEYS / 2 * ROWS);
+    let partial_base = amx.partial.as_mut_ptr();
+    let partial = |i: usize| partial_base.wrapping_add(i % 2 * d * ROWS);
+    let query_pairs = amx.query_pairs.as_ptr();
+    let acc = amx.acc.as_mut_ptr();
+    let skip = |(tile, seeing): &(Range<usize>, Range<usize>)| {
+        visible(seeing.start).start.clamp(tile.start, tile.end) - tile.start
+    };
+    let mut walk = TileWalk::new(tokens, visible);
+    // Tiles i, i + 1 and i + 2 are staged at step i, in three buffers.
+    let mut ahead: [Option<(Range<usize>, Range<usize>)>; 2] = [walk.next(), walk.next()];
+    // SAFETY (every block below): the staged tiles, logits, probabilities and products are
+    // written and read inside their buffers (3 x TILE_KEYS x d bf16, 2 x TILE_KEYS x 16 f32,
+    // 2 x TILE_KEYS / 2 x 16 pairs, 2 x d x 16 f32); the tiles' rows lie in the cache.
+    unsafe {
+        for (i, next) in ahead.iter().enumerate() {
+            if let Some(next) = next {
+                stage_tile(kv, layout, next.0.clone(), skip(next), (keys(i), values(i)));
+            }
+        }
+        if let Some((first, _)) = &ahead[0] {
+            logits_step(query_pairs, keys(0), d, first.len(), logits(0));
+        }
+        let mut pending: Option<(usize, __m512)> = None;
+        let mut i = 0;
+        while let Some((tile, _)) = ahead[0].take() {
+            let after = walk.next();
+            let halves = tile.len().div_ceil(K);
+            let state = LaneState {
+                running_max: amx.running_max.as_mut_ptr(),
+                running_sum: amx.running_sum.as_mut_ptr(),
+                seen_from: &amx.seen_from[..ROWS],
+                seen_to: &amx.seen_to[..ROWS],
+            };
+            let rescale = softmax_step(logits(i), tile.clone(), halves, probs(i), state);
+            if let Some(after) = &after {
+                stage_tile(
+                    kv,
+                    layout,
+                    after.0.clone(),
+                    skip(after),
+                    (keys(i + 2), values(i + 2)),
+                );
+            }
+            values_step(probs(i), values(i), d, halves, partial(i));
+            if let Some((next, _)) = &ahead[1] {
+                logits_step(query_pairs, keys(i + 1), d, next.len(), logits(i + 1));
+            }
+            if let Some((step, rescale)) = pending {
+                add_products(acc, 0, d, rescale, partial(step));
+            }
+            pending = Some((i, rescale));
+            ahead = [ahead[1].take(), after];
+            i += 1;
+        }
+        if let Some((step, rescale)) = pending {
+            add_products(acc, 0, d, rescale, partial(step));
+        }
+    }
+}
+
+/// [`logits_tile`] for a tile of `count` keys.
+///
+/// # Safety
+/// As [`logits_tile`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+unsafe fn logits_step(
+    query_pairs: *const u32,
+    keys: *const u16,
+    d: usize,
+    count: usize,
+    logits: *mut f32,
+) {
+    let args = (query_pairs, keys, d, logits);
+    // SAFETY: the caller upholds the contract.
+    unsafe {
+        match count.div_ceil(LANES) {
+            4 => logits_tile::<4>(args),
+            3 => logits_tile::<3>(args),
+            2 => logits_tile::<2>(args),
+            _ => logits_tile::<1>(args),
+        }
+    }
+}
+
+/// [`values_tile`] for a tile of `halves` x 32 keys.
+///
+/// # Safety
+/// As [`values_tile`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+unsafe fn values_step(
+    probs: *const u32,
+    values: *const u16,
+    d: usize,
+    halves: usize,
+    partial: *mut f32,
+) {
+    let args = (probs, values, d, partial);
+    // SAFETY: the caller upholds the contract.
+    unsafe {
+        match halves {
+            2 => values_tile::<2>(args),
+            _ => values_tile::<1>(args),
+        }
+    }
+}
+
+/// [`softmax_lanes`] for a tile of `halves` x 32 keys (its own count of 16-key groups).
+///
+/// # Safety
+/// As [`softmax_lanes`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c")]
+unsafe fn softmax_step(
+    logits: *const f32,
+    tile: Range<usize>,
+    halves: usize,
+    probs: *mut u32,
+    state: LaneState<'_>,
+) -> __m512 {
+    let groups = tile.len().div_ceil(LANES);
+    let args = (logits, tile, halves * K / 2, probs, state);
+    // SAFETY: the caller upholds the contract.
+    unsafe {
+        match groups {
+            4 => softmax_lanes::<4>(args),
+            3 => softmax_lanes::<3>(args),
+            2 => softmax_lanes::<2>(args),
+            _ => softmax_lanes::<1>(args),
+        }
+    }
+}
+
+/// The tile walk of a block of several row tiles, pipelined over the row tiles of each key tile.
+///
+/// # Safety
+/// As [`attend`]'s after its staging of the queries and state; [`FULL_CONFIG`] is loaded.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c")]
+unsafe fn attend_row_tiles(
+    kv: &KvHead<'_, f16>,
+    layout: RowLayout,
+    visible: &dyn Fn(usize) -> Range<usize>,
+    (tokens, heads): (usize, usize),
+    amx: &mut AmxScratch,
+) {
+    let d = layout.head_dim;
     for (tile, seeing) in TileWalk::new(tokens, visible) {
         let count = tile.len();
-        let (groups, halves) = (count.div_ceil(LANES), count.div_ceil(K));
-        let key_row = |j: usize| kv.keys[j * kv.row_stride + kv.offset..][..d].as_ptr();
-        let value_row = |j: usize| kv.values[j * kv.row_stride + kv.offset..][..d].as_ptr();
+        let halves = count.div_ceil(K);
         // Values before the block's first visible key and past the tile are staged as zeros.
         let skip = visible(seeing.start).start.clamp(tile.start, tile.end) - tile.start;
         // SAFETY: rows of the tile lie inside the cache (checked by the caller); the keys take
         // TILE_KEYS x d bf16 and the values TILE_KEYS x d, inside buffers of that size.
         unsafe {
-            let keys = amx.keys.as_mut_ptr();
-            for key in 0..groups * LANES {
-                let to = keys.add(key * d);
-                if key < count {
-                    let from = key_row(tile.start + key);
-                    prefetch_row_of_next_tile(from, layout);
-                    for c in (0..d).step_by(BF16_LANES) {
-                        _mm512_storeu_si512(to.add(c).cast(), f16_to_bf16(from.add(c)));
-                    }
-                } else {
-                    std::ptr::write_bytes(to, 0, d);
-                }
-            }
-            let mut value_rows = [std::ptr::null(); TILE_KEYS];
-            for (j, row) in value_rows.iter_mut().enumerate().take(count).skip(skip) {
-                *row = value_row(tile.start + j);
-                prefetch_row_of_next_tile(*row, layout);
-            }
-            stage_values_transposed(&value_rows, halves, d, amx.values.as_mut_ptr());
+            let buffers = (amx.keys.as_mut_ptr(), amx.values.as_mut_ptr());
+            stage_tile(kv, layout, tile.clone(), skip, buffers);
         }
         let rows = seeing.start * heads..seeing.end * heads;
         let row_tiles = rows.start / ROWS..rows.end.div_ceil(ROWS);
@@ -265,43 +486,32 @@ pub(super) unsafe fn attend(
             amx.keys.as_ptr(),
             amx.values.as_ptr(),
         );
-        let partial = amx.partial.as_mut_ptr();
-        // A software pipeline over the row tiles, so the matrix unit's products of one row tile
-        // run while the vector units do the softmax of another: step i issues the logits of
-        // row tile i + 1 and the value products of row tile i - 1 (whose probabilities step
-        // i - 1 wrote), then the softmax of row tile i (whose logits step i - 1 stored), then
-        // adds row tile i - 1's products, stored by now, to its accumulators.
+        let partial_base = amx.partial.as_mut_ptr();
+        let partial = |i: usize| partial_base.wrapping_add(i % 2 * d * ROWS);
+        // A software pipeline over the row tiles. The matrix unit reads memory the vector units
+        // wrote only once those stores have left the core (and the vector units read tile
+        // stores only once the products are done), so every product is issued at least one
+        // phase of other work before its result is read: step i runs the softmax of row tile i
+        // (logits issued two steps before), adds row tile i - 1's value products (issued a step
+        // before), then issues row tile i's value products (its probabilities written before
+        // that add) and row tile i + 2's logits.
         // SAFETY (every block below): the session holds FULL_CONFIG; the operands read are those
         // staged above (groups x 16 keys, halves x 32 values, a row tile's queries); logits,
-        // probabilities and products are written inside their buffers (two of TILE_KEYS x 16
-        // f32, two of TILE_KEYS / 2 x 16 pairs, one of d x 16 f32).
+        // probabilities and products are written inside their double buffers (TILE_KEYS x 16
+        // f32, TILE_KEYS / 2 x 16 pairs, d x 16 f32 each).
         let step_logits = |i: usize| unsafe {
             let query_pairs = query_pairs.add((row_tiles.start + i) * d / 2 * ROWS);
-            let args = (query_pairs, keys, d, logits(i));
-            match groups {
-                4 => logits_tile::<4>(args),
-                3 => logits_tile::<3>(args),
-                2 => logits_tile::<2>(args),
-                _ => logits_tile::<1>(args),
-            }
+            logits_step(query_pairs, keys, d, count, logits(i));
         };
-        let step_values = |i: usize| unsafe {
-            let args = (probs(i).cast_const(), values, d, partial);
-            match halves {
-                2 => values_tile::<2>(args),
-                _ => values_tile::<1>(args),
-            }
-        };
-        let mut pending: Option<(usize, __m512)> = None;
+        let count_tiles = row_tiles.len();
         step_logits(0);
-        for i in 0..row_tiles.len() {
-            if i + 1 < row_tiles.len() {
-                step_logits(i + 1);
-            }
-            if pending.is_some() {
-                step_values(i - 1);
-            }
-            let lanes = (row_tiles.start + i) * ROWS..(row_tiles.start + i + 1) * ROWS;
+        if count_tiles > 1 {
+            step_logits(1);
+        }
+        let mut pending: Option<(usize, usize, __m512)> = None;
+        for i in 0..count_tiles {
+            let row_tile = row_tiles.start + i;
+            let lanes = row_tile * ROWS..(row_tile + 1) * ROWS;
             // SAFETY: as above; the state is the row tile's 16 lanes.
             let rescale = unsafe {
                 let state = LaneState {
@@ -310,41 +520,23 @@ pub(super) unsafe fn attend(
                     seen_from: &amx.seen_from[lanes.clone()],
                     seen_to: &amx.seen_to[lanes.clone()],
                 };
-                let args = (
-                    logits(i).cast_const(),
-                    tile.clone(),
-                    halves * K / 2,
-                    probs(i),
-                    state,
-                );
-                match groups {
-                    4 => softmax_lanes::<4>(args),
-                    3 => softmax_lanes::<3>(args),
-                    2 => softmax_lanes::<2>(args),
-                    _ => softmax_lanes::<1>(args),
-                }
+                softmax_step(logits(i), tile.clone(), halves, probs(i), state)
             };
-            if let Some((row_tile, rescale)) = pending {
-                // SAFETY: as above.
-                unsafe { add_products(amx.acc.as_mut_ptr(), row_tile, d, rescale, partial) };
-            }
-            pending = Some((row_tiles.start + i, rescale));
-        }
-        if let Some((row_tile, rescale)) = pending {
-            step_values(row_tiles.len() - 1);
             // SAFETY: as above.
-            unsafe { add_products(amx.acc.as_mut_ptr(), row_tile, d, rescale, partial) };
+            unsafe {
+                if let Some((step, row_tile, rescale)) = pending {
+                    add_products(amx.acc.as_mut_ptr(), row_tile, d, rescale, partial(step));
+                }
+                values_step(probs(i), values, d, halves, partial(i));
+                if i + 2 < count_tiles {
+                    step_logits(i + 2);
+                }
+            }
+            pending = Some((i, row_tile, rescale));
         }
-    }
-    drop(session);
-
-    for (r, out) in out.chunks_exact_mut(d).take(total).enumerate() {
-        let sink = query.sinks[r % heads];
-        let denominator = amx.running_sum[r] + (sink - amx.running_max[r]).exp();
-        let inverse = 1.0 / denominator;
-        let acc = &amx.acc[(r / ROWS) * d * ROWS + r % ROWS..];
-        for (c, o) in out.iter_mut().enumerate() {
-            *o = acc[c * ROWS] * inverse;
+        if let Some((step, row_tile, rescale)) = pending {
+            // SAFETY: as above.
+            unsafe { add_products(amx.acc.as_mut_ptr(), row_tile, d, rescale, partial(step)) };
         }
     }
 }
