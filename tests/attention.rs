@@ -481,7 +481,12 @@ fn benchmark_report() {
         }
     });
     for k in kernels {
-        println!("bf16 dot products: {}", k.uses_bf16_attention());
+        let arithmetic = match (k.uses_bf16_attention(), k.uses_amx_attention()) {
+            (true, true) => "bf16 tile products (AMX)",
+            (true, false) => "bf16 dot products",
+            _ => "f32",
+        };
+        println!("attention arithmetic: {arithmetic}");
         let report = ossterm::bench::attention::bench_attention(k).expect("benchmark");
         println!("{report}");
         let config = AttentionBenchConfig {
