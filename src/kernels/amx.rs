@@ -2,7 +2,8 @@
 //! 16 x 32 int8 tile of activations by a 32 x 16 int8 tile of weights into 16 x 16 int32 sums on
 //! the core's matrix unit, which the vector units then scale, with no `vpdpbusd` per product.
 //! It runs the tiled MXFP4 products (the experts) and the tiled Q8 ones (the attention
-//! projections) of 16 rows and more.
+//! projections) of 16 rows and more. [`TileSession`] also holds the tile-register operations
+//! (load, store, clear, `tdpbf16ps`) the bf16 attention of `attention/amx.rs` is built from.
 //!
 //! # Per-block scales, and the same bits as AVX-512
 //! Every integer format scales each block of 32 weights and of 32 activations on its own, so a
@@ -254,15 +255,114 @@ impl TileSession {
 
     /// Clears the four sum tiles.
     fn zero_sums(&self) {
-        // SAFETY: the session configured the tiles.
+        for tmm in 0..SUM_TILES {
+            self.zero(tmm);
+        }
+    }
+
+    /// Clears sum tile `tmm` (0..4).
+    #[inline(always)]
+    pub(in crate::kernels) fn zero(&self, tmm: usize) {
+        // SAFETY: the session configured the tiles; a register-only instruction.
         unsafe {
-            asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
-                options(nostack, nomem)
-            )
+            match tmm {
+                0 => asm!("tilezero tmm0", options(nostack, nomem)),
+                1 => asm!("tilezero tmm1", options(nostack, nomem)),
+                2 => asm!("tilezero tmm2", options(nostack, nomem)),
+                _ => asm!("tilezero tmm3", options(nostack, nomem)),
+            }
+        }
+    }
+
+    /// Loads operand tile `tmm` (4..8) from `at`, its rows `stride` bytes apart.
+    ///
+    /// # Safety
+    /// As many rows as the session's configuration gives the register, of its bytes per row,
+    /// are readable from `at`, `stride` apart.
+    #[inline(always)]
+    pub(in crate::kernels) unsafe fn load(&self, tmm: usize, at: *const u8, stride: usize) {
+        macro_rules! load {
+            ($t:literal) => {
+                asm!(
+                    concat!("tileloadd ", $t, ", [{at} + {stride} * 1]"),
+                    at = in(reg) at,
+                    stride = in(reg) stride,
+                    options(nostack, readonly),
+                )
+            };
+        }
+        // SAFETY: the caller upholds the contract.
+        unsafe {
+            match tmm {
+                4 => load!("tmm4"),
+                5 => load!("tmm5"),
+                6 => load!("tmm6"),
+                _ => load!("tmm7"),
+            }
+        }
+    }
+
+    /// Stores sum tile `tmm` (0..4) to `at`, its rows `stride` bytes apart.
+    ///
+    /// # Safety
+    /// As for [`TileSession::load`], writable.
+    #[inline(always)]
+    pub(in crate::kernels) unsafe fn store(&self, tmm: usize, at: *mut u8, stride: usize) {
+        macro_rules! store {
+            ($t:literal) => {
+                asm!(
+                    concat!("tilestored [{at} + {stride} * 1], ", $t),
+                    at = in(reg) at,
+                    stride = in(reg) stride,
+                    options(nostack),
+                )
+            };
+        }
+        // SAFETY: the caller upholds the contract.
+        unsafe {
+            match tmm {
+                0 => store!("tmm0"),
+                1 => store!("tmm1"),
+                2 => store!("tmm2"),
+                _ => store!("tmm3"),
+            }
+        }
+    }
+
+    /// `tmm{c} += tmm{a} . tmm{b}` in bf16 pairs summed in f32 (`tdpbf16ps`, AMX-BF16); c in
+    /// 0..4, a in 4..6, b in 6..8. The caller checked [`bf16_available`] before starting the
+    /// session (a register-only instruction otherwise safe on configured tiles).
+    #[inline(always)]
+    pub(in crate::kernels) fn dot_bf16(&self, c: usize, a: usize, b: usize) {
+        macro_rules! dot {
+            ($c:literal, $a:literal, $b:literal) => {
+                asm!(
+                    concat!("tdpbf16ps ", $c, ", ", $a, ", ", $b),
+                    options(nostack, nomem)
+                )
+            };
+        }
+        // SAFETY: the session configured the tiles; register-only.
+        unsafe {
+            match (c, a, b) {
+                (0, 4, 6) => dot!("tmm0", "tmm4", "tmm6"),
+                (0, 4, 7) => dot!("tmm0", "tmm4", "tmm7"),
+                (0, 5, 6) => dot!("tmm0", "tmm5", "tmm6"),
+                (0, 5, 7) => dot!("tmm0", "tmm5", "tmm7"),
+                (1, 4, 6) => dot!("tmm1", "tmm4", "tmm6"),
+                (1, 4, 7) => dot!("tmm1", "tmm4", "tmm7"),
+                (1, 5, 6) => dot!("tmm1", "tmm5", "tmm6"),
+                (1, 5, 7) => dot!("tmm1", "tmm5", "tmm7"),
+                (2, 4, 6) => dot!("tmm2", "tmm4", "tmm6"),
+                (2, 4, 7) => dot!("tmm2", "tmm4", "tmm7"),
+                (2, 5, 6) => dot!("tmm2", "tmm5", "tmm6"),
+                (2, 5, 7) => dot!("tmm2", "tmm5", "tmm7"),
+                (3, 4, 6) => dot!("tmm3", "tmm4", "tmm6"),
+                (3, 4, 7) => dot!("tmm3", "tmm4", "tmm7"),
+                (3, 5, 6) => dot!("tmm3", "tmm5", "tmm6"),
+                (3, 5, 7) => dot!("tmm3", "tmm5", "tmm7"),
+                _ => unreachable!("sum tiles 0..4, operands 4..6 and 6..8"),
+            }
         }
     }
 
@@ -307,25 +407,8 @@ impl TileSession {
     /// `c` has [`C_TILE_BYTES`] writable bytes.
     #[inline(always)]
     unsafe fn store_sums(&self, slot: usize, c: *mut u8) {
-        macro_rules! store {
-            ($c:literal) => {
-                asm!(
-                    concat!("tilestored [{c} + {row} * 1], ", $c),
-                    c = in(reg) c,
-                    row = in(reg) 64usize,
-                    options(nostack),
-                )
-            };
-        }
-        // SAFETY: the session configured the tiles; `c` is the caller's contract.
-        unsafe {
-            match slot % SUM_TILES {
-                0 => store!("tmm0"),
-                1 => store!("tmm1"),
-                2 => store!("tmm2"),
-                _ => store!("tmm3"),
-            }
-        }
+        // SAFETY: the caller upholds the contract.
+        unsafe { self.store(slot % SUM_TILES, c, 64) }
     }
 }
 

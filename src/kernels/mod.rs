@@ -11,7 +11,9 @@
 //!   too, the MXFP4 GEMV decodes nibbles with `vpermb` ([`Kernels::without_vbmi`] turns it off).
 //! * `Amx`: the AVX-512 path with its tiled MXFP4 and Q8 GEMMs of 16 activation rows and more on
 //!   the AMX matrix unit (`tdpbssd`, see the `amx` module), with the AVX-512 GEMM's bits; where the
-//!   CPU reports AMX-TILE and AMX-INT8 and the OS grants the tile state, `auto` picks it.
+//!   CPU reports AMX-TILE and AMX-INT8 and the OS grants the tile state, `auto` picks it. With
+//!   AMX-BF16 too, attention over the f16 cache runs there in bf16
+//!   ([`Kernels::uses_amx_attention`]).
 //! * `Avx2Vnni`: the AVX2 path whose MXFP4 tile products and int8 probe sum with 256-bit
 //!   `vpdpbusd`: AVX-VNNI (Intel's client cores from Alder Lake on, which lack AVX-512; Zen 5),
 //!   or the EVEX form of AVX-512 VNNI/VL on CPUs that have that instead (so the path runs, and
@@ -151,7 +153,8 @@ pub enum KernelPath {
     Avx2,
     Avx2Vnni,
     Avx512,
-    /// The AVX-512 path with its prefill GEMMs on the AMX matrix unit (`tdpbssd`).
+    /// The AVX-512 path with its prefill GEMMs on the AMX matrix unit (`tdpbssd`), and attention
+    /// over the f16 cache there too where the CPU has AMX-BF16 (`tdpbf16ps`).
     Amx,
 }
 
@@ -212,7 +215,8 @@ impl KernelPath {
         self.missing_features().is_empty()
     }
 
-    /// Whether this path runs the AVX-512 kernels (`Amx` adds the matrix unit for GEMMs).
+    /// Whether this path runs the AVX-512 kernels (`Amx` adds the matrix unit for GEMMs and
+    /// bf16 attention).
     pub fn is_avx512(self) -> bool {
         matches!(self, KernelPath::Avx512 | KernelPath::Amx)
     }

@@ -31,7 +31,6 @@
 //! values never read (before the block's window, past the tile) are staged as zeros, so they add
 //! exact zeros.
 
-use std::arch::asm;
 use std::arch::x86_64::*;
 use std::ops::Range;
 
@@ -53,116 +52,6 @@ const LANES: usize = 16;
 const K: usize = 32;
 /// Bytes of a tile row of 16 f32 or 16 pairs of bf16: the stride of every transposed operand.
 const ROW_BYTES: usize = 64;
-
-/// Loads tile register `tmm` (4..8) from `at`, rows `stride` bytes apart.
-///
-/// # Safety
-/// [`FULL_CONFIG`] is loaded; 16 rows of 64 bytes are readable from `at` `stride` apart.
-#[inline(always)]
-unsafe fn load(tmm: usize, at: *const u8, stride: usize) {
-    macro_rules! load {
-        ($t:literal) => {
-            asm!(
-                concat!("tileloadd ", $t, ", [{at} + {stride} * 1]"),
-                at = in(reg) at,
-                stride = in(reg) stride,
-                options(nostack, readonly),
-            )
-        };
-    }
-    // SAFETY: the caller upholds the contract.
-    unsafe {
-        match tmm {
-            4 => load!("tmm4"),
-            5 => load!("tmm5"),
-            6 => load!("tmm6"),
-            _ => load!("tmm7"),
-        }
-    }
-}
-
-/// Clears sum tile `tmm` (0..4).
-///
-/// # Safety
-/// [`FULL_CONFIG`] is loaded.
-#[inline(always)]
-unsafe fn zero(tmm: usize) {
-    // SAFETY: the caller upholds the contract.
-    unsafe {
-        match tmm {
-            0 => asm!("tilezero tmm0", options(nostack, nomem)),
-            1 => asm!("tilezero tmm1", options(nostack, nomem)),
-            2 => asm!("tilezero tmm2", options(nostack, nomem)),
-            _ => asm!("tilezero tmm3", options(nostack, nomem)),
-        }
-    }
-}
-
-/// Stores sum tile `tmm` (0..4) to `at`, rows `stride` bytes apart.
-///
-/// # Safety
-/// [`FULL_CONFIG`] is loaded; 16 rows of 64 bytes are writable at `at` `stride` apart.
-#[inline(always)]
-unsafe fn store(tmm: usize, at: *mut u8, stride: usize) {
-    macro_rules! store {
-        ($t:literal) => {
-            asm!(
-                concat!("tilestored [{at} + {stride} * 1], ", $t),
-                at = in(reg) at,
-                stride = in(reg) stride,
-                options(nostack),
-            )
-        };
-    }
-    // SAFETY: the caller upholds the contract.
-    unsafe {
-        match tmm {
-            0 => store!("tmm0"),
-            1 => store!("tmm1"),
-            2 => store!("tmm2"),
-            _ => store!("tmm3"),
-        }
-    }
-}
-
-/// `tmm{c} += tmm{a} . tmm{b}` in bf16 pairs summed in f32 (`tdpbf16ps`); c in 0..4, a in 4..6,
-/// b in 6..8.
-///
-/// # Safety
-/// [`FULL_CONFIG`] is loaded and the operands hold what the caller means.
-#[inline(always)]
-unsafe fn dot(c: usize, a: usize, b: usize) {
-    macro_rules! dot {
-        ($c:literal, $a:literal, $b:literal) => {
-            asm!(
-                concat!("tdpbf16ps ", $c, ", ", $a, ", ", $b),
-                options(nostack, nomem)
-            )
-        };
-    }
-    // SAFETY: the caller upholds the contract.
-    unsafe {
-        match (c, a, b) {
-            (0, 4, 6) => dot!("tmm0", "tmm4", "tmm6"),
-            (0, 4, 7) => dot!("tmm0", "tmm4", "tmm7"),
-            (0, 5, 6) => dot!("tmm0", "tmm5", "tmm6"),
-            (0, 5, 7) => dot!("tmm0", "tmm5", "tmm7"),
-            (1, 4, 6) => dot!("tmm1", "tmm4", "tmm6"),
-            (1, 4, 7) => dot!("tmm1", "tmm4", "tmm7"),
-            (1, 5, 6) => dot!("tmm1", "tmm5", "tmm6"),
-            (1, 5, 7) => dot!("tmm1", "tmm5", "tmm7"),
-            (2, 4, 6) => dot!("tmm2", "tmm4", "tmm6"),
-            (2, 4, 7) => dot!("tmm2", "tmm4", "tmm7"),
-            (2, 5, 6) => dot!("tmm2", "tmm5", "tmm6"),
-            (2, 5, 7) => dot!("tmm2", "tmm5", "tmm7"),
-            (3, 4, 6) => dot!("tmm3", "tmm4", "tmm6"),
-            (3, 4, 7) => dot!("tmm3", "tmm4", "tmm7"),
-            (3, 5, 6) => dot!("tmm3", "tmm5", "tmm6"),
-            (3, 5, 7) => dot!("tmm3", "tmm5", "tmm7"),
-            _ => unreachable!("sum tiles 0..4, operands 4..6 and 6..8"),
-        }
-    }
-}
 
 /// Attention of a block over one KV head of an f16 cache, on the matrix unit.
 ///
@@ -228,10 +117,10 @@ pub(super) unsafe fn attend(
     let session = unsafe { TileSession::start(&FULL_CONFIG) };
     if row_tiles == 1 {
         // SAFETY: the session holds FULL_CONFIG; the caller's contract.
-        unsafe { attend_one_row_tile(kv, layout, visible, tokens, amx) };
+        unsafe { attend_one_row_tile(&session, kv, layout, visible, tokens, amx) };
     } else {
         // SAFETY: as above.
-        unsafe { attend_row_tiles(kv, layout, visible, (tokens, heads), amx) };
+        unsafe { attend_row_tiles(&session, kv, layout, visible, (tokens, heads), amx) };
     }
     drop(session);
 
@@ -299,10 +188,11 @@ unsafe fn stage_tile(
 /// same order, so its bits too.
 ///
 /// # Safety
-/// As [`attend`]'s after its staging of the queries and state; [`FULL_CONFIG`] is loaded.
+/// As [`attend`]'s after its staging of the queries and state; `session` holds [`FULL_CONFIG`].
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c")]
 unsafe fn attend_one_row_tile(
+    session: &TileSession,
     kv: &KvHead<'_, f16>,
     layout: RowLayout,
     visible: &dyn Fn(usize) -> Range<usize>,
@@ -337,7 +227,7 @@ unsafe fn attend_one_row_tile(
             }
         }
         if let Some((first, _)) = &ahead[0] {
-            logits_step(query_pairs, keys(0), d, first.len(), logits(0));
+            logits_step(session, query_pairs, keys(0), d, first.len(), logits(0));
         }
         let mut pending: Option<(usize, __m512)> = None;
         let mut i = 0;
@@ -360,9 +250,16 @@ unsafe fn attend_one_row_tile(
                     (keys(i + 2), values(i + 2)),
                 );
             }
-            values_step(probs(i), values(i), d, halves, partial(i));
+            values_step(session, probs(i), values(i), d, halves, partial(i));
             if let Some((next, _)) = &ahead[1] {
-                logits_step(query_pairs, keys(i + 1), d, next.len(), logits(i + 1));
+                logits_step(
+                    session,
+                    query_pairs,
+                    keys(i + 1),
+                    d,
+                    next.len(),
+                    logits(i + 1),
+                );
             }
             if let Some((step, rescale)) = pending {
                 add_products(acc, 0, d, rescale, partial(step));
@@ -384,6 +281,7 @@ unsafe fn attend_one_row_tile(
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
 unsafe fn logits_step(
+    session: &TileSession,
     query_pairs: *const u32,
     keys: *const u16,
     d: usize,
@@ -394,10 +292,10 @@ unsafe fn logits_step(
     // SAFETY: the caller upholds the contract.
     unsafe {
         match count.div_ceil(LANES) {
-            4 => logits_tile::<4>(args),
-            3 => logits_tile::<3>(args),
-            2 => logits_tile::<2>(args),
-            _ => logits_tile::<1>(args),
+            4 => logits_tile::<4>(session, args),
+            3 => logits_tile::<3>(session, args),
+            2 => logits_tile::<2>(session, args),
+            _ => logits_tile::<1>(session, args),
         }
     }
 }
@@ -409,6 +307,7 @@ unsafe fn logits_step(
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
 unsafe fn values_step(
+    session: &TileSession,
     probs: *const u32,
     values: *const u16,
     d: usize,
@@ -419,8 +318,8 @@ unsafe fn values_step(
     // SAFETY: the caller upholds the contract.
     unsafe {
         match halves {
-            2 => values_tile::<2>(args),
-            _ => values_tile::<1>(args),
+            2 => values_tile::<2>(session, args),
+            _ => values_tile::<1>(session, args),
         }
     }
 }
@@ -454,10 +353,11 @@ unsafe fn softmax_step(
 /// The tile walk of a block of several row tiles, pipelined over the row tiles of each key tile.
 ///
 /// # Safety
-/// As [`attend`]'s after its staging of the queries and state; [`FULL_CONFIG`] is loaded.
+/// As [`attend`]'s after its staging of the queries and state; `session` holds [`FULL_CONFIG`].
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c")]
 unsafe fn attend_row_tiles(
+    session: &TileSession,
     kv: &KvHead<'_, f16>,
     layout: RowLayout,
     visible: &dyn Fn(usize) -> Range<usize>,
@@ -501,7 +401,7 @@ unsafe fn attend_row_tiles(
         // f32, TILE_KEYS / 2 x 16 pairs, d x 16 f32 each).
         let step_logits = |i: usize| unsafe {
             let query_pairs = query_pairs.add((row_tiles.start + i) * d / 2 * ROWS);
-            logits_step(query_pairs, keys, d, count, logits(i));
+            logits_step(session, query_pairs, keys, d, count, logits(i));
         };
         let count_tiles = row_tiles.len();
         step_logits(0);
@@ -527,7 +427,7 @@ unsafe fn attend_row_tiles(
                 if let Some((step, row_tile, rescale)) = pending {
                     add_products(amx.acc.as_mut_ptr(), row_tile, d, rescale, partial(step));
                 }
-                values_step(probs(i), values, d, halves, partial(i));
+                values_step(session, probs(i), values, d, halves, partial(i));
                 if i + 2 < count_tiles {
                     step_logits(i + 2);
                 }
@@ -546,29 +446,30 @@ unsafe fn attend_row_tiles(
 /// `logits[j x 16]`.
 ///
 /// # Safety
-/// [`FULL_CONFIG`] is loaded; `query_pairs` holds d / 2 x 16 dwords, `keys` G x 16 rows of d
+/// `session` holds [`FULL_CONFIG`]; `query_pairs` holds d / 2 x 16 dwords, `keys` G x 16 rows of d
 /// bf16, `logits` room for G x 256 f32.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
 unsafe fn logits_tile<const G: usize>(
+    session: &TileSession,
     (query_pairs, keys, d, logits): (*const u32, *const u16, usize, *mut f32),
 ) {
     // SAFETY: the caller upholds the contract.
     unsafe {
         for g in 0..G {
-            zero(g);
+            session.zero(g);
         }
         for k in 0..d / K {
             let b = 6 + k % 2;
-            load(b, query_pairs.add(k * K / 2 * ROWS).cast(), ROW_BYTES);
+            session.load(b, query_pairs.add(k * K / 2 * ROWS).cast(), ROW_BYTES);
             for g in 0..G {
                 let a = 4 + g % 2;
-                load(a, keys.add(g * LANES * d + k * K).cast(), 2 * d);
-                dot(g, a, b);
+                session.load(a, keys.add(g * LANES * d + k * K).cast(), 2 * d);
+                session.dot_bf16(g, a, b);
             }
         }
         for g in 0..G {
-            store(g, logits.add(g * LANES * ROWS).cast(), ROW_BYTES);
+            session.store(g, logits.add(g * LANES * ROWS).cast(), ROW_BYTES);
         }
     }
 }
@@ -578,11 +479,12 @@ unsafe fn logits_tile<const G: usize>(
 /// `partial[c x 16]`.
 ///
 /// # Safety
-/// [`FULL_CONFIG`] is loaded; `probs` holds H x 256 dwords, `values` d x TILE_KEYS bf16,
+/// `session` holds [`FULL_CONFIG`]; `probs` holds H x 256 dwords, `values` d x TILE_KEYS bf16,
 /// `partial` room for d x 16 f32.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
 unsafe fn values_tile<const H: usize>(
+    session: &TileSession,
     (probs, values, d, partial): (*const u32, *const u16, usize, *mut f32),
 ) {
     // SAFETY: the caller upholds the contract.
@@ -590,20 +492,20 @@ unsafe fn values_tile<const H: usize>(
         for first_dim in (0..d).step_by(4 * LANES) {
             let dims = ((d - first_dim) / LANES).min(4);
             for c in 0..dims {
-                zero(c);
+                session.zero(c);
             }
             for h in 0..H {
                 let b = 6 + h % 2;
-                load(b, probs.add(h * K / 2 * ROWS).cast(), ROW_BYTES);
+                session.load(b, probs.add(h * K / 2 * ROWS).cast(), ROW_BYTES);
                 for c in 0..dims {
                     let a = 4 + c % 2;
                     let at = (first_dim + c * LANES) * TILE_KEYS + h * K;
-                    load(a, values.add(at).cast(), 2 * TILE_KEYS);
-                    dot(c, a, b);
+                    session.load(a, values.add(at).cast(), 2 * TILE_KEYS);
+                    session.dot_bf16(c, a, b);
                 }
             }
             for c in 0..dims {
-                store(
+                session.store(
                     c,
                     partial.add((first_dim + c * LANES) * ROWS).cast(),
                     ROW_BYTES,

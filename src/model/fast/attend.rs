@@ -50,6 +50,8 @@ struct Tiles {
 }
 
 impl Tiles {
+    /// Sized for the larger blocks of the matrix unit whatever the kernels: a session can switch
+    /// its attention arithmetic live, and the forward pass never allocates.
     fn sized(&mut self, group: usize, head_dim: usize) -> &mut Self {
         if self.shape != (group, head_dim) {
             *self = Self {
