@@ -4,6 +4,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use ossterm::model::profile::ProfileCounts;
 use ossterm::model::{
     ActivationFormat, AttentionArithmetic, KvFormat, LoadOptions, Model, Precision, Unembedding,
     WeightFormat,
@@ -889,4 +890,64 @@ fn the_amx_path_computes_the_avx512_logits() {
         .filter(|(a, b)| a.to_bits() != b.to_bits())
         .count();
     assert_eq!(differ, 0, "{differ} logits differ between avx512 and amx");
+}
+
+#[test]
+fn a_prefill_runs_its_last_layer_for_the_last_row_alone_and_keeps_every_cache_row() {
+    // The full unembedding on both sides, so only the last layer's work differs.
+    let opts = LoadOptions {
+        unembedding: Unembedding::Full,
+        ..LoadOptions::default()
+    };
+    for dir in golden_dirs() {
+        let model = Arc::new(Model::load(&dir, &opts).unwrap());
+        let tokens = golden_tokens(&dir);
+        let (prompt, next) = (&tokens[..tokens.len() - 1], tokens[tokens.len() - 1]);
+        let (layers, experts) = (
+            model.config.num_hidden_layers,
+            model.config.num_local_experts,
+        );
+        let top_k = model.config.num_experts_per_tok as u32;
+
+        // Every row's logits: every row runs the whole last layer.
+        let mut full = model.new_session(&pool(), tokens.len());
+        let mut every_row = Vec::new();
+        full.prefill_all_logits(prompt, &mut every_row).unwrap();
+        let vocab = model.config.vocab_size;
+        let want = every_row[every_row.len() - vocab..].to_vec();
+
+        let mut lean = model.new_session(&pool(), tokens.len());
+        let got = lean.prefill(prompt).unwrap().to_vec();
+        // The last row's products run as a GEMV rather than inside a GEMM: other summation
+        // orders, the same answer.
+        let r = agreement(&want, &got, vocab);
+        assert_eq!(r.top1, 1, "{}: top-1 differs", dir.display());
+        assert!(
+            r.quantile(1.0) < 5e-3,
+            "{}: error {}",
+            dir.display(),
+            r.quantile(1.0)
+        );
+        // The last layer routed the last row alone, every other layer every row.
+        let mut counts = ProfileCounts::new(layers, experts);
+        lean.profile().lock().unwrap().take_into(&mut counts);
+        let routed = |layer: usize| -> u32 {
+            counts.routing[layer * experts..(layer + 1) * experts]
+                .iter()
+                .sum()
+        };
+        for layer in 0..layers - 1 {
+            assert_eq!(routed(layer), top_k * prompt.len() as u32, "layer {layer}");
+        }
+        assert_eq!(routed(layers - 1), top_k, "{}: last layer", dir.display());
+
+        // The caches hold the same keys and values: the next token's logits are the same bits.
+        let a = full.decode(next).unwrap().to_vec();
+        let b = lean.decode(next).unwrap().to_vec();
+        assert!(
+            a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{}: the caches differ",
+            dir.display()
+        );
+    }
 }

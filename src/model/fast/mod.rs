@@ -240,6 +240,12 @@ impl FastPass<'_> {
             n += len;
         }
         assert!(n <= PREFILL_CHUNK, "callers split work into chunks");
+        // Without every row's logits, the last layer needs every row's keys and values (for the
+        // cache) but the rest of its work only for each step's last row: after its attention
+        // those rows move to the front and the pass goes on with one row per step, as llama.cpp
+        // does. A 58-token prompt skips 57 rows of o_proj, experts and norms in one layer of 24.
+        let last_rows_only = all_logits.is_none() && n > steps.len();
+        let last_layer = self.weights.layers.len() - 1;
         let layers = self.weights.layers.iter().zip(&self.fast.layers);
         for (l, (layer, fast)) in layers.enumerate() {
             rms_norm_rows(
@@ -249,8 +255,17 @@ impl FastPass<'_> {
                 &mut s.normed[..n * h],
             );
             s.profile.enter(Phase::Attention);
-            self.attention(layer, fast, l, steps, n, s);
+            let only_last = last_rows_only && l == last_layer;
+            self.attention(layer, fast, l, steps, n, only_last, s);
             s.profile.enter(Phase::Rest);
+            if only_last {
+                let mut end = 0;
+                for (r, step) in steps.iter().enumerate() {
+                    end += step.tokens.len();
+                    s.x.copy_within((end - 1) * h..end * h, r * h);
+                }
+                n = steps.len();
+            }
             add_into(&mut s.x[..n * h], &s.proj[..n * h]);
             rms_norm_rows(
                 &s.x[..n * h],
@@ -282,7 +297,12 @@ impl FastPass<'_> {
         let rows = steps.len();
         let mut last = 0;
         for (r, step) in steps.iter().enumerate() {
-            last += step.tokens.len();
+            // After a last layer of one row per step, step r's last row is row r.
+            last = if n == rows {
+                r + 1
+            } else {
+                last + step.tokens.len()
+            };
             rms_norm_rows(
                 &s.x[(last - 1) * h..last * h],
                 &self.weights.final_norm,
@@ -357,7 +377,9 @@ impl FastPass<'_> {
     }
 
     /// Self-attention of the `n` rows of `steps`, each step's rows over its own cache of layer
-    /// `l`; leaves o_proj's output in `s.proj`.
+    /// `l`; leaves o_proj's output in `s.proj`. With `only_last`, every row's keys and values
+    /// still go to the caches, but only each step's last row attends: step r's output is row r.
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         layer: &Layer,
@@ -365,6 +387,7 @@ impl FastPass<'_> {
         l: usize,
         steps: &mut [SequenceStep<'_>],
         n: usize,
+        only_last: bool,
         s: &mut Scratch,
     ) {
         let c = self.config;
@@ -400,9 +423,12 @@ impl FastPass<'_> {
             let len = step.tokens.len();
             if fused && len == 1 {
                 s.decoded.push((index, row));
+            } else if only_last {
+                let attn = &mut s.attn[index * qw..(index + 1) * qw];
+                self.sequence_attention(layer, l, step, row, (q, k, v), true, attn);
             } else {
                 let attn = &mut s.attn[row * qw..(row + len) * qw];
-                self.sequence_attention(layer, l, step, row, (q, k, v), attn);
+                self.sequence_attention(layer, l, step, row, (q, k, v), false, attn);
             }
             row += len;
         }
@@ -417,14 +443,17 @@ impl FastPass<'_> {
             let decoded = &s.decoded;
             parallel_for(self.team, decoded.len(), &|task| {
                 let (index, row) = decoded[task];
+                // Step r's one row is its last, written to row r when only last rows go on.
+                let out_row = if only_last { index } else { row };
                 // SAFETY: each task takes a different step (the indices in `decoded` are
                 // distinct) and the output row of that step's token, which no other task
                 // touches; `steps` and `s.attn` outlive the region.
                 let (step, attn) =
-                    unsafe { (shared_steps.get(index), shared_attn.slice(row * qw, qw)) };
-                alone.sequence_attention(layer, l, step, row, (q, k, v), attn);
+                    unsafe { (shared_steps.get(index), shared_attn.slice(out_row * qw, qw)) };
+                alone.sequence_attention(layer, l, step, row, (q, k, v), false, attn);
             });
         }
+        let n = if only_last { steps.len() } else { n };
         let attn = &s.attn[..n * qw];
         let (xq, work, out) = (&mut s.attn_q, &mut s.work, &mut s.proj);
         self.project(&fast.o, attn, n, xq, work, out, &mut s.profile);
@@ -432,7 +461,10 @@ impl FastPass<'_> {
     }
 
     /// Stores the keys and values of `step`'s tokens (rows `row..` of `q`, `k`, `v`) in its
-    /// sequence's cache of layer `l` and writes their attention into `attn`.
+    /// sequence's cache of layer `l` and writes their attention into `attn`: every token's, or
+    /// with `only_last` the last token's alone (its bits are the same either way: a query's
+    /// attention does not depend on the other queries of its block).
+    #[allow(clippy::too_many_arguments)]
     fn sequence_attention(
         &self,
         layer: &Layer,
@@ -440,38 +472,43 @@ impl FastPass<'_> {
         step: &mut SequenceStep<'_>,
         row: usize,
         (q, k, v): (&[f32], &[f32], &[f32]),
+        only_last: bool,
         attn: &mut [f32],
     ) {
         let (qw, kvw) = (self.config.q_width(), self.config.kv_width());
         let len = step.tokens.len();
         let start = step.sequence.len();
-        let (q, k, v) = (
-            &q[row * qw..(row + len) * qw],
+        let (k, v) = (
             &k[row * kvw..(row + len) * kvw],
             &v[row * kvw..(row + len) * kvw],
         );
+        // The attending queries: all of the step's, or its last.
+        let first = if only_last { len - 1 } else { 0 };
+        let q = &q[(row + first) * qw..(row + len) * qw];
+        let queries = (start + first, len - first);
         match step.sequence.kv.layer(l) {
             LayerKvOf::F16(cache) => {
-                self.store_and_attend(layer, start, len, (q, k, v), cache, attn)
+                self.store_and_attend(layer, start, queries, (q, k, v), cache, attn)
             }
             LayerKvOf::F32(cache) => {
-                self.store_and_attend(layer, start, len, (q, k, v), cache, attn)
+                self.store_and_attend(layer, start, queries, (q, k, v), cache, attn)
             }
             LayerKvOf::Q8(mut cache) => {
                 for (i, (key, value)) in k.chunks_exact(kvw).zip(v.chunks_exact(kvw)).enumerate() {
                     cache.store(start + i, key, value);
                 }
-                self.attend_q8(layer, start, len, q, &cache, attn);
+                self.attend_q8(layer, queries.0, queries.1, q, &cache, attn);
             }
         }
     }
 
-    /// Stores the chunk's keys and values, then attends with its queries.
+    /// Stores the chunk's keys and values from position `start`, then attends with the
+    /// `count` queries `q` from position `first`.
     fn store_and_attend<T: KvElement>(
         &self,
         layer: &Layer,
         start: usize,
-        n: usize,
+        (first, count): (usize, usize),
         (q, k, v): (&[f32], &[f32], &[f32]),
         mut cache: LayerKv<'_, T>,
         out: &mut [f32],
@@ -480,7 +517,7 @@ impl FastPass<'_> {
         for (i, (key, value)) in k.chunks_exact(kvw).zip(v.chunks_exact(kvw)).enumerate() {
             cache.store(self.kernels, start + i, key, value);
         }
-        self.attend(layer, start, n, q, &cache, out);
+        self.attend(layer, first, count, q, &cache, out);
     }
 
     /// The router's choices for each token, then the routed experts' outputs, weighted, summed
