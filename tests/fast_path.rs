@@ -197,16 +197,27 @@ fn every_format_stays_within_its_measured_accuracy() {
     }
 }
 
-#[test]
-fn fast_decode_agrees_with_fast_prefill() {
-    // Every row of the unembedding in q8, as prefill's all-positions logits compute it.
+/// Each golden fixture's directory, model and tokens, the model with every unembedding row in
+/// the weight format (as prefill's all-positions logits compute them), so a comparison with
+/// those logits differs only in what it is about.
+fn full_unembedding_fixtures() -> Vec<(std::path::PathBuf, Arc<Model>, Vec<u32>)> {
     let opts = LoadOptions {
         unembedding: Unembedding::Full,
         ..LoadOptions::default()
     };
-    for dir in golden_dirs() {
-        let model = Arc::new(Model::load(&dir, &opts).unwrap());
-        let tokens = golden_tokens(&dir);
+    golden_dirs()
+        .into_iter()
+        .map(|dir| {
+            let model = Arc::new(Model::load(&dir, &opts).unwrap());
+            let tokens = golden_tokens(&dir);
+            (dir, model, tokens)
+        })
+        .collect()
+}
+
+#[test]
+fn fast_decode_agrees_with_fast_prefill() {
+    for (dir, model, tokens) in full_unembedding_fixtures() {
         let vocab = model.config.vocab_size;
         let mut batch = model.new_session(&pool(), tokens.len());
         let mut want = Vec::new();
@@ -894,14 +905,7 @@ fn the_amx_path_computes_the_avx512_logits() {
 
 #[test]
 fn a_prefill_runs_its_last_layer_for_the_last_row_alone_and_keeps_every_cache_row() {
-    // The full unembedding on both sides, so only the last layer's work differs.
-    let opts = LoadOptions {
-        unembedding: Unembedding::Full,
-        ..LoadOptions::default()
-    };
-    for dir in golden_dirs() {
-        let model = Arc::new(Model::load(&dir, &opts).unwrap());
-        let tokens = golden_tokens(&dir);
+    for (dir, model, tokens) in full_unembedding_fixtures() {
         let (prompt, next) = (&tokens[..tokens.len() - 1], tokens[tokens.len() - 1]);
         let (layers, experts) = (
             model.config.num_hidden_layers,
