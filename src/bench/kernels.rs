@@ -148,7 +148,24 @@ pub struct KernelBenchReport {
     pub experts: usize,
     pub rows: usize,
     pub cols: usize,
+    /// The CPU's level-3 cache (sysfs), where reported.
+    pub l3_cache_bytes: Option<u64>,
     pub results: Vec<KernelBenchResult>,
+}
+
+impl KernelBenchReport {
+    /// Bytes of MXFP4 the GEMV and stream measurements read per pass.
+    pub fn streamed_mxfp4_bytes(&self) -> u64 {
+        let elements = (self.experts * self.rows * self.cols) as u64;
+        elements / 2 + elements / 32
+    }
+
+    /// Whether that set could sit in the L3 in good part (under 4 times its size): the GEMVs'
+    /// and streams' GB/s may then count reads from the L3, not only from memory.
+    pub fn streamed_set_near_l3(&self) -> bool {
+        self.l3_cache_bytes
+            .is_some_and(|l3| self.streamed_mxfp4_bytes() < 4 * l3)
+    }
 }
 
 impl fmt::Display for KernelBenchReport {
@@ -160,6 +177,15 @@ impl fmt::Display for KernelBenchReport {
              {}x{}, GEMM on one",
             self.path, self.gemv_decode, self.experts, self.rows, self.cols
         )?;
+        if self.streamed_set_near_l3() {
+            writeln!(
+                f,
+                "note: the GEMV and stream set ({} MB of MXFP4) is under 4x this CPU's L3 ({} \
+                 MiB): their GB/s may count reads from the L3, not only from memory",
+                self.streamed_mxfp4_bytes() / 1_000_000,
+                self.l3_cache_bytes.unwrap_or(0) >> 20
+            )?;
+        }
         if let Some(reason) = &self.amx_refusal {
             writeln!(f, "AMX refused: {reason}")?;
         }
@@ -825,6 +851,7 @@ pub fn run_kernel_bench(
         experts: config.experts,
         rows: config.rows,
         cols: config.cols,
+        l3_cache_bytes: super::probe::l3_cache_bytes(),
         results,
     })
 }
@@ -879,6 +906,37 @@ fn result(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn report(l3_cache_bytes: Option<u64>) -> KernelBenchReport {
+        KernelBenchReport {
+            path: "avx512".into(),
+            gemv_decode: "vpermb".into(),
+            cpu: CpuInfo::default(),
+            int8_peak: Vec::new(),
+            amx_refusal: None,
+            tile_peak: Vec::new(),
+            read_bandwidth: Vec::new(),
+            experts: 32,
+            rows: 2880,
+            cols: 2880,
+            l3_cache_bytes,
+            results: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_report_warns_where_the_streamed_set_may_sit_in_the_l3() {
+        let note = "under 4x this CPU's L3";
+        // 32 matrices of 2880 x 2880: 141 MB.
+        assert_eq!(report(None).streamed_mxfp4_bytes(), 141_004_800);
+        let big_l3 = report(Some(480 << 20)).to_string();
+        assert!(
+            big_l3.contains("(141 MB of MXFP4) is under 4x this CPU's L3 (480 MiB)"),
+            "{big_l3}"
+        );
+        assert!(!report(Some(32 << 20)).to_string().contains(note));
+        assert!(!report(None).to_string().contains(note));
+    }
 
     #[test]
     fn row_splits_cover_every_row_once_on_tile_boundaries() {

@@ -278,6 +278,36 @@ impl std::fmt::Display for CpuInfo {
     }
 }
 
+/// Bytes of a cache size as sysfs writes it (`32768K`, `480M`, `1G`, or plain bytes).
+pub fn parse_cache_size(text: &str) -> Option<u64> {
+    let text = text.trim();
+    let (digits, unit) = match text.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        Some((at, _)) => text.split_at(at),
+        None => (text, ""),
+    };
+    let scale: u64 = match unit.trim() {
+        "" => 1,
+        "K" | "KB" | "KiB" => 1 << 10,
+        "M" | "MB" | "MiB" => 1 << 20,
+        "G" | "GB" | "GiB" => 1 << 30,
+        _ => return None,
+    };
+    digits.parse::<u64>().ok()?.checked_mul(scale)
+}
+
+/// The last-level (level 3) cache the first CPU reports in sysfs, in bytes; `None` where there
+/// is none or no sysfs.
+pub fn l3_cache_bytes() -> Option<u64> {
+    let caches = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+    caches.flatten().find_map(|entry| {
+        let level = std::fs::read_to_string(entry.path().join("level")).ok()?;
+        if level.trim() != "3" {
+            return None;
+        }
+        parse_cache_size(&std::fs::read_to_string(entry.path().join("size")).ok()?)
+    })
+}
+
 /// The CPU's model name, for the record.
 pub fn cpu_name() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
@@ -348,6 +378,17 @@ pub fn model_resident_share(path: &Path) -> Option<f64> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn cache_sizes_parse_as_sysfs_writes_them() {
+        assert_eq!(super::parse_cache_size("32768K\n"), Some(32 << 20));
+        assert_eq!(super::parse_cache_size("480M"), Some(480 << 20));
+        assert_eq!(super::parse_cache_size("1G"), Some(1 << 30));
+        assert_eq!(super::parse_cache_size("4096"), Some(4096));
+        assert_eq!(super::parse_cache_size("12X"), None);
+        assert_eq!(super::parse_cache_size(""), None);
+        assert_eq!(super::parse_cache_size("99999999999999999999K"), None);
+    }
+
     use super::*;
 
     #[test]
