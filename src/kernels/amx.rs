@@ -507,11 +507,11 @@ unsafe fn decode_tile<W: TileSource>(w: &W, tile: usize, blocks: usize, out: &mu
 /// L2.
 ///
 /// # Safety
-/// `session` holds [`BLOCK_CONFIG`]; AVX-512 F available; `a` holds `blocks` A tiles, `b`
+/// `session` holds [`BLOCK_CONFIG`]; the AVX-512 path's features available; `a` holds `blocks` A tiles, `b`
 /// `blocks` B tiles, `sums` [`SUM_TILES`] sum tiles (64-byte aligned) and `act_scales` `blocks
 /// x 16` floats.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile_product<W: TileSource, const ROWS: usize>(
     session: &TileSession,
@@ -570,10 +570,10 @@ unsafe fn tile_product<W: TileSource, const ROWS: usize>(
 /// unit: the bits of the AVX-512 tile GEMM.
 ///
 /// # Safety
-/// [`availability`] returned `Ok`, the CPU has AVX-512 F/BW and F16C (as every CPU of the
-/// AVX-512 path), `w` is tiled, and the shapes were checked as for every GEMM (`x.cols() ==
+/// [`availability`] returned `Ok`, the CPU has every feature of the AVX-512 path (as every CPU
+/// of the `amx` path), `w` is tiled, and the shapes were checked as for every GEMM (`x.cols() ==
 /// w.cols`, rows inside `w`, `out` is tokens x rows).
-#[target_feature(enable = "avx512f,avx512bw,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn mxfp4_gemm(
     w: &Mxfp4Matrix,
     x: &Q8Activations,
@@ -589,7 +589,7 @@ pub(crate) unsafe fn mxfp4_gemm(
 ///
 /// # Safety
 /// As [`mxfp4_gemm`].
-#[target_feature(enable = "avx512f,avx512bw,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn q8_gemm(w: &Q8Matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
     debug_assert!(w.tiled);
     // SAFETY: the caller's contract is `gemm`'s.
@@ -610,9 +610,12 @@ pub(crate) fn gemm_count() -> usize {
 /// # Safety
 /// As [`mxfp4_gemm`]. It carries the features itself (not only its callers), so that the
 /// scratch closure below is compiled with them: without, its intrinsics were calls and the
-/// GEMM ran at a quarter of its speed.
+/// GEMM ran at a quarter of its speed. They are the AVX-512 path's whole set, not only what
+/// this file's intrinsics need, so that the MXFP4 operand decode (`split_nibbles`, compiled
+/// with that set) inlines: with F/BW/F16C alone it was a call per 64 weight bytes, and a call of
+/// 16 tokens ran 7-8% slower (one thread, weights in L2).
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn gemm<W: TileSource>(w: &W, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
     let tokens = x.rows();
     if rows.is_empty() || tokens == 0 {
