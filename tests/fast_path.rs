@@ -198,11 +198,12 @@ fn every_format_stays_within_its_measured_accuracy() {
 }
 
 /// Each golden fixture's directory, model and tokens, the model with every unembedding row in
-/// the weight format (as prefill's all-positions logits compute them), so a comparison with
-/// those logits differs only in what it is about.
-fn full_unembedding_fixtures() -> Vec<(std::path::PathBuf, Arc<Model>, Vec<u32>)> {
+/// the weight format (as prefill's all-positions logits compute them) and a `kv` cache, so a
+/// comparison with those logits differs only in what it is about.
+fn full_unembedding_fixtures(kv: KvFormat) -> Vec<(std::path::PathBuf, Arc<Model>, Vec<u32>)> {
     let opts = LoadOptions {
         unembedding: Unembedding::Full,
+        kv,
         ..LoadOptions::default()
     };
     golden_dirs()
@@ -217,7 +218,7 @@ fn full_unembedding_fixtures() -> Vec<(std::path::PathBuf, Arc<Model>, Vec<u32>)
 
 #[test]
 fn fast_decode_agrees_with_fast_prefill() {
-    for (dir, model, tokens) in full_unembedding_fixtures() {
+    for (dir, model, tokens) in full_unembedding_fixtures(KvFormat::default()) {
         let vocab = model.config.vocab_size;
         let mut batch = model.new_session(&pool(), tokens.len());
         let mut want = Vec::new();
@@ -905,7 +906,10 @@ fn the_amx_path_computes_the_avx512_logits() {
 
 #[test]
 fn a_prefill_runs_its_last_layer_for_the_last_row_alone_and_keeps_every_cache_row() {
-    for (dir, model, tokens) in full_unembedding_fixtures() {
+    // Every cache format: each stores the rows and attends the last one its own way.
+    let formats = [KvFormat::F16, KvFormat::F32, KvFormat::Q8];
+    let fixtures = formats.into_iter().flat_map(full_unembedding_fixtures);
+    for (dir, model, tokens) in fixtures {
         let (prompt, next) = (&tokens[..tokens.len() - 1], tokens[tokens.len() - 1]);
         let (layers, experts) = (
             model.config.num_hidden_layers,

@@ -181,6 +181,19 @@ pub struct KvHead<'a, T> {
     pub offset: usize,
 }
 
+impl<T> KvHead<'_, T> {
+    /// How this head's rows of `head_dim` elements are staged by the SIMD paths (padded to
+    /// whole 16-lane vectors: the bf16 paths' head dims are whole already).
+    fn row_layout(&self, head_dim: usize) -> RowLayout {
+        RowLayout {
+            row_stride: self.row_stride,
+            offset: self.offset,
+            head_dim,
+            padded: head_dim.next_multiple_of(PAD_LANES),
+        }
+    }
+}
+
 mod sealed {
     use super::Kernels;
 
@@ -1012,13 +1025,8 @@ unsafe fn attend_tiled<P: TilePath, T: KvElem>(
 ) {
     let d = query.head_dim;
     let (heads, tokens) = (query.sinks.len(), query.tokens);
-    let padded = d.next_multiple_of(PAD_LANES);
-    let layout = RowLayout {
-        row_stride: kv.row_stride,
-        offset: kv.offset,
-        head_dim: d,
-        padded,
-    };
+    let layout = kv.row_layout(d);
+    let padded = layout.padded;
     // Rows are token-major: row t * heads + g is token t's head g.
     for (r, dst) in scratch
         .queries

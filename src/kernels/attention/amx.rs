@@ -71,12 +71,11 @@ pub(super) unsafe fn attend(
     let (heads, tokens) = (query.sinks.len(), query.tokens);
     let total = tokens * heads;
     let row_tiles = total.div_ceil(ROWS);
-    let layout = RowLayout {
-        row_stride: kv.row_stride,
-        offset: kv.offset,
-        head_dim: d,
-        padded: d,
-    };
+    let layout = kv.row_layout(d);
+    debug_assert_eq!(
+        layout.padded, d,
+        "the bf16 paths take whole 32-lane head dims"
+    );
     let amx = &mut scratch.amx;
     // SAFETY: the caller checked the shapes: the scratch holds max_heads rounded up to 16 query
     // rows of d >= every row tile of the block.

@@ -23,7 +23,7 @@ use half::f16;
 
 use super::{
     fast_exp, finish_rows, prefetch_row_of_next_tile, AttentionScratch, BlockQuery, KvHead,
-    RowLayout, TileWalk, TILE_KEYS,
+    TileWalk, TILE_KEYS,
 };
 
 /// f32 lanes of a 512-bit vector.
@@ -114,12 +114,11 @@ pub(super) unsafe fn attend(
 ) {
     let d = query.head_dim;
     let (heads, tokens) = (query.sinks.len(), query.tokens);
-    let layout = RowLayout {
-        row_stride: kv.row_stride,
-        offset: kv.offset,
-        head_dim: d,
-        padded: d,
-    };
+    let layout = kv.row_layout(d);
+    debug_assert_eq!(
+        layout.padded, d,
+        "the bf16 paths take whole 32-lane head dims"
+    );
     // The scratch's f32 buffers hold the bf16 rows: each is at least twice as large as needed.
     let queries = scratch.queries.as_mut_ptr().cast::<u16>();
     let keys = scratch.keys.as_mut_ptr().cast::<u16>();
