@@ -17,6 +17,7 @@ use super::formats::{
 };
 use super::{GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
 
+mod mxfp4_asm;
 pub(super) mod tiles;
 
 const REQUIRED: [&str; 6] = ["avx512f", "avx512bw", "avx512vnni", "avx2", "fma", "f16c"];

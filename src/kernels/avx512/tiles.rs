@@ -21,9 +21,10 @@ use super::super::formats::{
 };
 use super::super::{GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
 use super::{
-    accumulate, by_tokens_and_scaling, correction_lane, format_factor, scale_offsets, scaling,
-    split_nibbles, DecodedTiles, Prefetch, FORMAT_MXFP4, FORMAT_Q4, FORMAT_Q8, GEMM_PAIR_TOKENS,
-    GROUP_DWORDS, MXFP4_UNSIGNED_64, SCALE_EXPONENT_ADD, SCALE_MULTIPLY, SCALE_SHIFTED_SUM,
+    accumulate, by_tokens_and_scaling, correction_lane, format_factor, mxfp4_asm, scale_offsets,
+    scaling, split_nibbles, DecodedTiles, Prefetch, FORMAT_MXFP4, FORMAT_Q4, FORMAT_Q8,
+    GEMM_PAIR_TOKENS, GROUP_DWORDS, MXFP4_UNSIGNED_64, SCALE_EXPONENT_ADD, SCALE_MULTIPLY,
+    SCALE_SHIFTED_SUM,
 };
 
 /// Most tokens [`tile_tokens`] takes at once for the nibble formats: their sums and
@@ -60,6 +61,9 @@ pub(in crate::kernels) trait TileSource {
     /// Whether the scales are powers of two, so the exponent-add scaling may run with any
     /// activations (with others, only with power-of-two activation scales).
     const POWER_OF_TWO_SCALES: bool;
+    /// Whether [`direct`] runs the assembly loop of [`super::mxfp4_asm`] (MXFP4 with `vpermb`)
+    /// wherever the scaling adds exponents or shifts sums.
+    const ASSEMBLY: bool = false;
     /// The matrix the tiles are read from, which knows its rows and their bytes.
     type Matrix: ByteSpans;
     fn matrix(&self) -> &Self::Matrix;
@@ -96,6 +100,7 @@ impl<'a, const VBMI: bool> TileSource for Mxfp4Tiles<'a, VBMI> {
     const FORMAT: u8 = FORMAT_MXFP4;
     const DIRECT_CALL_TOKENS: usize = DIRECT_CALL_TOKENS;
     const POWER_OF_TWO_SCALES: bool = true;
+    const ASSEMBLY: bool = VBMI;
     type Matrix = Mxfp4Matrix<'a>;
     fn matrix(&self) -> &Mxfp4Matrix<'a> {
         self.0
@@ -408,6 +413,12 @@ unsafe fn direct<W: TileSource>(
     out: &mut [f32],
     scaling: u8,
 ) {
+    let fits = x.rows() <= DIRECT_CALL_TOKENS && w.cols() / BLOCK_LEN <= PACKED_BLOCKS;
+    if W::ASSEMBLY && scaling != SCALE_MULTIPLY && fits {
+        // SAFETY: the caller's contract; W::ASSEMBLY holds only for MXFP4 decoded with vpermb,
+        // whose kernels run with AVX-512 VBMI.
+        return unsafe { direct_assembly(w, x, rows, out, scaling) };
+    }
     // SAFETY: the caller upholds the contract; `store_tile` writes only lanes of `rows`.
     unsafe {
         let stride = rows.len();
@@ -427,6 +438,118 @@ unsafe fn direct<W: TileSource>(
                 spans,
                 scaling,
             );
+            tile += 1;
+        }
+    }
+}
+
+/// Most blocks a row of [`direct_assembly`]'s packed tokens holds (3,072 columns; the model's
+/// rows have 2,880): its buffer of [`DIRECT_CALL_TOKENS`] tokens (92 KiB) lives on the stack,
+/// so a call allocates nothing and the packing costs no more than writing it.
+const PACKED_BLOCKS: usize = 96;
+
+/// [`direct`] on the assembly loop: the tokens packed once per call ([`mxfp4_asm::pack`]) in
+/// the groups [`tile_all_tokens`] forms, then every tile against each group, each group asking
+/// for its share of the next tile's bytes as it goes.
+///
+/// # Safety
+/// As [`direct`]; `W` is MXFP4 in tiles, the CPU has AVX-512 VBMI, `scaling` is
+/// [`SCALE_EXPONENT_ADD`] or [`SCALE_SHIFTED_SUM`] as [`super::scaling`] chose it, and `x` has
+/// at most [`DIRECT_CALL_TOKENS`] tokens of at most [`PACKED_BLOCKS`] blocks.
+#[inline(always)]
+unsafe fn direct_assembly<W: TileSource>(
+    w: &W,
+    x: &Q8Activations,
+    rows: Range<usize>,
+    out: &mut [f32],
+    scaling: u8,
+) {
+    let tokens = x.rows();
+    if tokens == 0 {
+        return;
+    }
+    let blocks = w.cols() / BLOCK_LEN;
+    let batch = tokens.div_ceil(tokens.div_ceil(DIRECT_TOKENS));
+    let parts = tokens.div_ceil(batch);
+    let words = mxfp4_asm::PACKED_WORDS * blocks;
+    let mut packed = [const { std::mem::MaybeUninit::<u32>::uninit() };
+        DIRECT_CALL_TOKENS * mxfp4_asm::PACKED_WORDS * PACKED_BLOCKS];
+    {
+        for part in 0..parts {
+            let group = part * batch..((part + 1) * batch).min(tokens);
+            let to = &mut packed[group.start * words..group.end * words];
+            mxfp4_asm::pack(x, correction_lane(W::FORMAT), group, blocks, to);
+        }
+        let factor = format_factor(W::FORMAT);
+        let stride = rows.len();
+        let limit = w.rows();
+        let mut tile = rows.start / MXFP4_TILE_ROWS;
+        while tile * MXFP4_TILE_ROWS < rows.end {
+            let next = ((tile + 1) * MXFP4_TILE_ROWS).min(limit);
+            let [(vectors_next, vectors_len), scales_next] =
+                w.spans(next..(next + MXFP4_TILE_ROWS).min(limit));
+            let o = tile_out(out, tile * MXFP4_TILE_ROWS, rows.start);
+            let (vectors, scales) = w.tile_base(tile);
+            let share = vectors_len.div_ceil(parts * blocks);
+            for part in 0..parts {
+                let first = part * batch;
+                let count = (tokens - first).min(batch);
+                // Each group asks for its share of the next tile's scales at once and for its
+                // share of the vectors block by block, as `prefetch_share_into` spreads them.
+                prefetch_share_into::<true>(&[scales_next, (std::ptr::null(), 0)], part, parts);
+                let prefetch = mxfp4_asm::LinePrefetch {
+                    first: vectors_next.wrapping_add(part * blocks * share),
+                    step: share,
+                    lines: if vectors_len == 0 {
+                        0
+                    } else {
+                        share.div_ceil(64).min(4)
+                    },
+                };
+                let group = packed.as_ptr().wrapping_add(first * words).cast::<u32>();
+                let o = o.wrapping_add(first * stride);
+                let lanes = tile_lanes(tile, &rows);
+                macro_rules! tokens {
+                    ($n:literal, $scaling:ident) => {{
+                        // SAFETY: the tile lies in `w` (`blocks` blocks a row), the group's
+                        // packed words were written above, the scaling is one the loop takes
+                        // (the caller's contract) and the CPU has VBMI (W::ASSEMBLY).
+                        unsafe {
+                            let mut acc = [_mm512_setzero_ps(); $n];
+                            mxfp4_asm::tile_tokens::<$n, $scaling>(
+                                vectors, scales, group, blocks, prefetch, &mut acc,
+                            );
+                            store_tile(&acc, factor, o, stride, lanes);
+                        }
+                    }};
+                }
+                match (count, scaling == SCALE_SHIFTED_SUM) {
+                    (1, false) => tokens!(1, SCALE_EXPONENT_ADD),
+                    (2, false) => tokens!(2, SCALE_EXPONENT_ADD),
+                    (3, false) => tokens!(3, SCALE_EXPONENT_ADD),
+                    (4, false) => tokens!(4, SCALE_EXPONENT_ADD),
+                    (5, false) => tokens!(5, SCALE_EXPONENT_ADD),
+                    (6, false) => tokens!(6, SCALE_EXPONENT_ADD),
+                    (7, false) => tokens!(7, SCALE_EXPONENT_ADD),
+                    (8, false) => tokens!(8, SCALE_EXPONENT_ADD),
+                    (9, false) => tokens!(9, SCALE_EXPONENT_ADD),
+                    (10, false) => tokens!(10, SCALE_EXPONENT_ADD),
+                    (11, false) => tokens!(11, SCALE_EXPONENT_ADD),
+                    (_, false) => tokens!(12, SCALE_EXPONENT_ADD),
+                    (1, true) => tokens!(1, SCALE_SHIFTED_SUM),
+                    (2, true) => tokens!(2, SCALE_SHIFTED_SUM),
+                    (3, true) => tokens!(3, SCALE_SHIFTED_SUM),
+                    (4, true) => tokens!(4, SCALE_SHIFTED_SUM),
+                    (5, true) => tokens!(5, SCALE_SHIFTED_SUM),
+                    (6, true) => tokens!(6, SCALE_SHIFTED_SUM),
+                    (7, true) => tokens!(7, SCALE_SHIFTED_SUM),
+                    (8, true) => tokens!(8, SCALE_SHIFTED_SUM),
+                    (9, true) => tokens!(9, SCALE_SHIFTED_SUM),
+                    (10, true) => tokens!(10, SCALE_SHIFTED_SUM),
+                    (11, true) => tokens!(11, SCALE_SHIFTED_SUM),
+                    (_, true) => tokens!(12, SCALE_SHIFTED_SUM),
+                }
+            }
             tile += 1;
         }
     }
