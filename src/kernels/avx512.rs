@@ -20,6 +20,11 @@ use super::{GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
 mod mxfp4_asm;
 pub(super) mod tiles;
 
+/// Words the MXFP4 loop in assembly packs for its largest call over rows of `cols` columns.
+pub(super) fn assembly_packed_words(cols: usize) -> usize {
+    tiles::DIRECT_CALL_TOKENS * mxfp4_asm::PACKED_WORDS * (cols / BLOCK_LEN)
+}
+
 const REQUIRED: [&str; 6] = ["avx512f", "avx512bw", "avx512vnni", "avx2", "fma", "f16c"];
 
 pub(crate) fn missing_features() -> Vec<&'static str> {

@@ -375,6 +375,22 @@ pub struct GemmScratch {
     /// Weight block scales as lanes, `GEMM_TILE_ROWS x groups x 16` at most, in the layout of the
     /// path that decoded the tile (AVX-512: one vector per quad of rows, AVX2: per row).
     tile_scales: AlignedVec<f32>,
+    /// The tokens of a call the AVX-512 MXFP4 loop in assembly runs, packed per block
+    /// (`avx512/mxfp4_asm.rs`): room for the most tokens such a call has.
+    packed_tokens: Vec<u32>,
+}
+
+/// Words of [`GemmScratch::packed_tokens`] for rows of `cols` columns.
+fn packed_token_words(cols: usize) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx512::assembly_packed_words(cols)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = cols;
+        0
+    }
 }
 
 impl GemmScratch {
@@ -388,6 +404,7 @@ impl GemmScratch {
                 GEMM_TILE_SLOTS * GEMM_TILE_ROWS * groups * GROUP_LANES,
                 0.0,
             ),
+            packed_tokens: vec![0; packed_token_words(max_cols)],
         }
     }
 

@@ -29,7 +29,6 @@
 
 use std::arch::asm;
 use std::arch::x86_64::*;
-use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use super::super::formats::{Q8Activations, BLOCK_LEN, GROUP_BLOCKS, GROUP_LANES, GROUP_LEN};
@@ -42,14 +41,13 @@ pub(super) const PACKED_WORDS: usize = 10;
 /// Packs tokens `tokens` of `x` for [`tile_tokens`] into `to`: per block of `blocks`, the
 /// tokens' even activation dwords (dword `s` of token `t` at word `s x T + t`, `T` the token
 /// count), then their odd dwords alike, their corrections (lane `correction_lane` of the
-/// block's lanes) and the bits of their activation scales: [`PACKED_WORDS`] x `T` words a block,
-/// every word of `to`'s first `blocks` blocks written.
+/// block's lanes) and the bits of their activation scales: [`PACKED_WORDS`] x `T` words a block.
 pub(super) fn pack(
     x: &Q8Activations,
     correction_lane: usize,
     tokens: Range<usize>,
     blocks: usize,
-    to: &mut [MaybeUninit<u32>],
+    to: &mut [u32],
 ) {
     let count = tokens.len();
     let (quant_stride, lane_stride) = (x.groups * GROUP_LEN, x.groups * GROUP_LANES);
@@ -71,12 +69,12 @@ pub(super) fn pack(
             let (group, j) = (block / GROUP_BLOCKS, block % GROUP_BLOCKS);
             let evens = group * GROUP_LEN + 16 * j;
             for s in 0..4 {
-                words[s * count + t].write(dword(evens + 4 * s));
-                words[(4 + s) * count + t].write(dword(evens + 4 * s + GROUP_LEN / 2));
+                words[s * count + t] = dword(evens + 4 * s);
+                words[(4 + s) * count + t] = dword(evens + 4 * s + GROUP_LEN / 2);
             }
             let lane = group * GROUP_LANES + 4 * j;
-            words[8 * count + t].write(corrections[lane + correction_lane] as u32);
-            words[9 * count + t].write(scales[lane].to_bits());
+            words[8 * count + t] = corrections[lane + correction_lane] as u32;
+            words[9 * count + t] = scales[lane].to_bits();
         }
     }
 }
