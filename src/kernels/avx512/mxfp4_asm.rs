@@ -1,7 +1,9 @@
 //! The register-only MXFP4 tile product of [`super::tiles`] (a tile of 16 weight rows against
 //! up to [`super::tiles::DIRECT_TOKENS`] tokens, nibbles decoded with `vpermb`) as one loop of
-//! assembly, with the tokens' operands packed once per call so that every operand of a block
-//! sits at a constant offset from one pointer.
+//! assembly, with the tokens' operands packed once per call (into the GEMM scratch) so that
+//! every operand of a block sits at a constant offset from one pointer. It runs the GEMM's
+//! calls of 5-24 tokens; the GEMV's 1-4, bound by memory, keep the intrinsics loop, which
+//! decoded as fast.
 //!
 //! # Why assembly
 //! Short prompts and batched decode run the experts at a handful of tokens each, where this
@@ -18,7 +20,8 @@
 //! M = 4 86-107 -> 119-124, M = 8 128-150 -> 169-171; two threads streaming 32 matrices, M = 6
 //! 178-183 -> 217-262, M = 8 212-213 -> 247-278, M = 12 242-254 -> 314-350. In the model the
 //! 58-token prefill's experts, which stream their weights at about the rate two cores read,
-//! gained less: 657 / 663 -> 635 / 636 ms (`bench --synthetic 20b --profile`, alternating).
+//! gained less: 657 / 663 -> 635 / 636 ms (`bench --synthetic 20b --profile`, alternating);
+//! pp58 67.3 / 67.8 -> 72.7 / 71.4 tokens/s.
 //!
 //! # The same bits
 //! The integer sums are exact in any order, and each token's float steps run block by block in
