@@ -463,85 +463,81 @@ unsafe fn direct_assembly<W: TileSource>(
     packed: &mut [u32],
 ) {
     let tokens = x.rows();
-    if tokens == 0 {
-        return;
-    }
+    debug_assert!((ASSEMBLY_TOKENS..=DIRECT_CALL_TOKENS).contains(&tokens));
     let blocks = w.cols() / BLOCK_LEN;
     let batch = tokens.div_ceil(tokens.div_ceil(DIRECT_TOKENS));
     let parts = tokens.div_ceil(batch);
     let words = mxfp4_asm::PACKED_WORDS * blocks;
-    {
+    for part in 0..parts {
+        let group = part * batch..((part + 1) * batch).min(tokens);
+        let to = &mut packed[group.start * words..group.end * words];
+        mxfp4_asm::pack(x, correction_lane(W::FORMAT), group, blocks, to);
+    }
+    let factor = format_factor(W::FORMAT);
+    let stride = rows.len();
+    let limit = w.rows();
+    let mut tile = rows.start / MXFP4_TILE_ROWS;
+    while tile * MXFP4_TILE_ROWS < rows.end {
+        let next = ((tile + 1) * MXFP4_TILE_ROWS).min(limit);
+        let [(vectors_next, vectors_len), scales_next] =
+            w.spans(next..(next + MXFP4_TILE_ROWS).min(limit));
+        let o = tile_out(out, tile * MXFP4_TILE_ROWS, rows.start);
+        let (vectors, scales) = w.tile_base(tile);
+        let share = vectors_len.div_ceil(parts * blocks);
         for part in 0..parts {
-            let group = part * batch..((part + 1) * batch).min(tokens);
-            let to = &mut packed[group.start * words..group.end * words];
-            mxfp4_asm::pack(x, correction_lane(W::FORMAT), group, blocks, to);
-        }
-        let factor = format_factor(W::FORMAT);
-        let stride = rows.len();
-        let limit = w.rows();
-        let mut tile = rows.start / MXFP4_TILE_ROWS;
-        while tile * MXFP4_TILE_ROWS < rows.end {
-            let next = ((tile + 1) * MXFP4_TILE_ROWS).min(limit);
-            let [(vectors_next, vectors_len), scales_next] =
-                w.spans(next..(next + MXFP4_TILE_ROWS).min(limit));
-            let o = tile_out(out, tile * MXFP4_TILE_ROWS, rows.start);
-            let (vectors, scales) = w.tile_base(tile);
-            let share = vectors_len.div_ceil(parts * blocks);
-            for part in 0..parts {
-                let first = part * batch;
-                let count = (tokens - first).min(batch);
-                // Each group asks for its share of the next tile's scales at once and for its
-                // share of the vectors block by block, as `prefetch_share_into` spreads them.
-                prefetch_share_into::<true>(&[scales_next, (std::ptr::null(), 0)], part, parts);
-                let prefetch = mxfp4_asm::LinePrefetch {
-                    first: vectors_next.wrapping_add(part * blocks * share),
-                    step: share,
-                    lines: if vectors_len == 0 {
-                        0
-                    } else {
-                        share.div_ceil(64).min(4)
-                    },
-                };
-                let group = packed.as_ptr().wrapping_add(first * words);
-                let o = o.wrapping_add(first * stride);
-                let lanes = tile_lanes(tile, &rows);
-                macro_rules! tokens {
-                    ($n:literal, $scaling:ident) => {{
-                        // SAFETY: the tile lies in `w` (`blocks` blocks a row), the group's
-                        // packed words were written above, the scaling is one the loop takes
-                        // (the caller's contract) and the CPU has VBMI (W::ASSEMBLY).
-                        unsafe {
-                            let mut acc = [_mm512_setzero_ps(); $n];
-                            mxfp4_asm::tile_tokens::<$n, $scaling>(
-                                vectors, scales, group, blocks, prefetch, &mut acc,
-                            );
-                            store_tile(&acc, factor, o, stride, lanes);
-                        }
-                    }};
-                }
-                // Calls of 5-24 tokens form groups of 5-12 (`batch` above).
-                match (count, scaling == SCALE_SHIFTED_SUM) {
-                    (5, false) => tokens!(5, SCALE_EXPONENT_ADD),
-                    (6, false) => tokens!(6, SCALE_EXPONENT_ADD),
-                    (7, false) => tokens!(7, SCALE_EXPONENT_ADD),
-                    (8, false) => tokens!(8, SCALE_EXPONENT_ADD),
-                    (9, false) => tokens!(9, SCALE_EXPONENT_ADD),
-                    (10, false) => tokens!(10, SCALE_EXPONENT_ADD),
-                    (11, false) => tokens!(11, SCALE_EXPONENT_ADD),
-                    (12, false) => tokens!(12, SCALE_EXPONENT_ADD),
-                    (5, true) => tokens!(5, SCALE_SHIFTED_SUM),
-                    (6, true) => tokens!(6, SCALE_SHIFTED_SUM),
-                    (7, true) => tokens!(7, SCALE_SHIFTED_SUM),
-                    (8, true) => tokens!(8, SCALE_SHIFTED_SUM),
-                    (9, true) => tokens!(9, SCALE_SHIFTED_SUM),
-                    (10, true) => tokens!(10, SCALE_SHIFTED_SUM),
-                    (11, true) => tokens!(11, SCALE_SHIFTED_SUM),
-                    (12, true) => tokens!(12, SCALE_SHIFTED_SUM),
-                    _ => unreachable!("calls of 5-24 tokens form groups of 5-12"),
-                }
+            let first = part * batch;
+            let count = (tokens - first).min(batch);
+            // Each group asks for its share of the next tile's scales at once and for its
+            // share of the vectors block by block, as `prefetch_share_into` spreads them.
+            prefetch_share_into::<true>(&[scales_next, (std::ptr::null(), 0)], part, parts);
+            let prefetch = mxfp4_asm::LinePrefetch {
+                first: vectors_next.wrapping_add(part * blocks * share),
+                step: share,
+                lines: if vectors_len == 0 {
+                    0
+                } else {
+                    share.div_ceil(64).min(4)
+                },
+            };
+            let group = packed.as_ptr().wrapping_add(first * words);
+            let o = o.wrapping_add(first * stride);
+            let lanes = tile_lanes(tile, &rows);
+            macro_rules! tokens {
+                ($n:literal, $scaling:ident) => {{
+                    // SAFETY: the tile lies in `w` (`blocks` blocks a row), the group's
+                    // packed words were written above, the scaling is one the loop takes
+                    // (the caller's contract) and the CPU has VBMI (W::ASSEMBLY).
+                    unsafe {
+                        let mut acc = [_mm512_setzero_ps(); $n];
+                        mxfp4_asm::tile_tokens::<$n, $scaling>(
+                            vectors, scales, group, blocks, prefetch, &mut acc,
+                        );
+                        store_tile(&acc, factor, o, stride, lanes);
+                    }
+                }};
             }
-            tile += 1;
+            // Calls of 5-24 tokens form groups of 5-12 (`batch` above).
+            match (count, scaling == SCALE_SHIFTED_SUM) {
+                (5, false) => tokens!(5, SCALE_EXPONENT_ADD),
+                (6, false) => tokens!(6, SCALE_EXPONENT_ADD),
+                (7, false) => tokens!(7, SCALE_EXPONENT_ADD),
+                (8, false) => tokens!(8, SCALE_EXPONENT_ADD),
+                (9, false) => tokens!(9, SCALE_EXPONENT_ADD),
+                (10, false) => tokens!(10, SCALE_EXPONENT_ADD),
+                (11, false) => tokens!(11, SCALE_EXPONENT_ADD),
+                (12, false) => tokens!(12, SCALE_EXPONENT_ADD),
+                (5, true) => tokens!(5, SCALE_SHIFTED_SUM),
+                (6, true) => tokens!(6, SCALE_SHIFTED_SUM),
+                (7, true) => tokens!(7, SCALE_SHIFTED_SUM),
+                (8, true) => tokens!(8, SCALE_SHIFTED_SUM),
+                (9, true) => tokens!(9, SCALE_SHIFTED_SUM),
+                (10, true) => tokens!(10, SCALE_SHIFTED_SUM),
+                (11, true) => tokens!(11, SCALE_SHIFTED_SUM),
+                (12, true) => tokens!(12, SCALE_SHIFTED_SUM),
+                _ => unreachable!("calls of 5-24 tokens form groups of 5-12"),
+            }
         }
+        tile += 1;
     }
 }
 
