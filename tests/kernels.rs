@@ -1387,7 +1387,8 @@ fn mxfp4_products_with_power_of_two_activations_match_single_tokens() {
             let tiled = TiledData::from(&data);
             let (plain, tiled_matrix) = (data.matrix(), tiled.matrix());
             let mut scratch = GemmScratch::new(cols);
-            for tokens in [4, 7, 9, 12, 17, 21, 24, 40] {
+            // 5 and 13 (7 + 6) give the assembly loop's narrowest groups too.
+            for tokens in [4, 5, 7, 9, 12, 13, 17, 21, 24, 40] {
                 let x_values = random_f32(&mut rng, tokens * cols, 3.0);
                 for k in simd_paths() {
                     let what = format!("{} {rows}x{cols} M={tokens}", k.path());
@@ -1404,6 +1405,39 @@ fn mxfp4_products_with_power_of_two_activations_match_single_tokens() {
                 }
             }
         }
+    }
+}
+
+/// On a CPU with AVX-512 VBMI, the MXFP4 GEMM of 5-24 tokens runs the loop in assembly: its bits
+/// are the intrinsics kernel's (which the tests above compare with the row-order GEMM), so only
+/// its count shows that it ran. Other tests may run it meanwhile: the count only has to grow.
+#[test]
+fn the_assembly_loop_runs_the_gemms_calls_of_five_to_twenty_four_tokens() {
+    let Some(vbmi) = simd_paths().into_iter().find(|k| k.uses_vbmi()) else {
+        eprintln!("skipped: this CPU has no AVX-512 VBMI");
+        return;
+    };
+    let (rows, cols) = (32, 2880);
+    let data = Mxfp4Data::random(&mut rng(41), rows, cols, 118..=130);
+    let tiled = TiledData::from(&data);
+    let w = tiled.matrix();
+    let mut scratch = GemmScratch::new(cols);
+    let run = |k: Kernels, tokens: usize, scratch: &mut GemmScratch| {
+        let mut x = Q8Activations::new();
+        let values = random_f32(&mut rng(7), tokens * cols, 3.0);
+        kernels()
+            .quantize_activation_rows(&values, cols, &mut x)
+            .unwrap();
+        let mut out = vec![0.0; tokens * rows];
+        let before = ossterm::kernels::mxfp4_assembly_count();
+        k.mxfp4_gemm(&w, &x, 0..rows, &mut out, scratch).unwrap();
+        ossterm::kernels::mxfp4_assembly_count() > before
+    };
+    for tokens in [5, 8, 12, 13, 24] {
+        assert!(
+            run(vbmi, tokens, &mut scratch),
+            "{tokens} tokens: the loop did not run"
+        );
     }
 }
 

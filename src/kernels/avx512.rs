@@ -15,10 +15,12 @@ use super::formats::{
     ScaleExponents, BLOCK_LEN, CORRECTION_LANE_MXFP4, CORRECTION_LANE_Q4, CORRECTION_LANE_Q8,
     GROUP_BLOCKS, GROUP_LANES, GROUP_LEN, MXFP4_OFFSET, Q4_OFFSET, Q8_OFFSET,
 };
-use super::{GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
+use super::{even_batch, GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
 
 mod mxfp4_asm;
 pub(super) mod tiles;
+
+pub(super) use mxfp4_asm::call_count as assembly_call_count;
 
 /// Words the MXFP4 loop in assembly packs for its largest call over rows of `cols` columns.
 pub(super) fn assembly_packed_words(cols: usize) -> usize {
@@ -1561,7 +1563,7 @@ impl DecodedTiles<'_> {
             scaling,
         } = *self;
         let tokens = x.rows();
-        let batch = tokens.div_ceil(tokens.div_ceil(GEMM_TOKENS));
+        let batch = even_batch(tokens, GEMM_TOKENS);
         let p = Prefetch::NOTHING;
         let mut token = 0;
         while token < tokens {
@@ -1638,7 +1640,7 @@ unsafe fn gemm<W: GroupSource>(
                 // Two tiles at once: 17 to 32 rows.
                 // Even batches: a short last batch would leave too few independent sums to
                 // cover the `vpdpbusd` latency (7 tokens run as 4 + 3, not 6 + 1).
-                let batch = tokens.div_ceil(tokens.div_ceil(GEMM_PAIR_TOKENS));
+                let batch = even_batch(tokens, GEMM_PAIR_TOKENS);
                 // The next pair's lines are spread over both decodes and every token batch.
                 let parts = GEMM_TILE_SLOTS + tokens.div_ceil(batch);
                 let part = |index: usize| Prefetch {

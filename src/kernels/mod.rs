@@ -380,6 +380,13 @@ pub struct GemmScratch {
     packed_tokens: Vec<u32>,
 }
 
+/// The size of the batches `tokens` tokens split into when a pass takes at most `most`: as even
+/// as the count of passes allows (13 tokens at most 12 a pass: 7 and 6, not 12 and 1).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn even_batch(tokens: usize, most: usize) -> usize {
+    tokens.div_ceil(tokens.div_ceil(most))
+}
+
 /// Words of [`GemmScratch::packed_tokens`] for rows of `cols` columns.
 fn packed_token_words(cols: usize) -> usize {
     #[cfg(target_arch = "x86_64")]
@@ -1086,6 +1093,20 @@ impl Kernels {
 pub const AMX_MIN_ROWS: usize = amx::MIN_ROWS;
 #[cfg(not(target_arch = "x86_64"))]
 pub const AMX_MIN_ROWS: usize = 16;
+
+/// MXFP4 products the AVX-512 loop in assembly (`avx512/mxfp4_asm.rs`: 5-24 tokens, `vpermb`)
+/// has run in this process (0 elsewhere): its results are the intrinsics kernel's bits, so this
+/// is how a test sees that it ran.
+pub fn mxfp4_assembly_count() -> usize {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx512::assembly_call_count()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        0
+    }
+}
 
 /// GEMMs the AMX matrix unit has run in this process (0 without AMX): its results are the
 /// AVX-512 path's bits, so this is how a test sees that the `amx` path used it.

@@ -29,7 +29,7 @@ use super::super::formats::{
     BLOCK_LEN, CORRECTION_LANE_MXFP4, CORRECTION_LANE_Q4, CORRECTION_LANE_Q8, GROUP_BLOCKS,
     GROUP_LANES, GROUP_LEN, MXFP4_TILE_ROWS,
 };
-use super::super::Avx2Dot;
+use super::super::{even_batch, Avx2Dot};
 use super::{prefetch_share_into, MXFP4_UNSIGNED};
 
 /// How a pass adds a token's products of one dword pair to its block sums: `sums` are the
@@ -523,7 +523,7 @@ unsafe fn tile_all_tokens<S: HalfTiles, D: PairDot>(
             }
             return;
         }
-        let batch = tokens.div_ceil(tokens.div_ceil(PASS_TOKENS));
+        let batch = even_batch(tokens, PASS_TOKENS);
         let none = [(std::ptr::null(), 0); 2];
         for half in 0..2 {
             let first = half * HALF_ROWS;

@@ -33,9 +33,23 @@
 use std::arch::asm;
 use std::arch::x86_64::*;
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::super::formats::{Q8Activations, BLOCK_LEN, GROUP_BLOCKS, GROUP_LANES, GROUP_LEN};
 use super::{SCALE_EXPONENT_ADD, SCALE_SHIFTED_SUM, SHIFTED_SUM_BIAS};
+
+/// Calls of the loop in this process: its results are the intrinsics kernel's bits, so this is
+/// how a test sees that a product ran here.
+static CALLS: AtomicUsize = AtomicUsize::new(0);
+
+/// Counts one call (a product, not a tile: one relaxed add per product).
+pub(super) fn count_call() {
+    CALLS.fetch_add(1, Ordering::Relaxed);
+}
+
+pub(in crate::kernels) fn call_count() -> usize {
+    CALLS.load(Ordering::Relaxed)
+}
 
 /// Packed u32 words per block and token: 4 even and 4 odd activation dwords, the block's
 /// correction and the bits of its activation scale.

@@ -19,7 +19,7 @@ use super::super::formats::{
     tile_lanes, tile_out, ByteSpans, Mxfp4Layout, Mxfp4Matrix, Q4Matrix, Q8Activations, Q8Matrix,
     BLOCK_LEN, GROUP_BLOCKS, GROUP_LANES, GROUP_LEN, MXFP4_TILE_ROWS,
 };
-use super::super::{GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
+use super::super::{even_batch, GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
 use super::{
     accumulate, by_tokens_and_scaling, correction_lane, format_factor, mxfp4_asm, scale_offsets,
     scaling, split_nibbles, DecodedTiles, Prefetch, FORMAT_MXFP4, FORMAT_Q4, FORMAT_Q8,
@@ -61,8 +61,9 @@ pub(in crate::kernels) trait TileSource {
     /// Whether the scales are powers of two, so the exponent-add scaling may run with any
     /// activations (with others, only with power-of-two activation scales).
     const POWER_OF_TWO_SCALES: bool;
-    /// Whether [`direct`] runs the assembly loop of [`super::mxfp4_asm`] (MXFP4 with `vpermb`)
-    /// wherever the scaling adds exponents or shifts sums.
+    /// Whether [`product`] runs the GEMM's calls of [`ASSEMBLY_TOKENS`] to
+    /// [`DIRECT_CALL_TOKENS`] tokens on the assembly loop of [`super::mxfp4_asm`] (MXFP4 with
+    /// `vpermb`) wherever the scaling adds exponents or shifts sums ([`direct_assembly`]).
     const ASSEMBLY: bool = false;
     /// The matrix the tiles are read from, which knows its rows and their bytes.
     type Matrix: ByteSpans;
@@ -374,7 +375,7 @@ unsafe fn tile_all_tokens<W: TileSource>(
     // SAFETY: the caller upholds the contract, which every call below shares.
     unsafe {
         let tokens = x.rows();
-        let batch = tokens.div_ceil(tokens.div_ceil(W::DIRECT_TOKENS));
+        let batch = even_batch(tokens, W::DIRECT_TOKENS);
         let parts = tokens.div_ceil(batch);
         let p = prefetch;
         let mut token = 0;
@@ -416,11 +417,9 @@ unsafe fn direct<W: TileSource>(
     // SAFETY: the caller upholds the contract; `store_tile` writes only lanes of `rows`.
     unsafe {
         let stride = rows.len();
-        let limit = w.rows();
         let mut tile = rows.start / MXFP4_TILE_ROWS;
         while tile * MXFP4_TILE_ROWS < rows.end {
-            let next = ((tile + 1) * MXFP4_TILE_ROWS).min(limit);
-            let spans = w.spans(next..(next + MXFP4_TILE_ROWS).min(limit));
+            let spans = next_tile_spans(w, tile);
             let o = tile_out(out, tile * MXFP4_TILE_ROWS, rows.start);
             tile_all_tokens(
                 w,
@@ -464,8 +463,9 @@ unsafe fn direct_assembly<W: TileSource>(
 ) {
     let tokens = x.rows();
     debug_assert!((ASSEMBLY_TOKENS..=DIRECT_CALL_TOKENS).contains(&tokens));
+    mxfp4_asm::count_call();
     let blocks = w.cols() / BLOCK_LEN;
-    let batch = tokens.div_ceil(tokens.div_ceil(DIRECT_TOKENS));
+    let batch = even_batch(tokens, DIRECT_TOKENS);
     let parts = tokens.div_ceil(batch);
     let words = mxfp4_asm::PACKED_WORDS * blocks;
     for part in 0..parts {
@@ -475,12 +475,9 @@ unsafe fn direct_assembly<W: TileSource>(
     }
     let factor = format_factor(W::FORMAT);
     let stride = rows.len();
-    let limit = w.rows();
     let mut tile = rows.start / MXFP4_TILE_ROWS;
     while tile * MXFP4_TILE_ROWS < rows.end {
-        let next = ((tile + 1) * MXFP4_TILE_ROWS).min(limit);
-        let [(vectors_next, vectors_len), scales_next] =
-            w.spans(next..(next + MXFP4_TILE_ROWS).min(limit));
+        let [(vectors_next, vectors_len), scales_next] = next_tile_spans(w, tile);
         let o = tile_out(out, tile * MXFP4_TILE_ROWS, rows.start);
         let (vectors, scales) = w.tile_base(tile);
         let share = vectors_len.div_ceil(parts * blocks);
@@ -516,29 +513,29 @@ unsafe fn direct_assembly<W: TileSource>(
                     }
                 }};
             }
-            // Calls of 5-24 tokens form groups of 5-12 (`batch` above).
-            match (count, scaling == SCALE_SHIFTED_SUM) {
-                (5, false) => tokens!(5, SCALE_EXPONENT_ADD),
-                (6, false) => tokens!(6, SCALE_EXPONENT_ADD),
-                (7, false) => tokens!(7, SCALE_EXPONENT_ADD),
-                (8, false) => tokens!(8, SCALE_EXPONENT_ADD),
-                (9, false) => tokens!(9, SCALE_EXPONENT_ADD),
-                (10, false) => tokens!(10, SCALE_EXPONENT_ADD),
-                (11, false) => tokens!(11, SCALE_EXPONENT_ADD),
-                (12, false) => tokens!(12, SCALE_EXPONENT_ADD),
-                (5, true) => tokens!(5, SCALE_SHIFTED_SUM),
-                (6, true) => tokens!(6, SCALE_SHIFTED_SUM),
-                (7, true) => tokens!(7, SCALE_SHIFTED_SUM),
-                (8, true) => tokens!(8, SCALE_SHIFTED_SUM),
-                (9, true) => tokens!(9, SCALE_SHIFTED_SUM),
-                (10, true) => tokens!(10, SCALE_SHIFTED_SUM),
-                (11, true) => tokens!(11, SCALE_SHIFTED_SUM),
-                (12, true) => tokens!(12, SCALE_SHIFTED_SUM),
-                _ => unreachable!("calls of 5-24 tokens form groups of 5-12"),
+            // Calls of 5-24 tokens form groups of 5-12 (`even_batch` above).
+            macro_rules! groups {
+                ($($n:literal)*) => {
+                    match (count, scaling == SCALE_SHIFTED_SUM) {
+                        $(($n, false) => tokens!($n, SCALE_EXPONENT_ADD),
+                        ($n, true) => tokens!($n, SCALE_SHIFTED_SUM),)*
+                        _ => unreachable!("calls of 5-24 tokens form groups of 5-12"),
+                    }
+                };
             }
+            groups!(5 6 7 8 9 10 11 12);
         }
         tile += 1;
     }
+}
+
+/// The byte spans of the tile after `tile` (empty past the matrix's last rows), which a tile's
+/// product asks the memory for while it runs.
+#[inline(always)]
+fn next_tile_spans<W: TileSource>(w: &W, tile: usize) -> [(*const u8, usize); 2] {
+    let limit = w.rows();
+    let next = ((tile + 1) * MXFP4_TILE_ROWS).min(limit);
+    w.spans(next..(next + MXFP4_TILE_ROWS).min(limit))
 }
 
 /// Forms tile `tile`'s operands into slot `slot` of the scratch in the layout
@@ -648,7 +645,7 @@ unsafe fn gemm<W: TileSource>(
             let next = spans_from((tile_start + pair_rows).min(w.rows()));
             let tile = tile_start / MXFP4_TILE_ROWS;
             if count > GEMM_TILE_ROWS {
-                let batch = tokens.div_ceil(tokens.div_ceil(GEMM_PAIR_TOKENS));
+                let batch = even_batch(tokens, GEMM_PAIR_TOKENS);
                 let parts = GEMM_TILE_SLOTS + tokens.div_ceil(batch);
                 let part = |index: usize| Prefetch {
                     spans: next,
