@@ -1408,11 +1408,12 @@ fn mxfp4_products_with_power_of_two_activations_match_single_tokens() {
     }
 }
 
-/// On a CPU with AVX-512 VBMI, the MXFP4 GEMM of 5-24 tokens runs the loop in assembly: its bits
-/// are the intrinsics kernel's (which the tests above compare with the row-order GEMM), so only
-/// its count shows that it ran. Other tests may run it meanwhile: the count only has to grow.
+/// On a CPU with AVX-512 VBMI, the MXFP4 GEMM of 2-24 tokens runs the loop in assembly, and so
+/// does `mxfp4_product` from 2 tokens (it sends 2-4 to the GEMM entry): the loop's bits are the
+/// intrinsics kernel's (which the tests above compare with the row-order GEMM), so only its count
+/// shows that it ran. Other tests may run it meanwhile: the count only has to grow.
 #[test]
-fn the_assembly_loop_runs_the_gemms_calls_of_five_to_twenty_four_tokens() {
+fn the_assembly_loop_runs_the_calls_of_two_to_twenty_four_tokens() {
     let Some(vbmi) = simd_paths().into_iter().find(|k| k.uses_vbmi()) else {
         eprintln!("skipped: this CPU has no AVX-512 VBMI");
         return;
@@ -1422,7 +1423,7 @@ fn the_assembly_loop_runs_the_gemms_calls_of_five_to_twenty_four_tokens() {
     let tiled = TiledData::from(&data);
     let w = tiled.matrix();
     let mut scratch = GemmScratch::new(cols);
-    let run = |k: Kernels, tokens: usize, scratch: &mut GemmScratch| {
+    let run = |k: Kernels, tokens: usize, through_product: bool, scratch: &mut GemmScratch| {
         let mut x = Q8Activations::new();
         let values = random_f32(&mut rng(7), tokens * cols, 3.0);
         kernels()
@@ -1430,14 +1431,20 @@ fn the_assembly_loop_runs_the_gemms_calls_of_five_to_twenty_four_tokens() {
             .unwrap();
         let mut out = vec![0.0; tokens * rows];
         let before = ossterm::kernels::mxfp4_assembly_count();
-        k.mxfp4_gemm(&w, &x, 0..rows, &mut out, scratch).unwrap();
+        if through_product {
+            k.mxfp4_product(&w, &x, 0..rows, &mut out, scratch).unwrap();
+        } else {
+            k.mxfp4_gemm(&w, &x, 0..rows, &mut out, scratch).unwrap();
+        }
         ossterm::kernels::mxfp4_assembly_count() > before
     };
-    for tokens in [5, 8, 12, 13, 24] {
-        assert!(
-            run(vbmi, tokens, &mut scratch),
-            "{tokens} tokens: the loop did not run"
-        );
+    for tokens in [2, 3, 4, 5, 8, 12, 13, 24] {
+        for through_product in [false, true] {
+            assert!(
+                run(vbmi, tokens, through_product, &mut scratch),
+                "{tokens} tokens (through mxfp4_product: {through_product}): the loop did not run"
+            );
+        }
     }
 }
 

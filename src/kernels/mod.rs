@@ -891,7 +891,9 @@ impl Kernels {
     }
 
     /// `out[t * rows.len() + i] = W[rows.start + i] . x[t]` through the kernel that is fastest
-    /// for `x.rows()` tokens: the GEMV up to [`MAX_GEMV_TOKENS`], the GEMM beyond.
+    /// for `x.rows()` tokens: the GEMV up to [`MAX_GEMV_TOKENS`], the GEMM beyond; from two
+    /// tokens the GEMM where it runs tiles through the assembly loop (AVX-512 VBMI), which
+    /// packs the tokens into the scratch the GEMV has not got.
     pub fn mxfp4_product(
         &self,
         w: &Mxfp4Matrix,
@@ -900,7 +902,10 @@ impl Kernels {
         out: &mut [f32],
         scratch: &mut GemmScratch,
     ) -> Result<(), KernelError> {
-        if x.rows() <= MAX_GEMV_TOKENS {
+        let assembly = self.vbmi
+            && w.layout == Mxfp4Layout::Tiles
+            && matches!(self.path, KernelPath::Avx512 | KernelPath::Amx);
+        if x.rows() == 1 || (x.rows() <= MAX_GEMV_TOKENS && !assembly) {
             self.mxfp4_gemv(w, x, rows, out)
         } else {
             self.mxfp4_gemm(w, x, rows, out, scratch)
@@ -1094,7 +1099,7 @@ pub const AMX_MIN_ROWS: usize = amx::MIN_ROWS;
 #[cfg(not(target_arch = "x86_64"))]
 pub const AMX_MIN_ROWS: usize = 16;
 
-/// MXFP4 products the AVX-512 loop in assembly (`avx512/mxfp4_asm.rs`: 5-24 tokens, `vpermb`)
+/// MXFP4 products the AVX-512 loop in assembly (`avx512/mxfp4_asm.rs`: 2-24 tokens, `vpermb`)
 /// has run in this process (0 elsewhere): its results are the intrinsics kernel's bits, so this
 /// is how a test sees that it ran.
 pub fn mxfp4_assembly_count() -> usize {

@@ -1,13 +1,13 @@
 //! The register-only MXFP4 tile product of [`super::tiles`] (a tile of 16 weight rows against
 //! up to [`super::tiles::DIRECT_TOKENS`] tokens, nibbles decoded with `vpermb`) as one loop of
 //! assembly, with the tokens' operands packed once per call (into the GEMM scratch) so that
-//! every operand of a block sits at a constant offset from one pointer. It runs the GEMM's
-//! calls of 5-24 tokens; the GEMV's 1-4, bound by memory, keep the intrinsics loop, which
-//! decoded as fast.
+//! every operand of a block sits at a constant offset from one pointer. It runs the calls of
+//! 2-24 tokens; one token (decode), bound by memory, keeps the intrinsics loop, which decoded
+//! as fast.
 //!
 //! # Why assembly
 //! Short prompts and batched decode run the experts at a handful of tokens each, where this
-//! product is bound by the core, not by memory. Compiled from the intrinsics, a block of 8 tokens
+//! product is bound by the core, not by memory (or, at 2-4 tokens, by both). Compiled from the intrinsics, a block of 8 tokens
 //! (64 `vpdpbusd`, 8 `vpermb`, the float steps) took 23 ns on the Xeon with AMX (one thread, the
 //! weights in L1 or L2 alike); the same instructions in a hand-ordered loop took 17.5 ns. The
 //! compiler pulls the first and the last token's chains of eight `vpdpbusd` out of the round
@@ -25,10 +25,9 @@
 //!
 //! # The same bits
 //! The integer sums are exact in any order, and each token's float steps run block by block in
-//! the order of [`super::accumulate`] (exponent add: convert, then one FMA by the scales'
-//! product; shifted sum: integer add of the magic, subtract, add), so the results are the
-//! intrinsics kernel's bits; the multiply scaling (scales whose products are not all normal
-//! floats) stays there.
+//! the order of [`super::accumulate`] (multiply: the scales' product by `vmulps`, convert, one
+//! FMA; exponent add: the same with the product from an integer add; shifted sum: integer add
+//! of the magic, subtract, add), so the results are the intrinsics kernel's bits.
 
 use std::arch::asm;
 use std::arch::x86_64::*;
@@ -36,7 +35,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::super::formats::{Q8Activations, BLOCK_LEN, GROUP_BLOCKS, GROUP_LANES, GROUP_LEN};
-use super::{SCALE_EXPONENT_ADD, SCALE_SHIFTED_SUM, SHIFTED_SUM_BIAS};
+use super::{SCALE_EXPONENT_ADD, SCALE_MULTIPLY, SCALE_SHIFTED_SUM, SHIFTED_SUM_BIAS};
 
 /// Calls of the loop in this process: its results are the intrinsics kernel's bits, so this is
 /// how a test sees that a product ran here.
@@ -107,14 +106,16 @@ pub(super) struct LinePrefetch {
 
 /// One tile (16 rows: `vectors` and `scales` from [`super::tiles::TileSource::tile_base`] of a
 /// tiled MXFP4 matrix, `blocks` blocks a row) against `T` tokens packed by [`pack`] at
-/// `packed`, scaled as `SCALING` ([`SCALE_EXPONENT_ADD`] or [`SCALE_SHIFTED_SUM`]) says; the
+/// `packed`, scaled as `SCALING` ([`SCALE_MULTIPLY`], [`SCALE_EXPONENT_ADD`] or
+/// [`SCALE_SHIFTED_SUM`]) says; the
 /// 16 f32 sums of each token (before the format's factor) go to `acc`.
 ///
 /// # Safety
 /// The tile's `blocks` blocks of vectors (256 bytes each) and scales (16 bytes each) and the
 /// packed words of `T` tokens for `blocks` blocks are readable; `1 <= T <= 12`; `blocks > 0`;
-/// the CPU has AVX-512 F, BW, VNNI and VBMI; every product of a weight and an activation scale
-/// is a normal float (what [`super::scaling`] checks before it picks these scalings).
+/// the CPU has AVX-512 F, BW, VNNI and VBMI; unless `SCALING` multiplies, every product of a
+/// weight and an activation scale is a normal float (what [`super::scaling`] checks before it
+/// picks the other scalings).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi")]
 pub(super) unsafe fn tile_tokens<const T: usize, const SCALING: u8>(
@@ -127,7 +128,13 @@ pub(super) unsafe fn tile_tokens<const T: usize, const SCALING: u8>(
 ) {
     const {
         assert!(T >= 1 && T <= 12, "sums and accumulators fill zmm0..zmm23");
-        assert!(SCALING == SCALE_EXPONENT_ADD || SCALING == SCALE_SHIFTED_SUM);
+        // The `.if` lines below name the scalings by these values.
+        assert!(SCALE_MULTIPLY == 0 && SCALE_EXPONENT_ADD == 1 && SCALE_SHIFTED_SUM == 2);
+        assert!(
+            SCALING == SCALE_MULTIPLY
+                || SCALING == SCALE_EXPONENT_ADD
+                || SCALING == SCALE_SHIFTED_SUM
+        );
     }
     let bias = if SCALING == SCALE_SHIFTED_SUM {
         SHIFTED_SUM_BIAS
@@ -142,9 +149,15 @@ pub(super) unsafe fn tile_tokens<const T: usize, const SCALING: u8>(
         asm!(
             // zmm0..zmm11: a block's integer sums per token; zmm12..zmm23: the tokens' f32
             // accumulators; zmm24, zmm25: the decoded even and odd operands; zmm26: the nibble
-            // table; zmm27: the block's weight scale bits less the bias; zmm28: a token's scale.
+            // table; zmm27: the block's weight scales (their bits less the bias where the
+            // scaling adds exponents or shifts sums); zmm28: a token's scale.
             ".macro ossterm_fold t, acc",
             ".if \\t < {T}",
+            ".if {SCALING} == 0",
+            "vmulps zmm28, zmm27, dword ptr [{packed} + 36 * {T} + 4 * \\t]{{1to16}}",
+            "vcvtdq2ps zmm\\t, zmm\\t",
+            "vfmadd231ps zmm\\acc, zmm\\t, zmm28",
+            ".else",
             "vpaddd zmm28, zmm27, dword ptr [{packed} + 36 * {T} + 4 * \\t]{{1to16}}",
             ".if {SCALING} == 1",
             "vcvtdq2ps zmm\\t, zmm\\t",
@@ -153,6 +166,7 @@ pub(super) unsafe fn tile_tokens<const T: usize, const SCALING: u8>(
             "vpaddd zmm\\t, zmm\\t, zmm28",
             "vsubps zmm\\t, zmm\\t, zmm28",
             "vaddps zmm\\acc, zmm\\acc, zmm\\t",
+            ".endif",
             ".endif",
             ".endif",
             ".endm",
@@ -197,7 +211,9 @@ pub(super) unsafe fn tile_tokens<const T: usize, const SCALING: u8>(
             ".endr",
             "vpmovzxbd zmm27, xmmword ptr [{scales}]",
             "vpslld zmm27, zmm27, 23",
+            ".if {SCALING} != 0",
             "vpsubd zmm27, zmm27, zmm29",
+            ".endif",
             "ossterm_fold 0, 12",
             "ossterm_fold 1, 13",
             "ossterm_fold 2, 14",

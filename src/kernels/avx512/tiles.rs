@@ -63,7 +63,7 @@ pub(in crate::kernels) trait TileSource {
     const POWER_OF_TWO_SCALES: bool;
     /// Whether [`product`] runs the GEMM's calls of [`ASSEMBLY_TOKENS`] to
     /// [`DIRECT_CALL_TOKENS`] tokens on the assembly loop of [`super::mxfp4_asm`] (MXFP4 with
-    /// `vpermb`) wherever the scaling adds exponents or shifts sums ([`direct_assembly`]).
+    /// `vpermb`; [`direct_assembly`]).
     const ASSEMBLY: bool = false;
     /// The matrix the tiles are read from, which knows its rows and their bytes.
     type Matrix: ByteSpans;
@@ -436,20 +436,23 @@ unsafe fn direct<W: TileSource>(
     }
 }
 
-/// Fewest tokens of a call for [`direct_assembly`]: the GEMM's calls, which come with the
-/// scratch it packs them into. The GEMV's (one to
-/// [`crate::kernels::MAX_GEMV_TOKENS`] tokens, bound by memory) keep the intrinsics loop, which
-/// decoded 2-4% faster (one token an expert: `bench --synthetic 20b --prompt-tokens 8
-/// --gen-tokens 64`, 10.58 / 10.45 against 10.19 / 10.16 tokens/s alternating, Xeon with AMX).
-const ASSEMBLY_TOKENS: usize = crate::kernels::MAX_GEMV_TOKENS + 1;
+/// Fewest tokens of a call for [`direct_assembly`], which needs the GEMM's scratch to pack
+/// them into (`Kernels::mxfp4_product` sends calls of 2-4 tokens to the GEMM entry where this
+/// loop runs). One token keeps the intrinsics loop, which decoded 2-4% faster (one token an
+/// expert: `bench --synthetic 20b --prompt-tokens 8 --gen-tokens 64`, 10.58 / 10.45 against
+/// 10.19 / 10.16 tokens/s alternating, Xeon with AMX). From two tokens, batched decode's
+/// experts (16 sequences, 2-4 tokens an expert) spent 418 / 428 / 417 ms a step against 448 /
+/// 442 / 423 through the intrinsics (`bench --batch 1,16`, alternating three times), one
+/// token's decode unchanged.
+const ASSEMBLY_TOKENS: usize = 2;
 
 /// [`direct`] on the assembly loop: the tokens packed once per call ([`mxfp4_asm::pack`]) in
 /// the groups [`tile_all_tokens`] forms, then every tile against each group, each group asking
 /// for its share of the next tile's bytes as it goes.
 ///
 /// # Safety
-/// As [`direct`]; `W` is MXFP4 in tiles, the CPU has AVX-512 VBMI, `scaling` is
-/// [`SCALE_EXPONENT_ADD`] or [`SCALE_SHIFTED_SUM`] as [`super::scaling`] chose it, `x` has
+/// As [`direct`]; `W` is MXFP4 in tiles, the CPU has AVX-512 VBMI, `scaling` is what
+/// [`call_scaling`] chose, `x` has
 /// [`ASSEMBLY_TOKENS`] to [`DIRECT_CALL_TOKENS`] tokens, and `packed` has
 /// [`super::assembly_packed_words`] of `w`'s columns.
 #[inline(always)]
@@ -513,17 +516,18 @@ unsafe fn direct_assembly<W: TileSource>(
                     }
                 }};
             }
-            // Calls of 5-24 tokens form groups of 5-12 (`even_batch` above).
+            // Calls of 2-24 tokens form groups of 2-12 (`even_batch` above).
             macro_rules! groups {
                 ($($n:literal)*) => {
-                    match (count, scaling == SCALE_SHIFTED_SUM) {
-                        $(($n, false) => tokens!($n, SCALE_EXPONENT_ADD),
-                        ($n, true) => tokens!($n, SCALE_SHIFTED_SUM),)*
-                        _ => unreachable!("calls of 5-24 tokens form groups of 5-12"),
+                    match (count, scaling) {
+                        $(($n, SCALE_MULTIPLY) => tokens!($n, SCALE_MULTIPLY),
+                        ($n, SCALE_EXPONENT_ADD) => tokens!($n, SCALE_EXPONENT_ADD),
+                        ($n, _) => tokens!($n, SCALE_SHIFTED_SUM),)*
+                        _ => unreachable!("calls of 2-24 tokens form groups of 2-12"),
                     }
                 };
             }
-            groups!(5 6 7 8 9 10 11 12);
+            groups!(2 3 4 5 6 7 8 9 10 11 12);
         }
         tile += 1;
     }
@@ -726,9 +730,7 @@ unsafe fn product<W: TileSource>(
                 gemm(w, x, rows, out, scratch, scaling)
             }
             Some(scratch)
-                if W::ASSEMBLY
-                    && scaling != SCALE_MULTIPLY
-                    && (ASSEMBLY_TOKENS..=DIRECT_CALL_TOKENS).contains(&x.rows()) =>
+                if W::ASSEMBLY && (ASSEMBLY_TOKENS..=DIRECT_CALL_TOKENS).contains(&x.rows()) =>
             {
                 // W::ASSEMBLY holds only for MXFP4 decoded with vpermb, whose kernels run with
                 // AVX-512 VBMI; the scratch was sized for w's columns (the caller's contract).
