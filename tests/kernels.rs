@@ -1408,10 +1408,11 @@ fn mxfp4_products_with_power_of_two_activations_match_single_tokens() {
     }
 }
 
-/// On a CPU with AVX-512 VBMI, the MXFP4 GEMM of 2-24 tokens runs the loop in assembly, and so
-/// does `mxfp4_product` from 2 tokens (it sends 2-4 to the GEMM entry): the loop's bits are the
-/// intrinsics kernel's (which the tests above compare with the row-order GEMM), so only its count
-/// shows that it ran. Other tests may run it meanwhile: the count only has to grow.
+/// On a CPU with AVX-512 VBMI, the tiled MXFP4 and Q4 GEMMs of 2-24 tokens run the loop in
+/// assembly, and so does `mxfp4_product` from 2 tokens (it sends 2-4 to the GEMM entry): the
+/// loop's bits are the intrinsics kernel's (which the tests above compare with the row-order
+/// GEMM), so only its count shows that it ran. Other tests may run it meanwhile: the count only
+/// has to grow.
 #[test]
 fn the_assembly_loop_runs_the_calls_of_two_to_twenty_four_tokens() {
     let Some(vbmi) = simd_paths().into_iter().find(|k| k.uses_vbmi()) else {
@@ -1422,27 +1423,42 @@ fn the_assembly_loop_runs_the_calls_of_two_to_twenty_four_tokens() {
     let data = Mxfp4Data::random(&mut rng(41), rows, cols, 118..=130);
     let tiled = TiledData::from(&data);
     let w = tiled.matrix();
+    let q4 = Q4Matrix::from_bf16(
+        rows,
+        cols,
+        &to_bf16(&random_f32(&mut rng(43), rows * cols, 0.2)),
+    )
+    .unwrap()
+    .to_tiles()
+    .unwrap();
     let mut scratch = GemmScratch::new(cols);
-    let run = |k: Kernels, tokens: usize, through_product: bool, scratch: &mut GemmScratch| {
+    #[derive(Clone, Copy, Debug)]
+    enum Call {
+        Mxfp4Gemm,
+        Mxfp4Product,
+        Q4Gemm,
+    }
+    let run = |k: Kernels, tokens: usize, call: Call, scratch: &mut GemmScratch| {
         let mut x = Q8Activations::new();
         let values = random_f32(&mut rng(7), tokens * cols, 3.0);
         kernels()
             .quantize_activation_rows(&values, cols, &mut x)
             .unwrap();
         let mut out = vec![0.0; tokens * rows];
-        let before = ossterm::kernels::mxfp4_assembly_count();
-        if through_product {
-            k.mxfp4_product(&w, &x, 0..rows, &mut out, scratch).unwrap();
-        } else {
-            k.mxfp4_gemm(&w, &x, 0..rows, &mut out, scratch).unwrap();
+        let before = ossterm::kernels::nibble_assembly_count();
+        match call {
+            Call::Mxfp4Gemm => k.mxfp4_gemm(&w, &x, 0..rows, &mut out, scratch),
+            Call::Mxfp4Product => k.mxfp4_product(&w, &x, 0..rows, &mut out, scratch),
+            Call::Q4Gemm => k.q4_gemm(&q4, &x, 0..rows, &mut out, scratch),
         }
-        ossterm::kernels::mxfp4_assembly_count() > before
+        .unwrap();
+        ossterm::kernels::nibble_assembly_count() > before
     };
     for tokens in [2, 3, 4, 5, 8, 12, 13, 24] {
-        for through_product in [false, true] {
+        for call in [Call::Mxfp4Gemm, Call::Mxfp4Product, Call::Q4Gemm] {
             assert!(
-                run(vbmi, tokens, through_product, &mut scratch),
-                "{tokens} tokens (through mxfp4_product: {through_product}): the loop did not run"
+                run(vbmi, tokens, call, &mut scratch),
+                "{tokens} tokens ({call:?}): the loop did not run"
             );
         }
     }

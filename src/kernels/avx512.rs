@@ -17,14 +17,14 @@ use super::formats::{
 };
 use super::{even_batch, GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
 
-mod mxfp4_asm;
+mod nibble_asm;
 pub(super) mod tiles;
 
-pub(super) use mxfp4_asm::call_count as assembly_call_count;
+pub(super) use nibble_asm::call_count as assembly_call_count;
 
 /// Words the MXFP4 loop in assembly packs for its largest call over rows of `cols` columns.
 pub(super) fn assembly_packed_words(cols: usize) -> usize {
-    tiles::DIRECT_CALL_TOKENS * mxfp4_asm::PACKED_WORDS * (cols / BLOCK_LEN)
+    tiles::DIRECT_CALL_TOKENS * nibble_asm::PACKED_WORDS * (cols / BLOCK_LEN)
 }
 
 const REQUIRED: [&str; 6] = ["avx512f", "avx512bw", "avx512vnni", "avx2", "fma", "f16c"];
@@ -609,6 +609,18 @@ impl GroupSource for Q8Matrix {
 /// bits, so the neighbouring nibble's bits 4-5 that a byte carries select the same entry.
 const MXFP4_UNSIGNED_64: [i8; 64] = repeat_table(&MXFP4_UNSIGNED);
 
+/// The same kind of table for Q4, whose unsigned operands are the nibbles themselves: with it
+/// `vpermb` masks a nibble as `vpandd` would.
+const Q4_UNSIGNED_64: [i8; 64] = {
+    let mut table = [0i8; 64];
+    let mut i = 0;
+    while i < 64 {
+        table[i] = (i % 16) as i8;
+        i += 1;
+    }
+    table
+};
+
 /// `vpshufb` control that puts scale byte j of a broadcast dword into the top byte of lanes
 /// 4j..4j+3 (the 128-bit lane j) and zeros the rest: `s << 24`, one shift away from the f32 bits
 /// of 2^(s-127).
@@ -954,13 +966,19 @@ pub(crate) unsafe fn mxfp4_gemv(
     }
 }
 
-pub(crate) unsafe fn q4_gemv(w: &Q4Matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
+pub(crate) unsafe fn q4_gemv(
+    w: &Q4Matrix,
+    x: &Q8Activations,
+    rows: Range<usize>,
+    out: &mut [f32],
+    vbmi: bool,
+) {
     // SAFETY: the module's contract holds: the dispatcher runs this only on a CPU with every
-    // feature in `REQUIRED`, and the safe `Kernels` method checked the shapes, which is all the
-    // code below relies on.
+    // feature in `REQUIRED` (and passes `vbmi` only where `vbmi_detected`), and the safe
+    // `Kernels` method checked the shapes, which is all the code below relies on.
     unsafe {
         if w.tiled {
-            tiles::q4_product(w, x, rows, out, None)
+            tiles::q4_product(w, x, rows, out, None, vbmi)
         } else {
             gemv(w, x, rows, out)
         }
@@ -1709,13 +1727,14 @@ pub(crate) unsafe fn q4_gemm(
     rows: Range<usize>,
     out: &mut [f32],
     scratch: &mut GemmScratch,
+    vbmi: bool,
 ) {
     // SAFETY: the module's contract holds: the dispatcher runs this only on a CPU with every
-    // feature in `REQUIRED`, and the safe `Kernels` method checked the shapes, which is all the
-    // code below relies on.
+    // feature in `REQUIRED` (and passes `vbmi` only where `vbmi_detected`), and the safe
+    // `Kernels` method checked the shapes, which is all the code below relies on.
     unsafe {
         if w.tiled {
-            tiles::q4_product(w, x, rows, out, Some(scratch))
+            tiles::q4_product(w, x, rows, out, Some(scratch), vbmi)
         } else {
             gemm(w, x, rows, out, scratch)
         }

@@ -375,8 +375,8 @@ pub struct GemmScratch {
     /// Weight block scales as lanes, `GEMM_TILE_ROWS x groups x 16` at most, in the layout of the
     /// path that decoded the tile (AVX-512: one vector per quad of rows, AVX2: per row).
     tile_scales: AlignedVec<f32>,
-    /// The tokens of a call the AVX-512 MXFP4 loop in assembly runs, packed per block
-    /// (`avx512/mxfp4_asm.rs`): room for the most tokens such a call has.
+    /// The tokens of a call the AVX-512 MXFP4 and Q4 loop in assembly runs, packed per block
+    /// (`avx512/nibble_asm.rs`): room for the most tokens such a call has.
     packed_tokens: Vec<u32>,
 }
 
@@ -902,9 +902,7 @@ impl Kernels {
         out: &mut [f32],
         scratch: &mut GemmScratch,
     ) -> Result<(), KernelError> {
-        let assembly = self.vbmi
-            && w.layout == Mxfp4Layout::Tiles
-            && matches!(self.path, KernelPath::Avx512 | KernelPath::Amx);
+        let assembly = w.layout == Mxfp4Layout::Tiles && self.nibble_assembly();
         if x.rows() == 1 || (x.rows() <= MAX_GEMV_TOKENS && !assembly) {
             self.mxfp4_gemv(w, x, rows, out)
         } else {
@@ -974,7 +972,7 @@ impl Kernels {
         check_quantized("Q4 GEMV", w.rows, w.cols, x, &rows, out, true)?;
         dispatch!(
             self,
-            avx512: avx512::q4_gemv(w, x, rows, out),
+            avx512: avx512::q4_gemv(w, x, rows, out, self.vbmi),
             avx2: if w.tiled {
                 avx2::tiles::q4_product(w, x, rows, out, self.avx2_dot)
             } else {
@@ -983,6 +981,14 @@ impl Kernels {
             scalar: scalar::q4_gemv(w, x, rows, out),
         );
         Ok(())
+    }
+
+    /// Whether the GEMM entries run tiled MXFP4 and Q4 products of 2-24 tokens on the AVX-512
+    /// assembly loop here (it decodes nibbles with VBMI's `vpermb`), which packs the tokens into
+    /// the GEMM's scratch: callers with 2-4 tokens for such a matrix should call the GEMM, not
+    /// the GEMV (which keeps the intrinsics loop, as one token should).
+    pub fn nibble_assembly(&self) -> bool {
+        self.vbmi && matches!(self.path, KernelPath::Avx512 | KernelPath::Amx)
     }
 
     /// Like [`Kernels::mxfp4_gemm`] for a [`Q4Matrix`].
@@ -998,7 +1004,7 @@ impl Kernels {
         scratch.check(w.cols)?;
         dispatch!(
             self,
-            avx512: avx512::q4_gemm(w, x, rows, out, scratch),
+            avx512: avx512::q4_gemm(w, x, rows, out, scratch, self.vbmi),
             avx2: if w.tiled {
                 avx2::tiles::q4_product(w, x, rows, out, self.avx2_dot)
             } else {
@@ -1099,10 +1105,10 @@ pub const AMX_MIN_ROWS: usize = amx::MIN_ROWS;
 #[cfg(not(target_arch = "x86_64"))]
 pub const AMX_MIN_ROWS: usize = 16;
 
-/// MXFP4 products the AVX-512 loop in assembly (`avx512/mxfp4_asm.rs`: 2-24 tokens, `vpermb`)
+/// MXFP4 and Q4 products the AVX-512 loop in assembly (`avx512/nibble_asm.rs`: 2-24 tokens, `vpermb`)
 /// has run in this process (0 elsewhere): its results are the intrinsics kernel's bits, so this
 /// is how a test sees that it ran.
-pub fn mxfp4_assembly_count() -> usize {
+pub fn nibble_assembly_count() -> usize {
     #[cfg(target_arch = "x86_64")]
     {
         avx512::assembly_call_count()

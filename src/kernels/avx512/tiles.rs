@@ -21,7 +21,7 @@ use super::super::formats::{
 };
 use super::super::{even_batch, GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
 use super::{
-    accumulate, by_tokens_and_scaling, correction_lane, format_factor, mxfp4_asm, scale_offsets,
+    accumulate, by_tokens_and_scaling, correction_lane, format_factor, nibble_asm, scale_offsets,
     scaling, split_nibbles, DecodedTiles, Prefetch, FORMAT_MXFP4, FORMAT_Q4, FORMAT_Q8,
     GEMM_PAIR_TOKENS, GROUP_DWORDS, MXFP4_UNSIGNED_64, SCALE_EXPONENT_ADD, SCALE_MULTIPLY,
     SCALE_SHIFTED_SUM,
@@ -62,7 +62,7 @@ pub(in crate::kernels) trait TileSource {
     /// activations (with others, only with power-of-two activation scales).
     const POWER_OF_TWO_SCALES: bool;
     /// Whether [`product`] runs the GEMM's calls of [`ASSEMBLY_TOKENS`] to
-    /// [`DIRECT_CALL_TOKENS`] tokens on the assembly loop of [`super::mxfp4_asm`] (MXFP4 with
+    /// [`DIRECT_CALL_TOKENS`] tokens on the assembly loop of [`super::nibble_asm`] (MXFP4 with
     /// `vpermb`; [`direct_assembly`]).
     const ASSEMBLY: bool = false;
     /// The matrix the tiles are read from, which knows its rows and their bytes.
@@ -219,12 +219,13 @@ impl<'a> TileSource for Q8Tiles<'a> {
 
 /// A tiled Q4 matrix: its nibbles are the unsigned operands as stored (the offset of 8 comes
 /// back through the activations' Q4 correction), split as MXFP4's are.
-struct Q4Tiles<'a>(&'a Q4Matrix);
+struct Q4Tiles<'a, const VBMI: bool>(&'a Q4Matrix);
 
-impl<'a> TileSource for Q4Tiles<'a> {
+impl<'a, const VBMI: bool> TileSource for Q4Tiles<'a, VBMI> {
     const FORMAT: u8 = FORMAT_Q4;
     const DIRECT_CALL_TOKENS: usize = DIRECT_CALL_TOKENS;
     const POWER_OF_TWO_SCALES: bool = false;
+    const ASSEMBLY: bool = VBMI;
     type Matrix = Q4Matrix;
     fn matrix(&self) -> &Q4Matrix {
         self.0
@@ -446,7 +447,7 @@ unsafe fn direct<W: TileSource>(
 /// token's decode unchanged.
 const ASSEMBLY_TOKENS: usize = 2;
 
-/// [`direct`] on the assembly loop: the tokens packed once per call ([`mxfp4_asm::pack`]) in
+/// [`direct`] on the assembly loop: the tokens packed once per call ([`nibble_asm::pack`]) in
 /// the groups [`tile_all_tokens`] forms, then every tile against each group, each group asking
 /// for its share of the next tile's bytes as it goes.
 ///
@@ -466,15 +467,15 @@ unsafe fn direct_assembly<W: TileSource>(
 ) {
     let tokens = x.rows();
     debug_assert!((ASSEMBLY_TOKENS..=DIRECT_CALL_TOKENS).contains(&tokens));
-    mxfp4_asm::count_call();
+    nibble_asm::count_call();
     let blocks = w.cols() / BLOCK_LEN;
     let batch = even_batch(tokens, DIRECT_TOKENS);
     let parts = tokens.div_ceil(batch);
-    let words = mxfp4_asm::PACKED_WORDS * blocks;
+    let words = nibble_asm::PACKED_WORDS * blocks;
     for part in 0..parts {
         let group = part * batch..((part + 1) * batch).min(tokens);
         let to = &mut packed[group.start * words..group.end * words];
-        mxfp4_asm::pack(x, correction_lane(W::FORMAT), group, blocks, to);
+        nibble_asm::pack(x, correction_lane(W::FORMAT), group, blocks, to);
     }
     let factor = format_factor(W::FORMAT);
     let stride = rows.len();
@@ -490,7 +491,7 @@ unsafe fn direct_assembly<W: TileSource>(
             // Each group asks for its share of the next tile's scales at once and for its
             // share of the vectors block by block, as `prefetch_share_into` spreads them.
             prefetch_share_into::<true>(&[scales_next, (std::ptr::null(), 0)], part, parts);
-            let prefetch = mxfp4_asm::LinePrefetch {
+            let prefetch = nibble_asm::LinePrefetch {
                 first: vectors_next.wrapping_add(part * blocks * share),
                 step: share,
                 lines: if vectors_len == 0 {
@@ -509,9 +510,15 @@ unsafe fn direct_assembly<W: TileSource>(
                     // (the caller's contract) and the CPU has VBMI (W::ASSEMBLY).
                     unsafe {
                         let mut acc = [_mm512_setzero_ps(); $n];
-                        mxfp4_asm::tile_tokens::<$n, $scaling>(
-                            vectors, scales, group, blocks, prefetch, &mut acc,
-                        );
+                        if W::FORMAT == FORMAT_Q4 {
+                            nibble_asm::tile_tokens::<$n, $scaling, FORMAT_Q4>(
+                                vectors, scales, group, blocks, prefetch, &mut acc,
+                            );
+                        } else {
+                            nibble_asm::tile_tokens::<$n, $scaling, FORMAT_MXFP4>(
+                                vectors, scales, group, blocks, prefetch, &mut acc,
+                            );
+                        }
                         store_tile(&acc, factor, o, stride, lanes);
                     }
                 }};
@@ -806,19 +813,50 @@ pub(in crate::kernels) unsafe fn q8_product(
     unsafe { product(&Q8Tiles(w), x, rows, out, scratch) }
 }
 
-/// `out[t * rows.len() + i] = W[rows.start + i] . x[t]` for a tiled Q4 `w`.
-///
-/// # Safety
-/// As [`mxfp4_product`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-pub(in crate::kernels) unsafe fn q4_product(
+unsafe fn q4_plain(
     w: &Q4Matrix,
     x: &Q8Activations,
     rows: Range<usize>,
     out: &mut [f32],
     scratch: Option<&mut GemmScratch>,
 ) {
+    // SAFETY: the caller upholds `q4_product`'s contract.
+    unsafe { product(&Q4Tiles::<false>(w), x, rows, out, scratch) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+unsafe fn q4_vbmi(
+    w: &Q4Matrix,
+    x: &Q8Activations,
+    rows: Range<usize>,
+    out: &mut [f32],
+    scratch: Option<&mut GemmScratch>,
+) {
+    // SAFETY: the caller upholds `q4_product`'s contract, and the CPU has AVX-512 VBMI (for
+    // the assembly loop's `vpermb`).
+    unsafe { product(&Q4Tiles::<true>(w), x, rows, out, scratch) }
+}
+
+/// `out[t * rows.len() + i] = W[rows.start + i] . x[t]` for a tiled Q4 `w`.
+///
+/// # Safety
+/// As [`mxfp4_product`].
+pub(in crate::kernels) unsafe fn q4_product(
+    w: &Q4Matrix,
+    x: &Q8Activations,
+    rows: Range<usize>,
+    out: &mut [f32],
+    scratch: Option<&mut GemmScratch>,
+    vbmi: bool,
+) {
     debug_assert!(w.tiled);
-    // SAFETY: the caller upholds the contract.
-    unsafe { product(&Q4Tiles(w), x, rows, out, scratch) }
+    // SAFETY: the caller upholds the contract, which both entries share.
+    unsafe {
+        if vbmi {
+            q4_vbmi(w, x, rows, out, scratch)
+        } else {
+            q4_plain(w, x, rows, out, scratch)
+        }
+    }
 }

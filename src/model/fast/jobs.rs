@@ -237,7 +237,7 @@ impl Work {
             self.pass_in.resize_with(slots, Q8Activations::new);
         }
         for (index, job) in jobs.iter().enumerate() {
-            if let (Some(passes), Some(x)) = (gemv_passes(job), job.quantized) {
+            if let (Some(passes), Some(x)) = (gemv_passes(job, k), job.quantized) {
                 for pass in 0..passes {
                     let first = pass * kernels::MAX_GEMV_TOKENS;
                     let count = kernels::MAX_GEMV_TOKENS.min(job.tokens - first);
@@ -265,7 +265,7 @@ impl Work {
             // SAFETY: see `SharedOut`: this task's block [block_offset, block_offset + len) is its
             // own.
             let block = unsafe { shared.slice(task.block_offset, len) };
-            let passes = gemv_passes(job).map_or(&[][..], |passes| {
+            let passes = gemv_passes(job, k).map_or(&[][..], |passes| {
                 &pass_in[task.job * GEMV_PASSES..task.job * GEMV_PASSES + passes]
             });
             run_task(k, job, task.rows.0..task.rows.1, block, passes);
@@ -302,7 +302,7 @@ pub(super) fn run_whole_job(k: Kernels, job: &Job<'_>, block: &mut [f32], out: &
     let rows = job.weights.rows();
     assert_eq!(block.len(), job.tokens * rows, "a block per part row");
     assert_eq!(out.len(), job.out_rows() * rows, "an output row per token");
-    assert!(gemv_passes(job).is_none(), "GEMV passes are Work::run's");
+    assert!(gemv_passes(job, k).is_none(), "GEMV passes are Work::run's");
     if job.parts == 1 {
         run_task(k, job, 0..rows, out, &[]);
         return;
@@ -462,11 +462,12 @@ const PASS_ROWS: usize = 64;
 /// half the read bandwidth (`bench --kernels`), so a second pass would not come nearly free.
 ///
 /// Tiled Q8 matrices take none: their kernel keeps up to 8 tokens' sums in registers per pass
-/// over a tile and runs up to 16 tokens a call that way, so one call beats cut passes.
-fn gemv_passes(job: &Job<'_>) -> Option<usize> {
+/// over a tile and runs up to 16 tokens a call that way, so one call beats cut passes. Nor do
+/// tiled Q4 matrices where the assembly loop runs them ([`Kernels::nibble_assembly`]).
+fn gemv_passes(job: &Job<'_>, k: Kernels) -> Option<usize> {
     let int8_dense = match job.weights {
         JobWeights::Dense(DenseMatrix::Q8(m)) => !m.is_tiled(),
-        JobWeights::Dense(DenseMatrix::Q4(_)) => true,
+        JobWeights::Dense(DenseMatrix::Q4(m)) => !(m.is_tiled() && k.nibble_assembly()),
         _ => false,
     };
     let passes = job.tokens.div_ceil(kernels::MAX_GEMV_TOKENS);
@@ -528,7 +529,11 @@ fn run_task(
             k.bf16_gemm(m.values(), m.cols(), job.plain, rows, out)
         }
         (JobWeights::Dense(DenseMatrix::Q8(m)), Some(x)) if few => k.q8_gemv(m, x, rows, out),
-        (JobWeights::Dense(DenseMatrix::Q4(m)), Some(x)) if few => k.q4_gemv(m, x, rows, out),
+        (JobWeights::Dense(DenseMatrix::Q4(m)), Some(x))
+            if few && (x.rows() == 1 || !(m.is_tiled() && k.nibble_assembly())) =>
+        {
+            k.q4_gemv(m, x, rows, out)
+        }
         (weights, Some(x)) => GEMM_SCRATCH.with(|scratch| {
             let mut guard = scratch.borrow_mut();
             if guard.0 < x.cols() {

@@ -1,8 +1,9 @@
-//! The register-only MXFP4 tile product of [`super::tiles`] (a tile of 16 weight rows against
-//! up to [`super::tiles::DIRECT_TOKENS`] tokens, nibbles decoded with `vpermb`) as one loop of
-//! assembly, with the tokens' operands packed once per call (into the GEMM scratch) so that
-//! every operand of a block sits at a constant offset from one pointer. It runs the calls of
-//! 2-24 tokens; one token (decode), bound by memory, keeps the intrinsics loop, which decoded
+//! The register-only tile product of [`super::tiles`] for the nibble formats, MXFP4 and Q4 (a
+//! tile of 16 weight rows against up to [`super::tiles::DIRECT_TOKENS`] tokens, nibbles decoded
+//! with `vpermb`; the formats differ in the table and in their scales, E8M0 bytes or f16) as one
+//! loop of assembly, with the tokens' operands packed once per call (into the GEMM scratch) so
+//! that every operand of a block sits at a constant offset from one pointer. It runs the calls
+//! of 2-24 tokens; one token (decode), bound by memory, keeps the intrinsics loop, which decoded
 //! as fast.
 //!
 //! # Why assembly
@@ -34,8 +35,13 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::super::formats::{Q8Activations, BLOCK_LEN, GROUP_BLOCKS, GROUP_LANES, GROUP_LEN};
-use super::{SCALE_EXPONENT_ADD, SCALE_MULTIPLY, SCALE_SHIFTED_SUM, SHIFTED_SUM_BIAS};
+use super::super::formats::{
+    Q8Activations, BLOCK_LEN, GROUP_BLOCKS, GROUP_LANES, GROUP_LEN, MXFP4_TILE_ROWS,
+};
+use super::{
+    FORMAT_MXFP4, FORMAT_Q4, MXFP4_UNSIGNED_64, Q4_UNSIGNED_64, SCALE_EXPONENT_ADD, SCALE_MULTIPLY,
+    SCALE_SHIFTED_SUM, SHIFTED_SUM_BIAS,
+};
 
 /// Calls of the loop in this process: its results are the intrinsics kernel's bits, so this is
 /// how a test sees that a product ran here.
@@ -118,7 +124,7 @@ pub(super) struct LinePrefetch {
 /// picks the other scalings).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi")]
-pub(super) unsafe fn tile_tokens<const T: usize, const SCALING: u8>(
+pub(super) unsafe fn tile_tokens<const T: usize, const SCALING: u8, const FORMAT: u8>(
     vectors: *const u8,
     scales: *const u8,
     packed: *const u32,
@@ -135,6 +141,7 @@ pub(super) unsafe fn tile_tokens<const T: usize, const SCALING: u8>(
                 || SCALING == SCALE_EXPONENT_ADD
                 || SCALING == SCALE_SHIFTED_SUM
         );
+        assert!(FORMAT == FORMAT_MXFP4 || FORMAT == FORMAT_Q4);
     }
     let bias = if SCALING == SCALE_SHIFTED_SUM {
         SHIFTED_SUM_BIAS
@@ -142,6 +149,11 @@ pub(super) unsafe fn tile_tokens<const T: usize, const SCALING: u8>(
         127 << 23
     };
     debug_assert!(blocks > 0 && BLOCK_LEN == 32);
+    let table = if FORMAT == FORMAT_Q4 {
+        Q4_UNSIGNED_64.as_ptr()
+    } else {
+        MXFP4_UNSIGNED_64.as_ptr()
+    };
     // SAFETY: the caller upholds the contract: every address below lies in the tile's vectors
     // and scales, the packed words or `acc` (prefetches never fault); the registers written are
     // declared clobbered.
@@ -209,8 +221,12 @@ pub(super) unsafe fn tile_tokens<const T: usize, const SCALING: u8>(
             ".endif",
             ".endr",
             ".endr",
+            ".if {F16}",
+            "vcvtph2ps zmm27, ymmword ptr [{scales}]",
+            ".else",
             "vpmovzxbd zmm27, xmmword ptr [{scales}]",
             "vpslld zmm27, zmm27, 23",
+            ".endif",
             ".if {SCALING} != 0",
             "vpsubd zmm27, zmm27, zmm29",
             ".endif",
@@ -227,7 +243,7 @@ pub(super) unsafe fn tile_tokens<const T: usize, const SCALING: u8>(
             "ossterm_fold 10, 22",
             "ossterm_fold 11, 23",
             "add {vectors}, 256",
-            "add {scales}, 16",
+            "add {scales}, {SCALE_BYTES}",
             "add {packed}, 40 * {T}",
             "dec {blocks}",
             "jnz 2b",
@@ -239,7 +255,10 @@ pub(super) unsafe fn tile_tokens<const T: usize, const SCALING: u8>(
             ".purgem ossterm_fold",
             T = const T,
             SCALING = const SCALING,
-            table = in(reg) super::MXFP4_UNSIGNED_64.as_ptr(),
+            // Q4's scales are 16 f16 a block, MXFP4's 16 E8M0 bytes.
+            F16 = const (FORMAT == FORMAT_Q4) as usize,
+            SCALE_BYTES = const MXFP4_TILE_ROWS * (1 + (FORMAT == FORMAT_Q4) as usize),
+            table = in(reg) table,
             bias = in(reg) bias,
             acc = in(reg) acc.as_mut_ptr(),
             vectors = inout(reg) vectors => _,
