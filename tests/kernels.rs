@@ -1649,6 +1649,39 @@ fn amx_gemm_gives_the_avx512_bits_across_passes_and_scales() {
     }
 }
 
+/// The matrix unit keeps each thread's last packed activations and reuses them while their
+/// buffer holds the same quantization (every task of a product packs the same rows): a buffer
+/// quantized again with new values of the same shape, then with fewer rows, must give the new
+/// values' products, the AVX-512 path's bits.
+#[test]
+fn amx_gemm_packs_again_what_is_quantized_again_into_the_same_buffer() {
+    let Some((amx, avx512)) = amx_and_avx512() else {
+        return;
+    };
+    let mut rng = rng(47);
+    let (rows, cols) = (32, 2880);
+    let data = Mxfp4Data::random(&mut rng, rows, cols, 118..=130);
+    let tiled = TiledData::from(&data);
+    let t = tiled.matrix();
+    let mut scratch = GemmScratch::new(cols);
+    let mut x = Q8Activations::new();
+    for (round, tokens) in [40, 40, 17].into_iter().enumerate() {
+        let values = random_f32(&mut rng, tokens * cols, 3.0);
+        amx.quantize_activation_rows(&values, cols, &mut x).unwrap();
+        let [on_the_matrix_unit, on_avx512] = [&amx, &avx512].map(|k| {
+            let mut out = vec![f32::NAN; tokens * rows];
+            k.mxfp4_gemm(&t, &x, 0..rows, &mut out, &mut scratch)
+                .unwrap();
+            out
+        });
+        assert_eq!(
+            bits(&on_the_matrix_unit),
+            bits(&on_avx512),
+            "round {round} ({tokens} tokens): AVX-512 bits"
+        );
+    }
+}
+
 /// The AMX Q8 GEMM (the `amx` path's tiled Q8 products of 16 rows and more: the attention
 /// projections of a prompt) gives the AVX-512 tile GEMM's bits, and the scalar reference's
 /// results within the sum-order tolerance, in every case of [`for_each_amx_case`], with odd

@@ -6,6 +6,7 @@
 //! the even elements), so no kernel needs an interleaving shuffle.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 use half::f16;
@@ -288,7 +289,13 @@ pub struct Q8Activations {
     /// quantization (every writer resizes first, which clears it) and shared by every task of
     /// every product that reads these rows.
     scale_exponents: OnceLock<Option<ScaleExponents>>,
+    /// [`Q8Activations::generation`]: a number no other quantization in this process had,
+    /// taken by every writer (each resizes first); 0 before the first.
+    generation: u64,
 }
+
+/// The next [`Q8Activations::generation`].
+static NEXT_GENERATION: AtomicU64 = AtomicU64::new(1);
 
 /// What the AVX-512 kernels need to know of a batch's block scales to choose how they apply
 /// them (see `avx512::scaling`).
@@ -318,6 +325,7 @@ impl Q8Activations {
             sum_lanes: AlignedVec::with_capacity(rows * groups * GROUP_LANES),
             corrections: AlignedVec::with_capacity(rows * groups * GROUP_LANES),
             scale_exponents: OnceLock::new(),
+            generation: 0,
         }
     }
 
@@ -358,8 +366,18 @@ impl Q8Activations {
         self.row_scale_lanes(row)[group * GROUP_LANES + j * 4]
     }
 
+    /// Which contents these rows hold: a number that changes with every write (a quantization,
+    /// a gather) and that no other buffer's write in this process took, so a kernel that keeps
+    /// something derived from the rows (the matrix unit's packed tiles) can tell whether it still
+    /// fits. A clone shares it with its source, and their contents are the same until one of
+    /// them is written. 0 for a buffer never written.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation
+    }
+
     fn resize(&mut self, rows: usize, cols: usize) {
         self.scale_exponents = OnceLock::new();
+        self.generation = NEXT_GENERATION.fetch_add(1, Ordering::Relaxed);
         self.rows = rows;
         self.cols = cols;
         self.groups = groups_for(cols);
