@@ -1409,7 +1409,8 @@ fn mxfp4_products_with_power_of_two_activations_match_single_tokens() {
 }
 
 /// On a CPU with AVX-512 VBMI, the tiled MXFP4 and Q4 GEMMs of 2-24 tokens run the loop in
-/// assembly, and so does `mxfp4_product` from 2 tokens (it sends 2-4 to the GEMM entry): the
+/// assembly, and so do `mxfp4_product` and `q4_product` from 2 tokens (they send 2-4 to the GEMM
+/// entry): the
 /// loop's bits are the intrinsics kernel's (which the tests above compare with the row-order
 /// GEMM), so only its count shows that it ran. Other tests may run it meanwhile: the count only
 /// has to grow.
@@ -1437,6 +1438,7 @@ fn the_assembly_loop_runs_the_calls_of_two_to_twenty_four_tokens() {
         Mxfp4Gemm,
         Mxfp4Product,
         Q4Gemm,
+        Q4Product,
     }
     let run = |k: Kernels, tokens: usize, call: Call, scratch: &mut GemmScratch| {
         let mut x = Q8Activations::new();
@@ -1450,12 +1452,18 @@ fn the_assembly_loop_runs_the_calls_of_two_to_twenty_four_tokens() {
             Call::Mxfp4Gemm => k.mxfp4_gemm(&w, &x, 0..rows, &mut out, scratch),
             Call::Mxfp4Product => k.mxfp4_product(&w, &x, 0..rows, &mut out, scratch),
             Call::Q4Gemm => k.q4_gemm(&q4, &x, 0..rows, &mut out, scratch),
+            Call::Q4Product => k.q4_product(&q4, &x, 0..rows, &mut out, scratch),
         }
         .unwrap();
         ossterm::kernels::nibble_assembly_count() > before
     };
     for tokens in [2, 3, 4, 5, 8, 12, 13, 24] {
-        for call in [Call::Mxfp4Gemm, Call::Mxfp4Product, Call::Q4Gemm] {
+        for call in [
+            Call::Mxfp4Gemm,
+            Call::Mxfp4Product,
+            Call::Q4Gemm,
+            Call::Q4Product,
+        ] {
             assert!(
                 run(vbmi, tokens, call, &mut scratch),
                 "{tokens} tokens ({call:?}): the loop did not run"

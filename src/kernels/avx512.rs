@@ -611,15 +611,8 @@ const MXFP4_UNSIGNED_64: [i8; 64] = repeat_table(&MXFP4_UNSIGNED);
 
 /// The same kind of table for Q4, whose unsigned operands are the nibbles themselves: with it
 /// `vpermb` masks a nibble as `vpandd` would.
-const Q4_UNSIGNED_64: [i8; 64] = {
-    let mut table = [0i8; 64];
-    let mut i = 0;
-    while i < 64 {
-        table[i] = (i % 16) as i8;
-        i += 1;
-    }
-    table
-};
+const Q4_UNSIGNED_64: [i8; 64] =
+    repeat_table(&[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]);
 
 /// `vpshufb` control that puts scale byte j of a broadcast dword into the top byte of lanes
 /// 4j..4j+3 (the 128-bit lane j) and zeros the rest: `s << 24`, one shift away from the f32 bits

@@ -890,10 +890,18 @@ impl Kernels {
         Ok(())
     }
 
+    /// Whether a product of `tokens` tokens with a nibble matrix (MXFP4, Q4), in the tile
+    /// layout or not (`tiled`), is fastest through the GEMV entry: one token always; up to
+    /// [`MAX_GEMV_TOKENS`] unless the GEMM runs it on the assembly loop
+    /// ([`Kernels::nibble_assembly`]), which packs the tokens into the scratch the GEMV has not
+    /// got. The choice of [`Kernels::mxfp4_product`] and [`Kernels::q4_product`].
+    fn nibble_gemv_fits(&self, tiled: bool, tokens: usize) -> bool {
+        tokens == 1 || (tokens <= MAX_GEMV_TOKENS && !(tiled && self.nibble_assembly()))
+    }
+
     /// `out[t * rows.len() + i] = W[rows.start + i] . x[t]` through the kernel that is fastest
     /// for `x.rows()` tokens: the GEMV up to [`MAX_GEMV_TOKENS`], the GEMM beyond; from two
-    /// tokens the GEMM where it runs tiles through the assembly loop (AVX-512 VBMI), which
-    /// packs the tokens into the scratch the GEMV has not got.
+    /// tokens the GEMM where it runs tiles through the assembly loop (AVX-512 VBMI).
     pub fn mxfp4_product(
         &self,
         w: &Mxfp4Matrix,
@@ -902,8 +910,7 @@ impl Kernels {
         out: &mut [f32],
         scratch: &mut GemmScratch,
     ) -> Result<(), KernelError> {
-        let assembly = w.layout == Mxfp4Layout::Tiles && self.nibble_assembly();
-        if x.rows() == 1 || (x.rows() <= MAX_GEMV_TOKENS && !assembly) {
+        if self.nibble_gemv_fits(w.layout == Mxfp4Layout::Tiles, x.rows()) {
             self.mxfp4_gemv(w, x, rows, out)
         } else {
             self.mxfp4_gemm(w, x, rows, out, scratch)
@@ -989,6 +996,22 @@ impl Kernels {
     /// the GEMV (which keeps the intrinsics loop, as one token should).
     pub fn nibble_assembly(&self) -> bool {
         self.vbmi && matches!(self.path, KernelPath::Avx512 | KernelPath::Amx)
+    }
+
+    /// Like [`Kernels::mxfp4_product`] for a [`Q4Matrix`].
+    pub fn q4_product(
+        &self,
+        w: &Q4Matrix,
+        x: &Q8Activations,
+        rows: Range<usize>,
+        out: &mut [f32],
+        scratch: &mut GemmScratch,
+    ) -> Result<(), KernelError> {
+        if self.nibble_gemv_fits(w.tiled, x.rows()) {
+            self.q4_gemv(w, x, rows, out)
+        } else {
+            self.q4_gemm(w, x, rows, out, scratch)
+        }
     }
 
     /// Like [`Kernels::mxfp4_gemm`] for a [`Q4Matrix`].

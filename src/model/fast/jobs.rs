@@ -517,8 +517,8 @@ fn run_task(
 ) {
     // A token and its split remainder (decode), or the few tokens an expert gets in a batched
     // step or a short prefill, stream the weights once through the GEMV; more go to the GEMM.
-    // For the experts the kernels decide (`Kernels::mxfp4_product`), so the choice is made in
-    // one place.
+    // For the nibble formats, the experts' MXFP4 and dense Q4, the kernels decide
+    // (`Kernels::mxfp4_product`, `Kernels::q4_product`), so the choice is made in one place.
     let few = job.tokens <= kernels::MAX_GEMV_TOKENS;
     let result = match (job.weights, job.quantized) {
         (JobWeights::Dense(m), Some(_)) if !passes.is_empty() => {
@@ -529,11 +529,6 @@ fn run_task(
             k.bf16_gemm(m.values(), m.cols(), job.plain, rows, out)
         }
         (JobWeights::Dense(DenseMatrix::Q8(m)), Some(x)) if few => k.q8_gemv(m, x, rows, out),
-        (JobWeights::Dense(DenseMatrix::Q4(m)), Some(x))
-            if few && (x.rows() == 1 || !(m.is_tiled() && k.nibble_assembly())) =>
-        {
-            k.q4_gemv(m, x, rows, out)
-        }
         (weights, Some(x)) => GEMM_SCRATCH.with(|scratch| {
             let mut guard = scratch.borrow_mut();
             if guard.0 < x.cols() {
@@ -542,7 +537,7 @@ fn run_task(
             let scratch = &mut guard.1;
             match weights {
                 JobWeights::Dense(DenseMatrix::Q8(m)) => k.q8_gemm(m, x, rows, out, scratch),
-                JobWeights::Dense(DenseMatrix::Q4(m)) => k.q4_gemm(m, x, rows, out, scratch),
+                JobWeights::Dense(DenseMatrix::Q4(m)) => k.q4_product(m, x, rows, out, scratch),
                 JobWeights::Expert(m) => k.mxfp4_product(&m, x, rows, out, scratch),
                 _ => unreachable!("bf16 weights take the plain path above"),
             }
