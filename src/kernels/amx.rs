@@ -478,44 +478,53 @@ fn pack_activations(
     }
 }
 
-/// Writes tile `tile` of `w`, its first `blocks` blocks, as B tiles of signed int8: per block,
-/// the AVX-512 kernels' unsigned operands of dword `s` (their even half as row `s`, odd half as
-/// row `4 + s`, the order the packed activations hold them) less the format's offset. The
-/// signed sums are the unsigned sums plus the activations' correction: the same integers.
+/// Writes block `block` of the tile whose operand bytes start at `vectors` (from
+/// [`TileSource::tile_base`]) as a B tile of signed int8 at `dst`: the AVX-512 kernels' unsigned
+/// operands of dword `s` (their even half as row `s`, odd half as row `4 + s`, the order the
+/// packed activations hold them) less the format's offset. The signed sums are the unsigned sums
+/// plus the activations' correction: the same integers.
 ///
 /// # Safety
-/// AVX-512 F/BW available; `tile` is a tile of `w`, `blocks` at most its blocks per row; `out`
-/// holds `blocks x` [`B_TILE_BYTES`] bytes, 64-byte aligned.
+/// AVX-512 F/BW available; `vectors` is a tile of a `W` matrix and `block` below its blocks per
+/// row; `dst` has [`B_TILE_BYTES`] writable bytes, 64-byte aligned.
 #[inline(always)]
-unsafe fn decode_tile<W: TileSource>(w: &W, tile: usize, blocks: usize, out: &mut [u8]) {
-    assert!(out.len() >= blocks * B_TILE_BYTES);
-    let (vectors, _) = w.tile_base(tile);
-    // SAFETY: `operands` reads inside the tile for blocks of the row and s < 4 (its contract,
-    // upheld by the caller's); every store writes 64 bytes inside `out` (length above).
+unsafe fn decode_block<W: TileSource>(vectors: *const u8, block: usize, dst: *mut u8) {
+    // SAFETY: `operands` reads inside the tile for a block of the row and s < 4 (its contract,
+    // upheld by the caller's); every store writes 64 bytes inside `dst`.
     unsafe {
         // The offset as a byte: 128 wraps to -128, and the subtraction wraps alike.
         let offset = _mm512_set1_epi8(operand_offset(W::FORMAT) as i8);
-        for block in 0..blocks {
-            let dst = out.as_mut_ptr().add(block * B_TILE_BYTES);
-            for s in 0..4 {
-                let (evens, odds) = W::operands(vectors, block, s);
-                _mm512_store_si512(dst.add(s * 64).cast(), _mm512_sub_epi8(evens, offset));
-                _mm512_store_si512(dst.add((4 + s) * 64).cast(), _mm512_sub_epi8(odds, offset));
-            }
+        for s in 0..4 {
+            let (evens, odds) = W::operands(vectors, block, s);
+            _mm512_store_si512(dst.add(s * 64).cast(), _mm512_sub_epi8(evens, offset));
+            _mm512_store_si512(dst.add((4 + s) * 64).cast(), _mm512_sub_epi8(odds, offset));
         }
     }
 }
 
-/// The 16 x 16 products of one token tile (`a`: its `blocks` A tiles) and a weight tile decoded
-/// into `b` whose scales start at `scales` (from [`TileSource::tile_base`]): per block, int32
-/// sums x (weight scale x activation scale) added in f32, block by block, with `act_scales` the
-/// token tile's `[block][token]` scales; prefetches share `part` of `parts` of `prefetch` into
-/// L2.
+/// Blocks a [`tile_product`] that decodes its weight tile writes ahead of the block it issues
+/// to the matrix unit: a tile load right behind the vector stores of its bytes waits for them to
+/// reach the cache, as a vector load behind a tile store does.
+const DECODE_AHEAD: usize = 2;
+
+/// The 16 x 16 products of one token tile (`a`: its `blocks` A tiles) and a weight tile in `b`
+/// whose scales start at `scales` (from [`TileSource::tile_base`]): per block, int32 sums x
+/// (weight scale x activation scale) added in f32, block by block, with `act_scales` the token
+/// tile's `[block][token]` scales; prefetches share `part` of `parts` of `prefetch` into L2.
+/// With `decode` (the tile's operand bytes) the weight tile is decoded into `b` as the blocks
+/// go, [`DECODE_AHEAD`] blocks ahead of the matrix unit, so the vector work of the decode runs
+/// while the matrix unit multiplies; without, `b` holds it decoded. Decoded whole before the
+/// products, the decode and the products took turns: one 2880 x 2880 MXFP4 matrix, 16 tokens,
+/// took 0.82 / 0.69 ms on one thread and 0.41 / 0.34 on two, against 0.59 / 0.58 and 0.28 / 0.30
+/// decoded as it goes (Q8 one thread 0.80 / 0.84 -> 0.66 / 0.67 ms); a 58-token prefill 1146 /
+/// 1171 / 1159 -> 1102 / 1012 / 1110 ms (Xeon with AMX, `bench --kernels` and `bench --profile`,
+/// alternating).
 ///
 /// # Safety
-/// `session` holds [`BLOCK_CONFIG`]; the AVX-512 path's features available; `a` holds `blocks` A tiles, `b`
-/// `blocks` B tiles, `sums` [`SUM_TILES`] sum tiles (64-byte aligned) and `act_scales` `blocks
-/// x 16` floats.
+/// `session` holds [`BLOCK_CONFIG`]; the AVX-512 path's features available; `a` holds `blocks` A
+/// tiles, `b` room for `blocks` B tiles (64-byte aligned; decoded unless `decode` is given, whose
+/// tile has `blocks` blocks a row), `sums` [`SUM_TILES`] sum tiles (64-byte aligned) and
+/// `act_scales` `blocks x 16` floats.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
@@ -523,7 +532,8 @@ unsafe fn tile_product<W: TileSource, const ROWS: usize>(
     session: &TileSession,
     scales: *const u8,
     a: *const u8,
-    b: *const u8,
+    b: *mut u8,
+    decode: Option<*const u8>,
     sums: *mut u8,
     act_scales: *const f32,
     blocks: usize,
@@ -547,6 +557,16 @@ unsafe fn tile_product<W: TileSource, const ROWS: usize>(
     };
     // SAFETY: block offsets stay below `blocks` (the contract's sizes).
     unsafe {
+        let decode_ahead = |block: usize| {
+            if let Some(vectors) = decode {
+                if block < blocks {
+                    decode_block::<W>(vectors, block, b.add(block * B_TILE_BYTES));
+                }
+            }
+        };
+        for block in 0..LOOKAHEAD + DECODE_AHEAD {
+            decode_ahead(block);
+        }
         for ahead in 0..LOOKAHEAD.min(blocks) {
             session.issue(
                 ahead,
@@ -556,6 +576,7 @@ unsafe fn tile_product<W: TileSource, const ROWS: usize>(
         }
         for block in 0..blocks {
             prefetch_share_into::<true>(prefetch, part * blocks + block, parts * blocks);
+            decode_ahead(block + LOOKAHEAD + DECODE_AHEAD);
             let next = block + LOOKAHEAD;
             if next < blocks {
                 session.issue(next, a.add(next * A_TILE_BYTES), b.add(next * B_TILE_BYTES));
@@ -611,7 +632,8 @@ pub(crate) fn gemm_count() -> usize {
 }
 
 /// The matrix unit's GEMM of a tiled `w`: per pass of up to [`PASS_TOKEN_TILES`] token tiles,
-/// each weight tile decoded once into B tiles and multiplied by every token tile of the pass.
+/// each weight tile decoded once into B tiles (as the pass's first token tile is multiplied)
+/// and multiplied by every token tile of the pass.
 ///
 /// # Safety
 /// As [`mxfp4_gemm`]. It carries the features itself (not only its callers), so that the
@@ -668,8 +690,7 @@ unsafe fn gemm<W: TileSource>(w: &W, x: &Q8Activations, rows: Range<usize>, out:
             for pass in (0..token_tiles).step_by(PASS_TOKEN_TILES) {
                 let pass_end = (pass + PASS_TOKEN_TILES).min(token_tiles);
                 for tile in weight_tiles.clone() {
-                    decode_tile(w, tile, blocks, b);
-                    let (_, scales) = w.tile_base(tile);
+                    let (vectors, scales) = w.tile_base(tile);
                     // The next tile (past `rows` up to the matrix's end, so the next task's
                     // first tile is not a cold miss either) comes into L2 while this one's
                     // token tiles are multiplied: the decode above would otherwise wait for
@@ -688,7 +709,8 @@ unsafe fn gemm<W: TileSource>(w: &W, x: &Q8Activations, rows: Range<usize>, out:
                                     &session,
                                     scales,
                                     a.as_ptr().add(token_tile * blocks * A_TILE_BYTES),
-                                    b.as_ptr(),
+                                    b.as_mut_ptr(),
+                                    (token_tile == pass).then_some(vectors),
                                     sums,
                                     act_scales.as_ptr().add(token_tile * blocks * TILE),
                                     blocks,
