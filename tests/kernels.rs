@@ -1580,8 +1580,8 @@ fn amx_and_avx512() -> Option<(Kernels, Kernels)> {
     Some((amx, avx512))
 }
 
-/// Runs `check(x, rows, what)` for the AMX cases of a `rows x cols` matrix: token counts from
-/// one tile to past a pass of 128, with last token tiles of each size the kernel scales apart
+/// Runs `check(x, rows, what)` for the AMX cases of a `rows x cols` matrix: token counts from the
+/// fewest the matrix unit takes to past a pass of 128, with last token tiles of each size the kernel scales apart
 /// (1-4, 5-8, 9-12, 13-16 tokens), `max / 127` and power-of-two activation scales, all rows and
 /// a range that cuts tiles.
 fn for_each_amx_case(
@@ -1590,7 +1590,8 @@ fn for_each_amx_case(
     (rows, cols): (usize, usize),
     mut check: impl FnMut(&Q8Activations, Range<usize>, &str),
 ) {
-    for tokens in [16, 17, 24, 31, 44, 65, 130] {
+    let fewest = ossterm::kernels::AMX_MIN_ROWS;
+    for tokens in [fewest, fewest + 1, 16, 17, 24, 31, 44, 65, 130] {
         let values = random_f32(rng, tokens * cols, 3.0);
         for rule in [ScaleRule::Tight, ScaleRule::PowerOfTwo] {
             let mut x = Q8Activations::new();
@@ -1626,7 +1627,7 @@ fn assert_amx_product(
     assert_eq!(bits(&got), bits(&other), "{what}: AVX-512 bits");
 }
 
-/// The AMX GEMM (the `amx` path's tiled MXFP4 products of 16 rows and more) gives the AVX-512
+/// The AMX GEMM (the `amx` path's tiled MXFP4 products of `AMX_MIN_ROWS` rows and more) gives the AVX-512
 /// tile GEMM's bits, and so the scalar reference's results within the sum-order tolerance, in
 /// every case of [`for_each_amx_case`], with odd numbers of token and weight tiles and zero and
 /// extreme weight scales. Skipped, saying so, where the CPU or OS has no AMX.
@@ -1690,7 +1691,7 @@ fn amx_gemm_packs_again_what_is_quantized_again_into_the_same_buffer() {
     }
 }
 
-/// The AMX Q8 GEMM (the `amx` path's tiled Q8 products of 16 rows and more: the attention
+/// The AMX Q8 GEMM (the `amx` path's tiled Q8 products of `AMX_MIN_ROWS` rows and more: the attention
 /// projections of a prompt) gives the AVX-512 tile GEMM's bits, and the scalar reference's
 /// results within the sum-order tolerance, in every case of [`for_each_amx_case`], with odd
 /// token and weight tiles, column counts with a short last group or a single partial one, and

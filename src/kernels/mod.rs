@@ -1126,7 +1126,7 @@ impl Kernels {
 #[cfg(target_arch = "x86_64")]
 pub const AMX_MIN_ROWS: usize = amx::MIN_ROWS;
 #[cfg(not(target_arch = "x86_64"))]
-pub const AMX_MIN_ROWS: usize = 16;
+pub const AMX_MIN_ROWS: usize = 12;
 
 /// MXFP4 and Q4 products the AVX-512 loop in assembly (`avx512/nibble_asm.rs`: 2-24 tokens, `vpermb`)
 /// has run in this process (0 elsewhere): its results are the intrinsics kernel's bits, so this
