@@ -1581,9 +1581,9 @@ fn amx_and_avx512() -> Option<(Kernels, Kernels)> {
 }
 
 /// Runs `check(x, rows, what)` for the AMX cases of a `rows x cols` matrix: token counts from the
-/// fewest the matrix unit takes to past a pass of 128, with last token tiles of each size the kernel scales apart
-/// (1-4, 5-8, 9-12, 13-16 tokens), `max / 127` and power-of-two activation scales, all rows and
-/// a range that cuts tiles.
+/// fewest the matrix unit takes to past a pass of 128, with last token tiles of each size the
+/// kernel scales apart (1-4, 5-8, 9-12, 13-16 tokens), `max / 127` and power-of-two activation
+/// scales, all rows and a range that cuts tiles.
 fn for_each_amx_case(
     rng: &mut ChaCha8Rng,
     amx: &Kernels,
@@ -1627,8 +1627,8 @@ fn assert_amx_product(
     assert_eq!(bits(&got), bits(&other), "{what}: AVX-512 bits");
 }
 
-/// The AMX GEMM (the `amx` path's tiled MXFP4 products of `AMX_MIN_ROWS` rows and more) gives the AVX-512
-/// tile GEMM's bits, and so the scalar reference's results within the sum-order tolerance, in
+/// The AMX GEMM (the `amx` path's tiled MXFP4 products of `AMX_MIN_ROWS` rows and more) gives
+/// the AVX-512 tile GEMM's bits, and so the scalar reference's results within the sum-order tolerance, in
 /// every case of [`for_each_amx_case`], with odd numbers of token and weight tiles and zero and
 /// extreme weight scales. Skipped, saying so, where the CPU or OS has no AMX.
 #[test]
@@ -1691,8 +1691,8 @@ fn amx_gemm_packs_again_what_is_quantized_again_into_the_same_buffer() {
     }
 }
 
-/// The AMX Q8 GEMM (the `amx` path's tiled Q8 products of `AMX_MIN_ROWS` rows and more: the attention
-/// projections of a prompt) gives the AVX-512 tile GEMM's bits, and the scalar reference's
+/// The AMX Q8 GEMM (the `amx` path's tiled Q8 products of `AMX_MIN_ROWS` rows and more: the
+/// attention projections of a prompt) gives the AVX-512 tile GEMM's bits, and the scalar reference's
 /// results within the sum-order tolerance, in every case of [`for_each_amx_case`], with odd
 /// token and weight tiles, column counts with a short last group or a single partial one, and
 /// weights small enough for subnormal f16 scales or large. Skipped, saying so, where the CPU or

@@ -80,15 +80,6 @@ const LOOKAHEAD: usize = 2;
 /// alternations; a 512-token prefill the same within noise).
 const PASS_TOKEN_TILES: usize = 8;
 
-/// Fewest activation rows for which the matrix unit beats the AVX-512 tile GEMM (same bits
-/// either way): below, one token tile's decode, sums and scaling cost more than the `vpdpbusd`
-/// they replace. `bench --kernels`, Xeon with AMX, one 2880 x 2880 matrix, two threads, AVX-512
-/// against the matrix unit (decoding as it multiplies), twice each: MXFP4 at M = 8 0.27 / 0.30
-/// against 0.29 / 0.32 ms, M = 10 0.30 / 0.34 against 0.31 / 0.33, M = 12 0.35 / 0.40 against
-/// 0.30 / 0.34, M = 14 0.41 / 0.42 against 0.33 / 0.35; Q8 at M = 12 0.41 / 0.40 against 0.38 /
-/// 0.38, M = 14 0.44 / 0.44 against 0.39 / 0.39.
-pub const MIN_ROWS: usize = 12;
-
 const ARCH_GET_XCOMP_PERM: libc::c_long = 0x1022;
 const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
 /// The XSAVE feature number of the tile data (XTILEDATA).

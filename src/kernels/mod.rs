@@ -872,7 +872,7 @@ impl Kernels {
             self,
             avx512: if self.path == KernelPath::Amx
                 && w.layout == Mxfp4Layout::Tiles
-                && x.rows() >= amx::MIN_ROWS
+                && x.rows() >= AMX_MIN_ROWS
             {
                 // The Amx path is only held after `amx::availability` granted the tile state;
                 // both kernels give the same bits, so the row count only picks the faster.
@@ -952,7 +952,7 @@ impl Kernels {
         scratch.check(w.cols)?;
         dispatch!(
             self,
-            avx512: if self.path == KernelPath::Amx && w.tiled && x.rows() >= amx::MIN_ROWS {
+            avx512: if self.path == KernelPath::Amx && w.tiled && x.rows() >= AMX_MIN_ROWS {
                 // As in `mxfp4_gemm`: the tile state was granted, the bits are the same.
                 amx::q8_gemm(w, x, rows, out)
             } else {
@@ -1123,13 +1123,17 @@ impl Kernels {
 
 /// Fewest activation rows of a tiled MXFP4 or Q8 GEMM that the `amx` path runs on the matrix
 /// unit (fewer take the AVX-512 kernel; the bits are the same).
-#[cfg(target_arch = "x86_64")]
-pub const AMX_MIN_ROWS: usize = amx::MIN_ROWS;
-#[cfg(not(target_arch = "x86_64"))]
+///
+/// It is where the matrix unit beats the AVX-512 tile GEMM: below, one token tile's decode, sums
+/// and scaling cost more than the `vpdpbusd` they replace. `bench --kernels`, Xeon with AMX, one 2880 x 2880 matrix, two threads, AVX-512
+/// against the matrix unit (decoding as it multiplies), twice each: MXFP4 at M = 8 0.27 / 0.30
+/// against 0.29 / 0.32 ms, M = 10 0.30 / 0.34 against 0.31 / 0.33, M = 12 0.35 / 0.40 against
+/// 0.30 / 0.34, M = 14 0.41 / 0.42 against 0.33 / 0.35; Q8 at M = 12 0.41 / 0.40 against 0.38 /
+/// 0.38, M = 14 0.44 / 0.44 against 0.39 / 0.39.
 pub const AMX_MIN_ROWS: usize = 12;
 
-/// MXFP4 and Q4 products the AVX-512 loop in assembly (`avx512/nibble_asm.rs`: 2-24 tokens, `vpermb`)
-/// has run in this process (0 elsewhere): its results are the intrinsics kernel's bits, so this
+/// MXFP4 and Q4 products the AVX-512 loop in assembly (`avx512/nibble_asm.rs`: 2-24 tokens,
+/// `vpermb`) has run in this process (0 elsewhere): its results are the intrinsics kernel's bits, so this
 /// is how a test sees that it ran.
 pub fn nibble_assembly_count() -> usize {
     #[cfg(target_arch = "x86_64")]
