@@ -384,9 +384,10 @@ impl AttentionScratch {
     }
 }
 
-/// The buffers of the AMX path (`amx.rs`), whose products are transposed: query rows across the
-/// 16 lanes of a row tile, keys or head dims down it. Rows are the block's query rows rounded up
-/// to a multiple of 16.
+/// The buffers of the AMX path (`amx.rs`), whose logits are transposed: query rows across the
+/// 16 lanes of a row tile, keys down it; so are the value products of blocks of several row
+/// tiles, while a block of one row tile (a decoded token) takes them untransposed, query rows
+/// down the tile. Rows are the block's query rows rounded up to a multiple of 16.
 #[derive(Clone, Debug)]
 struct AmxScratch {
     /// bf16 queries, rows x head_dim; then per row tile its pairs of elements transposed
@@ -398,16 +399,18 @@ struct AmxScratch {
     seen_to: Vec<usize>,
     running_max: Vec<f32>,
     running_sum: Vec<f32>,
-    /// Unnormalized outputs, per row tile head_dim x 16.
+    /// Unnormalized outputs, per row tile head_dim x 16 (one row tile: 16 x head_dim).
     acc: AlignedVec<f32>,
     /// Three key tiles in bf16 (TILE_KEYS x head_dim each), their values transposed (head_dim x
-    /// TILE_KEYS each): a pipeline stages one while the others are multiplied.
+    /// TILE_KEYS each; one row tile: pairs of value rows interleaved, the same size): a pipeline
+    /// stages one while the others are multiplied.
     keys: AlignedVec<u16>,
     values: AlignedVec<u16>,
     /// Two steps' logits (TILE_KEYS x 16 each), paired bf16 probabilities (TILE_KEYS / 2 x 16
-    /// each) and value products (head_dim x 16 each).
+    /// each), those transposed to rows (one row tile) and value products (head_dim x 16 each).
     logits: AlignedVec<f32>,
     probs: AlignedVec<u32>,
+    prob_rows: AlignedVec<u32>,
     partial: AlignedVec<f32>,
 }
 
@@ -426,6 +429,7 @@ impl AmxScratch {
             values: AlignedVec::filled(3 * TILE_KEYS * padded, 0),
             logits: AlignedVec::filled(2 * TILE_KEYS * 16, 0.0),
             probs: AlignedVec::filled(2 * TILE_KEYS / 2 * 16, 0),
+            prob_rows: AlignedVec::filled(2 * TILE_KEYS / 2 * 16, 0),
             partial: AlignedVec::filled(2 * padded * 16, 0.0),
         }
     }

@@ -52,6 +52,8 @@ const LANES: usize = 16;
 const K: usize = 32;
 /// Bytes of a tile row of 16 f32 or 16 pairs of bf16: the stride of every transposed operand.
 const ROW_BYTES: usize = 64;
+/// bf16 elements of a B tile of paired value rows: 16 key pairs x 16 head dims x 2.
+const PAIR_TILE: usize = K / 2 * K;
 
 /// Attention of a block over one KV head of an f16 cache, on the matrix unit.
 ///
@@ -116,7 +118,7 @@ pub(super) unsafe fn attend(
     let session = unsafe { TileSession::start(&FULL_CONFIG) };
     if row_tiles == 1 {
         // SAFETY: the session holds FULL_CONFIG; the caller's contract.
-        unsafe { attend_one_row_tile(&session, kv, layout, visible, tokens, amx) };
+        unsafe { attend_one_row_tile(&session, kv, layout, visible, (tokens, total), amx) };
     } else {
         // SAFETY: as above.
         unsafe { attend_row_tiles(&session, kv, layout, visible, (tokens, heads), amx) };
@@ -127,24 +129,31 @@ pub(super) unsafe fn attend(
         let sink = query.sinks[r % heads];
         let denominator = amx.running_sum[r] + (sink - amx.running_max[r]).exp();
         let inverse = 1.0 / denominator;
-        let acc = &amx.acc[(r / ROWS) * d * ROWS + r % ROWS..];
-        for (c, o) in out.iter_mut().enumerate() {
-            *o = acc[c * ROWS] * inverse;
+        if row_tiles == 1 {
+            for (o, a) in out.iter_mut().zip(&amx.acc[r * d..]) {
+                *o = a * inverse;
+            }
+        } else {
+            let acc = &amx.acc[(r / ROWS) * d * ROWS + r % ROWS..];
+            for (c, o) in out.iter_mut().enumerate() {
+                *o = acc[c * ROWS] * inverse;
+            }
         }
     }
 }
 
 /// Stages key tile `tile` for the products: its keys as bf16 rows of d (zeros up to a whole 16)
-/// at `keys`, its values transposed ([`stage_values_transposed`]) at `values`, values before
-/// row `skip` of the tile (the block's first visible key) and past its end as zeros; asks for
-/// the next tile's rows meanwhile.
+/// at `keys`, its values at `values` transposed ([`stage_values_transposed`]) or, with
+/// `PAIRED`, as pairs of rows ([`stage_values_paired`]), values before row `skip` of the tile
+/// (the block's first visible key) and past its end as zeros; asks for the next tile's rows
+/// meanwhile.
 ///
 /// # Safety
 /// The tile's rows lie inside the cache; `keys` and `values` have room for TILE_KEYS x d bf16;
 /// the CPU has the features below.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
-unsafe fn stage_tile(
+unsafe fn stage_tile<const PAIRED: bool>(
     kv: &KvHead<'_, f16>,
     layout: RowLayout,
     tile: Range<usize>,
@@ -154,8 +163,13 @@ unsafe fn stage_tile(
     let d = layout.head_dim;
     let count = tile.len();
     let (groups, halves) = (count.div_ceil(LANES), count.div_ceil(K));
-    let key_row = |j: usize| kv.keys[j * kv.row_stride + kv.offset..][..d].as_ptr();
-    let value_row = |j: usize| kv.values[j * kv.row_stride + kv.offset..][..d].as_ptr();
+    // Row pointers by arithmetic, not slicing: a bounds check per row cost a decoded token as
+    // much as its prefetches. The contract puts the tile's rows inside both caches.
+    debug_assert!(kv.keys.len() >= (tile.end - 1) * kv.row_stride + kv.offset + d);
+    debug_assert!(kv.values.len() >= (tile.end - 1) * kv.row_stride + kv.offset + d);
+    let (key_base, value_base) = (kv.keys.as_ptr(), kv.values.as_ptr());
+    let key_row = |j: usize| key_base.wrapping_add(j * kv.row_stride + kv.offset);
+    let value_row = |j: usize| value_base.wrapping_add(j * kv.row_stride + kv.offset);
     // SAFETY: the caller upholds the contract.
     unsafe {
         for key in 0..groups * LANES {
@@ -175,7 +189,11 @@ unsafe fn stage_tile(
             *row = value_row(tile.start + j);
             prefetch_row_of_next_tile(*row, layout);
         }
-        stage_values_transposed(&value_rows, halves, d, values);
+        if PAIRED {
+            stage_values_paired(&value_rows, halves, d, values);
+        } else {
+            stage_values_transposed(&value_rows, halves, d, values);
+        }
     }
 }
 
@@ -183,11 +201,23 @@ unsafe fn stage_tile(
 /// tokens), pipelined over the key tiles instead of the row tiles, each product issued a phase
 /// of other work before its result is read (see [`attend_row_tiles`]): step i runs tile i's
 /// softmax, stages tile i + 2, issues tile i's value products and tile i + 1's logits, and adds
-/// tile i - 1's value products. The operations on a row are those of [`attend_row_tiles`] in the
-/// same order, so its bits too.
+/// tile i - 1's value products.
+///
+/// The value products are untransposed here: probabilities as rows (A, the softmax's pairs
+/// transposed once per 32 keys) times the values as pairs of rows (B), into 16 query rows x 16
+/// head dims, so staging a tile's values needs no transpose of head_dim x 64 elements, and only
+/// the block's `rows` real rows are added up. Every output is the same sum of the same bf16
+/// products in the same order as in [`attend_row_tiles`] (a product of two bf16 is exact in f32,
+/// whichever operand it comes from), and each accumulator takes the same rescale and add, so a
+/// row gets the same bits either way. One Xeon thread, G = 8, head_dim 64, one token at depth
+/// 4096 (the attention benchmark, builds alternated, three rounds): 2.95-3.3 ns per (query
+/// head, key) transposed, 2.45-2.9 untransposed (with the row pointers of [`stage_tile`]), 13-18%
+/// less in each round. In a decode step at depth 4096 the attention kernels' share of the
+/// samples fell from 8.0% to 7.1% (`perf`, two threads): they wait for the cache's rows.
 ///
 /// # Safety
-/// As [`attend`]'s after its staging of the queries and state; `session` holds [`FULL_CONFIG`].
+/// As [`attend`]'s after its staging of the queries and state; `session` holds [`FULL_CONFIG`];
+/// `rows` <= 16.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c")]
 unsafe fn attend_one_row_tile(
@@ -195,7 +225,7 @@ unsafe fn attend_one_row_tile(
     kv: &KvHead<'_, f16>,
     layout: RowLayout,
     visible: &dyn Fn(usize) -> Range<usize>,
-    tokens: usize,
+    (tokens, rows): (usize, usize),
     amx: &mut AmxScratch,
 ) {
     let d = layout.head_dim;
@@ -206,6 +236,8 @@ unsafe fn attend_one_row_tile(
     let (logits_base, probs_base) = (amx.logits.as_mut_ptr(), amx.probs.as_mut_ptr());
     let logits = |i: usize| logits_base.wrapping_add(i % 2 * TILE_KEYS * ROWS);
     let probs = |i: usize| probs_base.wrapping_add(i % 2 * TILE_KEYS / 2 * ROWS);
+    let prob_rows_base = amx.prob_rows.as_mut_ptr();
+    let prob_rows = |i: usize| prob_rows_base.wrapping_add(i % 2 * TILE_KEYS / 2 * ROWS);
     let partial_base = amx.partial.as_mut_ptr();
     let partial = |i: usize| partial_base.wrapping_add(i % 2 * d * ROWS);
     let query_pairs = amx.query_pairs.as_ptr();
@@ -218,11 +250,12 @@ unsafe fn attend_one_row_tile(
     let mut ahead: [Option<(Range<usize>, Range<usize>)>; 2] = [walk.next(), walk.next()];
     // SAFETY (every block below): the staged tiles, logits, probabilities and products are
     // written and read inside their buffers (3 x TILE_KEYS x d bf16, 2 x TILE_KEYS x 16 f32,
-    // 2 x TILE_KEYS / 2 x 16 pairs, 2 x d x 16 f32); the tiles' rows lie in the cache.
+    // 2 x TILE_KEYS / 2 x 16 pairs twice, 2 x d x 16 f32); the tiles' rows lie in the cache.
     unsafe {
         for (i, next) in ahead.iter().enumerate() {
             if let Some(next) = next {
-                stage_tile(kv, layout, next.0.clone(), skip(next), (keys(i), values(i)));
+                let buffers = (keys(i), values(i));
+                stage_tile::<true>(kv, layout, next.0.clone(), skip(next), buffers);
             }
         }
         if let Some((first, _)) = &ahead[0] {
@@ -240,16 +273,12 @@ unsafe fn attend_one_row_tile(
                 seen_to: &amx.seen_to[..ROWS],
             };
             let rescale = softmax_step(logits(i), tile.clone(), halves, probs(i), state);
+            pairs_to_rows(probs(i), halves, prob_rows(i));
             if let Some(after) = &after {
-                stage_tile(
-                    kv,
-                    layout,
-                    after.0.clone(),
-                    skip(after),
-                    (keys(i + 2), values(i + 2)),
-                );
+                let buffers = (keys(i + 2), values(i + 2));
+                stage_tile::<true>(kv, layout, after.0.clone(), skip(after), buffers);
             }
-            values_step(session, probs(i), values(i), d, halves, partial(i));
+            values_step::<true>(session, prob_rows(i), values(i), d, halves, partial(i));
             if let Some((next, _)) = &ahead[1] {
                 logits_step(
                     session,
@@ -261,14 +290,70 @@ unsafe fn attend_one_row_tile(
                 );
             }
             if let Some((step, rescale)) = pending {
-                add_products(acc, 0, d, rescale, partial(step));
+                add_product_rows(acc, d, rows, rescale, partial(step));
             }
             pending = Some((i, rescale));
             ahead = [ahead[1].take(), after];
             i += 1;
         }
         if let Some((step, rescale)) = pending {
-            add_products(acc, 0, d, rescale, partial(step));
+            add_product_rows(acc, d, rows, rescale, partial(step));
+        }
+    }
+}
+
+/// The softmax's paired probabilities of `halves` x 32 keys (key pair p's 16 rows at
+/// `pairs[p x 16]`, dwords) as rows: per 32 keys, row r's 16 pairs at `rows[r x 16]`, the A
+/// operand of [`values_tile`].
+///
+/// # Safety
+/// Both hold `halves` x 256 dwords, 64-byte aligned; the CPU has AVX-512 F.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+unsafe fn pairs_to_rows(pairs: *const u32, halves: usize, rows: *mut u32) {
+    // SAFETY: the caller upholds the contract.
+    unsafe {
+        for h in 0..halves {
+            let half = h * K / 2 * ROWS;
+            let columns: [__m512i; K / 2] =
+                std::array::from_fn(|p| _mm512_load_si512(pairs.add(half + p * ROWS).cast()));
+            for (r, row) in transpose_16x16(columns).into_iter().enumerate() {
+                _mm512_store_si512(rows.add(half + r * ROWS).cast(), row);
+            }
+        }
+    }
+}
+
+/// The first `rows` accumulators of a lone row tile (row r's d outputs at `acc[r x d]`) scaled
+/// by lane r of `rescale` plus their value products (`partial`, as [`values_tile`] stores
+/// them): the operations of [`add_products`] on the same numbers.
+///
+/// # Safety
+/// `acc` holds rows x d floats and `partial` d x 16, both 64-byte aligned; `rows` <= 16; the CPU
+/// has the features below.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+unsafe fn add_product_rows(
+    acc: *mut f32,
+    d: usize,
+    rows: usize,
+    rescale: __m512,
+    partial: *const f32,
+) {
+    let mut factors = [0.0f32; ROWS];
+    // SAFETY: the caller upholds the contract.
+    unsafe {
+        _mm512_storeu_ps(factors.as_mut_ptr(), rescale);
+        for (r, factor) in factors.iter().enumerate().take(rows) {
+            let factor = _mm512_set1_ps(*factor);
+            for c in 0..d / LANES {
+                let (acc, add) = (
+                    acc.add(r * d + c * LANES),
+                    partial.add((c * ROWS + r) * LANES),
+                );
+                let sum = _mm512_fmadd_ps(_mm512_load_ps(acc), factor, _mm512_load_ps(add));
+                _mm512_store_ps(acc, sum);
+            }
         }
     }
 }
@@ -305,7 +390,7 @@ unsafe fn logits_step(
 /// As [`values_tile`].
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
-unsafe fn values_step(
+unsafe fn values_step<const PAIRED: bool>(
     session: &TileSession,
     probs: *const u32,
     values: *const u16,
@@ -317,8 +402,8 @@ unsafe fn values_step(
     // SAFETY: the caller upholds the contract.
     unsafe {
         match halves {
-            2 => values_tile::<2>(session, args),
-            _ => values_tile::<1>(session, args),
+            2 => values_tile::<2, PAIRED>(session, args),
+            _ => values_tile::<1, PAIRED>(session, args),
         }
     }
 }
@@ -373,7 +458,7 @@ unsafe fn attend_row_tiles(
         // TILE_KEYS x d bf16 and the values TILE_KEYS x d, inside buffers of that size.
         unsafe {
             let buffers = (amx.keys.as_mut_ptr(), amx.values.as_mut_ptr());
-            stage_tile(kv, layout, tile.clone(), skip, buffers);
+            stage_tile::<false>(kv, layout, tile.clone(), skip, buffers);
         }
         let rows = seeing.start * heads..seeing.end * heads;
         let row_tiles = rows.start / ROWS..rows.end.div_ceil(ROWS);
@@ -426,7 +511,7 @@ unsafe fn attend_row_tiles(
                 if let Some((step, row_tile, rescale)) = pending {
                     add_products(amx.acc.as_mut_ptr(), row_tile, d, rescale, partial(step));
                 }
-                values_step(session, probs(i), values, d, halves, partial(i));
+                values_step::<false>(session, probs(i), values, d, halves, partial(i));
                 if i + 2 < count_tiles {
                     step_logits(i + 2);
                 }
@@ -473,42 +558,53 @@ unsafe fn logits_tile<const G: usize>(
     }
 }
 
-/// The transposed products of one row tile's probabilities (B: `H` x 16 pairs of keys) and the
-/// tile's transposed values (A: d rows of TILE_KEYS bf16), stored as dim c's 16 rows at
-/// `partial[c x 16]`.
+/// The value products of one row tile over `H` x 32 keys, stored as 16 rows of 16 f32 per
+/// chunk c of 16 head dims at `partial[c x 256]`. Transposed: the tile's values transposed (A: d
+/// rows of TILE_KEYS bf16) times the probabilities (B: `H` x 16 pairs of keys x 16 query rows),
+/// chunk c's row i head dim 16c + i. With `PAIRED`, untransposed: the probabilities as rows (A:
+/// per 32 keys 16 query rows of 16 pairs, [`pairs_to_rows`]) times the values as pairs of rows
+/// (B: per 32 keys and chunk 16 pairs x 16 dims, [`stage_values_paired`]), chunk c's row r query
+/// row r. Either way, an output is the sum over the same pairs of keys in the same order.
 ///
 /// # Safety
 /// `session` holds [`FULL_CONFIG`]; `probs` holds H x 256 dwords, `values` d x TILE_KEYS bf16,
 /// `partial` room for d x 16 f32.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
-unsafe fn values_tile<const H: usize>(
+unsafe fn values_tile<const H: usize, const PAIRED: bool>(
     session: &TileSession,
     (probs, values, d, partial): (*const u32, *const u16, usize, *mut f32),
 ) {
+    let chunks = d / LANES;
+    // The probabilities are the B operand transposed, the A operand paired.
+    let (prob_tile, value_tile) = if PAIRED { (4, 6) } else { (6, 4) };
     // SAFETY: the caller upholds the contract.
     unsafe {
-        for first_dim in (0..d).step_by(4 * LANES) {
-            let dims = ((d - first_dim) / LANES).min(4);
-            for c in 0..dims {
+        for first in (0..chunks).step_by(4) {
+            let count = (chunks - first).min(4);
+            for c in 0..count {
                 session.zero(c);
             }
             for h in 0..H {
-                let b = 6 + h % 2;
-                session.load(b, probs.add(h * K / 2 * ROWS).cast(), ROW_BYTES);
-                for c in 0..dims {
-                    let a = 4 + c % 2;
-                    let at = (first_dim + c * LANES) * TILE_KEYS + h * K;
-                    session.load(a, values.add(at).cast(), 2 * TILE_KEYS);
-                    session.dot_bf16(c, a, b);
+                let p = prob_tile + h % 2;
+                session.load(p, probs.add(h * K / 2 * ROWS).cast(), ROW_BYTES);
+                for c in 0..count {
+                    let v = value_tile + c % 2;
+                    let chunk = first + c;
+                    if PAIRED {
+                        let at = (h * chunks + chunk) * PAIR_TILE;
+                        session.load(v, values.add(at).cast(), ROW_BYTES);
+                        session.dot_bf16(c, p, v);
+                    } else {
+                        let at = chunk * LANES * TILE_KEYS + h * K;
+                        session.load(v, values.add(at).cast(), 2 * TILE_KEYS);
+                        session.dot_bf16(c, v, p);
+                    }
                 }
             }
-            for c in 0..dims {
-                session.store(
-                    c,
-                    partial.add((first_dim + c * LANES) * ROWS).cast(),
-                    ROW_BYTES,
-                );
+            for c in 0..count {
+                let to = partial.add((first + c) * LANES * ROWS);
+                session.store(c, to.cast(), ROW_BYTES);
             }
         }
     }
@@ -580,6 +676,52 @@ unsafe fn stage_values_transposed(
                 }
                 for (i, dim) in transpose_16x16(pairs).into_iter().enumerate() {
                     _mm512_storeu_si512(to.add((c + i) * TILE_KEYS + h * K).cast(), dim);
+                }
+            }
+        }
+    }
+}
+
+/// The tile's values as pairs of rows for the B operand of [`values_tile`]: per 32 keys
+/// and 16 head dims (chunk c) a tile of 16 key pairs, pair p's row the 16 dims of its even and
+/// odd key interleaved (dim n's two values a dword), at `to[((h x d / 16 + c) x 16 + p) x 32]`
+/// for half h; `rows[j]` is key j's row, null for keys not read (zeros). The rows
+/// [`stage_values_transposed`] builds before its transpose.
+///
+/// # Safety
+/// As [`stage_values_transposed`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
+unsafe fn stage_values_paired(
+    rows: &[*const f16; TILE_KEYS],
+    halves: usize,
+    d: usize,
+    to: *mut u16,
+) {
+    let chunks = d / LANES;
+    // SAFETY: the caller upholds the contract.
+    unsafe {
+        let interleave = _mm512_set_epi16(
+            31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20,
+            4, 19, 3, 18, 2, 17, 1, 16, 0,
+        );
+        for h in 0..halves {
+            for p in 0..K / 2 {
+                let (even, odd) = (rows[h * K + 2 * p], rows[h * K + 2 * p + 1]);
+                for c in 0..chunks {
+                    let mut both = [_mm512_setzero_ps(); 2];
+                    for (half, row) in both.iter_mut().zip([even, odd]) {
+                        if !row.is_null() {
+                            *half = _mm512_cvtph_ps(_mm256_loadu_si256(row.add(c * LANES).cast()));
+                        }
+                    }
+                    let bits = _mm512_cvtne2ps_pbh(both[1], both[0]);
+                    let pair = _mm512_permutexvar_epi16(
+                        interleave,
+                        std::mem::transmute::<__m512bh, __m512i>(bits),
+                    );
+                    let at = ((h * chunks + c) * (K / 2) + p) * K;
+                    _mm512_storeu_si512(to.add(at).cast(), pair);
                 }
             }
         }
