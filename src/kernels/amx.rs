@@ -55,8 +55,8 @@ use std::sync::OnceLock;
 
 use super::aligned::AlignedVec;
 use super::avx2::prefetch_share_into;
+use super::avx512::format_factor;
 use super::avx512::tiles::{Mxfp4Tiles, Q8Tiles, TileSource};
-use super::avx512::{format_factor, operand_offset};
 use super::formats::{
     tile_lanes, tile_out, Mxfp4Layout, Mxfp4Matrix, Q8Activations, Q8Matrix, BLOCK_LEN,
     GROUP_BLOCKS, GROUP_LEN, MXFP4_TILE_ROWS,
@@ -119,6 +119,10 @@ pub(crate) fn missing_cpu_features() -> Vec<&'static str> {
     }
     if edx & (1 << 25) == 0 {
         missing.push("amx-int8");
+    }
+    // The GEMMs decode MXFP4 with `vpermb` (every CPU with AMX so far has AVX-512 VBMI).
+    if !is_x86_feature_detected!("avx512vbmi") {
+        missing.push("avx512-vbmi");
     }
     missing
 }
@@ -485,12 +489,10 @@ unsafe fn decode_block<W: TileSource>(vectors: *const u8, block: usize, dst: *mu
     // SAFETY: `operands` reads inside the tile for a block of the row and s < 4 (its contract,
     // upheld by the caller's); every store writes 64 bytes inside `dst`.
     unsafe {
-        // The offset as a byte: 128 wraps to -128, and the subtraction wraps alike.
-        let offset = _mm512_set1_epi8(operand_offset(W::FORMAT) as i8);
         for s in 0..4 {
-            let (evens, odds) = W::operands(vectors, block, s);
-            _mm512_store_si512(dst.add(s * 64).cast(), _mm512_sub_epi8(evens, offset));
-            _mm512_store_si512(dst.add((4 + s) * 64).cast(), _mm512_sub_epi8(odds, offset));
+            let (evens, odds) = W::signed_operands(vectors, block, s);
+            _mm512_store_si512(dst.add(s * 64).cast(), evens);
+            _mm512_store_si512(dst.add((4 + s) * 64).cast(), odds);
         }
     }
 }
@@ -519,7 +521,7 @@ const DECODE_AHEAD: usize = 2;
 /// tile has `blocks` blocks a row), `sums` [`SUM_TILES`] sum tiles (64-byte aligned) and
 /// `act_scales` `blocks x 16` floats.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile_product<W: TileSource, const ROWS: usize>(
     session: &TileSession,
@@ -593,7 +595,7 @@ unsafe fn tile_product<W: TileSource, const ROWS: usize>(
 /// [`availability`] returned `Ok`, the CPU has every feature of the AVX-512 path (as every CPU
 /// of the `amx` path), `w` is tiled, and the shapes were checked as for every GEMM (`x.cols() ==
 /// w.cols`, rows inside `w`, `out` is tokens x rows).
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma,f16c")]
 pub(crate) unsafe fn mxfp4_gemm(
     w: &Mxfp4Matrix,
     x: &Q8Activations,
@@ -602,14 +604,14 @@ pub(crate) unsafe fn mxfp4_gemm(
 ) {
     debug_assert_eq!(w.layout, Mxfp4Layout::Tiles);
     // SAFETY: the caller's contract is `gemm`'s.
-    unsafe { gemm(&Mxfp4Tiles::<false>(w), x, rows, out) }
+    unsafe { gemm(&Mxfp4Tiles::<true>(w), x, rows, out) }
 }
 
 /// As [`mxfp4_gemm`] for a tiled Q8 `w`: the bits of the AVX-512 Q8 tile GEMM.
 ///
 /// # Safety
 /// As [`mxfp4_gemm`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma,f16c")]
 pub(crate) unsafe fn q8_gemm(w: &Q8Matrix, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
     debug_assert!(w.tiled);
     // SAFETY: the caller's contract is `gemm`'s.
@@ -636,7 +638,7 @@ pub(crate) fn gemm_count() -> usize {
 /// with that set) inlines: with F/BW/F16C alone it was a call per 64 weight bytes, and a call of
 /// 16 tokens ran 7-8% slower (one thread, weights in L2).
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma,f16c")]
 unsafe fn gemm<W: TileSource>(w: &W, x: &Q8Activations, rows: Range<usize>, out: &mut [f32]) {
     let tokens = x.rows();
     if rows.is_empty() || tokens == 0 {

@@ -608,6 +608,17 @@ impl GroupSource for Q8Matrix {
 /// [`MXFP4_UNSIGNED`] four times over: a `vpermb` table, which indexes with a byte's low six
 /// bits, so the neighbouring nibble's bits 4-5 that a byte carries select the same entry.
 const MXFP4_UNSIGNED_64: [i8; 64] = repeat_table(&MXFP4_UNSIGNED);
+/// The doubled E2M1 values as signed bytes (the unsigned table less [`MXFP4_OFFSET`]), repeated
+/// for `vpermb`: the operands of the matrix unit's signed products.
+const MXFP4_SIGNED_64: [i8; 64] = repeat_table(&MXFP4_SIGNED);
+const MXFP4_SIGNED: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+const _: () = {
+    let mut i = 0;
+    while i < 16 {
+        assert!(MXFP4_SIGNED[i] as i32 == MXFP4_UNSIGNED[i] as i32 - MXFP4_OFFSET);
+        i += 1;
+    }
+};
 
 /// The same kind of table for Q4, whose unsigned operands are the nibbles themselves: with it
 /// `vpermb` masks a nibble as `vpandd` would.

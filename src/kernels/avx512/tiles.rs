@@ -21,10 +21,10 @@ use super::super::formats::{
 };
 use super::super::{even_batch, GemmScratch, GEMM_TILE_ROWS, GEMM_TILE_SLOTS};
 use super::{
-    accumulate, by_tokens_and_scaling, correction_lane, format_factor, nibble_asm, scale_offsets,
-    scaling, split_nibbles, DecodedTiles, Prefetch, FORMAT_MXFP4, FORMAT_Q4, FORMAT_Q8,
-    GEMM_PAIR_TOKENS, GROUP_DWORDS, MXFP4_UNSIGNED_64, SCALE_EXPONENT_ADD, SCALE_MULTIPLY,
-    SCALE_SHIFTED_SUM,
+    accumulate, by_tokens_and_scaling, correction_lane, format_factor, nibble_asm, operand_offset,
+    scale_offsets, scaling, split_nibbles, DecodedTiles, Prefetch, FORMAT_MXFP4, FORMAT_Q4,
+    FORMAT_Q8, GEMM_PAIR_TOKENS, GROUP_DWORDS, MXFP4_SIGNED_64, MXFP4_UNSIGNED_64,
+    SCALE_EXPONENT_ADD, SCALE_MULTIPLY, SCALE_SHIFTED_SUM,
 };
 
 /// Most tokens [`tile_tokens`] takes at once for the nibble formats: their sums and
@@ -86,9 +86,35 @@ pub(in crate::kernels) trait TileSource {
     /// `vectors` from `tile_base`, `block` a block of the row, `s < 4`; AVX-512 F/BW (and what
     /// the source's decode needs) available.
     unsafe fn operands(vectors: *const u8, block: usize, s: usize) -> (__m512i, __m512i);
+    /// [`TileSource::operands`] less the format's offset: the signed bytes of the matrix unit's
+    /// products (`tdpbssd`).
+    ///
+    /// # Safety
+    /// As [`TileSource::operands`].
+    #[inline(always)]
+    unsafe fn signed_operands(vectors: *const u8, block: usize, s: usize) -> (__m512i, __m512i) {
+        // SAFETY: the caller upholds the contract of `operands`.
+        unsafe { less_offset::<Self>(Self::operands(vectors, block, s)) }
+    }
     /// # Safety
     /// `scales` from `tile_base`, `block` a block of the row.
     unsafe fn scales(scales: *const u8, block: usize) -> __m512;
+}
+
+/// Unsigned operands less `W`'s format offset (128 wraps to -128 as a byte, and the
+/// subtraction wraps alike).
+#[inline(always)]
+unsafe fn less_offset<W: TileSource + ?Sized>(
+    (evens, odds): (__m512i, __m512i),
+) -> (__m512i, __m512i) {
+    // SAFETY: register arithmetic; the callers' target features include AVX-512 BW.
+    unsafe {
+        let offset = _mm512_set1_epi8(operand_offset(W::FORMAT) as i8);
+        (
+            _mm512_sub_epi8(evens, offset),
+            _mm512_sub_epi8(odds, offset),
+        )
+    }
 }
 
 /// A tiled MXFP4 matrix, decoded with `vpermb` when `VBMI` (no masks: it ignores index bits 6-7
@@ -143,6 +169,24 @@ impl<'a, const VBMI: bool> TileSource for Mxfp4Tiles<'a, VBMI> {
                 )
             } else {
                 split_nibbles::<FORMAT_MXFP4>(bytes)
+            }
+        }
+    }
+    /// With `vpermb`, straight through the signed table: no subtraction.
+    #[inline(always)]
+    unsafe fn signed_operands(vectors: *const u8, block: usize, s: usize) -> (__m512i, __m512i) {
+        // SAFETY: the caller upholds the trait's contract.
+        unsafe {
+            if VBMI {
+                let bytes =
+                    _mm512_loadu_si512(vectors.add((block * BLOCK_VECTORS + s) * 64).cast());
+                let table = _mm512_loadu_si512(MXFP4_SIGNED_64.as_ptr().cast());
+                (
+                    _mm512_permutexvar_epi8(bytes, table),
+                    _mm512_permutexvar_epi8(_mm512_srli_epi16::<4>(bytes), table),
+                )
+            } else {
+                less_offset::<Self>(Self::operands(vectors, block, s))
             }
         }
     }
