@@ -9,9 +9,10 @@
 //!
 //! * `Avx512`: AVX-512 F/BW with VNNI (`vpdpbusd`), F16C and FMA; where AVX-512 VBMI is detected
 //!   too, the MXFP4 GEMV decodes nibbles with `vpermb` ([`Kernels::without_vbmi`] turns it off).
-//! * `Amx`: the AVX-512 path with its tiled MXFP4 and Q8 GEMMs of 16 activation rows and more on
-//!   the AMX matrix unit (`tdpbssd`, see the `amx` module), with the AVX-512 GEMM's bits; where the
-//!   CPU reports AMX-TILE and AMX-INT8 and the OS grants the tile state, `auto` picks it. With
+//! * `Amx`: the AVX-512 path with its tiled MXFP4 and Q8 GEMMs of [`AMX_MIN_ROWS`] activation
+//!   rows and more on the AMX matrix unit (`tdpbssd`, see the `amx` module), with the AVX-512
+//!   GEMM's bits; where the CPU reports AMX-TILE, AMX-INT8 and AVX-512 VBMI and the OS grants the
+//!   tile state, `auto` picks it. With
 //!   AMX-BF16 too, attention over the f16 cache runs there in bf16
 //!   ([`Kernels::uses_amx_attention`]).
 //! * `Avx2Vnni`: the AVX2 path whose MXFP4 tile products and int8 probe sum with 256-bit
