@@ -36,7 +36,7 @@ use std::ops::Range;
 
 use half::f16;
 
-use super::bf16::{f16_to_bf16, stage_queries, BF16_LANES};
+use super::bf16::{f16_to_bf16, stage_queries, stage_value_pair, BF16_LANES};
 use super::{
     prefetch_row_of_next_tile, AmxScratch, AttentionScratch, BlockQuery, KvHead, RowLayout,
     TileWalk, TILE_KEYS,
@@ -699,31 +699,13 @@ unsafe fn stage_values_paired(
     to: *mut u16,
 ) {
     let chunks = d / LANES;
-    // SAFETY: the caller upholds the contract.
-    unsafe {
-        let interleave = _mm512_set_epi16(
-            31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20,
-            4, 19, 3, 18, 2, 17, 1, 16, 0,
-        );
-        for h in 0..halves {
-            for p in 0..K / 2 {
-                let (even, odd) = (rows[h * K + 2 * p], rows[h * K + 2 * p + 1]);
-                for c in 0..chunks {
-                    let mut both = [_mm512_setzero_ps(); 2];
-                    for (half, row) in both.iter_mut().zip([even, odd]) {
-                        if !row.is_null() {
-                            *half = _mm512_cvtph_ps(_mm256_loadu_si256(row.add(c * LANES).cast()));
-                        }
-                    }
-                    let bits = _mm512_cvtne2ps_pbh(both[1], both[0]);
-                    let pair = _mm512_permutexvar_epi16(
-                        interleave,
-                        std::mem::transmute::<__m512bh, __m512i>(bits),
-                    );
-                    let at = ((h * chunks + c) * (K / 2) + p) * K;
-                    _mm512_storeu_si512(to.add(at).cast(), pair);
-                }
-            }
+    let row = |j: usize| (!rows[j].is_null()).then_some(rows[j]);
+    for h in 0..halves {
+        for p in 0..K / 2 {
+            let pair = [row(h * K + 2 * p), row(h * K + 2 * p + 1)];
+            // SAFETY: the caller upholds the contract; pair p of half h starts at its row of
+            // the half's first chunk tile, and the chunks' tiles are PAIR_TILE apart.
+            unsafe { stage_value_pair(pair, d, to.add((h * chunks * K / 2 + p) * K), PAIR_TILE) };
         }
     }
 }

@@ -185,7 +185,7 @@ pub(super) unsafe fn attend(
                 for row in [even, odd].into_iter().flatten() {
                     prefetch_row_of_next_tile(row, layout);
                 }
-                stage_value_pair([even, odd], d, value_pairs.add(p * 2 * d));
+                stage_value_pair([even, odd], d, value_pairs.add(p * 2 * d), 2 * W);
             }
             let mut r = rows.start;
             while r < rows.end {
@@ -243,14 +243,21 @@ pub(super) unsafe fn stage_queries(query: &BlockQuery<'_>, to: *mut u16) {
 }
 
 /// Two consecutive value rows (f16; `None`: zeros) as one pair of bf16 rows interleaved column
-/// by column: element c of the even row at `to[2c]`, of the odd row at `to[2c + 1]` (2d bf16),
-/// the operand `vdpbf16ps` and `tdpbf16ps` take for a pair of keys.
+/// by column, the operand `vdpbf16ps` and `tdpbf16ps` take for a pair of keys: per 16 columns
+/// (chunk k, `chunk_stride` bf16 apart, 32 for a contiguous pair of rows) element c of the even
+/// row at `to[k * chunk_stride + 2c]`, of the odd row at `to[k * chunk_stride + 2c + 1]`.
 ///
 /// # Safety
-/// Each row has d readable f16; `to` has room for 2d bf16; the CPU has the features below.
+/// Each row has d readable f16; `to` has room for d / 16 chunks of 32 bf16 `chunk_stride`
+/// apart; the CPU has the features below.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma,f16c")]
-pub(super) unsafe fn stage_value_pair(rows: [Option<*const f16>; 2], d: usize, to: *mut u16) {
+pub(super) unsafe fn stage_value_pair(
+    rows: [Option<*const f16>; 2],
+    d: usize,
+    to: *mut u16,
+    chunk_stride: usize,
+) {
     // SAFETY: the caller upholds the contract.
     unsafe {
         let interleave = _mm512_set_epi16(
@@ -266,7 +273,7 @@ pub(super) unsafe fn stage_value_pair(rows: [Option<*const f16>; 2], d: usize, t
             }
             let both = as_bits(_mm512_cvtne2ps_pbh(halves[1], halves[0]));
             let pair = _mm512_permutexvar_epi16(interleave, both);
-            _mm512_storeu_si512(to.add(2 * c).cast(), pair);
+            _mm512_storeu_si512(to.add(c / W * chunk_stride).cast(), pair);
         }
     }
 }
