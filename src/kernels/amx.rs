@@ -121,7 +121,7 @@ pub(crate) fn missing_cpu_features() -> Vec<&'static str> {
         missing.push("amx-int8");
     }
     // The GEMMs decode MXFP4 with `vpermb` (every CPU with AMX so far has AVX-512 VBMI).
-    if !is_x86_feature_detected!("avx512vbmi") {
+    if !super::avx512::vbmi_detected() {
         missing.push("avx512-vbmi");
     }
     missing
@@ -477,9 +477,9 @@ fn pack_activations(
 
 /// Writes block `block` of the tile whose operand bytes start at `vectors` (from
 /// [`TileSource::tile_base`]) as a B tile of signed int8 at `dst`: the AVX-512 kernels' unsigned
-/// operands of dword `s` (their even half as row `s`, odd half as row `4 + s`, the order the
-/// packed activations hold them) less the format's offset. The signed sums are the unsigned sums
-/// plus the activations' correction: the same integers.
+/// operands of dword `s` less the format's offset ([`TileSource::signed_operands`]), their even
+/// half as row `s` and odd half as row `4 + s` (the order the packed activations hold them). The
+/// signed sums are the unsigned sums plus the activations' correction: the same integers.
 ///
 /// # Safety
 /// AVX-512 F/BW available; `vectors` is a tile of a `W` matrix and `block` below its blocks per

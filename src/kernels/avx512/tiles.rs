@@ -117,6 +117,29 @@ unsafe fn less_offset<W: TileSource + ?Sized>(
     }
 }
 
+/// Dword `s` of block `block` of a nibble tile (evens, odds), each nibble looked up in `table`
+/// (a 16-entry table repeated four times) with `vpermb`.
+///
+/// # Safety
+/// As [`TileSource::operands`]; the CPU has AVX-512 VBMI.
+#[inline(always)]
+unsafe fn nibbles_through(
+    table: &[i8; 64],
+    vectors: *const u8,
+    block: usize,
+    s: usize,
+) -> (__m512i, __m512i) {
+    // SAFETY: the caller upholds the contract: the 64 bytes lie inside the tile.
+    unsafe {
+        let bytes = _mm512_loadu_si512(vectors.add((block * BLOCK_VECTORS + s) * 64).cast());
+        let table = _mm512_loadu_si512(table.as_ptr().cast());
+        (
+            _mm512_permutexvar_epi8(bytes, table),
+            _mm512_permutexvar_epi8(_mm512_srli_epi16::<4>(bytes), table),
+        )
+    }
+}
+
 /// A tiled MXFP4 matrix, decoded with `vpermb` when `VBMI` (no masks: it ignores index bits 6-7
 /// and the table repeats every 16), else with `vpshufb` after masking.
 pub(in crate::kernels) struct Mxfp4Tiles<'a, const VBMI: bool>(
@@ -160,14 +183,11 @@ impl<'a, const VBMI: bool> TileSource for Mxfp4Tiles<'a, VBMI> {
     unsafe fn operands(vectors: *const u8, block: usize, s: usize) -> (__m512i, __m512i) {
         // SAFETY: the caller upholds the trait's contract.
         unsafe {
-            let bytes = _mm512_loadu_si512(vectors.add((block * BLOCK_VECTORS + s) * 64).cast());
             if VBMI {
-                let table = _mm512_loadu_si512(MXFP4_UNSIGNED_64.as_ptr().cast());
-                (
-                    _mm512_permutexvar_epi8(bytes, table),
-                    _mm512_permutexvar_epi8(_mm512_srli_epi16::<4>(bytes), table),
-                )
+                nibbles_through(&MXFP4_UNSIGNED_64, vectors, block, s)
             } else {
+                let bytes =
+                    _mm512_loadu_si512(vectors.add((block * BLOCK_VECTORS + s) * 64).cast());
                 split_nibbles::<FORMAT_MXFP4>(bytes)
             }
         }
@@ -178,13 +198,7 @@ impl<'a, const VBMI: bool> TileSource for Mxfp4Tiles<'a, VBMI> {
         // SAFETY: the caller upholds the trait's contract.
         unsafe {
             if VBMI {
-                let bytes =
-                    _mm512_loadu_si512(vectors.add((block * BLOCK_VECTORS + s) * 64).cast());
-                let table = _mm512_loadu_si512(MXFP4_SIGNED_64.as_ptr().cast());
-                (
-                    _mm512_permutexvar_epi8(bytes, table),
-                    _mm512_permutexvar_epi8(_mm512_srli_epi16::<4>(bytes), table),
-                )
+                nibbles_through(&MXFP4_SIGNED_64, vectors, block, s)
             } else {
                 less_offset::<Self>(Self::operands(vectors, block, s))
             }
