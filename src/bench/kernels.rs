@@ -13,7 +13,7 @@ use serde::Serialize;
 
 use super::probe::CpuInfo;
 use crate::kernels::{
-    tile_mxfp4, GemmScratch, KernelError, KernelPath, Kernels, Mxfp4Matrix, Q4Matrix,
+    tile_mxfp4, AlignedVec, GemmScratch, KernelError, KernelPath, Kernels, Mxfp4Matrix, Q4Matrix,
     Q8Activations, Q8Matrix, ScaleRule, AMX_MIN_ROWS, GROUP_BLOCKS, GROUP_LEN, MAX_GEMV_TOKENS,
     MXFP4_TILE_ROWS, PROBE_ROUND_MACS, TILE_PROBE_ROUND_MACS,
 };
@@ -344,11 +344,11 @@ fn measure_tile_peak(
 struct BenchWeights {
     rows: usize,
     cols: usize,
-    mxfp4_blocks: Vec<u8>,
-    mxfp4_scales: Vec<u8>,
+    mxfp4_blocks: AlignedVec<u8>,
+    mxfp4_scales: AlignedVec<u8>,
     /// The MXFP4 bytes in the tile layout, when the kernels prefer it (as the model then loads
     /// its experts).
-    mxfp4_tiles: Option<(Vec<u8>, Vec<u8>)>,
+    mxfp4_tiles: Option<(AlignedVec<u8>, AlignedVec<u8>)>,
     q8: Vec<Q8Matrix>,
     /// The Q8 matrices in the tile layout, when the kernels prefer it.
     q8_tiles: Vec<Q8Matrix>,
@@ -370,18 +370,23 @@ impl BenchWeights {
         let (tile_q8, tile_q4) = (kernels.prefers_tiled_q8(), kernels.prefers_tiled_q4());
         let groups = cols.div_ceil(GROUP_LEN);
         let blocks = cols / 32;
-        let mut bytes = |n: usize| -> Vec<u8> {
-            let mut v = vec![0u8; n];
+        // In 64-byte aligned buffers on huge pages, as the model holds its weights: over 4 KiB
+        // pages the GEMVs would stream what decode never does (see `probe::weight_like_buffer`).
+        let mut bytes = |n: usize| -> AlignedVec<u8> {
+            let mut v = AlignedVec::filled(n, 0u8);
             rng.fill(&mut v[..]);
             v
         };
         let mxfp4_blocks = bytes(experts * rows * cols / 2);
-        let mxfp4_scales: Vec<u8> = bytes(experts * rows * blocks)
-            .iter()
-            .map(|b| 118 + b % 12)
-            .collect();
+        let mut mxfp4_scales = bytes(experts * rows * blocks);
+        for scale in mxfp4_scales.iter_mut() {
+            *scale = 118 + *scale % 12;
+        }
         let mxfp4_tiles = if tiles && rows.is_multiple_of(MXFP4_TILE_ROWS) {
-            let mut tiled = (vec![0; mxfp4_blocks.len()], vec![0; mxfp4_scales.len()]);
+            let mut tiled = (
+                AlignedVec::filled(mxfp4_blocks.len(), 0u8),
+                AlignedVec::filled(mxfp4_scales.len(), 0u8),
+            );
             tile_mxfp4(
                 experts * rows,
                 cols,
