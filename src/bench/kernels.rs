@@ -54,7 +54,7 @@ impl KernelBenchConfig {
             stream_tokens: vec![2, 4, 6, 8, 12, 16, 24, 32],
             repetitions: 5,
             min_run_time: Duration::from_millis(20),
-            probe_bytes: 1 << 30,
+            probe_bytes: super::probe::beyond_l3(1 << 30),
         }
     }
 

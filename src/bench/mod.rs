@@ -232,7 +232,7 @@ fn measure(
         if probe::reset_peak_rss() {
             progress(&format!("{label}: probing the read bandwidth"), 0, 1);
             sample.read_gbps = Some(probe::read_bandwidth_gbps_over(
-                probe::PAIRED_PROBE_BYTES,
+                probe::paired_probe_bytes(),
                 threads,
             ));
             probe::reset_peak_rss();

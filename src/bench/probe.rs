@@ -9,15 +9,34 @@ use rayon::prelude::*;
 const PROBE_BYTES: usize = 1 << 30;
 
 /// Memory read bandwidth in GB/s with `threads` readers: the median of several passes over a
-/// 1 GiB buffer, each thread summing its own contiguous part (the access pattern of a GEMV). The
-/// median, not the best: on a shared VM a lucky pass overstates what decode can count on.
+/// buffer of at least 1 GiB ([`beyond_l3`]), each thread summing its own contiguous part (the
+/// access pattern of a GEMV). The median, not the best: on a shared VM a lucky pass overstates
+/// what decode can count on.
 pub fn read_bandwidth_gbps(threads: usize) -> f64 {
-    read_bandwidth_gbps_over(PROBE_BYTES, threads)
+    read_bandwidth_gbps_over(beyond_l3(PROBE_BYTES), threads)
 }
 
-/// Bytes of the probe `bench` runs right after each decode measurement: 8 times a 32 MiB L3,
-/// and a few tens of milliseconds of reading, so it rates the host's bandwidth of that moment.
+/// Bytes of the probe `bench` runs right after each decode measurement, at least: 8 times a 32
+/// MiB L3, and a few tens of milliseconds of reading, so it rates the host's bandwidth of that
+/// moment. [`paired_probe_bytes`] grows it past a larger L3.
 pub const PAIRED_PROBE_BYTES: usize = 256 << 20;
+
+/// Most bytes a probe grows to for a large L3: 2 GiB is read in well under a second.
+const MOST_PROBE_BYTES: usize = 2 << 30;
+
+/// `least` bytes, or four times the L3 where that is more (at most [`MOST_PROBE_BYTES`]): a
+/// probe the L3 holds in good part reads faster than the weights ever stream. The Xeon guest
+/// with AMX reports a 480 MiB L3 (the host's, shared with its other guests); there a plain read
+/// over 256 MiB on huge pages ran 31-33 GB/s against 28-29.5 over 2 GiB in the same minutes.
+pub fn beyond_l3(least: usize) -> usize {
+    let l3 = l3_cache_bytes().map_or(0, |b| usize::try_from(b).unwrap_or(usize::MAX));
+    least.max(l3.saturating_mul(4).min(MOST_PROBE_BYTES))
+}
+
+/// The probe run after each decode measurement: [`PAIRED_PROBE_BYTES`] beyond the L3.
+pub fn paired_probe_bytes() -> usize {
+    beyond_l3(PAIRED_PROBE_BYTES)
+}
 
 /// The median over runs of each run's share of the read bandwidth probed right after it: run
 /// `i` decoded `rates[i]` tokens/s of `bytes_per_token` bytes each against `probes[i]` GB/s. On a
