@@ -346,10 +346,25 @@ pub(super) fn prefetch_share_into<const L2: bool>(
     group: usize,
     groups: usize,
 ) {
+    prefetch_share_capped::<L2>(spans, group, groups, usize::MAX)
+}
+
+/// [`prefetch_share_into`] asking for at most the first `most` bytes of each span's share: for
+/// a loop bound by the core, where every line in flight holds one of its few L1 miss buffers
+/// and the hardware prefetchers fetch the rest (see `amx::tile_product`).
+#[inline]
+pub(super) fn prefetch_share_capped<const L2: bool>(
+    spans: &[(*const u8, usize); 2],
+    group: usize,
+    groups: usize,
+    most: usize,
+) {
     for &(start, len) in spans {
         let share = len.div_ceil(groups);
         let mut offset = group * share;
-        let end = ((group + 1) * share).min(len);
+        let end = ((group + 1) * share)
+            .min(len)
+            .min(offset.saturating_add(most));
         while offset < end {
             let line = start.wrapping_add(offset).cast();
             // SAFETY: a prefetch is a hint that never faults, SSE is part of the x86-64 baseline,

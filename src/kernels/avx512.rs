@@ -50,7 +50,7 @@ pub(crate) fn missing_features() -> Vec<&'static str> {
 const MXFP4_UNSIGNED: [i8; 16] = [12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0];
 
 /// Which integer format a kernel instance reads; fixed at compile time.
-const FORMAT_MXFP4: u8 = 0;
+pub(in crate::kernels) const FORMAT_MXFP4: u8 = 0;
 const FORMAT_Q4: u8 = 1;
 const FORMAT_Q8: u8 = 2;
 
