@@ -231,10 +231,7 @@ fn measure(
         peak_rss = peak_rss.max(probe::peak_rss_bytes());
         if probe::reset_peak_rss() {
             progress(&format!("{label}: probing the read bandwidth"), 0, 1);
-            sample.read_gbps = Some(probe::read_bandwidth_gbps_over(
-                probe::paired_probe_bytes(),
-                threads,
-            ));
+            sample.read_gbps = Some(probe::paired_read_bandwidth(model, threads));
             probe::reset_peak_rss();
         }
         samples.push(sample);

@@ -76,6 +76,81 @@ fn weight_like_buffer<T: crate::kernels::Plain>(
     buffer
 }
 
+/// The read bandwidth `bench` pairs with each decode measurement: [`paired_probe_bytes`] of
+/// `model`'s own expert weights read as [`read_bandwidth_gbps_over`] reads its buffer, where the
+/// model has that many (else that probe over a [`PAIRED_PROBE_BYTES`] buffer). The weights' own pages are what decode
+/// streams, and reading them allocates nothing: a probe buffer of gigabytes, faulted in and
+/// freed between runs, left the next runs' prefill slower on the Xeon guest (58-token prefill
+/// 12-24% below a build without it in three alternations, likely the kernel's huge page
+/// housekeeping after the free).
+pub fn paired_read_bandwidth(model: &crate::model::Model, threads: usize) -> f64 {
+    let want = paired_probe_bytes();
+    let mut regions = Vec::new();
+    let mut total = 0;
+    for region in model.expert_bytes() {
+        if total >= want {
+            break;
+        }
+        let take = region.len().min(want - total);
+        regions.push(&region[..take]);
+        total += take;
+    }
+    if total < want {
+        // A model this small decodes from the caches: its roofline is nominal, so the probe
+        // stays at the least size rather than faulting in gigabytes for it.
+        return read_bandwidth_gbps_over(PAIRED_PROBE_BYTES, threads);
+    }
+    read_bandwidth_of(&regions, threads)
+}
+
+/// Read bandwidth in GB/s of `threads` readers over `regions`, each thread summing its own
+/// contiguous part of every region: the median of five passes, as [`read_bandwidth_gbps_over`].
+fn read_bandwidth_of(regions: &[&[u8]], threads: usize) -> f64 {
+    let pool = match rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.max(1))
+        .build()
+    {
+        Ok(pool) => pool,
+        Err(_) => return 0.0,
+    };
+    // SAFETY: every bit pattern is a valid u64; `align_to` only reinterprets the aligned middle.
+    let words: Vec<&[u64]> = regions
+        .iter()
+        .map(|region| unsafe { region.align_to::<u64>().1 })
+        .collect();
+    let bytes: usize = words.iter().map(|w| w.len() * 8).sum();
+    let mut seconds = Vec::with_capacity(5);
+    for _ in 0..5 {
+        let started = Instant::now();
+        let total: u64 = pool.install(|| {
+            words
+                .iter()
+                .map(|region| {
+                    let part = region.len().div_ceil(threads.max(1)).max(1);
+                    region
+                        .par_chunks(part)
+                        .map(sum_words)
+                        .reduce(|| 0, u64::wrapping_add)
+                })
+                .fold(0, u64::wrapping_add)
+        });
+        std::hint::black_box(total);
+        seconds.push(started.elapsed().as_secs_f64());
+    }
+    bytes as f64 / super::stats::Summary::of(&seconds).median / 1e9
+}
+
+/// The sum of `chunk` in eight independent lanes, so it is not one dependent chain.
+fn sum_words(chunk: &[u64]) -> u64 {
+    let mut lanes = [0u64; 8];
+    for block in chunk.chunks_exact(8) {
+        for (lane, &w) in lanes.iter_mut().zip(block) {
+            *lane = lane.wrapping_add(w);
+        }
+    }
+    lanes.iter().fold(0u64, |a, &b| a.wrapping_add(b))
+}
+
 /// [`read_bandwidth_gbps`] over a buffer of `bytes` (rounded to whole 64-byte lines), for a
 /// caller that cannot spare a GiB (the app's engine view).
 pub fn read_bandwidth_gbps_over(bytes: usize, threads: usize) -> f64 {
@@ -95,16 +170,7 @@ pub fn read_bandwidth_gbps_over(bytes: usize, threads: usize) -> f64 {
         let total: u64 = pool.install(|| {
             buffer
                 .par_chunks(part)
-                .map(|chunk| {
-                    // Eight independent lanes so the sum is not one dependent chain.
-                    let mut lanes = [0u64; 8];
-                    for block in chunk.chunks_exact(8) {
-                        for (lane, &w) in lanes.iter_mut().zip(block) {
-                            *lane = lane.wrapping_add(w);
-                        }
-                    }
-                    lanes.iter().fold(0u64, |a, &b| a.wrapping_add(b))
-                })
+                .map(sum_words)
                 .reduce(|| 0, u64::wrapping_add)
         });
         std::hint::black_box(total);

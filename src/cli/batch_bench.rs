@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use crate::bench::probe::{paired_probe_bytes, read_bandwidth_gbps_over};
+use crate::bench::probe::paired_read_bandwidth;
 use crate::bench::stats::Summary;
 use crate::engine::{Sampler, SamplerSettings};
 use crate::kernels::{Kernels, PROBE_ROUND_MACS};
@@ -169,7 +169,7 @@ pub fn run(
                     sequence.truncate(PROMPT_TOKENS);
                 }
             }
-            probes.push(read_bandwidth_gbps_over(paired_probe_bytes(), threads));
+            probes.push(paired_read_bandwidth(model, threads));
         }
         Ok(())
     })?;

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::bench::probe::{median_roofline_share, paired_probe_bytes, read_bandwidth_gbps_over};
+use crate::bench::probe::{median_roofline_share, paired_read_bandwidth};
 use crate::bench::stats::Summary;
 use crate::model::profile::{boundary_cost_nanos, Phase, ProfileCounts};
 use crate::model::Model;
@@ -98,7 +98,7 @@ pub fn run(
                     accumulate(&mut shown, &taken);
                 }
             }
-            probes.push(read_bandwidth_gbps_over(paired_probe_bytes(), threads));
+            probes.push(paired_read_bandwidth(model, threads));
         }
         Ok(())
     })?;

@@ -536,6 +536,15 @@ impl Model {
         Session::new(self.clone(), pool.clone(), context_limit, kv)
     }
 
+    /// The experts' FP4 codes, layer by layer (gate_up, then down): most of the memory decode
+    /// streams, on the pages it streams them from (what `bench`'s bandwidth probe reads).
+    pub fn expert_bytes(&self) -> impl Iterator<Item = &[u8]> {
+        self.weights
+            .layers
+            .iter()
+            .flat_map(|layer| [layer.gate_up.all_blocks(), layer.down.all_blocks()])
+    }
+
     /// Bytes one decoded token reads from memory with `context` tokens in the cache: every dense
     /// weight, the routed experts, the lm_head, one embedding row and the visible KV cache.
     /// Decode is bound by this traffic, so bandwidth / this is the speed ceiling.

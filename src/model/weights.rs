@@ -336,6 +336,11 @@ impl Mxfp4Experts {
         self.cols
     }
 
+    /// Every expert's FP4 codes, expert after expert: the bulk of a gpt-oss checkpoint's bytes.
+    pub fn all_blocks(&self) -> &[u8] {
+        self.blocks.as_slice()
+    }
+
     /// Expert `expert`'s FP4 codes, in the tensor's [`Self::layout`].
     pub fn blocks(&self, expert: usize) -> &[u8] {
         let per_expert = self.rows * self.cols / 2;
