@@ -77,9 +77,10 @@ fn weight_like_buffer<T: crate::kernels::Plain>(
 }
 
 /// The read bandwidth `bench` pairs with each decode measurement: [`paired_probe_bytes`] of
-/// `model`'s own expert weights read as [`read_bandwidth_gbps_over`] reads its buffer, where the
-/// model has that many (else that probe over a [`PAIRED_PROBE_BYTES`] buffer). The weights' own pages are what decode
-/// streams, and reading them allocates nothing: a probe buffer of gigabytes, faulted in and
+/// `model`'s own expert weights read as
+/// [`read_bandwidth_gbps_over`] reads its buffer, where the model has that many (else that probe
+/// over a [`PAIRED_PROBE_BYTES`] buffer). The weights' own pages are what decode streams, and
+/// reading them allocates nothing: a probe buffer of gigabytes, faulted in and
 /// freed between runs, left the next runs' prefill slower on the Xeon guest (58-token prefill
 /// 12-24% below a build without it in three alternations, likely the kernel's huge page
 /// housekeeping after the free).
