@@ -29,7 +29,12 @@ const MOST_PROBE_BYTES: usize = 2 << 30;
 /// with AMX reports a 480 MiB L3 (the host's, shared with its other guests); there a plain read
 /// over 256 MiB on huge pages ran 31-33 GB/s against 28-29.5 over 2 GiB in the same minutes.
 pub fn beyond_l3(least: usize) -> usize {
-    let l3 = l3_cache_bytes().map_or(0, |b| usize::try_from(b).unwrap_or(usize::MAX));
+    beyond(least, l3_cache_bytes())
+}
+
+/// [`beyond_l3`] for an L3 of `l3` bytes (`None`: no L3 reported).
+fn beyond(least: usize, l3: Option<u64>) -> usize {
+    let l3 = l3.map_or(0, |b| usize::try_from(b).unwrap_or(usize::MAX));
     least.max(l3.saturating_mul(4).min(MOST_PROBE_BYTES))
 }
 
@@ -59,7 +64,7 @@ pub fn reset_peak_rss() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
-/// `len` copies of `value` in memory backed as the model's weights are: 64-byte aligned, on
+/// `len` bytes of 1 (every page mapped) in memory backed as the model's weights are: 64-byte aligned, on
 /// transparent huge pages where the kernel gives them (advised before the first touch and
 /// collapsed after, as the loader does). A probe over 4 KiB pages reads what the weights never
 /// see: on the Xeon guest with AMX (a VM, where a TLB miss walks the guest's and the host's
@@ -67,11 +72,8 @@ pub fn reset_peak_rss() -> bool {
 /// threads) over 4 KiB pages against 28.3 / 28.3 over huge pages, builds alternating, so a
 /// roofline probed the old way rated decode against about three quarters of the bandwidth its
 /// weights had.
-fn weight_like_buffer<T: crate::kernels::Plain>(
-    len: usize,
-    value: T,
-) -> crate::kernels::AlignedVec<T> {
-    let buffer = crate::kernels::AlignedVec::filled(len, value);
+fn weight_like_buffer(len: usize) -> crate::kernels::AlignedVec<u8> {
+    let buffer = crate::kernels::AlignedVec::filled(len, 1u8);
     buffer.collapse_huge_pages();
     buffer
 }
@@ -155,29 +157,8 @@ fn sum_words(chunk: &[u64]) -> u64 {
 /// [`read_bandwidth_gbps`] over a buffer of `bytes` (rounded to whole 64-byte lines), for a
 /// caller that cannot spare a GiB (the app's engine view).
 pub fn read_bandwidth_gbps_over(bytes: usize, threads: usize) -> f64 {
-    let words = (bytes / 64).max(1) * 8;
-    let buffer = weight_like_buffer::<u64>(words, 1);
-    let pool = match rayon::ThreadPoolBuilder::new()
-        .num_threads(threads.max(1))
-        .build()
-    {
-        Ok(pool) => pool,
-        Err(_) => return 0.0,
-    };
-    let part = words.div_ceil(threads.max(1));
-    let mut seconds = Vec::with_capacity(5);
-    for _ in 0..5 {
-        let started = Instant::now();
-        let total: u64 = pool.install(|| {
-            buffer
-                .par_chunks(part)
-                .map(sum_words)
-                .reduce(|| 0, u64::wrapping_add)
-        });
-        std::hint::black_box(total);
-        seconds.push(started.elapsed().as_secs_f64());
-    }
-    (words * 8) as f64 / super::stats::Summary::of(&seconds).median / 1e9
+    let buffer = weight_like_buffer((bytes / 64).max(1) * 64);
+    read_bandwidth_of(&[&buffer[..]], threads)
 }
 
 /// Sums `bytes` (a multiple of 256, 64-byte aligned) with 512-bit loads into four independent
@@ -271,8 +252,7 @@ pub fn simd_read_bandwidth_gbps(
 ) -> (f64, f64) {
     let threads = pool.current_num_threads().max(1);
     let part = (bytes / threads / 256).max(1) * 256;
-    // Filled with non-zero bytes so every page is really mapped before timing.
-    let buffer = weight_like_buffer::<u8>(part * threads, 1);
+    let buffer = weight_like_buffer(part * threads);
     let lines = &buffer[..];
     let path = kernels.path();
     let mut seconds = Vec::with_capacity(repetitions.max(1));
@@ -479,6 +459,26 @@ pub fn model_resident_share(path: &Path) -> Option<f64> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn probes_grow_past_a_large_l3_within_bounds() {
+        assert_eq!(beyond(256 << 20, None), 256 << 20);
+        assert_eq!(beyond(256 << 20, Some(32 << 20)), 256 << 20);
+        assert_eq!(beyond(256 << 20, Some(480 << 20)), 1920 << 20);
+        assert_eq!(beyond(256 << 20, Some(u64::MAX)), MOST_PROBE_BYTES);
+        assert_eq!(beyond(4 << 30, Some(480 << 20)), 4 << 30);
+    }
+
+    #[test]
+    fn reads_regions_of_any_alignment_and_length() {
+        let bytes = vec![3u8; (1 << 20) + 77];
+        let regions = [&bytes[5..], &bytes[..0], &bytes[1..2], &bytes[64..4160]];
+        for threads in [1, 2, 3] {
+            let gbps = read_bandwidth_of(&regions, threads);
+            assert!(gbps.is_finite() && gbps > 0.0, "{threads} threads: {gbps}");
+        }
+        assert_eq!(read_bandwidth_of(&[], 2), 0.0);
+    }
+
     #[test]
     fn cache_sizes_parse_as_sysfs_writes_them() {
         assert_eq!(super::parse_cache_size("32768K\n"), Some(32 << 20));

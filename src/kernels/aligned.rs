@@ -34,8 +34,6 @@ unsafe impl Plain for i32 {}
 // SAFETY: as above.
 unsafe impl Plain for u32 {}
 // SAFETY: as above.
-unsafe impl Plain for u64 {}
-// SAFETY: as above.
 unsafe impl Plain for f32 {}
 // SAFETY: `half::f16` is a `repr(transparent)` u16, valid for every bit pattern.
 unsafe impl Plain for half::f16 {}

@@ -79,7 +79,7 @@ pub use formats::{
 };
 
 pub(crate) use aligned::collapse_into_huge_pages;
-pub(crate) use aligned::{AlignedVec, Plain};
+pub(crate) use aligned::AlignedVec;
 use formats::{check_len, GROUP_LANES};
 
 /// Name of the environment variable that forces a kernel path.
